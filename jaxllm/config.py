@@ -1,0 +1,72 @@
+"""User-facing configuration dataclasses (names follow the TensorRT-LLM LLM API)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+class CapacitySchedulerPolicy(str, enum.Enum):
+    """Which requests get KV-cache resources in a step."""
+
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+    MAX_UTILIZATION = "MAX_UTILIZATION"
+    STATIC_BATCH = "STATIC_BATCH"
+
+
+class ContextChunkingPolicy(str, enum.Enum):
+    """How the token budget is split between context requests when chunking."""
+
+    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
+    EQUAL_PROGRESS = "EQUAL_PROGRESS"
+
+
+def _coerce_enum(enum_type: type[enum.Enum], value, field_name: str):
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(str(value).upper())
+    except ValueError:
+        allowed = ", ".join(m.value for m in enum_type)
+        raise ValueError(f"{field_name}={value!r} is not one of: {allowed}") from None
+
+
+@dataclass
+class SchedulerConfig:
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+
+    def __post_init__(self) -> None:
+        self.capacity_scheduler_policy = _coerce_enum(
+            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy")
+        self.context_chunking_policy = _coerce_enum(
+            ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
+
+
+@dataclass
+class KvCacheConfig:
+    """Paged KV cache sizing. The smaller of `max_tokens` and the memory fraction wins."""
+
+    tokens_per_block: int = 32
+    max_tokens: Optional[int] = None
+    free_gpu_memory_fraction: float = 0.9
+    enable_block_reuse: bool = True
+    event_buffer_max_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block < 1 or self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block must be a positive power of two, got {self.tokens_per_block}")
+        if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
+            raise ValueError(f"max_tokens must be at least tokens_per_block, got {self.max_tokens}")
+        if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+
+
+def check_known_fields(cls, kwargs: dict) -> None:
+    """Raise ValueError naming any keyword that `cls` does not define."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown argument(s) for {cls.__name__}: {', '.join(unknown)}")

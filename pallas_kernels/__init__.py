@@ -1,0 +1,1 @@
+"""Pallas GPU kernels used by jaxllm, each next to a pure-JAX reference."""

@@ -1,0 +1,113 @@
+"""Plain-XLA ragged paged attention: the reference every attention kernel is checked against.
+
+It is also the engine's `xla` attention backend (the default on CPU), so it must be
+jittable with static shapes and must not materialise a [tokens, max_seq_len] key tensor:
+it walks the KV blocks with an online softmax, gathering one block per token per step.
+
+Metadata (see `jaxllm.step_batch.StepBatch`): sequence `s` owns query tokens
+`cu_q_lens[s]:cu_q_lens[s+1]`; its KV length after this step is `kv_lens[s]`, so its
+query token `i` sits at position `kv_lens[s] - q_len(s) + i` and sees keys at positions
+`<= ` its own (and `> pos - sliding_window` when a window is set). Tokens past
+`cu_q_lens[num_seqs]` are padding and get zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -1e30
+
+
+def token_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
+    """Per-token (sequence id, absolute position, valid) derived from the ragged metadata."""
+    num_slots = kv_lens.shape[0]
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_id = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+    seq_id = jnp.minimum(seq_id, num_slots - 1)
+    valid = tok < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    position = kv_lens[seq_id] - q_len[seq_id] + (tok - cu_q_lens[seq_id])
+    return seq_id, jnp.where(valid, position, -1), valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
+    v_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
+    kv_lens: jax.Array,  # int32[S]
+    block_tables: jax.Array,  # int32[S, max_blocks_per_seq]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+) -> jax.Array:
+    kv_lens, block_tables, cu_q_lens, num_seqs = (
+        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, tokens_per_block, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    if group * num_kv_heads != num_q_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+
+    seq_id, position, valid = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    first_block = jnp.zeros_like(position)
+    if sliding_window is not None:
+        first_block = jnp.maximum(position - sliding_window + 1, 0) // tokens_per_block
+    last_block = jnp.where(valid, position // tokens_per_block, -1)
+    start = jnp.min(jnp.where(valid, first_block, max_blocks))
+    stop = jnp.minimum(jnp.max(last_block) + 1, max_blocks)
+    key_offsets = jnp.arange(tokens_per_block, dtype=jnp.int32)
+
+    def visit_block(j, carry):
+        running_max, denom, acc = carry
+        block_ids = block_tables[seq_id, j]  # [T]
+        k = jnp.swapaxes(k_cache[:, block_ids], 0, 1).astype(jnp.float32)  # [T, Hkv, tpb, D]
+        v = jnp.swapaxes(v_cache[:, block_ids], 0, 1).astype(jnp.float32)
+        scores = jnp.einsum("thgd,thkd->thgk", qg, k)
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        key_pos = j * tokens_per_block + key_offsets  # [tpb]
+        allowed = key_pos[None, :] <= position[:, None]
+        if sliding_window is not None:
+            allowed &= key_pos[None, :] > position[:, None] - sliding_window
+        allowed = allowed[:, None, None, :]
+        scores = jnp.where(allowed, scores, _MASK_VALUE)
+        new_max = jnp.maximum(running_max, scores.max(axis=-1))
+        probs = jnp.where(allowed, jnp.exp(scores - new_max[..., None]), 0.0)
+        correction = jnp.exp(running_max - new_max)
+        denom = denom * correction + probs.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("thgk,thkd->thgd", probs, v)
+        return new_max, denom, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(start, stop, visit_block, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V ([T, Hkv, D]) into their cache slots; padding slots are dropped."""
+    num_kv_heads, num_blocks, tokens_per_block, head_dim = k_cache.shape
+    flat_shape = (num_kv_heads, num_blocks * tokens_per_block, head_dim)
+
+    def scatter(cache, new):
+        flat = cache.reshape(flat_shape)
+        flat = flat.at[:, slot_mapping].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
