@@ -1,0 +1,288 @@
+"""The model configuration: one hashable description of every supported decoder.
+
+`ModelConfig` is a static argument of the jitted step, so it is frozen and holds only
+hashable values. `from_hf_config` reads a Hugging Face `config.json` in either spelling
+(hub: `rope_scaling` + `rope_theta` + `torch_dtype`; transformers 5: `rope_parameters`
+with `rope_theta` inside + `dtype`) and refuses, with a ValueError naming it, anything
+the decoder would silently get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+# RoPE base used by transformers when a config names none.
+_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3_moe": 10000.0,
+                       "mixtral": 1000000.0}
+_DEFAULT_RMS_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6, "mixtral": 1e-5}
+
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Map a dtype spelling ('bf16', 'torch.bfloat16', jnp.bfloat16, ...) to a canonical name."""
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    name = name.removeprefix("torch.").lower()
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return _DTYPE_ALIASES[name]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (`rope_type` 'linear' or 'llama3'); unscaled RoPE is None."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[RopeScaling]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    attention_bias: bool  # biases on q/k/v projections
+    sliding_window: Optional[int]  # same window on every layer, or None
+    num_experts: int = 0  # 0 = dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: Optional[int] = None
+    dtype: str = "float32"
+    o_proj_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Same rule as transformers' Qwen3-MoE decoder layer; Mixtral has every layer sparse."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, dtype: Optional[str] = None) -> "ModelConfig":
+        return _from_hf_config(hf, dtype)
+
+
+def _require(hf: dict, key: str, arch: str) -> Any:
+    if hf.get(key) is None:
+        raise ValueError(f"{arch} config is missing required field {key!r}")
+    return hf[key]
+
+
+def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[RopeScaling]]:
+    """Read RoPE settings from `rope_parameters` (transformers 5) or `rope_scaling` (hub)."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"unsupported rope_parameters {params!r}")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"unsupported per-layer-type rope_parameters: {sorted(params)}")
+    merged: dict = {}
+    for part in (scaling, params):
+        if part:
+            if not isinstance(part, dict):
+                raise ValueError(f"unsupported rope_scaling {part!r}")
+            merged.update(part)
+    theta = merged.get("rope_theta", hf.get("rope_theta"))
+    theta = float(theta) if theta is not None else _DEFAULT_ROPE_THETA[model_type]
+    partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor={partial} (only full rotary embeddings)")
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    if "factor" not in merged:
+        raise ValueError(f"rope_scaling type {rope_type!r} needs a 'factor'")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(merged["factor"]))
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key not in merged:
+            raise ValueError(f"rope_scaling type 'llama3' needs {key!r}")
+    original = merged.get("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings", max_pos))
+    return theta, RopeScaling("llama3", float(merged["factor"]), float(merged["low_freq_factor"]),
+                              float(merged["high_freq_factor"]), int(original))
+
+
+def _sliding_window(hf: dict, model_type: str, num_layers: int) -> Optional[int]:
+    """One window for all layers, or None; a mix of windowed and full layers is refused."""
+    window = hf.get("sliding_window")
+    if model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        layer_types = hf.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"unsupported layer_types {sorted(set(layer_types))} without a sliding_window")
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is None and model_type in ("qwen2", "qwen3"):
+        first = int(hf.get("max_window_layers", num_layers))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if layer_types is not None:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise ValueError("unsupported mix of sliding-window and full-attention layers "
+                             f"(layer_types / max_window_layers): {sorted(kinds)}")
+    return int(window)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    if not archs and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        archs = [next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf["model_type"])]
+    if len(archs) != 1:
+        raise ValueError(f"config.json must name exactly one architecture, got {archs!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_type = SUPPORTED_ARCHITECTURES[arch]
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"unsupported quantization_config (quant_method={method!r}); only unquantized checkpoints load")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=True")
+
+    hidden = int(_require(hf, "hidden_size", arch))
+    num_heads = int(_require(hf, "num_attention_heads", arch))
+    num_kv = int(hf.get("num_key_value_heads") or num_heads)
+    num_layers = int(_require(hf, "num_hidden_layers", arch))
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    theta, scaling = _rope(hf, model_type, max_pos)
+
+    moe: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if num_experts is None:
+            raise ValueError(f"{arch} config is missing required field 'num_experts'")
+        mlp_only = tuple(sorted(int(i) for i in (hf.get("mlp_only_layers") or ())))
+        moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
+                   moe_intermediate_size=int(_require(hf, "moe_intermediate_size", arch)),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1), mlp_only_layers=mlp_only)
+    elif model_type == "mixtral":
+        num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+        if num_experts is None:
+            raise ValueError(f"{arch} config is missing required field 'num_local_experts'")
+        inter = int(_require(hf, "intermediate_size", arch))
+        # Mixtral's softmax over the top-k logits equals the renormalised full softmax.
+        moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
+                   moe_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if hf.get(key):
+            raise ValueError(f"unsupported option {key}={hf[key]!r} (shared experts)")
+
+    attention_bias = bool(hf.get("attention_bias", False))
+    o_proj_bias = attention_bias
+    if model_type == "qwen2":
+        attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases, never an o_proj bias
+    elif model_type == "mixtral" and attention_bias:
+        raise ValueError("unsupported attention_bias=True for MixtralForCausalLM")
+
+    if dtype is None or dtype == "auto":
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    eos = _token_ids(hf.get("eos_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(_require(hf, "vocab_size", arch)),
+        hidden_size=hidden,
+        intermediate_size=int(hf.get("intermediate_size") or 0),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps") or _DEFAULT_RMS_EPS[model_type]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        attention_bias=attention_bias,
+        o_proj_bias=o_proj_bias,
+        sliding_window=_sliding_window(hf, model_type, num_layers),
+        eos_token_ids=eos,
+        bos_token_id=None if hf.get("bos_token_id") is None else int(hf["bos_token_id"]),
+        dtype=normalize_dtype(dtype),
+        **moe,
+    )
+
+
+def load_model_config(model_dir: str | Path, dtype: Optional[str] = None) -> ModelConfig:
+    """Read `config.json` (plus the EOS ids of `generation_config.json`, which chat models rely on)."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {model_dir}")
+    hf = json.loads(path.read_text())
+    config = ModelConfig.from_hf_config(hf, dtype=dtype)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+        eos = tuple(dict.fromkeys(_token_ids(gen.get("eos_token_id")) + config.eos_token_ids))
+        bos = config.bos_token_id if config.bos_token_id is not None else gen.get("bos_token_id")
+        config = replace(config, eos_token_ids=eos, bos_token_id=None if bos is None else int(bos))
+    return config
