@@ -1,0 +1,275 @@
+"""User-facing sampling parameters (field names and defaults follow TensorRT-LLM's
+`SamplingParams`; validation follows vLLM's rules)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import secrets
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+MAX_LOGPROBS = 20
+"""Largest top-N logprob count a request may ask for (the sampler always computes this many)."""
+
+GREEDY_TEMPERATURE_EPS = 1e-5
+"""Temperatures below this are treated as greedy, as in vLLM, to avoid dividing by ~0."""
+
+_MAX_SEED = 2**64
+
+
+class _Row(NamedTuple):
+    """The step-invariant sampler settings of one request, cached so that building the
+    per-step tensors copies a tuple instead of re-deriving them."""
+
+    # (temperature, top_k, top_p, min_p, repetition, presence, frequency) in the order of
+    # the SamplingTensors columns; temperature 0 means greedy.
+    values: tuple[float, float, float, float, float, float, float]
+    greedy: bool
+    has_penalties: bool
+    has_bad_words: bool  # bans tokens at every step
+    needs_history: bool  # penalties or multi-token bad words read the token history
+    min_tokens: int  # bans end/stop ids while fewer outputs exist
+
+
+# Equal `values` tuples are shared, so a batch of equal settings is detected by identity.
+_INTERNED_VALUES: dict[tuple, tuple] = {}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: Any) -> bool:
+    return (isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+            and math.isfinite(v))
+
+
+def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None,
+               optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
+            f" >= {lo}" if lo is not None else "")
+        raise ValueError(f"{name} must be an integer{bounds}, got {v!r}")
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+def _check_token_ids(name: str, v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in v):
+        raise ValueError(f"{name} must be a list of non-negative integer token ids, got {v!r}")
+    return [int(t) for t in v]
+
+
+def _check_strings(name: str, v: Any) -> None:
+    if v is None:
+        return
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {v!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    Greedy decoding is used when temperature, top_k and top_p (and min_p) are all None,
+    when temperature < 1e-5, or when top_k == 1. Otherwise unset knobs take their neutral
+    value (temperature 1, top_k off, top_p 1, min_p 0). top_k of 0 or -1 means "off".
+    Fields are validated at construction only; assign new values before submitting.
+    """
+
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    max_tokens: int = 32
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    bad: Optional[Union[str, list[str]]] = None
+    bad_token_ids: Optional[list[int]] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    min_tokens: int = 0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    exclude_input_from_output: bool = True
+    ignore_eos: bool = False
+    detokenize: bool = True
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    logits_processor: Optional[Union[Callable, list[Callable]]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    # Token ids of the `bad` strings, filled by `setup(tokenizer)`.
+    _bad_word_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_int("end_id", self.end_id, lo=-1, optional=True)
+        _check_int("pad_id", self.pad_id, lo=-1, optional=True)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check_strings("stop", self.stop)
+        _check_strings("bad", self.bad)
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        self.bad_token_ids = _check_token_ids("bad_token_ids", self.bad_token_ids)
+        _check_int("n", self.n, lo=1)
+        _check_int("best_of", self.best_of, lo=1, optional=True)
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        _check_bool("use_beam_search", self.use_beam_search)
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported yet")
+        if self.temperature is not None and not (_is_real(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, lo=-1)
+        if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v is not None and not (_is_real(v) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.repetition_penalty is not None and not (
+                _is_real(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        _check_int("seed", self.seed, lo=0, hi=_MAX_SEED - 1, optional=True)
+        _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1, optional=True)
+        for name in ("include_stop_str_in_output", "return_context_logits", "return_generation_logits",
+                     "exclude_input_from_output", "ignore_eos", "detokenize", "add_special_tokens",
+                     "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        lp = self.logits_processor
+        if lp is not None and not callable(lp) and not (
+                isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
+            raise ValueError(f"logits_processor must be a callable or a list of callables, got {lp!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
+        """Build from user keywords, rejecting unknown names instead of silently ignoring them."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown argument(s) for SamplingParams: {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Derived settings are cached; a field changed later must not leave them stale.
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_row", None)
+
+    # ---- derived settings -------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self._row.greedy
+
+    @property
+    def has_penalties(self) -> bool:
+        return self._row.has_penalties
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether SamplingTensors.build needs this request's (prompt, output) token ids."""
+        return self._row.needs_history
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @cached_property
+    def _row(self) -> _Row:
+        greedy = (
+            (self.temperature is not None and self.temperature < GREEDY_TEMPERATURE_EPS)
+            or self.top_k == 1
+            or (self.temperature is None and self.top_k is None and self.top_p is None
+                and self.min_p is None))
+        rep = 1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
+        pres = 0.0 if self.presence_penalty is None else float(self.presence_penalty)
+        freq = 0.0 if self.frequency_penalty is None else float(self.frequency_penalty)
+        values = (
+            0.0 if greedy else (1.0 if self.temperature is None else float(self.temperature)),
+            0.0 if greedy or self.top_k is None or self.top_k <= 0 else float(self.top_k),
+            1.0 if greedy or self.top_p is None else float(self.top_p),
+            0.0 if greedy or self.min_p is None else float(self.min_p),
+            rep, pres, freq)
+        if len(_INTERNED_VALUES) > 4096:
+            _INTERNED_VALUES.clear()
+        return _Row(
+            values=_INTERNED_VALUES.setdefault(values, values),
+            greedy=bool(greedy),
+            has_penalties=rep != 1.0 or pres != 0.0 or freq != 0.0,
+            has_bad_words=bool(self.bad_token_ids or self.bad),
+            needs_history=bool(rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad),
+            min_tokens=self.min_tokens,
+        )
+
+    # ---- tokenizer-dependent setup -----------------------------------------------------------
+
+    def setup(self, tokenizer: Any) -> "SamplingParams":
+        """Tokenize the `bad` strings (each becomes one banned token sequence). Depends only
+        on the tokenizer, so it is safe on a params object shared by several requests."""
+        self._bad_word_ids = [list(tokenizer.encode(w, add_special_tokens=False))
+                              for w in ([self.bad] if isinstance(self.bad, str) else (self.bad or []))]
+        return self
+
+    @property
+    def bad_word_ids(self) -> list[list[int]]:
+        """Banned token sequences: each `bad_token_ids` entry alone, then the tokenized `bad`."""
+        singles = [[t] for t in (self.bad_token_ids or [])]
+        if self.bad:
+            if self._bad_word_ids is None:
+                raise ValueError("bad: bad strings need SamplingParams.setup(tokenizer) before use")
+            return singles + [s for s in self._bad_word_ids if s]
+        return singles
+
+
+def resolve_seed(params: Optional[SamplingParams], sequence_index: int = 0) -> int:
+    """The seed a request samples with; call once at admission and keep the result.
+
+    A request without a seed gets a fresh random one, so unseeded requests differ from each
+    other. With a user seed, sequence 0 uses it as is and the other `n` sequences of the
+    same request get distinct seeds derived from it, so they do not repeat sequence 0.
+    """
+    if params is None or params.seed is None:
+        return secrets.randbits(63)
+    if sequence_index == 0:
+        return params.seed
+    digest = hashlib.blake2b(f"{params.seed}:{sequence_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def resolve_end_ids(params: Optional[SamplingParams], default_eos_ids: Sequence[int]) -> list[int]:
+    """The end ids of a request: `end_id` when set (-1 meaning "no end id"), else the model's."""
+    if params is None or params.end_id is None:
+        return list(default_eos_ids)
+    return [] if params.end_id == -1 else [params.end_id]

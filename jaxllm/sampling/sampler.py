@@ -1,0 +1,155 @@
+"""The on-device sampler: one fixed-shape, fully vectorised function called inside the
+jitted step, with no host synchronisation.
+
+Order (vLLM / TensorRT-LLM): penalties -> suppression -> greedy rows take the argmax;
+sampled rows: temperature -> top-k -> top-p -> min-p -> categorical draw. The draw uses the
+Gumbel-max trick with a key derived only from (request seed, output token index), so a
+request's tokens do not depend on its row or on the other requests in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxllm.sampling.tensors import SamplingTensors
+
+_PRNG_IMPL = "threefry2x32"  # pinned so that seeded outputs do not depend on the default impl
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # int32[S] sampled token per row
+    logprobs: jax.Array  # f32[S] log-softmax of the raw logits at token_ids
+    top_ids: jax.Array  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)
+    top_logprobs: jax.Array  # f32[S, N] their raw log-softmax values
+
+
+def sample(
+    logits: jax.Array,
+    t: SamplingTensors,
+    *,
+    num_top_logprobs: Optional[int] = None,
+    use_penalties: Optional[bool] = None,
+) -> SamplerOutput:
+    """Sample one token per row of `logits` (f32 or bf16 [S, V]).
+
+    All switches are static and default to the ones `SamplingTensors.build` recorded on
+    `t`, so a jitted step only needs `t` as an ordinary argument. Passing a switch
+    overrides it (use_penalties=True is harmless but wasted on a [S, 1] dummy history).
+    There is no device-side branching: each switch removes code at trace time.
+    """
+    n_top = t.num_top_logprobs if num_top_logprobs is None else int(num_top_logprobs)
+    penalties = t.use_penalties if use_penalties is None else bool(use_penalties)
+    raw = logits.astype(jnp.float32)
+    S, V = raw.shape
+    if t.temperature.shape[0] != S:
+        raise ValueError(f"logits have {S} rows but the sampling tensors have {t.temperature.shape[0]}")
+
+    x = apply_penalties(raw, t) if penalties else raw
+    x = apply_suppression(x, t.suppress_ids)
+
+    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if t.any_random:
+        token_ids = jnp.where(t.temperature <= 0.0, greedy_ids, _sample_rows(x, t))
+    else:
+        token_ids = greedy_ids
+
+    # Logprobs of the raw model distribution (what the model said, before any processing).
+    m = jnp.max(raw, axis=-1, keepdims=True)
+    shifted = raw - m
+    log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    chosen = jnp.take_along_axis(shifted, token_ids[:, None], axis=-1) - log_z
+    if n_top > 0:
+        top_vals, top_ids = lax.top_k(shifted, n_top)
+        top_logprobs = top_vals - log_z
+    else:
+        top_ids = jnp.zeros((S, 0), jnp.int32)
+        top_logprobs = jnp.zeros((S, 0), jnp.float32)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen[:, 0],
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """vLLM's definitions: repetition divides positive / multiplies negative logits of every
+    token seen in prompt or output; frequency subtracts penalty * output count; presence
+    subtracts penalty once for any token present in the output."""
+    S, V = logits.shape
+    ids = t.history_ids
+    valid = ids >= 0
+    idx = jnp.where(valid, ids, V)  # out of range: dropped by the scatters
+    rows = jnp.arange(S)[:, None]
+    counts = jnp.zeros((S, V), jnp.int32).at[rows, idx].add(
+        (valid & t.history_is_output).astype(jnp.int32), mode="drop")
+    seen = jnp.zeros((S, V), jnp.bool_).at[rows, idx].set(True, mode="drop")
+
+    rep = t.repetition_penalty[:, None]
+    repeated = jnp.where(logits > 0, logits / rep, logits * rep)
+    x = jnp.where(seen & (rep != 1.0), repeated, logits)
+    adjust = (t.frequency_penalty[:, None] * counts.astype(jnp.float32)
+              + t.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+    return x - adjust
+
+
+def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+    """Set banned ids (end/stop ids before min_tokens, bad words) to -inf; -1 entries are no-ops."""
+    S, V = logits.shape
+    idx = jnp.where(suppress_ids >= 0, suppress_ids, V)
+    return logits.at[jnp.arange(S)[:, None], idx].set(-jnp.inf, mode="drop")
+
+
+def row_keys(t: SamplingTensors) -> jax.Array:
+    """One typed PRNG key per row: the request's seed with the output token index folded in."""
+    def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl=_PRNG_IMPL), step)
+    return jax.vmap(one)(t.seed, t.step)
+
+
+def _sample_rows(x: jax.Array, t: SamplingTensors) -> jax.Array:
+    """A draw for every row from its temperature-scaled, top-k/top-p/min-p filtered logits."""
+    S, V = x.shape
+    temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = x / temp[:, None]
+
+    if t.use_top_k_top_p:
+        thr = _top_k_top_p_threshold(scaled, t.top_k, t.top_p)
+    else:
+        thr = jnp.full((S,), -jnp.inf, jnp.float32)
+    # min-p: keep p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p). The most
+    # likely token survives top-k/top-p, so renormalising after them does not change this.
+    row_max = jnp.max(scaled, axis=-1)
+    thr_min_p = jnp.where(t.min_p > 0, row_max + jnp.log(jnp.maximum(t.min_p, 1e-38)), -jnp.inf)
+    thr = jnp.maximum(thr, thr_min_p)
+    filtered = jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
+
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(t))
+    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row, the smallest logit that survives top-k then top-p (-inf when both are off).
+
+    Top-p keeps the shortest prefix of the sorted top-k distribution whose probability
+    mass reaches top_p (a token is kept while the mass before it is < top_p). Ties with the
+    threshold value are kept.
+    """
+    S, V = scaled.shape
+    desc = jnp.sort(scaled, axis=-1, descending=True, stable=False)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    pos = jnp.arange(V)[None, :]
+    in_k = pos < k[:, None]
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)[:, 0]
+    thr_k = jnp.where(top_k > 0, kth, -jnp.inf)
+
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.concatenate(
+        [jnp.zeros((S, 1), jnp.float32), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
+    n_keep = jnp.maximum(jnp.sum((mass_before < top_p[:, None]) & in_k, axis=-1), 1)
+    thr_p = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+    thr_p = jnp.where(top_p < 1.0, thr_p, -jnp.inf)
+    return jnp.maximum(thr_k, thr_p)
