@@ -1,0 +1,6 @@
+"""Ragged paged attention: the Pallas GPU kernel and its plain-XLA reference."""
+
+from pallas_kernels.ragged_paged_attention.kernel import AttentionTiling, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+__all__ = ["AttentionTiling", "ragged_paged_attention", "ragged_paged_attention_reference"]

@@ -1,0 +1,410 @@
+"""GPU timings of the Pallas kernels next to their peers, against measured device ceilings.
+
+Ceilings are measured on the device, not taken from a datasheet: HBM bandwidth from a
+large elementwise copy (read + write), bf16 FLOP/s from a large dense matmul. Each row
+reports the achieved rate and its share of the ceiling that bounds the case: bandwidth
+when the case's arithmetic intensity is below the ridge point (decode attention, MoE at
+small batch), FLOP/s above it (prefill, MoE at large batch). Bytes are the unique bytes
+the case must move (K/V of every live token once; each active expert's weights once);
+FLOPs count only useful work (causal pairs; real rows).
+
+Peers on the same inputs: JAX's `pallas.ops.gpu.paged_attention` for decode, the XLA
+reference (the engine's `xla` backend) for prefill and mixed batches, and
+`jax.lax.ragged_dot` (the MoE reference) for MoE. Each row also prints the relative
+error against that peer, so a first run on a new GPU doubles as a correctness check.
+
+    jaxllm bench kernels                 # everything (needs a GPU)
+    jaxllm bench kernels --only moe --json out.json
+    jaxllm bench kernels --smoke         # tiny shapes, CPU interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    impl: str
+    ms: float = float("nan")
+    gbps: float = float("nan")
+    tflops: float = float("nan")
+    bound: str = ""
+    pct_of_ceiling: float = float("nan")
+    rel_err: float = float("nan")
+    note: str = ""
+
+
+@dataclass
+class Ceilings:
+    bytes_per_s: float
+    flops_per_s: float
+
+    @property
+    def ridge(self) -> float:
+        return self.flops_per_s / self.bytes_per_s
+
+
+@dataclass
+class Settings:
+    interpret: bool
+    iters: int
+    reps: int
+    tokens_per_block: int
+    sweep: bool
+    max_ragged_dot_rows: int
+    seed: int = 0
+    rows: list[Row] = field(default_factory=list)
+
+
+def _time(fn: Callable[..., Any], args: tuple, iters: int, reps: int) -> float:
+    """Seconds per call: compile, warm up, then the median of `reps` loops of `iters`
+    back-to-back calls (dispatch overlaps execution, as in a serving loop)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return float(np.median(samples))
+
+
+def measure_ceilings(smoke: bool) -> Ceilings:
+    """HBM bandwidth from `x * 2` over a large array (read + write) and bf16 matmul FLOP/s."""
+    n_elems = (1 << 16) if smoke else (1 << 28)  # 1 GiB of f32 on GPU
+    x = jnp.ones((n_elems,), jnp.float32)
+    copy = jax.jit(lambda a: a * 2.0)
+    t_copy = _time(copy, (x,), 3 if smoke else 20, 1 if smoke else 3)
+    n = 256 if smoke else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    b = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t_mm = _time(mm, (a, b), 2 if smoke else 20, 1 if smoke else 3)
+    return Ceilings(bytes_per_s=2 * x.nbytes / t_copy, flops_per_s=2 * n**3 / t_mm)
+
+
+def _rel_err(out: jax.Array, ref: jax.Array) -> float:
+    out = np.asarray(jax.device_get(out), np.float32)
+    ref = np.asarray(jax.device_get(ref), np.float32)
+    return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def _record(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str, fn: Callable[..., Any],
+            args: tuple, nbytes: float, flops: float, ref_out: Optional[jax.Array] = None,
+            note: str = "") -> Optional[jax.Array]:
+    """Times `fn(*args)` and appends a row; a failure becomes a row, not a crash."""
+    row = Row(kernel, case, impl, note=note)
+    out = None
+    try:
+        secs = _time(fn, args, s.iters, s.reps)
+        out = fn(*args)
+        row.ms = secs * 1e3
+        row.gbps = nbytes / secs / 1e9
+        row.tflops = flops / secs / 1e12
+        if flops / nbytes < ceil.ridge:
+            row.bound, row.pct_of_ceiling = "bw", 100 * nbytes / secs / ceil.bytes_per_s
+        else:
+            row.bound, row.pct_of_ceiling = "flop", 100 * flops / secs / ceil.flops_per_s
+        if ref_out is not None:
+            row.rel_err = _rel_err(out, ref_out)
+    except Exception as e:  # noqa: BLE001 - report the failure in the table and go on
+        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+        out = None
+    s.rows.append(row)
+    print(_format_row(row), flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+
+def _attention_inputs(case: AttentionCase, tpb: int, dtype, seed: int) -> dict[str, jax.Array]:
+    """Device-resident inputs (one jitted generator); every sequence owns distinct pages
+    of a shuffled pool."""
+    num_seqs = len(case.q_lens)
+    max_blocks = max(-(-kv // tpb) for kv in case.kv_lens)
+    num_blocks = num_seqs * max_blocks
+    cache_shape = (case.num_kv_heads, num_blocks, tpb, case.head_dim)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    cu[1:] = np.cumsum(case.q_lens)
+    q_shape = (int(cu[-1]), case.num_q_heads, case.head_dim)
+
+    @jax.jit
+    def generate(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        return (jax.random.normal(k1, q_shape, dtype), jax.random.normal(k2, cache_shape, dtype),
+                jax.random.normal(k3, cache_shape, dtype),
+                jax.random.permutation(k4, num_blocks).astype(jnp.int32).reshape(num_seqs, max_blocks))
+
+    q, k_cache, v_cache, block_tables = generate(jax.random.PRNGKey(seed))
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=jnp.asarray(case.kv_lens, jnp.int32),
+                block_tables=block_tables, cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray([num_seqs], jnp.int32))
+
+
+def _attention_cost(case: AttentionCase, itemsize: int) -> tuple[float, float]:
+    """(unique bytes: each live K/V row once, q and out once; useful causal FLOPs)."""
+    d, hq, hkv = case.head_dim, case.num_q_heads, case.num_kv_heads
+    kv_bytes = sum(case.kv_lens) * hkv * d * 2 * itemsize
+    q_bytes = 2 * sum(case.q_lens) * hq * d * itemsize
+    pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens))
+    return kv_bytes + q_bytes, 4.0 * hq * d * pairs
+
+
+def _jax_paged_splits(pages_per_seq: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) satisfying JAX paged_attention's divisibility rules."""
+    k_splits = 16
+    while pages_per_seq % k_splits:
+        k_splits //= 2
+    per_split = pages_per_seq // k_splits
+    ppcb = 8
+    while per_split % ppcb:
+        ppcb //= 2
+    return k_splits, ppcb
+
+
+def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: str) -> None:
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+    from pallas_kernels.ragged_paged_attention.kernel import AttentionTiling, default_tiling
+
+    dtype = jnp.bfloat16
+    tpb = s.tokens_per_block
+    inputs = _attention_inputs(case, tpb, dtype, s.seed)
+    nbytes, flops = _attention_cost(case, jnp.dtype(dtype).itemsize)
+    sm_scale = case.head_dim ** -0.5
+    names = ("q", "k_cache", "v_cache", "kv_lens", "block_tables", "cu_q_lens", "num_seqs")
+    args = tuple(inputs[k] for k in names)
+
+    ref_out = None
+    if peer == "paged_attention":
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        k_splits, ppcb = _jax_paged_splits(inputs["block_tables"].shape[1])
+        peer_fn = jax.jit(lambda q, k, v, bt, lens: paged_attention(
+            q * jnp.asarray(sm_scale, q.dtype), k, v, bt, lens, k_splits=k_splits,
+            pages_per_compute_block=ppcb, interpret=s.interpret))
+        ref_out = _record(s, ceil, "paged_attention", case.name, "jax.pallas.ops.gpu.paged_attention", peer_fn,
+                          (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
+                           inputs["kv_lens"]), nbytes, flops, note=f"k_splits={k_splits} pages/block={ppcb}")
+    else:
+        peer_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))
+        ref_out = _record(s, ceil, "paged_attention", case.name, "xla reference", peer_fn, args, nbytes, flops)
+
+    base = default_tiling(args[0].shape[0], len(case.q_lens), case.num_q_heads, case.num_kv_heads,
+                          case.head_dim, inputs["block_tables"].shape[1] * tpb, jnp.dtype(dtype).itemsize)
+    tilings = [base]
+    if s.sweep:
+        tilings += [AttentionTiling(base.block_m, base.block_k, n, base.num_warps, base.num_stages)
+                    for n in (1, 2, 4, 8, 16) if n != base.num_kv_splits]
+    for tiling in tilings:
+        fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=s.interpret,
+                                       tiling=tiling))
+        note = f"block_m={tiling.block_m} block_k={tiling.block_k} splits={tiling.num_kv_splits}"
+        _record(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    del inputs, args
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    name: str
+    num_tokens: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+def _moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[jax.Array, ...]:
+    """Random top-k routing (distinct experts per token), rows sorted by expert; generated
+    on device by one jitted function."""
+    e, h, i = case.num_experts, case.hidden, case.inter
+    rows = case.num_tokens * case.top_k
+
+    @jax.jit
+    def generate(key):
+        keys = jax.random.split(key, 5)
+        scores = jax.random.uniform(keys[0], (case.num_tokens, e))
+        ids = jnp.argsort(scores, axis=1)[:, : case.top_k].reshape(-1)
+        group_sizes = jnp.zeros((e,), jnp.int32).at[ids].add(1)
+        x = jax.random.normal(keys[1], (rows, h), dtype)
+        w_gate = (jax.random.normal(keys[2], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
+        w_up = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
+        w_down = (jax.random.normal(keys[4], (e, i, h), jnp.float32) * i ** -0.5).astype(dtype)
+        return x, group_sizes, w_gate, w_up, w_down
+
+    return generate(jax.random.PRNGKey(seed))
+
+
+def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
+    from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn, moe_grouped_ffn_reference
+    from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
+
+    dtype = jnp.bfloat16
+    args = _moe_inputs(case, dtype, s.seed)
+    rows = case.num_tokens * case.top_k
+    active = int(np.count_nonzero(np.asarray(jax.device_get(args[1]))))
+    item = jnp.dtype(dtype).itemsize
+    weight_bytes = active * 3 * case.hidden * case.inter * item
+    act_bytes = rows * (2 * case.hidden + 2 * case.inter) * item
+    nbytes, flops = weight_bytes + act_bytes, 6.0 * rows * case.hidden * case.inter
+    name = f"{case.name} T={case.num_tokens}"
+
+    ref_out = None
+    if rows <= s.max_ragged_dot_rows:
+        ref_out = _record(s, ceil, "ragged_dot", name, "jax.lax.ragged_dot x3", jax.jit(moe_grouped_ffn_reference),
+                          args, nbytes, flops, note=f"active experts {active}/{case.num_experts}")
+    else:
+        s.rows.append(Row("ragged_dot", name, "jax.lax.ragged_dot x3",
+                          note=f"skipped: {rows} rows > --max-ragged-dot-rows"))
+        print(_format_row(s.rows[-1]), flush=True)
+    tiling = default_tiling(rows, case.num_experts, case.hidden, case.inter)
+    fn = jax.jit(functools.partial(moe_grouped_ffn, interpret=s.interpret))
+    note = f"block_m={tiling.gate_up.block_m} active experts {active}/{case.num_experts}"
+    _record(s, ceil, "moe_grouped_ffn", name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    del args
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def attention_cases(smoke: bool) -> list[tuple[AttentionCase, str]]:
+    if smoke:
+        return [(AttentionCase("decode S=4 ctx<=64", (1,) * 4, (17, 64, 33, 1), 4, 2, 64), "paged_attention")]
+    cases: list[tuple[AttentionCase, str]] = []
+    for num_seqs in (64, 256):
+        for ctx in (1024, 8192):
+            cases.append((AttentionCase(f"decode S={num_seqs} ctx={ctx}", (1,) * num_seqs, (ctx,) * num_seqs),
+                          "paged_attention"))
+    rng = np.random.default_rng(0)
+    ragged = tuple(int(x) for x in rng.integers(128, 4096, 128))
+    cases.append((AttentionCase("decode S=128 ctx~U[128,4k)", (1,) * 128, ragged), "paged_attention"))
+    for chunk, prefix in ((512, 0), (2048, 0), (2048, 6144)):
+        cases.append((AttentionCase(f"prefill chunk={chunk} prefix={prefix}", (chunk,), (chunk + prefix,)), "xla"))
+    cases.append((AttentionCase("mixed 512 prefill + 63 decode ctx=4k", (512,) + (1,) * 63,
+                                (512,) + (4096,) * 63), "xla"))
+    return cases
+
+
+def moe_cases(smoke: bool) -> list[MoeCase]:
+    if smoke:
+        return [MoeCase("E8 top2 H64 I96", 12, 8, 2, 64, 96)]
+    cases = []
+    for tokens in (1, 16, 128, 1024, 8192):
+        cases.append(MoeCase("E8 top2 H4096 I14336", tokens, 8, 2, 4096, 14336))
+        cases.append(MoeCase("E64 top8 H2048 I1408", tokens, 64, 8, 2048, 1408))
+        cases.append(MoeCase("E128 top8 H2048 I768", tokens, 128, 8, 2048, 768))
+    return cases
+
+
+# ----------------------------------------------------------------------------- output
+
+_COLUMNS = (("kernel", 22), ("case", 36), ("impl", 34), ("ms", 9), ("GB/s", 8), ("TFLOP/s", 8),
+            ("bound", 5), ("%ceil", 6), ("rel_err", 8), ("note", 0))
+
+
+def _fmt(v: Any, width: int) -> str:
+    if not isinstance(v, float):
+        text = str(v)
+    elif math.isnan(v):
+        text = "-"
+    elif 0 < abs(v) < 1e-2:
+        text = f"{v:.2e}"
+    else:
+        text = f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return text.ljust(width) if width else text
+
+
+def _format_row(r: Row) -> str:
+    values = (r.kernel, r.case, r.impl, r.ms, r.gbps, r.tflops, r.bound, r.pct_of_ceiling, r.rel_err, r.note)
+    return " ".join(_fmt(v, w) for v, (_, w) in zip(values, _COLUMNS))
+
+
+def _header() -> str:
+    return " ".join(name.ljust(w) if w else name for name, w in _COLUMNS)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in Pallas interpret mode (runs on CPU; timings meaningless)")
+    parser.add_argument("--only", choices=("all", "attention", "moe"), default="all")
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed loop (default 20; smoke 1)")
+    parser.add_argument("--reps", type=int, default=None, help="timed loops, median reported (default 3)")
+    parser.add_argument("--tokens-per-block", type=int, default=None, help="KV cache page size (default 16)")
+    parser.add_argument("--sweep", action="store_true", help="also time every kv-split count for attention")
+    parser.add_argument("--max-ragged-dot-rows", type=int, default=16384,
+                        help="skip the ragged_dot peer above this many rows (XLA may densify it)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    if not args.smoke and jax.default_backend() != "gpu":
+        print(f"jaxllm bench kernels: no GPU found (jax backend is {jax.default_backend()!r}, devices "
+              f"{jax.devices()}). The kernels are GPU kernels; run on a CUDA machine, or pass --smoke "
+              "to exercise the benchmark on CPU in interpret mode.", file=sys.stderr)
+        return 2
+
+    s = Settings(
+        interpret=args.smoke,
+        iters=args.iters or (1 if args.smoke else 20),
+        reps=args.reps or (1 if args.smoke else 3),
+        tokens_per_block=args.tokens_per_block or (16 if not args.smoke else 8),
+        sweep=args.sweep,
+        max_ragged_dot_rows=args.max_ragged_dot_rows,
+    )
+    device = jax.devices()[0]
+    ceil = measure_ceilings(args.smoke)
+    print(f"device: {getattr(device, 'device_kind', device.platform)}  jax {jax.__version__}  "
+          f"{'interpret mode (smoke)' if args.smoke else 'compiled'}")
+    print(f"ceilings: copy {ceil.bytes_per_s / 1e9:.0f} GB/s, bf16 matmul {ceil.flops_per_s / 1e12:.1f} TFLOP/s, "
+          f"ridge {ceil.ridge:.0f} FLOP/byte")
+    print(_header())
+    if args.only in ("all", "attention"):
+        for case, peer in attention_cases(args.smoke):
+            bench_attention(s, ceil, case, peer=peer)
+    if args.only in ("all", "moe"):
+        for moe_case in moe_cases(args.smoke):
+            bench_moe(s, ceil, moe_case)
+
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"device": str(getattr(device, "device_kind", device.platform)), "jax": jax.__version__,
+                       "copy_bytes_per_s": ceil.bytes_per_s, "bf16_flops_per_s": ceil.flops_per_s,
+                       "rows": [asdict(r) for r in s.rows]}, f, indent=1)
+    failed = [r for r in s.rows if r.note.startswith("failed") and r.impl == "pallas"]
+    if failed:
+        print(f"{len(failed)} pallas kernel run(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

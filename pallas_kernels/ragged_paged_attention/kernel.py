@@ -1,0 +1,398 @@
+"""Ragged paged attention for mixed prefill + decode batches, as a Pallas Triton kernel.
+
+Lowering: Triton (`compiler_params=pltriton.CompilerParams`). It runs on Ampere and
+Hopper alike, and it has what a paged kernel needs: per-element gathers through the block
+table (`ref[index_vector, :]` becomes a pointer tensor), masked loads, scalar reads from
+refs and `fori_loop`s with dynamic trip counts. Mosaic GPU is Hopper-only and wants
+rectangular TMA copies and `plgpu.kernel`; a page gather per key row does not map onto it
+without a different cache layout. Triton's constraints shape the design: no scalar
+prefetch and no dynamic grid (so the grid is sized for the worst case and each program
+reads its work from a table built in XLA), power-of-two tensor shapes (so GQA groups and
+head dims are padded to powers of two inside the kernel, with masked loads and stores),
+at most three grid dims.
+From jax 0.11 the Triton backend emits a deprecation warning; it still lowers there.
+
+Grid: (query tile, kv head, kv split).
+  - A query tile is `block_q` consecutive tokens of one sequence (see `schedule.py`); its
+    rows are (token, q head of the GQA group) pairs, `block_m = block_q * group_pow2`, so
+    one K/V tile load serves every q head that shares the kv head (GQA/MQA).
+  - Each program walks its share of the tile's key range `[kv_lo, kv_hi)` in chunks of
+    `block_k` keys with an online softmax in f32. Keys are gathered row by row through the
+    block table, so a chunk may span pages and pages may have any size.
+  - With `num_kv_splits > 1` the key range is cut into that many contiguous parts
+    (flash-decoding); each program writes an unnormalised partial output plus its
+    running max and denominator, and a small XLA epilogue merges them. With one split the
+    kernel normalises and writes the final output directly.
+KV cache layout is the engine's `[Hkv, num_blocks, tokens_per_block, D]` (the layout of
+JAX's GPU `paged_attention`), viewed as `[Hkv * num_blocks * tokens_per_block, D]` rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ragged_paged_attention import schedule
+
+_MASK_VALUE = -1e30
+_TARGET_PROGRAMS = 2048  # enough resident programs to fill an H100 (132 SMs) several times
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    """Static tile sizes and launch parameters of one kernel instance."""
+
+    block_m: int  # rows per program: block_q tokens x group_pow2 q heads
+    block_k: int  # keys per inner-loop step
+    num_kv_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tiling(
+    num_tokens: int,
+    num_seq_slots: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_kv_len: int,
+    itemsize: int = 2,
+) -> AttentionTiling:
+    """Tile sizes from static shapes only (the kernel compiles once per bucket).
+
+    - `block_m`: a decode-only bucket (T <= S) gets the smallest MMA-sized tile, since a
+      decode tile holds one token; otherwise 64 rows, so prefill tiles reuse each K/V
+      chunk across 64 / group tokens. Either way the MMA stays far below the ridge
+      point, so decode remains bandwidth bound.
+    - `block_k`: one K (and one V) chunk is at most 16 KiB, which keeps two pipeline
+      stages of K and V plus the q tile well inside Ampere's and Hopper's shared memory.
+    - `num_kv_splits` (flash-decoding): doubled while the grid is too small to fill the
+      GPU, each split keeps at least four chunks at the longest context, and the f32
+      partial buffers stay under 32 MiB (prefill-heavy buckets need no split).
+    """
+    group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
+    block_m = max(16 if num_tokens <= num_seq_slots else 64, group_pow2)
+    block_k = max(16, min(64, 16384 // (max(16, _next_pow2(head_dim)) * itemsize)))
+    block_q = block_m // group_pow2
+    busy_tiles = max(min(num_seq_slots, num_tokens), -(-num_tokens // block_q))
+    partial_bytes = num_tokens * num_q_heads * head_dim * 4
+    splits = 1
+    while (
+        splits < 16
+        and busy_tiles * num_kv_heads * splits * 2 <= _TARGET_PROGRAMS
+        and max_kv_len >= block_k * 4 * splits * 2
+        and partial_bytes * splits * 2 <= 32 * 2**20
+    ):
+        splits *= 2
+    num_warps = 4 if head_dim <= 128 and block_m <= 64 else 8
+    return AttentionTiling(block_m, block_k, splits, num_warps, num_stages=2)
+
+
+def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
+    """f32-accumulating MMA. HIGHEST keeps f32 inputs in IEEE f32 (Triton's default for
+    f32 is TF32); bf16 inputs are unaffected."""
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _row_col_mask(ref, mask: jax.Array, width: int) -> jax.Array:
+    """[rows, 1] mask, or [rows, width] when the tile is wider than the ref (padded head
+    dim). Column indices are never masked or clamped themselves: they must stay a plain
+    `arange` so Triton can prove the row contiguous and vectorise the access."""
+    if width == ref.shape[1]:
+        return mask[:, None]
+    return mask[:, None] & (jnp.arange(width, dtype=jnp.int32) < ref.shape[1])[None, :]
+
+
+def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int) -> jax.Array:
+    """Gathers `ref[rows, :]` as a [len(rows), width] tile; masked rows and columns past
+    the ref's width read as zero.
+
+    Both axes are indexed with integer arrays: interpret mode cannot mix an index vector
+    with a slice, and Triton sees the same contiguous column offsets either way.
+    """
+    cols = jnp.arange(width, dtype=jnp.int32)
+    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width), other=0)
+
+
+def _store_rows(ref, rows: jax.Array, value: jax.Array, mask: jax.Array) -> None:
+    """Scatters `value` ([len(rows), width]) into `ref[rows, :]` where `mask` holds.
+
+    Masked-off rows are redirected one row past the end (and padded columns are past the
+    end already): on GPU they are never touched, and interpret mode drops out-of-bounds
+    scatter updates instead of racing with a real row.
+    """
+    width = value.shape[1]
+    cols = jnp.arange(width, dtype=jnp.int32)
+    rows = jnp.where(mask, rows, ref.shape[0])
+    pltriton.store(ref.at[rows[:, None], cols[None, :]], value, mask=_row_col_mask(ref, mask, width))
+
+
+def _store_vector(ref, idx: jax.Array, value: jax.Array, mask: jax.Array) -> None:
+    pltriton.store(ref.at[jnp.where(mask, idx, ref.shape[0])], value, mask=mask)
+
+
+def _attention_kernel(
+    tiles_ref,  # int32[num_tiles, NUM_FIELDS]
+    q_ref,  # [T * Hq, D]
+    k_ref,  # [Hkv * NB * tpb, D]
+    v_ref,  # [Hkv * NB * tpb, D]
+    block_tables_ref,  # int32[S * MB]
+    *refs,
+    num_tokens: int,
+    num_q_heads: int,
+    group: int,
+    group_pow2: int,
+    tokens_per_block: int,
+    num_blocks: int,
+    max_blocks: int,
+    head_dim_pow2: int,
+    block_m: int,
+    block_k: int,
+    num_splits: int,
+    sm_scale: float,
+    sliding_window: Optional[int],
+    soft_cap: Optional[float],
+    num_aliased: int,
+):
+    out_refs = refs[num_aliased:]
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_start = tiles_ref[tile, schedule.Q_START]
+    q_end = tiles_ref[tile, schedule.Q_END]
+    pos_offset = tiles_ref[tile, schedule.POS_OFFSET]
+    seq = tiles_ref[tile, schedule.SEQ]
+    kv_lo = tiles_ref[tile, schedule.KV_LO]
+    kv_hi = tiles_ref[tile, schedule.KV_HI]
+
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    token = q_start + jax.lax.div(rows, group_pow2)
+    head_in_group = jax.lax.rem(rows, group_pow2)
+    row_valid = (token < q_end) & (head_in_group < group)
+    q_row = jnp.where(row_valid, token * num_q_heads + kv_head * group + head_in_group, 0)
+    position = token + pos_offset  # absolute position of each row's query token
+
+    q = _load_rows(q_ref, q_row, row_valid, head_dim_pow2)
+
+    # This program's contiguous share of the tile's key range.
+    num_chunks = (kv_hi - kv_lo + block_k - 1) // block_k
+    chunks_per_split = (num_chunks + num_splits - 1) // num_splits
+    lo = kv_lo + split * chunks_per_split * block_k
+    hi = jnp.minimum(lo + chunks_per_split * block_k, kv_hi)
+    trip_count = (jnp.maximum(hi - lo, 0) + block_k - 1) // block_k
+
+    key_offsets = jnp.arange(block_k, dtype=jnp.int32)
+    cache_row_base = kv_head * (num_blocks * tokens_per_block)
+
+    def body(step, carry):
+        acc, running_max, denom = carry
+        key_pos = lo + step * block_k + key_offsets
+        key_valid = key_pos < hi
+        logical_block = jax.lax.div(key_pos, tokens_per_block)
+        page = pltriton.load(
+            block_tables_ref.at[jnp.where(key_valid, seq * max_blocks + logical_block, 0)],
+            mask=key_valid,
+            other=0,
+        )
+        in_page = jax.lax.rem(key_pos, tokens_per_block)
+        cache_row = jnp.where(key_valid, cache_row_base + page * tokens_per_block + in_page, 0)
+        k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2)
+        scores = _dot(q, k, contract_b=1) * sm_scale  # [block_m, block_k]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        allowed = key_valid[None, :] & (key_pos[None, :] <= position[:, None])
+        if sliding_window is not None:
+            allowed &= key_pos[None, :] > position[:, None] - sliding_window
+        scores = jnp.where(allowed, scores, _MASK_VALUE)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+        probs = jnp.where(allowed, jnp.exp(scores - new_max[:, None]), 0.0)
+        correction = jnp.exp(running_max - new_max)
+        denom = denom * correction + jnp.sum(probs, axis=1)
+        v = _load_rows(v_ref, cache_row, key_valid, head_dim_pow2)
+        pv = _dot(probs.astype(v.dtype), v, contract_b=0)
+        return acc * correction[:, None] + pv, new_max, denom
+
+    init = (
+        jnp.zeros((block_m, head_dim_pow2), jnp.float32),
+        jnp.full((block_m,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    acc, running_max, denom = jax.lax.fori_loop(0, trip_count, body, init)
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        safe = jnp.where(denom > 0, denom, 1.0)
+        out = jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0)
+        _store_rows(o_ref, q_row, out.astype(o_ref.dtype), row_valid)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        part_row = split * (num_tokens * num_q_heads) + q_row
+        _store_rows(o_ref, part_row, acc, row_valid)
+        _store_vector(m_ref, part_row, running_max, row_valid)
+        _store_vector(l_ref, part_row, denom, row_valid)
+
+
+def _merge_splits(o_part: jax.Array, m_part: jax.Array, l_part: jax.Array) -> jax.Array:
+    """Flash-decoding epilogue: merge per-split (acc, max, denom) into normalised rows."""
+    global_max = jnp.max(m_part, axis=0)
+    weight = jnp.exp(m_part - global_max[None])
+    denom = jnp.sum(l_part * weight, axis=0)
+    acc = jnp.sum(o_part * weight[..., None], axis=0)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0)
+
+
+def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, tokens_per_block, kd = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if kd != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and cache ({kd}) differ")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
+def attention_forward(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    tiling: Optional[AttentionTiling] = None,
+    interpret: bool = False,
+    poison_outputs: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Runs the kernel; returns (output [T, Hq, D], the kernel's raw output buffers).
+
+    `poison_outputs` hands the kernel NaN-filled output buffers (aliased in place), so a
+    test can check that every element the kernel owns was written.
+    """
+    _check_shapes(q, k_cache, v_cache)
+    kv_lens, block_tables, cu_q_lens, num_seqs = (
+        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
+    num_seq_slots, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    group_pow2 = _next_pow2(group)
+    if tiling is None:
+        tiling = default_tiling(num_tokens, num_seq_slots, num_q_heads, num_kv_heads, head_dim,
+                                max_blocks * tokens_per_block, q.dtype.itemsize)
+    if tiling.block_m % group_pow2 or tiling.block_m < 16 or tiling.block_k < 16:
+        raise ValueError(f"{tiling} does not fit group size {group} (block_m must be a multiple of "
+                         f"{group_pow2} and >= 16, block_k >= 16)")
+    block_q = tiling.block_m // group_pow2
+    num_splits = tiling.num_kv_splits
+
+    tiles = schedule.query_tile_schedule(
+        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
+        tokens_per_block=tokens_per_block, sliding_window=sliding_window)
+    rows = num_tokens * num_q_heads
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
+        ]
+    inputs = [
+        tiles,
+        q.reshape(rows, head_dim),
+        k_cache.reshape(-1, head_dim),
+        v_cache.reshape(-1, head_dim),
+        block_tables.reshape(-1),
+    ]
+    aliases: dict[int, int] = {}
+    if poison_outputs:
+        for i, s in enumerate(out_shape):
+            aliases[len(inputs)] = i
+            inputs.append(jnp.full(s.shape, jnp.nan, s.dtype))
+
+    kernel = functools.partial(
+        _attention_kernel,
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        group=group,
+        group_pow2=group_pow2,
+        tokens_per_block=tokens_per_block,
+        num_blocks=num_blocks,
+        max_blocks=max_blocks,
+        head_dim_pow2=max(16, _next_pow2(head_dim)),
+        block_m=tiling.block_m,
+        block_k=tiling.block_k,
+        num_splits=num_splits,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        num_aliased=len(aliases),
+    )
+    grid = (tiles.shape[0], num_kv_heads, num_splits)
+    raw = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name="ragged_paged_attention",
+    )(*inputs)
+    raw = tuple(raw)
+
+    if num_splits == 1:
+        out = raw[0]
+    else:
+        o_part, m_part, l_part = raw
+        out = _merge_splits(
+            o_part.reshape(num_splits, rows, head_dim),
+            m_part.reshape(num_splits, rows),
+            l_part.reshape(num_splits, rows),
+        ).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim), raw
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
+    v_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
+    kv_lens: jax.Array,  # int32[S]
+    block_tables: jax.Array,  # int32[S, max_blocks_per_seq]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    interpret: bool = False,
+    tiling: Optional[AttentionTiling] = None,
+) -> jax.Array:
+    """Attention of a packed prefill+decode batch over the paged KV cache: [T, Hq, D].
+
+    Same contract as `ragged_paged_attention_reference`; padding tokens get zeros.
+    `tiling` overrides the shape-derived tile sizes (benchmarks, tests).
+    """
+    out, _ = attention_forward(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        tiling=tiling, interpret=interpret)
+    return out

@@ -1,0 +1,90 @@
+"""Device-side work schedule for the ragged paged attention kernel.
+
+The Triton lowering has no scalar prefetch and no dynamic grid, so the kernel's grid is
+sized for the worst case and each program reads its work item from a small int32 table
+built here, in plain XLA, from the step metadata (no host sync). A work item ("query
+tile") is up to `block_q` consecutive query tokens of ONE sequence, so a program never
+has to handle a sequence boundary; the padding tokens past `cu_q_lens[num_seqs]` get
+tiles of their own that write zeros, so every output row is written exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+# Columns of the tile table.
+Q_START, Q_END, POS_OFFSET, SEQ, KV_LO, KV_HI = range(6)
+NUM_FIELDS = 8  # padded to a power of two
+
+
+def max_query_tiles(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
+    """Static upper bound on the number of query tiles for any batch of this bucket.
+
+    Each live sequence and the padding run add at most one partially filled tile:
+    sum_s ceil(q_s / b) + ceil(pad / b) <= (T + (n + 1) (b - 1)) / b with n <= min(S, T).
+    """
+    live = min(num_seq_slots, num_tokens)
+    return max(1, (num_tokens + (live + 1) * (block_q - 1)) // block_q)
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
+def query_tile_schedule(
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    kv_lens: jax.Array,  # int32[S]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    num_tokens: int,
+    block_q: int,
+    tokens_per_block: int,
+    sliding_window: Optional[int],
+) -> jax.Array:
+    """int32[max_query_tiles, NUM_FIELDS]: per tile its token range, sequence and KV range.
+
+    Unused tiles have an empty token range (`Q_START == Q_END`) and write nothing; padding
+    tiles have an empty KV range and write zeros. `POS_OFFSET` turns a token index into its
+    absolute position; `[KV_LO, KV_HI)` is the key range any token of the tile may see,
+    with `KV_LO` aligned down to a cache block so loads start on a page boundary.
+    """
+    num_slots = kv_lens.shape[0]
+    num_tiles = max_query_tiles(num_tokens, num_slots, block_q)
+    n = num_seqs[0]
+    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
+    live = jnp.arange(num_slots, dtype=jnp.int32) < n
+    q_lens = jnp.where(live, ends - starts, 0)
+    total_q = jnp.minimum(cu_q_lens[n], num_tokens)
+
+    # Segments 0..S-1 are sequences; segment S is the padding run [total_q, num_tokens).
+    seg_start = jnp.concatenate([starts, total_q[None]])
+    seg_end = jnp.concatenate([starts + q_lens, jnp.full((1,), num_tokens, jnp.int32)])
+    seg_tiles = _cdiv(jnp.maximum(seg_end - seg_start, 0), block_q)
+    cum = jnp.cumsum(seg_tiles)
+    first_tile = cum - seg_tiles
+
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(cum, tile, side="right").astype(jnp.int32), num_slots)
+    used = tile < cum[-1]
+    q_start = seg_start[seg] + (tile - first_tile[seg]) * block_q
+    q_end = jnp.minimum(q_start + block_q, seg_end[seg])
+    q_start = jnp.where(used, q_start, 0)
+    q_end = jnp.where(used, q_end, 0)
+
+    is_seq = used & (seg < num_slots)
+    seq = jnp.minimum(seg, num_slots - 1)
+    pos_offset = kv_lens[seq] - q_lens[seq] - starts[seq]
+    kv_hi = jnp.where(is_seq, q_end - 1 + pos_offset + 1, 0)
+    if sliding_window is None:
+        kv_lo = jnp.zeros_like(kv_hi)
+    else:
+        kv_lo = jnp.maximum(q_start + pos_offset - sliding_window + 1, 0)
+        kv_lo = jnp.where(is_seq, kv_lo // tokens_per_block * tokens_per_block, 0)
+    kv_hi = jnp.maximum(kv_hi, kv_lo)
+    zeros = jnp.zeros_like(q_start)
+    fields = [q_start, q_end, pos_offset, seq, kv_lo, kv_hi]
+    fields += [zeros] * (NUM_FIELDS - len(fields))
+    return jnp.stack(fields, axis=1).astype(jnp.int32)
