@@ -1,0 +1,20 @@
+"""jaxllm: an LLM inference engine in JAX and Pallas."""
+
+from jaxllm.config import KvCacheConfig, SchedulerConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "SchedulerConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    # Import the heavy parts lazily so `import jaxllm` stays cheap (e.g. for the CLI's --help).
+    if name == "LLM":
+        from jaxllm.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from jaxllm.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

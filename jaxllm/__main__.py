@@ -1,0 +1,3 @@
+from jaxllm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Engine: the schedule -> step -> sample loop over a paged KV cache."""

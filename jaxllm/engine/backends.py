@@ -1,0 +1,39 @@
+"""Choose the attention and MoE implementations the model step calls.
+
+`xla` is the plain-XLA reference (default off-GPU); `pallas` runs the Pallas kernels,
+natively on GPU and in interpret mode elsewhere (slow: for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import jax
+
+
+def default_platform() -> str:
+    return jax.default_backend()
+
+
+def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str]) -> tuple[str, str, Callable, Callable]:
+    on_gpu = default_platform() in ("gpu", "cuda", "rocm")
+    attention_backend = attention_backend or ("pallas" if on_gpu else "xla")
+    moe_backend = moe_backend or ("pallas" if on_gpu else "xla")
+    if attention_backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        attention_fn = functools.partial(ragged_paged_attention, interpret=not on_gpu)
+    else:
+        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+        attention_fn = ragged_paged_attention_reference
+    if moe_backend == "pallas":
+        from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn
+
+        moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
+    else:
+        from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+
+        moe_fn = moe_grouped_ffn_reference
+    return attention_backend, moe_backend, attention_fn, moe_fn

@@ -1,0 +1,52 @@
+"""Engine configuration: everything fixed when an engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jaxllm.config import KvCacheConfig, SchedulerConfig
+
+ATTENTION_BACKENDS = ("xla", "pallas")
+MOE_BACKENDS = ("xla", "pallas")
+
+
+@dataclass
+class EngineConfig:
+    """Limits and switches of one engine (names follow the TensorRT-LLM LLM API).
+
+    `max_batch_size` fixes the sequence dimension of every compiled step and
+    `max_num_tokens` the largest token bucket, so both bound compile count and memory.
+    """
+
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    max_seq_len: Optional[int] = None
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enable_chunked_prefill: bool = True
+    attention_backend: Optional[str] = None  # None: pallas on GPU, xla elsewhere
+    moe_backend: Optional[str] = None
+    disable_overlap_scheduler: bool = False
+    min_token_bucket: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_config, dict):
+            self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
+        if isinstance(self.scheduler_config, dict):
+            self.scheduler_config = SchedulerConfig(**self.scheduler_config)
+        for name in ("max_batch_size", "max_num_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.moe_backend not in (None, *MOE_BACKENDS):
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")

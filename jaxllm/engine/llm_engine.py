@@ -1,0 +1,345 @@
+"""The engine loop: schedule -> pack -> run the compiled step -> apply the sampled tokens.
+
+With the overlap scheduler (default) step N+1 is scheduled and dispatched before the
+tokens of step N are read back, so the device never waits on Python: a generation
+request whose previous token is still on the device carries a placeholder on the host
+and the step reads the real token from the previous step's output. Stops are therefore
+seen one step late; the extra token is discarded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.batch_builder import build_step_batch, choose_token_bucket
+from jaxllm.config import CapacitySchedulerPolicy
+from jaxllm.engine.backends import resolve_backends
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
+from jaxllm.kv_cache import KVCacheManager
+from jaxllm.models import is_preset, load_model_config, load_params, materialize_preset
+from jaxllm.outputs import Logprob
+from jaxllm.request import LlmRequest
+from jaxllm.sampling import (MAX_LOGPROBS, SamplingParams, SamplingTensors, check_stop, resolve_end_ids,
+                             resolve_seed)
+from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
+from jaxllm.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER_TOKEN = -1
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass
+class RequestUpdate:
+    """What one processed step produced for one request."""
+
+    request: LlmRequest
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class EngineTiming:
+    """Where step time goes: host work (scheduling, packing, bookkeeping) vs waiting on the device."""
+
+    steps: int = 0
+    host_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
+
+
+@dataclass
+class _PendingStep:
+    sampler_output: object
+    entries: list[tuple[LlmRequest, int, int]]  # (request, row, index in output_token_ids)
+    wants_logprobs: bool
+    scheduled_at: float
+    stats: dict
+
+
+def resolve_model_dir(model: str) -> Path:
+    if is_preset(model):
+        return materialize_preset(model)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {model!r} is neither a built-in preset nor a directory with config.json")
+    return path
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        dtype = None if config.dtype == "auto" else config.dtype
+        self.model_config = load_model_config(model_dir, dtype=dtype)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        kv_dtype = _DTYPES[self.model_config.dtype]
+        params = load_params(model_dir, self.model_config)
+        self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
+        kv_cfg = config.kv_cache_config
+        tpb = kv_cfg.tokens_per_block
+        num_blocks = plan_num_kv_blocks(
+            model_config=self.model_config, dtype=kv_dtype, tokens_per_block=tpb,
+            max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
+            max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len)
+        self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
+        self.kv_cache_manager = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq,
+                                               enable_block_reuse=kv_cfg.enable_block_reuse)
+        self.scheduler = make_scheduler(config.scheduler_config, self.kv_cache_manager,
+                                        config.max_batch_size, config.max_num_tokens,
+                                        config.enable_chunked_prefill)
+        self.attention_backend, self.moe_backend, attention_fn, moe_fn = resolve_backends(
+            config.attention_backend, config.moe_backend)
+        self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
+                                  tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
+                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size)
+        # Pausing moves generated tokens into the prompt, which needs them on the host.
+        self.overlap = (not config.disable_overlap_scheduler and
+                        config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
+        self.active: dict[int, LlmRequest] = {}
+        self._pending: Optional[_PendingStep] = None
+        self._ids = itertools.count()
+        self.iteration = 0
+        self.iteration_stats: list[dict] = []
+        self.max_iteration_stats = 1000
+        self.timing = EngineTiming()
+        self._wait_seconds = 0.0
+
+    def reset_timing(self) -> None:
+        self.timing = EngineTiming()
+
+    def token_buckets(self) -> list[int]:
+        sizes, n = set(), 1
+        while n < self.config.max_num_tokens:
+            sizes.add(choose_token_bucket(n, self.config.max_num_tokens, self.config.min_token_bucket))
+            n *= 2
+        sizes.add(choose_token_bucket(self.config.max_num_tokens, self.config.max_num_tokens,
+                                      self.config.min_token_bucket))
+        return sorted(sizes)
+
+    def warmup(self, all_variants: bool = False) -> None:
+        """Compile the step for every token bucket before serving (optionally with logprobs and
+        penalty variants too), running it on an empty batch that writes nothing."""
+        empty = SchedulerOutput([], [], [])
+        variants = [dict()]
+        if all_variants:
+            variants = [dict(use_penalties=pen, num_top_logprobs=top, any_random=rand, use_top_k_top_p=sort)
+                        for pen in (False, True) for top in (0, MAX_LOGPROBS)
+                        for rand, sort in ((False, False), (True, False), (True, True))]
+        for bucket in self.token_buckets():
+            batch = build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
+                                     max_batch_size=self.config.max_batch_size,
+                                     max_blocks_per_seq=self.max_blocks_per_seq)
+            for flags in variants:
+                sampling = SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
+                out = self.runner.execute(batch, sampling, np.full((bucket,), -1, np.int32), None)
+                np.asarray(out.token_ids)
+
+    # ------------------------------------------------------------------ requests
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} exceeds "
+                f"max_seq_len {self.max_seq_len}")
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: Optional[SamplingParams] = None,
+                    *, request_id: Optional[int] = None, priority: float = 0.0,
+                    arrival_time: Optional[float] = None, sequence_index: int = 0) -> LlmRequest:
+        params = sampling_params or SamplingParams()
+        prompt_token_ids = [int(t) for t in prompt_token_ids] if all(
+            isinstance(t, (int, np.integer)) for t in prompt_token_ids) else list(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids, params)
+        if params.logits_processor is not None:
+            raise ValueError("logits_processor is not supported: sampling runs inside the compiled step")
+        if params.bad is not None:
+            params.setup(self.tokenizer)
+        request = LlmRequest(
+            request_id=self.next_request_id() if request_id is None else request_id,
+            prompt_token_ids=list(prompt_token_ids), max_new_tokens=params.max_tokens,
+            priority=priority, arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            sampling_params=params)
+        request.seed = resolve_seed(params, sequence_index)
+        request.end_ids = resolve_end_ids(params, sorted(self.eos_ids))
+        check_request_admissible(request, self.kv_cache_manager, self.max_seq_len)
+        self.active[request.request_id] = request
+        return request
+
+    def abort_request(self, request_id: int) -> Optional[LlmRequest]:
+        """Finish a request as 'cancelled' and free its blocks at once."""
+        request = self.active.pop(request_id, None)
+        if request is None:
+            return None
+        resolved = len(request.output_token_ids)
+        while resolved and request.output_token_ids[resolved - 1] == PLACEHOLDER_TOKEN:
+            resolved -= 1
+        self._finish(request, "cancelled", None, resolved)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.active) or self._pending is not None
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for r in self.active.values() if r.context_current_position == 0 and r.is_context_phase)
+
+    # ------------------------------------------------------------------ the step
+    def _schedulable(self) -> list[LlmRequest]:
+        return [r for r in self.active.values()
+                if len(r.output_token_ids) < r.sampling_params.max_tokens and not r.is_finished]
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one iteration; returns the updates of the step whose tokens were read back."""
+        started = time.perf_counter()
+        updates: list[RequestUpdate] = []
+        candidates = self._schedulable()
+        if self._pending is not None and any(r.sampling_params.needs_history for r in candidates):
+            # Penalties and bad-word lists need every previous token on the host: no overlap here.
+            updates += self._process(self._pending)
+            self._pending = None
+            candidates = self._schedulable()
+        dispatched = self._dispatch(candidates)
+        if self._pending is not None:
+            updates += self._process(self._pending)
+        self._pending = dispatched
+        if self._pending is not None and not self.overlap:
+            updates += self._process(self._pending)
+            self._pending = None
+        elapsed = time.perf_counter() - started
+        self.timing.steps += 1
+        self.timing.host_seconds += elapsed - self._wait_seconds
+        self.timing.device_wait_seconds += self._wait_seconds
+        self._wait_seconds = 0.0
+        if dispatched is not None:
+            dispatched.stats["iterLatencyMS"] = elapsed * 1e3
+            dispatched.stats["numCompletedRequests"] = sum(u.finished for u in updates)
+            self._record_stats(dispatched.stats)
+        return updates
+
+    def _dispatch(self, candidates: list[LlmRequest]) -> Optional[_PendingStep]:
+        if not candidates:
+            return None
+        output = self.scheduler.schedule_request(candidates, set())
+        for paused in output.paused_requests:
+            self.kv_cache_manager.free_resources(paused)
+        rows = list(output.context_requests) + list(output.generation_requests)
+        if not rows:
+            return None
+        self.kv_cache_manager.prepare_resources(output)
+        num_tokens = sum(r.context_chunk_size for r in output.context_requests) + len(output.generation_requests)
+        bucket = choose_token_bucket(num_tokens, self.config.max_num_tokens, self.config.min_token_bucket)
+        batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
+                                 max_batch_size=self.config.max_batch_size,
+                                 max_blocks_per_seq=self.max_blocks_per_seq)
+        feed_index = np.full((bucket,), -1, np.int32)
+        num_ctx_tokens = num_tokens - len(output.generation_requests)
+        prev_rows = {} if self._pending is None else {id(r): row for r, row, _ in self._pending.entries}
+        for i, request in enumerate(output.generation_requests):
+            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                feed_index[num_ctx_tokens + i] = prev_rows[id(request)]
+        params = [r.sampling_params for r in rows]
+        needs_history = any(p.needs_history for p in params)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        sampling = SamplingTensors.build(
+            params, [len(r.output_token_ids) for r in rows],
+            [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
+            [r.end_ids for r in rows], self.config.max_batch_size, self.max_seq_len,
+            seeds=[r.seed for r in rows])
+        prev_tokens = None if self._pending is None else self._pending.sampler_output.token_ids
+        sampler_output = self.runner.execute(batch, sampling, feed_index, prev_tokens)
+
+        entries = []
+        for row, request in enumerate(rows):
+            produces_token = request.is_generation_phase or request.is_last_context_chunk
+            if request.is_context_phase:
+                request.move_to_next_context_chunk()
+            if produces_token:
+                entries.append((request, row, len(request.output_token_ids)))
+                request.add_new_token(PLACEHOLDER_TOKEN)
+        stats = {
+            "numNewActiveRequests": sum(1 for r in output.context_requests
+                                        if r.context_current_position == r.context_chunk_size),
+            "inflightBatchingStats": {
+                "numScheduledRequests": len(rows),
+                "numContextRequests": len(output.context_requests),
+                "numGenRequests": len(output.generation_requests),
+                "numPausedRequests": len(output.paused_requests),
+                "numCtxTokens": num_ctx_tokens,
+            },
+        }
+        return _PendingStep(sampler_output, entries, wants_logprobs, time.monotonic(), stats)
+
+    def _process(self, pending: _PendingStep) -> list[RequestUpdate]:
+        out = pending.sampler_output
+        wait_start = time.perf_counter()
+        tokens = np.asarray(out.token_ids)
+        self._wait_seconds += time.perf_counter() - wait_start
+        if pending.wants_logprobs:
+            chosen_lp = np.asarray(out.logprobs)
+            top_ids = np.asarray(out.top_ids)
+            top_lps = np.asarray(out.top_logprobs)
+        updates = []
+        for request, row, index in pending.entries:
+            if request.is_finished or index >= len(request.output_token_ids):
+                continue
+            token = int(tokens[row])
+            request.output_token_ids[index] = token
+            update = RequestUpdate(request, [token])
+            params = request.sampling_params
+            if params.logprobs is not None:
+                entry = {token: Logprob(float(chosen_lp[row]))}
+                for rank in range(params.logprobs):
+                    entry.setdefault(int(top_ids[row, rank]), Logprob(float(top_lps[row, rank]), rank + 1))
+                update.new_logprobs.append(entry)
+                request.cumulative_logprob = getattr(request, "cumulative_logprob", 0.0) + float(chosen_lp[row])
+            reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
+            if reason is not None:
+                self._finish(request, reason, stop_reason, index + 1)
+                update.finished = True
+            updates.append(update)
+        return updates
+
+    def _finish(self, request: LlmRequest, reason: str, stop_reason, num_outputs: int) -> None:
+        del request.output_token_ids[num_outputs:]
+        request.stop_reason = stop_reason
+        request.finish(reason)
+        self.kv_cache_manager.free_resources(request)
+        self.active.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ stats
+    def _record_stats(self, stats: dict) -> None:
+        self.iteration += 1
+        stats.update({
+            "timestamp": time.time(),
+            "iter": self.iteration,
+            "numActiveRequests": len(self.active),
+            "numQueuedRequests": self.num_queued,
+            "maxNumActiveRequests": self.config.max_batch_size,
+            "maxBatchSizeRuntime": self.config.max_batch_size,
+            "maxNumTokensRuntime": self.config.max_num_tokens,
+            "kvCacheStats": self.kv_cache_manager.get_kv_cache_stats().to_dict(),
+        })
+        self.iteration_stats.append(stats)
+        del self.iteration_stats[:-self.max_iteration_stats]

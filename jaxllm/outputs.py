@@ -1,0 +1,44 @@
+"""Result objects returned to users (field names follow TensorRT-LLM / vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+
+
+TokenLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. The `*_diff` views hold what arrived since the last update."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[TokenLogprobs] = None
+    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'timeout' | 'cancelled'
+    stop_reason: Optional[Union[int, str]] = None
+    text_diff: str = ""
+    token_ids_diff: list[int] = field(default_factory=list)
+    logprobs_diff: Optional[TokenLogprobs] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False

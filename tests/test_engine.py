@@ -1,0 +1,198 @@
+"""End-to-end engine tests against Hugging Face transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
+from jaxllm import LLM, KvCacheConfig, SamplingParams, SchedulerConfig
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    model = make_hf_model("qwen3_moe", path, VOCAB)
+    return path, model
+
+
+def make_llm(path, **overrides) -> LLM:
+    kwargs = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=256,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048))
+    kwargs.update(overrides)
+    return LLM(str(path), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def moe_llm(moe_model):
+    return make_llm(moe_model[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral"])
+def test_greedy_generation_matches_hf_dense_and_moe(arch, tmp_path):
+    model = make_hf_model(arch, tmp_path, VOCAB)
+    llm = make_llm(tmp_path, max_num_tokens=32)
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=1)  # 40 > 32 tokens forces a chunked prefill
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == 12
+        assert out.outputs[0].finish_reason == "length"
+        hf_teacher_forcing_check(model, prompt, out.outputs[0].token_ids)
+
+
+def test_greedy_generation_matches_hf_qwen3_moe(moe_model, moe_llm):
+    _, model = moe_model
+    prompts = random_prompts(4, VOCAB, 3, 70, seed=2)
+    outs = moe_llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        hf_teacher_forcing_check(model, prompt, out.outputs[0].token_ids)
+
+
+def test_inflight_batching_is_invisible(moe_model):
+    path, _ = moe_model
+    prompts = random_prompts(36, VOCAB, 1, 60, seed=3)
+    rng = np.random.default_rng(3)
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 16)), ignore_eos=True) for _ in prompts]
+    # 30 blocks of 8 tokens cannot hold all requests at once: queuing + chunked prefill.
+    llm = make_llm(path, max_num_tokens=32, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=240))
+    together = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.iteration_stats
+    assert max(s["inflightBatchingStats"]["numScheduledRequests"] for s in stats) > 1
+    alone_llm = make_llm(path, max_batch_size=1)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = alone_llm.generate(prompt, p, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
+
+
+def test_prefix_reuse_gives_same_outputs(moe_model):
+    path, _ = moe_model
+    shared = random_prompts(1, VOCAB, 40, 40, seed=4)[0]
+    prompts = [shared + tail for tail in random_prompts(6, VOCAB, 1, 12, seed=5)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = {}
+    for reuse in (True, False):
+        llm = make_llm(path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024,
+                                                           enable_block_reuse=reuse))
+        first = llm.generate(prompts[0], params, use_tqdm=False)
+        rest = llm.generate(prompts[1:], params, use_tqdm=False)
+        outs[reuse] = [o.outputs[0].token_ids for o in [first, *rest]]
+        if reuse:
+            assert llm.engine.kv_cache_manager.get_kv_cache_stats().reused_blocks >= 5 * 4
+    assert outs[True] == outs[False]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(moe_llm):
+    prompt = random_prompts(1, VOCAB, 10, 10, seed=6)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = moe_llm.generate(prompt, params, use_tqdm=False).outputs[0].token_ids
+    others = random_prompts(5, VOCAB, 3, 30, seed=7)
+    mixed = moe_llm.generate(others[:3] + [prompt] + others[3:],
+                             [SamplingParams(max_tokens=9, temperature=0.7, seed=i) for i in range(3)]
+                             + [params] + [SamplingParams(max_tokens=5)] * 2, use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    other_seed = moe_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99,
+                                                         ignore_eos=True), use_tqdm=False)
+    assert other_seed.outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(moe_llm):
+    prompts = random_prompts(3, VOCAB, 5, 20, seed=8)
+    greedy = moe_llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    top1 = moe_llm.generate(prompts, SamplingParams(max_tokens=10, top_k=1, temperature=1.0, seed=5,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
+def test_logprobs_and_stop_token_ids(moe_llm):
+    prompt = random_prompts(1, VOCAB, 8, 8, seed=9)[0]
+    out = moe_llm.generate(prompt, SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token].logprob <= 0.0
+        assert entry[token].logprob >= max(lp.logprob for lp in entry.values()) - 1e-5  # greedy = top-1
+    stop_at = completion.token_ids[2]
+    stopped = moe_llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop_at], ignore_eos=True),
+                               use_tqdm=False).outputs[0]
+    assert stopped.token_ids == completion.token_ids[:completion.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(inputs=[[]]), "empty"),
+    (dict(inputs=[[5, VOCAB + 3]]), "vocabulary"),
+    (dict(inputs=[list(range(3, 300))]), "max_seq_len"),
+    (dict(params=dict(temperature=-0.5)), "temperature"),
+    (dict(params=dict(top_p=1.5)), "top_p"),
+    (dict(params=dict(top_p=0.0)), "top_p"),
+    (dict(params=dict(max_tokens=0)), "max_tokens"),
+    (dict(params=dict(bogus_field=1)), "bogus_field"),
+])
+def test_bad_input_raises_value_error_and_engine_keeps_serving(moe_llm, bad, field):
+    with pytest.raises(ValueError, match=field):
+        params = SamplingParams.from_kwargs(**bad.get("params", {"max_tokens": 4}))
+        moe_llm.generate(bad.get("inputs", [[5, 6, 7]]), params, use_tqdm=False)
+    assert not moe_llm.engine.has_unfinished_requests()
+    good = moe_llm.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(good.outputs[0].token_ids) == 3
+
+
+def test_unknown_llm_kwarg_raises(moe_model):
+    with pytest.raises(ValueError, match="not_an_option"):
+        LLM(str(moe_model[0]), not_an_option=3)
+
+
+def test_no_recompilation_after_warmup(tmp_path):
+    # One layer and one token bucket keep the 12 compiled sampler variants cheap.
+    make_hf_model("qwen3_moe", tmp_path, VOCAB, num_layers=1)
+    llm = make_llm(tmp_path, max_num_tokens=16)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    def workload(seed):
+        prompts = random_prompts(20, VOCAB, 1, 100, seed=seed)
+        rng = np.random.default_rng(seed)
+        params = []
+        for i in range(len(prompts)):
+            kind = i % 4
+            if kind == 0:
+                params.append(SamplingParams(max_tokens=int(rng.integers(1, 12))))
+            elif kind == 1:
+                params.append(SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=i))
+            elif kind == 2:
+                params.append(SamplingParams(max_tokens=8, logprobs=2, top_p=0.5, temperature=1.0))
+            else:
+                params.append(SamplingParams(max_tokens=8, repetition_penalty=1.2, presence_penalty=0.5))
+        llm.generate(prompts, params, use_tqdm=False)
+
+    llm.engine.warmup(all_variants=True)
+    variants = llm.engine.runner.num_compiled_variants
+    assert variants == 12 * len(llm.engine.token_buckets())
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        workload(0)
+        workload(1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert llm.engine.runner.num_compiled_variants == variants
+    assert compiles == [], f"{len(compiles)} XLA compilations after warm-up"
+
+
+def test_max_utilization_policy_completes_everything(moe_model):
+    path, _ = moe_model
+    prompts = random_prompts(12, VOCAB, 10, 40, seed=11)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = make_llm(path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=200),
+                   scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    reference = make_llm(path).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+    assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
