@@ -98,7 +98,8 @@ class LLMEngine:
             max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len)
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
         self.kv_cache_manager = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq,
-                                               enable_block_reuse=kv_cfg.enable_block_reuse)
+                                               enable_block_reuse=kv_cfg.enable_block_reuse,
+                                               max_num_sequences=config.max_batch_size)
         self.scheduler = make_scheduler(config.scheduler_config, self.kv_cache_manager,
                                         config.max_batch_size, config.max_num_tokens,
                                         config.enable_chunked_prefill)
@@ -183,7 +184,9 @@ class LLMEngine:
             sampling_params=params)
         request.seed = resolve_seed(params, sequence_index)
         request.end_ids = resolve_end_ids(params, sorted(self.eos_ids))
-        check_request_admissible(request, self.kv_cache_manager, self.max_seq_len)
+        check_request_admissible(request, self.kv_cache_manager, self.max_seq_len,
+                                 max_num_tokens=self.config.max_num_tokens,
+                                 enable_chunked_prefill=self.config.enable_chunked_prefill)
         self.active[request.request_id] = request
         return request
 
@@ -203,7 +206,7 @@ class LLMEngine:
 
     @property
     def num_queued(self) -> int:
-        return sum(1 for r in self.active.values() if r.context_current_position == 0 and r.is_context_phase)
+        return sum(1 for r in self.active.values() if not self.kv_cache_manager.has_sequence(r))
 
     # ------------------------------------------------------------------ the step
     def _schedulable(self) -> list[LlmRequest]:
@@ -270,6 +273,7 @@ class LLMEngine:
         prev_tokens = None if self._pending is None else self._pending.sampler_output.token_ids
         sampler_output = self.runner.execute(batch, sampling, feed_index, prev_tokens)
 
+        num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = []
         for row, request in enumerate(rows):
             produces_token = request.is_generation_phase or request.is_last_context_chunk
@@ -279,8 +283,7 @@ class LLMEngine:
                 entries.append((request, row, len(request.output_token_ids)))
                 request.add_new_token(PLACEHOLDER_TOKEN)
         stats = {
-            "numNewActiveRequests": sum(1 for r in output.context_requests
-                                        if r.context_current_position == r.context_chunk_size),
+            "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
                 "numScheduledRequests": len(rows),
                 "numContextRequests": len(output.context_requests),

@@ -1,0 +1,158 @@
+"""Turn a scheduling decision into the fixed-shape int32 arrays of one device step.
+
+Layout and padding are defined in `jaxllm/step_batch.py`. Everything here is vectorised
+with numpy: Python only loops over requests (to read their positions and last tokens),
+never over tokens, and block tables are gathered from the KV cache manager's persistent
+table in one operation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.kv_cache import KVCacheManager
+from jaxllm.scheduler.output import SchedulerOutput
+from jaxllm.step_batch import StepBatch
+
+
+def token_buckets(max_num_tokens: int, min_bucket: int = 16) -> list[int]:
+    """All token-buffer sizes `choose_token_bucket` can return (one compiled step each):
+    powers of two from `min_bucket`, capped by `max_num_tokens` (always the last one)."""
+    if max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+    buckets = []
+    bucket = max(1, min_bucket)
+    while bucket < max_num_tokens:
+        buckets.append(bucket)
+        bucket *= 2
+    buckets.append(max_num_tokens)
+    return buckets
+
+
+def choose_token_bucket(num_tokens: int, max_num_tokens: int, min_bucket: int = 16) -> int:
+    """Smallest bucket holding `num_tokens`: a power of two >= min_bucket, or
+    `max_num_tokens` itself when that is smaller (even if not a power of two)."""
+    if num_tokens > max_num_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed max_num_tokens ({max_num_tokens})")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    bucket = max(1, min_bucket)
+    while bucket < num_tokens:
+        bucket *= 2
+    return min(bucket, max_num_tokens)
+
+
+def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucket: int,
+                     max_batch_size: int, max_blocks_per_seq: int) -> StepBatch:
+    """Pack the scheduled requests (context chunks first, then generation tokens) into a
+    `StepBatch` of numpy int32 arrays (views of one buffer allocated per call, so nothing
+    is overwritten by later steps). Blocks must already be allocated: call
+    `kv.prepare_resources(output)` right before; its recorded block-table rows are used
+    (and trusted) as long as no sequence was freed in between.
+
+    A context request contributes `prompt[pos : pos + chunk]` at positions `pos ...`; a
+    generation request contributes its last output token at position `num_tokens - 1`.
+    Each sequence's logits index is its last token in the buffer.
+    """
+    ctx = output.context_requests
+    gen = output.generation_requests
+    n_ctx, n_gen = len(ctx), len(gen)
+    n = n_ctx + n_gen
+    T, S, MB = token_bucket, max_batch_size, max_blocks_per_seq
+    if n > S:
+        raise ValueError(f"{n} scheduled requests exceed max_batch_size ({S})")
+    tpb = kv.tokens_per_block
+
+    # Per-sequence scalars: the only Python loops. Rows and num_tokens come from
+    # prepare_resources when it recorded them for this output.
+    chunks = [r.context_chunk_size for r in ctx]
+    ctx_starts = [r.context_current_position for r in ctx]
+    placement = output.kv_placement
+    prepared = (kv.placement_is_current(placement) and len(placement.rows) == n
+                and len(placement.generation_num_tokens) == n_gen)
+    if prepared:
+        rows_list, gen_num_tokens = placement.rows, placement.generation_num_tokens
+    else:
+        rows_list = kv.get_table_rows(ctx) + kv.get_table_rows(gen)
+        gen_num_tokens = [r.orig_prompt_len + len(r.output_token_ids) for r in gen]
+    starts_a = np.array(ctx_starts + gen_num_tokens, dtype=np.int32).reshape(n)
+    starts_a[n_ctx:] -= 1  # a generation token sits at position num_tokens - 1
+    rows = np.array(rows_list, dtype=np.intp).reshape(n)
+    q_lens = np.ones(n, dtype=np.int32)
+    if n_ctx:
+        q_lens[:n_ctx] = chunks
+
+    # One allocation; every field is a view into it.
+    buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S, dtype=np.int32)
+    token_ids, positions, slot_mapping = buf[:T], buf[T:2 * T], buf[2 * T:3 * T]
+    o = 3 * T
+    cu_q_lens, kv_lens = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1]
+    o += 2 * S + 1
+    block_tables = buf[o:o + S * MB].reshape(S, MB)
+    o += S * MB
+    num_seqs, logits_indices = buf[o:o + 1], buf[o + 1:o + 1 + S]
+
+    if n_ctx:
+        np.cumsum(q_lens, out=cu_q_lens[1:n + 1])
+        total = int(cu_q_lens[n])
+    else:  # generation only: one token per sequence
+        cu_q_lens[:n + 1] = np.arange(n + 1, dtype=np.int32)
+        total = n
+    if total > T:
+        raise ValueError(f"{total} scheduled tokens exceed the token bucket ({T})")
+    cu_q_lens[n + 1:] = total
+    live_kv_lens = kv_lens[:n]
+    np.add(starts_a, q_lens, out=live_kv_lens)
+    if n_ctx and not q_lens[:n_ctx].all():
+        bad = [r.request_id for r in ctx if r.context_chunk_size <= 0]
+        raise ValueError(f"context requests {bad} are scheduled with an empty chunk")
+
+    table = kv.block_table
+    width = table.shape[1]
+    if not prepared or width > MB:  # prepare_resources guarantees the blocks otherwise
+        held_tokens = kv.row_num_blocks[rows] * tpb
+        if (live_kv_lens > held_tokens).any():
+            ids = [(ctx + gen)[i].request_id for i in np.flatnonzero(live_kv_lens > held_tokens)]
+            raise RuntimeError(f"requests {ids} hold too few KV blocks for this step; "
+                               "call kv.prepare_resources(output) before building the batch")
+        if width > MB and n and int(held_tokens.max()) > MB * tpb:
+            raise ValueError(f"a sequence holds more than max_blocks_per_seq ({MB}) blocks")
+
+    n_ctx_tokens = total - n_gen
+    if n_ctx:
+        pieces = [r.prompt_array()[p:p + c] for r, p, c in zip(ctx, ctx_starts, chunks)]
+        ctx_tokens = np.concatenate(pieces)
+        if ctx_tokens.shape[0] != n_ctx_tokens:
+            raise ValueError("a context chunk runs past the end of its prompt")
+        token_ids[:n_ctx_tokens] = ctx_tokens
+        seq_of_token = np.repeat(np.arange(n_ctx), q_lens[:n_ctx])
+        offset = starts_a[:n_ctx] - cu_q_lens[:n_ctx]  # position = token index + offset
+        np.add(np.arange(n_ctx_tokens, dtype=np.int32), offset[seq_of_token], out=positions[:n_ctx_tokens])
+        positions[n_ctx_tokens:total] = starts_a[n_ctx:]
+        token_rows = np.concatenate((rows[seq_of_token], rows[n_ctx:]))
+    else:
+        positions[:total] = starts_a
+        token_rows = rows
+    if n_gen:
+        token_ids[n_ctx_tokens:total] = [r.output_token_ids[-1] for r in gen]
+    block_index, offset_in_block = np.divmod(positions[:total], tpb)
+    np.add(table[token_rows, block_index] * tpb, offset_in_block, out=slot_mapping[:total])
+    slot_mapping[total:] = kv.num_kv_slots
+
+    if width == MB:  # mode="clip" skips a bounds-check copy; rows are valid rows
+        np.take(table, rows, axis=0, out=block_tables[:n], mode="clip")
+    else:
+        w = min(width, MB)
+        block_tables[:n, :w] = table[rows, :w]
+    num_seqs[0] = n
+    np.subtract(cu_q_lens[1:n + 1], 1, out=logits_indices[:n])
+    return StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        num_seqs=num_seqs,
+        logits_indices=logits_indices,
+    )

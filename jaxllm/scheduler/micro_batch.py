@@ -1,0 +1,172 @@
+"""Micro-batch scheduling: what runs in one forward pass, and context chunking.
+
+Limits: `max_batch_size` requests and `max_num_tokens` tokens in the packed buffer.
+Generation requests go first (one token each) and the first that would exceed the token
+budget stops them. Then context requests, in the order given:
+
+* without chunking each costs its whole remaining prompt and the first that does not fit
+  stops admission (a prompt longer than `max_num_tokens`, which can appear after `pause()`
+  folded generated tokens into it, is split anyway since it could never run whole);
+* with chunking the remaining budget is split by the policy; every chunk except a
+  prompt's last is a multiple of `chunk_unit_size` (the KV block size), optionally capped
+  at `max_context_length`, and a request whose chunk comes out as 0 does not run:
+
+  - FIRST_COME_FIRST_SERVED: in order, each request takes
+    `min(remaining, budget_left, max_context_length)`, floored to the unit if truncated;
+  - EQUAL_PROGRESS: rounds of one unit per request until the budget is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from jaxllm.config import ContextChunkingPolicy, _coerce_enum
+from jaxllm.request import LlmRequestState
+from jaxllm.scheduler.base import RequestList
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+_GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
+
+
+@dataclass(frozen=True)
+class ContextChunkingConfig:
+    chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    chunk_unit_size: int = 32  # the KV block size, so chunk boundaries fall on blocks
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunking_policy",
+                           _coerce_enum(ContextChunkingPolicy, self.chunking_policy, "chunking_policy"))
+        if self.chunk_unit_size < 1:
+            raise ValueError(f"chunk_unit_size must be >= 1, got {self.chunk_unit_size}")
+
+
+class MicroBatchScheduler:
+    """Picks the context and generation requests of one forward pass and sets each
+    context request's `context_chunk_size`. Subclass and override `schedule` to change it."""
+
+    def __init__(self, max_batch_size: int, max_num_tokens: Optional[int] = None,
+                 chunking: Optional[ContextChunkingConfig] = None,
+                 *, max_context_length: Optional[int] = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_num_tokens is not None and max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        if max_context_length is not None and max_context_length < 1:
+            raise ValueError(f"max_context_length must be >= 1, got {max_context_length}")
+        if chunking is not None and max_context_length is not None \
+                and max_context_length < chunking.chunk_unit_size:
+            raise ValueError(f"max_context_length ({max_context_length}) is smaller than the chunk "
+                             f"unit ({chunking.chunk_unit_size}): no chunk could ever be scheduled")
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.chunking = chunking
+        self.max_context_length = max_context_length
+
+    def schedule(self, active_requests: RequestList,
+                 inflight_request_ids: Optional[set[int]] = None) -> tuple[RequestList, RequestList]:
+        """Returns `(context_requests, generation_requests)`."""
+        inflight = inflight_request_ids or ()
+        max_batch = self.max_batch_size
+        max_tokens = self.max_num_tokens
+        # Generation requests cost one token each; the first over a limit stops them.
+        gen_limit = max_batch if max_tokens is None else min(max_batch, max_tokens)
+        generation: RequestList = []
+        candidates: RequestList = []
+        gen_open = True
+        for req in active_requests:
+            state = req.state
+            if state is _GENERATION_IN_PROGRESS:
+                if gen_open and not (inflight and req.request_id in inflight):
+                    if len(generation) < gen_limit:
+                        generation.append(req)
+                    else:
+                        gen_open = False
+            elif state is _CONTEXT_INIT:
+                if not (inflight and req.request_id in inflight):
+                    candidates.append(req)
+                    req.context_chunk_size = 0
+        del candidates[max_batch - len(generation):]  # generation goes first
+        # A finished prompt still in CONTEXT_INIT (its token not added yet) has nothing to run.
+        candidates = [r for r in candidates if r.context_current_position < len(r.prompt_token_ids)]
+        budget = None if max_tokens is None else max_tokens - len(generation)
+        if self.chunking is None:
+            context = self._schedule_whole_prompts(candidates, budget)
+        else:
+            context = self._schedule_chunks(candidates, budget)
+        return context, generation
+
+    # ------------------------------------------------------------ internal
+    def _schedule_whole_prompts(self, candidates: RequestList, budget: Optional[int]) -> RequestList:
+        context: RequestList = []
+        for req in candidates:
+            remaining = req.context_remaining_length
+            if budget is not None and remaining > budget:
+                if remaining > self.max_num_tokens and budget > 0:
+                    req.context_chunk_size = budget  # could never run whole: split it
+                    context.append(req)
+                break
+            req.context_chunk_size = remaining
+            context.append(req)
+            if budget is not None:
+                budget -= remaining
+        return context
+
+    def _schedule_chunks(self, candidates: RequestList, budget: Optional[int]) -> RequestList:
+        max_len = self.max_context_length
+        wanted = 0
+        fits_whole = True
+        for req in candidates:
+            remaining = req.context_remaining_length
+            wanted += remaining
+            if max_len is not None and remaining > max_len:
+                fits_whole = False
+        if fits_whole and (budget is None or wanted <= budget):
+            for req in candidates:
+                req.context_chunk_size = req.context_remaining_length
+            return list(candidates)
+        unit = self.chunking.chunk_unit_size
+        if self.chunking.chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
+            self._chunk_equal_progress(candidates, budget, unit)
+        else:
+            self._chunk_first_come_first_served(candidates, budget, unit)
+        return [req for req in candidates if req.context_chunk_size > 0]
+
+    def _chunk_first_come_first_served(self, requests: RequestList, budget: Optional[int],
+                                       unit: int) -> None:
+        max_len = self.max_context_length
+        for req in requests:
+            if budget is not None and budget <= 0:
+                break
+            remaining = req.context_remaining_length
+            size = remaining
+            if budget is not None and size > budget:
+                size = budget
+            if max_len is not None and size > max_len:
+                size = max_len
+            if size < remaining:
+                size -= size % unit
+            req.context_chunk_size = size
+            if budget is not None:
+                budget -= size
+
+    def _chunk_equal_progress(self, requests: RequestList, budget: Optional[int], unit: int) -> None:
+        max_len = self.max_context_length
+        used = 0
+        progressed = True
+        while progressed and (budget is None or used < budget):
+            progressed = False
+            for req in requests:
+                past = req.context_chunk_size
+                remaining = req.context_remaining_length
+                if past >= remaining:
+                    continue
+                size = min(past + unit, remaining)
+                increment = size - past
+                if budget is not None and used + increment > budget:
+                    continue
+                if max_len is not None and size > max_len:
+                    continue
+                req.context_chunk_size = size
+                used += increment
+                progressed = True
