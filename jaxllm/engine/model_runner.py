@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.engine.host_transfer import PackedLayout, pack_to_device, unpack
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from jaxllm.sampling import SamplingTensors, sample
 from jaxllm.step_batch import StepBatch
@@ -28,14 +29,14 @@ from jaxllm.step_batch import StepBatch
 logger = logging.getLogger(__name__)
 
 
-def _step(params, kv_cache, batch: StepBatch, sampling: SamplingTensors, prev_tokens, feed_index,
-          *, model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable):
+def _step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
+          model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable):
+    batch, sampling, feed_index = unpack(inputs, layout)
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
     logits, kv_cache = forward(params, kv_cache, batch, config=model_config,
                                attention_fn=attention_fn, moe_fn=moe_fn)
-    out = sample(logits, sampling)
-    return kv_cache, out
+    return kv_cache, sample(logits, sampling)
 
 
 def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
@@ -79,6 +80,7 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype)
         self._jitted = jax.jit(
             functools.partial(_step, model_config=model_config, attention_fn=attention_fn, moe_fn=moe_fn),
+            static_argnames=("layout",),
             donate_argnums=(1,),
         )
         self._compiled: dict[tuple, Any] = {}
@@ -89,26 +91,23 @@ class ModelRunner:
     def num_compiled_variants(self) -> int:
         return len(self._compiled)
 
-    def _executable(self, args: tuple):
-        """The compiled step for these inputs. A variant is a token bucket plus the sampler's
-        static switches (part of the SamplingTensors pytree structure)."""
-        leaves, treedef = jax.tree_util.tree_flatten(args[2:])
-        key = (treedef, tuple(np.shape(a) for a in leaves))
-        exe = self._compiled.get(key)
+    def _executable(self, args: tuple, layout: PackedLayout):
+        """The compiled step for this input layout: a token bucket plus the sampler's static
+        switches (both are in the layout)."""
+        exe = self._compiled.get(layout)
         if exe is None:
             start = time.perf_counter()
-            exe = self._jitted.lower(*args).compile()
+            exe = self._jitted.lower(*args, layout=layout).compile()
             self.compile_seconds += time.perf_counter() - start
             logger.debug("compiled a step variant in %.2fs", time.perf_counter() - start)
-            self._compiled[key] = exe
+            self._compiled[layout] = exe
         return exe
 
     def execute(self, batch: StepBatch, sampling: SamplingTensors, feed_index: np.ndarray,
                 prev_tokens: jax.Array | None):
         """Dispatch one step; returns the sampler output as device arrays (no host sync)."""
-        batch_dev, sampling_dev, feed_dev = jax.device_put((batch, sampling, feed_index))
+        inputs, layout = pack_to_device((batch, sampling, feed_index))
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
-        args = (self.params, self.kv_cache, batch_dev, sampling_dev, prev, feed_dev)
-        exe = self._executable(args)
-        self.kv_cache, out = exe(*args)
+        args = (self.params, self.kv_cache, inputs, prev)
+        self.kv_cache, out = self._executable(args, layout)(*args)
         return out
