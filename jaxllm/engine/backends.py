@@ -1,6 +1,7 @@
 """Choose the attention and MoE implementations the model step calls.
 
-`xla` is the plain-XLA reference (default off-GPU); `pallas` runs the Pallas kernels,
+`xla` is plain XLA (default off-GPU): the reference attention and a tiled grouped FFN
+that, unlike `jax.lax.ragged_dot`, only computes the rows each expert owns; `pallas` runs the Pallas kernels,
 natively on GPU and in interpret mode elsewhere (slow: for tests).
 """
 
@@ -33,7 +34,7 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
 
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
     else:
-        from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+        from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
 
-        moe_fn = moe_grouped_ffn_reference
+        moe_fn = moe_grouped_ffn_tiled
     return attention_backend, moe_backend, attention_fn, moe_fn
