@@ -1,6 +1,6 @@
 """Choose the attention and MoE implementations the model step calls.
 
-`xla` is plain XLA (default off-GPU): the reference attention and a tiled grouped FFN
+`xla` is plain XLA (default off-GPU): query-tiled paged attention and a tiled grouped FFN
 that, unlike `jax.lax.ragged_dot`, only computes the rows each expert owns; `pallas` runs the Pallas kernels,
 natively on GPU and in interpret mode elsewhere (slow: for tests).
 """
@@ -26,9 +26,9 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
 
         attention_fn = functools.partial(ragged_paged_attention, interpret=not on_gpu)
     else:
-        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+        from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
 
-        attention_fn = ragged_paged_attention_reference
+        attention_fn = ragged_paged_attention_tiled
     if moe_backend == "pallas":
         from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn
 
