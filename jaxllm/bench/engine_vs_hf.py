@@ -63,13 +63,15 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args) -> dict:
               max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
               kv_cache_config=KvCacheConfig(tokens_per_block=32))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[: min(8, len(prompts))], params[:8], use_tqdm=False)  # warm-up compiles
-    llm.engine.reset_timing()
+    llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)  # compile every bucket first
+    llm.generate(prompts[: min(8, len(prompts))], params[:8], use_tqdm=False)
+    llm.executor.call_on_engine(lambda engine: engine.reset_timing())
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    timing = llm.engine.timing
+    timing = llm.executor.call_on_engine(lambda engine: engine.timing)
+    llm.shutdown()
     return dict(seconds=elapsed, tokens=generated, tok_per_s=generated / elapsed, steps=timing.steps,
                 host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
                 host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds, 1e-9))
