@@ -92,6 +92,9 @@ class LLMEngine:
         self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
         kv_cfg = config.kv_cache_config
         tpb = kv_cfg.tokens_per_block
+        if config.enable_chunked_prefill and config.max_num_tokens < tpb:
+            raise ValueError(f"max_num_tokens ({config.max_num_tokens}) must be at least tokens_per_block ({tpb}): "
+                             "prompt chunks are whole blocks, so no prompt could ever start")
         num_blocks = plan_num_kv_blocks(
             model_config=self.model_config, dtype=kv_dtype, tokens_per_block=tpb,
             max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,

@@ -1,0 +1,269 @@
+"""The engine thread: the only thread that touches `LLMEngine`.
+
+Callers talk to it through a command queue and it answers through an event sink, so
+nobody ever blocks the step loop. Each iteration drains commands (without waiting while
+there is work), calls `engine.step()` - which dispatches step N+1 before reading back
+step N, so the device always has the next step queued - and hands the token events of
+the step to the output side in one batch. The loop adds no device syncs of its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from jaxllm.executor.output_processor import ADD, ERROR, TOKENS, OutputSpec, portable_error
+
+logger = logging.getLogger(__name__)
+
+FATAL = 3  # (FATAL, None, exception): the engine failed; every request fails with it
+SHUTDOWN_EVENT = None  # the last item the sink receives
+
+
+@dataclass
+class SequenceRequest:
+    """One engine request: a single sequence of a (possibly n > 1) generation request."""
+
+    rid: int
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    spec: OutputSpec
+    priority: float = 0.0
+    arrival_time: Optional[float] = None
+    deadline: Optional[float] = None  # time.monotonic() after which it finishes with 'timeout'
+
+
+@dataclass
+class LoopTiming:
+    """Where the engine thread's time goes (for the host-overhead benchmark)."""
+
+    iterations: int = 0
+    step_seconds: float = 0.0
+    loop_seconds: float = 0.0
+    events: int = 0
+
+    def as_dict(self) -> dict:
+        it = max(self.iterations, 1)
+        return {"iterations": self.iterations, "mean_step_ms": self.step_seconds / it * 1e3,
+                "mean_iteration_ms": self.loop_seconds / it * 1e3,
+                "mean_outside_step_ms": (self.loop_seconds - self.step_seconds) / it * 1e3}
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: Optional[BaseException] = None
+
+
+class EngineCore:
+    """Runs schedule -> step -> respond on a background thread."""
+
+    def __init__(self, engine: Any, sink: Callable[[Optional[list]], None],
+                 on_stats: Optional[Callable[[dict], None]] = None, *, name: str = "jaxllm-engine") -> None:
+        self.engine = engine
+        self._sink = sink
+        self._on_stats = on_stats
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._deadlines: list[tuple[float, int]] = []
+        # Sequences whose output nobody watches while it grows (no streaming, no stop strings):
+        # rid -> logprobs gathered so far (None when not requested).
+        self._quiet: dict[int, Optional[list]] = {}
+        self.timing = LoopTiming()
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ commands (any thread)
+    def _put(self, command: tuple) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise RuntimeError("the executor is shut down" if self.error is None
+                                   else f"the executor failed and is shut down: {self.error!r}")
+            self._commands.put(command)
+
+    def add(self, requests: list[SequenceRequest]) -> None:
+        self._put(("add", requests))
+
+    def abort(self, rids: list[int], reason: str = "cancelled") -> None:
+        try:
+            self._put(("abort", rids, reason))
+        except RuntimeError:
+            pass  # shutting down: every request is being cancelled anyway
+
+    def call(self, fn: Callable[[Any], Any], timeout: Optional[float] = None) -> Any:
+        """Run `fn(engine)` on the engine thread between steps and return its value."""
+        call = _Call(fn)
+        self._put(("call", call))
+        if not call.done.wait(timeout):
+            raise TimeoutError(f"the engine thread did not answer within {timeout}s")
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def stop(self) -> None:
+        """Cancel every request, free their blocks and end the thread (idempotent)."""
+        with self._lock:
+            if self._accepting:
+                self._accepting = False
+                self._commands.put(("stop",))
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop (engine thread)
+    def _run(self) -> None:
+        engine = self.engine
+        stopping = False
+        try:
+            while not stopping:
+                started = time.perf_counter()
+                events: list[tuple] = []
+                busy = engine.has_unfinished_requests()
+                for command in self._drain(block=not busy):
+                    stopping |= self._handle(command, events)
+                if stopping:
+                    self._cancel_all(events)
+                    self._sink(events)
+                    break
+                if self._deadlines:
+                    self._expire(events)
+                if engine.has_unfinished_requests():
+                    iteration = engine.iteration
+                    step_started = time.perf_counter()
+                    updates = engine.step()
+                    if not engine.active and engine.has_unfinished_requests():
+                        # Only a step of already finished requests is in flight: read it back now,
+                        # so that a caller who sees the last result finish finds the engine idle.
+                        updates += engine.step()
+                    self.timing.step_seconds += time.perf_counter() - step_started
+                    self.timing.iterations += 1
+                    quiet = self._quiet
+                    for u in updates:
+                        request = u.request
+                        rid = request.request_id
+                        if rid in quiet:
+                            if u.new_logprobs and quiet[rid] is not None:
+                                quiet[rid].extend(u.new_logprobs)
+                            if u.finished:
+                                events.append(self._final_event(rid, request, request.finish_reason,
+                                                                getattr(request, "stop_reason", None)))
+                        elif u.finished:
+                            events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None,
+                                           request.finish_reason, getattr(request, "stop_reason", None)))
+                        else:
+                            events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None, None, None))
+                    if self._on_stats is not None and engine.iteration != iteration and engine.iteration_stats:
+                        self._on_stats(engine.iteration_stats[-1])
+                    if not updates and engine.iteration == iteration:
+                        time.sleep(0.0005)  # nothing could be scheduled: do not spin hot
+                if events:
+                    self.timing.events += len(events)
+                    self._sink(events)
+                self.timing.loop_seconds += time.perf_counter() - started
+        except BaseException as exc:  # the engine is in an unknown state: fail everything
+            logger.exception("engine thread failed")
+            self.error = exc
+            self._sink([(FATAL, None, portable_error(exc))])
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._fail_leftover_commands()
+            self._sink(SHUTDOWN_EVENT)
+
+    def _drain(self, block: bool) -> list[tuple]:
+        commands = []
+        try:
+            commands.append(self._commands.get(block=block))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _handle(self, command: tuple, events: list[tuple]) -> bool:
+        kind = command[0]
+        if kind == "add":
+            for seq in command[1]:
+                events.append((ADD, seq.rid, seq.spec))
+                try:
+                    self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,
+                                            priority=seq.priority, arrival_time=seq.arrival_time)
+                except Exception as exc:  # refused: this request fails, the others go on
+                    events.append((ERROR, seq.rid, portable_error(exc)))
+                    continue
+                if seq.deadline is not None:
+                    heapq.heappush(self._deadlines, (seq.deadline, seq.rid))
+                if not (seq.spec.streaming or seq.spec.stop):
+                    # Nobody looks at its partial output: send its tokens once, when it ends.
+                    self._quiet[seq.rid] = [] if seq.spec.return_logprobs else None
+        elif kind == "abort":
+            reason = command[2]
+            for rid in command[1]:
+                request = self.engine.abort_request(rid)
+                if request is not None:
+                    events.append(self._final_event(rid, request, reason, None))
+        elif kind == "call":
+            call = command[1]
+            try:
+                call.value = call.fn(self.engine)
+            except BaseException as exc:
+                call.error = exc
+            call.done.set()
+        elif kind == "stop":
+            return True
+        return False
+
+    def _expire(self, events: list[tuple]) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            request = self.engine.abort_request(rid)
+            if request is not None:
+                events.append(self._final_event(rid, request, "timeout", None))
+
+    def _cancel_all(self, events: list[tuple]) -> None:
+        engine = self.engine
+        for rid in list(engine.active):
+            request = engine.abort_request(rid)
+            if request is not None:
+                events.append(self._final_event(rid, request, "cancelled", None))
+        # Read back the step still in flight so nothing refers to the freed blocks.
+        for _ in range(4):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+
+    def _final_event(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> tuple:
+        """The last event of a sequence; a quiet one carries all its tokens (and logprobs) here."""
+        if rid in self._quiet:
+            logprobs = self._quiet.pop(rid)
+            return (TOKENS, rid, list(request.output_token_ids), logprobs or None, reason, stop_reason)
+        return (TOKENS, rid, [], None, reason, stop_reason)
+
+    def _fail_leftover_commands(self) -> None:
+        error = self.error
+        events = []
+        for command in self._drain(block=False):
+            if command[0] == "add":
+                for seq in command[1]:
+                    events.append((ADD, seq.rid, seq.spec))
+                    events.append((ERROR, seq.rid, error or RuntimeError("the executor is shut down")))
+            elif command[0] == "call":
+                command[1].error = error or RuntimeError("the executor is shut down")
+                command[1].done.set()
+        if events:
+            self._sink(events)

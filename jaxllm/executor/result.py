@@ -1,0 +1,266 @@
+"""`GenerationResult`: the caller's handle on one submitted request.
+
+The executor's output thread pushes deltas in; the caller pulls them out, from a thread
+(`result()`, `for out in result`) or a coroutine (`await aresult()`, `async for`). Deltas
+that arrive while the caller is busy are merged into the next update, so a slow
+consumer sees fewer, larger diffs and never slows the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Optional
+
+from jaxllm.executor.output_processor import Delta
+from jaxllm.executor.request import GenerationRequest
+from jaxllm.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from jaxllm.executor.executor import GenerationExecutor
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_all_done(futures: list[asyncio.Future]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
+
+
+Wakeups = dict  # event loop -> futures to complete there; lets a producer wake many results at once
+
+
+def wake(wakeups: Wakeups) -> None:
+    """Complete the collected futures with one thread-safe call per event loop."""
+    for loop, futures in wakeups.items():
+        try:
+            loop.call_soon_threadsafe(_set_all_done, futures)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
+
+
+class GenerationResult:
+    """A future for one request's `RequestOutput`, and a stream of its updates."""
+
+    def __init__(self, request: GenerationRequest, executor: Optional["GenerationExecutor"] = None) -> None:
+        self.request = request
+        self._executor = executor
+        params = request.sampling_params
+        self._num_seqs = request.num_sequences
+        self._n = params.n
+        self._want_logprobs = params.logprobs is not None
+        self._outputs = [CompletionOutput(index=i, logprobs=[] if self._want_logprobs else None)
+                         for i in range(self._num_seqs)]
+        # Producer side (output thread), guarded by _cond.
+        self._cond = threading.Condition(threading.Lock())
+        self._inbox: list[tuple[int, Delta]] = []
+        self._open_seqs = self._num_seqs
+        self._error: Optional[BaseException] = None
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # Consumer side.
+        self._finished = False
+        self._final: Optional[RequestOutput] = None
+        self._consumer_lock = threading.Lock()
+        self.finished_at: Optional[float] = None
+        # Set by the executor: the engine request ids of the sequences, and how many are running.
+        self._rids: list[int] = []
+        self._open_children = 0
+
+    # ------------------------------------------------------------------ fields
+    @property
+    def request_id(self) -> int:
+        return self.request.id
+
+    @property
+    def prompt(self) -> Optional[str]:
+        return self.request.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def streaming(self) -> bool:
+        return self.request.streaming
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The outputs as seen by the caller so far (the n best once finished)."""
+        return self._final.outputs if self._final is not None else self._outputs[:self._n]
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    # ------------------------------------------------------------------ producer side
+    def _push(self, items: list[tuple[int, Delta]], wakeups: Optional[Wakeups] = None) -> None:
+        """Add deltas. With `wakeups`, async waiters are collected there instead of woken one by one."""
+        with self._cond:
+            self._inbox.extend(items)
+            self._open_seqs -= sum(1 for _, d in items if d.finish_reason is not None)
+            self._notify_locked(wakeups)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None and self._open_seqs > 0:
+                self._error = error
+                self._notify_locked()
+
+    @property
+    def _producer_done(self) -> bool:
+        return self._open_seqs <= 0 or self._error is not None
+
+    def _notify_locked(self, wakeups: Optional[Wakeups] = None) -> None:
+        if self._producer_done:
+            self.finished_at = time.monotonic()
+        self._cond.notify_all()
+        if not self._async_waiters:
+            return
+        waiters, self._async_waiters = self._async_waiters, []
+        if wakeups is not None:
+            for loop, future in waiters:
+                wakeups.setdefault(loop, []).append(future)
+            return
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_set_done, future)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                pass
+
+    # ------------------------------------------------------------------ consumer side
+    def _take_locked(self) -> tuple[list[tuple[int, Delta]], bool]:
+        items, self._inbox = self._inbox, []
+        return items, self._producer_done
+
+    def _merge(self, items: list[tuple[int, Delta]], done: bool) -> Optional[RequestOutput]:
+        """Fold deltas into the outputs; returns the update to hand out (None if nothing new)."""
+        with self._consumer_lock:
+            if self._finished:
+                return None
+            if self._error is not None and done:
+                raise self._error
+            for out in self._outputs:
+                out.text_diff = ""
+                out.token_ids_diff = []
+                out.logprobs_diff = [] if out.logprobs is not None else None
+            for index, delta in items:
+                out = self._outputs[index]
+                out.token_ids.extend(delta.token_ids)
+                out.token_ids_diff.extend(delta.token_ids)
+                out.text += delta.text
+                out.text_diff += delta.text
+                if delta.logprobs is not None and out.logprobs is not None:
+                    out.logprobs.extend(delta.logprobs)
+                    out.logprobs_diff.extend(delta.logprobs)
+                if delta.cumulative_logprob is not None:
+                    out.cumulative_logprob = delta.cumulative_logprob
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+                    out.stop_reason = delta.stop_reason
+            if done:
+                self._finished = True
+                self._final = self._snapshot(final=True)
+                return self._final
+            if not items:
+                return None
+            return self._snapshot(final=False)
+
+    def _snapshot(self, final: bool) -> RequestOutput:
+        outputs = self._outputs
+        if final and self._num_seqs > self._n:
+            # best_of: keep the n sequences with the highest cumulative logprob.
+            outputs = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[:self._n]
+            outputs = [replace(o, index=i) for i, o in enumerate(outputs)]
+            if not self._want_logprobs:
+                for o in outputs:
+                    o.logprobs = o.logprobs_diff = None
+                    o.cumulative_logprob = None
+        else:
+            outputs = outputs[:self._n]
+            if not self._want_logprobs:
+                for o in outputs:
+                    o.cumulative_logprob = None
+        copies = [CompletionOutput(
+            index=o.index, text=o.text, token_ids=list(o.token_ids), cumulative_logprob=o.cumulative_logprob,
+            logprobs=None if o.logprobs is None else list(o.logprobs), finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason, text_diff=o.text_diff, token_ids_diff=o.token_ids_diff,
+            logprobs_diff=o.logprobs_diff) for o in outputs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, copies, finished=final)
+
+    def _next_blocking(self, timeout: Optional[float]) -> Optional[RequestOutput]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while not self._inbox and not self._producer_done:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+                    self._cond.wait(remaining)
+                items, done = self._take_locked()
+            update = self._merge(items, done)
+            if update is not None or self._finished:
+                return update
+
+    async def _next_async(self) -> Optional[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if not self._inbox and not self._producer_done:
+                    future = loop.create_future()
+                    self._async_waiters.append((loop, future))
+                else:
+                    future = None
+                    items, done = self._take_locked()
+            if future is not None:
+                try:
+                    await future
+                except asyncio.CancelledError:
+                    with self._cond:
+                        self._async_waiters = [w for w in self._async_waiters if w[1] is not future]
+                    raise
+                continue
+            update = self._merge(items, done)
+            if update is not None or self._finished:
+                return update
+
+    # ------------------------------------------------------------------ public API
+    def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        """Block until the request finishes; TimeoutError after `timeout` seconds (the request goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._finished:
+            self._next_blocking(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._final
+
+    async def aresult(self, timeout: Optional[float] = None) -> RequestOutput:
+        if timeout is not None:
+            return await asyncio.wait_for(self.aresult(), timeout)
+        while not self._finished:
+            await self._next_async()
+        return self._final
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self._finished:
+            update = self._next_blocking(None)
+            if update is not None and (self.streaming or update.finished):
+                yield update
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self._finished:
+            update = await self._next_async()
+            if update is not None and (self.streaming or update.finished):
+                yield update
+
+    def abort(self) -> None:
+        """Stop generating; the result finishes with 'cancelled' and keeps what it has."""
+        if self._executor is not None and not self._finished:
+            self._executor.abort_request(self.request_id)
+
+    def __repr__(self) -> str:
+        return (f"GenerationResult(request_id={self.request_id}, finished={self._finished}, "
+                f"outputs={self.outputs!r})")

@@ -1,0 +1,144 @@
+"""`LLM`: the offline entry point (`LLM(model).generate(prompts, sampling_params)`).
+
+A thin front on `GenerationExecutor`: the engine runs on the executor's background
+thread, `generate` submits every prompt and waits, `generate_async` returns at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from jaxllm.engine.config import EngineConfig
+from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor
+from jaxllm.executor.result import GenerationResult
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling import SamplingParams
+
+PromptInput = Union[str, Sequence[int]]
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+def _is_single_prompt(inputs) -> bool:
+    return isinstance(inputs, str) or (
+        isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs))
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts with in-flight batching."""
+
+    def __init__(self, model: str, tokenizer: Optional[str] = None, tensor_parallel_size: int = 1,
+                 dtype: str = "auto", **kwargs) -> None:
+        unknown = sorted(set(kwargs) - _ENGINE_FIELDS - set(EXECUTOR_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown argument(s) for LLM: {', '.join(unknown)}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet; use 1")
+        executor_kwargs = {k: kwargs.pop(k) for k in EXECUTOR_FIELDS if k in kwargs}
+        executor_config = ExecutorConfig(**executor_kwargs)
+        engine_config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, **kwargs)
+        self._executor = GenerationExecutor(engine_config, executor_config)
+        self._owns_executor = True
+        self.tokenizer = self._executor.tokenizer
+
+    @classmethod
+    def from_executor(cls, executor: GenerationExecutor) -> "LLM":
+        """An `LLM` over an existing executor (e.g. one that also serves HTTP). An explicit
+        shutdown() ends the executor; merely dropping the `LLM` does not."""
+        llm = cls.__new__(cls)
+        llm._executor = executor
+        llm._owns_executor = False
+        llm.tokenizer = executor.tokenizer
+        return llm
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def executor(self) -> GenerationExecutor:
+        return self._executor
+
+    @property
+    def engine(self):
+        """The engine; it belongs to the executor's thread, so only inspect it while idle."""
+        return self._executor.engine
+
+    def _check_open(self) -> None:
+        if self._executor is None or not self._executor.is_healthy:
+            error = None if self._executor is None else self._executor.error
+            if error is not None:
+                raise RuntimeError(f"the LLM failed and is shut down: {error!r}") from error
+            raise RuntimeError("the LLM is shut down")
+
+    # ----------------------------------------------------------------- inputs
+    def _normalize(self, inputs, sampling_params) -> tuple[list[PromptInput], list[SamplingParams]]:
+        prompts = [inputs] if _is_single_prompt(inputs) else list(inputs)
+        if not prompts:
+            raise ValueError("inputs is empty: pass a prompt or a list of prompts")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        return prompts, params
+
+    # ----------------------------------------------------------------- generate
+    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True) -> Union[RequestOutput, list[RequestOutput]]:
+        """Generate for one prompt (returns one output) or a list (returns a list, same order).
+
+        Every prompt is validated before any is queued, so a bad prompt raises ValueError
+        and leaves the engine untouched.
+        """
+        self._check_open()
+        single = _is_single_prompt(inputs)
+        prompts, params = self._normalize(inputs, sampling_params)
+        results = self._executor.submit_many([self._executor.make_request(p, sp) for p, sp in zip(prompts, params)])
+        outputs = []
+        try:
+            with tqdm(total=len(results), desc="generate", unit="req",
+                      disable=not use_tqdm or len(results) < 2) as bar:
+                for result in results:
+                    outputs.append(result.result())
+                    bar.update(1)
+        except BaseException:
+            for result in results:  # e.g. KeyboardInterrupt: do not leave the batch running
+                result.abort()
+            raise
+        return outputs[0] if single else outputs
+
+    def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
+                       streaming: bool = False, *, priority: float = 0.0,
+                       timeout: Optional[float] = None) -> GenerationResult:
+        """Submit one prompt and return its `GenerationResult` at once (stream it, or await it)."""
+        self._check_open()
+        if not _is_single_prompt(inputs):
+            raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
+        return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout)
+
+    def get_stats(self, timeout: Optional[float] = 2.0) -> list[dict]:
+        """Iteration stats since the previous call, waiting up to `timeout` seconds for one."""
+        self._check_open()
+        return self._executor.get_stats(timeout)
+
+    def shutdown(self) -> None:
+        """Cancel what is still running and stop the background thread (idempotent)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Threads hold the executor, not the LLM: dropping the last LLM reference ends them.
+        try:
+            if getattr(self, "_owns_executor", False):
+                self.shutdown()
+        except Exception:
+            pass
