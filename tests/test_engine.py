@@ -196,3 +196,8 @@ def test_max_utilization_policy_completes_everything(moe_model):
     reference = make_llm(path).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
     assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
+
+
+def test_token_budget_smaller_than_a_block_is_refused(moe_model):
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        make_llm(moe_model[0], max_num_tokens=4)
