@@ -130,7 +130,7 @@ def format_table(summary: dict[str, Any], title: str = "benchmark") -> str:
         dist = summary[key]
         lines.append(f"{label:<14}" + "".join(f"{_fmt(dist[c]):>11}" for c in cols))
     for key, value in summary.get("extra", {}).items():
-        lines.append(f"{key:<20}{value}")
+        lines.append(f"{key:<32}{value}")
     if summary.get("errors"):
         lines.append("errors: " + "; ".join(summary["errors"]))
     return "\n".join(lines)
