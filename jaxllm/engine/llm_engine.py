@@ -64,7 +64,6 @@ class _PendingStep:
     sampler_output: object
     entries: list[tuple[LlmRequest, int, int]]  # (request, row, index in output_token_ids)
     wants_logprobs: bool
-    scheduled_at: float
     stats: dict
 
 
@@ -295,7 +294,7 @@ class LLMEngine:
                 "numCtxTokens": num_ctx_tokens,
             },
         }
-        return _PendingStep(sampler_output, entries, wants_logprobs, time.monotonic(), stats)
+        return _PendingStep(sampler_output, entries, wants_logprobs, stats)
 
     def _process(self, pending: _PendingStep) -> list[RequestUpdate]:
         out = pending.sampler_output
