@@ -13,7 +13,7 @@ query token `i` sits at position `kv_lens[s] - q_len(s) + i` and sees keys at po
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,33 @@ def token_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
     position = kv_lens[seq_id] - q_len[seq_id] + (tok - cu_q_lens[seq_id])
     return seq_id, jnp.where(valid, position, -1), valid
+
+
+def init_online_softmax(rows_shape: tuple[int, ...], head_dim: int):
+    """(running max, denominator, accumulator) before any key has been seen."""
+    return (jnp.full(rows_shape, _MASK_VALUE, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
+            jnp.zeros(rows_shape + (head_dim,), jnp.float32))
+
+
+def online_softmax_update(carry, scores: jax.Array, allowed: jax.Array, weigh_values: Callable, *,
+                          soft_cap: Optional[float]):
+    """Fold one block of keys (`scores[..., keys]`, masked by `allowed`) into the running
+    softmax; `weigh_values(probs)` contracts the probabilities with that block's values."""
+    running_max, denom, acc = carry
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(allowed, scores, _MASK_VALUE)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    probs = jnp.where(allowed, jnp.exp(scores - new_max[..., None]), 0.0)
+    correction = jnp.exp(running_max - new_max)
+    denom = denom * correction + probs.sum(axis=-1)
+    acc = acc * correction[..., None] + weigh_values(probs)
+    return new_max, denom, acc
+
+
+def finish_online_softmax(denom: jax.Array, acc: jax.Array) -> jax.Array:
+    """Normalised output; rows that saw no key come out as zeros."""
+    return jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
 
 
 def ragged_paged_attention_reference(
@@ -67,33 +94,20 @@ def ragged_paged_attention_reference(
     key_offsets = jnp.arange(tokens_per_block, dtype=jnp.int32)
 
     def visit_block(j, carry):
-        running_max, denom, acc = carry
         block_ids = block_tables[seq_id, j]  # [T]
         k = jnp.swapaxes(k_cache[:, block_ids], 0, 1).astype(jnp.float32)  # [T, Hkv, tpb, D]
         v = jnp.swapaxes(v_cache[:, block_ids], 0, 1).astype(jnp.float32)
         scores = jnp.einsum("thgd,thkd->thgk", qg, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
         key_pos = j * tokens_per_block + key_offsets  # [tpb]
         allowed = key_pos[None, :] <= position[:, None]
         if sliding_window is not None:
             allowed &= key_pos[None, :] > position[:, None] - sliding_window
-        allowed = allowed[:, None, None, :]
-        scores = jnp.where(allowed, scores, _MASK_VALUE)
-        new_max = jnp.maximum(running_max, scores.max(axis=-1))
-        probs = jnp.where(allowed, jnp.exp(scores - new_max[..., None]), 0.0)
-        correction = jnp.exp(running_max - new_max)
-        denom = denom * correction + probs.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("thgk,thkd->thgd", probs, v)
-        return new_max, denom, acc
+        return online_softmax_update(carry, scores, allowed[:, None, None, :],
+                                     lambda probs: jnp.einsum("thgk,thkd->thgd", probs, v), soft_cap=soft_cap)
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
+    init = init_online_softmax((num_tokens, num_kv_heads, group), head_dim)
     _, denom, acc = jax.lax.fori_loop(start, stop, visit_block, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
+    out = finish_online_softmax(denom, acc)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 

@@ -15,9 +15,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-
-_MASK_VALUE = -1e30
+from pallas_kernels.ragged_paged_attention.reference import (
+    finish_online_softmax, init_online_softmax, online_softmax_update, ragged_paged_attention_reference)
 
 
 def default_block_q(num_tokens: int, max_seqs: int) -> int:
@@ -76,31 +75,20 @@ def ragged_paged_attention_tiled(
     offsets = jnp.arange(tokens_per_block, dtype=i32)
 
     def visit_block(j, carry):
-        running_max, denom, acc = carry
         blocks = block_tables[seq, j]  # [NT]
         k = jnp.swapaxes(k_cache[:, blocks], 0, 1).astype(jnp.float32)  # [NT, Hkv, tpb, D]
         v = jnp.swapaxes(v_cache[:, blocks], 0, 1).astype(jnp.float32)
         scores = jnp.einsum("tbhgd,thkd->tbhgk", qt, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
         key_pos = j * tokens_per_block + offsets
         allowed = key_pos[None, None, :] <= position[:, :, None]
         if sliding_window is not None:
             allowed &= key_pos[None, None, :] > position[:, :, None] - sliding_window
-        allowed = allowed[:, :, None, None, :]
-        scores = jnp.where(allowed, scores, _MASK_VALUE)
-        new_max = jnp.maximum(running_max, scores.max(axis=-1))
-        probs = jnp.where(allowed, jnp.exp(scores - new_max[..., None]), 0.0)
-        correction = jnp.exp(running_max - new_max)
-        denom = denom * correction + probs.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tbhgk,thkd->tbhgd", probs, v)
-        return new_max, denom, acc
+        return online_softmax_update(carry, scores, allowed[:, :, None, None, :],
+                                     lambda probs: jnp.einsum("tbhgk,thkd->tbhgd", probs, v), soft_cap=soft_cap)
 
-    shape = (max_tiles, bq, num_kv_heads, group)
-    init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (head_dim,), jnp.float32))
+    init = init_online_softmax((max_tiles, bq, num_kv_heads, group), head_dim)
     _, denom, acc = jax.lax.fori_loop(first_block, jnp.minimum(last_block + 1, max_blocks), visit_block, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
+    out = finish_online_softmax(denom, acc)
     out = out.reshape(max_tiles * bq, num_q_heads, head_dim).astype(q.dtype)
     dest = jnp.where(token_valid, token, num_tokens).reshape(-1)
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")
