@@ -314,9 +314,12 @@ class LLMEngine:
             update = RequestUpdate(request, [token])
             params = request.sampling_params
             if params.logprobs is not None:
-                entry = {token: Logprob(float(chosen_lp[row]))}
-                for rank in range(params.logprobs):
-                    entry.setdefault(int(top_ids[row, rank]), Logprob(float(top_lps[row, rank]), rank + 1))
+                # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
+                # when it is not among them.
+                entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
+                         for rank in range(params.logprobs)}
+                if token not in entry:
+                    entry[token] = Logprob(float(chosen_lp[row]))
                 update.new_logprobs.append(entry)
                 request.cumulative_logprob = getattr(request, "cumulative_logprob", 0.0) + float(chosen_lp[row])
             reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
