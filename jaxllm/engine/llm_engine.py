@@ -27,6 +27,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.models import is_preset, load_model_config, load_params, materialize_preset
+from jaxllm.models.resolve import resolve_dtype
 from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
 from jaxllm.sampling import (MAX_LOGPROBS, SamplingParams, SamplingTensors, check_stop, resolve_end_ids,
@@ -68,19 +69,17 @@ class _PendingStep:
 
 
 def resolve_model_dir(model: str) -> Path:
-    if is_preset(model):
-        return materialize_preset(model)
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r} is neither a built-in preset nor a directory with config.json")
-    return path
+    """Preset, downloadable name, .gguf file, model directory or Hub id -> local model directory."""
+    from jaxllm.models.resolve import resolve_model
+
+    return resolve_model(model)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = resolve_model_dir(config.model)
-        dtype = None if config.dtype == "auto" else config.dtype
+        dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
         self.model_config = load_model_config(model_dir, dtype=dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids)

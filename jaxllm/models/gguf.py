@@ -1,0 +1,288 @@
+"""Convert a llama.cpp GGUF file into a Hugging Face model directory the loader reads.
+
+A GGUF file holds (possibly quantized) tensors under llama.cpp's names plus metadata under
+llama.cpp's keys. `convert_gguf` writes what a Hugging Face checkpoint would hold instead:
+`config.json`, `generation_config.json`, `model.safetensors` (dequantized by the `gguf`
+library) and the tokenizer (built by transformers' GGUF tokenizer converters, with the chat
+template from the metadata). The engine then loads the directory through the ordinary
+safetensors loader, so GGUF adds no second loading path.
+
+llama.cpp stores the q/k projections of Llama-family attention with each head's rows
+interleaved for its RoPE kernel (`convert_hf_to_gguf.py`'s `permute`); they are put back in
+the Hugging Face order here. Qwen2/Qwen3 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> Hugging Face architecture; Llama files with experts are Mixtral.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+# Metadata arrays only the tokenizer needs; every other array is small.
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.merges")
+# Per-layer tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Expert tensors: stacked [E, out, in] (`ffn_gate_exps`) or, in older files, one per expert (`ffn_gate.3`).
+_EXPERT_PROJ = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$")
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every metadata value as a Python value (strings decoded, arrays as lists)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _open(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # declared dependency; only a broken install lands here
+        raise ValueError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The `config.json` a Hugging Face checkpoint of this file would carry."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("unsupported GGUF with a rope_freqs tensor (Llama-3.1-style RoPE scaling); "
+                         "load the Hugging Face checkpoint instead")
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None and required:
+            raise ValueError(f"GGUF metadata is missing {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length", required=True))
+    heads = int(key("attention.head_count", required=True))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise ValueError("unsupported GGUF with a per-layer attention.head_count_kv")
+    experts = int(key("expert_count", 0) or 0)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ValueError("GGUF metadata names no vocabulary size (no llama.vocab_size, no tokenizer.ggml.tokens)")
+    architecture = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and experts:
+        architecture = "MixtralForCausalLM"
+    model_type = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", 0) or 0),
+        "num_hidden_layers": int(key("block_count", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 1000000.0 if model_type == "mixtral" else 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": any(name.endswith("attn_q.bias") for name in tensor_names),
+        "torch_dtype": _checkpoint_dtype(meta),
+    }
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"unsupported GGUF rope.scaling.type {scaling!r} (only 'linear')")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    if experts:
+        config["num_experts_per_tok"] = int(key("expert_used_count", required=True))
+        if model_type == "mixtral":
+            config["num_local_experts"] = experts
+        else:
+            config["num_experts"] = experts
+            config["moe_intermediate_size"] = int(key("expert_feed_forward_length", required=True))
+            # llama.cpp's qwen3moe graph always renormalises the top-k weights.
+            config["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    for name, meta_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                           ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                           ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+        if meta.get(meta_key) is not None:
+            config[name] = int(meta[meta_key])
+    return config
+
+
+def _checkpoint_dtype(meta: dict[str, Any]) -> str:
+    """The dtype to compute in on GPU: the file's float type, bfloat16 for quantized files."""
+    file_type = meta.get("general.file_type")  # llama_ftype: 0 = all F32, 1 = mostly F16, 32 = mostly BF16
+    return {0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16")
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's RoPE row interleave of a q/k projection (rows are heads * head_dim)."""
+    shape = weight.shape
+    half = shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def hf_tensors(reader, config: dict[str, Any], progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, dequantized array in HF layout) for every tensor of the file."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    permute = config["model_type"] in ("llama", "mixtral")
+    mixtral = config["model_type"] == "mixtral"
+    unknown: list[str] = []
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
+        name = tensor.name
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        array = np.asarray(dequantize(tensor.data, qtype))
+        array = array.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float32, copy=False)
+        if name in _GLOBAL_TENSORS:
+            yield _GLOBAL_TENSORS[name], array
+            continue
+        match = _LAYER_RE.match(name)
+        if match is None:
+            unknown.append(name)
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        prefix = f"model.layers.{layer}."
+        if rest in _LAYER_TENSORS:
+            if permute and rest.startswith(("attn_q.", "attn_k.")):
+                heads = config["num_attention_heads"] if rest.startswith("attn_q") else config["num_key_value_heads"]
+                array = _unpermute(array, heads)
+            yield prefix + _LAYER_TENSORS[rest], array
+        elif rest == "ffn_gate_inp.weight":
+            yield prefix + ("block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"), array
+        elif (expert := _EXPERT_RE.match(rest)) is not None:
+            qwen_name, mixtral_name = _EXPERT_PROJ[expert.group(1)]
+            block = "block_sparse_moe" if mixtral else "mlp"
+            proj = mixtral_name if mixtral else qwen_name
+            if expert.group(2) is not None:
+                yield f"{prefix}{block}.experts.{int(expert.group(2))}.{proj}.weight", array
+            else:
+                for e in range(array.shape[0]):
+                    yield f"{prefix}{block}.experts.{e}.{proj}.weight", np.ascontiguousarray(array[e])
+        else:
+            unknown.append(name)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" ... ({len(unknown)} in all)" if len(unknown) > 8 else "")
+        raise ValueError(f"GGUF tensors this converter does not know: {shown}")
+
+
+def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
+    """The metadata transformers' GGUF tokenizer converters read, under their names."""
+    keys = {"model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
+            "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
+            "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+            "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space"}
+    return {ours: meta[f"tokenizer.ggml.{gguf}"] for gguf, ours in keys.items() if f"tokenizer.ggml.{gguf}" in meta}
+
+
+def _convert_tokenizer(architecture: str, tokenizer_dict: dict[str, Any]):
+    try:  # transformers >= 5
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # transformers 4.x
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return backend
+
+
+def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (with the file's chat template) from the metadata."""
+    from tokenizers import pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    info = _tokenizer_dict(meta)
+    if "tokens" not in info:
+        raise ValueError("GGUF file carries no tokenizer (no tokenizer.ggml.tokens); pass --tokenizer DIR")
+    try:
+        backend = _convert_tokenizer(meta.get("general.architecture", ""), info)
+    except (ValueError, KeyError, ImportError) as exc:
+        raise ValueError(f"could not build a tokenizer from the GGUF metadata "
+                         f"(tokenizer.ggml.model={info.get('tokenizer_type')!r}): {exc}") from exc
+    if info.get("pre_tokenizer_type") == "smollm":
+        # llama.cpp's 'smollm' pre-tokenizer: single digits, then GPT-2's split (SmolLM's tokenizer.json).
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokens = info["tokens"]
+
+    def token(id_key: str) -> Optional[str]:
+        index = info.get(id_key)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token("bos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", info.get("tokenizer_type") == "llama")
+    if add_bos and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, info["bos_token_id"])])
+    kwargs: dict[str, Any] = dict(tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"),
+                                  unk_token=token("unk_token_id"), pad_token=token("pad_token_id"),
+                                  clean_up_tokenization_spaces=False)
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        kwargs["chat_template"] = template
+    tokenizer = PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`."""
+    from safetensors.numpy import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    reader = _open(gguf_path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = hf_config_from_gguf(meta, names)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = dict(hf_tensors(reader, config, progress=progress))
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    write_tokenizer(meta, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return out_dir
