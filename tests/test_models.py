@@ -250,7 +250,7 @@ def test_kv_cache_layout_and_size(loaded):
     config = loaded("qwen3").config
     cache = init_kv_cache(config, 6, 4, jnp.bfloat16)
     assert len(cache) == config.num_layers
-    assert cache[0][0].shape == (config.num_kv_heads, 6, 4, config.head_dim) and cache[0][1].dtype == jnp.bfloat16
+    assert cache[0].k.shape == (config.num_kv_heads, 6, 4, config.head_dim) and cache[0].v.dtype == jnp.bfloat16
     assert kv_cache_bytes_per_token(config, "bfloat16") == 2 * config.num_layers * config.num_kv_heads * 16 * 2
 
 

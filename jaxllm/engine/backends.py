@@ -21,14 +21,10 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
     on_gpu = default_platform() in ("gpu", "cuda", "rocm")
     attention_backend = attention_backend or ("pallas" if on_gpu else "xla")
     moe_backend = moe_backend or ("pallas" if on_gpu else "xla")
-    if attention_backend == "pallas":
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    # Attention backends take (q, layer cache, AttentionMetadata); see jaxllm.models.attention.
+    from jaxllm.models.attention import pallas_attention, xla_attention
 
-        attention_fn = functools.partial(ragged_paged_attention, interpret=not on_gpu)
-    else:
-        from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
-
-        attention_fn = ragged_paged_attention_tiled
+    attention_fn = pallas_attention(interpret=not on_gpu) if attention_backend == "pallas" else xla_attention()
     if moe_backend == "pallas":
         from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn
 

@@ -1,4 +1,4 @@
-"""Hugging Face decoder architectures in JAX: config, checkpoint loading, forward pass, presets."""
+"""Hugging Face decoder architectures in JAX: config, weight declaration, loading, forward pass, presets."""
 
 from jaxllm.models.config import ModelConfig, RopeScaling, load_model_config
 from jaxllm.models.decoder import (
@@ -9,10 +9,11 @@ from jaxllm.models.decoder import (
     forward_all_logits,
     init_kv_cache,
     kv_cache_bytes_per_token,
-    param_shapes,
+    kv_cache_spec,
 )
-from jaxllm.models.loader import load_params
+from jaxllm.models.loader import load_params, param_shardings
 from jaxllm.models.presets import is_preset, materialize_preset
+from jaxllm.models.weights import declare_weights, param_bytes, param_shapes, partition_specs
 
 __all__ = [
     "KVCache",
@@ -20,13 +21,18 @@ __all__ = [
     "Params",
     "RopeScaling",
     "compute_logits",
+    "declare_weights",
     "forward",
     "forward_all_logits",
     "init_kv_cache",
     "is_preset",
     "kv_cache_bytes_per_token",
+    "kv_cache_spec",
     "load_model_config",
     "load_params",
     "materialize_preset",
+    "param_bytes",
     "param_shapes",
+    "param_shardings",
+    "partition_specs",
 ]

@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import ml_dtypes
+import numpy as np
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -33,7 +36,15 @@ _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
 }
 
+_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                 "float16": np.dtype(np.float16)}
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype of a dtype spelling (jax accepts these, bfloat16 included, as its own)."""
+    return _NUMPY_DTYPES[normalize_dtype(dtype)]
 
 
 def normalize_dtype(dtype: Any) -> str:

@@ -2,20 +2,19 @@
 
 One implementation covers Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral: they differ only in
 flags of `ModelConfig` (q/k norm, q/k/v biases, sparse layers, RoPE scaling, window).
-Parameters are a plain pytree passed to the step as an argument:
-
-    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
-    layers[i]: attn_norm [H], mlp_norm [H],
-      attn: q [H, Hq, D], k [H, Hkv, D], v [H, Hkv, D], o [Hq, D, H]
-            (+ q_bias [Hq, D], k_bias / v_bias [Hkv, D] with attention_bias;
-               o_bias [H] with o_proj_bias; q_norm / k_norm [D] with qk_norm)
-      mlp:  gate [H, I], up [H, I], down [I, H]                  (dense layers)
-      moe:  router [H, E], w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H]  (sparse layers)
+Parameters are a plain pytree passed to the step as an argument; its layout, shapes and
+logical axes are declared once in `jaxllm.models.weights`.
 
 Attention and the grouped expert FFN are passed in as functions so kernel backends plug
-in without touching the model. The KV cache is a per-layer list built by
-`init_kv_cache`, so a model with another cache layout only changes that function and
-its attention block.
+in without touching the model; the KV cache is a per-layer list of the pytrees a
+`KvCacheSpec` builds (`kv_cache_spec`), written through the spec and read only by the
+attention backend.
+
+Tensor parallelism: given a `mesh`, the weights arrive sharded (see `sharding.rules`),
+XLA partitions the dense einsums from those shardings (q/k/v and gate/up split by
+column, o and down by row, followed by an all-reduce), and the kernels, which XLA
+cannot partition, run under shard_map (`sharding.kernels`): attention and the KV write
+per device on its heads, the expert FFN on its columns with a psum.
 """
 
 from __future__ import annotations
@@ -25,68 +24,48 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelConfig, normalize_dtype
+from jaxllm.kv_cache.spec import MhaKvCacheSpec, MhaLayerCache
+from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
+from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from jaxllm.models.weights import Params, param_shapes  # noqa: F401  (re-exported)
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference, write_kv
+from sharding.kernels import shard_attention, shard_kv_write, shard_moe
+from sharding.mesh import tensor_parallel_size
+from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
 
-Params = dict[str, Any]
-KVCache = list[tuple[jax.Array, jax.Array]]
-AttentionFn = Callable[..., jax.Array]
-
-_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def jnp_dtype(dtype: Any) -> Any:
-    return _JNP_DTYPES[normalize_dtype(dtype)]
+KVCache = list[MhaLayerCache]
+_REFERENCE_ATTENTION = reference_attention()
 
 
-def param_shapes(config: ModelConfig, dtype: Any = None) -> Params:
-    """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout `load_params` produces."""
-    c = config
-    dt = jnp_dtype(dtype or c.dtype)
-    h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-
-    def s(*shape: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dt)
-
-    layers = []
-    for i in range(c.num_layers):
-        attn = {"q": s(h, hq, d), "k": s(h, hkv, d), "v": s(h, hkv, d), "o": s(hq, d, h)}
-        if c.attention_bias:
-            attn.update(q_bias=s(hq, d), k_bias=s(hkv, d), v_bias=s(hkv, d))
-        if c.o_proj_bias:
-            attn["o_bias"] = s(h)
-        if c.qk_norm:
-            attn.update(q_norm=s(d), k_norm=s(d))
-        layer = {"attn_norm": s(h), "attn": attn, "mlp_norm": s(h)}
-        if c.is_moe_layer(i):
-            e, inter = c.num_experts, c.moe_intermediate_size
-            layer["moe"] = {"router": s(h, e), "w_gate": s(e, h, inter), "w_up": s(e, h, inter),
-                            "w_down": s(e, inter, h)}
-        else:
-            inter = c.intermediate_size
-            layer["mlp"] = {"gate": s(h, inter), "up": s(h, inter), "down": s(inter, h)}
-        layers.append(layer)
-    params: Params = {"embed": s(c.vocab_size, h), "layers": layers, "final_norm": s(h)}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = s(h, c.vocab_size)
-    return params
+def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> MhaKvCacheSpec:
+    """The cache layout of `config`'s attention (every supported architecture is MHA/GQA)."""
+    return MhaKvCacheSpec(config.num_layers, config.num_kv_heads * kv_replicas, config.head_dim,
+                          str(numpy_dtype(dtype or config.dtype)))
 
 
-def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any) -> KVCache:
-    """Per layer (k, v), each [num_kv_heads, num_blocks, tokens_per_block, head_dim], zeroed."""
-    shape = (config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
-    dt = jnp_dtype(dtype)
-    return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(config.num_layers)]
+def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
+                  mesh: Optional[jax.sharding.Mesh] = None) -> KVCache:
+    """Per-layer zeroed caches (sharded by KV head over `mesh`, when given)."""
+    replicas = 1 if mesh is None else kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
+    rules = None if mesh is None else _rules(config, mesh)
+    return kv_cache_spec(config, dtype, replicas).init(num_blocks, tokens_per_block, mesh, rules)
 
 
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    itemsize = jnp.dtype(jnp_dtype(dtype)).itemsize
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: Optional[jax.sharding.Mesh] = None) -> int:
+    """Bytes of cache one token occupies across all layers on one device."""
+    if mesh is None:
+        return kv_cache_spec(config, dtype).bytes_per_token()
+    tp = tensor_parallel_size(mesh)
+    return kv_cache_spec(config, dtype, kv_head_replicas(config.num_kv_heads, tp)).bytes_per_token(tp)
+
+
+def _rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
+    from jaxllm.models.loader import rules_for
+
+    return rules_for(config, mesh)
 
 
 def _precision(config: ModelConfig) -> Optional[jax.lax.Precision]:
@@ -101,9 +80,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def _attention(x: jax.Array, p: dict, cache: tuple[jax.Array, jax.Array], batch: StepBatch,
-               cos: jax.Array, sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadata, cos: jax.Array,
+               sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn, write_fn: Callable
+               ) -> tuple[jax.Array, MhaLayerCache]:
     prec = _precision(config)
     q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = jnp.einsum("th,hnd->tnd", x, p["k"], precision=prec)
@@ -114,14 +93,12 @@ def _attention(x: jax.Array, p: dict, cache: tuple[jax.Array, jax.Array], batch:
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = write_kv(cache[0], cache[1], k, v, batch.slot_mapping)
-    window = {} if config.sliding_window is None else {"sliding_window": config.sliding_window}
-    out = attention_fn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
-                       batch.num_seqs, sm_scale=config.head_dim ** -0.5, **window)
+    cache = write_fn(cache, (k, v), md.slot_mapping)
+    out = attention_fn(q, cache, md, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
     y = jnp.einsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
     if config.o_proj_bias:
         y = y + p["o_bias"]
-    return y, (k_cache, v_cache)
+    return y, cache
 
 
 def _mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
@@ -131,12 +108,29 @@ def _mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
     return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=prec)
 
 
+def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn,
+              mesh: Optional[jax.sharding.Mesh]) -> tuple[AttentionFn, Callable, MoeFn]:
+    """The attention, KV-write and MoE functions of one step; under a mesh, wrapped in shard_map."""
+    spec = kv_cache_spec(config, kv_cache[0].k.dtype, kv_cache[0].k.shape[0] // config.num_kv_heads)
+    if mesh is None:
+        return attention_fn, spec.write, moe_fn
+    rules = _rules(config, mesh)
+    cache_spec = spec.partition_spec(rules)
+    entry_spec = logical_to_physical(("tokens", "kv_heads", "head_dim"), rules)
+    return (shard_attention(attention_fn, mesh, rules, cache_spec),
+            shard_kv_write(spec.write, mesh, rules, cache_spec, (entry_spec, entry_spec)),
+            shard_moe(moe_fn, mesh, rules))
+
+
 def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                  attention_fn: AttentionFn = ragged_paged_attention_reference,
-                  moe_fn: MoeFn = moe_grouped_ffn_reference) -> tuple[jax.Array, KVCache]:
+                  attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+                  moe_fn: MoeFn = moe_grouped_ffn_reference,
+                  mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
     """Embedding and all decoder layers: the residual stream [T, H] (before the final norm)."""
     if len(kv_cache) != config.num_layers:
         raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
+    attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
+    md = AttentionMetadata.from_batch(batch)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), x.dtype)
     num_tokens = batch.token_ids.shape[0]
@@ -144,7 +138,8 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
     new_cache: KVCache = []
     for i, (layer, cache) in enumerate(zip(params["layers"], kv_cache)):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        h, cache = _attention(h, layer["attn"], cache, batch, cos, sin, config=config, attention_fn=attention_fn)
+        h, cache = _attention(h, layer["attn"], cache, md, cos, sin, config=config, attention_fn=attention_fn,
+                              write_fn=write_fn)
         new_cache.append(cache)
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
@@ -165,18 +160,18 @@ def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> 
 
 
 def forward(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-            attention_fn: AttentionFn = ragged_paged_attention_reference,
-            moe_fn: MoeFn = moe_grouped_ffn_reference) -> tuple[jax.Array, KVCache]:
+            attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
+            mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
     """One engine step: float32 logits [S, V] at `batch.logits_indices`, and the updated cache."""
     residual, kv_cache = decode_layers(params, kv_cache, batch, config=config,
-                                       attention_fn=attention_fn, moe_fn=moe_fn)
+                                       attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache
 
 
 def forward_all_logits(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                       attention_fn: AttentionFn = ragged_paged_attention_reference,
-                       moe_fn: MoeFn = moe_grouped_ffn_reference) -> tuple[jax.Array, KVCache]:
+                       attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
+                       mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
     """Like `forward` but float32 logits for every token slot [T, V] (prompt scoring, tests)."""
     residual, kv_cache = decode_layers(params, kv_cache, batch, config=config,
-                                       attention_fn=attention_fn, moe_fn=moe_fn)
+                                       attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
     return compute_logits(params, residual, config), kv_cache

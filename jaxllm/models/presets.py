@@ -4,8 +4,8 @@ A preset is materialised once as an ordinary Hugging Face model directory (confi
 model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
 generation_config.json), so the engine loads it through the same path as any real
 checkpoint and transformers can load it as the reference. Weights are fixed-seed
-random numbers written with numpy + safetensors; the tokenizer is a byte-level BPE
-trained offline on a small built-in English text, so any UTF-8 text round-trips.
+random numbers from the weight declaration (`weights.random_checkpoint`); the tokenizer
+is a byte-level BPE trained offline on a small built-in English text, so any UTF-8 text round-trips.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.weights import random_checkpoint
 
 # Bump when anything a preset writes changes, so stale cached copies are rebuilt.
-_PRESET_VERSION = 1
+_PRESET_VERSION = 2
 _MARKER = "jaxllm_preset.json"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _TOKENIZER_VOCAB = 1024
@@ -166,55 +167,6 @@ def _write_tokenizer(directory: Path, max_length: int) -> dict[str, int]:
     return {"vocab_size": tokenizer.get_vocab_size(), **ids}
 
 
-def _random_weights(hf: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    """Fixed-seed weights in HF layout, scaled so activations and logits are not degenerate."""
-    rng = np.random.default_rng(seed)
-    h, d = hf["hidden_size"], hf["head_dim"]
-    hq, hkv, vocab = hf["num_attention_heads"], hf["num_key_value_heads"], hf["vocab_size"]
-
-    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
-
-    def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
-        return normal((out_features, in_features), gain / np.sqrt(in_features))
-
-    w = {"model.embed_tokens.weight": normal((vocab, h), 1.0), "model.norm.weight": norm(h)}
-    if not hf["tie_word_embeddings"]:
-        w["lm_head.weight"] = linear(vocab, h, 3.0)
-    num_experts = hf.get("num_experts", 0)
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        w[f"{p}.input_layernorm.weight"] = norm(h)
-        w[f"{p}.post_attention_layernorm.weight"] = norm(h)
-        w[f"{p}.self_attn.q_proj.weight"] = linear(hq * d, h)
-        w[f"{p}.self_attn.k_proj.weight"] = linear(hkv * d, h)
-        w[f"{p}.self_attn.v_proj.weight"] = linear(hkv * d, h)
-        w[f"{p}.self_attn.o_proj.weight"] = linear(h, hq * d)
-        w[f"{p}.self_attn.q_norm.weight"] = norm(d)
-        w[f"{p}.self_attn.k_norm.weight"] = norm(d)
-        sparse = (num_experts and i not in hf.get("mlp_only_layers", [])
-                  and (i + 1) % hf.get("decoder_sparse_step", 1) == 0)
-        if sparse:
-            inter = hf["moe_intermediate_size"]
-            w[f"{p}.mlp.gate.weight"] = linear(num_experts, h, 2.0)
-            for e in range(num_experts):
-                w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = linear(inter, h)
-                w[f"{p}.mlp.experts.{e}.up_proj.weight"] = linear(inter, h)
-                w[f"{p}.mlp.experts.{e}.down_proj.weight"] = linear(h, inter)
-        else:
-            inter = hf["intermediate_size"]
-            w[f"{p}.mlp.gate_proj.weight"] = linear(inter, h)
-            w[f"{p}.mlp.up_proj.weight"] = linear(inter, h)
-            w[f"{p}.mlp.down_proj.weight"] = linear(h, inter)
-    if hf["tie_word_embeddings"]:
-        # Tied output projection: keep logits in a useful range by shrinking the shared table.
-        w["model.embed_tokens.weight"] *= np.float32(3.0 / np.sqrt(h))
-    return w
-
-
 def _build(preset: _Preset, directory: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -228,4 +180,5 @@ def _build(preset: _Preset, directory: Path) -> None:
         "eos_token_id": [tok["<|im_end|>"], tok["<|endoftext|>"]],
         "pad_token_id": tok["<|endoftext|>"],
     }, indent=2))
-    save_file(_random_weights(hf, preset.seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_checkpoint(ModelConfig.from_hf_config(hf), preset.seed)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

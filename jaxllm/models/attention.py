@@ -1,0 +1,68 @@
+"""Attention backends behind one signature: `attention_fn(q, cache, metadata, *, sm_scale, sliding_window)`.
+
+`AttentionMetadata` carries everything a paged attention kernel needs to know about the
+step's ragged batch (a registered dataclass, so it passes through jit and shard_map as
+one pytree). The backends here adapt the kernels in `pallas_kernels/` (which keep their
+plain array arguments, so they stay usable without jaxllm) to the layer cache of a
+`KvCacheSpec`. Under tensor parallelism `sharding.kernels.shard_attention` wraps any of
+them in shard_map: each device runs the kernel on its own heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import jax
+
+from jaxllm.kv_cache.spec import MhaLayerCache
+from jaxllm.step_batch import StepBatch
+
+AttentionFn = Callable[..., jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AttentionMetadata:
+    """The ragged batch as attention sees it (shapes as in `StepBatch`)."""
+
+    slot_mapping: jax.Array  # int32[T] cache slot each new token's K/V is written to
+    kv_lens: jax.Array  # int32[S] KV length of each sequence after this step
+    block_tables: jax.Array  # int32[S, MB]
+    cu_q_lens: jax.Array  # int32[S + 1]
+    num_seqs: jax.Array  # int32[1]
+
+    @classmethod
+    def from_batch(cls, batch: StepBatch) -> "AttentionMetadata":
+        return cls(batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
+
+
+def _mha(kernel: Callable) -> AttentionFn:
+    """An MHA-cache backend from a kernel taking (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs)."""
+
+    def attention(q: jax.Array, cache: MhaLayerCache, md: AttentionMetadata, *, sm_scale: float,
+                  sliding_window: Optional[int] = None) -> jax.Array:
+        return kernel(q, cache.k, cache.v, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+                      sm_scale=sm_scale, sliding_window=sliding_window)
+
+    attention.__name__ = f"mha_{getattr(kernel, '__name__', 'attention')}"
+    return attention
+
+
+def reference_attention() -> AttentionFn:
+    from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+    return _mha(ragged_paged_attention_reference)
+
+
+def xla_attention() -> AttentionFn:
+    from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
+
+    return _mha(ragged_paged_attention_tiled)
+
+
+def pallas_attention(interpret: bool) -> AttentionFn:
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    return _mha(functools.partial(ragged_paged_attention, interpret=interpret))

@@ -1,0 +1,111 @@
+"""A converted checkpoint format (orbax) that restores straight into the target sharding.
+
+`convert_checkpoint` reads a Hugging Face directory once (layout changes, stacking of
+experts, dtype cast) and writes the parameter pytree with orbax-checkpoint next to the
+config and tokenizer files. Restoring reads each device's shard directly from the
+tensorstore files into its sharding, with none of the per-tensor transforms: the fast
+path for restarting a large model. The stored KV heads are never replicated; when the
+mesh needs replicas (fewer KV heads than tensor-parallel ranks) k/v are restored
+replicated and repeated on device.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models.config import ModelConfig, load_model_config, numpy_dtype
+from jaxllm.models.weights import Params, build_tree, declare_weights
+from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
+from sharding.mesh import tensor_parallel_size
+
+_MARKER = "jaxllm_converted.json"
+_PARAMS_DIR = "params"
+_FORMAT_VERSION = 1
+# Files copied from the source directory so the converted one is a complete model directory.
+_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def is_converted(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / _MARKER).is_file()
+
+
+def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: Optional[str] = None) -> Path:
+    """Write `model_dir`'s weights (cast to `dtype`, default the config's) as an orbax checkpoint."""
+    import orbax.checkpoint as ocp
+
+    from jaxllm.models.loader import load_params
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir).absolute()
+    if is_converted(model_dir):
+        raise ValueError(f"{model_dir} is already a converted checkpoint")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise ValueError(f"output directory {output_dir} exists and is not empty")
+    config = load_model_config(model_dir, dtype)
+    params = load_params(model_dir, config)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(output_dir / _PARAMS_DIR, params)
+    checkpointer.wait_until_finished()
+    for name in _SIDE_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, output_dir / name)
+    (output_dir / _MARKER).write_text(json.dumps({"version": _FORMAT_VERSION, "dtype": config.dtype}))
+    return output_dir
+
+
+def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *,
+                      mesh: jax.sharding.Mesh, rules: ShardingRules) -> Params:
+    """The parameters of a converted directory, each restored directly into its sharding."""
+    import orbax.checkpoint as ocp
+
+    model_dir = Path(model_dir).absolute()
+    marker = json.loads((model_dir / _MARKER).read_text())
+    if marker.get("version") != _FORMAT_VERSION:
+        raise ValueError(f"{model_dir} was converted by an incompatible version ({marker.get('version')})")
+    np_dtype = numpy_dtype(dtype or config.dtype)
+    replicas = kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
+    stored, final = declare_weights(config, 1), declare_weights(config, replicas)
+    targets = []
+    for before, after in zip(stored, final):
+        repeated = before.shape != after.shape
+        # Leaves whose KV heads get repeated are restored replicated over the KV-head axis.
+        axes = tuple(None if repeated and a == "kv_heads" else a for a in before.axes)
+        sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(axes, rules))
+        targets.append((before.path, jax.ShapeDtypeStruct(before.shape, np_dtype, sharding=sharding)))
+    restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
+    if replicas == 1:
+        return restored
+    leaves = []
+    flat = dict(zip((w.path for w in stored), _leaves_in_order(restored, stored)))
+    for before, after in zip(stored, final):
+        value = flat[before.path]
+        if before.shape != after.shape:
+            axis = before.axes.index("kv_heads")
+            sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(after.axes, rules))
+            value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis), out_shardings=sharding)(value)
+        leaves.append((after.path, value))
+    return build_tree(leaves)
+
+
+def _leaves_in_order(tree: Params, decls) -> list:
+    out = []
+    for w in decls:
+        node = tree
+        for key in w.path:
+            node = node[key]
+        out.append(node)
+    return out
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    return int(sum(p.stat().st_size for p in Path(model_dir).rglob("*") if p.is_file()))
+
+
+__all__ = ["checkpoint_bytes", "convert_checkpoint", "is_converted", "restore_converted"]

@@ -1,0 +1,333 @@
+"""The one declaration of a decoder's weights, from which everything else is derived.
+
+`declare_weights(config)` lists every parameter once: its path in the parameter pytree,
+shape, logical axes (which `sharding.rules` maps to mesh axes), how it is initialised in
+random presets, and the checkpoint tensors it can be read from with the layout change
+that turns each into the parameter. From that list come:
+
+- the pytree of shapes (`param_shapes`) and of PartitionSpecs (`partition_specs`),
+- byte counts (`param_bytes`),
+- the loader (`jaxllm.models.loader`), which reads each device's shard straight from the
+  checkpoint through `read_parameter`,
+- random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
+
+Parameter layout (the decoder's pytree):
+
+    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
+    layers[i]: attn_norm [H], mlp_norm [H],
+      attn: q [H, Hq, D], k [H, Hkv', D], v [H, Hkv', D], o [Hq, D, H]
+            (+ q_bias [Hq, D], k_bias / v_bias [Hkv', D] with attention_bias;
+               o_bias [H] with o_proj_bias; q_norm / k_norm [D] with qk_norm)
+      mlp:  gate [H, I], up [H, I], down [I, H]                                (dense layers)
+      moe:  router [H, E], w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H]  (sparse layers)
+
+Hkv' = Hkv * kv_replicas: with fewer KV heads than tensor-parallel ranks each KV head is
+stored `kv_replicas` times in a row (see `sharding.rules.kv_head_replicas`); attention
+over repeated heads is the same function, since query head j still meets a copy of
+KV head j // (Hq / Hkv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxllm.models.config import ModelConfig, numpy_dtype
+from sharding.rules import ShardingRules, logical_to_physical
+
+KeyPath = tuple  # e.g. ("layers", 3, "attn", "q")
+Params = dict[str, Any]
+# Reads the box `slices` of a checkpoint tensor: (name, slices) -> numpy array.
+SliceReader = Callable[[str, tuple[slice, ...]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint tensor becomes (one part of) a parameter.
+
+    The stored tensor is viewed with shape `view` (a reshape that only splits
+    dimensions, e.g. [Hq*D, H] -> [Hq, D, H]); parameter axis j is view axis `perm[j]`,
+    starting at `offset[perm[j]]` (fused tensors hold two parameters side by side);
+    entries along view axis `repeat_axis` appear `repeat` times in a row.
+    """
+
+    view: tuple[int, ...]
+    perm: tuple[int, ...]
+    offset: tuple[int, ...] = ()
+    repeat_axis: Optional[int] = None
+    repeat: int = 1
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor that fills a parameter, or part `part` of its first axis."""
+
+    name: str
+    shape: tuple[int, ...]  # as stored in the checkpoint
+    layout: Layout
+    part: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class WeightDecl:
+    path: KeyPath
+    shape: tuple[int, ...]
+    axes: tuple[Optional[str], ...]  # logical axis of each dimension
+    # Ways the checkpoint may spell this parameter; the first is the canonical one (named
+    # when the tensor is missing, written by `random_checkpoint`). Each is one tensor, or
+    # one tensor per part of the first axis (per-expert weights).
+    alternatives: tuple[tuple[Source, ...], ...]
+    init: str  # "norm", "embed", "linear", "bias"
+    gain: float = 1.0
+
+    @property
+    def checkpoint_names(self) -> set[str]:
+        return {src.name for alt in self.alternatives for src in alt}
+
+
+# ---------------------------------------------------------------------------------------------
+# Declaration
+
+
+def _identity(shape: tuple[int, ...]) -> Layout:
+    return Layout(shape, tuple(range(len(shape))))
+
+
+def _transposed(out_features: int, in_features: int) -> Layout:
+    """torch Linear [out, in] -> [in, out]."""
+    return Layout((out_features, in_features), (1, 0))
+
+
+def declare_weights(config: ModelConfig, kv_replicas: int = 1) -> list[WeightDecl]:
+    """Every parameter of `config`'s decoder, in pytree order."""
+    c = config
+    h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+    decls: list[WeightDecl] = []
+
+    def add(path: KeyPath, shape: tuple[int, ...], axes: tuple, alternatives: Sequence[Sequence[Source]],
+            init: str, gain: float = 1.0) -> None:
+        decls.append(WeightDecl(path, tuple(shape), tuple(axes), tuple(tuple(a) for a in alternatives), init, gain))
+
+    def single(name: str, shape: tuple[int, ...], layout: Layout) -> list[list[Source]]:
+        return [[Source(name, shape, layout)]]
+
+    add(("embed",), (c.vocab_size, h), ("vocab", "embed"),
+        single("model.embed_tokens.weight", (c.vocab_size, h), _identity((c.vocab_size, h))), "embed")
+    for layer in range(c.num_layers):
+        pre, at = f"model.layers.{layer}", ("layers", layer, "attn")
+        add(("layers", layer, "attn_norm"), (h,), ("embed",),
+            single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))), "norm")
+        for proj, heads, axis, reps in (("q", hq, "heads", 1), ("k", hkv, "kv_heads", kv_replicas),
+                                        ("v", hkv, "kv_heads", kv_replicas)):
+            name = f"{pre}.self_attn.{proj}_proj"
+            add(at + (proj,), (h, heads * reps, d), ("embed", axis, "head_dim"),
+                single(f"{name}.weight", (heads * d, h), Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)),
+                "linear")
+            if c.attention_bias:
+                add(at + (f"{proj}_bias",), (heads * reps, d), (axis, "head_dim"),
+                    single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
+                    "bias")
+        add(at + ("o",), (hq, d, h), ("heads", "head_dim", "embed"),
+            single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))), "linear")
+        if c.o_proj_bias:
+            add(at + ("o_bias",), (h,), ("embed",), single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
+                "bias")
+        if c.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                add(at + (norm,), (d,), ("head_dim",),
+                    single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))), "norm")
+        add(("layers", layer, "mlp_norm"), (h,), ("embed",),
+            single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))), "norm")
+        if c.is_moe_layer(layer):
+            _declare_experts(add, c, layer)
+        else:
+            inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
+            for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):
+                add(mlp + (ours,), (h, inter), ("embed", "mlp"),
+                    single(f"{pre}.mlp.{hf}.weight", (inter, h), _transposed(inter, h)), "linear")
+            add(mlp + ("down",), (inter, h), ("mlp", "embed"),
+                single(f"{pre}.mlp.down_proj.weight", (h, inter), _transposed(h, inter)), "linear")
+    add(("final_norm",), (h,), ("embed",), single("model.norm.weight", (h,), _identity((h,))), "norm")
+    if not c.tie_word_embeddings:
+        add(("lm_head",), (h, c.vocab_size), ("embed", "vocab"),
+            single("lm_head.weight", (c.vocab_size, h), _transposed(c.vocab_size, h)), "linear", gain=3.0)
+    return decls
+
+
+def _declare_experts(add: Callable, config: ModelConfig, layer: int) -> None:
+    """Router and stacked expert weights; experts stored per expert (the hub layout) or fused
+    (transformers' in-memory `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I])."""
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    moe = ("layers", layer, "moe")
+    if config.model_type == "mixtral":
+        blocks = ("block_sparse_moe", "mlp")
+        names = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+    else:
+        blocks = ("mlp",)
+        names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    bases = [f"model.layers.{layer}.{block}" for block in blocks]
+    add(moe + ("router",), (h, e), ("embed", None),
+        [[Source(f"{b}.gate.weight", (e, h), _transposed(e, h))] for b in bases], "linear", gain=2.0)
+    for ours, axes, stored in (("w_gate", ("experts", "embed", "moe_mlp"), (i, h)),
+                               ("w_up", ("experts", "embed", "moe_mlp"), (i, h)),
+                               ("w_down", ("experts", "moe_mlp", "embed"), (h, i))):
+        per_expert = [[Source(f"{b}.experts.{x}.{names[ours]}.weight", stored, _transposed(*stored), part=x)
+                       for x in range(e)] for b in bases]
+        if ours == "w_down":
+            fused = [[Source(f"{b}.experts.down_proj", (e, h, i), Layout((e, h, i), (0, 2, 1)))] for b in bases]
+        else:
+            start = 0 if ours == "w_gate" else i
+            fused = [[Source(f"{b}.experts.gate_up_proj", (e, 2 * i, h),
+                             Layout((e, 2 * i, h), (0, 2, 1), offset=(0, start, 0)))] for b in bases]
+        shape = (e, h, i) if ours != "w_down" else (e, i, h)
+        add(moe + (ours,), shape, axes, per_expert + fused, "linear")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived views
+
+
+def build_tree(items: Iterable[tuple[KeyPath, Any]]) -> Params:
+    """Nested dicts (string keys) and lists (integer keys) from (path, leaf) pairs."""
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+
+    def finish(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if node and all(isinstance(k, int) for k in node):
+            return [finish(node[k]) for k in sorted(node)]
+        return {k: finish(v) for k, v in node.items()}
+
+    return finish(root)
+
+
+def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> Params:
+    """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
+    dt = numpy_dtype(dtype or config.dtype)
+    return build_tree((w.path, jax.ShapeDtypeStruct(w.shape, dt)) for w in declare_weights(config, kv_replicas))
+
+
+def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
+    """The parameter pytree as PartitionSpecs (under `rules`)."""
+    return build_tree((w.path, logical_to_physical(w.axes, rules)) for w in declare_weights(config, kv_replicas))
+
+
+def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
+    """Bytes of all parameters (replicated KV heads counted once per copy)."""
+    itemsize = numpy_dtype(dtype or config.dtype).itemsize
+    return sum(int(np.prod(w.shape)) * itemsize for w in declare_weights(config, kv_replicas))
+
+
+def num_params(config: ModelConfig) -> int:
+    return sum(int(np.prod(w.shape)) for w in declare_weights(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
+    """For each stored dimension, the view axes it splits into (in order)."""
+    groups, axis = [], 0
+    for size in stored:
+        group, prod = [], 1
+        while prod < size or (not group and axis < len(view)):
+            group.append(axis)
+            prod *= view[axis]
+            axis += 1
+        if prod != size:
+            raise ValueError(f"view {view} does not split stored shape {stored}")
+        groups.append(group)
+    return groups
+
+
+def read_source(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader,
+                dtype: np.dtype) -> np.ndarray:
+    """The box `index` of the (part of the) parameter that `src` fills, reading only what it needs.
+
+    `param_shape` / `index` cover the parameter's axes that `src` maps (for a per-part
+    source: all but the first). Whole head ranges along split dimensions are read exactly;
+    only sub-ranges of an inner split axis (never produced by the sharding rules) read
+    their covering rows.
+    """
+    lay = src.layout
+    nview = len(lay.view)
+    offset = lay.offset or (0,) * nview
+    lo, hi = [0] * nview, list(lay.view)  # the box of the view to read
+    want: list[tuple[int, int]] = [(0, n) for n in lay.view]  # wanted range in parameter units, per view axis
+    for j, (s, extent) in enumerate(zip(index, param_shape)):
+        a = lay.perm[j]
+        start, stop, _ = s.indices(extent)
+        want[a] = (start, stop)
+        if a == lay.repeat_axis:
+            start, stop = start // lay.repeat, (stop - 1) // lay.repeat + 1 if stop > start else start // lay.repeat
+        lo[a], hi[a] = start + offset[a], stop + offset[a]
+    # View box -> stored box: a stored dimension is read from its outer view axis' range.
+    stored_slices, sub = [], []
+    for group in _view_groups(src.shape, lay.view):
+        inner = int(np.prod([lay.view[a] for a in group[1:]], dtype=np.int64))
+        outer = group[0]
+        stored_slices.append(slice(lo[outer] * inner, hi[outer] * inner))
+        sub.append(slice(0, hi[outer] - lo[outer]))
+        for a in group[1:]:
+            sub.append(slice(lo[a], hi[a]))
+    raw = read(src.name, tuple(stored_slices))
+    block_shape = tuple(hi[g[0]] - lo[g[0]] if k == 0 else lay.view[a]
+                        for g in _view_groups(src.shape, lay.view) for k, a in enumerate(g))
+    block = np.asarray(raw).reshape(block_shape)[tuple(sub)]
+    if lay.repeat_axis is not None and lay.repeat > 1:
+        a = lay.repeat_axis
+        start, stop = want[a]
+        block = np.repeat(block, lay.repeat, axis=a)
+        skip = start - (start // lay.repeat) * lay.repeat
+        block = np.take(block, np.arange(skip, skip + stop - start), axis=a)
+    return np.ascontiguousarray(block.transpose(lay.perm)).astype(dtype, copy=False)
+
+
+def read_parameter(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...], read: SliceReader,
+                   dtype: np.dtype) -> np.ndarray:
+    """The box `index` of parameter `decl`, from the checkpoint spelling `alternative`."""
+    index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
+    if alternative[0].part is None:
+        return read_source(alternative[0], decl.shape, index, read, dtype)
+    parts = range(*index[0].indices(decl.shape[0]))
+    out = np.empty((len(parts),) + tuple(len(range(*s.indices(n))) for s, n in zip(index[1:], decl.shape[1:])),
+                   dtype)
+    by_part = {src.part: src for src in alternative}
+    for k, part in enumerate(parts):
+        out[k] = read_source(by_part[part], decl.shape[1:], index[1:], read, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Random checkpoints
+
+
+def random_checkpoint(config: ModelConfig, seed: int, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Fixed-seed weights in Hugging Face layout (each parameter's canonical spelling), scaled
+    so activations and logits are not degenerate: norms near 1, linear layers
+    gain / sqrt(fan_in), a tied embedding shrunk so the shared table gives useful logits."""
+    rng = np.random.default_rng(seed)
+    out_dtype = numpy_dtype(dtype)
+    tensors: dict[str, np.ndarray] = {}
+    for decl in declare_weights(config):
+        for src in decl.alternatives[0]:
+            noise = rng.standard_normal(src.shape, dtype=np.float32)
+            if decl.init == "norm":
+                value = 1.0 + 0.1 * noise
+            elif decl.init == "bias":
+                value = 0.1 * noise
+            elif decl.init == "embed":
+                value = noise * (3.0 / np.sqrt(config.hidden_size) if config.tie_word_embeddings else 1.0)
+            else:
+                value = noise * (decl.gain / np.sqrt(src.shape[-1]))
+            tensors[src.name] = value.astype(out_dtype, copy=False)
+    return tensors

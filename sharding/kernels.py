@@ -1,0 +1,69 @@
+"""Kernel backends under shard_map: what XLA cannot partition by itself.
+
+Pallas kernels are opaque to XLA's partitioner, so every attention and MoE backend runs
+inside `jax.shard_map` on each device's local pieces:
+
+- attention: q [T, Hq, D] and the cache split by (KV) head over the tensor axis; each
+  device attends its own heads; no communication (o's row-parallel reduction follows
+  outside).
+- MoE grouped FFN: the token rows are replicated, w_gate / w_up split by columns and
+  w_down by rows (the `moe_mlp` logical axis); each device computes a partial sum of
+  the expert outputs, reduced with `psum` over the tensor axis.
+
+The wrappers only need the mesh and the rules, so any backend (reference, tiled XLA,
+Pallas) is wrapped the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sharding.rules import ShardingRules, logical_to_physical
+
+
+def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules,
+                    cache_spec: Any) -> Callable:
+    """`attention_fn(q, cache, metadata, **static)` run per device on its heads.
+
+    `cache_spec` is the layer cache pytree of PartitionSpecs (`KvCacheSpec.partition_spec`).
+    """
+    q_spec = logical_to_physical(("tokens", "heads", "head_dim"), rules)
+
+    def sharded(q: jax.Array, cache: Any, metadata: Any, **static: Any) -> jax.Array:
+        body = lambda q_, cache_, md_: attention_fn(q_, cache_, md_, **static)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, cache_spec, P()), out_specs=q_spec,
+                             check_vma=False)(q, cache, metadata)
+
+    return sharded
+
+
+def shard_kv_write(write_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any,
+                   entry_spec: Any) -> Callable:
+    """`write_fn(cache, entries, slot_mapping)` run per device on its own part of the cache."""
+
+    def sharded(cache: Any, entries: Any, slot_mapping: jax.Array) -> Any:
+        return jax.shard_map(write_fn, mesh=mesh, in_specs=(cache_spec, entry_spec, P()), out_specs=cache_spec,
+                             check_vma=False)(cache, entries, slot_mapping)
+
+    return sharded
+
+
+def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -> Callable:
+    """`moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)` with the expert FFN columns split:
+    each device's partial output is summed with psum over the axes that split `moe_mlp`."""
+    up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
+    down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
+    reduce_axis: Optional[str] = rules.moe_mlp
+
+    def body(x, group_sizes, w_gate, w_up, w_down):
+        y = moe_fn(x, group_sizes, w_gate, w_up, w_down)
+        return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
+
+    def sharded(x, group_sizes, w_gate, w_up, w_down):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
+                             check_vma=False)(x, group_sizes, w_gate, w_up, w_down)
+
+    return sharded
