@@ -217,6 +217,9 @@ def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _convert_tokenizer(architecture: str, tokenizer_dict: dict[str, Any]):
+    from jaxllm.tokenizer import quiet_transformers_import
+
+    quiet_transformers_import()
     try:  # transformers >= 5
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:  # transformers 4.x
