@@ -1,0 +1,138 @@
+"""Server metrics: Prometheus text at /metrics, TensorRT-LLM's iteration stats as JSON.
+
+Per request (observed when a response is released): requests by finish reason, prompt and
+generation tokens, time to first token, time per output token after the first, and
+end-to-end latency, all from the request's arrival time. Per scrape: running and waiting
+requests and KV cache usage, read from the engine between two steps. Names follow vLLM's
+(`jaxllm:` instead of `vllm:`), so existing dashboards need only the prefix changed.
+
+The executor hands each iteration's stats out once; `IterationStats` keeps the most recent
+ones in a window, so reading them (GET /v1/iteration_stats) never takes them from another
+reader.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from jaxllm.executor.executor import GenerationExecutor
+    from jaxllm.executor.result import GenerationResult
+
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class IterationStats:
+    """The last `window` iteration stats of the executor, readable any number of times."""
+
+    def __init__(self, executor: "GenerationExecutor", window: int = 1000) -> None:
+        self._executor = executor
+        self._window: collections.deque = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def read(self) -> list[dict]:
+        """Every buffered iteration's stats, oldest first (nothing is removed)."""
+        with self._lock:
+            if self._executor.is_healthy:
+                self._window.extend(self._executor.get_stats(0))
+            return list(self._window)
+
+    def latest(self) -> Optional[dict]:
+        items = self.read()
+        return items[-1] if items else None
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server, in a registry of its own."""
+
+    def __init__(self, executor: "GenerationExecutor", model_name: str,
+                 iteration_stats: Optional[IterationStats] = None) -> None:
+        self.executor = executor
+        self.iteration_stats = iteration_stats or IterationStats(executor)
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.requests = Counter("jaxllm:request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("jaxllm:generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r)
+        self.ttft = Histogram("jaxllm:time_to_first_token_seconds", "Arrival to first generated token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxllm:time_per_output_token_seconds",
+                              "Mean time per generated token after the first, per request.", labels,
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "Arrival to the last token.", labels,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.running = Gauge("jaxllm:num_requests_running", "Requests holding KV cache (scheduled).", labels,
+                             registry=r)
+        self.waiting = Gauge("jaxllm:num_requests_waiting", "Requests queued for KV cache.", labels, registry=r)
+        self.kv_usage = Gauge("jaxllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", labels,
+                              registry=r)
+        self.kv_blocks = Gauge("jaxllm:kv_cache_blocks", "KV cache blocks in the pool.", labels, registry=r)
+        self.model_name = model_name
+        self._labels = {"model_name": model_name}
+
+    def observe(self, results: Iterable["GenerationResult"]) -> None:
+        """Count released results (call once per result); unfinished ones are skipped."""
+        now = time.monotonic()
+        for result in results:
+            if not result.finished:
+                continue
+            outputs = result.outputs
+            reason = outputs[0].finish_reason if outputs else None
+            self.requests.labels(self.model_name, reason or "unknown").inc()
+            self.prompt_tokens.labels(**self._labels).inc(len(result.prompt_token_ids))
+            generated = sum(len(o.token_ids) for o in outputs)
+            self.generation_tokens.labels(**self._labels).inc(generated)
+            arrival = result.request.arrival_time
+            finished = result.finished_at or now
+            self.e2e.labels(**self._labels).observe(max(0.0, finished - arrival))
+            first = getattr(result, "first_token_at", None)
+            if first is not None and generated:
+                self.ttft.labels(**self._labels).observe(max(0.0, first - arrival))
+                per_seq = max(len(o.token_ids) for o in outputs)
+                if per_seq > 1:
+                    self.tpot.labels(**self._labels).observe(max(0.0, finished - first) / (per_seq - 1))
+
+    def _engine_state(self) -> Optional[dict]:
+        """Running/waiting requests and KV blocks, read on the engine thread between steps."""
+        def read(engine) -> dict:
+            kv = engine.kv_cache_manager.get_kv_cache_stats()
+            waiting = engine.num_queued
+            return {"running": len(engine.active) - waiting, "waiting": waiting,
+                    "used": kv.used_num_blocks, "total": kv.max_num_blocks}
+
+        if not self.executor.is_healthy:
+            return None
+        try:
+            return self.executor.call_on_engine(read, timeout=2.0)
+        except Exception:  # busy or shutting down: report from the latest iteration instead
+            latest = self.iteration_stats.latest()
+            if latest is None:
+                return None
+            kv = latest.get("kvCacheStats", {})
+            waiting = latest.get("numQueuedRequests", 0)
+            return {"running": latest.get("numActiveRequests", 0) - waiting, "waiting": waiting,
+                    "used": kv.get("usedNumBlocks", 0), "total": kv.get("maxNumBlocks", 0)}
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric, gauges refreshed now."""
+        state = self._engine_state()
+        if state is not None:
+            self.running.labels(**self._labels).set(max(0, state["running"]))
+            self.waiting.labels(**self._labels).set(state["waiting"])
+            self.kv_blocks.labels(**self._labels).set(state["total"])
+            self.kv_usage.labels(**self._labels).set(state["used"] / state["total"] if state["total"] else 0.0)
+        return generate_latest(self.registry)

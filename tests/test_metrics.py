@@ -1,0 +1,64 @@
+"""/metrics (Prometheus text, parsed with prometheus_client's own parser) and /v1/iteration_stats."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from jaxllm.config import KvCacheConfig  # noqa: E402
+from jaxllm.engine.config import EngineConfig  # noqa: E402
+from jaxllm.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxllm.executor.executor import GenerationExecutor  # noqa: E402
+from jaxllm.server.app import ServerConfig, build_app  # noqa: E402
+
+MODEL = "tiny-moe"
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_prometheus_metrics_count_requests_tokens_and_latencies():
+    engine = LLMEngine(EngineConfig(model=MODEL, max_batch_size=4, max_num_tokens=16, max_seq_len=64,
+                                    kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512)))
+    executor = GenerationExecutor(engine)
+    with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
+        before = _samples(client.get("/metrics").text)
+        assert before[("jaxllm:num_requests_running", ())] == 0
+        assert before[("jaxllm:kv_cache_usage_perc", ())] == 0
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/chat/completions", json=chat) as stream:
+            chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+        import json
+
+        chat_usage = json.loads(chunks[-1][len("data: "):])["usage"]
+
+        response = client.get("/metrics")
+        assert response.headers["content-type"].startswith("text/plain")
+        after = _samples(response.text)
+        assert after[("jaxllm:request_success_total", (("finished_reason", "length"),))] == 2
+        assert after[("jaxllm:prompt_tokens_total", ())] == usage["prompt_tokens"] + chat_usage["prompt_tokens"]
+        assert after[("jaxllm:generation_tokens_total", ())] == 5 + 3
+        for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                          "e2e_request_latency_seconds"):
+            assert after[(f"jaxllm:{histogram}_count", ())] == 2
+            assert after[(f"jaxllm:{histogram}_sum", ())] > 0
+        ttft, e2e = after[("jaxllm:time_to_first_token_seconds_sum", ())], after[
+            ("jaxllm:e2e_request_latency_seconds_sum", ())]
+        assert ttft <= e2e
+        assert after[("jaxllm:num_requests_running", ())] == 0
+        assert after[("jaxllm:num_requests_waiting", ())] == 0
+        assert after[("jaxllm:kv_cache_blocks", ())] == engine.kv_cache_manager.num_blocks
+
+        first = client.get("/v1/iteration_stats").json()
+        assert first and {"iter", "kvCacheStats", "numActiveRequests"} <= set(first[-1])
+        second = client.get("/v1/iteration_stats").json()
+        assert second[:len(first)] == first  # reading does not consume
