@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -145,45 +144,6 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(moe_llm, bad, fie
 def test_unknown_llm_kwarg_raises(moe_model):
     with pytest.raises(ValueError, match="not_an_option"):
         LLM(str(moe_model[0]), not_an_option=3)
-
-
-def test_no_recompilation_after_warmup(tmp_path):
-    # One layer and one token bucket keep the 12 compiled sampler variants cheap.
-    make_hf_model("qwen3_moe", tmp_path, VOCAB, num_layers=1)
-    llm = make_llm(tmp_path, max_num_tokens=16)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    def workload(seed):
-        prompts = random_prompts(20, VOCAB, 1, 100, seed=seed)
-        rng = np.random.default_rng(seed)
-        params = []
-        for i in range(len(prompts)):
-            kind = i % 4
-            if kind == 0:
-                params.append(SamplingParams(max_tokens=int(rng.integers(1, 12))))
-            elif kind == 1:
-                params.append(SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=i))
-            elif kind == 2:
-                params.append(SamplingParams(max_tokens=8, logprobs=2, top_p=0.5, temperature=1.0))
-            else:
-                params.append(SamplingParams(max_tokens=8, repetition_penalty=1.2, presence_penalty=0.5))
-        llm.generate(prompts, params, use_tqdm=False)
-
-    llm.engine.warmup(all_variants=True)
-    variants = llm.engine.runner.num_compiled_variants
-    assert variants == 12 * len(llm.engine.token_buckets())
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        workload(0)
-        workload(1)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert llm.engine.runner.num_compiled_variants == variants
-    assert compiles == [], f"{len(compiles)} XLA compilations after warm-up"
 
 
 def test_max_utilization_policy_completes_everything(moe_model):

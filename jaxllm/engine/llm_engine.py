@@ -1,5 +1,11 @@
 """The engine loop: schedule -> pack -> run the compiled step -> apply the sampled tokens.
 
+Requests are checked once, at admission (`jaxllm.engine.admission`), so an admitted
+request cannot make a step fail. As a backstop, an exception while building a step's
+host inputs fails only the requests that caused it (found by building each row alone),
+or else that step's requests, and the engine goes on; only a failure of the device
+program itself propagates (the engine state is then unknown).
+
 With the overlap scheduler (default) step N+1 is scheduled and dispatched before the
 tokens of step N are read back, so the device never waits on Python: a generation
 request whose previous token is still on the device carries a placeholder on the host
@@ -15,13 +21,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
 from jaxllm.config import CapacitySchedulerPolicy
+from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
+                                     check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
@@ -30,9 +38,9 @@ from jaxllm.models import is_preset, load_model_config, load_params, materialize
 from jaxllm.models.resolve import resolve_dtype
 from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
-from jaxllm.sampling import (MAX_LOGPROBS, SamplingParams, SamplingTensors, check_stop, resolve_end_ids,
-                             resolve_seed)
+from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
+from jaxllm.step_batch import StepBatch
 from jaxllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finished: bool = False
+    # Set when the engine failed this request (finish_reason 'error'): what went wrong.
+    error: Optional[str] = None
 
 
 @dataclass
@@ -58,6 +68,17 @@ class EngineTiming:
     steps: int = 0
     host_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+
+
+@dataclass
+class _StepInputs:
+    """The host inputs of one step, built without touching any request's state."""
+
+    rows: list[LlmRequest]
+    batch: StepBatch
+    sampling: SamplingTensors
+    feed_index: np.ndarray
+    num_tokens: int
 
 
 @dataclass
@@ -120,6 +141,13 @@ class LLMEngine:
         self.max_iteration_stats = 1000
         self.timing = EngineTiming()
         self._wait_seconds = 0.0
+        self._failed: list[RequestUpdate] = []  # requests failed while building a step
+        kv = self.kv_cache_manager
+        self.admission_limits = AdmissionLimits(
+            vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
+            default_end_ids=tuple(sorted(self.eos_ids)), tokens_per_block=tpb,
+            max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
+            max_num_tokens=config.max_num_tokens, enable_chunked_prefill=config.enable_chunked_prefill)
 
     def reset_timing(self) -> None:
         self.timing = EngineTiming()
@@ -133,58 +161,68 @@ class LLMEngine:
                                       self.config.min_token_bucket))
         return sorted(sizes)
 
-    def warmup(self, all_variants: bool = False) -> None:
-        """Compile the step for every token bucket before serving (optionally with logprobs and
-        penalty variants too), running it on an empty batch that writes nothing."""
+    def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        """Compile everything a request can reach before serving, so nothing compiles later:
+        the model forward for every token bucket and the sampler for every variant of its
+        static switches (`all_variants=False`: only the default greedy sampler). Runs empty
+        batches, which write nothing to the KV cache. `progress(done, total)` is called after
+        each compiled piece (for a progress bar)."""
         empty = SchedulerOutput([], [], [])
-        variants = [dict()]
-        if all_variants:
-            variants = [dict(use_penalties=pen, num_top_logprobs=top, any_random=rand, use_top_k_top_p=sort)
-                        for pen in (False, True) for top in (0, MAX_LOGPROBS)
-                        for rand, sort in ((False, False), (True, False), (True, True))]
-        for bucket in self.token_buckets():
+        logits = None
+        buckets = self.token_buckets()
+        variants = SAMPLER_VARIANTS if all_variants else [dict()]
+        total = len(buckets) + len(variants)
+        for done, bucket in enumerate(buckets, 1):
             batch = build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
                                      max_batch_size=self.config.max_batch_size,
                                      max_blocks_per_seq=self.max_blocks_per_seq)
-            for flags in variants:
-                sampling = SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
-                out = self.runner.execute(batch, sampling, np.full((bucket,), -1, np.int32), None)
-                np.asarray(out.token_ids)
+            logits = self.runner.forward(batch, np.full((bucket,), -1, np.int32), None)
+            if progress is not None:
+                progress(done, total)
+        outputs = []
+        for done, flags in enumerate(variants, len(buckets) + 1):
+            sampling = SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
+            outputs.append(self.runner.sample(logits, sampling))
+            if progress is not None:
+                progress(done, total)
+        for out in outputs:
+            np.asarray(out.token_ids)
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
         return next(self._ids)
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} exceeds "
-                f"max_seq_len {self.max_seq_len}")
+    def validate_request(self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0) -> AdmittedRequest:
+        """Admission checks (ValueError naming the field); safe to call from any thread, and
+        what the executor and the server call before queueing a request."""
+        return validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
+                                tokenizer=self.tokenizer)
 
-    def add_request(self, prompt_token_ids: list[int], sampling_params: Optional[SamplingParams] = None,
+    def validate_prompt(self, prompt_token_ids: Any, params: Any) -> None:
+        """Alias of `validate_request` with the default priority."""
+        self.validate_request(prompt_token_ids, params)
+
+    def add_request(self, prompt_token_ids: Any, sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[int] = None, priority: float = 0.0,
                     arrival_time: Optional[float] = None, sequence_index: int = 0) -> LlmRequest:
-        params = sampling_params or SamplingParams()
-        prompt_token_ids = [int(t) for t in prompt_token_ids] if all(
-            isinstance(t, (int, np.integer)) for t in prompt_token_ids) else list(prompt_token_ids)
-        self.validate_prompt(prompt_token_ids, params)
-        if params.logits_processor is not None:
-            raise ValueError("logits_processor is not supported: sampling runs inside the compiled step")
-        if params.bad is not None:
-            params.setup(self.tokenizer)
+        """Admit a request (ValueError naming the field if it breaks a limit)."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        admitted = self.validate_request(prompt_token_ids, params, priority=priority)
+        sequence_index = check_sequence_index(sequence_index)
+        arrival_time = check_arrival_time(arrival_time)
+        if request_id is None:
+            request_id = self.next_request_id()
+        elif not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise ValueError(f"request_id must be an int, got {type(request_id).__name__}")
+        elif request_id in self.active:
+            raise ValueError(f"request_id {request_id} is already in use by an unfinished request")
         request = LlmRequest(
-            request_id=self.next_request_id() if request_id is None else request_id,
-            prompt_token_ids=list(prompt_token_ids), max_new_tokens=params.max_tokens,
-            priority=priority, arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            request_id=request_id, prompt_token_ids=admitted.prompt_token_ids,
+            max_new_tokens=params.max_tokens, priority=admitted.priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             sampling_params=params)
         request.seed = resolve_seed(params, sequence_index)
-        request.end_ids = resolve_end_ids(params, sorted(self.eos_ids))
+        request.end_ids = admitted.end_ids
         check_request_admissible(request, self.kv_cache_manager, self.max_seq_len,
                                  max_num_tokens=self.config.max_num_tokens,
                                  enable_chunked_prefill=self.config.enable_chunked_prefill)
@@ -196,11 +234,28 @@ class LLMEngine:
         request = self.active.pop(request_id, None)
         if request is None:
             return None
+        self._finish(request, "cancelled", None, self._num_resolved(request))
+        return request
+
+    @staticmethod
+    def _num_resolved(request: LlmRequest) -> int:
+        """Output tokens already read back (the rest are placeholders of a step in flight)."""
         resolved = len(request.output_token_ids)
         while resolved and request.output_token_ids[resolved - 1] == PLACEHOLDER_TOKEN:
             resolved -= 1
-        self._finish(request, "cancelled", None, resolved)
-        return request
+        return resolved
+
+    def _fail(self, requests: list[LlmRequest], exc: BaseException, where: str) -> list[RequestUpdate]:
+        """Finish requests with 'error' (their blocks are freed) and report why."""
+        logger.error("step %s failed for request(s) %s: %r", where, [r.request_id for r in requests], exc)
+        message = f"the engine failed this request while {where}: {type(exc).__name__}: {exc}"
+        updates = []
+        for request in requests:
+            if request.is_finished:
+                continue
+            self._finish(request, "error", None, self._num_resolved(request))
+            updates.append(RequestUpdate(request, [], finished=True, error=message))
+        return updates
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.active) or self._pending is not None
@@ -225,6 +280,8 @@ class LLMEngine:
             self._pending = None
             candidates = self._schedulable()
         dispatched = self._dispatch(candidates)
+        updates += self._failed
+        self._failed = []
         if self._pending is not None:
             updates += self._process(self._pending)
         self._pending = dispatched
@@ -243,36 +300,41 @@ class LLMEngine:
         return updates
 
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[_PendingStep]:
+        """Schedule and launch one step. Requests that make building it fail are failed
+        (collected in `self._failed`); the step runs for the others."""
         if not candidates:
             return None
-        output = self.scheduler.schedule_request(candidates, set())
-        for paused in output.paused_requests:
-            self.kv_cache_manager.free_resources(paused)
-        rows = list(output.context_requests) + list(output.generation_requests)
-        if not rows:
+        try:
+            output = self.scheduler.schedule_request(candidates, set())
+            for paused in output.paused_requests:
+                self.kv_cache_manager.free_resources(paused)
+            if output.is_empty:
+                return None
+            self.kv_cache_manager.prepare_resources(output)
+        except Exception as exc:  # no request to single out: those that could run fail
+            self._failed += self._fail(candidates, exc, "scheduling a step")
             return None
-        self.kv_cache_manager.prepare_resources(output)
-        num_tokens = sum(r.context_chunk_size for r in output.context_requests) + len(output.generation_requests)
-        bucket = choose_token_bucket(num_tokens, self.config.max_num_tokens, self.config.min_token_bucket)
-        batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
-                                 max_batch_size=self.config.max_batch_size,
-                                 max_blocks_per_seq=self.max_blocks_per_seq)
-        feed_index = np.full((bucket,), -1, np.int32)
-        num_ctx_tokens = num_tokens - len(output.generation_requests)
-        prev_rows = {} if self._pending is None else {id(r): row for r, row, _ in self._pending.entries}
-        for i, request in enumerate(output.generation_requests):
-            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
-                feed_index[num_ctx_tokens + i] = prev_rows[id(request)]
-        params = [r.sampling_params for r in rows]
-        needs_history = any(p.needs_history for p in params)
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        sampling = SamplingTensors.build(
-            params, [len(r.output_token_ids) for r in rows],
-            [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
-            [r.end_ids for r in rows], self.config.max_batch_size, self.max_seq_len,
-            seeds=[r.seed for r in rows])
+        try:
+            inputs = self._build_inputs(output)
+        except Exception as exc:
+            culprits = self._find_culprits(output) or output.all_requests()
+            self._failed += self._fail(culprits, exc, "building a step")
+            failed = set(culprits)
+            output = SchedulerOutput([r for r in output.context_requests if r not in failed],
+                                     [r for r in output.generation_requests if r not in failed],
+                                     output.paused_requests, output.num_fitting_requests)
+            if output.is_empty:
+                return None
+            try:
+                inputs = self._build_inputs(output)
+            except Exception as exc:
+                self._failed += self._fail(output.all_requests(), exc, "building a step")
+                return None
         prev_tokens = None if self._pending is None else self._pending.sampler_output.token_ids
-        sampler_output = self.runner.execute(batch, sampling, feed_index, prev_tokens)
+        sampler_output = self.runner.execute(inputs.batch, inputs.sampling, inputs.feed_index, prev_tokens)
+        rows = inputs.rows
+        num_ctx_tokens = inputs.num_tokens - len(output.generation_requests)
+        wants_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
 
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = []
@@ -295,6 +357,44 @@ class LLMEngine:
         }
         return _PendingStep(sampler_output, entries, wants_logprobs, stats)
 
+    def _build_inputs(self, output: SchedulerOutput) -> _StepInputs:
+        """Pack a scheduled step into its device inputs (reads requests, changes none)."""
+        rows = list(output.context_requests) + list(output.generation_requests)
+        num_tokens = sum(r.context_chunk_size for r in output.context_requests) + len(output.generation_requests)
+        bucket = choose_token_bucket(num_tokens, self.config.max_num_tokens, self.config.min_token_bucket)
+        batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
+                                 max_batch_size=self.config.max_batch_size,
+                                 max_blocks_per_seq=self.max_blocks_per_seq)
+        feed_index = np.full((bucket,), -1, np.int32)
+        num_ctx_tokens = num_tokens - len(output.generation_requests)
+        prev_rows = {} if self._pending is None else {id(r): row for r, row, _ in self._pending.entries}
+        for i, request in enumerate(output.generation_requests):
+            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                feed_index[num_ctx_tokens + i] = prev_rows[id(request)]
+        params = [r.sampling_params for r in rows]
+        needs_history = any(p.needs_history for p in params)
+        sampling = SamplingTensors.build(
+            params, [len(r.output_token_ids) for r in rows],
+            [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
+            [r.end_ids for r in rows], self.config.max_batch_size, self.max_seq_len,
+            seeds=[r.seed for r in rows])
+        return _StepInputs(rows, batch, sampling, feed_index, num_tokens)
+
+    def _find_culprits(self, output: SchedulerOutput) -> list[LlmRequest]:
+        """The requests of a step whose inputs cannot be built even alone."""
+        culprits = []
+        for request in output.context_requests:
+            try:
+                self._build_inputs(SchedulerOutput([request], []))
+            except Exception:
+                culprits.append(request)
+        for request in output.generation_requests:
+            try:
+                self._build_inputs(SchedulerOutput([], [request]))
+            except Exception:
+                culprits.append(request)
+        return culprits
+
     def _process(self, pending: _PendingStep) -> list[RequestUpdate]:
         out = pending.sampler_output
         wait_start = time.perf_counter()
@@ -308,25 +408,33 @@ class LLMEngine:
         for request, row, index in pending.entries:
             if request.is_finished or index >= len(request.output_token_ids):
                 continue
-            token = int(tokens[row])
-            request.output_token_ids[index] = token
-            update = RequestUpdate(request, [token])
-            params = request.sampling_params
-            if params.logprobs is not None:
-                # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
-                # when it is not among them.
-                entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
-                         for rank in range(params.logprobs)}
-                if token not in entry:
-                    entry[token] = Logprob(float(chosen_lp[row]))
-                update.new_logprobs.append(entry)
-                request.cumulative_logprob = getattr(request, "cumulative_logprob", 0.0) + float(chosen_lp[row])
-            reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
-            if reason is not None:
-                self._finish(request, reason, stop_reason, index + 1)
-                update.finished = True
-            updates.append(update)
+            try:
+                updates.append(self._apply_token(request, index, int(tokens[row]), row,
+                                                 (chosen_lp, top_ids, top_lps) if pending.wants_logprobs else None))
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates += self._fail([request], exc, "applying a sampled token")
         return updates
+
+    def _apply_token(self, request: LlmRequest, index: int, token: int, row: int,
+                     logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:
+        request.output_token_ids[index] = token
+        update = RequestUpdate(request, [token])
+        params = request.sampling_params
+        if params.logprobs is not None:
+            chosen_lp, top_ids, top_lps = logprobs
+            # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
+            # when it is not among them.
+            entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
+                     for rank in range(params.logprobs)}
+            if token not in entry:
+                entry[token] = Logprob(float(chosen_lp[row]))
+            update.new_logprobs.append(entry)
+            request.cumulative_logprob = getattr(request, "cumulative_logprob", 0.0) + float(chosen_lp[row])
+        reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
+        if reason is not None:
+            self._finish(request, reason, stop_reason, index + 1)
+            update.finished = True
+        return update
 
     def _finish(self, request: LlmRequest, reason: str, stop_reason, num_outputs: int) -> None:
         del request.output_token_ids[num_outputs:]

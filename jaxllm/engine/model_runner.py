@@ -1,14 +1,20 @@
-"""Device side of the engine: parameters, the paged KV cache and the compiled step.
+"""Device side of the engine: parameters, the paged KV cache and the two compiled programs.
 
-One step = model forward over a packed `StepBatch` + on-device sampling. Shapes come
-from a few token buckets, so every variant compiles once; the KV cache is donated and
-updated in place. Under the overlap scheduler a generation token may not be known on
-the host yet: `feed_index[t] >= 0` tells the step to take token `t` from row
-`feed_index[t]` of the previous step's sampled tokens, which never leave the device.
+A step runs two executables, dispatched back to back without a host sync:
+  * the model forward over a packed `StepBatch`, compiled once per token bucket; it
+    returns the float32 logits of each sequence's last token [max_batch_size, vocab] and
+    updates the donated KV cache in place;
+  * the sampler over those logits, compiled once per sampler variant (the static switches
+    of `SamplingTensors`). It holds no model, so its variants compile in a fraction of the
+    forward's time and warm-up can compile all of them.
+Under the overlap scheduler a generation token may not be known on the host yet:
+`feed_index[t] >= 0` tells the forward to take token `t` from row `feed_index[t]` of the
+previous step's sampled tokens, which never leave the device.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -21,22 +27,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.host_transfer import PackedLayout, pack_to_device, unpack
+from jaxllm.engine.host_transfer import PackedLayout, pack, unpack
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
-from jaxllm.sampling import SamplingTensors, sample
+from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
 
-def _step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
-          model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable):
-    batch, sampling, feed_index = unpack(inputs, layout)
+def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
+                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable):
+    """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence)."""
+    batch, feed_index = unpack(inputs, layout)
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
     logits, kv_cache = forward(params, kv_cache, batch, config=model_config,
                                attention_fn=attention_fn, moe_fn=moe_fn)
-    return kv_cache, sample(logits, sampling)
+    return kv_cache, logits.astype(jnp.float32)
+
+
+def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutput:
+    return sample(logits, unpack(inputs, layout))
 
 
 def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
@@ -71,6 +82,8 @@ def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_bloc
 
 
 class ModelRunner:
+    """Owns the parameters and the KV cache and runs steps; never reads anything back."""
+
     def __init__(self, *, model_config: ModelConfig, params: Any, num_blocks: int,
                  tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
                  max_batch_size: int) -> None:
@@ -78,36 +91,73 @@ class ModelRunner:
         self.params = params
         self.max_batch_size = max_batch_size
         self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype)
-        self._jitted = jax.jit(
-            functools.partial(_step, model_config=model_config, attention_fn=attention_fn, moe_fn=moe_fn),
+        self._forward_jit = jax.jit(
+            functools.partial(_forward_step, model_config=model_config, attention_fn=attention_fn,
+                              moe_fn=moe_fn),
             static_argnames=("layout",),
             donate_argnums=(1,),
         )
-        self._compiled: dict[tuple, Any] = {}
+        self._sample_jit = jax.jit(_sample_step, static_argnames=("layout",))
+        self._forward_exes: dict[PackedLayout, Any] = {}
+        self._sampler_exes: dict[PackedLayout, Any] = {}
         self.compile_seconds = 0.0
+        self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = jnp.zeros((max_batch_size,), jnp.int32)
 
     @property
-    def num_compiled_variants(self) -> int:
-        return len(self._compiled)
+    def num_forward_variants(self) -> int:
+        """Compiled model forwards (one per token bucket seen)."""
+        return len(self._forward_exes)
 
-    def _executable(self, args: tuple, layout: PackedLayout):
-        """The compiled step for this input layout: a token bucket plus the sampler's static
-        switches (both are in the layout)."""
-        exe = self._compiled.get(layout)
+    @property
+    def num_sampler_variants(self) -> int:
+        """Compiled samplers (one per combination of the sampler's static switches seen)."""
+        return len(self._sampler_exes)
+
+    @property
+    def num_compiled_variants(self) -> int:
+        return len(self._forward_exes) + len(self._sampler_exes)
+
+    def _compile(self, cache: dict, jitted, args: tuple, layout: PackedLayout, what: str):
+        exe = cache.get(layout)
         if exe is None:
             start = time.perf_counter()
-            exe = self._jitted.lower(*args, layout=layout).compile()
-            self.compile_seconds += time.perf_counter() - start
-            logger.debug("compiled a step variant in %.2fs", time.perf_counter() - start)
-            self._compiled[layout] = exe
+            exe = jitted.lower(*args, layout=layout).compile()
+            elapsed = time.perf_counter() - start
+            self.compile_seconds += elapsed
+            logger.debug("compiled a %s variant in %.2fs", what, elapsed)
+            cache[layout] = exe
         return exe
 
     def execute(self, batch: StepBatch, sampling: SamplingTensors, feed_index: np.ndarray,
-                prev_tokens: jax.Array | None):
-        """Dispatch one step; returns the sampler output as device arrays (no host sync)."""
-        inputs, layout = pack_to_device((batch, sampling, feed_index))
+                prev_tokens: jax.Array | None) -> SamplerOutput:
+        """Dispatch one step (forward, then sampling); returns the sampler output as device
+        arrays without waiting for them. The host inputs of both programs go to the device
+        in one transfer (one flat buffer per dtype and program)."""
+        batch_buffers, batch_layout = pack((batch, feed_index))
+        sampling_buffers, sampling_layout = pack(sampling)
+        batch_inputs, sampling_inputs = jax.device_put((batch_buffers, sampling_buffers))
+        logits = self._forward(batch_inputs, batch_layout, prev_tokens)
+        self.steps_per_bucket[batch.num_tokens_padded] += 1
+        return self._sample(logits, sampling_inputs, sampling_layout)
+
+    def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         args = (self.params, self.kv_cache, inputs, prev)
-        self.kv_cache, out = self._executable(args, layout)(*args)
-        return out
+        exe = self._compile(self._forward_exes, self._forward_jit, args, layout, "model forward")
+        self.kv_cache, logits = exe(*args)
+        return logits
+
+    def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:
+        args = (logits, inputs)
+        return self._compile(self._sampler_exes, self._sample_jit, args, layout, "sampler")(*args)
+
+    def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:
+        """Only the model forward: float32 logits [max_batch_size, vocab] on the device."""
+        buffers, layout = pack((batch, feed_index))
+        return self._forward(tuple(jax.device_put(buffers)), layout, prev_tokens)
+
+    def sample(self, logits: jax.Array, sampling: SamplingTensors) -> SamplerOutput:
+        """Only the sampler, over logits [max_batch_size, vocab]."""
+        buffers, layout = pack(sampling)
+        return self._sample(logits, tuple(jax.device_put(buffers)), layout)

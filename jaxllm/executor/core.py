@@ -155,7 +155,10 @@ class EngineCore:
                     for u in updates:
                         request = u.request
                         rid = request.request_id
-                        if rid in quiet:
+                        if u.error is not None:  # the engine failed this request alone
+                            quiet.pop(rid, None)
+                            events.append((ERROR, rid, RuntimeError(u.error)))
+                        elif rid in quiet:
                             if u.new_logprobs and quiet[rid] is not None:
                                 quiet[rid].extend(u.new_logprobs)
                             if u.finished:

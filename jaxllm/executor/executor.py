@@ -190,7 +190,10 @@ class GenerationExecutor:
                              "on the device inside the compiled step")
         if request.streaming and request.num_sequences > params.n:
             raise ValueError("best_of: streaming is not supported when best_of > n")
-        self._engine.validate_prompt(request.prompt_token_ids, params)
+        if isinstance(params.bad, (str, list, tuple)) and params.bad:
+            with self._encode_lock:  # the engine's check counts the tokenized bad words
+                params.setup(self.tokenizer)
+        self._engine.validate_request(request.prompt_token_ids, params, priority=request.priority)
         kv = getattr(self._engine, "kv_cache_manager", None)
         if kv is not None:
             blocks = kv.blocks_for_tokens(len(request.prompt_token_ids) + params.max_tokens)
@@ -199,9 +202,6 @@ class GenerationExecutor:
                 raise ValueError(
                     f"max_tokens: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                     f"needs {blocks} KV blocks but a sequence can hold at most {limit}")
-        if params.bad:
-            with self._encode_lock:
-                params.setup(self.tokenizer)
 
     def _sequence_params(self, params: SamplingParams, num_seqs: int) -> list[SamplingParams]:
         if num_seqs == 1 and params.n == 1 and (params.best_of or 1) == 1:

@@ -2,18 +2,24 @@
 
 from jaxllm.sampling.params import (
     GREEDY_TEMPERATURE_EPS,
+    INT32_MAX,
     MAX_LOGPROBS,
+    MAX_SEQUENCES,
     SamplingParams,
+    is_finite_number,
     resolve_end_ids,
     resolve_seed,
 )
 from jaxllm.sampling.sampler import SamplerOutput, apply_penalties, apply_suppression, sample
 from jaxllm.sampling.stopping import check_stop
-from jaxllm.sampling.tensors import SUPPRESS_WIDTH, SamplingTensors
+from jaxllm.sampling.tensors import SAMPLER_VARIANTS, SUPPRESS_WIDTH, SamplingTensors
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
+    "INT32_MAX",
     "MAX_LOGPROBS",
+    "MAX_SEQUENCES",
+    "SAMPLER_VARIANTS",
     "SUPPRESS_WIDTH",
     "SamplerOutput",
     "SamplingParams",
@@ -21,6 +27,7 @@ __all__ = [
     "apply_penalties",
     "apply_suppression",
     "check_stop",
+    "is_finite_number",
     "resolve_end_ids",
     "resolve_seed",
     "sample",

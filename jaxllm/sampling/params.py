@@ -21,6 +21,12 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 _MAX_SEED = 2**64
 
+INT32_MAX = 2**31 - 1
+"""Token ids, token counts and top_k travel to the device as int32: larger values are refused."""
+
+MAX_SEQUENCES = 128
+"""Largest `n` / `best_of` (OpenAI's limit for `n`): each sequence is a request of its own."""
+
 
 class _Row(NamedTuple):
     """The step-invariant sampler settings of one request, cached so that building the
@@ -40,13 +46,32 @@ class _Row(NamedTuple):
 _INTERNED_VALUES: dict[tuple, tuple] = {}
 
 
+def _show(v: Any, limit: int = 60) -> str:
+    """A short repr for error messages (a hostile value may be huge)."""
+    try:
+        text = repr(v)
+    except Exception:  # e.g. an int with more digits than Python will print
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _is_real(v: Any) -> bool:
-    return (isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-            and math.isfinite(v))
+    """A finite real number; bools and strings are not numbers here."""
+    if not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def is_finite_number(v: Any) -> bool:
+    """Whether `v` is a finite int or float (bool and str excluded), e.g. a request priority."""
+    return _is_real(v)
 
 
 def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None,
@@ -56,19 +81,28 @@ def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None,
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
             f" >= {lo}" if lo is not None else "")
-        raise ValueError(f"{name} must be an integer{bounds}, got {v!r}")
+        raise ValueError(f"{name} must be an integer{bounds}, got {_show(v)}")
 
 
 def _check_bool(name: str, v: Any) -> None:
     if not isinstance(v, bool):
-        raise ValueError(f"{name} must be a bool, got {v!r}")
+        raise ValueError(f"{name} must be a bool, got {_show(v)}")
 
 
 def _check_token_ids(name: str, v: Any) -> list[int] | None:
+    """A list (tuple, or 1-D integer numpy array) of token ids in [0, INT32_MAX], as plain ints."""
     if v is None:
         return None
-    if not isinstance(v, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in v):
-        raise ValueError(f"{name} must be a list of non-negative integer token ids, got {v!r}")
+    if isinstance(v, np.ndarray):
+        if v.ndim != 1 or v.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array of token ids, got dtype {v.dtype} "
+                             f"and shape {v.shape}")
+        v = v.tolist()
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integer token ids, got {type(v).__name__}")
+    for t in v:
+        if not _is_int(t) or not 0 <= t <= INT32_MAX:
+            raise ValueError(f"{name} must hold integer token ids in [0, {INT32_MAX}], got {_show(t)}")
     return [int(t) for t in v]
 
 
@@ -77,7 +111,7 @@ def _check_strings(name: str, v: Any) -> None:
         return
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {v!r}")
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {_show(v)}")
 
 
 @dataclass
@@ -87,7 +121,8 @@ class SamplingParams:
     Greedy decoding is used when temperature, top_k and top_p (and min_p) are all None,
     when temperature < 1e-5, or when top_k == 1. Otherwise unset knobs take their neutral
     value (temperature 1, top_k off, top_p 1, min_p 0). top_k of 0 or -1 means "off".
-    Fields are validated at construction only; assign new values before submitting.
+    Fields are validated at construction and again when a request is admitted
+    (`validate()`), so a field changed in between cannot reach the compiled step unchecked.
     """
 
     end_id: Optional[int] = None
@@ -125,39 +160,48 @@ class SamplingParams:
     _bad_word_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("end_id", self.end_id, lo=-1, optional=True)
-        _check_int("pad_id", self.pad_id, lo=-1, optional=True)
-        _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+        self.validate()
+
+    def validate(self) -> "SamplingParams":
+        """Check every field (ValueError naming the field) and normalise integers and id lists
+        to plain Python ints. Limits that depend on the model (vocabulary, end ids,
+        max_seq_len) are checked at admission by `jaxllm.engine.admission.validate_request`."""
+        _check_int("end_id", self.end_id, lo=-1, hi=INT32_MAX, optional=True)
+        _check_int("pad_id", self.pad_id, lo=-1, hi=INT32_MAX, optional=True)
+        _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=INT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_strings("stop", self.stop)
         _check_strings("bad", self.bad)
-        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
-        self.bad_token_ids = _check_token_ids("bad_token_ids", self.bad_token_ids)
-        _check_int("n", self.n, lo=1)
-        _check_int("best_of", self.best_of, lo=1, optional=True)
+        for name in ("stop_token_ids", "bad_token_ids"):
+            value = getattr(self, name)
+            ids = _check_token_ids(name, value)
+            if type(value) is not list or any(type(t) is not int for t in value):
+                setattr(self, name, ids)
+        _check_int("n", self.n, lo=1, hi=MAX_SEQUENCES)
+        _check_int("best_of", self.best_of, lo=1, hi=MAX_SEQUENCES, optional=True)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_bool("use_beam_search", self.use_beam_search)
         if self.use_beam_search:
             raise ValueError("use_beam_search: beam search is not supported yet")
         if self.temperature is not None and not (_is_real(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {_show(self.temperature)}")
         if self.top_k is not None:
-            _check_int("top_k", self.top_k, lo=-1)
+            _check_int("top_k", self.top_k, lo=-1, hi=INT32_MAX)
         if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {_show(self.top_p)}")
         if self.min_p is not None and not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v is not None and not (_is_real(v) and -2 <= v <= 2):
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise ValueError(f"{name} must be in [-2, 2], got {_show(v)}")
         if self.repetition_penalty is not None and not (
                 _is_real(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {_show(self.repetition_penalty)}")
         _check_int("seed", self.seed, lo=0, hi=_MAX_SEED - 1, optional=True)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
@@ -166,10 +210,24 @@ class SamplingParams:
                      "exclude_input_from_output", "ignore_eos", "detokenize", "add_special_tokens",
                      "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
+        # Accepted by the API for compatibility but not implemented: refused, never ignored.
+        for name, unsupported in (("prompt_logprobs", self.prompt_logprobs is not None),
+                                  ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
+                                  ("return_context_logits", self.return_context_logits),
+                                  ("return_generation_logits", self.return_generation_logits),
+                                  ("exclude_input_from_output", not self.exclude_input_from_output)):
+            if unsupported:
+                raise ValueError(f"{name}: {_show(getattr(self, name))} is not supported")
         lp = self.logits_processor
         if lp is not None and not callable(lp) and not (
                 isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
-            raise ValueError(f"logits_processor must be a callable or a list of callables, got {lp!r}")
+            raise ValueError(f"logits_processor must be a callable or a list of callables, got {_show(lp)}")
+        for name in ("end_id", "pad_id", "max_tokens", "min_tokens", "n", "best_of", "top_k", "seed",
+                     "logprobs"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                setattr(self, name, int(value))
+        return self
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
@@ -184,6 +242,8 @@ class SamplingParams:
         # Derived settings are cached; a field changed later must not leave them stale.
         object.__setattr__(self, name, value)
         self.__dict__.pop("_row", None)
+        if name == "bad":  # the tokenized bad words belong to the old value
+            object.__setattr__(self, "_bad_word_ids", None)
 
     # ---- derived settings -------------------------------------------------------------------
 
@@ -238,6 +298,7 @@ class SamplingParams:
     def setup(self, tokenizer: Any) -> "SamplingParams":
         """Tokenize the `bad` strings (each becomes one banned token sequence). Depends only
         on the tokenizer, so it is safe on a params object shared by several requests."""
+        _check_strings("bad", self.bad)
         self._bad_word_ids = [list(tokenizer.encode(w, add_special_tokens=False))
                               for w in ([self.bad] if isinstance(self.bad, str) else (self.bad or []))]
         return self

@@ -7,8 +7,13 @@ Whether whole computations run at all is decided here on the host and recorded a
 metadata (part of the jit cache key): `use_penalties` (also switches the history shape),
 `num_top_logprobs`, `any_random` and `use_top_k_top_p` (the vocabulary sort). Branching
 on device instead (lax.cond) would make the GPU runtime read the predicate back to the
-host mid-step, stalling the host until the model forward finishes. The price is up to
-12 compiled variants of a step (2 x 2 x 3), each compiled the first time a batch needs it.
+host mid-step, stalling the host until the model forward finishes. The price is 12
+compiled variants of the sampler (2 x 2 x 3, `SAMPLER_VARIANTS`); the sampler is compiled
+apart from the model, so warm-up compiles all of them cheaply.
+
+Per-request limits of these tensors (at most `SUPPRESS_WIDTH` banned ids per step, int32
+ids) are checked at admission (`jaxllm.engine.admission`), so `build` never fails for an
+admitted request.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from jaxllm.sampling.params import MAX_LOGPROBS, SamplingParams
 
 SUPPRESS_WIDTH = 16
 """Default static width K of `suppress_ids`: token ids one request may ban in one step."""
+
+SAMPLER_VARIANTS: tuple[dict, ...] = tuple(
+    dict(use_penalties=penalties, num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
+    for penalties in (False, True) for top in (0, MAX_LOGPROBS)
+    for random, sort in ((False, False), (True, False), (True, True)))
+"""Every combination of the static switches `build` can produce (keywords of `empty`)."""
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,157 @@
+"""Admission: the one place where a request is checked before the engine accepts it.
+
+Everything the step relies on (token ids inside the vocabulary and int32, at most
+`SUPPRESS_WIDTH` ids banned per step, lengths within `max_seq_len` and the KV cache, a
+numeric priority, strict types) is checked here, once, with a ValueError naming the
+field. The engine's `add_request` calls `validate_request`, and the executor and the
+server call it (through `LLMEngine.validate_request`) before queueing, so a request that
+passes can never fail a step; the engine's step-level fault isolation is only a backstop.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from jaxllm.sampling import (SUPPRESS_WIDTH, SamplingParams, is_finite_number, resolve_end_ids)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The engine's limits a request is checked against (fixed when the engine is built)."""
+
+    vocab_size: int
+    max_seq_len: int
+    default_end_ids: tuple[int, ...]  # the model's end ids, banned until min_tokens
+    tokens_per_block: int
+    max_blocks_per_request: int  # min(block-table row, whole KV pool)
+    max_num_tokens: int
+    enable_chunked_prefill: bool = True
+    suppress_width: int = SUPPRESS_WIDTH
+
+
+class AdmittedRequest(NamedTuple):
+    """The normalised request: plain-int prompt ids, a float priority, resolved end ids."""
+
+    prompt_token_ids: list[int]
+    priority: float
+    end_ids: list[int]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def normalize_prompt(prompt_token_ids: Any, vocab_size: int) -> list[int]:
+    """Prompt ids as a list of Python ints (from a list, tuple or 1-D integer numpy array)."""
+    if isinstance(prompt_token_ids, np.ndarray):
+        if prompt_token_ids.ndim != 1 or prompt_token_ids.dtype.kind not in "iu":
+            raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer "
+                             f"dtype, got dtype {prompt_token_ids.dtype} and shape {prompt_token_ids.shape}")
+        ids = prompt_token_ids.tolist()
+    elif isinstance(prompt_token_ids, (list, tuple)):
+        ids = list(prompt_token_ids)
+        if not all(type(t) is int for t in ids):
+            for t in ids:
+                if not _is_int(t):
+                    raise ValueError(f"prompt_token_ids: token ids must be integers, got {type(t).__name__}")
+            ids = [int(t) for t in ids]
+    else:
+        raise ValueError("prompt_token_ids must be a list of integer token ids, got "
+                         f"{type(prompt_token_ids).__name__}")
+    if not ids:
+        raise ValueError("prompt_token_ids: the prompt is empty; a request needs at least one prompt token")
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _check_ids_in_vocab(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    for t in ids:
+        if t >= vocab_size:
+            raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _banned_at_once(params: SamplingParams, end_ids: Sequence[int]) -> tuple[int, int]:
+    """(ids banned at every step, ids banned in a step before min_tokens): the most that
+    `SamplingTensors.build` may have to write into one row's `suppress_ids`."""
+    always = {seq[-1] for seq in params.bad_word_ids if seq}
+    early = set(always)
+    if params.min_tokens > 0:
+        if not params.ignore_eos:
+            early.update(end_ids)
+        early.update(params.stop_token_ids or ())
+    return len(always), len(early)
+
+
+def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits, *,
+                     priority: Any = 0.0, tokenizer: Any = None) -> AdmittedRequest:
+    """Check one request against the engine's limits; ValueError naming the field, else the
+    normalised request. `tokenizer` tokenizes `params.bad` (needed to count banned ids)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if not is_finite_number(priority):
+        shown = repr(priority)[:40] if isinstance(priority, (str, bool, float)) else type(priority).__name__
+        raise ValueError(f"priority must be a finite number, got {shown}")
+    prompt = normalize_prompt(prompt_token_ids, limits.vocab_size)
+    if params.logits_processor is not None:
+        raise ValueError("logits_processor: host logits processors are not supported; the sampler runs "
+                         "on the device inside the compiled step")
+    vocab = limits.vocab_size
+    for name in ("end_id", "pad_id"):
+        value = getattr(params, name)
+        if value is not None and value != -1:
+            _check_ids_in_vocab(name, [value], vocab)
+    _check_ids_in_vocab("stop_token_ids", params.stop_token_ids or (), vocab)
+    _check_ids_in_vocab("bad_token_ids", params.bad_token_ids or (), vocab)
+    if params.bad and params._bad_word_ids is None:
+        if tokenizer is None:
+            raise ValueError("bad: bad strings need a tokenizer")
+        params.setup(tokenizer)
+    _check_ids_in_vocab("bad", [t for seq in params.bad_word_ids for t in seq], vocab)
+
+    end_ids = resolve_end_ids(params, limits.default_end_ids)
+    always, early = _banned_at_once(params, end_ids)
+    width = limits.suppress_width
+    if always > width:
+        raise ValueError(f"bad_token_ids: bad_token_ids and bad words ban {always} distinct token ids, "
+                         f"more than the {width} supported per request")
+    if early > width:
+        field = "stop_token_ids" if params.stop_token_ids else "min_tokens"
+        raise ValueError(
+            f"{field}: until min_tokens ({params.min_tokens}) outputs exist, the end ids, stop_token_ids "
+            f"and bad words ban {early} distinct token ids, more than the {width} supported per request")
+
+    total = len(prompt) + params.max_tokens
+    if total > limits.max_seq_len:
+        raise ValueError(f"max_tokens: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
+                         f"exceeds max_seq_len {limits.max_seq_len}")
+    blocks = -(-total // limits.tokens_per_block)
+    if blocks > limits.max_blocks_per_request:
+        raise ValueError(
+            f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
+            f"KV blocks but a sequence can hold at most {limits.max_blocks_per_request}")
+    if not limits.enable_chunked_prefill and len(prompt) > limits.max_num_tokens:
+        raise ValueError(f"prompt_token_ids: the prompt ({len(prompt)} tokens) exceeds max_num_tokens "
+                         f"({limits.max_num_tokens}) and chunked prefill is off")
+    return AdmittedRequest(prompt, float(priority), end_ids)
+
+
+def check_sequence_index(sequence_index: Any) -> int:
+    if not _is_int(sequence_index) or sequence_index < 0:
+        raise ValueError(f"sequence_index must be an integer >= 0, got {sequence_index!r}")
+    return int(sequence_index)
+
+
+def check_arrival_time(arrival_time: Optional[Any]) -> Optional[float]:
+    if arrival_time is None:
+        return None
+    if not is_finite_number(arrival_time):
+        raise ValueError(f"arrival_time must be a finite number, got {type(arrival_time).__name__}")
+    return float(arrival_time)
