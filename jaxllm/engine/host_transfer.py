@@ -3,9 +3,9 @@
 A step has ~20 small inputs (token ids, positions, block tables, sampling parameters...).
 Transferring them one by one costs a fixed overhead each, which dominates host time at
 small batch sizes, so the host packs them into one flat buffer per dtype and the
-compiled step slices them back out with static offsets. The layout (shapes, offsets and
-the pytree structure, which carries the sampler's static switches) is hashable and is
-part of the compiled step's key.
+compiled program slices them back out with static offsets. The layout (shapes, offsets and
+the pytree structure, which carries the sampler's static switches) is hashable and keys
+the compiled programs of `ModelRunner`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,3 @@ def unpack(buffers: tuple[jax.Array, ...], layout: PackedLayout) -> Any:
     leaves = [jax.lax.slice_in_dim(buffers[b], offset, offset + int(np.prod(shape, dtype=np.int64))).reshape(shape)
               for b, offset, shape in layout.leaves]
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
-
-
-def pack_to_device(tree: Any) -> tuple[tuple[jax.Array, ...], PackedLayout]:
-    buffers, layout = pack(tree)
-    return tuple(jax.device_put(buffers)), layout
-
