@@ -1,0 +1,169 @@
+"""Tiny Hugging Face checkpoints written to GGUF the way llama.cpp's converter writes them.
+
+Names come from the `gguf` library's own tensor-name map, Llama q/k rows get llama.cpp's
+RoPE permutation, 2-D weights are quantized with `gguf.quantize` (1-D norms and biases stay
+F32, as llama.cpp keeps them), and the tokenizer is the tiny preset's byte-level BPE written
+as llama.cpp's `gpt2` tokenizer metadata. Nothing here uses jaxllm's GGUF reader.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.models.presets import CHAT_TEMPLATE
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+# llama_ftype of a file whose 2-D weights are all of one type.
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32}
+
+
+def hf_config(arch: str, vocab_size: int):
+    """A 2-layer config of `arch` whose every quantized row length is a multiple of 32."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=96)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=1, intermediate_size=96)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, num_key_value_heads=2,
+                                        head_dim=32, intermediate_size=96)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                           moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    raise ValueError(arch)
+
+
+def make_tiny_hf(arch: str, path: Path, seed: int = 0):
+    """Save a random f32 HF model with the tiny preset's tokenizer; returns (model, tokenizer.json dict)."""
+    import torch
+    import transformers
+
+    from jaxllm.models import materialize_preset
+
+    preset = materialize_preset("tiny-moe")
+    tokenizer = json.loads((preset / "tokenizer.json").read_text())
+    vocab = len(tokenizer["model"]["vocab"]) + sum(
+        1 for t in tokenizer["added_tokens"] if t["content"] not in tokenizer["model"]["vocab"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, vocab), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(preset / name, path / name)
+    return model, tokenizer
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (q: all heads, k: the KV heads)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _state_dict(model) -> dict[str, np.ndarray]:
+    """HF tensor names -> float32 arrays, MoE experts stacked as [E, out, in] per projection."""
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = value
+            continue
+        prefix = name.split(".mlp.experts.")[0] + ".mlp.experts"
+        rest = name.split(".mlp.experts.")[1]
+        if rest == "gate_up_proj":  # transformers' fused [E, 2I, H]
+            inter = value.shape[1] // 2
+            out[f"{prefix}.gate_proj.weight"] = value[:, :inter]
+            out[f"{prefix}.up_proj.weight"] = value[:, inter:]
+        elif rest == "down_proj":  # [E, H, I]
+            out[f"{prefix}.down_proj.weight"] = value
+        else:  # per expert: E.gate_proj.weight
+            expert, proj = rest.split(".")[0], rest.split(".")[1]
+            out.setdefault(f"{prefix}.{proj}.weight", {})[int(expert)] = value
+    for name, value in list(out.items()):
+        if isinstance(value, dict):
+            out[name] = np.stack([value[e] for e in sorted(value)])
+    return out
+
+
+def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32") -> Path:
+    """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`."""
+    import gguf
+
+    cfg = model.config
+    gguf_arch = GGUF_ARCH[arch]
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == gguf_arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_name("tiny")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
+                              else float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(FILE_TYPE[qtype])
+    if arch == "qwen3_moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    # The tokenizer as llama.cpp's `gpt2` (byte-level BPE) metadata.
+    vocab = dict(tokenizer["model"]["vocab"])
+    for added in tokenizer["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {a["content"] for a in tokenizer["added_tokens"] if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    quant = gguf.GGMLQuantizationType[qtype]
+    for name, value in _state_dict(model).items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = name_map.get_name(base)
+        assert gguf_name is not None, f"gguf has no name for {name}"
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
+            value = llama_cpp_permute(value, heads)
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(f"{gguf_name}.{suffix}", value)
+        elif quant == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(f"{gguf_name}.{suffix}", value.astype(np.float16))
+        else:
+            writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quantize(value, quant), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
