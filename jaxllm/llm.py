@@ -35,11 +35,10 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_FIELDS - set(EXECUTOR_FIELDS))
         if unknown:
             raise ValueError(f"unknown argument(s) for LLM: {', '.join(unknown)}")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet; use 1")
         executor_kwargs = {k: kwargs.pop(k) for k in EXECUTOR_FIELDS if k in kwargs}
         executor_config = ExecutorConfig(**executor_kwargs)
-        engine_config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, **kwargs)
+        engine_config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype,
+                                     tensor_parallel_size=tensor_parallel_size, **kwargs)
         self._executor = GenerationExecutor(engine_config, executor_config)
         self._owns_executor = True
         self.tokenizer = self._executor.tokenizer

@@ -33,6 +33,7 @@ class EngineConfig:
     disable_overlap_scheduler: bool = False
     min_token_bucket: int = 16
     seed: int = 0
+    tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP columns, vocabulary)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
@@ -46,6 +47,9 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.moe_backend not in (None, *MOE_BACKENDS):

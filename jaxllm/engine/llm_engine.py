@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
@@ -35,6 +34,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.models import is_preset, load_model_config, load_params, materialize_preset
+from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
 from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
@@ -42,11 +42,11 @@ from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, c
 from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
 from jaxllm.step_batch import StepBatch
 from jaxllm.tokenizer import load_tokenizer
+from sharding import ParallelConfig, make_mesh
 
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER_TOKEN = -1
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclass
@@ -106,8 +106,10 @@ class LLMEngine:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        kv_dtype = _DTYPES[self.model_config.dtype]
-        params = load_params(model_dir, self.model_config)
+        kv_dtype = numpy_dtype(self.model_config.dtype)
+        # The device mesh: every weight and the KV cache are sharded over it at load time.
+        self.mesh = make_mesh(ParallelConfig(tensor_parallel_size=config.tensor_parallel_size))
+        params = load_params(model_dir, self.model_config, mesh=self.mesh)
         self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
         kv_cfg = config.kv_cache_config
         tpb = kv_cfg.tokens_per_block
@@ -117,7 +119,7 @@ class LLMEngine:
         num_blocks = plan_num_kv_blocks(
             model_config=self.model_config, dtype=kv_dtype, tokens_per_block=tpb,
             max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
-            max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len)
+            max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len, mesh=self.mesh)
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
         self.kv_cache_manager = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq,
                                                enable_block_reuse=kv_cfg.enable_block_reuse,
@@ -129,7 +131,7 @@ class LLMEngine:
             config.attention_backend, config.moe_backend)
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
-                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size)
+                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh)
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxllm.engine.host_transfer import PackedLayout, pack, unpack
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
+from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.step_batch import StepBatch
 
@@ -36,13 +37,13 @@ logger = logging.getLogger(__name__)
 
 
 def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
-                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable):
+                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence)."""
     batch, feed_index = unpack(inputs, layout)
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
     logits, kv_cache = forward(params, kv_cache, batch, config=model_config,
-                               attention_fn=attention_fn, moe_fn=moe_fn)
+                               attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
     return kv_cache, logits.astype(jnp.float32)
 
 
@@ -52,20 +53,23 @@ def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutpu
 
 def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
                        max_tokens: int | None, free_memory_fraction: float,
-                       max_batch_size: int, max_seq_len: int) -> int:
+                       max_batch_size: int, max_seq_len: int, mesh: jax.sharding.Mesh | None = None) -> int:
     """Blocks in the pool: the smaller of `max_tokens` and the memory-fraction budget.
 
     On accelerators the budget is `fraction` of the device memory still free after the
-    weights are loaded. Hosts report no such figure, so there the pool holds every
-    sequence at full length, capped by a share of the host's available memory.
+    weights are loaded, on the device of the mesh with the least free memory (every
+    device holds its share of every block, so the tightest one decides). Hosts report no
+    such figure, so there the pool holds every sequence at full length, capped by a share
+    of the host's available memory.
     """
-    bytes_per_block = kv_cache_bytes_per_token(model_config, dtype) * tokens_per_block
+    mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+    bytes_per_block = kv_cache_bytes_per_token(model_config, dtype, mesh) * tokens_per_block
     limits = []
     if max_tokens is not None:
         limits.append(math.ceil(max_tokens / tokens_per_block))
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
+    if all("bytes_limit" in s for s in stats):
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         limits.append(int(free * free_memory_fraction) // bytes_per_block)
     else:
         limits.append(math.ceil(max_batch_size * max_seq_len / tokens_per_block))
@@ -86,14 +90,17 @@ class ModelRunner:
 
     def __init__(self, *, model_config: ModelConfig, params: Any, num_blocks: int,
                  tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
-                 max_batch_size: int) -> None:
+                 max_batch_size: int, mesh: jax.sharding.Mesh | None = None) -> None:
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
-        self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype)
+        self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+        # Host inputs go to every device of the mesh (replicated).
+        self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         self._forward_jit = jax.jit(
             functools.partial(_forward_step, model_config=model_config, attention_fn=attention_fn,
-                              moe_fn=moe_fn),
+                              moe_fn=moe_fn, mesh=self.mesh),
             static_argnames=("layout",),
             donate_argnums=(1,),
         )
@@ -102,7 +109,7 @@ class ModelRunner:
         self._sampler_exes: dict[PackedLayout, Any] = {}
         self.compile_seconds = 0.0
         self.steps_per_bucket: collections.Counter = collections.Counter()
-        self._zero_tokens = jnp.zeros((max_batch_size,), jnp.int32)
+        self._zero_tokens = jax.device_put(np.zeros((max_batch_size,), np.int32), self._replicated)
 
     @property
     def num_forward_variants(self) -> int:
@@ -136,7 +143,7 @@ class ModelRunner:
         in one transfer (one flat buffer per dtype and program)."""
         batch_buffers, batch_layout = pack((batch, feed_index))
         sampling_buffers, sampling_layout = pack(sampling)
-        batch_inputs, sampling_inputs = jax.device_put((batch_buffers, sampling_buffers))
+        batch_inputs, sampling_inputs = jax.device_put((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_inputs, batch_layout, prev_tokens)
         self.steps_per_bucket[batch.num_tokens_padded] += 1
         return self._sample(logits, sampling_inputs, sampling_layout)
@@ -155,9 +162,9 @@ class ModelRunner:
     def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:
         """Only the model forward: float32 logits [max_batch_size, vocab] on the device."""
         buffers, layout = pack((batch, feed_index))
-        return self._forward(tuple(jax.device_put(buffers)), layout, prev_tokens)
+        return self._forward(tuple(jax.device_put(buffers, self._replicated)), layout, prev_tokens)
 
     def sample(self, logits: jax.Array, sampling: SamplingTensors) -> SamplerOutput:
         """Only the sampler, over logits [max_batch_size, vocab]."""
         buffers, layout = pack(sampling)
-        return self._sample(logits, tuple(jax.device_put(buffers)), layout)
+        return self._sample(logits, tuple(jax.device_put(buffers, self._replicated)), layout)

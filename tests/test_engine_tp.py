@@ -1,0 +1,105 @@
+"""The engine under tensor parallelism (8 fake CPU devices, in a subprocess; see
+test_sharding_tp.py): TP 2/4/8 give exactly the greedy tokens of TP 1 under in-flight
+batching with chunked prefill and prefix reuse, with the xla and Pallas backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# (arch, backend, TP sizes); Qwen3-MoE and Llama have 2 KV heads: TP 4 and 8 replicate them.
+CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("llama", "xla", (1, 8)), ("qwen3_moe", "pallas", (1, 8))]
+
+
+def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str) -> dict:
+    """A scripted workload: requests arrive over several steps, long prompts are chunked
+    (32-token steps), and two prompts share a 24-token prefix the cache already holds."""
+    import numpy as np
+
+    from jaxllm import KvCacheConfig, SamplingParams
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=str(directory), tokenizer=str(tokenizer), dtype="float32", max_batch_size=4, max_num_tokens=32,
+        max_seq_len=96, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
+        attention_backend=backend, moe_backend=backend, tensor_parallel_size=tp))
+    rng = np.random.default_rng(11)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, vocab, n)]
+
+    shared = prompt(24)
+    arrivals = {0: [prompt(45), prompt(5)], 2: [shared + prompt(9)], 6: [shared + prompt(14), prompt(20)]}
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    outputs: dict[int, list[int]] = {}
+    step = 0
+    while step in arrivals or engine.has_unfinished_requests() or step < max(arrivals):
+        for p in arrivals.get(step, []):
+            engine.add_request(p, params)
+        for update in engine.step():
+            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+        step += 1
+    stats = engine.kv_cache_manager.get_kv_cache_stats()
+    chunked = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+                  for s in engine.iteration_stats)
+    return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, reused=stats.reused_blocks, mixed=chunked,
+                kv_heads_per_device=int(engine.runner.kv_cache[0].k.addressable_shards[0].data.shape[0]))
+
+
+def check_all(root: Path) -> None:
+    """Subprocess entry point (8 devices)."""
+    import jax
+
+    from jaxllm.models import materialize_preset
+    from tests.test_sharding_tp import hf_config, write_checkpoint
+
+    assert len(jax.devices()) == 8
+    tokenizer = materialize_preset("tiny-moe")
+    for arch, backend, sizes in CASES:
+        directory = root / arch
+        if not directory.exists():
+            write_checkpoint(arch, directory)
+            (directory / "config.json").write_text(json.dumps(dict(hf_config(arch), vocab_size=256)))
+            write_checkpoint_vocab(arch, directory)
+        for tp in sizes:
+            print(json.dumps(dict(arch=arch, backend=backend, tp=tp,
+                                  **run_engine(directory, tokenizer, tp, backend))), flush=True)
+
+
+def write_checkpoint_vocab(arch: str, directory: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from jaxllm.models import ModelConfig
+    from jaxllm.models.weights import random_checkpoint
+    from tests.test_sharding_tp import hf_config
+
+    config = ModelConfig.from_hf_config(dict(hf_config(arch), vocab_size=256))
+    save_file(random_checkpoint(config, seed=5), str(directory / "model.safetensors"))
+
+
+def test_engine_tensor_parallel_tokens_match_single_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_engine_tp import check_all; " \
+           f"from pathlib import Path; check_all(Path({str(tmp_path)!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == sum(len(sizes) for _, _, sizes in CASES)
+    base = {}
+    for r in results:
+        case = f"{r['arch']} {r['backend']} TP{r['tp']}"
+        assert len(r["tokens"]) == 5 and all(len(t) == 7 for t in r["tokens"].values()), case
+        assert r["reused"] >= 3, f"{case}: the shared prefix was not reused"
+        assert r["mixed"], f"{case}: no step mixed prefill and decode"
+        key = (r["arch"], r["backend"])
+        if r["tp"] == 1:
+            base[key] = r["tokens"]
+        assert r["tokens"] == base[key], f"{case}: tokens differ from TP 1"
+        assert r["kv_heads_per_device"] == max(1, 2 // r["tp"]), case
