@@ -76,6 +76,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                    help="default: pallas on GPU, xla elsewhere")
     g.add_argument("--moe-backend", choices=["xla", "pallas"], default=None,
                    help="default: pallas on GPU, xla elsewhere")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                   help="devices the model is split over (attention heads, MLP columns, vocabulary)")
     g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
                    help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
                         "its values override the flags")
@@ -110,7 +112,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9))
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend, moe_backend=args.moe_backend)
+        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     extra = load_config_file(args.config) if getattr(args, "config", None) else {}
