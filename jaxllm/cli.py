@@ -260,8 +260,9 @@ def _sampling_params(args: argparse.Namespace):
                           top_k=args.top_k, seed=args.seed)
 
 
-def _stream(result, out=sys.stdout) -> Any:
+def _stream(result, out=None) -> Any:
     """Print a streaming result's text as it arrives; returns the final output."""
+    out = sys.stdout if out is None else out
     final = None
     for final in result:
         text = final.outputs[0].text_diff
