@@ -62,6 +62,11 @@ class LlmRequest:
     # Prompt tokens that were found in the prefix cache instead of being computed.
     prepopulated_prompt_len: int = 0
     num_pauses: int = 0
+    # Set by the engine at admission and as tokens come back:
+    seed: Optional[int] = None  # this sequence's sampling seed (None: unseeded)
+    end_ids: tuple[int, ...] = ()  # token ids that end generation
+    cumulative_logprob: float = 0.0  # sum of the chosen tokens' logprobs (when logprobs are requested)
+    stop_reason: Any = None  # the stop string or token id that finished the request, if any
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

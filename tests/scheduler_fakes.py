@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
+from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.request import LlmRequest
 from jaxllm.scheduler import RequestScheduler, SchedulerOutput
@@ -88,7 +89,8 @@ class FakeExecutor:
             if self.check_kv_contents:
                 self._run_fake_device(out, batch)
             sampled = [fake_token(r) for r in out.all_requests()]
-            for req in out.advance(sampled):
+            for req, row, index in Planner.commit(out):  # the engine's own request update
+                req.output_token_ids[index] = sampled[row]
                 stop = self.stop_after.get(req.request_id)
                 if stop is not None and len(req.output_token_ids) >= stop:
                     req.finish("stop")

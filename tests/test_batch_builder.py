@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
+from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.request import LlmRequest
 from jaxllm.scheduler import SchedulerOutput
@@ -60,7 +61,8 @@ def test_mixed_context_and_generation_step():
     assert b.num_tokens_padded == 8
 
     # next step: the rest of the prompt (a chunk starting mid-block) and one more token
-    out.advance([0, 8])
+    for request, row, index in Planner.commit(out):  # what the engine does once the step ran
+        request.output_token_ids[index] = [0, 8][row]
     ctx.context_chunk_size = 2
     out2 = SchedulerOutput([ctx], [gen], [])
     kv.prepare_resources(out2)

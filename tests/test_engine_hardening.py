@@ -12,7 +12,7 @@ import pytest
 
 from engine_helpers import make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
-from jaxllm.engine import llm_engine
+from jaxllm.engine import planner
 from jaxllm.sampling import MAX_LOGPROBS, SUPPRESS_WIDTH, SamplingTensors
 
 VOCAB = 384
@@ -247,7 +247,7 @@ def test_a_failure_while_building_a_step_fails_only_its_request(llm, canary_toke
 
     # Fault 1: the batch builder raises on one request's first (context) step.
     poisoned_prompt = [7, 7, 7, 7, 7, 7, 7, 7, 7]
-    build_step_batch = llm_engine.build_step_batch
+    build_step_batch = planner.build_step_batch
 
     def faulty_build_step_batch(output, *args, **kwargs):
         if any(r.prompt_token_ids[:9] == poisoned_prompt for r in output.context_requests):
@@ -264,7 +264,7 @@ def test_a_failure_while_building_a_step_fails_only_its_request(llm, canary_toke
                 raise RuntimeError("injected sampling fault")
         return build(rows, num_generated, *args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "build_step_batch", faulty_build_step_batch)
+    monkeypatch.setattr(planner, "build_step_batch", faulty_build_step_batch)
     monkeypatch.setattr(SamplingTensors, "build", classmethod(faulty_build))
     results = [llm.generate_async(p, params) for p in prompts[:2]]
     bad_context = llm.generate_async(poisoned_prompt + [1, 2], params)

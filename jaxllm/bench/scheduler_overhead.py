@@ -1,9 +1,10 @@
 """Host time of one scheduling step, without a model (`jaxllm bench scheduler`).
 
-A step here is everything the host does before the device can run: capacity scheduling,
-micro-batching, KV block allocation and building the StepBatch int32 arrays (token ids,
-positions, slot mapping, block tables, ...). Requests are advanced between steps by a
-model-free stand-in that is not timed.
+A step here is the engine's planner (`jaxllm.engine.planner`), everything the host does
+before the device can run: capacity scheduling, micro-batching, KV block allocation,
+building the StepBatch int32 arrays (token ids, positions, slot mapping, block tables,
+...) and the sampling tensors, and moving the requests forward. Sampled tokens are filled
+in between steps by a model-free stand-in that is not timed.
 
 Scenarios, each with `running` requests kept in flight:
 
@@ -25,10 +26,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from jaxllm.batch_builder import build_step_batch, choose_token_bucket
 from jaxllm.config import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
+from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.request import LlmRequest
+from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import make_scheduler
 
 
@@ -61,6 +63,9 @@ class _Workload:
                                  enable_block_reuse=reuse, max_num_sequences=running)
         config = SchedulerConfig(policy, ContextChunkingPolicy.FIRST_COME_FIRST_SERVED)
         self.scheduler = make_scheduler(config, self.kv, running, max_num_tokens, True)
+        self.planner = Planner(scheduler=self.scheduler, kv_cache_manager=self.kv, max_batch_size=running,
+                               max_num_tokens=max_num_tokens, min_token_bucket=16,
+                               max_blocks_per_seq=max_blocks_per_seq, max_seq_len=max_seq_len)
         self.active: list[LlmRequest] = []
         self.next_id = 0
 
@@ -75,7 +80,8 @@ class _Workload:
             max_new = rng.randint(min(16, room), min(256, room))
         self.next_id += 1
         prompt = [rng.randrange(32000) for _ in range(prompt_len)]
-        return LlmRequest(self.next_id, prompt, max_new, arrival_time=float(self.next_id))
+        return LlmRequest(self.next_id, prompt, max_new, arrival_time=float(self.next_id),
+                          sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True))
 
     def fill(self) -> None:
         while len(self.active) < self.running:
@@ -83,18 +89,14 @@ class _Workload:
 
     def timed_step(self):
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = self.scheduler.schedule_request(self.active, set())
-        self.kv.prepare_resources(out)
-        bucket = choose_token_bucket(out.num_tokens, self.max_num_tokens)
-        batch = build_step_batch(out, self.kv, token_bucket=bucket, max_batch_size=self.running,
-                                 max_blocks_per_seq=self.kv.max_blocks_per_seq)
+        step = self.planner.plan(self.active)
         elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        return elapsed, cpu, out, batch
+        return elapsed, cpu, step
 
-    def advance(self, out) -> None:
-        """The untimed "device": sample a token per request, retire finished ones."""
-        tokens = [self.next_id & 0x7FFF] * out.batch_size
-        for req in out.advance(tokens):
+    def advance(self, step) -> None:
+        """The untimed "device": a token for each request the step samples for; retire finished ones."""
+        for req, _, index in step.entries:
+            req.output_token_ids[index] = self.next_id & 0x7FFF
             if req.reached_max_new_tokens:
                 req.finish("length")
                 self.kv.free_resources(req)
@@ -107,8 +109,8 @@ class _Workload:
         reached a steady mix (mixed)."""
         self.fill()
         for _ in range(10_000):
-            _, _, out, _ = self.timed_step()
-            self.advance(out)
+            _, _, step = self.timed_step()
+            self.advance(step)
             if self.scenario == "decode" and all(r.is_generation_phase for r in self.active):
                 return
             if self.scenario == "mixed" and self.next_id > 2 * self.running:
@@ -127,12 +129,13 @@ def measure(*, running: int, scenario: str, policy: str, steps: int, max_num_tok
     gc.disable()  # a collection in the middle of a step says nothing about the scheduler
     try:
         for _ in range(steps):
-            elapsed, cpu, out, _ = work.timed_step()
+            elapsed, cpu, step = work.timed_step()
+            out = step.output
             times.append(elapsed * 1e3)
             cpu_times.append(cpu * 1e3)
             tokens.append(out.num_tokens)
             ctx.append(len(out.context_requests))
-            work.advance(out)
+            work.advance(step)
     finally:
         if gc_was_enabled:
             gc.enable()

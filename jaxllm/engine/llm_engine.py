@@ -1,4 +1,9 @@
-"""The engine loop: schedule -> pack -> run the compiled step -> apply the sampled tokens.
+"""The engine loop: plan (host) -> run the plan (devices) -> apply the sampled tokens.
+
+The planner (`jaxllm.engine.planner`: scheduler, KV block manager, batch building) turns
+the active requests into a `StepPlan` of plain host arrays; the runner
+(`jaxllm.engine.model_runner`) executes it on the device mesh and returns the sampled
+tokens; this loop reads them back, applies stops and reports updates.
 
 Requests are checked once, at admission (`jaxllm.engine.admission`), so an admitted
 request cannot make a step fail. As a backstop, an exception while building a step's
@@ -25,13 +30,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jaxllm.batch_builder import build_step_batch, choose_token_bucket
+from jaxllm.batch_builder import build_step_batch
 from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
+from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.models import is_preset, load_model_config, load_params, materialize_preset
 from jaxllm.models.config import numpy_dtype
@@ -40,13 +46,11 @@ from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
-from jaxllm.step_batch import StepBatch
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
 
 logger = logging.getLogger(__name__)
 
-PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -71,20 +75,9 @@ class EngineTiming:
 
 
 @dataclass
-class _StepInputs:
-    """The host inputs of one step, built without touching any request's state."""
-
-    rows: list[LlmRequest]
-    batch: StepBatch
-    sampling: SamplingTensors
-    feed_index: np.ndarray
-    num_tokens: int
-
-
-@dataclass
 class _PendingStep:
     sampler_output: object
-    entries: list[tuple[LlmRequest, int, int]]  # (request, row, index in output_token_ids)
+    entries: list[TokenEntry]  # (request, row, index in output_token_ids)
     wants_logprobs: bool
     stats: dict
 
@@ -127,6 +120,10 @@ class LLMEngine:
         self.scheduler = make_scheduler(config.scheduler_config, self.kv_cache_manager,
                                         config.max_batch_size, config.max_num_tokens,
                                         config.enable_chunked_prefill)
+        self.planner = Planner(scheduler=self.scheduler, kv_cache_manager=self.kv_cache_manager,
+                               max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
+                               min_token_bucket=config.min_token_bucket, max_blocks_per_seq=self.max_blocks_per_seq,
+                               max_seq_len=self.max_seq_len)
         self.attention_backend, self.moe_backend, attention_fn, moe_fn = resolve_backends(
             config.attention_backend, config.moe_backend)
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
@@ -155,13 +152,7 @@ class LLMEngine:
         self.timing = EngineTiming()
 
     def token_buckets(self) -> list[int]:
-        sizes, n = set(), 1
-        while n < self.config.max_num_tokens:
-            sizes.add(choose_token_bucket(n, self.config.max_num_tokens, self.config.min_token_bucket))
-            n *= 2
-        sizes.add(choose_token_bucket(self.config.max_num_tokens, self.config.max_num_tokens,
-                                      self.config.min_token_bucket))
-        return sorted(sizes)
+        return self.planner.token_buckets()
 
     def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
@@ -302,24 +293,22 @@ class LLMEngine:
         return updates
 
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[_PendingStep]:
-        """Schedule and launch one step. Requests that make building it fail are failed
+        """Plan and launch one step. Requests that make planning it fail are failed
         (collected in `self._failed`); the step runs for the others."""
         if not candidates:
             return None
         try:
-            output = self.scheduler.schedule_request(candidates, set())
-            for paused in output.paused_requests:
-                self.kv_cache_manager.free_resources(paused)
-            if output.is_empty:
+            output = self.planner.schedule(candidates)
+            if output is None:
                 return None
-            self.kv_cache_manager.prepare_resources(output)
         except Exception as exc:  # no request to single out: those that could run fail
             self._failed += self._fail(candidates, exc, "scheduling a step")
             return None
+        in_flight = None if self._pending is None else self._pending.entries
         try:
-            inputs = self._build_inputs(output)
+            plan = self.planner.build(output, in_flight)
         except Exception as exc:
-            culprits = self._find_culprits(output) or output.all_requests()
+            culprits = self._find_culprits(output, in_flight) or output.all_requests()
             self._failed += self._fail(culprits, exc, "building a step")
             failed = set(culprits)
             output = SchedulerOutput([r for r in output.context_requests if r not in failed],
@@ -328,25 +317,15 @@ class LLMEngine:
             if output.is_empty:
                 return None
             try:
-                inputs = self._build_inputs(output)
+                plan = self.planner.build(output, in_flight)
             except Exception as exc:
                 self._failed += self._fail(output.all_requests(), exc, "building a step")
                 return None
-        prev_tokens = None if self._pending is None else self._pending.sampler_output.token_ids
-        sampler_output = self.runner.execute(inputs.batch, inputs.sampling, inputs.feed_index, prev_tokens)
-        rows = inputs.rows
-        num_ctx_tokens = inputs.num_tokens - len(output.generation_requests)
+        sampler_output = self.runner.execute(plan)
+        rows = output.all_requests()
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
-
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
-        entries = []
-        for row, request in enumerate(rows):
-            produces_token = request.is_generation_phase or request.is_last_context_chunk
-            if request.is_context_phase:
-                request.move_to_next_context_chunk()
-            if produces_token:
-                entries.append((request, row, len(request.output_token_ids)))
-                request.add_new_token(PLACEHOLDER_TOKEN)
+        entries = self.planner.commit(output)
         stats = {
             "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
@@ -354,45 +333,22 @@ class LLMEngine:
                 "numContextRequests": len(output.context_requests),
                 "numGenRequests": len(output.generation_requests),
                 "numPausedRequests": len(output.paused_requests),
-                "numCtxTokens": num_ctx_tokens,
+                "numCtxTokens": plan.num_context_tokens,
             },
         }
         return _PendingStep(sampler_output, entries, wants_logprobs, stats)
 
-    def _build_inputs(self, output: SchedulerOutput) -> _StepInputs:
-        """Pack a scheduled step into its device inputs (reads requests, changes none)."""
-        rows = list(output.context_requests) + list(output.generation_requests)
-        num_tokens = sum(r.context_chunk_size for r in output.context_requests) + len(output.generation_requests)
-        bucket = choose_token_bucket(num_tokens, self.config.max_num_tokens, self.config.min_token_bucket)
-        batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
-                                 max_batch_size=self.config.max_batch_size,
-                                 max_blocks_per_seq=self.max_blocks_per_seq)
-        feed_index = np.full((bucket,), -1, np.int32)
-        num_ctx_tokens = num_tokens - len(output.generation_requests)
-        prev_rows = {} if self._pending is None else {id(r): row for r, row, _ in self._pending.entries}
-        for i, request in enumerate(output.generation_requests):
-            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
-                feed_index[num_ctx_tokens + i] = prev_rows[id(request)]
-        params = [r.sampling_params for r in rows]
-        needs_history = any(p.needs_history for p in params)
-        sampling = SamplingTensors.build(
-            params, [len(r.output_token_ids) for r in rows],
-            [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
-            [r.end_ids for r in rows], self.config.max_batch_size, self.max_seq_len,
-            seeds=[r.seed for r in rows])
-        return _StepInputs(rows, batch, sampling, feed_index, num_tokens)
-
-    def _find_culprits(self, output: SchedulerOutput) -> list[LlmRequest]:
-        """The requests of a step whose inputs cannot be built even alone."""
+    def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
+        """The requests of a step whose plan cannot be built even alone."""
         culprits = []
         for request in output.context_requests:
             try:
-                self._build_inputs(SchedulerOutput([request], []))
+                self.planner.build(SchedulerOutput([request], []), in_flight)
             except Exception:
                 culprits.append(request)
         for request in output.generation_requests:
             try:
-                self._build_inputs(SchedulerOutput([], [request]))
+                self.planner.build(SchedulerOutput([], [request]), in_flight)
             except Exception:
                 culprits.append(request)
         return culprits
@@ -431,7 +387,7 @@ class LLMEngine:
             if token not in entry:
                 entry[token] = Logprob(float(chosen_lp[row]))
             update.new_logprobs.append(entry)
-            request.cumulative_logprob = getattr(request, "cumulative_logprob", 0.0) + float(chosen_lp[row])
+            request.cumulative_logprob += float(chosen_lp[row])
         reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
         if reason is not None:
             self._finish(request, reason, stop_reason, index + 1)

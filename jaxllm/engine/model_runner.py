@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.host_transfer import PackedLayout, pack, unpack
+from jaxllm.engine.planner import StepPlan
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
@@ -94,6 +95,7 @@ class ModelRunner:
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
+        self.attention_fn, self.moe_fn = attention_fn, moe_fn
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -110,6 +112,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = jax.device_put(np.zeros((max_batch_size,), np.int32), self._replicated)
+        self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
 
     @property
     def num_forward_variants(self) -> int:
@@ -136,17 +139,19 @@ class ModelRunner:
             cache[layout] = exe
         return exe
 
-    def execute(self, batch: StepBatch, sampling: SamplingTensors, feed_index: np.ndarray,
-                prev_tokens: jax.Array | None) -> SamplerOutput:
-        """Dispatch one step (forward, then sampling); returns the sampler output as device
-        arrays without waiting for them. The host inputs of both programs go to the device
-        in one transfer (one flat buffer per dtype and program)."""
-        batch_buffers, batch_layout = pack((batch, feed_index))
-        sampling_buffers, sampling_layout = pack(sampling)
+    def execute(self, plan: StepPlan) -> SamplerOutput:
+        """Dispatch one planned step (forward, then sampling); returns the sampler output as
+        device arrays without waiting for them. Tokens the plan feeds from the previous step
+        (`plan.feed_index`) come from the last step this runner executed. The host inputs of
+        both programs go to the devices in one transfer (one flat buffer per dtype and program)."""
+        batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
+        sampling_buffers, sampling_layout = pack(plan.sampling)
         batch_inputs, sampling_inputs = jax.device_put((batch_buffers, sampling_buffers), self._replicated)
-        logits = self._forward(batch_inputs, batch_layout, prev_tokens)
-        self.steps_per_bucket[batch.num_tokens_padded] += 1
-        return self._sample(logits, sampling_inputs, sampling_layout)
+        logits = self._forward(batch_inputs, batch_layout, self._last_tokens)
+        self.steps_per_bucket[plan.batch.num_tokens_padded] += 1
+        out = self._sample(logits, sampling_inputs, sampling_layout)
+        self._last_tokens = out.token_ids
+        return out
 
     def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens

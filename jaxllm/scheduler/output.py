@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from jaxllm.request import LlmRequest
 
@@ -53,23 +53,3 @@ class SchedulerOutput:
 
     def all_requests(self) -> list[LlmRequest]:
         return self.context_requests + self.generation_requests
-
-    def advance(self, sampled_token_ids: Sequence[int]) -> list[LlmRequest]:
-        """Apply a finished step: one sampled token per scheduled request, in batch order
-        (context requests first). Context requests move past their chunk; those whose
-        prompt is now complete, and every generation request, get their token. Returns the
-        requests that received a token, for the caller's stop / length checks."""
-        tokens = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids
-        n_ctx = len(self.context_requests)
-        if len(tokens) < n_ctx + len(self.generation_requests):
-            raise ValueError(
-                f"{len(tokens)} sampled tokens for a batch of {self.batch_size} requests")
-        got: list[LlmRequest] = []
-        for i, req in enumerate(self.context_requests):
-            if req.move_to_next_context_chunk():
-                req.add_new_token(int(tokens[i]))
-                got.append(req)
-        for i, req in enumerate(self.generation_requests, n_ctx):
-            req.add_new_token(int(tokens[i]))
-            got.append(req)
-        return got
