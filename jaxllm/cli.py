@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("prompt", nargs="*", help="a question to answer once")
     chat.add_argument("--system", default=None, help="system message (default: the chat template's own)")
     _add_engine_args(chat, DEFAULT_MODEL)
-    chat.set_defaults(max_batch_size=4, max_num_tokens=512, max_seq_len=2048)
+    chat.set_defaults(max_batch_size=4, max_num_tokens=256, max_seq_len=2048)
     _sampling_args(chat, max_tokens=256, temperature=None)
 
     gen = sub.add_parser("generate", help="complete prompts (no chat template)", formatter_class=_HelpFormatter,

@@ -217,9 +217,6 @@ def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _convert_tokenizer(architecture: str, tokenizer_dict: dict[str, Any]):
-    from jaxllm.tokenizer import quiet_transformers_import
-
-    quiet_transformers_import()
     try:  # transformers >= 5
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:  # transformers 4.x
@@ -230,6 +227,9 @@ def _convert_tokenizer(architecture: str, tokenizer_dict: dict[str, Any]):
 
 def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     """tokenizer.json + tokenizer_config.json (with the file's chat template) from the metadata."""
+    from jaxllm.tokenizer import quiet_transformers_import
+
+    quiet_transformers_import()
     from tokenizers import pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
