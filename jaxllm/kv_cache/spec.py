@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.config import numpy_dtype
 from sharding.rules import ShardingRules, logical_to_physical
 
 
@@ -66,7 +65,7 @@ class MhaKvCacheSpec:
              mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list[MhaLayerCache]:
         """Zeroed per-layer caches, created already sharded when a mesh is given."""
         shape = (self.num_kv_heads, num_blocks, tokens_per_block, self.head_dim)
-        dt = numpy_dtype(self.dtype)
+        dt = jnp.dtype(self.dtype)
         if mesh is None:
             return [MhaLayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(self.num_layers)]
         sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(MHA_CACHE_AXES, rules or ShardingRules()))
@@ -97,7 +96,7 @@ class MhaKvCacheSpec:
         `num_shards` (the tensor-parallel size)."""
         if self.num_kv_heads % num_shards:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over {num_shards} devices")
-        itemsize = np.dtype(numpy_dtype(self.dtype)).itemsize
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
         return 2 * self.num_layers * (self.num_kv_heads // num_shards) * self.head_dim * itemsize
 
     def page_bytes(self, tokens_per_block: int, num_shards: int = 1) -> int:

@@ -110,18 +110,3 @@ def ragged_paged_attention_reference(
     out = finish_online_softmax(denom, acc)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-
-
-def write_kv(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's K/V ([T, Hkv, D]) into their cache slots; padding slots are dropped."""
-    num_kv_heads, num_blocks, tokens_per_block, head_dim = k_cache.shape
-    flat_shape = (num_kv_heads, num_blocks * tokens_per_block, head_dim)
-
-    def scatter(cache, new):
-        flat = cache.reshape(flat_shape)
-        flat = flat.at[:, slot_mapping].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
-
-    return scatter(k_cache, k), scatter(v_cache, v)
