@@ -8,6 +8,7 @@ Progress and the start-up banner go to stderr; generated text goes to stdout.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import json
@@ -40,8 +41,19 @@ DEFAULT_MODEL = "smollm2"
 _LOAD_ERRORS = (ValueError, FileNotFoundError)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every default and keeps the descriptions' line breaks."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every default, even of options without help text, and keeps the descriptions' line
+    breaks (every jaxllm command uses it)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.nargs != 0 and action.default not in (
+                None, argparse.SUPPRESS):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
+_HelpFormatter = HelpFormatter
 
 
 # ----------------------------------------------------------------------------- engine flags

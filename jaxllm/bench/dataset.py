@@ -166,7 +166,10 @@ def dataset_from_args(args: argparse.Namespace, tokenizer=None, max_seq_len: Opt
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.bench.dataset", description="Write a synthetic dataset.")
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.bench.dataset", description="Write a synthetic dataset.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or preset (sets the vocabulary)")
     parser.add_argument("--vocab-size", type=int, default=32000)

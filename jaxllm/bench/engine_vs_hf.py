@@ -101,8 +101,9 @@ def run_hf(model_dir: Path, prompts, out_lens, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="jaxllm bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="tiny-moe", help="preset, HF dir, or qwen3-moe-100m")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))

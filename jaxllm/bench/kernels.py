@@ -353,7 +353,10 @@ def _header() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0])
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in Pallas interpret mode (runs on CPU; timings meaningless)")
     parser.add_argument("--only", choices=("all", "attention", "moe"), default="all")

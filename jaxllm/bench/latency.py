@@ -18,7 +18,10 @@ from jaxllm.bench.throughput import add_engine_args, build_engine, engine_host_t
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench latency", description=__doc__.split("\n\n")[0])
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="jaxllm bench latency", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     add_engine_args(parser)
     add_dataset_args(parser)
     parser.add_argument("--warmup-requests", type=int, default=2)

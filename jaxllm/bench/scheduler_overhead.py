@@ -157,8 +157,10 @@ def format_table(rows: list[StepTiming]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxllm.cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
-        prog="jaxllm bench scheduler",
+        prog="jaxllm bench scheduler", formatter_class=HelpFormatter,
         description="Host time of one scheduling step (capacity + micro-batch + KV block "
                     "allocation + StepBatch arrays), no model.")
     parser.add_argument("--running", type=int, nargs="+", default=[256, 1024],

@@ -129,7 +129,10 @@ async def _served_model(url: str, api_key: Optional[str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench serve", description=__doc__.split("\n\n")[0])
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="jaxllm bench serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
     parser.add_argument("--tokenizer", default=None,

@@ -237,7 +237,9 @@ def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: ar
 
 
 def build_parser(prog: str = "jaxllm bench throughput") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from jaxllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_engine_args(parser)
     add_dataset_args(parser)
     parser.add_argument("--backend", choices=(*BACKENDS, "all"), default="executor")
