@@ -25,6 +25,7 @@ BENCHMARKS = {
     "engine": "jaxllm.bench.engine_vs_hf",
     "scheduler": "jaxllm.bench.scheduler_overhead",
     "kernels": "jaxllm.bench.kernels",
+    "eplb": "jaxllm.bench.eplb",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -36,6 +37,8 @@ BENCHMARK_HELP = {
     "scheduler": "host time of one scheduling step (schedulers, KV block manager, step packing), no model",
     "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
                "--smoke runs tiny shapes on CPU)",
+    "eplb": "expert placement on a skewed (Zipf) routing workload: imbalance before and after greedy, "
+            "hierarchical and balanced EPLB, on held-out iterations (host only)",
 }
 DEFAULT_MODEL = "smollm2"
 _LOAD_ERRORS = (ValueError, FileNotFoundError)
@@ -400,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="OpenAI-compatible server (jaxllm serve --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks (jaxllm bench --help lists them)", add_help=False)
+    sub.add_parser("eplb", help="expert load balancing: load report and placement YAML from recorded "
+                                "statistics (jaxllm eplb --help)", add_help=False)
     sub.add_parser("convert", help="write a checkpoint in the fast-restoring orbax format "
                                    "(jaxllm convert --help)", add_help=False)
     return parser
@@ -410,6 +415,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "eplb":
+        from sharding.eplb.cli import main as eplb_main
+
+        return int(eplb_main(argv[1:]) or 0)
     if argv and argv[0] == "convert":
         from jaxllm.models.orbax_io import main as convert_main
 
