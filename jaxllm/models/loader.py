@@ -17,19 +17,20 @@ is restored instead, directly into the same shardings.
 
 from __future__ import annotations
 
+import functools
 import json
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.models.config import ModelConfig, numpy_dtype
-from jaxllm.models.weights import (
-    Params, SliceReader, Source, WeightDecl, build_tree, declare_weights, read_parameter)
+from jaxllm.models.weights import Params, Source, WeightDecl, build_tree, declare_weights, read_parameter_view
 from sharding.mesh import ParallelConfig, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical, model_rules
 
@@ -144,21 +145,31 @@ def _summary(names: list[str], limit: int = 12) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+@functools.lru_cache(maxsize=None)
+def _to_layout(perm: tuple[int, ...], dtype: np.dtype):
+    """Transpose and cast one device piece on its device (cached per layout; a device
+    transposes far faster than numpy, and the host never copies the piece twice)."""
+    return jax.jit(lambda a: jnp.transpose(a, perm).astype(dtype))
+
+
 def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-                   read_box: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
-    """A global array whose every device piece is read by `read_box(index)` and put on its
-    device before the next is read: host memory holds one piece at a time (replicas of
-    the same box are read once)."""
+                   read_box: Callable[[tuple[slice, ...]], tuple[np.ndarray, tuple[int, ...]]],
+                   dtype: np.dtype) -> jax.Array:
+    """A global array whose every device piece is read by `read_box(index)` -> (block, perm)
+    and put on its device (then transposed by perm and cast there) before the next is read:
+    host memory holds one piece at a time (replicas of the same box are read once)."""
     pieces: dict[jax.Device, jax.Array] = {}
     by_box: dict[tuple, list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
         by_box.setdefault(key, []).append(device)
     for key, devices in by_box.items():
-        host = read_box(tuple(slice(a, b) for a, b in key))
+        block, perm = read_box(tuple(slice(a, b) for a, b in key))
+        identity = perm == tuple(range(len(perm))) and block.dtype == dtype
         for device in devices:
-            pieces[device] = jax.device_put(host, device)
-        del host
+            piece = jax.device_put(block, device)
+            pieces[device] = piece if identity else _to_layout(perm, dtype)(piece)
+        del block
     arrays = [pieces[d] for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -198,6 +209,6 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
                 sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(decl.axes, rules))
                 leaves.append((decl.path, assemble_array(
                     decl.shape, sharding,
-                    lambda index, decl=decl, alt=alt: read_parameter(decl, alt, index, read, np_dtype))))
+                    lambda index, decl=decl, alt=alt: read_parameter_view(decl, alt, index, read), np_dtype)))
                 bar.update(1)
     return build_tree(leaves)

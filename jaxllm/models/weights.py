@@ -251,7 +251,16 @@ def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[in
 
 def read_source(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader,
                 dtype: np.dtype) -> np.ndarray:
-    """The box `index` of the (part of the) parameter that `src` fills, reading only what it needs.
+    """The box `index` of the (part of the) parameter that `src` fills, as a host array."""
+    block, perm = read_source_view(src, param_shape, index, read)
+    return np.ascontiguousarray(block.transpose(perm)).astype(dtype, copy=False)
+
+
+def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader
+                     ) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The box `index` of the (part of the) parameter that `src` fills, reading only what it needs,
+    still in the checkpoint's axis order: returns (block, perm), the box being
+    `block.transpose(perm)` (left to the caller: a device transposes far faster than numpy).
 
     `param_shape` / `index` cover the parameter's axes that `src` maps (for a per-part
     source: all but the first). Whole head ranges along split dimensions are read exactly;
@@ -289,22 +298,29 @@ def read_source(src: Source, param_shape: tuple[int, ...], index: tuple[slice, .
         block = np.repeat(block, lay.repeat, axis=a)
         skip = start - (start // lay.repeat) * lay.repeat
         block = np.take(block, np.arange(skip, skip + stop - start), axis=a)
-    return np.ascontiguousarray(block.transpose(lay.perm)).astype(dtype, copy=False)
+    return block, lay.perm
 
 
 def read_parameter(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...], read: SliceReader,
                    dtype: np.dtype) -> np.ndarray:
     """The box `index` of parameter `decl`, from the checkpoint spelling `alternative`."""
+    block, perm = read_parameter_view(decl, alternative, index, read)
+    return np.ascontiguousarray(block.transpose(perm)).astype(dtype, copy=False)
+
+
+def read_parameter_view(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...],
+                        read: SliceReader) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Like `read_parameter` but untransposed and uncast: (block, perm), the box being
+    `block.transpose(perm)`."""
     index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
     if alternative[0].part is None:
-        return read_source(alternative[0], decl.shape, index, read, dtype)
-    parts = range(*index[0].indices(decl.shape[0]))
-    out = np.empty((len(parts),) + tuple(len(range(*s.indices(n))) for s, n in zip(index[1:], decl.shape[1:])),
-                   dtype)
+        return read_source_view(alternative[0], decl.shape, index, read)
     by_part = {src.part: src for src in alternative}
-    for k, part in enumerate(parts):
-        out[k] = read_source(by_part[part], decl.shape[1:], index[1:], read, dtype)
-    return out
+    blocks, perm = [], ()
+    for part in range(*index[0].indices(decl.shape[0])):
+        block, perm = read_source_view(by_part[part], decl.shape[1:], index[1:], read)
+        blocks.append(block)
+    return np.stack(blocks), (0,) + tuple(p + 1 for p in perm)
 
 
 # ---------------------------------------------------------------------------------------------
