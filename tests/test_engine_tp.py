@@ -1,6 +1,7 @@
 """The engine under tensor parallelism (8 fake CPU devices, in a subprocess; see
 test_sharding_tp.py): TP 2/4/8 give exactly the greedy tokens of TP 1 under in-flight
-batching with chunked prefill and prefix reuse, with the xla and Pallas backends."""
+batching with chunked prefill and prefix reuse, with the xla and Pallas backends; and the
+step plans recorded at TP 1, replayed on a TP 2/4/8 runner, give the same tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("llama", "xla", (1, 8)), ("qwen3_moe", "pallas", (1, 8))]
 
 
-def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str) -> dict:
+def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded: list | None = None) -> dict:
     """A scripted workload: requests arrive over several steps, long prompts are chunked
     (32-token steps), and two prompts share a 24-token prefix the cache already holds."""
     import numpy as np
@@ -28,6 +29,15 @@ def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str) -> dict:
         model=str(directory), tokenizer=str(tokenizer), dtype="float32", max_batch_size=4, max_num_tokens=32,
         max_seq_len=96, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
         attention_backend=backend, moe_backend=backend, tensor_parallel_size=tp))
+    if recorded is not None:  # keep every executed plan with its sampled tokens
+        execute = engine.runner.execute
+
+        def record(plan):
+            out = execute(plan)
+            recorded.append((plan, out))
+            return out
+
+        engine.runner.execute = record
     rng = np.random.default_rng(11)
     vocab = engine.model_config.vocab_size
 
@@ -48,6 +58,8 @@ def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str) -> dict:
     stats = engine.kv_cache_manager.get_kv_cache_stats()
     chunked = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
                   for s in engine.iteration_stats)
+    if recorded is not None:
+        recorded.append(engine.kv_cache_manager.num_blocks)
     return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, reused=stats.reused_blocks, mixed=chunked,
                 kv_heads_per_device=int(engine.runner.kv_cache[0].k.addressable_shards[0].data.shape[0]))
 
@@ -67,9 +79,33 @@ def check_all(root: Path) -> None:
             write_checkpoint(arch, directory)
             (directory / "config.json").write_text(json.dumps(dict(hf_config(arch), vocab_size=256)))
             write_checkpoint_vocab(arch, directory)
+        recorded: list = []
         for tp in sizes:
-            print(json.dumps(dict(arch=arch, backend=backend, tp=tp,
-                                  **run_engine(directory, tokenizer, tp, backend))), flush=True)
+            result = run_engine(directory, tokenizer, tp, backend, recorded if tp == 1 else None)
+            if tp > 1 and recorded:
+                result["replay_same"] = replay(directory, recorded, tp, backend)
+            print(json.dumps(dict(arch=arch, backend=backend, tp=tp, **result)), flush=True)
+
+
+def replay(directory: Path, recorded: list, tp: int, backend: str) -> bool:
+    """Execute the plans recorded at TP 1 on a fresh TP-`tp` runner: the plan is
+    device-independent, so the sampled tokens must be the same."""
+    import numpy as np
+
+    from jaxllm.engine.backends import resolve_backends
+    from jaxllm.engine.model_runner import ModelRunner
+    from jaxllm.models import load_model_config, load_params
+    from sharding import ParallelConfig, make_mesh
+
+    *steps, num_blocks = recorded
+    config = load_model_config(directory, "float32")
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
+    _, _, attention_fn, moe_fn = resolve_backends(backend, backend)
+    runner = ModelRunner(model_config=config, params=load_params(directory, config, mesh=mesh),
+                         num_blocks=num_blocks, tokens_per_block=8, kv_dtype=config.dtype,
+                         attention_fn=attention_fn, moe_fn=moe_fn, max_batch_size=4, mesh=mesh)
+    return all(np.array_equal(np.asarray(runner.execute(plan).token_ids), np.asarray(out.token_ids))
+               for plan, out in steps)
 
 
 def write_checkpoint_vocab(arch: str, directory: Path) -> None:
@@ -103,3 +139,5 @@ def test_engine_tensor_parallel_tokens_match_single_device(tmp_path):
             base[key] = r["tokens"]
         assert r["tokens"] == base[key], f"{case}: tokens differ from TP 1"
         assert r["kv_heads_per_device"] == max(1, 2 // r["tp"]), case
+        if r["tp"] > 1:
+            assert r["replay_same"], f"{case}: replaying the TP-1 plans gave other tokens"
