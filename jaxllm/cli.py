@@ -41,7 +41,8 @@ BENCHMARK_HELP = {
             "hierarchical and balanced EPLB, on held-out iterations (host only)",
 }
 DEFAULT_MODEL = "smollm2"
-_LOAD_ERRORS = (ValueError, FileNotFoundError)
+# What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
+LOAD_ERRORS = (ValueError, OSError)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -439,7 +440,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _generate(args, started)
         if args.command == "chat":
             return _chat(args, started)
-    except _LOAD_ERRORS as exc:
+    except LOAD_ERRORS as exc:
         print(f"jaxllm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
