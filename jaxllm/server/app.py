@@ -1,10 +1,23 @@
 """OpenAI-compatible HTTP server over a `GenerationExecutor` (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent
-events, with `stream_options.include_usage`), GET /v1/models, /health, /metrics, /version.
+events, with `stream_options.include_usage`), GET /v1/models, /health, /version, /metrics
+(Prometheus text, jaxllm.server.metrics) and /v1/iteration_stats (TensorRT-LLM's JSON stats).
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-input (naming the field), 401 for a wrong API key, 404 for an unknown model, 413 for an
-oversized body. A client that disconnects has its request aborted, which frees its blocks.
+input (naming the field), 401 for a wrong API key, 404 for an unknown model, 408 for a body
+that arrives too slowly, 413 for an oversized body, 503 while shutting down; anything else
+is a JSON 500. A client that disconnects has its request aborted, which frees its blocks.
+
+Nothing slow runs on the event loop: parsing and validating a body, rendering the chat
+template, tokenizing and submitting happen on a small thread pool, and token strings for
+logprobs come from a table decoded once at start-up. Prompt text longer than
+`max_seq_len` tokens could ever cover is refused before tokenizing.
+
+Logprobs: /v1/completions returns OpenAI's legacy form, `top_logprobs` a dict keyed by token
+text holding the `logprobs` most likely tokens plus the chosen one; tokens that decode to the
+same text share one key (the more likely one's value is kept). /v1/chat/completions returns
+exactly `top_logprobs` entries, best first, which include the chosen token when it is among
+the most likely.
 """
 
 from __future__ import annotations
@@ -14,8 +27,9 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import anyio
 from fastapi import FastAPI, Request
@@ -40,6 +54,13 @@ class ServerConfig:
     api_key: Optional[str] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompts_per_request: int = 256
+    # Client-supplied Jinja templates can take unbounded time and memory to render (vLLM's flag).
+    trust_request_chat_template: bool = False
+    max_json_depth: int = 32  # deeper request bodies are refused (the API needs about 5 levels)
+    body_timeout: float = 30.0  # seconds a request body may take to arrive (408 after)
+    send_timeout: float = 30.0  # seconds a client may leave one response chunk unread (then dropped)
+    shutdown_timeout: float = 30.0  # on SIGTERM, seconds streams may still run before they are aborted
+    num_api_threads: int = 4  # threads that parse, render templates and tokenize off the event loop
 
 
 class APIError(Exception):
@@ -65,6 +86,54 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _SlowClient(OSError):
+    """The client did not take a response chunk within `send_timeout` (treated as gone)."""
+
+
+def _param_from_path(path: str) -> Optional[str]:
+    head = path.split(".", 1)[0]
+    return head or None
+
+
+def parse_json_body(body: bytes, max_depth: int) -> dict:
+    """Parse a request body, refusing (400) what is not a JSON object, nests deeper than
+    `max_depth`, or holds strings that are not valid Unicode (lone surrogates such as
+    "\\ud800", which JSON escapes can spell but no tokenizer can encode)."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"request body nests deeper than {max_depth} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    bad = value[exc.start]
+                    raise APIError(400, f"{path or 'body'}: contains a lone surrogate (U+{ord(bad):04X}), "
+                                        "which is not valid Unicode", _param_from_path(path)) from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > max_depth:
+            raise APIError(400, f"{path}: request body nests deeper than {max_depth} levels",
+                           _param_from_path(path))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            child = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                stack.append((key, depth, child))
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, depth + 1, child))
+    return data
+
+
 def _param_of(message: str, candidates) -> Optional[str]:
     """The request field a ValueError message is about (messages start with the field name)."""
     head = message.split(":", 1)[0].split(" ", 1)[0].strip("'\"`")
@@ -81,7 +150,7 @@ class _DisconnectAwareStreamingResponse(StreamingResponse):
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)
-                    except OSError:
+                    except OSError:  # the client is gone, or too slow (_SlowClient)
                         pass
                     group.cancel_scope.cancel()
 
@@ -111,57 +180,109 @@ class OpenAIServer:
         self.created = int(time.time())
         self.requests_total = 0
         self.disconnects = 0  # responses whose client left before the end (their requests were aborted)
+        self.draining = False  # set on SIGTERM: new requests get 503
+        self._live: set[GenerationResult] = set()  # results some response is still waiting on
+        self._shutdown_aborted: set[GenerationResult] = set()
+        from jaxllm.server.metrics import ServerMetrics
+
+        self.metrics = ServerMetrics(executor, config.served_model_name)
+        self._threads = ThreadPoolExecutor(max_workers=config.num_api_threads, thread_name_prefix="jaxllm-api")
+        self._token_text = self._token_table()
+        # A prompt of more characters than max_seq_len tokens can cover is refused before tokenizing.
+        vocab = self._vocab_strings()
+        longest = max((len(t) for t in vocab), default=0) or 64
+        self.max_prompt_chars = 4 * longest * executor.max_seq_len
+
+    # ------------------------------------------------------------------ start-up tables
+    def _vocab_strings(self) -> list[str]:
+        try:
+            return list(self.tokenizer.get_vocab())
+        except Exception:
+            return []
+
+    def _token_table(self) -> list[str]:
+        """Every token's text, decoded once, so that logprobs never decode on the event loop."""
+        engine = self.executor.engine
+        size = len(self.tokenizer)
+        model_config = getattr(engine, "model_config", None)
+        if model_config is not None:
+            size = max(size, int(model_config.vocab_size))
+        with self.executor._encode_lock:
+            return [self.tokenizer.decode([i]) for i in range(size)]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ helpers
+    async def off_loop(self, fn: Callable, *args) -> Any:
+        """Run slow work (parsing, templates, tokenization) on the API thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def check_admission(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, "service_unavailable")
+        if not self.executor.is_healthy:
+            raise APIError(503, "the engine is not healthy", None, "service_unavailable")
+
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.config.served_model_name}`.", "model", "not_found_error")
 
-    async def read_json(self, request: Request) -> Any:
+    async def read_body(self, request: Request) -> bytes:
         try:
             body = await request.body()
         except _BodyTooLarge:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes", None) from None
         if len(body) > self.config.max_body_bytes:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes", None)
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
-        return data
+        return body
 
-    @staticmethod
-    def parse(model_cls, data: dict):
+    def parse(self, model_cls, body: bytes):
+        data = parse_json_body(body, self.config.max_json_depth)
         try:
             return model_cls.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc) from None
 
+    def encode(self, prompt: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+        if len(prompt) > self.max_prompt_chars:
+            raise APIError(400, f"{field}: {len(prompt)} characters cannot fit in max_seq_len "
+                                f"({self.executor.max_seq_len}) tokens", field)
+        try:
+            return self.executor.encode(prompt, add_special_tokens)
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {exc}", field) from None
+
     def submit_all(self, prompts: list[Union[str, list[int]]], params_for, streaming: bool,
-                   add_special_tokens: bool = True) -> list[GenerationResult]:
-        """Validate every prompt before queuing any (ValueError -> 400), then submit them all."""
+                   add_special_tokens: bool = True, texts: Optional[list[Optional[str]]] = None
+                   ) -> list[GenerationResult]:
+        """Validate every prompt before queuing any (ValueError -> 400), then submit them all.
+        Runs on the API thread pool: tokenizing may take a while."""
         executor = self.executor
-        if not executor.is_healthy:
-            raise APIError(503, "the engine is not healthy", None, "service_unavailable")
+        self.check_admission()
         requests = []
         try:
-            for prompt in prompts:
-                ids = executor.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
+            for i, prompt in enumerate(prompts):
+                ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
+                if len(ids) >= executor.max_seq_len:  # before any per-token work on a huge prompt
+                    raise APIError(400, f"prompt: {len(ids)} tokens leave no room to generate within "
+                                        f"max_seq_len ({executor.max_seq_len})", "prompt")
                 request = executor.make_request(ids, params_for(len(ids)), streaming)
-                if isinstance(prompt, str):
-                    request.prompt = prompt
+                text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
+                if text is not None:
+                    request.prompt = text
                 executor.validate(request)
                 requests.append(request)
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS) or "prompt") from None
+        self.check_admission()
         try:
             results = executor.submit_many(requests)
         except (ValueError, RuntimeError) as exc:
             status = 400 if isinstance(exc, ValueError) else 503
             raise APIError(status, str(exc), _param_of(str(exc), _PARAMS)) from None
+        self._live.update(results)
         self.requests_total += len(results)
         return results
 
@@ -170,9 +291,38 @@ class OpenAIServer:
             return requested
         return max(1, self.executor.max_seq_len - prompt_len)
 
+    # ------------------------------------------------------------------ draining (SIGTERM)
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def start_draining(self) -> None:
+        """Refuse new requests (503); the ones running go on. Thread-safe."""
+        self.draining = True
+
+    def abort_live(self) -> int:
+        """Abort every request a response still waits on (its stream ends with an error event)."""
+        live = list(self._live)
+        for result in live:
+            if not result.finished:
+                self._shutdown_aborted.add(result)
+                result.abort()
+        return len(live)
+
+    def _release(self, results: list[GenerationResult]) -> bool:
+        """Forget finished responses; True if the shutdown aborted any of them."""
+        aborted = False
+        self.metrics.observe([r for r in results if r in self._live])
+        for result in results:
+            self._live.discard(result)
+            if result in self._shutdown_aborted:
+                self._shutdown_aborted.discard(result)
+                aborted = True
+        return aborted
+
     # ------------------------------------------------------------------ /v1/completions
-    async def completions(self, request: Request) -> Response:
-        body = self.parse(CompletionRequest, await self.read_json(request))
+    def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[GenerationResult]]:
+        body = self.parse(CompletionRequest, raw)
         self.check_model(body.model)
         try:
             body.check_stream_options()
@@ -185,12 +335,13 @@ class OpenAIServer:
             body.to_sampling_params(body.max_tokens or 1)  # field errors before tokenizing
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS)) from None
-        if isinstance(body.prompt, list) and prompts and isinstance(prompts[0], list):
-            for ids in prompts:
-                if not all(isinstance(t, int) for t in ids):
-                    raise APIError(400, "prompt: token id lists must hold integers", "prompt")
         results = self.submit_all(prompts, lambda n: self._params(body, body.max_tokens, n), body.stream,
                                   body.add_special_tokens)
+        return body, results
+
+    async def completions(self, request: Request) -> Response:
+        self.check_admission()
+        body, results = await self.off_loop(self._prepare_completion, await self.read_body(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _DisconnectAwareStreamingResponse(
@@ -220,6 +371,7 @@ class OpenAIServer:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         finals: dict[int, RequestOutput] = {}
         ended: set[int] = set()
+        failed = False
         try:
             async for p, out in _merge(results):
                 choices = []
@@ -236,33 +388,52 @@ class OpenAIServer:
                 if choices:
                     yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                                 "choices": choices})
-            if include_usage:
+            if include_usage and not self._shutdown_aborted.intersection(results):
                 yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage([finals[p] for p in sorted(finals)])})
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the request failed mid-stream: tell the client in-band
             logger.warning("stream %s failed: %r", request_id, exc)
+            failed = True
             yield _sse(error_body(500, f"{type(exc).__name__}: {exc}", None, "server_error"))
         finally:
             self._abort_unfinished(results)
+        if self._release(results) and not failed:
+            yield _sse(error_body(503, "the server is shutting down: the request was aborted", None,
+                                  "service_unavailable"))
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    async def chat_completions(self, request: Request) -> Response:
-        body = self.parse(ChatCompletionRequest, await self.read_json(request))
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[GenerationResult]]:
+        body = self.parse(ChatCompletionRequest, raw)
         self.check_model(body.model)
         try:
             body.check_stream_options()
             body.to_sampling_params(body.requested_max_tokens() or 1)
-            prompt = self._apply_chat_template(body)
+            template = body.requested_chat_template()
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS) or "messages") from None
-        ids = self.executor.encode(prompt, add_special_tokens=False) if prompt else []
+        if template is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "chat_template: request-supplied chat templates are refused; start the "
+                                "server with --trust-request-chat-template to allow them", "chat_template")
+        try:
+            prompt = self._apply_chat_template(body, template)
+        except ValueError as exc:
+            raise APIError(400, str(exc), _param_of(str(exc), _PARAMS) or "messages") from None
+        ids = self.encode(prompt, add_special_tokens=False, field="messages") if prompt else []
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
-        results = self.submit_all([ids], lambda n: self._params(body, body.requested_max_tokens(), n), body.stream)
-        results[0].request.prompt = prompt
+        if len(ids) >= self.executor.max_seq_len:
+            raise APIError(400, f"messages: the rendered conversation is {len(ids)} tokens, which leaves no room "
+                                f"to generate within max_seq_len ({self.executor.max_seq_len})", "messages")
+        results = self.submit_all([ids], lambda n: self._params(body, body.requested_max_tokens(), n), body.stream,
+                                  texts=[prompt])
+        return body, results
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.check_admission()
+        body, results = await self.off_loop(self._prepare_chat, await self.read_body(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _DisconnectAwareStreamingResponse(
@@ -275,18 +446,22 @@ class OpenAIServer:
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.config.served_model_name, "choices": choices, "usage": _usage([out])})
 
-    def _apply_chat_template(self, body: ChatCompletionRequest) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def _apply_chat_template(self, body: ChatCompletionRequest, template: Optional[str]) -> str:
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
         messages = [m.as_template_dict() for m in body.messages]
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}))
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=body.add_generation_prompt, **body.template_variables())
         except Exception as exc:  # template errors are caused by the messages
             raise ValueError(f"messages: the chat template failed: {exc}") from None
         if not isinstance(rendered, str):
             raise ValueError("messages: the chat template did not render to text")
+        try:
+            rendered.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("messages: the chat template rendered invalid Unicode") from None
         return rendered
 
     async def _stream_chat(self, result: GenerationResult, body: ChatCompletionRequest,
@@ -301,6 +476,7 @@ class OpenAIServer:
 
         final = None
         ended: set[int] = set()
+        failed = False
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(body.n)])
@@ -316,16 +492,20 @@ class OpenAIServer:
                     final = out
                 if choices:
                     yield chunk(choices)
-            if include_usage and final is not None:
+            if include_usage and final is not None and result not in self._shutdown_aborted:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage([final])})
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.warning("stream %s failed: %r", request_id, exc)
+            failed = True
             yield _sse(error_body(500, f"{type(exc).__name__}: {exc}", None, "server_error"))
         finally:
             self._abort_unfinished([result])
+        if self._release([result]) and not failed:
+            yield _sse(error_body(503, "the server is shutting down: the request was aborted", None,
+                                  "service_unavailable"))
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ shared
@@ -340,12 +520,16 @@ class OpenAIServer:
             if not work.done():
                 work.cancel()
                 self._abort_unfinished(results)
+            aborted = self._release(results)
         try:
-            return work.result()
+            outputs = work.result()
         except asyncio.CancelledError:
             raise APIError(499, "client disconnected") from None
         except Exception as exc:
             raise APIError(500, f"{type(exc).__name__}: {exc}", None, "server_error") from None
+        if aborted:
+            raise APIError(503, "the server is shutting down: the request was aborted", None, "service_unavailable")
+        return outputs
 
     def _abort_unfinished(self, results: list[GenerationResult]) -> None:
         aborted = False
@@ -357,7 +541,8 @@ class OpenAIServer:
             self.disconnects += 1
 
     def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        table = self._token_text
+        return table[token_id] if 0 <= token_id < len(table) else ""
 
     def _completion_logprobs(self, c: CompletionOutput, diff: bool = False) -> Optional[dict]:
         ids = c.token_ids_diff if diff else c.token_ids
@@ -368,9 +553,15 @@ class OpenAIServer:
         offset = 0
         for token, entry in zip(ids, lps):
             text = self._token_str(token)
+            chosen = entry.get(token)
             tokens.append(text)
-            token_lps.append(entry[token].logprob if token in entry else None)
-            tops.append({self._token_str(t): lp.logprob for t, lp in entry.items() if t != token or lp.rank})
+            token_lps.append(chosen.logprob if chosen is not None else None)
+            top: dict[str, float] = {}
+            for t, lp in _ranked(entry):  # most likely first: a merged key keeps the likelier value
+                top.setdefault(self._token_str(t), lp.logprob)
+            if chosen is not None:
+                top.setdefault(text, chosen.logprob)
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -383,11 +574,12 @@ class OpenAIServer:
         content = []
         for token, entry in zip(ids, lps):
             text = self._token_str(token)
-            top = sorted(((t, lp) for t, lp in entry.items() if lp.rank), key=lambda x: x[1].rank)
-            content.append({"token": text, "logprob": entry[token].logprob if token in entry else None,
+            chosen = entry.get(token)
+            content.append({"token": text, "logprob": chosen.logprob if chosen is not None else None,
                             "bytes": list(text.encode()),
                             "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
-                                              "bytes": list(self._token_str(t).encode())} for t, lp in top]})
+                                              "bytes": list(self._token_str(t).encode())}
+                                             for t, lp in _ranked(entry)]})
         return {"content": content}
 
     def models(self) -> dict:
@@ -396,11 +588,17 @@ class OpenAIServer:
                                             "max_model_len": self.executor.max_seq_len}]}
 
 
+def _ranked(entry: dict) -> list:
+    """The ranked (top-N) entries of one token's logprobs, most likely first."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+
+
 _PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature",
            "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream_options",
            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "echo", "suffix", "logit_bias",
-           "tools", "tool_choice", "response_format"}
+           "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs", "stream",
+           "add_special_tokens", "add_generation_prompt"}
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -410,7 +608,7 @@ def _validation_error(exc: ValidationError) -> APIError:
     path = ".".join(loc)
     message = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
-        message = "unknown field"
+        message = "unknown or unsupported field"
     elif err.get("type") == "missing":
         message = "field required"
     return APIError(400, f"{path}: {message}" if path else message, field)
@@ -471,12 +669,18 @@ async def _merge(results: list[GenerationResult]) -> AsyncIterator[tuple[int, Re
 
 class GuardMiddleware:
     """Checks the API key on /v1/ routes and refuses bodies over the limit: by Content-Length
-    at once, else while they stream in. Pure ASGI, so streaming responses pass untouched."""
+    at once, else while they stream in. Bounds slow clients: a body must arrive within
+    `body_timeout` (else 408) and each response message must be taken within `send_timeout`
+    (else the connection is dropped, which aborts its request). Pure ASGI, so streaming
+    responses pass untouched."""
 
-    def __init__(self, app, max_bytes: int, api_key: Optional[str]) -> None:
+    def __init__(self, app, max_bytes: int, api_key: Optional[str], body_timeout: float = 30.0,
+                 send_timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.api_key = api_key
+        self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -494,17 +698,37 @@ class GuardMiddleware:
             return await error_response(APIError(413, f"request body exceeds {self.max_bytes} bytes"))(
                 scope, receive, send)
         received = 0
+        body_done = False
+        body_deadline = time.monotonic() + self.body_timeout
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            try:
+                with anyio.fail_after(max(0.0, body_deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout:g}s", None,
+                               "invalid_request_error") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise _BodyTooLarge()
+                body_done = not message.get("more_body", False)
             return message
 
-        return await self.app(scope, limited_receive, send)
+        async def timed_send(message):
+            try:
+                with anyio.fail_after(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _SlowClient(f"the client took no data for {self.send_timeout:g}s") from None
+
+        try:
+            return await self.app(scope, limited_receive, timed_send)
+        except _SlowClient as exc:
+            logger.warning("dropping a connection: %s", exc)
 
 
 def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_executor: bool = False) -> FastAPI:
@@ -515,9 +739,12 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        if shutdown_executor:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+        try:
+            yield
+        finally:
+            server.close()
+            if shutdown_executor:
+                await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
 
     app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -526,6 +753,11 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error", exc_info=exc)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", None, "server_error"))
 
     @app.exception_handler(_BodyTooLarge)
     async def _too_large(_request: Request, _exc: _BodyTooLarge) -> JSONResponse:
@@ -554,17 +786,28 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
 
     @app.get("/health")
     async def health() -> Response:
+        if server.draining:
+            return error_response(APIError(503, "the server is shutting down", None, "service_unavailable"))
         if executor.is_healthy:
             return Response(status_code=200)
         return error_response(APIError(503, f"engine unhealthy: {executor.error!r}", None, "service_unavailable"))
 
     @app.get("/metrics")
-    async def metrics() -> JSONResponse:
-        return JSONResponse(executor.get_stats(0) if executor.is_healthy else [])
+    def metrics() -> Response:  # sync: runs on a worker thread, as it waits for the engine between steps
+        """Prometheus text format (jaxllm.server.metrics)."""
+        from jaxllm.server.metrics import PROMETHEUS_CONTENT_TYPE
+
+        return Response(server.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/iteration_stats")
+    async def iteration_stats() -> JSONResponse:
+        """TensorRT-LLM's per-iteration stats (JSON list), the most recent window; reading keeps them."""
+        return JSONResponse(server.metrics.iteration_stats.read())
 
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": jaxllm.__version__})
 
-    app.add_middleware(GuardMiddleware, max_bytes=config.max_body_bytes, api_key=config.api_key)
+    app.add_middleware(GuardMiddleware, max_bytes=config.max_body_bytes, api_key=config.api_key,
+                       body_timeout=config.body_timeout, send_timeout=config.send_timeout)
     return app

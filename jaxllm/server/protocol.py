@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
-Unknown fields are rejected rather than ignored, so a typo gets a 400 naming it instead
-of silently changing nothing. Responses are built as plain dicts in `app.py`: on the
+Unknown and unsupported fields are rejected rather than ignored, so a typo gets a 400
+naming it instead of silently changing nothing. Types are strict (pydantic strict mode):
+`"16"` is not an integer and `true` is not a token id, as in OpenAI's API. Responses are built as plain dicts in `app.py`: on the
 streaming path that is much cheaper than pydantic models per chunk.
 """
 
@@ -15,12 +16,19 @@ from jaxllm.sampling import SamplingParams
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, v):
+        if v:
+            raise ValueError("continuous_usage_stats is not supported")
+        return v
 
 
 class _SamplingFields(StrictModel):
@@ -131,7 +139,7 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... are passed to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... are passed to the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[TextPart]]] = None
 
@@ -146,6 +154,12 @@ class ResponseFormat(StrictModel):
     type: Literal["text"]
 
 
+# Arguments of `apply_chat_template` that would change what the call returns, not the text.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+                             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                             "add_generation_prompt", "continue_final_message", "tools", "documents"}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -157,7 +171,29 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    chat_template: Optional[str] = None  # refused unless the server trusts request templates
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        reserved = sorted(set(v or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: they are arguments of the template "
+                             "call, not template variables")
+        return v
+
+    def requested_chat_template(self) -> Optional[str]:
+        """A template the client supplied (the `chat_template` field or the kwargs' entry)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        value = (self.chat_template_kwargs or {}).get("chat_template")
+        if value is not None and not isinstance(value, str):
+            raise ValueError("chat_template_kwargs.chat_template must be a string")
+        return value
+
+    def template_variables(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
 
     @field_validator("tools")
     @classmethod

@@ -1,0 +1,87 @@
+"""Running the server process: graceful shutdown on SIGTERM, exit on a dead engine.
+
+SIGTERM (or Ctrl-C) first drains: new requests get 503 and /health turns 503, running
+requests go on for up to `shutdown_timeout` seconds, then the rest are aborted (a stream
+ends with an error event and `[DONE]`, a waiting call gets a 503), and only then does
+uvicorn close the connections. A second signal exits at once.
+
+A fatal engine failure has already failed every waiter (the executor does that); the
+server then stops and `serve` returns 1, so the process exits non-zero and a supervisor
+can restart it - as vLLM does with a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+import uvicorn
+
+from jaxllm.server.app import OpenAIServer
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEAD_EXIT_CODE = 1
+_FLUSH_SECONDS = 2.0  # after aborting, how long streams get to send their last events
+
+
+class ManagedServer(uvicorn.Server):
+    """A uvicorn server that drains on the first signal and stops when the engine dies."""
+
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.api = api
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._drain_task: Optional[asyncio.Task] = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.api.draining or self._loop is None:
+            super().handle_exit(sig, frame)  # a second signal (or one before start-up): stop now
+            return
+        logger.info("signal %s: draining for up to %gs", sig, self.shutdown_timeout)
+        self.api.start_draining()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.api.num_live and loop.time() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if self.api.num_live:
+            count = self.api.abort_live()
+            logger.warning("shutdown timeout: aborted %d request(s) still running", count)
+            flush_until = loop.time() + _FLUSH_SECONDS
+            while self.api.num_live and loop.time() < flush_until:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        executor = self.api.executor
+        if executor.error is not None and not self.should_exit:
+            logger.error("the engine failed (%r): stopping the server", executor.error)
+            self.exit_code = ENGINE_DEAD_EXIT_CODE
+            self.api.start_draining()
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
+          timeout_keep_alive: int = 5) -> int:
+    """Serve `app` (from `build_app`) until a signal or an engine failure; returns the exit code."""
+    api: OpenAIServer = app.state.server
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
+                            timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)))
+    server = ManagedServer(config, api, shutdown_timeout)
+    server.run()
+    return server.exit_code
