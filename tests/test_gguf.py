@@ -156,3 +156,23 @@ def test_unsupported_or_broken_files_fail_with_one_line(tmp_path):
     assert "\n" not in str(info.value)
     with pytest.raises(FileNotFoundError):
         convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+
+
+def test_large_conversions_are_sharded_and_load_identically(tiny, tmp_path, monkeypatch):
+    import jax
+
+    import jaxllm.models.gguf as gguf_module
+    from jaxllm.models import load_model_config, load_params
+
+    path, model, tokenizer = tiny("llama")
+    gguf_path = write_gguf(model, tokenizer, "llama", path / "shards.gguf", "Q8_0")
+    single = convert_gguf(gguf_path, tmp_path / "single", progress=False)
+    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 64 * 1024)
+    sharded = convert_gguf(gguf_path, tmp_path / "sharded", progress=False)
+    assert not (sharded / "model.safetensors").exists()
+    assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) == len(
+        load_file(str(single / "model.safetensors")))
+    config = load_model_config(single)
+    for a, b in zip(jax.tree_util.tree_leaves(load_params(single, config)),
+                    jax.tree_util.tree_leaves(load_params(sharded, config))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

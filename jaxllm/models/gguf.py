@@ -60,6 +60,8 @@ _GLOBAL_TENSORS = {
 }
 # Expert tensors: stacked [E, out, in] (`ffn_gate_exps`) or, in older files, one per expert (`ffn_gate.3`).
 _EXPERT_PROJ = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+# Dequantized weights are written in shards of about this size (the loader reads sharded checkpoints).
+SHARD_BYTES = 2 * 1024**3
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$")
 
@@ -267,10 +269,40 @@ def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`."""
+def _write_shards(tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, skip: set[str],
+                  shard_bytes: Optional[int] = None) -> None:
+    """`model.safetensors`, or shards of about `shard_bytes` (default SHARD_BYTES) plus their index,
+    so that only one shard of dequantized weights is in memory at a time."""
     from safetensors.numpy import save_file
 
+    shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size, files = 0, []
+
+    def flush() -> None:
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], str(out_dir / name), metadata={"format": "pt"})
+        files.append((name, list(shards[-1])))
+
+    for name, array in tensors:
+        if name in skip:
+            continue
+        if size and size + array.nbytes > shard_bytes:
+            flush()
+            shards[-1], size = {}, 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if not files:  # one file
+        save_file(shards[-1], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    flush()
+    weight_map = {tensor: name for name, names in files for tensor in names}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -279,11 +311,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     names = {t.name for t in reader.tensors}
     config = hf_config_from_gguf(meta, names)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = dict(hf_tensors(reader, config, progress=progress))
-    if config["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    _write_shards(hf_tensors(reader, config, progress=progress), out_dir,
+                  skip={"lm_head.weight"} if config["tie_word_embeddings"] else set())
     write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
