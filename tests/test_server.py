@@ -132,8 +132,14 @@ def test_info_routes(live, client):
     assert httpx.get(live.url + "/health").status_code == 200
     assert httpx.get(live.url + "/version").json()["version"]
     client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    metrics = httpx.get(live.url + "/metrics").json()
-    assert isinstance(metrics, list) and metrics and "kvCacheStats" in metrics[-1]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    stats = httpx.get(live.url + "/v1/iteration_stats", headers=auth).json()
+    assert isinstance(stats, list) and stats and "kvCacheStats" in stats[-1]
+    again = httpx.get(live.url + "/v1/iteration_stats", headers=auth).json()
+    assert again[:len(stats)] == stats  # reading the stats does not consume them
+    prometheus = httpx.get(live.url + "/metrics")
+    assert prometheus.headers["content-type"].startswith("text/plain")
+    assert "jaxllm:request_success_total" in prometheus.text
 
 
 # ---------------------------------------------------------------------------- completions
