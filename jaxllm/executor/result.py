@@ -68,6 +68,7 @@ class GenerationResult:
         self._final: Optional[RequestOutput] = None
         self._consumer_lock = threading.Lock()
         self.finished_at: Optional[float] = None
+        self.first_token_at: Optional[float] = None  # time.monotonic() of the first generated token
         # Set by the executor: the engine request ids of the sequences, and how many are running.
         self._rids: list[int] = []
         self._open_children = 0
@@ -102,6 +103,8 @@ class GenerationResult:
     def _push(self, items: list[tuple[int, Delta]], wakeups: Optional[Wakeups] = None) -> None:
         """Add deltas. With `wakeups`, async waiters are collected there instead of woken one by one."""
         with self._cond:
+            if self.first_token_at is None and any(d.token_ids for _, d in items):
+                self.first_token_at = time.monotonic()
             self._inbox.extend(items)
             self._open_seqs -= sum(1 for _, d in items if d.finish_reason is not None)
             self._notify_locked(wakeups)
