@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Optional, Sequence, Union
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.engine.config import EngineConfig
@@ -23,6 +24,9 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
 def _is_single_prompt(inputs) -> bool:
+    """A str, a list of int token ids, or a 1-D numpy array of them (a 2-D array is a batch)."""
+    if isinstance(inputs, np.ndarray):
+        return inputs.ndim == 1
     return isinstance(inputs, str) or (
         isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs))
 
@@ -72,6 +76,9 @@ class LLM:
 
     # ----------------------------------------------------------------- inputs
     def _normalize(self, inputs, sampling_params) -> tuple[list[PromptInput], list[SamplingParams]]:
+        if not _is_single_prompt(inputs) and not isinstance(inputs, (list, tuple, np.ndarray)):
+            raise ValueError(f"inputs must be a prompt (str or token ids) or a list of prompts, "
+                             f"got {type(inputs).__name__}")
         prompts = [inputs] if _is_single_prompt(inputs) else list(inputs)
         if not prompts:
             raise ValueError("inputs is empty: pass a prompt or a list of prompts")

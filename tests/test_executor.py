@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import random
+import signal
 import threading
 import time
 
@@ -390,6 +392,52 @@ def test_postprocess_workers_give_the_same_outputs(make_executor):
     assert out.outputs[0].finish_reason == "cancelled"
     workers.shutdown()
     assert not multiprocessing.active_children()
+
+
+def _semaphores() -> set[str]:
+    """POSIX named semaphores (multiprocessing locks and queues create them in /dev/shm)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_killed_postprocess_worker_fails_its_sequences_and_leaks_nothing(make_executor):
+    """SIGKILL one of two workers: its sequences fail with an error, the others finish and new
+    requests are served; killing the last one fails the executor cleanly. No process, fd or
+    semaphore is left behind."""
+    fds, sems = _num_fds(), _semaphores()
+    ex = make_executor(num_postprocess_workers=2)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    results = [ex.generate_async(p, params, streaming=True) for p in PROMPTS]
+    for r in results:
+        next(iter(r))  # every sequence is running and has produced output
+    victim, survivor = ex._pool.pids
+    os.kill(victim, signal.SIGKILL)
+    failed, finished = [], []
+    for r in results:
+        try:
+            finished.append(r.result(timeout=120))
+        except RuntimeError as exc:
+            failed.append(str(exc))
+    # Sequences are pinned to workers by id (rid % 2): two on each.
+    assert len(failed) == 2 and all("died" in msg and "-9" in msg for msg in failed), failed
+    assert len(finished) == 2 and all(len(o.outputs[0].token_ids) == 120 for o in finished)
+    assert ex.is_healthy
+    assert ex.generate_async("Once upon a time", SamplingParams(max_tokens=4)).result(timeout=60).finished
+    waiting = ex.generate_async("Once upon a time", params, streaming=True)
+    next(iter(waiting))
+    os.kill(survivor, signal.SIGKILL)  # no worker left: the executor fails, and says why
+    with pytest.raises(RuntimeError, match="died"):
+        waiting.result(timeout=60)
+    deadline = time.monotonic() + 10
+    while ex.is_healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ex.is_healthy and "every postprocess worker died" in repr(ex.error)
+    ex.shutdown()
+    assert not multiprocessing.active_children()
+    assert _num_fds() <= fds and _semaphores() <= sems
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 # ---------------------------------------------------------------------------- LLM front

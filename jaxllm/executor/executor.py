@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from jaxllm.engine.config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
 from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec
@@ -65,6 +67,16 @@ class ExecutorConfig:
 
 
 EXECUTOR_FIELDS = ("num_postprocess_workers", "stream_interval")
+
+
+def token_ids_from_array(array: np.ndarray) -> list[int]:
+    """A 1-D integer numpy array of token ids as a list of Python ints (ValueError otherwise)."""
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"prompt: a numpy array of token ids must be 1-D with an integer dtype, "
+                         f"got shape {array.shape} and dtype {array.dtype}")
+    return array.tolist()
+
+
 _SLICE = 32  # events processed between two GIL releases on the output thread
 
 
@@ -166,6 +178,12 @@ class GenerationExecutor:
             raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"prompt contains a lone surrogate (U+{ord(prompt[exc.start]):04X}) at index "
+                                 f"{exc.start}, which is not valid Unicode") from None
         with self._encode_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
@@ -178,6 +196,8 @@ class GenerationExecutor:
         if isinstance(prompt, str):
             return GenerationRequest(self.encode(prompt, params.add_special_tokens), params, streaming,
                                      prompt=prompt, **kwargs)
+        if isinstance(prompt, np.ndarray):
+            prompt = token_ids_from_array(prompt)
         if isinstance(prompt, (list, tuple)):
             return GenerationRequest(list(prompt), params, streaming, **kwargs)
         raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
@@ -280,8 +300,8 @@ class GenerationExecutor:
 
         Every prompt is validated before any is queued.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                              and all(isinstance(t, int) for t in prompts))
+        single = isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+            isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(batch):

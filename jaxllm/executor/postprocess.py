@@ -2,19 +2,27 @@
 
 With many streams, decoding text costs Python time per token and per stream; in worker
 processes it neither holds the executor's GIL nor delays the engine thread. Each
-sequence is pinned to one worker (rid % N), so its events stay in order. Workers run the
-same `OutputProcessor` as the in-process path and import neither JAX nor the engine.
+sequence is pinned to one worker (rid % N, or the next live one), so its events stay in
+order. Workers run the same `OutputProcessor` as the in-process path and import neither
+JAX nor the engine.
+
+Each worker talks to the executor over two pipes of its own (no queue shared between
+workers, hence no lock or semaphore a killed worker could leave held). If a worker dies,
+its sequences fail with an error and the others go on; when none is left the pool
+reports a fatal error.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
+import signal
 import threading
+import time
+from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
-from jaxllm.executor.output_processor import Delta, OutputProcessor, portable_error
+from jaxllm.executor.output_processor import ADD, ERROR, TOKENS, Delta, OutputProcessor, portable_error
 
 logger = logging.getLogger(__name__)
 
@@ -22,22 +30,37 @@ _READY = "ready"
 _DONE = "done"
 
 
-def _worker_main(worker_id: int, tokenizer_dir: str, inbox, outbox) -> None:
-    """Entry point of one worker process: events in, deltas out, until a None arrives."""
+def _worker_main(worker_id: int, tokenizer_dir: str, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of one worker process: events in, deltas out, until a None (or EOF) arrives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor decides when workers stop
     try:
         from jaxllm.tokenizer import load_tokenizer
 
         processor = OutputProcessor(load_tokenizer(tokenizer_dir))
     except BaseException as exc:  # report why we could not start
-        outbox.put((_READY, worker_id, portable_error(exc)))
+        outbox.send((_READY, worker_id, portable_error(exc)))
         return
-    outbox.put((_READY, worker_id, None))
+    outbox.send((_READY, worker_id, None))
     while True:
-        events = inbox.get()
+        try:
+            events = inbox.recv()
+        except EOFError:
+            break
         if events is None:
             break
-        outbox.put(processor.process(events))
-    outbox.put((_DONE, worker_id, None))
+        outbox.send(processor.process(events))
+    outbox.send((_DONE, worker_id, None))
+
+
+class _Worker:
+    def __init__(self, index: int, proc, to_worker: Connection, from_worker: Connection) -> None:
+        self.index = index
+        self.proc = proc
+        self.pid: Optional[int] = proc.pid
+        self.to_worker = to_worker
+        self.from_worker = from_worker
+        self.alive = True
+        self.done = False  # it answered the stop message
 
 
 class PostprocessWorkerPool:
@@ -50,15 +73,21 @@ class PostprocessWorkerPool:
         self.num_workers = num_workers
         self._on_deltas = on_deltas
         self._on_fatal = on_fatal
-        ctx = mp.get_context("spawn")  # never fork a process that runs JAX threads
-        self._inboxes = [ctx.Queue() for _ in range(num_workers)]
-        self._outbox = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker_main, args=(i, str(tokenizer_dir), self._inboxes[i], self._outbox),
-                                   name=f"jaxllm-postproc-{i}", daemon=True) for i in range(num_workers)]
+        self._lock = threading.Lock()  # guards _owner and the workers' alive flags
+        self._owner: dict[int, int] = {}  # rid -> worker index
         self._closing = False
-        for proc in self._procs:
-            proc.start()
+        ctx = mp.get_context("spawn")  # never fork a process that runs JAX threads
+        self._workers: list[_Worker] = []
         try:
+            for i in range(num_workers):
+                inbox_r, inbox_w = ctx.Pipe(duplex=False)
+                outbox_r, outbox_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, args=(i, str(tokenizer_dir), inbox_r, outbox_w),
+                                   name=f"jaxllm-postproc-{i}", daemon=True)
+                proc.start()
+                inbox_r.close()  # the child's ends: closing ours lets EOF / EPIPE reach both sides
+                outbox_w.close()
+                self._workers.append(_Worker(i, proc, inbox_w, outbox_r))
             self._wait_ready(start_timeout)
         except BaseException:
             self._kill()
@@ -67,79 +96,138 @@ class PostprocessWorkerPool:
         self._collector.start()
 
     def _wait_ready(self, timeout: float) -> None:
-        ready = 0
-        while ready < self.num_workers:
+        deadline = time.monotonic() + timeout
+        for worker in self._workers:
+            if not worker.from_worker.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"postprocess workers did not start within {timeout}s")
             try:
-                tag, worker_id, error = self._outbox.get(timeout=timeout)
-            except queue.Empty:
-                raise RuntimeError(f"postprocess workers did not start within {timeout}s") from None
+                _, worker_id, error = worker.from_worker.recv()
+            except EOFError:
+                raise RuntimeError(f"postprocess worker {worker.index} exited while starting "
+                                   f"(exit code {worker.proc.exitcode})") from None
             if error is not None:
                 raise RuntimeError(f"postprocess worker {worker_id} failed to start: {error!r}")
-            ready += 1
+
+    # ------------------------------------------------------------------ routing (output thread)
+    def _pick_locked(self, rid: int) -> Optional[int]:
+        for k in range(self.num_workers):
+            index = (rid + k) % self.num_workers
+            if self._workers[index].alive:
+                return index
+        return None
 
     def route(self, events: list[tuple]) -> None:
         """Send each event to the worker that owns its sequence (one message per worker)."""
-        if self.num_workers == 1:
-            self._inboxes[0].put(events)
-            return
-        per_worker: list[list[tuple]] = [[] for _ in range(self.num_workers)]
-        for event in events:
-            per_worker[event[1] % self.num_workers].append(event)
-        for inbox, batch in zip(self._inboxes, per_worker):
-            if batch:
-                inbox.put(batch)
+        batches: dict[int, list[tuple]] = {}
+        orphans: list[int] = []
+        with self._lock:
+            for event in events:
+                kind, rid = event[0], event[1]
+                if kind == ADD:
+                    index = self._pick_locked(rid)
+                    if index is None:
+                        orphans.append(rid)
+                        continue
+                    self._owner[rid] = index
+                else:
+                    index = self._owner.get(rid)
+                    if index is None:  # its worker died and the sequence was already failed
+                        continue
+                    if kind == ERROR or (kind == TOKENS and event[4] is not None):
+                        del self._owner[rid]  # the sequence's last event
+                batches.setdefault(index, []).append(event)
+        for index, batch in batches.items():
+            worker = self._workers[index]
+            if not worker.alive:
+                continue
+            try:
+                worker.to_worker.send(batch)
+            except (OSError, ValueError):  # broken pipe: the worker is gone
+                self._worker_lost(worker)
+        if orphans:
+            self._on_deltas([Delta(rid, error=RuntimeError("no postprocess worker is alive")) for rid in orphans])
 
+    # ------------------------------------------------------------------ collecting (collector thread)
     def _collect(self) -> None:
-        done = 0
         try:
-            while done < self.num_workers:
-                try:
-                    item = self._outbox.get(timeout=0.5)
-                except queue.Empty:
-                    dead = [p for p in self._procs if not p.is_alive() and p.exitcode not in (0, None)]
-                    if dead:
-                        raise RuntimeError(f"postprocess worker {dead[0].name} died (exit code {dead[0].exitcode})")
-                    if self._closing and not any(p.is_alive() for p in self._procs):
-                        break
-                    continue
-                if isinstance(item, tuple):
-                    done += item[0] == _DONE
-                    continue
-                if item:
-                    self._on_deltas(item)
+            while True:
+                readers = {w.from_worker: w for w in self._workers if w.alive}
+                if not readers:
+                    break
+                for conn in wait(list(readers), timeout=0.5):
+                    worker = readers[conn]
+                    try:
+                        item = conn.recv()
+                    except (EOFError, OSError):
+                        self._worker_lost(worker)
+                        continue
+                    if isinstance(item, tuple):
+                        if item[0] == _DONE:
+                            worker.done = True
+                            self._worker_lost(worker)
+                        continue
+                    if item:
+                        self._on_deltas(item)
         except BaseException as exc:
             logger.exception("postprocess collector failed")
             self._on_fatal(exc)
 
+    def _worker_lost(self, worker: _Worker) -> None:
+        """A worker stopped (asked to, or died): fail its sequences; fatal when none is left."""
+        with self._lock:
+            if not worker.alive:
+                return
+            worker.alive = False
+            orphans = [rid for rid, index in self._owner.items() if index == worker.index]
+            for rid in orphans:
+                del self._owner[rid]
+            any_alive = any(w.alive for w in self._workers)
+        try:
+            worker.from_worker.close()
+        except OSError:
+            pass
+        if worker.done or self._closing:
+            return
+        worker.proc.join(5)
+        error = RuntimeError(f"postprocess worker {worker.proc.name} died (exit code {worker.proc.exitcode})")
+        logger.error("%s; failing its %d sequence(s)", error, len(orphans))
+        if orphans:
+            self._on_deltas([Delta(rid, error=error) for rid in orphans])
+        if not any_alive:
+            self._on_fatal(RuntimeError(f"every postprocess worker died; the last: {error}"))
+
+    # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 30.0) -> None:
         """Let the workers finish what they have, then stop them; waits for the collector."""
         if self._closing:
             return
         self._closing = True
-        for inbox in self._inboxes:
-            try:
-                inbox.put(None)
-            except (OSError, ValueError):
-                pass
+        for worker in self._workers:
+            if worker.alive:
+                try:
+                    worker.to_worker.send(None)
+                except (OSError, ValueError):
+                    pass
         self._collector.join(timeout)
-        for proc in self._procs:
-            proc.join(timeout)
+        for worker in self._workers:
+            worker.proc.join(timeout)
         self._kill()
 
     def _kill(self) -> None:
-        killed = False
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-                killed = True
-        for q in [*self._inboxes, self._outbox]:
-            q.close()
-            if killed:
-                q.cancel_join_thread()  # nobody will read what is still buffered
-            else:
-                q.join_thread()
+        for worker in self._workers:
+            if worker.proc.is_alive():
+                worker.proc.terminate()
+                worker.proc.join(5)
+            for conn in (worker.to_worker, worker.from_worker):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+            try:
+                worker.proc.close()
+            except ValueError:  # still running (terminate failed): leave it to the OS
+                pass
 
     @property
     def pids(self) -> list[Optional[int]]:
-        return [p.pid for p in self._procs]
+        return [w.pid for w in self._workers]

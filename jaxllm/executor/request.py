@@ -7,7 +7,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from jaxllm.sampling import SamplingParams
+
+
+def _show(v) -> str:
+    """A short repr for error messages (a hostile value may be huge)."""
+    try:
+        text = repr(v)
+    except ValueError:  # an int with more digits than Python will print
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _is_finite_number(v) -> bool:
+    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
 
 
 @dataclass
@@ -31,19 +55,23 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__len__"):
             raise ValueError("prompt_token_ids must be a list of int token ids")
+        if isinstance(self.prompt_token_ids, np.ndarray):
+            if self.prompt_token_ids.ndim != 1 or not np.issubdtype(self.prompt_token_ids.dtype, np.integer):
+                raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer dtype")
+            self.prompt_token_ids = self.prompt_token_ids.tolist()
         ids = list(self.prompt_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            bad = next(t for t in ids if not isinstance(t, int) or isinstance(t, bool))
-            raise ValueError(f"prompt_token_ids must hold int token ids, got {bad!r}")
-        self.prompt_token_ids = ids
+        if not all(_is_token_id(t) for t in ids):
+            bad = next(t for t in ids if not _is_token_id(t))
+            raise ValueError(f"prompt_token_ids must hold int token ids, got {_show(bad)}")
+        self.prompt_token_ids = [int(t) for t in ids]
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(self.sampling_params).__name__}")
+        if not _is_finite_number(self.priority):
+            raise ValueError(f"priority must be a finite number, got {_show(self.priority)}")
         if not isinstance(self.streaming, bool):
             raise ValueError(f"streaming must be a bool, got {self.streaming!r}")
-        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and
-                                             not isinstance(self.timeout, bool) and
-                                             math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.timeout is not None and not (_is_finite_number(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {_show(self.timeout)}")
 
     @property
     def num_sequences(self) -> int:

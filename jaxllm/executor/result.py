@@ -241,11 +241,21 @@ class GenerationResult:
         return self._final
 
     async def aresult(self, timeout: Optional[float] = None) -> RequestOutput:
-        if timeout is not None:
-            return await asyncio.wait_for(self.aresult(), timeout)
+        """Await the final output. A cancelled caller aborts the request (nobody is left to read
+        it); `timeout` raises TimeoutError and, as with `result`, the request goes on."""
+        try:
+            if timeout is None:
+                await self._wait_finished()
+            else:
+                await asyncio.wait_for(self._wait_finished(), timeout)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        return self._final
+
+    async def _wait_finished(self) -> None:
         while not self._finished:
             await self._next_async()
-        return self._final
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while not self._finished:
@@ -254,10 +264,16 @@ class GenerationResult:
                 yield update
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self._finished:
-            update = await self._next_async()
-            if update is not None and (self.streaming or update.finished):
-                yield update
+        """Stream the updates. If the consuming task is cancelled, or the loop is left early and
+        the iterator closed (`aclose`, or garbage collection), the request is aborted."""
+        try:
+            while not self._finished:
+                update = await self._next_async()
+                if update is not None and (self.streaming or update.finished):
+                    yield update
+        except (asyncio.CancelledError, GeneratorExit):
+            self.abort()
+            raise
 
     def abort(self) -> None:
         """Stop generating; the result finishes with 'cancelled' and keeps what it has."""
