@@ -10,14 +10,15 @@ rules, not of the model code.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.mesh import TENSOR_AXIS
+from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 
-MeshAxis = Optional[str]
+# One mesh axis, several (the dimension is split over their product), or None (replicated).
+MeshAxis = Union[str, tuple[str, ...], None]
 LogicalAxes = Sequence[Optional[str]]
 
 
@@ -30,7 +31,7 @@ class ShardingRules:
     kv_heads: MeshAxis = TENSOR_AXIS  # KV heads of k/v weights and of the KV cache
     head_dim: MeshAxis = None
     mlp: MeshAxis = TENSOR_AXIS  # dense FFN intermediate: gate/up column-, down row-parallel
-    experts: MeshAxis = None  # expert index (the expert-parallel axis, once it exists)
+    experts: MeshAxis = None  # expert (slot) index: the expert-parallel axis when EP > 1
     moe_mlp: MeshAxis = TENSOR_AXIS  # expert FFN intermediate, split like the dense one
     vocab: MeshAxis = TENSOR_AXIS  # embedding rows and LM head columns
     tokens: MeshAxis = None  # the packed token dimension of activations
@@ -58,10 +59,10 @@ def logical_to_physical(logical: LogicalAxes, rules: ShardingRules) -> Partition
     spec = []
     for name in logical:
         axis = rules.axis(name)
-        if axis is not None and axis in used:
-            axis = None
-        if axis is not None:
-            used.add(axis)
+        names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        if used.intersection(names):
+            axis, names = None, ()
+        used.update(names)
         spec.append(axis)
     return PartitionSpec(*spec)
 
@@ -85,18 +86,33 @@ def kv_head_replicas(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def model_rules(*, tensor_parallel_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                moe_intermediate_size: int, vocab_size: int) -> ShardingRules:
+                moe_intermediate_size: int, vocab_size: int, expert_parallel_size: int = 1,
+                num_slots: int = 0) -> ShardingRules:
     """Default rules for a decoder, after checking that the split dimensions divide evenly.
 
-    The vocabulary is split when it divides by the TP size (the LM head is the largest
-    single matmul at decode and its weight the largest tensor of small models) and is
-    otherwise replicated; heads and FFN columns must divide.
+    `tensor_parallel_size` is the attention/dense TP size N. The vocabulary is split when
+    it divides by N (the LM head is the largest single matmul at decode and its weight the
+    largest tensor of small models) and is otherwise replicated; heads and FFN columns
+    must divide. With expert parallelism E > 1 the mesh's `expert` x `tensor` axes (E x T,
+    E * T = N) together carry the N-way split of attention and dense layers, MoE slots
+    are split over `expert` and each expert's columns over `tensor` (T = N / E).
     """
-    tp = tensor_parallel_size
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    if ep < 1 or tp % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp}")
+    moe_tp = tp // ep
     problems = [f"{name}={size}" for name, size in (
-        ("num_attention_heads", num_heads), ("intermediate_size", intermediate_size),
-        ("moe_intermediate_size", moe_intermediate_size)) if size and size % tp]
+        ("num_attention_heads", num_heads), ("intermediate_size", intermediate_size)) if size and size % tp]
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}")
+    if moe_intermediate_size and moe_intermediate_size % moe_tp:
+        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
+                         f"{moe_intermediate_size}")
+    if ep > 1 and num_slots % ep:
+        raise ValueError(f"moe_expert_parallel_size={ep} must divide the number of expert slots ({num_slots})")
     kv_head_replicas(num_kv_heads, tp)
-    return ShardingRules(vocab=TENSOR_AXIS if vocab_size % tp == 0 else None)
+    if ep == 1:
+        return ShardingRules(vocab=TENSOR_AXIS if vocab_size % tp == 0 else None)
+    both = (EXPERT_AXIS, TENSOR_AXIS)
+    return ShardingRules(heads=both, kv_heads=both, mlp=both, experts=EXPERT_AXIS, moe_mlp=TENSOR_AXIS,
+                         vocab=both if vocab_size % tp == 0 else None)

@@ -15,6 +15,12 @@ XLA partitions the dense einsums from those shardings (q/k/v and gate/up split b
 column, o and down by row, followed by an all-reduce), and the kernels, which XLA
 cannot partition, run under shard_map (`sharding.kernels`): attention and the KV write
 per device on its heads, the expert FFN on its columns with a psum.
+
+Expert parallelism: when a MoE layer's experts are stored as slots (its params carry a
+`slots` table; see `sharding.slot_table`), the layer runs `sharding.ep_moe.ep_moe_block`:
+tokens dispatched to the EP rank owning each chosen slot and combined back, as
+`moe_options` says. `forward_with_moe_stats` also returns the step's per-layer expert
+counts (`sharding.expert_load.MoeStepStats`); the plain forward never computes them.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import Params, param_shapes  # noqa: F401  (re-exported)
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+from sharding.ep_moe import EpMoeOptions, ep_moe_block
+from sharding.expert_load import MoeStepStats, count_experts
 from sharding.kernels import shard_attention, shard_kv_write, shard_moe
-from sharding.mesh import tensor_parallel_size
+from sharding.mesh import ParallelConfig, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
 
 KVCache = list[MhaLayerCache]
@@ -125,10 +133,20 @@ def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn,
 def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
                   attention_fn: AttentionFn = _REFERENCE_ATTENTION,
                   moe_fn: MoeFn = moe_grouped_ffn_reference,
-                  mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
+                  mesh: Optional[jax.sharding.Mesh] = None,
+                  moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
     """Embedding and all decoder layers: the residual stream [T, H] (before the final norm)."""
+    x, new_cache, _ = _decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                     moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    return x, new_cache
+
+
+def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
+                   attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
+                   moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
     if len(kv_cache) != config.num_layers:
         raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
+    raw_moe_fn = moe_fn
     attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
     md = AttentionMetadata.from_batch(batch)
     x = params["embed"][batch.token_ids]
@@ -136,6 +154,7 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
     num_tokens = batch.token_ids.shape[0]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
     new_cache: KVCache = []
+    counts, dropped = [], []
     for i, (layer, cache) in enumerate(zip(params["layers"], kv_cache)):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         h, cache = _attention(h, layer["attn"], cache, md, cos, sin, config=config, attention_fn=attention_fn,
@@ -143,11 +162,23 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
         new_cache.append(cache)
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        if config.is_moe_layer(i):
-            x = x + moe_block(h, layer["moe"], config=config, moe_fn=moe_fn, valid=valid)
+        if config.is_moe_layer(i) and "slots" in layer["moe"]:
+            ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+            y, layer_counts, layer_dropped = ep_moe_block(
+                h, layer["moe"], config=config, moe_fn=raw_moe_fn, mesh=ep_mesh, rules=_rules(config, ep_mesh),
+                options=moe_options or EpMoeOptions(), valid=valid)
+            x = x + y
+            counts.append(layer_counts)
+            dropped.append(layer_dropped)
+        elif config.is_moe_layer(i):
+            y, ids = moe_block(h, layer["moe"], config=config, moe_fn=moe_fn, valid=valid)
+            x = x + y
+            counts.append(count_experts(ids, config.num_experts, valid))
+            dropped.append(jnp.zeros((), jnp.int32))
         else:
             x = x + _mlp(h, layer["mlp"], config)
-    return x, new_cache
+    stats = MoeStepStats(jnp.stack(counts), jnp.stack(dropped)) if counts else None
+    return x, new_cache, stats
 
 
 def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> jax.Array:
@@ -161,17 +192,33 @@ def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> 
 
 def forward(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
             attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
-            mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
+            mesh: Optional[jax.sharding.Mesh] = None,
+            moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
     """One engine step: float32 logits [S, V] at `batch.logits_indices`, and the updated cache."""
-    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config,
-                                       attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
+    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache
+
+
+def forward_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
+                           attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+                           moe_fn: MoeFn = moe_grouped_ffn_reference, mesh: Optional[jax.sharding.Mesh] = None,
+                           moe_options: Optional[EpMoeOptions] = None
+                           ) -> tuple[jax.Array, KVCache, MoeStepStats]:
+    """`forward` plus the step's MoE statistics: expert counts [num_moe_layers, num_experts]
+    over the whole batch (padding excluded) and rows dropped by a capacity-limited dispatch."""
+    if not config.num_experts:
+        raise ValueError(f"{config.architecture} has no MoE layers to collect statistics from")
+    residual, kv_cache, stats = _decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                               moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    return compute_logits(params, residual[batch.logits_indices], config), kv_cache, stats
 
 
 def forward_all_logits(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
                        attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
-                       mesh: Optional[jax.sharding.Mesh] = None) -> tuple[jax.Array, KVCache]:
+                       mesh: Optional[jax.sharding.Mesh] = None,
+                       moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
     """Like `forward` but float32 logits for every token slot [T, V] (prompt scoring, tests)."""
-    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config,
-                                       attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
+    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     return compute_logits(params, residual, config), kv_cache

@@ -31,8 +31,9 @@ from tqdm.auto import tqdm
 
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.weights import Params, Source, WeightDecl, build_tree, declare_weights, read_parameter_view
-from sharding.mesh import ParallelConfig, make_mesh, tensor_parallel_size
+from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical, model_rules
+from sharding.slot_table import make_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
@@ -72,7 +73,24 @@ def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """The default sharding rules of `config` on `mesh` (checks the split sizes divide)."""
     return model_rules(tensor_parallel_size=tensor_parallel_size(mesh), num_heads=config.num_heads,
                        num_kv_heads=config.num_kv_heads, intermediate_size=config.intermediate_size,
-                       moe_intermediate_size=config.moe_intermediate_size, vocab_size=config.vocab_size)
+                       moe_intermediate_size=config.moe_intermediate_size, vocab_size=config.vocab_size,
+                       expert_parallel_size=expert_parallel_size(mesh))
+
+
+def slot_assignments_for(config: ModelConfig, mesh: jax.sharding.Mesh,
+                         slot_assignments: Optional[dict[int, Sequence[int]]] = None,
+                         num_slots: Optional[int] = None) -> Optional[dict[int, np.ndarray]]:
+    """Slot -> expert of every MoE layer when the experts are stored as slots (expert
+    parallelism on `mesh`, or an explicit placement), else None (the plain expert stack)."""
+    ep = expert_parallel_size(mesh)
+    if not config.num_experts:
+        if slot_assignments or num_slots:
+            raise ValueError(f"an expert placement was given but {config.architecture} has no experts")
+        return None
+    if ep == 1 and not slot_assignments and num_slots is None:
+        return None
+    moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    return resolve_assignments(config.num_experts, moe_layers, ep, slot_assignments, num_slots)
 
 
 def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
@@ -176,20 +194,29 @@ def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
 
 def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *,
                 mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None,
-                slice_hook: Optional[Callable[[str, tuple[slice, ...], np.ndarray], None]] = None) -> Params:
+                slice_hook: Optional[Callable[[str, tuple[slice, ...], np.ndarray], None]] = None,
+                slot_assignments: Optional[dict[int, Sequence[int]]] = None,
+                num_slots: Optional[int] = None) -> Params:
     """Read the checkpoint in `model_dir` into the parameter pytree, sharded over `mesh`.
 
     `mesh` defaults to a one-device mesh; `rules` to `rules_for(config, mesh)`.
+    With expert parallelism (or an explicit placement: `slot_assignments`, MoE layer ->
+    expert of each of `num_slots` slots, missing layers placed by default) each device
+    reads its slots' experts, and every MoE layer gets its `SlotTable` under "slots".
     `slice_hook(name, slices, array)` sees every read from the files (for measurements).
     """
     from jaxllm.models.orbax_io import is_converted, restore_converted
 
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     rules = rules or rules_for(config, mesh)
+    assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
     if is_converted(model_dir):
+        if assignments is not None:
+            raise ValueError(f"{model_dir} is a converted checkpoint; expert parallelism and expert placements "
+                             "load from the safetensors checkpoint")
         return restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules)
     np_dtype = numpy_dtype(dtype or config.dtype)
-    decls = declare_weights(config, kv_replicas_for(config, mesh))
+    decls = declare_weights(config, kv_replicas_for(config, mesh), assignments)
     header = _Header(checkpoint_files(model_dir))
     chosen = _choose_alternatives(header, decls, config, model_dir)
     total_bytes = sum(int(np.prod(s)) * _ITEMSIZE.get(header.dtype[n], 1) for n, s in header.shape.items())
@@ -211,4 +238,9 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
                     decl.shape, sharding,
                     lambda index, decl=decl, alt=alt: read_parameter_view(decl, alt, index, read), np_dtype)))
                 bar.update(1)
-    return build_tree(leaves)
+    params = build_tree(leaves)
+    if assignments is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        for layer, slot_to_expert in assignments.items():
+            params["layers"][layer]["moe"]["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
+    return params

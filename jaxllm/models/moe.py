@@ -2,8 +2,10 @@
 
 The pieces stay separate so they can be rearranged: `route_topk` gives each token its
 top-k ids and weights; `grouped_expert_ffn` takes ids as they should address the
-stacked weights (an expert-parallel layout maps ExpertIds to SlotIds in between) and
-calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the grouped GEMM backend.
+stacked weights (an expert-parallel layout maps ExpertIds to SlotIds in between, see
+`sharding.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
+grouped GEMM backend; `expert_rows_ffn` and `combine` are its two halves, which the
+expert-parallel layer runs on different devices.
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -47,25 +49,46 @@ def sort_by_expert(ids: jax.Array, num_groups: int, valid: Optional[jax.Array] =
     return order, group_sizes
 
 
+def expert_rows_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                    moe_fn: MoeFn, rows_per_token: int = 1) -> jax.Array:
+    """FFN_{ids[r]}(x[r // rows_per_token]) for every row r of `ids` (flat int32[R]), in row order.
+
+    Rows with id >= the number of weight groups are padding and come out as zeros.
+    """
+    order, group_sizes = sort_by_expert(ids.reshape(-1, 1), w_gate.shape[0])
+    y_sorted = moe_fn(x[order // rows_per_token], group_sizes, w_gate, w_up, w_down)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+
+
+def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """float32 sum_k weights[t, k] * y[t * top_k + k] for expert outputs y [T * top_k, H]."""
+    num_tokens, top_k = weights.shape
+    return jnp.einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32),
+                      weights.astype(jnp.float32))
+
+
 def grouped_expert_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                        w_up: jax.Array, w_down: jax.Array, *, moe_fn: MoeFn,
                        valid: Optional[jax.Array] = None) -> jax.Array:
     """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); the combine runs in float32."""
-    num_tokens, top_k = ids.shape
-    order, group_sizes = sort_by_expert(ids, w_gate.shape[0], valid)
-    x_sorted = x[order // top_k]
-    y_sorted = moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+    num_groups = w_gate.shape[0]
     if valid is not None:
+        ids = jnp.where(valid[:, None], ids, num_groups)
         weights = jnp.where(valid[:, None], weights, 0.0)
-    out = jnp.einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32),
-                     weights.astype(jnp.float32))
-    return out.astype(x.dtype)
+    y = expert_rows_ffn(x, ids.reshape(-1), w_gate, w_up, w_down, moe_fn=moe_fn, rows_per_token=ids.shape[1])
+    return combine(y, weights).astype(x.dtype)
+
+
+def route(x: jax.Array, router: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The router of one layer: (weights float32 [T, k], expert ids int32 [T, k])."""
+    router_logits = jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)
+    return route_topk(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
 
 
 def moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn,
-              valid: Optional[jax.Array] = None) -> jax.Array:
-    """The sparse FFN of one layer. p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
-    router_logits = jnp.einsum("th,he->te", x, p["router"], preferred_element_type=jnp.float32)
-    weights, ids = route_topk(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
-    return grouped_expert_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn, valid=valid)
+              valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+    """The sparse FFN of one layer and the router's expert ids [T, k].
+    p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
+    weights, ids = route(x, p["router"], config)
+    out = grouped_expert_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn, valid=valid)
+    return out, ids

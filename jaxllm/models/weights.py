@@ -20,6 +20,8 @@ Parameter layout (the decoder's pytree):
                o_bias [H] with o_proj_bias; q_norm / k_norm [D] with qk_norm)
       mlp:  gate [H, I], up [H, I], down [I, H]                                (dense layers)
       moe:  router [H, E], w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H]  (sparse layers)
+            (expert parallelism: [S, ...] over S slots, plus `slots`, the layer's
+             `sharding.slot_table.SlotTable`, attached by the loader, not declared)
 
 Hkv' = Hkv * kv_replicas: with fewer KV heads than tensor-parallel ranks each KV head is
 stored `kv_replicas` times in a row (see `sharding.rules.kv_head_replicas`); attention
@@ -29,8 +31,8 @@ KV head j // (Hq / Hkv).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -82,6 +84,10 @@ class WeightDecl:
     alternatives: tuple[tuple[Source, ...], ...]
     init: str  # "norm", "embed", "linear", "bias"
     gain: float = 1.0
+    # Expert slots: parameter row i is row rows_from[i] of the stack of `source_rows` experts
+    # the alternatives describe (a placement may repeat an expert in several slots).
+    rows_from: Optional[tuple[int, ...]] = None
+    source_rows: int = 0
 
     @property
     def checkpoint_names(self) -> set[str]:
@@ -101,15 +107,25 @@ def _transposed(out_features: int, in_features: int) -> Layout:
     return Layout((out_features, in_features), (1, 0))
 
 
-def declare_weights(config: ModelConfig, kv_replicas: int = 1) -> list[WeightDecl]:
-    """Every parameter of `config`'s decoder, in pytree order."""
+def declare_weights(config: ModelConfig, kv_replicas: int = 1,
+                    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> list[WeightDecl]:
+    """Every parameter of `config`'s decoder, in pytree order.
+
+    `slot_assignments` (MoE layer -> expert of each slot) stores those layers' experts as
+    slots, [num_slots, ...] (expert parallelism; see `sharding.slot_table`)."""
     c = config
     h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
     decls: list[WeightDecl] = []
 
     def add(path: KeyPath, shape: tuple[int, ...], axes: tuple, alternatives: Sequence[Sequence[Source]],
-            init: str, gain: float = 1.0) -> None:
-        decls.append(WeightDecl(path, tuple(shape), tuple(axes), tuple(tuple(a) for a in alternatives), init, gain))
+            init: str, gain: float = 1.0, rows_from: Optional[Sequence[int]] = None) -> None:
+        if rows_from is not None:
+            source_rows, shape = shape[0], (len(rows_from),) + tuple(shape[1:])
+            rows_from = tuple(int(r) for r in rows_from)
+        else:
+            source_rows = 0
+        decls.append(WeightDecl(path, tuple(shape), tuple(axes), tuple(tuple(a) for a in alternatives), init, gain,
+                                rows_from, source_rows))
 
     def single(name: str, shape: tuple[int, ...], layout: Layout) -> list[list[Source]]:
         return [[Source(name, shape, layout)]]
@@ -142,7 +158,7 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1) -> list[WeightDec
         add(("layers", layer, "mlp_norm"), (h,), ("embed",),
             single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))), "norm")
         if c.is_moe_layer(layer):
-            _declare_experts(add, c, layer)
+            _declare_experts(add, c, layer, (slot_assignments or {}).get(layer))
         else:
             inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
             for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):
@@ -157,9 +173,11 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1) -> list[WeightDec
     return decls
 
 
-def _declare_experts(add: Callable, config: ModelConfig, layer: int) -> None:
+def _declare_experts(add: Callable, config: ModelConfig, layer: int,
+                     slot_to_expert: Optional[Sequence[int]] = None) -> None:
     """Router and stacked expert weights; experts stored per expert (the hub layout) or fused
-    (transformers' in-memory `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I])."""
+    (transformers' in-memory `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]).
+    With `slot_to_expert` the stack holds one row per slot, read from its expert."""
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     moe = ("layers", layer, "moe")
     if config.model_type == "mixtral":
@@ -183,7 +201,7 @@ def _declare_experts(add: Callable, config: ModelConfig, layer: int) -> None:
             fused = [[Source(f"{b}.experts.gate_up_proj", (e, 2 * i, h),
                              Layout((e, 2 * i, h), (0, 2, 1), offset=(0, start, 0)))] for b in bases]
         shape = (e, h, i) if ours != "w_down" else (e, i, h)
-        add(moe + (ours,), shape, axes, per_expert + fused, "linear")
+        add(moe + (ours,), shape, axes, per_expert + fused, "linear", rows_from=slot_to_expert)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +331,13 @@ def read_parameter_view(decl: WeightDecl, alternative: Sequence[Source], index: 
     """Like `read_parameter` but untransposed and uncast: (block, perm), the box being
     `block.transpose(perm)`."""
     index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
+    if decl.rows_from is not None:  # expert slots: each row read from its expert's row of the stack
+        stack = replace(decl, shape=(decl.source_rows,) + decl.shape[1:], rows_from=None, source_rows=0)
+        views = [read_parameter_view(stack, alternative, (slice(decl.rows_from[r], decl.rows_from[r] + 1),)
+                                     + index[1:], read) for r in range(*index[0].indices(decl.shape[0]))]
+        perm = views[0][1]
+        assert perm[0] == 0, "expert stacks keep the expert axis first"
+        return np.concatenate([block for block, _ in views]), perm
     if alternative[0].part is None:
         return read_source_view(alternative[0], decl.shape, index, read)
     by_part = {src.part: src for src in alternative}

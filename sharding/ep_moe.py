@@ -1,0 +1,161 @@
+"""The expert-parallel MoE layer: route, map experts to slots, dispatch, grouped FFN, combine.
+
+Layout (mesh axes `expert` x `tensor`, E x T devices): the slot weights [S, H, I] are
+split over `expert` by slot (rank r owns slots [r S/E, (r+1) S/E)) and over `tensor`
+by the expert FFN's intermediate columns. Routing runs on every device over the whole
+step (it is a small matmul), which makes the expert counts global and the replica
+choice (`sharding.slot_table.choose_slots`) identical everywhere; then, under
+`shard_map`, each EP rank takes its share of the step's tokens (1/E of them) and:
+
+- `all_to_all`: sends each (token, k) row to the rank owning its slot, in a send buffer
+  of `capacity` rows per destination; the owner runs the grouped FFN on what it
+  received and sends the results back through a second all_to_all into the same
+  positions; the source combines them with the routing weights. The capacity comes from
+  the step's token bucket: dropless by default (every row of a rank could go to one
+  destination: tokens x min(top_k, slots per rank)); a `capacity_factor` opts into a
+  smaller buffer, cap = ceil(factor * tokens * top_k / E), and rows beyond it are
+  dropped and counted.
+- `allgather`: gathers every rank's tokens, runs the grouped FFN for the rows that fall
+  on the rank's own slots, combines, and returns each rank its tokens' sums with a
+  reduce-scatter (psum_scatter). No capacity and no per-destination layout: for small
+  decode batches, where the all_to_all buffers are mostly padding.
+
+MoE tensor parallelism: the T ranks of an expert group hold the same tokens and the
+same slots with a 1/T share of the FFN columns; their partial outputs are summed with
+a psum over `tensor` after the combine. The output leaves the shard_map split over
+`expert` by token; XLA gathers it where the replicated residual stream needs it.
+
+`ragged_all_to_all` (sizes kept on device, no padding) is not offered: XLA:CPU does not
+implement it, so it could not be tested here, and it is reported slow on GPU
+(openxla/xla #46982).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route
+from sharding.expert_load import count_experts
+from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
+from sharding.rules import ShardingRules, logical_to_physical
+from sharding.slot_table import SlotTable, choose_slots
+
+DISPATCH_MODES = ("auto", "all_to_all", "allgather")
+
+
+@dataclass(frozen=True)
+class EpMoeOptions:
+    """Static choices of the expert-parallel MoE layer (part of the compiled step)."""
+
+    dispatch: str = "auto"  # "all_to_all", "allgather", or "auto": by the step's token bucket
+    capacity_factor: Optional[float] = None  # None: dropless all_to_all
+    allgather_max_tokens: int = 64  # "auto" uses allgather for buckets of at most this many tokens
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive (or None: dropless), got {self.capacity_factor!r}")
+
+    def mode_for(self, num_tokens: int) -> str:
+        if self.dispatch != "auto":
+            return self.dispatch
+        return "allgather" if num_tokens <= self.allgather_max_tokens else "all_to_all"
+
+
+def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int,
+                 capacity_factor: Optional[float]) -> int:
+    """Rows each rank may send to one destination in one step."""
+    dropless = tokens_per_rank * min(top_k, slots_per_rank)
+    if capacity_factor is None:
+        return dropless
+    return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_rank * top_k / ep_size)))
+
+
+def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor,
+                     ep: int, moe_tp: int):
+    tokens, top_k = slots.shape
+    slots_per_rank = w_gate.shape[0]
+    cap = a2a_capacity(tokens, top_k, slots_per_rank, ep, capacity_factor)
+    rows = tokens * top_k
+    flat = slots.reshape(-1)
+    dest = flat // slots_per_rank  # == ep for padding rows (slot id S)
+    # Position of each row among the rows going to the same destination (row order).
+    order = jnp.argsort(dest, stable=True)
+    sizes = jnp.bincount(dest, length=ep + 1)
+    starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    pos_sorted = jnp.arange(rows, dtype=jnp.int32) - starts[dest[order]]
+    pos = jnp.zeros((rows,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
+    routed = dest < ep
+    kept = routed & (pos < cap)
+    dropped = jnp.sum(routed & ~kept).astype(jnp.int32)
+    target = jnp.where(kept, dest * cap + pos, ep * cap)  # out of range: not sent
+    send_x = jnp.zeros((ep * cap, x.shape[1]), x.dtype).at[target].set(x[jnp.arange(rows) // top_k], mode="drop")
+    send_ids = jnp.full((ep * cap,), slots_per_rank, jnp.int32).at[target].set(flat % slots_per_rank, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids, EXPERT_AXIS, 0, 0, tiled=True)
+    y = expert_rows_ffn(recv_x, recv_ids, w_gate, w_up, w_down, moe_fn=moe_fn)
+    back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
+    y_rows = jnp.where(kept[:, None], back[jnp.minimum(target, ep * cap - 1)], 0)
+    out = combine(y_rows, jnp.where(kept.reshape(tokens, top_k), weights, 0.0))
+    if moe_tp > 1:
+        out = jax.lax.psum(out, TENSOR_AXIS)
+    return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
+
+
+def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, moe_tp: int):
+    slots_per_rank = w_gate.shape[0]
+    x_all = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)
+    slots_all = jax.lax.all_gather(slots, EXPERT_AXIS, axis=0, tiled=True)
+    weights_all = jax.lax.all_gather(weights, EXPERT_AXIS, axis=0, tiled=True)
+    local = slots_all - jax.lax.axis_index(EXPERT_AXIS) * slots_per_rank
+    mine = (local >= 0) & (local < slots_per_rank)
+    ids = jnp.where(mine, local, slots_per_rank)
+    y = expert_rows_ffn(x_all, ids.reshape(-1), w_gate, w_up, w_down, moe_fn=moe_fn, rows_per_token=ids.shape[1])
+    out = combine(y, jnp.where(mine, weights_all, 0.0))
+    out = jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    if moe_tp > 1:
+        out = jax.lax.psum(out, TENSOR_AXIS)
+    return out, jnp.zeros((1,), jnp.int32)
+
+
+def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh,
+                 rules: ShardingRules, options: EpMoeOptions = EpMoeOptions(),
+                 valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One MoE layer over slot weights: (output [T, H], expert counts int32[E], dropped rows int32[]).
+
+    p: router [H, E], w_gate / w_up [S, H, I], w_down [S, I, H] (split as `rules` say),
+    slots: the layer's `SlotTable`.
+    """
+    table: SlotTable = p["slots"]
+    weights, ids = route(x, p["router"], config)
+    counts = count_experts(ids, config.num_experts, valid)
+    slots = choose_slots(ids, table, valid)
+    num_tokens = x.shape[0]
+    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
+    padded = -(-num_tokens // ep) * ep
+    if padded != num_tokens:  # every EP rank takes the same number of tokens
+        extra = padded - num_tokens
+        x = jnp.pad(x, ((0, extra), (0, 0)))
+        slots = jnp.pad(slots, ((0, extra), (0, 0)), constant_values=table.num_slots)
+        weights = jnp.pad(weights, ((0, extra), (0, 0)))
+    mode = options.mode_for(num_tokens)
+    if mode == "all_to_all":
+        body = lambda *a: _all_to_all_body(*a, moe_fn=moe_fn, capacity_factor=options.capacity_factor,  # noqa: E731
+                                           ep=ep, moe_tp=moe_tp)
+    else:
+        body = lambda *a: _allgather_body(*a, moe_fn=moe_fn, moe_tp=moe_tp)  # noqa: E731
+    tok = P(EXPERT_AXIS)
+    up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
+    down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
+    out, dropped = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, up_spec, up_spec, down_spec),
+                                 out_specs=(tok, P()), check_vma=False)(
+        x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
+    return out[:num_tokens].astype(x.dtype), counts, dropped[0]
