@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxllm.models.presets import CHAT_TEMPLATE
 
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+# llama.cpp writes Mixtral as `llama` with experts.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # llama_ftype of a file whose 2-D weights are all of one type.
 FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32}
 
@@ -35,6 +36,9 @@ def hf_config(arch: str, vocab_size: int):
     if arch == "qwen3":
         return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, num_key_value_heads=2,
                                         head_dim=32, intermediate_size=96)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=64,
+                                          num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=96,
                                            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -126,6 +130,9 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "mixtral":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
 
     # The tokenizer as llama.cpp's `gpt2` (byte-level BPE) metadata.
     vocab = dict(tokenizer["model"]["vocab"])
@@ -152,7 +159,7 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
         base, suffix = name.rsplit(".", 1)
         gguf_name = name_map.get_name(base)
         assert gguf_name is not None, f"gguf has no name for {name}"
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+        if arch in ("llama", "mixtral") and base.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             value = llama_cpp_permute(value, heads)
         value = np.ascontiguousarray(value, dtype=np.float32)

@@ -45,11 +45,16 @@ def tiny(tmp_path_factory):
     return get
 
 
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
 def _stacked(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Expert weights as [E, out, in] per projection, whichever layout they come in."""
+    """Expert weights as [E, out, in] per projection, whichever layout (and Mixtral spelling) they come in."""
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, value in state.items():
+        for mixtral, qwen in _MIXTRAL_NAMES.items():
+            name = name.replace(mixtral, qwen)
         if ".mlp.experts." not in name:
             out[name] = value
             continue
@@ -176,3 +181,28 @@ def test_large_conversions_are_sharded_and_load_identically(tiny, tmp_path, monk
     for a, b in zip(jax.tree_util.tree_leaves(load_params(single, config)),
                     jax.tree_util.tree_leaves(load_params(sharded, config))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mixtral_gguf_is_llama_with_experts(tiny, tmp_path, monkeypatch):
+    """transformers cannot load a Mixtral GGUF, so the original checkpoint is the oracle (F32: exact)."""
+    from jaxllm import LLM, KvCacheConfig, SamplingParams
+
+    monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path, model, tokenizer = tiny("mixtral")
+    gguf_path = write_gguf(model, tokenizer, "mixtral", path / "F32.gguf", "F32")
+    converted = convert_gguf(gguf_path, tmp_path / "hf", progress=False)
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    ours = _stacked(load_file(str(converted / "model.safetensors")))
+    original = _stacked({k: v.float().numpy() for k, v in model.state_dict().items()})
+    assert sorted(ours) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64]
+    llm = LLM(str(gguf_path), dtype="float32", max_batch_size=2, max_num_tokens=16, max_seq_len=64,
+              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
+    try:
+        generated = list(llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                             ignore_eos=True)).outputs[0].token_ids)
+    finally:
+        llm.shutdown()
+    hf_teacher_forcing_check(model, prompt, generated)
