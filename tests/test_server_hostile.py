@@ -22,7 +22,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from jaxllm.config import KvCacheConfig
 from jaxllm.engine.config import EngineConfig
@@ -31,10 +30,11 @@ from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.app import ServerConfig, build_app
-from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE, ManagedServer
+from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE, ManagedServer, make_config
 
 MODEL = "tiny-moe"
 MAX_BODY = 1024 * 1024
+HEADER_TIMEOUT = 2.0
 MAX_SEQ_LEN = 2048  # long enough that tokenizing the longest text prompt takes a while
 CANARY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -60,8 +60,8 @@ class LiveServer:
         self.app = app
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = make_config(app, "127.0.0.1", self.port, shutdown_timeout=shutdown_timeout, log_level="warning",
+                             timeout_keep_alive=5, header_timeout=HEADER_TIMEOUT)
         self.server = ManagedServer(config, app.state.server, shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.thread.start()
@@ -383,6 +383,35 @@ def test_oversized_body_by_stream_slow_body_and_methods(live, http):
     _assert_openai_error(http.get(C), 405, "not allowed")
     _assert_openai_error(http.get("/v1/nothing-here"), 404, "no route")
     _assert_still_serving(live, http)
+
+
+def test_idle_and_slow_head_connections_are_closed(live, http):
+    """Neither an idle connection nor one that sends its request head a byte at a time is held."""
+    fds = _num_fds()
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 100
+    with socket.create_connection(("127.0.0.1", live.port)) as idle, \
+            socket.create_connection(("127.0.0.1", live.port)) as slow:
+        started = time.monotonic()
+        slow.settimeout(0.3)
+        closed = False
+        for byte in head:  # one byte every 0.3 s: the whole head would take 40 s
+            try:
+                slow.sendall(bytes([byte]))
+                closed = slow.recv(1024) == b""
+            except socket.timeout:
+                pass
+            except OSError:
+                closed = True
+            if closed:
+                break
+        assert closed and time.monotonic() - started < HEADER_TIMEOUT + 2
+        idle.settimeout(HEADER_TIMEOUT + 2)
+        assert idle.recv(1024) == b""  # closed without a response: it never asked for anything
+    _assert_still_serving(live, http)
+    deadline = time.monotonic() + 5
+    while _num_fds() > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _num_fds() <= fds
 
 
 def test_request_chat_template_needs_the_trust_flag(live, http):

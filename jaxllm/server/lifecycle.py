@@ -8,6 +8,12 @@ uvicorn close the connections. A second signal exits at once.
 A fatal engine failure has already failed every waiter (the executor does that); the
 server then stops and `serve` returns 1, so the process exits non-zero and a supervisor
 can restart it - as vLLM does with a dead engine.
+
+Connections are bounded in time: idle keep-alive connections close after
+`timeout_keep_alive` (uvicorn), a request head must arrive within `header_timeout` of the
+connection opening or of the previous response (uvicorn has no such limit: a client
+sending its headers a byte at a time could hold a connection forever), and the app bounds
+body uploads and slow readers (`ServerConfig.body_timeout`, `send_timeout`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 from typing import Optional
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxllm.server.app import OpenAIServer
 
@@ -24,6 +31,46 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_EXIT_CODE = 1
 _FLUSH_SECONDS = 2.0  # after aborting, how long streams get to send their last events
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing connections whose request head is too slow."""
+
+    header_timeout = 10.0
+    _head_timer: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        waiting_for_head = self.cycle is None or self.cycle.response_complete
+        if waiting_for_head and not self.transport.is_closing():
+            logger.info("closing a connection whose request head took over %gs", self.header_timeout)
+            self.transport.close()
+
+
+def make_config(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
+                timeout_keep_alive: int = 5, header_timeout: float = 10.0) -> uvicorn.Config:
+    """The uvicorn settings `serve` runs with (tests build their servers from it too)."""
+    protocol = type("BoundedH11", (BoundedH11Protocol,), {"header_timeout": header_timeout})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_keep_alive=timeout_keep_alive,
+                          timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)))
 
 
 class ManagedServer(uvicorn.Server):
@@ -77,11 +124,10 @@ class ManagedServer(uvicorn.Server):
 
 
 def serve(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
-          timeout_keep_alive: int = 5) -> int:
+          timeout_keep_alive: int = 5, header_timeout: float = 10.0) -> int:
     """Serve `app` (from `build_app`) until a signal or an engine failure; returns the exit code."""
-    api: OpenAIServer = app.state.server
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                            timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)))
-    server = ManagedServer(config, api, shutdown_timeout)
+    config = make_config(app, host, port, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                         timeout_keep_alive=timeout_keep_alive, header_timeout=header_timeout)
+    server = ManagedServer(config, app.state.server, shutdown_timeout)
     server.run()
     return server.exit_code
