@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 
 class CapacitySchedulerPolicy(str, enum.Enum):
@@ -62,6 +62,38 @@ class KvCacheConfig:
         if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
             raise ValueError(
                 f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+
+
+MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather")
+
+
+@dataclass
+class MoeConfig:
+    """How MoE layers run under expert parallelism.
+
+    `load_balancer` is the expert placement loaded at start: a `MoeLoadBalancerConfig`
+    (`sharding.eplb.config`), its fields as a dict, or the path of the YAML that
+    `jaxllm eplb generate-config` writes. `dispatch` picks how tokens reach the ranks that
+    hold their experts ("auto": by the step's token bucket); `capacity_factor` opts into
+    a capacity-limited all_to_all that drops (and counts) overflow rows.
+    """
+
+    load_balancer: Optional[Any] = None
+    dispatch: str = "auto"
+    capacity_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.load_balancer is not None:
+            from sharding.eplb.config import load_eplb_config
+
+            self.load_balancer = load_eplb_config(self.load_balancer)
+            if self.load_balancer.layer_updates_per_iter:
+                raise ValueError("load_balancer.layer_updates_per_iter > 0 asks for the online balancer, "
+                                 "which is not available yet; use 0 (a static placement)")
+        if self.dispatch not in MOE_DISPATCH_MODES:
+            raise ValueError(f"moe dispatch must be one of {MOE_DISPATCH_MODES}, got {self.dispatch!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}")
 
 
 def check_known_fields(cls, kwargs: dict) -> None:
