@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
@@ -142,7 +143,12 @@ def _param_of(message: str, candidates) -> Optional[str]:
 
 class _DisconnectAwareStreamingResponse(StreamingResponse):
     """Streams while listening for the client going away, whatever the ASGI spec version;
-    on a disconnect the body generator is cancelled, and its cleanup aborts the request."""
+    on a disconnect the body generator is cancelled, and its cleanup aborts the request.
+    `on_close` runs in every case, even when the body never started (the client left at once)."""
+
+    def __init__(self, content, *, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -158,9 +164,12 @@ class _DisconnectAwareStreamingResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -183,6 +192,7 @@ class OpenAIServer:
         self.draining = False  # set on SIGTERM: new requests get 503
         self._live: set[GenerationResult] = set()  # results some response is still waiting on
         self._shutdown_aborted: set[GenerationResult] = set()
+        self._abort_sent: "weakref.WeakSet[GenerationResult]" = weakref.WeakSet()
         from jaxllm.server.metrics import ServerMetrics
 
         self.metrics = ServerMetrics(executor, config.served_model_name)
@@ -306,6 +316,7 @@ class OpenAIServer:
         for result in live:
             if not result.finished:
                 self._shutdown_aborted.add(result)
+                self._abort_sent.add(result)
                 result.abort()
         return len(live)
 
@@ -346,7 +357,7 @@ class OpenAIServer:
         if body.stream:
             return _DisconnectAwareStreamingResponse(
                 self._stream_completion(results, body, request_id), media_type="text/event-stream",
-                headers=_SSE_HEADERS)
+                headers=_SSE_HEADERS, on_close=lambda: self._close_stream(results))
         outputs = await self._gather(request, results)
         choices = []
         for p, out in enumerate(outputs):
@@ -438,7 +449,7 @@ class OpenAIServer:
         if body.stream:
             return _DisconnectAwareStreamingResponse(
                 self._stream_chat(results[0], body, request_id), media_type="text/event-stream",
-                headers=_SSE_HEADERS)
+                headers=_SSE_HEADERS, on_close=lambda: self._close_stream(results))
         out = (await self._gather(request, results))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c) if body.logprobs else None,
@@ -531,10 +542,17 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down: the request was aborted", None, "service_unavailable")
         return outputs
 
+    def _close_stream(self, results: list[GenerationResult]) -> None:
+        """A streaming response ended, however it ended: nothing of it may keep running."""
+        self._abort_unfinished(results)
+        self._release(results)
+
     def _abort_unfinished(self, results: list[GenerationResult]) -> None:
+        """Abort what is still running (once per result); counts one disconnect per response."""
         aborted = False
         for result in results:
-            if not result.finished:
+            if not result.finished and result not in self._abort_sent:
+                self._abort_sent.add(result)
                 result.abort()
                 aborted = True
         if aborted:
