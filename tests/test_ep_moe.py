@@ -65,14 +65,14 @@ def hf_config(arch: str) -> dict:
     return base
 
 
-def write_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
+def write_checkpoint(arch: str, directory: Path, seed: int = 0, **overrides) -> Path:
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
     from jaxllm.models.weights import random_checkpoint
 
     directory.mkdir(parents=True, exist_ok=True)
-    hf = hf_config(arch)
+    hf = dict(hf_config(arch), **overrides)
     (directory / "config.json").write_text(json.dumps(hf))
     save_file(random_checkpoint(ModelConfig.from_hf_config(hf), seed), str(directory / "model.safetensors"))
     return directory
