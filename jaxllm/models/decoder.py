@@ -41,7 +41,7 @@ from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
 from sharding.ep_moe import EpMoeOptions, ep_moe_block
 from sharding.expert_load import MoeStepStats, count_experts
 from sharding.kernels import shard_attention, shard_kv_write, shard_moe
-from sharding.mesh import ParallelConfig, make_mesh, tensor_parallel_size
+from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
 
 KVCache = list[MhaLayerCache]
@@ -171,6 +171,9 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
             counts.append(layer_counts)
             dropped.append(layer_dropped)
         elif config.is_moe_layer(i):
+            if mesh is not None and expert_parallel_size(mesh) > 1:
+                raise ValueError(f"layer {i}: an expert-parallel mesh needs the experts loaded as slots "
+                                 "(load_params with the same mesh)")
             y, ids = moe_block(h, layer["moe"], config=config, moe_fn=moe_fn, valid=valid)
             x = x + y
             counts.append(count_experts(ids, config.num_experts, valid))
