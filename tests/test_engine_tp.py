@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (arch, backend, TP sizes); Qwen3-MoE and Llama have 2 KV heads: TP 4 and 8 replicate them.
-CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("llama", "xla", (1, 8)), ("qwen3_moe", "pallas", (1, 8))]
+CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("qwen3_moe", "pallas", (8,))]  # each against xla at TP 1
 
 
 def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded: list | None = None) -> dict:
@@ -82,7 +82,7 @@ def check_all(root: Path) -> None:
         recorded: list = []
         for tp in sizes:
             result = run_engine(directory, tokenizer, tp, backend, recorded if tp == 1 else None)
-            if tp > 1 and recorded:
+            if tp == 8 and recorded:
                 result["replay_same"] = replay(directory, recorded, tp, backend)
             print(json.dumps(dict(arch=arch, backend=backend, tp=tp, **result)), flush=True)
 
@@ -128,16 +128,17 @@ def test_engine_tensor_parallel_tokens_match_single_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == sum(len(sizes) for _, _, sizes in CASES)
+    assert sum("replay_same" in r for r in results) == 1
     base = {}
     for r in results:
         case = f"{r['arch']} {r['backend']} TP{r['tp']}"
         assert len(r["tokens"]) == 5 and all(len(t) == 7 for t in r["tokens"].values()), case
         assert r["reused"] >= 3, f"{case}: the shared prefix was not reused"
         assert r["mixed"], f"{case}: no step mixed prefill and decode"
-        key = (r["arch"], r["backend"])
-        if r["tp"] == 1:
+        key = r["arch"]
+        if r["tp"] == 1 and r["backend"] == "xla":
             base[key] = r["tokens"]
         assert r["tokens"] == base[key], f"{case}: tokens differ from TP 1"
         assert r["kv_heads_per_device"] == max(1, 2 // r["tp"]), case
-        if r["tp"] > 1:
+        if "replay_same" in r:
             assert r["replay_same"], f"{case}: replaying the TP-1 plans gave other tokens"

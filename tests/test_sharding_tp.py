@@ -8,7 +8,8 @@ Each case loads a tiny random checkpoint (written from the weight declaration) s
 over a TP mesh and runs the same scripted steps as at TP 1: a chunked prefill, a second
 sequence that reuses the first one's cached prefix block while the first finishes its
 prompt (in-flight batching: prefill and decode in one step), then greedy decoding of
-both. Logits must match TP 1 within 1e-5 (float32) and greedy tokens must be identical.
+both. Logits must match the xla backend at TP 1 within 1e-5 (float32) and greedy tokens
+must be identical.
 Correctness at TP 1 against Hugging Face is covered by test_models.py.
 """
 
@@ -34,8 +35,9 @@ ARCHS = {
     "mixtral": ("MixtralForCausalLM", dict(num_key_value_heads=8, num_local_experts=4, num_experts_per_tok=2,
                                            sliding_window=6)),
 }
-# (attention/moe backend, TP sizes). Pallas runs in interpret mode (slow): fewer sizes.
-PLANS = [("xla", (1, 2, 4, 8)), ("pallas", (1, 8))]
+# (attention/moe backend, TP sizes), each compared with xla at TP 1. Pallas runs in interpret
+# mode (slow): TP 8 only, every rank running the kernel on its own heads.
+PLANS = [("xla", (1, 2, 4, 8)), ("pallas", (8,))]
 
 
 def hf_config(arch: str) -> dict:
@@ -117,14 +119,14 @@ def check_all(root: Path) -> None:
     for arch in ARCHS:
         directory = write_checkpoint(arch, root / arch)
         config = load_model_config(directory)
+        base_logits = base_tokens = None
         for backend, sizes in PLANS:
-            base_logits = base_tokens = None
             for tp in sizes:
                 mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
                 params = load_params(directory, config, mesh=mesh)
                 q_spec = params["layers"][0]["attn"]["q"].sharding.spec
                 logits, tokens = run_script(config, params, mesh, backend)
-                if tp == 1:
+                if base_logits is None:
                     base_logits, base_tokens = logits, tokens
                     if backend == "xla":  # the TP-1 mesh path is the plain single-device model
                         plain, _ = run_script(config, load_params(directory, config), None, backend)
