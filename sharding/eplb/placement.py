@@ -11,11 +11,13 @@ layout). Three algorithms:
 * `hierarchical`: DeepSeek's EPLB `rebalance_experts` (groups packed onto nodes, replicas
   made within nodes, replicas packed onto GPUs); with one group and one node it is the
   global policy.
-* `balanced` (jaxllm's): the same replication, then heaviest-first packing that keeps an
-  expert's replicas on different ranks, then local search: swap two slots between the most
-  loaded rank and another, or hand a slot of a replicated expert to an expert of the most
-  loaded rank, while the most loaded rank gets lighter (or, at the same maximum, the loads
-  get more even).
+* `balanced` (jaxllm's): the same replication, packed two ways (greedy's, and heaviest
+  first keeping an expert's replicas on different ranks), each refined by local search:
+  swap two slots between the most loaded rank and another, or hand a slot of a replicated
+  expert to another expert, while the most loaded rank gets lighter (or, at the same
+  maximum, the loads get more even); the better result wins. A rank's load is scored as its
+  expected tokens plus one standard deviation, and `placement_from_counts` weights recent
+  iterations more, both for placements that hold up on iterations not yet seen.
 """
 
 from __future__ import annotations
@@ -200,6 +202,14 @@ def _better(new: tuple[float, float], old: tuple[float, float], tol: float) -> b
     return new[0] < old[0] - tol or (new[0] <= old[0] + tol and new[1] < old[1] - tol * max(old[0], 1.0))
 
 
+def _rank_scores(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int,
+                 spread: float) -> np.ndarray:
+    counts = np.bincount(slots, minlength=load.size)
+    mean = (load / counts)[slots].reshape(ep_size, -1).sum(-1)
+    var = (variance / counts ** 2)[slots].reshape(ep_size, -1).sum(-1)
+    return mean + spread * np.sqrt(np.maximum(var, 0.0))
+
+
 def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int, spread: float,
              max_rounds: int) -> np.ndarray:
     """Local search on the slot table (see the module docstring).
@@ -239,15 +249,17 @@ def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size:
                 break
             a, b = mine[i], other[j]
             ea, eb, rb = slots[a], slots[b], slot_rank[b]
-            if ea == eb or held[eb, hot] or held[ea, rb]:
-                continue  # keep an expert's replicas on different ranks
+            if ea == eb:
+                continue
             trial = rank_score.copy()
             trial[hot], trial[rb] = hot_new[i, j], other_new[i, j]
             if _better(_objective(trial), best, tol):
                 best, best_move = _objective(trial), ("swap", a, b)
             break
-        # (b) a replicated expert's slot goes to an expert of the hottest rank
-        gainers = np.unique(slots[mine])
+        # (b) a replicated expert's slot goes to another expert: one of the hottest rank's or
+        # of the heaviest per-replica shares (the ones an extra replica relieves most)
+        heavy = np.argsort(-share, kind="stable")[: 2 * ep_size]
+        gainers = np.union1d(np.unique(slots[mine]), heavy)
         g_share, g_var = load[gainers] / (counts[gainers] + 1), variance[gainers] / (counts[gainers] + 1) ** 2
         g_mean_delta = held[gainers] * (g_share - share[gainers])[:, None]  # [gainers, ranks]
         g_var_delta = held[gainers] * (g_var - share_var[gainers])[:, None]
@@ -260,7 +272,7 @@ def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size:
             var[:, rs] += g_var - d_var
             trial = scores(mean, var)
             peak, even = trial.max(1), np.square(trial).sum(1)
-            ok = (gainers != donor) & (held[gainers, rs] == 0)
+            ok = gainers != donor
             for k in np.flatnonzero(ok)[np.lexsort((even[ok], peak[ok]))][:1]:
                 if _better((float(peak[k]), float(even[k])), best, tol):
                     best, best_move = (float(peak[k]), float(even[k])), ("give", s, gainers[k])
@@ -277,17 +289,20 @@ def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size:
 
 def balanced_placement(load: np.ndarray, num_slots: int, ep_size: int, variance: Optional[np.ndarray] = None,
                        spread: float = 1.0, max_rounds: int = 2000) -> np.ndarray:
-    """Replication by load, replicas kept on different ranks, then local search on the rank
-    loads. `load` is the expected load per expert and `variance` its variance (same units,
-    e.g. the per-iteration mean and variance of the recorded counts); without a variance
-    only the expected loads count."""
+    """Replication by load, two packings, local search on the rank scores, the better kept.
+
+    `load` is the expected load per expert and `variance` its variance (same units, e.g. the
+    per-iteration mean and variance of the recorded counts); without a variance only the
+    expected loads count."""
     load = _check(load, num_slots, ep_size)
     variance = np.zeros_like(load) if variance is None else np.asarray(variance, dtype=np.float64)
     if variance.shape != load.shape:
         raise ValueError(f"variance shape {variance.shape} differs from the loads' {load.shape}")
     counts = replicate_by_load(load, num_slots)
-    slots = _pack_apart(load / counts, counts, ep_size, num_slots // ep_size)
-    return _improve(load, variance, slots, ep_size, spread, max_rounds)
+    starts = [_pack_apart(load / counts, counts, ep_size, num_slots // ep_size),
+              greedy_placement(load, num_slots, ep_size)]
+    results = [_improve(load, variance, start, ep_size, spread, max_rounds) for start in starts]
+    return min(results, key=lambda slots: _objective(_rank_scores(load, variance, slots, ep_size, spread)))
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -332,14 +347,16 @@ def choose_decay(counts: np.ndarray, num_slots: int, ep_size: int, **options) ->
     from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
 
     cut = counts.shape[0] * 3 // 4
-    fit, check = counts[:cut], counts[cut:]
-    if cut < 4 or check.shape[0] < 2:
+    if cut < 4 or counts.shape[0] - cut < 2:
         return 0.95
+    # at most 8 layers, spread over the model, decide (keeps many-layer models quick)
+    layers = np.unique(np.linspace(0, counts.shape[1] - 1, min(8, counts.shape[1])).round().astype(int))
+    fit, check = counts[:cut, layers], counts[cut:, layers]
     scores = []
     for decay in DECAY_CHOICES:
         tables = _balanced_layers(fit, num_slots, ep_size, decay, **options)
         scores.append(np.mean([imbalance_ratio(rank_loads(slot_loads(check[:, l], tables[l]), ep_size)).mean()
-                               for l in range(counts.shape[1])]))
+                               for l in range(len(layers))]))
     return DECAY_CHOICES[int(np.argmin(scores))]
 
 
