@@ -81,7 +81,7 @@ def plot_heatmaps(stats: ExpertStatistics, ep_size: int, out_dir: str, layers: S
         for kind, data, xlabel in (("ranks", rank_loads(slots, ep_size), "EP rank"),
                                    ("slots", slots, "expert slot" if config is not None else "expert")):
             fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
-            image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest",
+            image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0,
                               extent=(-0.5, data.shape[1] - 0.5, stats.iters[-1] + 0.5, stats.iters[0] - 0.5))
             ax.set_xlabel(xlabel)
             ax.set_ylabel("iteration")
