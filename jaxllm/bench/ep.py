@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-size", type=int, default=8, help="moe_expert_parallel_size (moe_tp = devices / ep)")
     p.add_argument("--buckets", default="16,64,256,1024", help="token buckets, comma-separated")
     p.add_argument("--modes", default="all_to_all,allgather", help="dispatch modes, comma-separated")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="also time all_to_all with this capacity factor (drops overflow rows)")
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -86,7 +88,7 @@ def _step_batch(bucket: int, max_seqs: int, tokens_per_block: int, num_blocks: i
 
 
 def _time_variant(directory: Path, config, buckets: list[int], iters: int, *, devices: int, ep: int,
-                  mode: Optional[str], slot_assignments) -> dict[int, float]:
+                  mode: Optional[str], slot_assignments, capacity_factor: Optional[float] = None) -> dict[int, float]:
     import jax
 
     from jaxllm.engine.backends import resolve_backends
@@ -99,7 +101,7 @@ def _time_variant(directory: Path, config, buckets: list[int], iters: int, *, de
     params = load_params(directory, config, mesh=mesh,
                          slot_assignments=slot_assignments if ep > 1 else None)
     _, _, attention_fn, moe_fn = resolve_backends("xla", "xla")
-    options = EpMoeOptions(dispatch=mode) if mode else None
+    options = EpMoeOptions(dispatch=mode, capacity_factor=capacity_factor) if mode else None
     step = jax.jit(functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
                                      moe_options=options), donate_argnums=(1,))
     tpb, max_seqs = 16, 16
@@ -143,13 +145,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         directory = Path(tmp)
         (directory / "config.json").write_text(json.dumps(hf))
         save_file(random_checkpoint(config, 0), str(directory / "model.safetensors"))
-        variants = [] if args.no_baselines else [("1 device", 1, 1, None), (f"TP{args.devices} (E=1)",
-                                                                            args.devices, 1, None)]
-        variants += [(f"EP{args.ep_size} x T{args.devices // args.ep_size} {mode}", args.devices, args.ep_size, mode)
-                     for mode in modes]
-        for name, devices, ep, mode in variants:
+        variants = [] if args.no_baselines else [("1 device", 1, 1, None, None),
+                                                 (f"TP{args.devices} (E=1)", args.devices, 1, None, None)]
+        prefix = f"EP{args.ep_size} x T{args.devices // args.ep_size}"
+        variants += [(f"{prefix} {mode}", args.devices, args.ep_size, mode, None) for mode in modes]
+        if args.capacity_factor:
+            variants.append((f"{prefix} all_to_all cf={args.capacity_factor:g}", args.devices, args.ep_size,
+                             "all_to_all", args.capacity_factor))
+        for name, devices, ep, mode, factor in variants:
             times = _time_variant(directory, config, buckets, args.iters, devices=devices, ep=ep, mode=mode,
-                                  slot_assignments=placement)
+                                  slot_assignments=placement, capacity_factor=factor)
             rows.append(dict(variant=name, devices=devices, ep=ep, mode=mode or "-",
                              step_ms={b: round(t * 1e3, 3) for b, t in times.items()},
                              platform=jax.default_backend()))
@@ -157,11 +162,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _print_table(rows: list[dict], buckets: list[int]) -> None:
-    head = f"{'variant':<28}" + "".join(f"{f'T={b} ms':>12}" for b in buckets)
+    head = f"{'variant':<32}" + "".join(f"{f'T={b} ms':>12}" for b in buckets)
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['variant']:<28}" + "".join(f"{r['step_ms'][b]:>12.2f}" for b in buckets))
+        print(f"{r['variant']:<32}" + "".join(f"{r['step_ms'][b]:>12.2f}" for b in buckets))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
