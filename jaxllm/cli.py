@@ -99,6 +99,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                    help="unset: pallas on GPU, xla elsewhere")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                    help="devices the model is split over (attention heads, MLP columns, vocabulary)")
+    g.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
+                   help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
+                        "default: kept in $JAXLLM_CACHE_DIR/xla)")
     g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
                    help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
                         "its values override the flags (unset: none)")
@@ -137,6 +140,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
+    if getattr(args, "no_compile_cache", False):
+        kwargs["compile_cache"] = False
     extra = load_config_file(args.config) if getattr(args, "config", None) else {}
     known = {f.name for f in fields(EngineConfig)} - {"model"}
     unknown = sorted(set(extra) - known)
@@ -230,16 +235,6 @@ def warm_up(engine, all_variants: bool = True, describe: Optional[Callable[[], s
             bar.update(1)
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled steps on disk (JAX's persistent cache), so the next start skips compilation."""
-    import jax
-
-    from jaxllm.models.resolve import cache_root
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-
-
 def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
                    executor_kwargs: Optional[dict] = None, started: Optional[float] = None,
                    kwargs: Optional[dict] = None):
@@ -250,7 +245,6 @@ def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = T
     from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
 
     started = time.perf_counter() if started is None else started
-    enable_compilation_cache()
     kwargs = engine_kwargs(args) if kwargs is None else kwargs
     executor = GenerationExecutor(EngineConfig(model=model_dir, **kwargs), ExecutorConfig(**(executor_kwargs or {})))
     try:

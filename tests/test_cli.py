@@ -8,18 +8,10 @@ import json
 
 import pytest
 
-from jaxllm import cli
 from jaxllm.cli import BENCHMARK_HELP, build_parser, engine_kwargs, main
 
 SMALL = ["--model", "tiny-moe", "--max-num-tokens", "16", "--max-seq-len", "128", "--max-batch-size", "2",
          "--kv-cache-max-tokens", "512", "--tokens-per-block", "8"]
-
-
-@pytest.fixture(autouse=True)
-def no_disk_compilation_cache(monkeypatch):
-    # The CLI turns on JAX's persistent compilation cache for the whole process; keep the
-    # test session's compilations out of it.
-    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
 
 
 def test_help_shows_defaults_and_the_aliases_users_know(capsys):

@@ -34,6 +34,8 @@ class EngineConfig:
     min_token_bucket: int = 16
     seed: int = 0
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP columns, vocabulary)
+    # Keep compiled steps on disk (JAX's persistent cache; see jaxllm.engine.compile_cache).
+    compile_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):

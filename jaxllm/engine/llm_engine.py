@@ -35,6 +35,7 @@ from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
+from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
@@ -92,6 +93,8 @@ def resolve_model_dir(model: str) -> Path:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if compile_cache_requested(config.compile_cache):
+            enable_compile_cache()  # before anything compiles
         model_dir = resolve_model_dir(config.model)
         dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
         self.model_config = load_model_config(model_dir, dtype=dtype)
