@@ -1,10 +1,10 @@
 """jaxllm: an LLM inference engine in JAX and Pallas."""
 
-from jaxllm.config import KvCacheConfig, SchedulerConfig
+from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "SchedulerConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "MoeConfig", "SchedulerConfig", "__version__"]
 
 
 def __getattr__(name: str):

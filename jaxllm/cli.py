@@ -26,6 +26,7 @@ BENCHMARKS = {
     "scheduler": "jaxllm.bench.scheduler_overhead",
     "kernels": "jaxllm.bench.kernels",
     "eplb": "jaxllm.bench.eplb",
+    "ep": "jaxllm.bench.ep",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -39,6 +40,8 @@ BENCHMARK_HELP = {
                "--smoke runs tiny shapes on CPU)",
     "eplb": "expert placement on a skewed (Zipf) routing workload: imbalance before and after greedy, "
             "hierarchical and balanced EPLB, on held-out iterations (host only)",
+    "ep": "expert-parallel model step time per dispatch mode (all_to_all, allgather) and token bucket, next "
+          "to one device and TP only (8 CPU devices by default)",
 }
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
@@ -99,6 +102,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                    help="unset: pallas on GPU, xla elsewhere")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                    help="devices the model is split over (attention heads, MLP columns, vocabulary)")
+    g.add_argument("--ep-size", "--moe-expert-parallel-size", "--moe_ep_size", dest="moe_expert_parallel_size",
+                   type=int, default=None, help="MoE: devices the experts are split over (unset: 1)")
+    g.add_argument("--moe-tp-size", "--moe-tensor-parallel-size", "--moe_tp_size", dest="moe_tensor_parallel_size",
+                   type=int, default=None, help="MoE: devices each expert's columns are split over (unset: tp / ep)")
+    g.add_argument("--enable-attention-dp", "--enable_attention_dp", dest="enable_attention_dp",
+                   action="store_true", help="attention data-parallel over the devices (not supported yet)")
     g.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
                    help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
                         "default: kept in $JAXLLM_CACHE_DIR/xla)")
@@ -137,7 +146,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len, attention_backend=args.attention_backend, moe_backend=args.moe_backend,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        moe_expert_parallel_size=getattr(args, "moe_expert_parallel_size", None),
+        moe_tensor_parallel_size=getattr(args, "moe_tensor_parallel_size", None),
+        enable_attention_dp=getattr(args, "enable_attention_dp", False))
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     if getattr(args, "no_compile_cache", False):

@@ -15,6 +15,8 @@ that prints one JSON line per case; the assertions run here.
   per-step expert counts the forward returns must equal an independent count of the
   top-k choices of Hugging Face transformers' router logits (torch, CPU) over the
   tokens each step processed.
+- The Pallas kernel (interpret mode) and the ragged_dot reference as the grouped FFN
+  under EP (the layer-level checks use the tiled XLA backend).
 - A capacity-limited all_to_all (capacity_factor < 1) drops and counts rows; dropless
   drops none.
 """
@@ -191,6 +193,29 @@ def check_layers() -> None:
             print(json.dumps(dict(kind="layer", n=n, e=e, t=t, mode=mode, redundant=redundant, err=err,
                                   dropped=int(dropped), slots=num_slots,
                                   counts_sum=int(np.asarray(counts).sum()))), flush=True)
+    # The other MoE backends under EP: the Pallas kernel (interpret mode) and the ragged_dot reference,
+    # on N = 8, E = 4, T = 2 with redundant slots.
+    from jaxllm.engine.backends import resolve_backends
+    from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+
+    _, _, _, pallas_fn = resolve_backends("pallas", "pallas")
+    mesh4 = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=4))
+    rules4 = model_rules(tensor_parallel_size=8, num_heads=8, num_kv_heads=2, intermediate_size=64,
+                         moe_intermediate_size=inter, vocab_size=128, expert_parallel_size=4)
+    assignment = redundant_placement(NUM_EXPERTS, 4)
+    p4 = {"router": router, "slots": make_slot_table(assignment, NUM_EXPERTS)}
+    for name, axes in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
+                       ("w_down", ("experts", "moe_mlp", "embed"))):
+        p4[name] = jax.device_put(experts[name][np.asarray(assignment)], named_sharding(mesh4, axes, rules4))
+    backends = [("pallas", pallas_fn, mode) for mode in MODES] + [("reference", moe_grouped_ffn_reference, mode)
+                                                                   for mode in MODES]
+    outs = jax.jit(lambda x, p, valid: [ep_moe_block(
+        x, p, config=config, moe_fn=fn, mesh=mesh4, rules=rules4, options=EpMoeOptions(dispatch=mode), valid=valid)
+        for _, fn, mode in backends])(x, p4, jnp.asarray(valid))
+    for (name, _, mode), (out, _, _) in zip(backends, outs):
+        err = float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
+        print(json.dumps(dict(kind="backend", backend=name, mode=mode, err=err)), flush=True)
+
     # Capacity-limited all_to_all (on the last layout, N = E = 8): rows beyond the capacity are
     # dropped and counted.
     skewed = dict(plain, router=router + np.array([4.0, 3.0] + [0.0] * (NUM_EXPERTS - 2), np.float32))
@@ -309,6 +334,14 @@ def test_layer_matches_single_device_for_every_layout(ep_results):
         assert r["counts_sum"] == (24 - 3) * TOP_K, case
         if r["redundant"]:
             assert r["slots"] > NUM_EXPERTS and r["slots"] % r["e"] == 0, case
+
+
+def test_pallas_and_reference_backends_under_expert_parallelism(ep_results):
+    _, results = ep_results
+    backends = [r for r in results if r["kind"] == "backend"]
+    assert len(backends) == 4
+    for r in backends:
+        assert r["err"] < 1e-5, f"{r['backend']} {r['mode']}: output differs from one device by {r['err']:.2e}"
 
 
 def test_capacity_factor_drops_and_counts(ep_results):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from jaxllm.config import KvCacheConfig, SchedulerConfig
+from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
+from sharding.mesh import ParallelConfig
 
 ATTENTION_BACKENDS = ("xla", "pallas")
 MOE_BACKENDS = ("xla", "pallas")
@@ -36,12 +37,24 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model is split over (heads, MLP columns, vocabulary)
     # Keep compiled steps on disk (JAX's persistent cache; see jaxllm.engine.compile_cache).
     compile_cache: bool = True
+    # MoE layers: experts over E of the N devices, each expert's columns over T = N / E
+    # (unset: E = 1, T = N, as TensorRT-LLM derives them; see sharding.mesh.ParallelConfig).
+    moe_expert_parallel_size: Optional[int] = None
+    moe_tensor_parallel_size: Optional[int] = None
+    enable_attention_dp: bool = False  # not supported yet: attention is tensor-parallel over all N devices
+    moe_config: MoeConfig = field(default_factory=MoeConfig)  # expert placement (EPLB), dispatch mode
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
         if isinstance(self.scheduler_config, dict):
             self.scheduler_config = SchedulerConfig(**self.scheduler_config)
+        if isinstance(self.moe_config, dict):
+            check_known_fields(MoeConfig, self.moe_config)
+            self.moe_config = MoeConfig(**self.moe_config)
+        if self.enable_attention_dp:
+            raise ValueError("enable_attention_dp is not supported yet: attention runs tensor-parallel over "
+                             "all tensor_parallel_size devices")
         for name in ("max_batch_size", "max_num_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -52,7 +65,13 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        self.parallel_config()  # checks E * T == N
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              moe_expert_parallel_size=self.moe_expert_parallel_size,
+                              moe_tensor_parallel_size=self.moe_tensor_parallel_size)

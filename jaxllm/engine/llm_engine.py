@@ -48,7 +48,9 @@ from jaxllm.request import LlmRequest
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
-from sharding import ParallelConfig, make_mesh
+from sharding import make_mesh
+from sharding.ep_moe import EpMoeOptions
+from sharding.eplb.statistics import ExpertStatisticsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class _PendingStep:
     entries: list[TokenEntry]  # (request, row, index in output_token_ids)
     wants_logprobs: bool
     stats: dict
+    iteration: int = 0
+    expert_counts: Any = None  # device array of the step's expert counts, when statistics are recorded
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -104,8 +108,20 @@ class LLMEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         kv_dtype = numpy_dtype(self.model_config.dtype)
         # The device mesh: every weight and the KV cache are sharded over it at load time.
-        self.mesh = make_mesh(ParallelConfig(tensor_parallel_size=config.tensor_parallel_size))
-        params = load_params(model_dir, self.model_config, mesh=self.mesh)
+        parallel = config.parallel_config()
+        self.mesh = make_mesh(parallel)
+        # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
+        balancer = config.moe_config.load_balancer
+        params = load_params(model_dir, self.model_config, mesh=self.mesh,
+                             slot_assignments=balancer.initial_global_assignments if balancer else None,
+                             num_slots=balancer.num_slots if balancer else None)
+        moe_layers = [i for i in range(self.model_config.num_layers) if self.model_config.is_moe_layer(i)]
+        # Offline expert statistics (EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH), per expert.
+        self.expert_statistics = ExpertStatisticsWriter.from_env(
+            num_experts_per_token=self.model_config.num_experts_per_tok,
+            ep_size=parallel.moe_expert_parallel_size, layer_ids=moe_layers) if moe_layers else None
+        moe_options = EpMoeOptions(dispatch=config.moe_config.dispatch,
+                                   capacity_factor=config.moe_config.capacity_factor)
         self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
         kv_cfg = config.kv_cache_config
         tpb = kv_cfg.tokens_per_block
@@ -131,7 +147,8 @@ class LLMEngine:
             config.attention_backend, config.moe_backend)
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
-                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh)
+                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh,
+                                  moe_options=moe_options, moe_stats=self.expert_statistics is not None)
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
@@ -325,6 +342,9 @@ class LLMEngine:
                 self._failed += self._fail(output.all_requests(), exc, "building a step")
                 return None
         sampler_output = self.runner.execute(plan)
+        iteration = self.iteration  # index of this step (stats are recorded once it is dispatched)
+        writer = self.expert_statistics
+        expert_counts = self.runner.last_expert_counts if writer is not None and writer.wants(iteration) else None
         rows = output.all_requests()
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
@@ -339,7 +359,7 @@ class LLMEngine:
                 "numCtxTokens": plan.num_context_tokens,
             },
         }
-        return _PendingStep(sampler_output, entries, wants_logprobs, stats)
+        return _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts)
 
     def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
         """The requests of a step whose plan cannot be built even alone."""
@@ -361,6 +381,11 @@ class LLMEngine:
         wait_start = time.perf_counter()
         tokens = np.asarray(out.token_ids)
         self._wait_seconds += time.perf_counter() - wait_start
+        writer = self.expert_statistics
+        if pending.expert_counts is not None:
+            writer.record(pending.iteration, np.asarray(pending.expert_counts))
+        if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
+            writer.save()
         if pending.wants_logprobs:
             chosen_lp = np.asarray(out.logprobs)
             top_ids = np.asarray(out.top_ids)
@@ -405,6 +430,12 @@ class LLMEngine:
         self.active.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ stats
+    def close_statistics(self) -> None:
+        """Write the expert statistics recorded so far (they are also written once the
+        iteration range ends)."""
+        if self.expert_statistics is not None:
+            self.expert_statistics.save()
+
     def _record_stats(self, stats: dict) -> None:
         self.iteration += 1
         stats.update({

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,8 @@ import numpy as np
 from jaxllm.engine.host_transfer import PackedLayout, pack, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
+from jaxllm.models.decoder import forward_with_moe_stats
+from sharding.ep_moe import EpMoeOptions
 from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.step_batch import StepBatch
@@ -38,14 +40,19 @@ logger = logging.getLogger(__name__)
 
 
 def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
-                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh):
-    """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence)."""
+                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh,
+                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False):
+    """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
+    and with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts], else None)."""
     batch, feed_index = unpack(inputs, layout)
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
-    logits, kv_cache = forward(params, kv_cache, batch, config=model_config,
-                               attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh)
-    return kv_cache, logits.astype(jnp.float32)
+    kwargs = dict(config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    if moe_stats:
+        logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
+        return kv_cache, logits.astype(jnp.float32), stats.expert_counts
+    logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
+    return kv_cache, logits.astype(jnp.float32), None
 
 
 def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutput:
@@ -91,7 +98,8 @@ class ModelRunner:
 
     def __init__(self, *, model_config: ModelConfig, params: Any, num_blocks: int,
                  tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
-                 max_batch_size: int, mesh: jax.sharding.Mesh | None = None) -> None:
+                 max_batch_size: int, mesh: jax.sharding.Mesh | None = None,
+                 moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False) -> None:
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -102,7 +110,7 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         self._forward_jit = jax.jit(
             functools.partial(_forward_step, model_config=model_config, attention_fn=attention_fn,
-                              moe_fn=moe_fn, mesh=self.mesh),
+                              moe_fn=moe_fn, mesh=self.mesh, moe_options=moe_options, moe_stats=moe_stats),
             static_argnames=("layout",),
             donate_argnums=(1,),
         )
@@ -113,6 +121,9 @@ class ModelRunner:
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = jax.device_put(np.zeros((max_batch_size,), np.int32), self._replicated)
         self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
+        # Expert counts [num_moe_layers, num_experts] of the last executed step (device array;
+        # None unless the runner was built with moe_stats=True).
+        self.last_expert_counts: jax.Array | None = None
 
     @property
     def num_forward_variants(self) -> int:
@@ -157,7 +168,7 @@ class ModelRunner:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         args = (self.params, self.kv_cache, inputs, prev)
         exe = self._compile(self._forward_exes, self._forward_jit, args, layout, "model forward")
-        self.kv_cache, logits = exe(*args)
+        self.kv_cache, logits, self.last_expert_counts = exe(*args)
         return logits
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:
