@@ -1,0 +1,44 @@
+"""Test-session setup: one persistent compilation cache for the whole run.
+
+Many tests build engines with the same model and limits, and subprocess tests (CLI,
+multi-device) start fresh interpreters; all of them share one JAX compilation cache in a
+directory made for this session (set through the environment, so subprocesses inherit
+it), so an identical program is compiled once per run. The directory starts empty and is
+removed at the end, so no run depends on an earlier one, and nothing is written to the
+user's own cache (~/.cache/jaxllm/xla).
+
+A hit in this cache still goes through JAX's compile path (and its
+'/jax/core/compile/backend_compile_duration' event), so tests that count compilations
+after warm-up still see anything that was not compiled during warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+_SESSION_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+_cache_dir: str | None = None
+
+
+def pytest_configure(config) -> None:
+    global _cache_dir
+    if os.environ.get("JAXLLM_COMPILE_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
+        return
+    _cache_dir = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
+    os.environ.update(_SESSION_ENV, JAX_COMPILATION_CACHE_DIR=_cache_dir)
+    import jax  # noqa: F401  (may already be imported by a plugin: set the values directly too)
+
+    from jaxllm.engine.compile_cache import enable_compile_cache
+
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    enable_compile_cache(_cache_dir)
+
+
+def pytest_unconfigure(config) -> None:
+    if _cache_dir is not None:
+        shutil.rmtree(_cache_dir, ignore_errors=True)
