@@ -79,8 +79,15 @@ def error_body(status: int, message: str, param: Optional[str] = None, err_type:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
+_BODY_LEFT_UNREAD = (408, 413)
+
+
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.err_type), status_code=err.status)
+    """The error in OpenAI's shape. After a 408 or 413 the rest of the body may still be on the
+    wire, so the connection is closed rather than reused for the client's next request."""
+    headers = {"connection": "close"} if err.status in _BODY_LEFT_UNREAD else None
+    return JSONResponse(error_body(err.status, err.message, err.param, err.err_type), status_code=err.status,
+                        headers=headers)
 
 
 class _BodyTooLarge(Exception):
