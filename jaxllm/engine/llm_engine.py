@@ -23,7 +23,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -174,30 +176,44 @@ class LLMEngine:
     def token_buckets(self) -> list[int]:
         return self.planner.token_buckets()
 
-    def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None) -> None:
+    def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None,
+               compile_workers: Optional[int] = None) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
         the model forward for every token bucket and the sampler for every variant of its
         static switches (`all_variants=False`: only the default greedy sampler). Runs empty
         batches, which write nothing to the KV cache. `progress(done, total)` is called after
-        each compiled piece (for a progress bar)."""
+        each compiled piece (for a progress bar).
+
+        The programs are independent, so after the smallest bucket (whose logits the sampler
+        compiles against) they are compiled at once in `compile_workers` threads (default:
+        one per CPU core, at most 8; 1: one after another); then each runs once."""
         empty = SchedulerOutput([], [], [])
-        logits = None
         buckets = self.token_buckets()
         variants = SAMPLER_VARIANTS if all_variants else [dict()]
         total = len(buckets) + len(variants)
-        for done, bucket in enumerate(buckets, 1):
-            batch = build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
+        batches = [(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
                                      max_batch_size=self.config.max_batch_size,
-                                     max_blocks_per_seq=self.max_blocks_per_seq)
-            logits = self.runner.forward(batch, np.full((bucket,), -1, np.int32), None)
-            if progress is not None:
-                progress(done, total)
-        outputs = []
-        for done, flags in enumerate(variants, len(buckets) + 1):
-            sampling = SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
-            outputs.append(self.runner.sample(logits, sampling))
-            if progress is not None:
-                progress(done, total)
+                                     max_blocks_per_seq=self.max_blocks_per_seq),
+                    np.full((bucket,), -1, np.int32)) for bucket in buckets]
+        samplings = [SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
+                     for flags in variants]
+        logits = self.runner.forward(*batches[0], None)
+        done = 1
+        if progress is not None:
+            progress(done, total)
+        jobs = [(self.runner.compile_forward, batch) for batch in batches[1:]]
+        jobs += [(self.runner.compile_sampler, (logits, sampling)) for sampling in samplings]
+        workers = compile_workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs))),
+                                thread_name_prefix="jaxllm-compile") as pool:
+            for future in as_completed([pool.submit(fn, *args) for fn, args in jobs]):
+                future.result()
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+        for batch in batches[1:]:
+            logits = self.runner.forward(*batch, None)
+        outputs = [self.runner.sample(logits, sampling) for sampling in samplings]
         for out in outputs:
             np.asarray(out.token_ids)
 

@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -118,6 +119,7 @@ class ModelRunner:
         self._forward_exes: dict[PackedLayout, Any] = {}
         self._sampler_exes: dict[PackedLayout, Any] = {}
         self.compile_seconds = 0.0
+        self._compile_lock = threading.Lock()  # warm-up compiles from several threads
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = jax.device_put(np.zeros((max_batch_size,), np.int32), self._replicated)
         self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
@@ -145,10 +147,26 @@ class ModelRunner:
             start = time.perf_counter()
             exe = jitted.lower(*args, layout=layout).compile()
             elapsed = time.perf_counter() - start
-            self.compile_seconds += elapsed
             logger.debug("compiled a %s variant in %.2fs", what, elapsed)
-            cache[layout] = exe
+            with self._compile_lock:
+                self.compile_seconds += elapsed
+                exe = cache.setdefault(layout, exe)
         return exe
+
+    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray) -> None:
+        """Compile, without running, the model forward of `batch`'s shape. Safe to call from
+        several threads at once (XLA compiles without holding the GIL), which is how warm-up
+        compiles every token bucket in parallel."""
+        buffers, layout = pack((batch, feed_index))
+        inputs = tuple(jax.device_put(buffers, self._replicated))
+        self._compile(self._forward_exes, self._forward_jit, (self.params, self.kv_cache, inputs, self._zero_tokens),
+                      layout, "model forward")
+
+    def compile_sampler(self, logits: jax.Array, sampling: SamplingTensors) -> None:
+        """Compile, without running, the sampler of `sampling`'s static switches (thread-safe)."""
+        buffers, layout = pack(sampling)
+        inputs = tuple(jax.device_put(buffers, self._replicated))
+        self._compile(self._sampler_exes, self._sample_jit, (logits, inputs), layout, "sampler")
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Dispatch one planned step (forward, then sampling); returns the sampler output as
