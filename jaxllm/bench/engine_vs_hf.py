@@ -1,12 +1,19 @@
-"""Output tokens/s of `LLM.generate` next to Hugging Face `generate` on the same weights.
+"""Output tokens/s of `LLM.generate` next to Hugging Face on the same weights and requests,
+cold and warm.
 
-HF runs with static padded batching (left padding, every sequence in a batch decodes
-until the longest request is done, torch on CPU); jaxllm runs the same requests with
-in-flight batching. Both decode greedily with EOS ignored, so each request yields
-exactly its output length, and only those tokens are counted. Also reports the host
-time per engine step and its share of the step.
+HF runs with static padded batching (`generate`: left padding, every sequence in a batch
+decodes until the longest request is done) and, where the installed transformers has it,
+with its continuous batching (`generate_batch`'s manager, one output length per request),
+torch on CPU; jaxllm runs the same requests with in-flight batching. All decode greedily
+with EOS ignored, so each request yields exactly its output length, and only those tokens
+are counted.
 
-    jaxllm bench engine --model tiny-moe --num-requests 64
+Cold is the first call of a fresh engine, compilation included, with an empty compilation
+cache (the run points JAX's persistent cache at a new temporary directory); warm is the
+same call again once everything is compiled (jaxllm warms up every bucket in between).
+Also reports the host time per engine step and its share of the step.
+
+    jaxllm bench engine --model tiny-moe --num-requests 64 --input-len 8 192 --output-len 8 96
     jaxllm bench engine --model qwen3-moe-100m --num-requests 64
 """
 
@@ -56,34 +63,57 @@ def _workload(num: int, vocab: int, seed: int, in_range: tuple[int, int], out_ra
     return prompts, outputs
 
 
-def run_jaxllm(model_dir: Path, prompts, out_lens, args) -> dict:
+def _result(seconds: float, tokens: int, **extra) -> dict:
+    return dict(seconds=seconds, tokens=tokens, tok_per_s=tokens / seconds, **extra)
+
+
+def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str) -> dict:
+    """{'cold': first generate of a fresh engine with an empty compilation cache, 'warm': again}."""
+    import jax
+
     from jaxllm import LLM, KvCacheConfig, SamplingParams
 
+    # An empty persistent cache for this process (engines keep a directory already set).
+    jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
+    build_start = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, max_batch_size=args.max_batch_size,
               max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
               kv_cache_config=KvCacheConfig(tokens_per_block=32))
+    build_seconds = time.perf_counter() - build_start
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)  # compile every bucket first
-    llm.generate(prompts[: min(8, len(prompts))], params[:8], use_tqdm=False)
-    llm.executor.call_on_engine(lambda engine: engine.reset_timing())
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    timing = llm.executor.call_on_engine(lambda engine: engine.timing)
+    results = {}
+    for phase in ("cold", "warm"):
+        if phase == "warm":
+            llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)  # every bucket compiled
+        llm.executor.call_on_engine(lambda engine: engine.reset_timing())
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        timing = llm.executor.call_on_engine(lambda engine: engine.timing)
+        results[phase] = _result(elapsed, sum(len(o.outputs[0].token_ids) for o in outs), steps=timing.steps,
+                                 host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
+                                 host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
+                                                                      1e-9))
+        if phase == "cold":
+            results[phase]["compile_seconds"] = llm.executor.call_on_engine(lambda e: e.runner.compile_seconds)
+    results["build_seconds"] = build_seconds
     llm.shutdown()
-    return dict(seconds=elapsed, tokens=generated, tok_per_s=generated / elapsed, steps=timing.steps,
-                host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
-                host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds, 1e-9))
+    return results
 
 
-def run_hf(model_dir: Path, prompts, out_lens, args) -> dict:
+def _hf_model(model_dir: Path, args):
     import torch
     import transformers
 
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+
+
+def run_hf(model, prompts, out_lens, args) -> dict:
+    """HF `generate` over static batches of `--hf-batch-size` requests."""
+    import torch
+
     start = time.perf_counter()
     generated = 0
     for i in range(0, len(prompts), args.hf_batch_size):
@@ -96,8 +126,34 @@ def run_hf(model_dir: Path, prompts, out_lens, args) -> dict:
                                  min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
         assert out.shape[1] == width + max(lens)
         generated += sum(lens)
-    elapsed = time.perf_counter() - start
-    return dict(seconds=elapsed, tokens=generated, tok_per_s=generated / elapsed)
+    return _result(time.perf_counter() - start, generated)
+
+
+def hf_continuous_batching_available(model) -> bool:
+    return hasattr(model, "continuous_batching_context_manager")
+
+
+def run_hf_continuous(model, prompts, out_lens, args) -> dict:
+    """HF continuous batching (the manager behind `generate_batch`), each request with its own
+    output length; EOS is an id the model cannot produce, so every request runs to its length."""
+    import transformers
+
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(out_lens),
+                                           eos_token_id=model.config.vocab_size, pad_token_id=0)
+    start = time.perf_counter()
+    generated = 0
+    with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=model.config.vocab_size)
+               for p, n in zip(prompts, out_lens)]
+        pending = set(ids)
+        while pending:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished() and result.request_id in pending:
+                pending.discard(result.request_id)
+                generated += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped before finishing the requests")
+    return _result(time.perf_counter() - start, generated)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf-continuous", action="store_true", help="skip HF continuous batching")
     parser.add_argument("--report-json", default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -125,20 +182,35 @@ def main(argv: list[str] | None = None) -> int:
         prompts, out_lens = _workload(args.num_requests, vocab, args.seed,
                                       (args.input_len[0], args.input_len[1] + 1),
                                       (args.output_len[0], args.output_len[1] + 1))
-        ours = run_jaxllm(model_dir, prompts, out_lens, args)
-        hf = None if args.skip_hf else run_hf(model_dir, prompts, out_lens, args)
+        with tempfile.TemporaryDirectory() as compile_cache_dir:
+            ours = run_jaxllm(model_dir, prompts, out_lens, args, compile_cache_dir)
+        rows = {"jaxllm LLM.generate": ours}
+        if not args.skip_hf:
+            model = _hf_model(model_dir, args)
+            rows["HF generate (static batch)"] = {phase: run_hf(model, prompts, out_lens, args)
+                                                  for phase in ("cold", "warm")}
+            if hf_continuous_batching_available(model) and not args.skip_hf_continuous:
+                rows["HF continuous batching"] = {phase: run_hf_continuous(model, prompts, out_lens, args)
+                                                  for phase in ("cold", "warm")}
 
     print(f"\nmodel={args.model} requests={args.num_requests} input={args.input_len} output={args.output_len} "
           f"dtype={args.dtype}")
-    print(f"{'engine':<28}{'seconds':>10}{'out tokens':>12}{'tok/s':>10}")
-    print(f"{'jaxllm LLM.generate':<28}{ours['seconds']:>10.2f}{ours['tokens']:>12}{ours['tok_per_s']:>10.1f}")
-    if hf:
-        print(f"{'HF generate (static batch)':<28}{hf['seconds']:>10.2f}{hf['tokens']:>12}{hf['tok_per_s']:>10.1f}")
-        print(f"ratio jaxllm / HF: {ours['tok_per_s'] / hf['tok_per_s']:.2f}x")
-    print(f"engine steps: {ours['steps']}, host time per step: {ours['host_ms_per_step']:.2f} ms, "
-          f"host share of step time: {100 * ours['host_share']:.1f}%")
+    static = rows.get("HF generate (static batch)")
+    print(f"{'engine':<28}{'run':<6}{'seconds':>9}{'out tokens':>12}{'tok/s':>9}{'x HF static':>12}")
+    for name, phases in rows.items():
+        for phase in ("cold", "warm"):
+            r = phases[phase]
+            ratio = f"{r['tok_per_s'] / static[phase]['tok_per_s']:.2f}x" if static else "-"
+            print(f"{name:<28}{phase:<6}{r['seconds']:>9.2f}{r['tokens']:>12}{r['tok_per_s']:>9.1f}{ratio:>12}")
+    print("cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
+          "call again (x HF static: against HF static batching in the same run)")
+    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s; {ours['cold']['compile_seconds']:.1f} s "
+          f"compiling during the cold call")
+    warm = ours["warm"]
+    print(f"engine steps (warm): {warm['steps']}, host time per step: {warm['host_ms_per_step']:.2f} ms, "
+          f"host share of step time: {100 * warm['host_share']:.1f}%")
     if args.report_json:
-        Path(args.report_json).write_text(json.dumps({"jaxllm": ours, "hf": hf, "args": vars(args)}, indent=2))
+        Path(args.report_json).write_text(json.dumps({**rows, "args": vars(args)}, indent=2))
     return 0
 
 
