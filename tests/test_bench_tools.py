@@ -17,7 +17,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import ServerConfig, build_app
-from test_server import LiveServer, _threads
+from server_helpers import LiveServer, live_threads as _threads
 
 ENGINE_ARGS = ["--model", "tiny-moe", "--max-batch-size", "8", "--max-num-tokens", "16", "--max-seq-len", "128",
                "--tokens-per-block", "8", "--kv-cache-max-tokens", "2048", "--no-progress"]

@@ -5,55 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxllm.config import KvCacheConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import ServerConfig, build_app
+from server_helpers import LiveServer, live_threads as _threads
 
 MODEL = "tiny-moe"
 API_KEY = "test-key"
 MAX_BODY = 64 * 1024
-
-
-def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name != "tqdm_monitor" and not isinstance(t, threading._DummyThread)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn on 127.0.0.1 in a thread; stop() ends it and joins the thread."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")

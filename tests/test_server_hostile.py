@@ -30,7 +30,8 @@ from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.app import ServerConfig, build_app
-from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE, ManagedServer, make_config
+from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
+from server_helpers import LiveServer as _ServedApp, free_port as _free_port, live_threads as _threads
 
 MODEL = "tiny-moe"
 MAX_BODY = 1024 * 1024
@@ -39,41 +40,13 @@ MAX_SEQ_LEN = 2048  # long enough that tokenizing the longest text prompt takes 
 CANARY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name != "tqdm_monitor" and not isinstance(t, threading._DummyThread)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _num_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-class LiveServer:
-    """uvicorn (the production `ManagedServer`) on 127.0.0.1 in a thread."""
-
-    def __init__(self, app, shutdown_timeout: float = 5.0) -> None:
-        self.app = app
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = make_config(app, "127.0.0.1", self.port, shutdown_timeout=shutdown_timeout, log_level="warning",
-                             timeout_keep_alive=5, header_timeout=HEADER_TIMEOUT)
-        self.server = ManagedServer(config, app.state.server, shutdown_timeout)
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+def LiveServer(app, shutdown_timeout: float = 5.0) -> _ServedApp:
+    """This module's server: request heads must arrive within HEADER_TIMEOUT."""
+    return _ServedApp(app, shutdown_timeout=shutdown_timeout, header_timeout=HEADER_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,44 @@
+"""A live server for tests: the production uvicorn setup (`ManagedServer`) on 127.0.0.1 in a
+thread, plus the leak checks the server tests share."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from jaxllm.server.lifecycle import ManagedServer, make_config
+
+
+def live_threads() -> set[threading.Thread]:
+    """Threads that must be gone once a server or executor is shut down."""
+    return {t for t in threading.enumerate() if t.name != "tqdm_monitor" and not isinstance(t, threading._DummyThread)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The app served as `jaxllm serve` serves it; stop() ends it and joins its thread."""
+
+    def __init__(self, app, *, shutdown_timeout: float = 5.0, header_timeout: float = 10.0) -> None:
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = make_config(app, "127.0.0.1", self.port, shutdown_timeout=shutdown_timeout, log_level="warning",
+                             timeout_keep_alive=5, header_timeout=header_timeout)
+        self.server = ManagedServer(config, app.state.server, shutdown_timeout)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
