@@ -235,6 +235,32 @@ def check_layers() -> None:
               flush=True)
 
 
+    # A new placement is new values in the same arrays: the slot weights are rewritten from the
+    # experts into donated buffers (same shape and sharding; whether XLA reuses the very memory
+    # is its choice) and the table replaced; the compiled layer is reused, its output unchanged.
+    from sharding.slot_table import write_slots
+
+    layer = jax.jit(lambda x, p, valid: ep_moe_block(
+        x, p, config=config, moe_fn=moe_grouped_ffn_tiled, mesh=mesh, rules=rules,
+        options=EpMoeOptions(dispatch="all_to_all"), valid=valid)[0])
+    first, second = redundant_placement(NUM_EXPERTS, 8, seed=0), redundant_placement(NUM_EXPERTS, 8, seed=3)
+    p = {"router": router, "slots": make_slot_table(first, NUM_EXPERTS)}
+    for name, axes in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
+                       ("w_down", ("experts", "moe_mlp", "embed"))):
+        p[name] = jax.device_put(experts[name][np.asarray(first)], named_sharding(mesh, axes, rules))
+    outs = [np.asarray(layer(x, p, jnp.asarray(valid)))]
+    in_place = True
+    for name in experts:
+        old = p[name]
+        p[name] = write_slots(old, jnp.arange(len(second)), experts[name][np.asarray(second)])
+        in_place &= old.is_deleted() and p[name].sharding == old.sharding and p[name].shape == old.shape
+    p["slots"] = make_slot_table(second, NUM_EXPERTS)
+    outs.append(np.asarray(layer(x, p, jnp.asarray(valid))))
+    err = max(float(np.abs(out - ref).max() / np.abs(ref).max()) for out in outs)
+    print(json.dumps(dict(kind="replace", compiles=layer._cache_size(), err=err, in_place=in_place,
+                          changed=first != second)), flush=True)
+
+
 def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_rank: int, factor) -> int:
     """Rows over capacity, counted directly: identity placement, so slot == expert."""
     from sharding.ep_moe import a2a_capacity
@@ -342,6 +368,13 @@ def test_pallas_and_reference_backends_under_expert_parallelism(ep_results):
     assert len(backends) == 4
     for r in backends:
         assert r["err"] < 1e-5, f"{r['backend']} {r['mode']}: output differs from one device by {r['err']:.2e}"
+
+
+def test_new_placement_rewrites_slots_in_place_without_recompiling(ep_results):
+    _, results = ep_results
+    r = next(r for r in results if r["kind"] == "replace")
+    assert r["changed"] and r["in_place"] and r["compiles"] == 1, r
+    assert r["err"] < 1e-5, r
 
 
 def test_capacity_factor_drops_and_counts(ep_results):

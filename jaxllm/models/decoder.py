@@ -25,7 +25,7 @@ counts (`sharding.expert_load.MoeStepStats`); the plain forward never computes t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +38,13 @@ from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import Params, param_shapes  # noqa: F401  (re-exported)
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
-from sharding.ep_moe import EpMoeOptions, ep_moe_block
 from sharding.expert_load import MoeStepStats, count_experts
 from sharding.kernels import shard_attention, shard_kv_write, shard_moe
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
+
+if TYPE_CHECKING:  # sharding.ep_moe imports the MoE layer pieces of this package
+    from sharding.ep_moe import EpMoeOptions
 
 KVCache = list[MhaLayerCache]
 _REFERENCE_ATTENTION = reference_attention()
@@ -163,6 +165,8 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
         if config.is_moe_layer(i) and "slots" in layer["moe"]:
+            from sharding.ep_moe import EpMoeOptions, ep_moe_block
+
             ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
             y, layer_counts, layer_dropped = ep_moe_block(
                 h, layer["moe"], config=config, moe_fn=raw_moe_fn, mesh=ep_mesh, rules=_rules(config, ep_mesh),
