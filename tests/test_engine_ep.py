@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_on_cpu_devices
+
 # (N, E, dispatch, use the generated placement)
 CASES = [(8, 8, "all_to_all", True), (4, 2, "allgather", False), (8, 4, "auto", True)]
 NUM_SLOTS = 16
@@ -105,14 +104,7 @@ def check_all(root: Path) -> None:
 
 
 def test_engine_expert_parallel_with_generated_placement(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env.pop("EXPERT_STATISTIC_ITER_RANGE", None)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_engine_ep import check_all; " \
-           f"from pathlib import Path; check_all(Path({str(tmp_path)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_on_cpu_devices("test_engine_ep", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
     base = next(r for r in results if r["kind"] == "base")
     assert len(base["tokens"]) == 5 and all(len(t) == 7 for t in base["tokens"].values())
     assert base["mixed"] and base["reused"] >= 3

@@ -6,12 +6,10 @@ step plans recorded at TP 1, replayed on a TP 2/4/8 runner, give the same tokens
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_on_cpu_devices
+
 # (arch, backend, TP sizes); Qwen3-MoE and Llama have 2 KV heads: TP 4 and 8 replicate them.
 CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("qwen3_moe", "pallas", (8,))]  # each against xla at TP 1
 
@@ -120,13 +118,7 @@ def write_checkpoint_vocab(arch: str, directory: Path) -> None:
 
 
 def test_engine_tensor_parallel_tokens_match_single_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_engine_tp import check_all; " \
-           f"from pathlib import Path; check_all(Path({str(tmp_path)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_on_cpu_devices("test_engine_tp", "check_all", tmp_path)
     assert len(results) == sum(len(sizes) for _, _, sizes in CASES)
     assert sum("replay_same" in r for r in results) == 1
     base = {}

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_on_cpu_devices
+
 NUM_EXPERTS, TOP_K = 8, 2
 
 ARCHS = {
@@ -340,13 +338,7 @@ def hf_router_counts(arch: str, directory: Path, sequences: list[list[int]], spa
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_ep_moe import check_all; " \
-           f"from pathlib import Path; check_all(Path({str(root)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return root, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return root, run_on_cpu_devices("test_ep_moe", "check_all", root)
 
 
 def test_layer_matches_single_device_for_every_layout(ep_results):

@@ -16,14 +16,11 @@ Correctness at TP 1 against Hugging Face is covered by test_models.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_on_cpu_devices
 
 # name: (architecture, HF config overrides). Hq = 8 allows TP 8; Hkv = 2 gives KV heads < TP at TP 4 and 8.
 ARCHS = {
@@ -145,13 +142,7 @@ def check_all(root: Path) -> None:
 
 
 def test_tensor_parallel_matches_single_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_sharding_tp import check_all; " \
-           f"from pathlib import Path; check_all(Path({str(tmp_path)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_on_cpu_devices("test_sharding_tp", "check_all", tmp_path)
     assert len(results) == sum(len(sizes) for plans in PLANS.values() for _, sizes in plans)
     for r in results:
         case = f"{r['arch']} {r['backend']} TP{r['tp']}"

@@ -4,9 +4,6 @@ alone, and the orbax format restores the same arrays into the requested sharding
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -15,11 +12,10 @@ import pytest
 
 from jaxllm.models import (ModelConfig, declare_weights, load_params, param_bytes, param_shapes,
                            partition_specs)
-from jaxllm.models.weights import read_parameter, random_checkpoint
+from jaxllm.models.weights import random_checkpoint, read_parameter
 from sharding import ShardingRules
+from tests.multidevice import run_on_cpu_devices
 from tests.test_sharding_tp import hf_config, write_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _full_parameter(decl, alt, tensors, dtype=np.float32):
@@ -136,13 +132,7 @@ def check_sharded_loading(root: Path) -> None:
 
 
 def test_sharded_loading_and_orbax_round_trip(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_weights import check_sharded_loading; " \
-           f"from pathlib import Path; check_sharded_loading(Path({str(tmp_path)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = run_on_cpu_devices("test_weights", "check_sharded_loading", tmp_path, timeout=600)
     host = next(r for r in out if r["kind"] == "host")
     assert host["embed_spec"] == ["tensor", None]
     assert host["embed_reads"] == 8 and host["max_embed_read"] * 8 == host["embed_bytes"]
