@@ -3,16 +3,19 @@ process that builds an engine with the same model and limits compiles nothing.
 
 On by default for every engine; off with `EngineConfig(compile_cache=False)`, the CLI's
 `--no-compile-cache`, or `JAXLLM_COMPILE_CACHE=0` in the environment. The entries live
-in `$JAXLLM_CACHE_DIR/xla` (default ~/.cache/jaxllm/xla) unless JAX's own cache directory
-is already set (`JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`), which wins.
+in `$JAXLLM_CACHE_DIR/xla/<host>` (default ~/.cache/jaxllm/xla/<host>) unless JAX's own cache
+directory is already set (`JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`), which wins.
 
 Why a hit is always the right program: JAX keys each entry by a hash of everything the
 executable depends on: the lowered program (every shape, dtype and sharding, hence the
 model's architecture and the engine's limits, plus any constant folded into it), the
 devices it is compiled for, the compile options and XLA flags, the backend platform and
-version, and the jax/jaxlib version. Weights are program arguments, not part of the
+version, and the jaxlib version (jax's own lowering shows in the program). Weights are program arguments, not part of the
 program, so two checkpoints of one architecture rightly share entries. A different model,
-limit, device or jax version is a different key, a miss, never a wrong executable. We
+limit, device or jax version is a different key, a miss, never a wrong executable. One
+thing the key leaves out is the host CPU's instruction set (CPU executables are native code),
+so the default directory has one subdirectory per CPU model and feature set: a home
+directory shared by different machines never loads code built for another CPU. We
 only lower the thresholds below which JAX skips writing an entry (by default programs
 compiled in under a second are not kept, and a tiny model's are all that fast); the key
 itself is untouched.
@@ -24,7 +27,9 @@ turning it off for one engine only means that engine does not turn it on.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import threading
 from pathlib import Path
 from typing import Optional
@@ -39,11 +44,24 @@ def compile_cache_requested(enabled: bool = True) -> bool:
     return enabled and os.environ.get(ENV_SWITCH, "").strip().lower() not in _OFF
 
 
+def host_id() -> str:
+    """Architecture and a short hash of the CPU's model and feature flags."""
+    described = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            described += sorted({line.strip() for line in f
+                                 if line.startswith(("model name", "flags", "Features", "CPU part"))})
+    except OSError:
+        pass
+    digest = hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]
+    return f"{platform.machine() or 'cpu'}-{digest}"
+
+
 def default_compile_cache_dir() -> Path:
-    """$JAXLLM_CACHE_DIR/xla, else ~/.cache/jaxllm/xla."""
+    """$JAXLLM_CACHE_DIR/xla/<host>, else ~/.cache/jaxllm/xla/<host>."""
     from jaxllm.models.resolve import cache_root
 
-    return cache_root() / "xla"
+    return cache_root() / "xla" / host_id()
 
 
 def enable_compile_cache(directory: Optional[str | Path] = None) -> str:
