@@ -2,7 +2,8 @@
 
 Names come from the `gguf` library's own tensor-name map, Llama q/k rows get llama.cpp's
 RoPE permutation, 2-D weights are quantized with `gguf.quantize` (1-D norms and biases stay
-F32, as llama.cpp keeps them), and the tokenizer is the tiny preset's byte-level BPE written
+F32, as llama.cpp keeps them) or, for K-quants (which `gguf.quantize` cannot produce), written
+as random valid blocks, and the tokenizer is the tiny preset's byte-level BPE written
 as llama.cpp's `gpt2` tokenizer metadata. Nothing here uses jaxllm's GGUF reader.
 """
 
@@ -18,12 +19,20 @@ from jaxllm.models.presets import CHAT_TEMPLATE
 
 # llama.cpp writes Mixtral as `llama` with experts.
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-# llama_ftype of a file whose 2-D weights are all of one type.
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32}
+# llama_ftype of a file whose 2-D weights are all of one type (Q4_K_M: Q4_K and Q6_K mixed).
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "Q6_K": 18, "BF16": 32}
 
 
-def hf_config(arch: str, vocab_size: int):
-    """A 2-layer config of `arch` whose every quantized row length is a multiple of 32."""
+def hf_config(arch: str, vocab_size: int, **overrides):
+    """A 2-layer config of `arch` whose every quantized row length is a multiple of 32.
+
+    `overrides` replace config fields (e.g. a 256-wide model whose rows fit K-quant blocks)."""
+    config = _hf_config(arch, vocab_size)
+    config.update(overrides)
+    return config
+
+
+def _hf_config(arch: str, vocab_size: int):
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -46,7 +55,7 @@ def hf_config(arch: str, vocab_size: int):
     raise ValueError(arch)
 
 
-def make_tiny_hf(arch: str, path: Path, seed: int = 0):
+def make_tiny_hf(arch: str, path: Path, seed: int = 0, **config_overrides):
     """Save a random f32 HF model with the tiny preset's tokenizer; returns (model, tokenizer.json dict)."""
     import torch
     import transformers
@@ -58,7 +67,7 @@ def make_tiny_hf(arch: str, path: Path, seed: int = 0):
     vocab = len(tokenizer["model"]["vocab"]) + sum(
         1 for t in tokenizer["added_tokens"] if t["content"] not in tokenizer["model"]["vocab"])
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, vocab), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, vocab, **config_overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -74,6 +83,28 @@ def make_tiny_hf(arch: str, path: Path, seed: int = 0):
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute (q: all heads, k: the KV heads)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Random but valid `qtype` (Q4_K or Q6_K) blocks for a [rows, cols] weight, as raw bytes.
+
+    There is no K-quantizer in `gguf`, so the bytes are random except the f16 super-block
+    scales (gguf/quants.py's layout), which get small finite values so no NaN/Inf appears."""
+    import gguf
+
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    assert cols % block_values == 0, f"{qtype.name} rows must be a multiple of {block_values}"
+    blocks = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        scale_bytes = [slice(0, 2), slice(2, 4)]  # d, dmin lead the block
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:
+        scale_bytes = [slice(block_bytes - 2, block_bytes)]  # d ends the block
+    else:
+        raise ValueError(f"no random blocks for {qtype.name}")
+    for where in scale_bytes:
+        blocks[:, where] = rng.uniform(0.01, 0.05, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block_values * block_bytes)
 
 
 def _state_dict(model) -> dict[str, np.ndarray]:
@@ -101,9 +132,17 @@ def _state_dict(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32") -> Path:
-    """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`."""
+def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32",
+               k_quants: tuple[str, ...] = (), seed: int = 0) -> Path:
+    """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`.
+
+    With `k_quants` (e.g. ("Q4_K", "Q6_K")) the 2-D weights whose rows are a multiple of 256
+    are instead random valid blocks of those types in turn (a mixed "Q4_K_M" file, the
+    model's values are not kept); the others stay `qtype`, as in llama.cpp's mixed files."""
     import gguf
+
+    rng = np.random.default_rng(seed)
+    k_quant_turn = 0
 
     cfg = model.config
     gguf_arch = GGUF_ARCH[arch]
@@ -125,7 +164,7 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(FILE_TYPE[qtype])
+    writer.add_file_type(FILE_TYPE["Q4_K_M" if k_quants else qtype])
     if arch == "qwen3_moe":
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -163,7 +202,12 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             value = llama_cpp_permute(value, heads)
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
+        if k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
+            k_quant = gguf.GGMLQuantizationType[k_quants[k_quant_turn % len(k_quants)]]
+            k_quant_turn += 1
+            writer.add_tensor(f"{gguf_name}.{suffix}", random_k_quant_blocks(k_quant, value.shape, rng),
+                              raw_dtype=k_quant)
+        elif value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(f"{gguf_name}.{suffix}", value)
         elif quant == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(f"{gguf_name}.{suffix}", value.astype(np.float16))

@@ -99,6 +99,29 @@ def test_weights_match_transformers_gguf_loader(tiny, tmp_path, arch, qtype):
     assert config["architectures"] == [type(model).__name__]
 
 
+def test_k_quant_weights_match_transformers_gguf_loader(tmp_path):
+    """A mixed K-quant Llama file (Q4_K and Q6_K in turn, Q8_0 where rows are not a multiple of
+    256) loads to the oracle's weights: `gguf.quantize` has no K-quants, so the blocks are random
+    but valid, and both sides dequantize and un-permute q/k from the same bytes."""
+    import gguf
+
+    path = tmp_path / "hf-llama-256"
+    path.mkdir()
+    # 256-wide rows fit K-quant blocks; down_proj's 384-wide rows stay Q8_0.
+    model, tokenizer = make_tiny_hf("llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=64, intermediate_size=384)
+    gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    assert {types["blk.0.attn_q.weight"], types["blk.0.attn_k.weight"]} == {"Q4_K", "Q6_K"}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"
+    ours = load_file(str(convert_gguf(gguf_path, tmp_path / "hf", progress=False) / "model.safetensors"))
+    theirs = {k: v.float().numpy() for k, v in _oracle(path, gguf_path.name, model.config).state_dict().items()}
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():
+        assert np.isfinite(ours[name]).all(), name
+        np.testing.assert_array_equal(ours[name].astype(np.float32), value, err_msg=name)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(tiny, tmp_path, monkeypatch, arch):
     from jaxllm import LLM, KvCacheConfig, SamplingParams
