@@ -178,7 +178,8 @@ def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
     host memory holds one piece at a time (replicas of the same box are read once)."""
     pieces: dict[jax.Device, jax.Array] = {}
     by_box: dict[tuple, list[jax.Device]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    index_map = sharding.addressable_devices_indices_map(shape)
+    for device, index in index_map.items():
         key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
         by_box.setdefault(key, []).append(device)
     for key, devices in by_box.items():
@@ -188,7 +189,7 @@ def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
             piece = jax.device_put(block, device)
             pieces[device] = piece if identity else _to_layout(perm, dtype)(piece)
         del block
-    arrays = [pieces[d] for d in sharding.addressable_devices_indices_map(shape)]
+    arrays = [pieces[d] for d in index_map]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

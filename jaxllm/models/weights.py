@@ -8,7 +8,7 @@ that turns each into the parameter. From that list come:
 - the pytree of shapes (`param_shapes`) and of PartitionSpecs (`partition_specs`),
 - byte counts (`param_bytes`),
 - the loader (`jaxllm.models.loader`), which reads each device's shard straight from the
-  checkpoint through `read_parameter`,
+  checkpoint through `read_parameter_view`,
 - random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
 
 Parameter layout (the decoder's pytree):
@@ -267,13 +267,6 @@ def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[in
     return groups
 
 
-def read_source(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader,
-                dtype: np.dtype) -> np.ndarray:
-    """The box `index` of the (part of the) parameter that `src` fills, as a host array."""
-    block, perm = read_source_view(src, param_shape, index, read)
-    return np.ascontiguousarray(block.transpose(perm)).astype(dtype, copy=False)
-
-
 def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader
                      ) -> tuple[np.ndarray, tuple[int, ...]]:
     """The box `index` of the (part of the) parameter that `src` fills, reading only what it needs,
@@ -298,8 +291,9 @@ def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[sli
             start, stop = start // lay.repeat, (stop - 1) // lay.repeat + 1 if stop > start else start // lay.repeat
         lo[a], hi[a] = start + offset[a], stop + offset[a]
     # View box -> stored box: a stored dimension is read from its outer view axis' range.
+    groups = _view_groups(src.shape, lay.view)
     stored_slices, sub = [], []
-    for group in _view_groups(src.shape, lay.view):
+    for group in groups:
         inner = int(np.prod([lay.view[a] for a in group[1:]], dtype=np.int64))
         outer = group[0]
         stored_slices.append(slice(lo[outer] * inner, hi[outer] * inner))
@@ -308,7 +302,7 @@ def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[sli
             sub.append(slice(lo[a], hi[a]))
     raw = read(src.name, tuple(stored_slices))
     block_shape = tuple(hi[g[0]] - lo[g[0]] if k == 0 else lay.view[a]
-                        for g in _view_groups(src.shape, lay.view) for k, a in enumerate(g))
+                        for g in groups for k, a in enumerate(g))
     block = np.asarray(raw).reshape(block_shape)[tuple(sub)]
     if lay.repeat_axis is not None and lay.repeat > 1:
         a = lay.repeat_axis
