@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # `jaxllm bench NAME ...` runs jaxllm.bench.<module>.main(argv)
 BENCHMARKS = {
@@ -203,7 +203,6 @@ def format_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def engine_banner(engine, model: str) -> str:
@@ -229,7 +228,7 @@ def engine_banner(engine, model: str) -> str:
     ])
 
 
-def warm_up(engine, all_variants: bool = True, describe: Optional[Callable[[], str]] = None) -> None:
+def warm_up(engine, all_variants: bool = True) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets...")."""
     from tqdm.auto import tqdm
 
@@ -240,11 +239,7 @@ def warm_up(engine, all_variants: bool = True, describe: Optional[Callable[[], s
             bar.total = total
             bar.update(done - bar.n)
 
-        try:
-            engine.warmup(all_variants=all_variants, progress=progress)
-        except TypeError:  # an engine without a progress hook
-            engine.warmup(all_variants=all_variants)
-            bar.update(1)
+        engine.warmup(all_variants=all_variants, progress=progress)
 
 
 def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
