@@ -42,13 +42,13 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.models import is_preset, load_model_config, load_params, materialize_preset
+from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
 from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
-from jaxllm.scheduler import SchedulerOutput, check_request_admissible, make_scheduler
+from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
 from sharding import make_mesh
 from sharding.ep_moe import EpMoeOptions
@@ -252,9 +252,6 @@ class LLMEngine:
             sampling_params=params)
         request.seed = resolve_seed(params, sequence_index)
         request.end_ids = admitted.end_ids
-        check_request_admissible(request, self.kv_cache_manager, self.max_seq_len,
-                                 max_num_tokens=self.config.max_num_tokens,
-                                 enable_chunked_prefill=self.config.enable_chunked_prefill)
         self.active[request.request_id] = request
         return request
 
@@ -402,17 +399,16 @@ class LLMEngine:
             writer.record(pending.iteration, np.asarray(pending.expert_counts))
         if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
             writer.save()
+        logprobs = None
         if pending.wants_logprobs:
-            chosen_lp = np.asarray(out.logprobs)
-            top_ids = np.asarray(out.top_ids)
-            top_lps = np.asarray(out.top_logprobs)
+            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        token_list = tokens.tolist()  # plain ints, converted once for the whole batch
         updates = []
         for request, row, index in pending.entries:
             if request.is_finished or index >= len(request.output_token_ids):
                 continue
             try:
-                updates.append(self._apply_token(request, index, int(tokens[row]), row,
-                                                 (chosen_lp, top_ids, top_lps) if pending.wants_logprobs else None))
+                updates.append(self._apply_token(request, index, token_list[row], row, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += self._fail([request], exc, "applying a sampled token")
         return updates
@@ -432,7 +428,7 @@ class LLMEngine:
                 entry[token] = Logprob(float(chosen_lp[row]))
             update.new_logprobs.append(entry)
             request.cumulative_logprob += float(chosen_lp[row])
-        reason, stop_reason = check_stop(params, request.output_token_ids[:index + 1], request.end_ids)
+        reason, stop_reason = check_stop(params, request.output_token_ids, request.end_ids, num_outputs=index + 1)
         if reason is not None:
             self._finish(request, reason, stop_reason, index + 1)
             update.finished = True
