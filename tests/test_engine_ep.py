@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from tests.multidevice import run_on_cpu_devices
+from tests.parallel_workload import run_staggered_requests, small_engine
 
 # (N, E, dispatch, use the generated placement)
 CASES = [(8, 8, "all_to_all", True), (4, 2, "allgather", False), (8, 4, "auto", True)]
@@ -26,32 +27,8 @@ NUM_SLOTS = 16
 
 
 def run_engine(directory: Path, tokenizer: Path, **engine_args) -> dict:
-    import numpy as np
-
-    from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
-    from jaxllm.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(
-        model=str(directory), tokenizer=str(tokenizer), dtype="float32", max_batch_size=4, max_num_tokens=32,
-        max_seq_len=96, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512), **engine_args))
-    rng = np.random.default_rng(11)
-    vocab = engine.model_config.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(3, vocab, n)]
-
-    shared = prompt(24)
-    arrivals = {0: [prompt(45), prompt(5)], 2: [shared + prompt(9)], 6: [shared + prompt(14), prompt(20)]}
-    params = SamplingParams(max_tokens=7, ignore_eos=True)
-    outputs: dict[int, list[int]] = {}
-    step = 0
-    while step in arrivals or engine.has_unfinished_requests() or step < max(arrivals):
-        for p in arrivals.get(step, []):
-            engine.add_request(p, params)
-        for update in engine.step():
-            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
-        step += 1
+    engine = small_engine(directory, tokenizer, **engine_args)
+    outputs = run_staggered_requests(engine)
     engine.close_statistics()
     tokens_per_step = [s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
                        for s in engine.iteration_stats]

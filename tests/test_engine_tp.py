@@ -9,54 +9,24 @@ import json
 from pathlib import Path
 
 from tests.multidevice import run_on_cpu_devices
+from tests.parallel_workload import record_plans, run_staggered_requests, small_engine
 
 # (arch, backend, TP sizes); Qwen3-MoE and Llama have 2 KV heads: TP 4 and 8 replicate them.
 CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("qwen3_moe", "pallas", (8,))]  # each against xla at TP 1
 
 
 def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded: list | None = None) -> dict:
-    """A scripted workload: requests arrive over several steps, long prompts are chunked
-    (32-token steps), and two prompts share a 24-token prefix the cache already holds."""
-    import numpy as np
-
-    from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
-    from jaxllm.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(
-        model=str(directory), tokenizer=str(tokenizer), dtype="float32", max_batch_size=4, max_num_tokens=32,
-        max_seq_len=96, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
-        attention_backend=backend, moe_backend=backend, tensor_parallel_size=tp))
-    if recorded is not None:  # keep every executed plan with its sampled tokens
-        execute = engine.runner.execute
-
-        def record(plan):
-            out = execute(plan)
-            recorded.append((plan, out))
-            return out
-
-        engine.runner.execute = record
-    rng = np.random.default_rng(11)
-    vocab = engine.model_config.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(3, vocab, n)]
-
-    shared = prompt(24)
-    arrivals = {0: [prompt(45), prompt(5)], 2: [shared + prompt(9)], 6: [shared + prompt(14), prompt(20)]}
-    params = SamplingParams(max_tokens=7, ignore_eos=True)
-    outputs: dict[int, list[int]] = {}
-    step = 0
-    while step in arrivals or engine.has_unfinished_requests() or step < max(arrivals):
-        for p in arrivals.get(step, []):
-            engine.add_request(p, params)
-        for update in engine.step():
-            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
-        step += 1
+    """The shared staggered workload (tests/parallel_workload.py) at TP `tp`; with `recorded`,
+    every executed plan is appended to it, then the KV pool's size in blocks."""
+    engine = small_engine(directory, tokenizer, attention_backend=backend, moe_backend=backend,
+                          tensor_parallel_size=tp)
+    plans = record_plans(engine)
+    outputs = run_staggered_requests(engine)
     stats = engine.kv_cache_manager.get_kv_cache_stats()
     chunked = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
                   for s in engine.iteration_stats)
     if recorded is not None:
+        recorded.extend(plans)
         recorded.append(engine.kv_cache_manager.num_blocks)
     return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, reused=stats.reused_blocks, mixed=chunked,
                 kv_heads_per_device=int(engine.runner.kv_cache[0].k.addressable_shards[0].data.shape[0]))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import test_sharding_tp as tp_test
 from tests.multidevice import run_on_cpu_devices
 
 NUM_EXPERTS, TOP_K = 8, 2
@@ -56,26 +57,11 @@ MODEL_CASES = [
 
 
 def hf_config(arch: str) -> dict:
-    architecture, overrides = ARCHS[arch]
-    base = dict(architectures=[architecture], vocab_size=128, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_act="silu",
-                rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
-                torch_dtype="float32")
-    base.update(overrides)
-    return base
+    return tp_test.hf_config(arch, ARCHS)
 
 
 def write_checkpoint(arch: str, directory: Path, seed: int = 0, **overrides) -> Path:
-    from safetensors.numpy import save_file
-
-    from jaxllm.models import ModelConfig
-    from jaxllm.models.weights import random_checkpoint
-
-    directory.mkdir(parents=True, exist_ok=True)
-    hf = dict(hf_config(arch), **overrides)
-    (directory / "config.json").write_text(json.dumps(hf))
-    save_file(random_checkpoint(ModelConfig.from_hf_config(hf), seed), str(directory / "model.safetensors"))
-    return directory
+    return tp_test.write_checkpoint(arch, directory, seed, ARCHS, **overrides)
 
 
 def redundant_placement(num_experts: int, ep: int, seed: int = 0) -> list[int]:

@@ -79,6 +79,7 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
     from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.models import materialize_preset
 
+    from tests.parallel_workload import record_plans
     from tests.test_engine_tp import write_checkpoint_vocab
     from tests.test_sharding_tp import hf_config
 
@@ -90,15 +91,7 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
                                     dtype="float32", max_batch_size=4,
                                     max_num_tokens=32, max_seq_len=128,
                                     kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512)))
-    recorded = []
-    execute = engine.runner.execute
-
-    def record(plan):
-        out = execute(plan)
-        recorded.append((plan, out))
-        return out
-
-    engine.runner.execute = record
+    recorded = record_plans(engine)
     rng = np.random.default_rng(1)
     shared = [int(t) for t in rng.integers(3, 250, 20)]
     arrivals = {0: [shared + [5, 6, 7], [int(t) for t in rng.integers(3, 250, 40)]], 3: [shared + [9]]}

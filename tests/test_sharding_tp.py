@@ -44,8 +44,9 @@ PLANS = {
 PLAIN_CHECK = ("llama", "qwen3_moe")
 
 
-def hf_config(arch: str) -> dict:
-    architecture, overrides = ARCHS[arch]
+def hf_config(arch: str, archs: dict | None = None) -> dict:
+    """The HF config of a tiny `arch` checkpoint; `archs` replaces this module's ARCHS table."""
+    architecture, overrides = (archs or ARCHS)[arch]
     base = dict(architectures=[architecture], vocab_size=128, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_act="silu",
                 rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
@@ -54,14 +55,14 @@ def hf_config(arch: str) -> dict:
     return base
 
 
-def write_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
+def write_checkpoint(arch: str, directory: Path, seed: int = 0, archs: dict | None = None, **overrides) -> Path:
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
     from jaxllm.models.weights import random_checkpoint
 
     directory.mkdir(parents=True, exist_ok=True)
-    hf = hf_config(arch)
+    hf = dict(hf_config(arch, archs), **overrides)
     (directory / "config.json").write_text(json.dumps(hf))
     save_file(random_checkpoint(ModelConfig.from_hf_config(hf), seed), str(directory / "model.safetensors"))
     return directory
