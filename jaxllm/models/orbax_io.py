@@ -83,9 +83,7 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
     if replicas == 1:
         return restored
     leaves = []
-    flat = dict(zip((w.path for w in stored), _leaves_in_order(restored, stored)))
-    for before, after in zip(stored, final):
-        value = flat[before.path]
+    for before, after, value in zip(stored, final, _leaves_in_order(restored, stored)):
         if before.shape != after.shape:
             axis = before.axes.index("kv_heads")
             sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(after.axes, rules))

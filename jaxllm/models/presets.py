@@ -95,8 +95,9 @@ def is_preset(name: str) -> bool:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("JAXLLM_CACHE_DIR")
-    return Path(root) / "presets" if root else Path.home() / ".cache" / "jaxllm" / "presets"
+    from jaxllm.models.resolve import cache_root  # resolve imports this module
+
+    return cache_root() / "presets"
 
 
 def materialize_preset(name: str, cache_dir: Optional[Path] = None) -> Path:
