@@ -153,19 +153,22 @@ class ModelRunner:
                 exe = cache.setdefault(layout, exe)
         return exe
 
+    def _to_device(self, tree: Any) -> tuple[tuple[jax.Array, ...], PackedLayout]:
+        """Host inputs packed into one flat buffer per dtype, replicated over the mesh."""
+        buffers, layout = pack(tree)
+        return tuple(jax.device_put(buffers, self._replicated)), layout
+
     def compile_forward(self, batch: StepBatch, feed_index: np.ndarray) -> None:
         """Compile, without running, the model forward of `batch`'s shape. Safe to call from
         several threads at once (XLA compiles without holding the GIL), which is how warm-up
         compiles every token bucket in parallel."""
-        buffers, layout = pack((batch, feed_index))
-        inputs = tuple(jax.device_put(buffers, self._replicated))
+        inputs, layout = self._to_device((batch, feed_index))
         self._compile(self._forward_exes, self._forward_jit, (self.params, self.kv_cache, inputs, self._zero_tokens),
                       layout, "model forward")
 
     def compile_sampler(self, logits: jax.Array, sampling: SamplingTensors) -> None:
         """Compile, without running, the sampler of `sampling`'s static switches (thread-safe)."""
-        buffers, layout = pack(sampling)
-        inputs = tuple(jax.device_put(buffers, self._replicated))
+        inputs, layout = self._to_device(sampling)
         self._compile(self._sampler_exes, self._sample_jit, (logits, inputs), layout, "sampler")
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
@@ -195,10 +198,10 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:
         """Only the model forward: float32 logits [max_batch_size, vocab] on the device."""
-        buffers, layout = pack((batch, feed_index))
-        return self._forward(tuple(jax.device_put(buffers, self._replicated)), layout, prev_tokens)
+        inputs, layout = self._to_device((batch, feed_index))
+        return self._forward(inputs, layout, prev_tokens)
 
     def sample(self, logits: jax.Array, sampling: SamplingTensors) -> SamplerOutput:
         """Only the sampler, over logits [max_batch_size, vocab]."""
-        buffers, layout = pack(sampling)
-        return self._sample(logits, tuple(jax.device_put(buffers, self._replicated)), layout)
+        inputs, layout = self._to_device(sampling)
+        return self._sample(logits, inputs, layout)
