@@ -35,7 +35,7 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_at
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from jaxllm.models.weights import Params, param_shapes  # noqa: F401  (re-exported)
+from jaxllm.models.weights import Params
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
 from sharding.expert_load import MoeStepStats, count_experts
