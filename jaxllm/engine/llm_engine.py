@@ -376,17 +376,14 @@ class LLMEngine:
 
     def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
         """The requests of a step whose plan cannot be built even alone."""
+        alone = [SchedulerOutput([r], []) for r in output.context_requests]
+        alone += [SchedulerOutput([], [r]) for r in output.generation_requests]
         culprits = []
-        for request in output.context_requests:
+        for single in alone:
             try:
-                self.planner.build(SchedulerOutput([request], []), in_flight)
+                self.planner.build(single, in_flight)
             except Exception:
-                culprits.append(request)
-        for request in output.generation_requests:
-            try:
-                self.planner.build(SchedulerOutput([], [request]), in_flight)
-            except Exception:
-                culprits.append(request)
+                culprits += single.all_requests()
         return culprits
 
     def _process(self, pending: _PendingStep) -> list[RequestUpdate]:
