@@ -24,6 +24,7 @@ import numpy as np
 from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
 from sharding.eplb.placement import ALGORITHMS, placement_from_counts
 from sharding.eplb.statistics import write_expert_statistics
+from sharding.slot_table import default_assignment
 
 
 def skewed_routing_counts(num_iters: int, num_layers: int, num_experts: int, top_k: int, tokens: int,
@@ -40,13 +41,6 @@ def skewed_routing_counts(num_iters: int, num_layers: int, num_experts: int, top
             counts[it, layer] = np.bincount(chosen[:, layer].ravel(), minlength=num_experts)
         bias = bias + rng.normal(0.0, drift, size=bias.shape)
     return counts
-
-
-def default_assignment(num_experts: int, ep_size: int, num_slots: int) -> np.ndarray:
-    """The slot table without a placement: slot (rank r, local j) holds expert (r*E//ep + j) % E."""
-    per_rank = num_slots // ep_size
-    return np.array([(r * num_experts // ep_size + j) % num_experts
-                     for r in range(ep_size) for j in range(per_rank)], dtype=np.int64)
 
 
 def heldout_imbalance(counts: np.ndarray, tables: np.ndarray, ep_size: int) -> float:
@@ -73,7 +67,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                                 num_experts_per_token=args.top_k, ep_size=args.ep_size)
     half = args.iters // 2
     fit, held = counts[:half], counts[half:]
-    base = np.tile(default_assignment(args.experts, args.ep_size, args.experts), (args.layers, 1))
+    base = np.tile(default_assignment(args.experts, args.experts, args.ep_size), (args.layers, 1))
     rows = [Row("no EPLB (default placement)", args.experts, heldout_imbalance(fit, base, args.ep_size),
                 heldout_imbalance(held, base, args.ep_size), 0.0)]
     for redundancy in args.redundancy:
