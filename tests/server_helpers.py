@@ -15,6 +15,25 @@ def live_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name != "tqdm_monitor" and not isinstance(t, threading._DummyThread)}
 
 
+def assert_no_thread_left(before: set[threading.Thread], timeout: float = 10.0) -> None:
+    """Threads started since `before` must end within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while live_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (live_threads() - before), f"leaked threads: {live_threads() - before}"
+
+
+def wait_idle(executor, timeout: float = 20.0) -> None:
+    """Every request finished and every KV block free again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = executor.get_kv_cache_stats()
+        if executor.num_unfinished == 0 and stats.free_num_blocks == stats.max_num_blocks:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not idle: {executor.num_unfinished} unfinished, {stats}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
@@ -19,15 +18,12 @@ from jaxllm.executor import GenerationExecutor, GenerationRequest
 from jaxllm.executor.detokenizer import IncrementalDetokenizer, find_stop_string, make_decoder
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
+from server_helpers import assert_no_thread_left, live_threads
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "héllo wörld 你好"]
 STAT_KEYS = {"timestamp", "iter", "iterLatencyMS", "numNewActiveRequests", "numActiveRequests", "numQueuedRequests",
              "numCompletedRequests", "maxNumActiveRequests", "gpuMemUsage", "maxBatchSizeRuntime",
              "maxNumTokensRuntime", "kvCacheStats", "inflightBatchingStats"}
-
-
-def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name != "tqdm_monitor" and not isinstance(t, threading._DummyThread)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,7 @@ def _assert_engine_clean(engine) -> None:
 @pytest.fixture
 def make_executor(engine):
     """Executors over the shared engine; each is shut down after the test and must leave nothing behind."""
-    before = _threads()
+    before = live_threads()
     made = []
 
     def make(**kwargs) -> GenerationExecutor:
@@ -60,10 +56,7 @@ def make_executor(engine):
     yield make
     for ex in made:
         ex.shutdown()
-    deadline = time.monotonic() + 10
-    while _threads() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not (_threads() - before), f"leaked threads: {_threads() - before}"
+    assert_no_thread_left(before)
     assert not multiprocessing.active_children()
     _assert_engine_clean(engine)
 

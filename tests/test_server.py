@@ -16,7 +16,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import ServerConfig, build_app
-from server_helpers import LiveServer, live_threads as _threads
+from server_helpers import LiveServer, assert_no_thread_left, live_threads as _threads, wait_idle
 
 MODEL = "tiny-moe"
 API_KEY = "test-key"
@@ -40,10 +40,7 @@ def live(engine):
     yield server
     server.stop()
     executor.shutdown()
-    deadline = time.monotonic() + 10
-    while _threads() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not (_threads() - before), f"leaked threads: {_threads() - before}"
+    assert_no_thread_left(before)
     stats = engine.kv_cache_manager.get_kv_cache_stats()
     assert stats.free_num_blocks == stats.max_num_blocks
 
@@ -55,14 +52,7 @@ def client(live):
 
 
 def _wait_idle(live, timeout: float = 20.0) -> None:
-    """Every request finished and every KV block free again."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = live.executor.get_kv_cache_stats()
-        if live.executor.num_unfinished == 0 and stats.free_num_blocks == stats.max_num_blocks:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not idle: {live.executor.num_unfinished} unfinished, {stats}")
+    wait_idle(live.executor, timeout)
 
 
 # ---------------------------------------------------------------------------- fatal errors

@@ -31,7 +31,8 @@ from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.app import ServerConfig, build_app
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
-from server_helpers import LiveServer as _ServedApp, free_port as _free_port, live_threads as _threads
+from server_helpers import LiveServer as _ServedApp, assert_no_thread_left, free_port as _free_port, wait_idle
+from server_helpers import live_threads as _threads
 
 MODEL = "tiny-moe"
 MAX_BODY = 1024 * 1024
@@ -108,10 +109,7 @@ def live(engine):
     yield server
     server.stop()
     executor.shutdown()
-    deadline = time.monotonic() + 10
-    while _threads() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not (_threads() - before), f"leaked threads: {_threads() - before}"
+    assert_no_thread_left(before)
     stats = engine.kv_cache_manager.get_kv_cache_stats()
     assert stats.free_num_blocks == stats.max_num_blocks
 
@@ -576,13 +574,7 @@ def test_cancelled_async_consumer_aborts_its_request(live):
 
 
 def _wait_idle(live, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = live.executor.get_kv_cache_stats()
-        if live.executor.num_unfinished == 0 and stats.free_num_blocks == stats.max_num_blocks:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not idle: {live.executor.num_unfinished} unfinished, {stats}")
+    wait_idle(live.executor, timeout)
 
 
 def test_slow_reading_client_is_dropped_and_its_request_aborted(live):
