@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.weights import Params, Source, WeightDecl, build_tree, declare_weights, read_parameter_view
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
-from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical, model_rules
+from sharding.rules import ShardingRules, kv_head_replicas, model_rules, named_sharding
 from sharding.slot_table import make_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -101,7 +101,7 @@ def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optiona
     """The parameter pytree as NamedShardings on `mesh`."""
     rules = rules or rules_for(config, mesh)
     decls = declare_weights(config, kv_replicas_for(config, mesh))
-    return build_tree((w.path, jax.sharding.NamedSharding(mesh, logical_to_physical(w.axes, rules))) for w in decls)
+    return build_tree((w.path, named_sharding(mesh, w.axes, rules)) for w in decls)
 
 
 class _Header:
@@ -234,7 +234,7 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
         with tqdm(total=len(decls), desc="Loading weights", unit="tensor",
                   disable=total_bytes < _PROGRESS_MIN_BYTES) as bar:
             for decl, alt in zip(decls, chosen):
-                sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(decl.axes, rules))
+                sharding = named_sharding(mesh, decl.axes, rules)
                 leaves.append((decl.path, assemble_array(
                     decl.shape, sharding,
                     lambda index, decl=decl, alt=alt: read_parameter_view(decl, alt, index, read), np_dtype)))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxllm.models.config import ModelConfig, load_model_config, numpy_dtype
 from jaxllm.models.weights import Params, build_tree, declare_weights
-from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
+from sharding.rules import ShardingRules, kv_head_replicas, named_sharding
 from sharding.mesh import tensor_parallel_size
 
 _MARKER = "jaxllm_converted.json"
@@ -77,7 +77,7 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
         repeated = before.shape != after.shape
         # Leaves whose KV heads get repeated are restored replicated over the KV-head axis.
         axes = tuple(None if repeated and a == "kv_heads" else a for a in before.axes)
-        sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(axes, rules))
+        sharding = named_sharding(mesh, axes, rules)
         targets.append((before.path, jax.ShapeDtypeStruct(before.shape, np_dtype, sharding=sharding)))
     restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
     if replicas == 1:
@@ -86,7 +86,7 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
     for before, after, value in zip(stored, final, _leaves_in_order(restored, stored)):
         if before.shape != after.shape:
             axis = before.axes.index("kv_heads")
-            sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(after.axes, rules))
+            sharding = named_sharding(mesh, after.axes, rules)
             value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis), out_shardings=sharding)(value)
         leaves.append((after.path, value))
     return build_tree(leaves)
