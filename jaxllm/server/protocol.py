@@ -19,16 +19,20 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _refuse_if_set(field: str, message: Optional[str] = None):
+    """A validator refusing any truthy value of an unsupported `field` (its default is accepted)."""
+    def check(cls, v):
+        if v:
+            raise ValueError(message or f"{field} is not supported")
+        return v
+    return field_validator(field)(classmethod(check))
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _continuous(cls, v):
-        if v:
-            raise ValueError("continuous_usage_stats is not supported")
-        return v
+    _continuous = _refuse_if_set("continuous_usage_stats")
 
 
 class _SamplingFields(StrictModel):
@@ -66,12 +70,7 @@ class _SamplingFields(StrictModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    _logit_bias = _refuse_if_set("logit_bias")
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -98,19 +97,8 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     add_special_tokens: bool = True
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    _echo = _refuse_if_set("echo")
+    _suffix = _refuse_if_set("suffix")
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -195,12 +183,7 @@ class ChatCompletionRequest(_SamplingFields):
     def template_variables(self) -> dict[str, Any]:
         return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    _tools = _refuse_if_set("tools", "tools are not supported")
 
     @field_validator("tool_choice")
     @classmethod
