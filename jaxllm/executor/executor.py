@@ -69,14 +69,6 @@ class ExecutorConfig:
 EXECUTOR_FIELDS = ("num_postprocess_workers", "stream_interval")
 
 
-def token_ids_from_array(array: np.ndarray) -> list[int]:
-    """A 1-D integer numpy array of token ids as a list of Python ints (ValueError otherwise)."""
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"prompt: a numpy array of token ids must be 1-D with an integer dtype, "
-                         f"got shape {array.shape} and dtype {array.dtype}")
-    return array.tolist()
-
-
 _SLICE = 32  # events processed between two GIL releases on the output thread
 
 
@@ -196,10 +188,8 @@ class GenerationExecutor:
         if isinstance(prompt, str):
             return GenerationRequest(self.encode(prompt, params.add_special_tokens), params, streaming,
                                      prompt=prompt, **kwargs)
-        if isinstance(prompt, np.ndarray):
-            prompt = token_ids_from_array(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return GenerationRequest(list(prompt), params, streaming, **kwargs)
+        if isinstance(prompt, (list, tuple, np.ndarray)):  # GenerationRequest checks and converts the ids
+            return GenerationRequest(prompt, params, streaming, **kwargs)
         raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
 
     def validate(self, request: GenerationRequest) -> None:

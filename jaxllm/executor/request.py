@@ -10,15 +10,7 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.sampling import SamplingParams
-
-
-def _show(v) -> str:
-    """A short repr for error messages (a hostile value may be huge)."""
-    try:
-        text = repr(v)
-    except ValueError:  # an int with more digits than Python will print
-        text = f"<{type(v).__name__}>"
-    return text if len(text) <= 40 else text[:40] + "..."
+from jaxllm.sampling.params import _show
 
 
 def _is_finite_number(v) -> bool:
@@ -57,7 +49,8 @@ class GenerationRequest:
             raise ValueError("prompt_token_ids must be a list of int token ids")
         if isinstance(self.prompt_token_ids, np.ndarray):
             if self.prompt_token_ids.ndim != 1 or not np.issubdtype(self.prompt_token_ids.dtype, np.integer):
-                raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer dtype")
+                raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer dtype, "
+                                 f"got shape {self.prompt_token_ids.shape} and dtype {self.prompt_token_ids.dtype}")
             self.prompt_token_ids = self.prompt_token_ids.tolist()
         ids = list(self.prompt_token_ids)
         if not all(_is_token_id(t) for t in ids):
