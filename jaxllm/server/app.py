@@ -272,10 +272,11 @@ class OpenAIServer:
             raise APIError(400, f"{field}: {exc}", field) from None
 
     def submit_all(self, prompts: list[Union[str, list[int]]], params_for, streaming: bool,
-                   add_special_tokens: bool = True, texts: Optional[list[Optional[str]]] = None
-                   ) -> list[GenerationResult]:
+                   add_special_tokens: bool = True, texts: Optional[list[Optional[str]]] = None,
+                   field: str = "prompt") -> list[GenerationResult]:
         """Validate every prompt before queuing any (ValueError -> 400), then submit them all.
-        Runs on the API thread pool: tokenizing may take a while."""
+        Runs on the API thread pool: tokenizing may take a while. `field`: the request field
+        the prompts come from, named in length errors."""
         executor = self.executor
         self.check_admission()
         requests = []
@@ -283,8 +284,8 @@ class OpenAIServer:
             for i, prompt in enumerate(prompts):
                 ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
                 if len(ids) >= executor.max_seq_len:  # before any per-token work on a huge prompt
-                    raise APIError(400, f"prompt: {len(ids)} tokens leave no room to generate within "
-                                        f"max_seq_len ({executor.max_seq_len})", "prompt")
+                    raise APIError(400, f"{field}: {len(ids)} tokens leave no room to generate within "
+                                        f"max_seq_len ({executor.max_seq_len})", field)
                 request = executor.make_request(ids, params_for(len(ids)), streaming)
                 text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
                 if text is not None:
@@ -442,11 +443,8 @@ class OpenAIServer:
         ids = self.encode(prompt, add_special_tokens=False, field="messages") if prompt else []
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
-        if len(ids) >= self.executor.max_seq_len:
-            raise APIError(400, f"messages: the rendered conversation is {len(ids)} tokens, which leaves no room "
-                                f"to generate within max_seq_len ({self.executor.max_seq_len})", "messages")
         results = self.submit_all([ids], lambda n: self._params(body, body.requested_max_tokens(), n), body.stream,
-                                  texts=[prompt])
+                                  texts=[prompt], field="messages")
         return body, results
 
     async def chat_completions(self, request: Request) -> Response:
@@ -598,14 +596,15 @@ class OpenAIServer:
             return None
         content = []
         for token, entry in zip(ids, lps):
-            text = self._token_str(token)
             chosen = entry.get(token)
-            content.append({"token": text, "logprob": chosen.logprob if chosen is not None else None,
-                            "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
-                                              "bytes": list(self._token_str(t).encode())}
-                                             for t, lp in _ranked(entry)]})
+            item = self._chat_token(token, chosen.logprob if chosen is not None else None)
+            item["top_logprobs"] = [self._chat_token(t, lp.logprob) for t, lp in _ranked(entry)]
+            content.append(item)
         return {"content": content}
+
+    def _chat_token(self, token_id: int, logprob: Optional[float]) -> dict:
+        text = self._token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",

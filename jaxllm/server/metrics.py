@@ -40,25 +40,28 @@ class IterationStats:
         self._window: collections.deque = collections.deque(maxlen=window)
         self._lock = threading.Lock()
 
+    def _refresh_locked(self) -> None:
+        if self._executor.is_healthy:
+            self._window.extend(self._executor.get_stats(0))
+
     def read(self) -> list[dict]:
         """Every buffered iteration's stats, oldest first (nothing is removed)."""
         with self._lock:
-            if self._executor.is_healthy:
-                self._window.extend(self._executor.get_stats(0))
+            self._refresh_locked()
             return list(self._window)
 
     def latest(self) -> Optional[dict]:
-        items = self.read()
-        return items[-1] if items else None
+        with self._lock:
+            self._refresh_locked()
+            return self._window[-1] if self._window else None
 
 
 class ServerMetrics:
     """Prometheus metrics of one server, in a registry of its own."""
 
-    def __init__(self, executor: "GenerationExecutor", model_name: str,
-                 iteration_stats: Optional[IterationStats] = None) -> None:
+    def __init__(self, executor: "GenerationExecutor", model_name: str) -> None:
         self.executor = executor
-        self.iteration_stats = iteration_stats or IterationStats(executor)
+        self.iteration_stats = IterationStats(executor)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -99,7 +102,7 @@ class ServerMetrics:
             arrival = result.request.arrival_time
             finished = result.finished_at or now
             self.e2e.labels(**self._labels).observe(max(0.0, finished - arrival))
-            first = getattr(result, "first_token_at", None)
+            first = result.first_token_at
             if first is not None and generated:
                 self.ttft.labels(**self._labels).observe(max(0.0, first - arrival))
                 per_seq = max(len(o.token_ids) for o in outputs)
