@@ -60,7 +60,7 @@ def test_fatal_engine_error_makes_health_503(engine):
     """A fatal engine error fails requests and /health says 503. Runs first: it borrows the module's
     engine before the shared server starts (an engine belongs to one executor at a time)."""
     executor = GenerationExecutor(engine)
-    server = LiveServer(build_app(executor, ServerConfig(served_model_name=MODEL)))
+    server = LiveServer(build_app(executor, ServerConfig(served_model_name=MODEL)), exit_when_engine_dies=False)
     try:
         assert httpx.get(server.url + "/health").status_code == 200
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
