@@ -2,8 +2,9 @@
 
 Counts are taken from the router's top-k choices over the step's whole (global) batch,
 before any replica or rank is chosen, so they are per ExpertId and independent of the
-placement. They cost one bincount per layer and are only computed when the caller asks
-for them (`forward_with_moe_stats`); the plain forward never builds them.
+placement. They cost one bincount per layer and only reach the output when the caller asks
+for them (`forward_with_moe_stats`); the plain forward traces them too, but drops them, so
+XLA removes them from its compiled program.
 
 The online balancer keeps `load = decay * load + counts` per step (decay 0.95, as
 TensorRT-LLM does) and resets a layer's row after its placement changes.

@@ -20,7 +20,8 @@ Expert parallelism: when a MoE layer's experts are stored as slots (its params c
 `slots` table; see `sharding.slot_table`), the layer runs `sharding.ep_moe.ep_moe_block`:
 tokens dispatched to the EP rank owning each chosen slot and combined back, as
 `moe_options` says. `forward_with_moe_stats` also returns the step's per-layer expert
-counts (`sharding.expert_load.MoeStepStats`); the plain forward never computes them.
+counts (`sharding.expert_load.MoeStepStats`); the plain forward drops them, and XLA removes
+the unused counting from its compiled program.
 """
 
 from __future__ import annotations
