@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route
+from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route_layer
 from sharding.expert_load import count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules, logical_to_physical
@@ -140,7 +140,7 @@ def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, m
     slots: the layer's `SlotTable`.
     """
     table: SlotTable = p["slots"]
-    weights, ids = route(x, p["router"], config)
+    weights, ids = route_layer(x, p, config)
     counts = count_experts(ids, config.num_experts, valid)
     slots = choose_slots(ids, table, valid)
     num_tokens = x.shape[0]

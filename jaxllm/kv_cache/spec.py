@@ -9,7 +9,8 @@ cache the spec made, so another cache layout (a latent MLA cache with one
 backends that read it: the scheduler, the KV manager and the step plan do not change.
 
 Each spec names the logical axes of its arrays, so `sharding.rules` decides their
-partitioning (the MHA cache is split by KV head under tensor parallelism).
+partitioning (the MHA cache is split by KV head under tensor parallelism; the MLA latent
+cache has no head axis and is replicated: every rank's query heads read all of it).
 """
 
 from __future__ import annotations
@@ -98,6 +99,65 @@ class MhaKvCacheSpec:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over {num_shards} devices")
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
         return 2 * self.num_layers * (self.num_kv_heads // num_shards) * self.head_dim * itemsize
+
+    def page_bytes(self, tokens_per_block: int, num_shards: int = 1) -> int:
+        return self.bytes_per_token(num_shards) * tokens_per_block
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class MlaLayerCache:
+    """One layer's multi-head latent attention cache, [num_blocks, tokens_per_block, latent_dim]:
+    per token the normalised compressed KV (kv_lora_rank) followed by the RoPE'd shared key
+    (qk_rope_head_dim)."""
+
+    latent: jax.Array
+
+
+MLA_CACHE_AXES = ("cache_blocks", "cache_tokens", None)
+
+
+@dataclass(frozen=True)
+class MlaKvCacheSpec:
+    """The latent cache of DeepSeek-V3's MLA: one [kv_lora_rank + qk_rope_head_dim] vector per
+    token and layer instead of K and V for every head. Attention either absorbs the key and
+    value up-projections into the query and output (decode) or expands the latent back to
+    per-head K/V (prefill); see `jaxllm.models.mla`."""
+
+    num_layers: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def init(self, num_blocks: int, tokens_per_block: int,
+             mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list[MlaLayerCache]:
+        shape = (num_blocks, tokens_per_block, self.latent_dim)
+        dt = jnp.dtype(self.dtype)
+        if mesh is None:
+            return [MlaLayerCache(jnp.zeros(shape, dt)) for _ in range(self.num_layers)]
+        sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(MLA_CACHE_AXES, rules or ShardingRules()))
+        zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+        return [MlaLayerCache(zeros()) for _ in range(self.num_layers)]
+
+    def write(self, cache: MlaLayerCache, entries: jax.Array, slot_mapping: jax.Array) -> MlaLayerCache:
+        """Scatter this step's latents [T, latent_dim] into their slots; padding slots are dropped."""
+        num_blocks, tokens_per_block, dim = cache.latent.shape
+        flat = cache.latent.reshape(num_blocks * tokens_per_block, dim)
+        flat = flat.at[slot_mapping].set(entries.astype(flat.dtype), mode="drop")
+        return MlaLayerCache(flat.reshape(cache.latent.shape))
+
+    def partition_spec(self, rules: ShardingRules) -> MlaLayerCache:
+        return MlaLayerCache(logical_to_physical(MLA_CACHE_AXES, rules))
+
+    def bytes_per_token(self, num_shards: int = 1) -> int:
+        """Bytes one token takes across all layers on one device (the same on every
+        tensor-parallel rank: the latent is not split)."""
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return self.num_layers * self.latent_dim * itemsize
 
     def page_bytes(self, tokens_per_block: int, num_shards: int = 1) -> int:
         return self.bytes_per_token(num_shards) * tokens_per_block

@@ -6,6 +6,11 @@ one pytree). The backends here adapt the kernels in `pallas_kernels/` (which kee
 plain array arguments, so they stay usable without jaxllm) to the layer cache of a
 `KvCacheSpec`. Under tensor parallelism `sharding.kernels.shard_attention` wraps any of
 them in shard_map: each device runs the kernel on its own heads.
+
+Each MHA backend carries, as its `latent` attribute, the matching backend for the latent
+cache of multi-head latent attention (`latent_fn(q, cache, metadata, *, sm_scale,
+value_dim)`, see `jaxllm.models.mla`): multi-query attention over the one latent "head"
+whose values are its first `value_dim` columns.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable, Optional
 
 import jax
 
-from jaxllm.kv_cache.spec import MhaLayerCache
+from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.step_batch import StepBatch
 
 AttentionFn = Callable[..., jax.Array]
@@ -47,7 +52,33 @@ def _mha(kernel: Callable) -> AttentionFn:
                       sm_scale=sm_scale, sliding_window=sliding_window)
 
     attention.__name__ = f"mha_{getattr(kernel, '__name__', 'attention')}"
+    attention.latent = _latent(kernel)
     return attention
+
+
+def _latent(kernel: Callable) -> Callable:
+    """A latent-cache backend from an MHA kernel: the latent array is passed as both the keys
+    and the values of one KV head (no copy), and the output keeps the value columns."""
+
+    def latent_attention(q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float,
+                         value_dim: int) -> jax.Array:
+        kv = cache.latent[None]
+        out = kernel(q, kv, kv, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
+                     sliding_window=None)
+        return out[..., :value_dim]
+
+    latent_attention.__name__ = f"latent_{getattr(kernel, '__name__', 'attention')}"
+    return latent_attention
+
+
+def latent_attention_of(attention_fn: AttentionFn) -> Callable:
+    """The latent backend paired with `attention_fn` (the reference one for a bare function)."""
+    latent = getattr(attention_fn, "latent", None)
+    if latent is not None:
+        return latent
+    from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+    return _latent(ragged_paged_attention_reference)
 
 
 def reference_attention() -> AttentionFn:

@@ -23,12 +23,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 # RoPE base used by transformers when a config names none.
 _DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3_moe": 10000.0,
-                       "mixtral": 1000000.0}
-_DEFAULT_RMS_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6, "mixtral": 1e-5}
+                       "mixtral": 1000000.0, "deepseek_v3": 10000.0}
+_DEFAULT_RMS_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6, "mixtral": 1e-5,
+                    "deepseek_v3": 1e-6}
 
 _DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
@@ -58,13 +60,22 @@ def normalize_dtype(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling (`rope_type` 'linear' or 'llama3'); unscaled RoPE is None."""
+    """RoPE frequency scaling (`rope_type` 'linear', 'llama3' or, for DeepSeek-V3, 'yarn');
+    unscaled RoPE is None."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the ramp between extrapolated and interpolated frequencies, and the mscale
+    # corrections (cos/sin times `attention_factor`; softmax scale times mscale(mscale_all_dim)^2).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: Optional[float] = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,22 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     dtype: str = "float32"
     o_proj_bias: bool = False  # bias on the attention output projection (Llama/Qwen3 attention_bias)
+    # Multi-head latent attention (DeepSeek-V3); kv_lora_rank == 0: not MLA. head_dim is then
+    # the rotary part qk_rope_head_dim (what RoPE rotates), as in transformers.
+    q_lora_rank: Optional[int] = None  # None: a plain q projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary dims in interleaved pairs (DeepSeek's layout)
+    # DeepSeek-V3 routing: sigmoid scores, a per-expert correction bias for selection only,
+    # top-k within the best `topk_group` of `n_group` expert groups, scaled weights.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # shared experts (one FFN of n * moe_intermediate_size) in every MoE layer
+    mla_attention: str = "auto"  # MLA form: "auto" (absorbed for decode-only steps), "absorbed", "expanded"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -104,7 +131,13 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.mla_attention not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"mla_attention must be 'auto', 'absorbed' or 'expanded', got {self.mla_attention!r}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def model_type(self) -> str:
@@ -146,6 +179,8 @@ def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[Rope
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor={partial} (only full rotary embeddings)")
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type == "yarn" and model_type == "deepseek_v3":
+        return theta, _yarn(hf, merged, max_pos)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
@@ -163,10 +198,25 @@ def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[Rope
                               float(merged["high_freq_factor"]), int(original))
 
 
+def _yarn(hf: dict, params: dict, max_pos: int) -> RopeScaling:
+    """YaRN as transformers' `_compute_yarn_parameters` reads it (a top-level
+    `original_max_position_embeddings` wins; a missing factor is max / original)."""
+    original = int(hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_pos / original
+    attention_factor = params.get("attention_factor")
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                       attention_factor=None if attention_factor is None else float(attention_factor),
+                       truncate=bool(params.get("truncate", True)))
+
+
 def _sliding_window(hf: dict, model_type: str, num_layers: int) -> Optional[int]:
     """One window for all layers, or None; a mix of windowed and full layers is refused."""
     window = hf.get("sliding_window")
-    if model_type == "llama":
+    if model_type in ("llama", "deepseek_v3"):
         return None
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
@@ -220,8 +270,12 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     hidden = int(_require(hf, "hidden_size", arch))
     num_heads = int(_require(hf, "num_attention_heads", arch))
     num_kv = int(hf.get("num_key_value_heads") or num_heads)
+    if model_type == "deepseek_v3":
+        num_kv = num_heads  # MLA: every head has its own key and value (from the shared latent)
     num_layers = int(_require(hf, "num_hidden_layers", arch))
     head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    if model_type == "deepseek_v3":
+        head_dim = int(_require(hf, "qk_rope_head_dim", arch))  # the rotary dims (transformers' head_dim)
     max_pos = int(hf.get("max_position_embeddings") or 2048)
     theta, scaling = _rope(hf, model_type, max_pos)
 
@@ -243,16 +297,20 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         # Mixtral's softmax over the top-k logits equals the renormalised full softmax.
         moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
                    moe_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    elif model_type == "deepseek_v3":
+        from jaxllm.models.deepseek import deepseek_config_fields
+
+        moe = deepseek_config_fields(hf, arch)
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
-        if hf.get(key):
+        if hf.get(key) and model_type != "deepseek_v3":
             raise ValueError(f"unsupported option {key}={hf[key]!r} (shared experts)")
 
     attention_bias = bool(hf.get("attention_bias", False))
     o_proj_bias = attention_bias
     if model_type == "qwen2":
         attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases, never an o_proj bias
-    elif model_type == "mixtral" and attention_bias:
-        raise ValueError("unsupported attention_bias=True for MixtralForCausalLM")
+    elif model_type in ("mixtral", "deepseek_v3") and attention_bias:
+        raise ValueError(f"unsupported attention_bias=True for {arch}")
 
     if dtype is None or dtype == "auto":
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"

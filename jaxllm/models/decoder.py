@@ -2,6 +2,8 @@
 
 One implementation covers Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral: they differ only in
 flags of `ModelConfig` (q/k norm, q/k/v biases, sparse layers, RoPE scaling, window).
+DeepSeek-V3 (multi-head latent attention, grouped routing, shared experts) has its own
+layer loop in `jaxllm.models.deepseek`, entered from here.
 Parameters are a plain pytree passed to the step as an argument; its layout, shapes and
 logical axes are declared once in `jaxllm.models.weights`.
 
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kv_cache.spec import MhaKvCacheSpec, MhaLayerCache
+from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, moe_block
@@ -51,8 +53,12 @@ KVCache = list[MhaLayerCache]
 _REFERENCE_ATTENTION = reference_attention()
 
 
-def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> MhaKvCacheSpec:
-    """The cache layout of `config`'s attention (every supported architecture is MHA/GQA)."""
+def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> KvCacheSpec:
+    """The cache layout of `config`'s attention: a latent cache for MLA (DeepSeek-V3), else MHA/GQA."""
+    if config.is_mla:
+        from jaxllm.models.mla import mla_cache_spec
+
+        return mla_cache_spec(config, str(numpy_dtype(dtype or config.dtype)))
     return MhaKvCacheSpec(config.num_layers, config.num_kv_heads * kv_replicas, config.head_dim,
                           str(numpy_dtype(dtype or config.dtype)))
 
@@ -60,14 +66,14 @@ def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) 
 def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
                   mesh: Optional[jax.sharding.Mesh] = None) -> KVCache:
     """Per-layer zeroed caches (sharded by KV head over `mesh`, when given)."""
-    replicas = 1 if mesh is None else kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
+    replicas = 1 if mesh is None or config.is_mla else kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
     rules = None if mesh is None else _rules(config, mesh)
     return kv_cache_spec(config, dtype, replicas).init(num_blocks, tokens_per_block, mesh, rules)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: Optional[jax.sharding.Mesh] = None) -> int:
     """Bytes of cache one token occupies across all layers on one device."""
-    if mesh is None:
+    if mesh is None or config.is_mla:
         return kv_cache_spec(config, dtype).bytes_per_token()
     tp = tensor_parallel_size(mesh)
     return kv_cache_spec(config, dtype, kv_head_replicas(config.num_kv_heads, tp)).bytes_per_token(tp)
@@ -147,6 +153,11 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
 def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
                    attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
                    moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+    if config.is_mla:
+        from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
+
+        return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                      moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     if len(kv_cache) != config.num_layers:
         raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
     raw_moe_fn = moe_fn

@@ -128,7 +128,16 @@ def _choose_alternatives(header: _Header, decls: list[WeightDecl], config: Model
     """For each parameter, the one spelling the checkpoint uses, after checking names, shapes
     and dtypes from the headers alone (before any tensor data is read)."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
-    unexpected = sorted(n for n in header.shape if n not in known
+    if config.model_type == "deepseek_v3":
+        from jaxllm.models.deepseek import log_skipped_mtp, mtp_tensor_names
+
+        mtp = mtp_tensor_names(config, [n for n in header.shape if n not in known])
+        if mtp:
+            log_skipped_mtp(mtp)
+        known_or_skipped = set(mtp)
+    else:
+        known_or_skipped = set()
+    unexpected = sorted(n for n in header.shape if n not in known and n not in known_or_skipped
                         and not (config.tie_word_embeddings and n == "lm_head.weight")
                         and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:

@@ -80,15 +80,27 @@ def grouped_expert_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate:
 
 
 def route(x: jax.Array, router: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """The router of one layer: (weights float32 [T, k], expert ids int32 [T, k])."""
+    """The softmax router of one layer: (weights float32 [T, k], expert ids int32 [T, k])."""
     router_logits = jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)
     return route_topk(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
+
+
+def route_layer(x: jax.Array, p: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The router of a MoE layer's params `p`: softmax top-k, or DeepSeek-V3's grouped sigmoid
+    routing with its correction bias (`jaxllm.models.deepseek`), whose router runs in float32."""
+    if config.scoring_func != "sigmoid":
+        return route(x, p["router"], config)
+    from jaxllm.models.deepseek import route_grouped_sigmoid
+
+    router_logits = jnp.einsum("th,he->te", x.astype(jnp.float32), p["router"].astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+    return route_grouped_sigmoid(router_logits, p["router_bias"], config)
 
 
 def moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn,
               valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
-    weights, ids = route(x, p["router"], config)
+    weights, ids = route_layer(x, p, config)
     out = grouped_expert_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn, valid=valid)
     return out, ids

@@ -15,6 +15,8 @@ Parameter layout (the decoder's pytree):
 
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
     layers[i]: attn_norm [H], mlp_norm [H],
+      (DeepSeek-V3: attn is multi-head latent attention, moe adds router_bias [E] and the
+       layer has shared experts; see `jaxllm.models.deepseek.declare_mla_attention`)
       attn: q [H, Hq, D], k [H, Hkv', D], v [H, Hkv', D], o [Hq, D, H]
             (+ q_bias [Hq, D], k_bias / v_bias [Hkv', D] with attention_bias;
                o_bias [H] with o_proj_bias; q_norm / k_norm [D] with qk_norm)
@@ -136,29 +138,38 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
         pre, at = f"model.layers.{layer}", ("layers", layer, "attn")
         add(("layers", layer, "attn_norm"), (h,), ("embed",),
             single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))), "norm")
-        for proj, heads, axis, reps in (("q", hq, "heads", 1), ("k", hkv, "kv_heads", kv_replicas),
-                                        ("v", hkv, "kv_heads", kv_replicas)):
-            name = f"{pre}.self_attn.{proj}_proj"
-            add(at + (proj,), (h, heads * reps, d), ("embed", axis, "head_dim"),
-                single(f"{name}.weight", (heads * d, h), Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)),
-                "linear")
-            if c.attention_bias:
-                add(at + (f"{proj}_bias",), (heads * reps, d), (axis, "head_dim"),
-                    single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
+        if c.is_mla:
+            from jaxllm.models.deepseek import declare_mla_attention
+
+            declare_mla_attention(add, c, layer)
+        else:
+            for proj, heads, axis, reps in (("q", hq, "heads", 1), ("k", hkv, "kv_heads", kv_replicas),
+                                            ("v", hkv, "kv_heads", kv_replicas)):
+                name = f"{pre}.self_attn.{proj}_proj"
+                add(at + (proj,), (h, heads * reps, d), ("embed", axis, "head_dim"),
+                    single(f"{name}.weight", (heads * d, h),
+                           Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)), "linear")
+                if c.attention_bias:
+                    add(at + (f"{proj}_bias",), (heads * reps, d), (axis, "head_dim"),
+                        single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
+                        "bias")
+            add(at + ("o",), (hq, d, h), ("heads", "head_dim", "embed"),
+                single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))), "linear")
+            if c.o_proj_bias:
+                add(at + ("o_bias",), (h,), ("embed",), single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
                     "bias")
-        add(at + ("o",), (hq, d, h), ("heads", "head_dim", "embed"),
-            single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))), "linear")
-        if c.o_proj_bias:
-            add(at + ("o_bias",), (h,), ("embed",), single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
-                "bias")
-        if c.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                add(at + (norm,), (d,), ("head_dim",),
-                    single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))), "norm")
+            if c.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    add(at + (norm,), (d,), ("head_dim",),
+                        single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))), "norm")
         add(("layers", layer, "mlp_norm"), (h,), ("embed",),
             single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))), "norm")
         if c.is_moe_layer(layer):
             _declare_experts(add, c, layer, (slot_assignments or {}).get(layer))
+            if c.model_type == "deepseek_v3":
+                from jaxllm.models.deepseek import declare_moe_extras
+
+                declare_moe_extras(add, c, layer)
         else:
             inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
             for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):

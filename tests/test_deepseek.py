@@ -1,0 +1,319 @@
+"""DeepSeek-V3: multi-head latent attention over the paged latent cache, grouped sigmoid
+routing with the correction bias, shared experts, against Hugging Face transformers
+(tiny random f32 DeepseekV3ForCausalLM checkpoints), and in the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxllm.kv_cache.spec import MhaKvCacheSpec, MlaKvCacheSpec  # noqa: E402
+from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params  # noqa: E402
+from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
+
+TOL = 1e-4
+
+BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
+            v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+        "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+VARIANTS = {
+    "q_lora": BASE,
+    "plain_q": dict(BASE, q_lora_rank=None, n_shared_experts=2, norm_topk_prob=False),
+    "yarn": dict(BASE, rope_parameters=YARN),
+}
+# The engine's model: 8 heads and 16 experts, for tensor and expert parallelism over 8 devices.
+ENGINE = dict(BASE, vocab_size=256, hidden_size=64, num_attention_heads=8, kv_lora_rank=32, qk_rope_head_dim=16,
+              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=32,
+              intermediate_size=128)
+
+
+def build_hf(kwargs: dict, seed: int = 0, bias_scale: float = 0.2):
+    """A random DeepseekV3ForCausalLM with decisive logits and a nonzero correction bias."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                gain = 3.0 if "lm_head" in name else 2.0 if name.endswith("gate.weight") else 1.0
+                p.copy_(noise * gain / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(bias_scale * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def write_checkpoint(directory: Path, kwargs: dict, seed: int = 0, tokenizer: bool = False):
+    """Save a random DeepSeek-V3 checkpoint (and the tiny-moe tokenizer); returns the HF model."""
+    import shutil
+
+    from jaxllm.models import materialize_preset
+
+    model = build_hf(kwargs, seed)
+    model.save_pretrained(directory)
+    if tokenizer:
+        preset = materialize_preset("tiny-moe")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (preset / name).exists():
+                shutil.copy(preset / name, directory / name)
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([list(tokens)])).logits[0].double().numpy()
+
+
+class Loaded:
+    def __init__(self, variant: str, root: Path) -> None:
+        self.dir = root / variant
+        self.hf = write_checkpoint(self.dir, VARIANTS[variant])
+        self.config = load_model_config(self.dir)
+        self.params = load_params(self.dir, self.config)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    cache: dict[str, Loaded] = {}
+
+    def get(variant: str) -> Loaded:
+        if variant not in cache:
+            cache[variant] = Loaded(variant, root)
+        return cache[variant]
+
+    return get
+
+
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def test_config_reads_mla_routing_and_yarn(loaded):
+    c = loaded("yarn").config
+    assert (c.architecture, c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
+        "DeepseekV3ForCausalLM", 16, 24, 12, 8, 10)
+    assert (c.n_group, c.topk_group, c.routed_scaling_factor, c.n_shared_experts, c.scoring_func) == (
+        4, 2, 2.5, 1, "sigmoid")
+    assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True] and c.rope_interleave
+    assert c.rope_scaling.rope_type == "yarn" and c.rope_scaling.factor == 4.0 and c.rope_scaling.mscale == 0.707
+    assert loaded("plain_q").config.q_lora_rank is None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_logits_match_hf_absorbed_and_expanded(loaded, variant):
+    m = loaded(variant)
+    tokens = prompt(1, 13, m.config.vocab_size)
+    ref = hf_logits(m.hf, tokens)
+    assert ref.std() > 0.5, "test model has near-uniform logits"
+    table = random_block_table(np.random.default_rng(0), 32, 8)
+    out = {}
+    for mode in ("absorbed", "expanded"):
+        out[mode], _ = PagedModel(m.params, replace(m.config, mla_attention=mode)).all_logits(
+            [SeqChunk(tokens, 0, table)])
+        assert rel_err(out[mode], ref) < TOL, mode
+    assert rel_err(out["absorbed"], out["expanded"]) < 1e-5
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_prefill_and_greedy_decode_match_hf_teacher_forcing(loaded, variant):
+    """Auto mode: chunks run expanded, single-token steps absorbed, over one latent cache."""
+    m = loaded(variant)
+    runner = PagedModel(m.params, m.config)
+    table = random_block_table(np.random.default_rng(1), runner.num_blocks, runner.max_blocks_per_seq)
+    tokens = prompt(2, 11, m.config.vocab_size)
+    _, runner.cache = runner.step([SeqChunk(tokens[:6], 0, table)])
+    logits, runner.cache = runner.step([SeqChunk(tokens[6:], 6, table)])
+    seq, step_logits = list(tokens), []
+    for _ in range(10):
+        step_logits.append(logits[0])
+        seq.append(int(np.argmax(logits[0])))
+        logits, runner.cache = runner.step([SeqChunk(seq[-1:], len(seq) - 1, table)])
+    ref = hf_logits(m.hf, seq)
+    scale = np.abs(ref).max()
+    assert len(set(seq[len(tokens):])) > 1, "greedy output is one repeated token"
+    for j, pos in enumerate(range(len(tokens) - 1, len(seq) - 1)):
+        chosen = seq[pos + 1]
+        assert ref[pos, chosen] >= ref[pos].max() - TOL * scale, f"step {j}: token {chosen} is not HF's argmax"
+        assert rel_err(step_logits[j], ref[pos]) < TOL, f"step {j}"
+
+
+def test_correction_bias_changes_expert_selection_and_parity_holds(loaded):
+    """The bias enters the choice only, so HF's logits move with it only through a changed
+    selection; ours follow HF both with and without it."""
+    m = loaded("q_lora")
+    tokens = prompt(3, 13, m.config.vocab_size)
+    with_bias = hf_logits(m.hf, tokens)
+    params = load_params(m.dir, m.config)
+    for layer in range(1, m.config.num_layers):
+        params["layers"][layer]["moe"]["router_bias"] = params["layers"][layer]["moe"]["router_bias"] * 0
+    saved = {n: b.clone() for n, b in m.hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    try:
+        for name, b in m.hf.named_buffers():
+            if name in saved:
+                b.zero_()
+        without_bias = hf_logits(m.hf, tokens)
+    finally:
+        for name, b in m.hf.named_buffers():
+            if name in saved:
+                b.copy_(saved[name])
+    assert rel_err(without_bias, with_bias) > 1e-2, "the correction bias did not change any expert choice"
+    table = random_block_table(np.random.default_rng(2), 32, 8)
+    ours_with, _ = PagedModel(m.params, m.config).all_logits([SeqChunk(tokens, 0, table)])
+    ours_without, _ = PagedModel(params, m.config).all_logits([SeqChunk(tokens, 0, table)])
+    assert rel_err(ours_with, with_bias) < TOL and rel_err(ours_without, without_bias) < TOL
+
+
+def test_mixed_prefill_and_decode_batch_matches_separate_runs(loaded):
+    m = loaded("q_lora")
+    runner = PagedModel(m.params, m.config)
+    rng = np.random.default_rng(4)
+    table_b = random_block_table(rng, runner.num_blocks, 4)
+    table_a = random_block_table(rng, runner.num_blocks, 4, exclude=table_b)
+    a, b = prompt(5, 9, m.config.vocab_size), prompt(6, 6, m.config.vocab_size)
+    _, cache = runner.step([SeqChunk(b[:-1], 0, table_b)])
+    chunk_a, chunk_b = SeqChunk(a, 0, table_a), SeqChunk(b[-1:], len(b) - 1, table_b)
+    both, _ = runner.step([chunk_a, chunk_b], cache)
+    alone_a, _ = runner.step([chunk_a], cache)
+    alone_b, _ = runner.step([chunk_b], cache)
+    assert rel_err(both[0], alone_a[0]) < 1e-5 and rel_err(both[1], alone_b[0]) < 1e-5
+    assert rel_err(both[1], hf_logits(m.hf, b)[-1]) < TOL
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_log_line(loaded, tmp_path, caplog):
+    from safetensors.numpy import load_file, save_file
+
+    m = loaded("plain_q")
+    directory = tmp_path / "with_mtp"
+    directory.mkdir()
+    (directory / "config.json").write_text((m.dir / "config.json").read_text())
+    tensors = load_file(str(m.dir / "model.safetensors"))
+    n, h = m.config.num_layers, m.config.hidden_size
+    tensors[f"model.layers.{n}.eh_proj.weight"] = np.ones((h, 2 * h), np.float32)
+    tensors[f"model.layers.{n}.enorm.weight"] = np.ones((h,), np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="jaxllm.models.deepseek"):
+        params = load_params(directory, m.config)
+    assert "skipping 2 multi-token-prediction tensors (layers 3)" in caplog.text
+    assert len(params["layers"]) == n
+    tensors["model.layers.0.self_attn.stray.weight"] = np.ones((2,), np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensors.*stray"):
+        load_params(directory, m.config)
+
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3, without its fp8 quantization_config).
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, ep_size=1,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu",
+    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False,
+    torch_dtype="bfloat16", attention_bias=False, bos_token_id=0, eos_token_id=1,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"})
+
+
+def test_latent_cache_bytes_per_token_for_deepseek_v3():
+    """The module docstring's figures: 70,272 B per token vs 4,997,120 B for full K/V (71.1x)."""
+    config = ModelConfig.from_hf_config(DEEPSEEK_V3)
+    assert config.is_mla and config.dtype == "bfloat16" and config.rope_scaling.factor == 40
+    latent = kv_cache_bytes_per_token(config, "bfloat16")
+    assert latent == MlaKvCacheSpec(61, 512, 64, "bfloat16").bytes_per_token() == 61 * 576 * 2 == 70272
+    # Full K/V for the same attention: K 192 (nope + rope) and V 128 wide per head, i.e. 2 x 160 on average.
+    full = MhaKvCacheSpec(61, 128, (192 + 128) // 2, "bfloat16").bytes_per_token()
+    assert full == 61 * 128 * (192 + 128) * 2 == 4997120
+    assert round(full / latent, 1) == 71.1
+
+
+def test_grouped_routing_keeps_experts_within_the_best_groups():
+    import jax.numpy as jnp
+
+    from jaxllm.models.deepseek import route_grouped_sigmoid
+
+    config = ModelConfig.from_hf_config(DEEPSEEK_V3)
+    logits = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
+    bias = np.random.default_rng(1).normal(scale=0.1, size=256).astype(np.float32)
+    weights, ids = (np.asarray(a) for a in route_grouped_sigmoid(jnp.asarray(logits), jnp.asarray(bias), config))
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    choice = (scores + bias).reshape(64, 8, 32)
+    group_scores = np.sort(choice, axis=-1)[..., -2:].sum(-1)
+    for t in range(64):
+        best = set(np.argsort(-group_scores[t])[:4])
+        assert {int(e) // 32 for e in ids[t]} <= best
+        allowed = np.concatenate([np.arange(g * 32, g * 32 + 32) for g in sorted(best)])
+        top = allowed[np.argsort(-(scores[t] + bias)[allowed])[:8]]
+        assert set(ids[t].tolist()) == set(top.tolist())
+        expected = scores[t, ids[t]] / scores[t, ids[t]].sum() * 2.5
+        np.testing.assert_allclose(weights[t], expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+def _engine_outputs(engine, prompts_by_step: dict[int, list[list[int]]], max_tokens: int) -> dict[int, list[int]]:
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs: dict[int, list[int]] = {}
+    step = 0
+    while step in prompts_by_step or engine.has_unfinished_requests() or step < max(prompts_by_step):
+        for p in prompts_by_step.get(step, []):
+            engine.add_request(p, params)
+        for update in engine.step():
+            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+        step += 1
+    return outputs
+
+
+def staggered_prompts(vocab: int, seed: int = 11) -> dict[int, list[list[int]]]:
+    """Long prompts (chunked at 32 tokens) and two sharing a 24-token prefix that the cache holds."""
+    rng = np.random.default_rng(seed)
+
+    def p(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, vocab, n)]
+
+    shared = p(24)
+    return {0: [p(45), p(5)], 2: [shared + p(9)], 6: [shared + p(14), p(20)]}
+
+
+def test_engine_in_flight_batching_matches_one_request_at_a_time_and_hf(tmp_path):
+    from tests.parallel_workload import small_engine
+
+    hf = write_checkpoint(tmp_path / "ds", ENGINE, seed=3, tokenizer=True)
+    engine = small_engine(tmp_path / "ds", tmp_path / "ds")
+    arrivals = staggered_prompts(ENGINE["vocab_size"])
+    batched = _engine_outputs(engine, arrivals, max_tokens=7)
+    stats = engine.iteration_stats
+    assert any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+               for s in stats), "no step mixed prefill and decode"
+    assert engine.kv_cache_manager.get_kv_cache_stats().reused_blocks > 0
+    prompts = [p for step in sorted(arrivals) for p in arrivals[step]]
+    alone = {}
+    for p in prompts:
+        alone.update(_engine_outputs(engine, {0: [p]}, max_tokens=7))
+    ids = sorted(batched)
+    assert [batched[i] for i in ids] == [alone[i] for i in sorted(alone)]
+    for p, i in zip(prompts, ids):
+        ref = hf_logits(hf, p + batched[i])
+        scale = np.abs(ref).max()
+        for j, token in enumerate(batched[i]):
+            row = ref[len(p) - 1 + j]
+            assert row[token] >= row.max() - TOL * scale, f"request {i} token {j}"
