@@ -27,6 +27,7 @@ BENCHMARKS = {
     "kernels": "jaxllm.bench.kernels",
     "eplb": "jaxllm.bench.eplb",
     "ep": "jaxllm.bench.ep",
+    "eplb-online": "jaxllm.bench.eplb_online",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -42,6 +43,8 @@ BENCHMARK_HELP = {
             "hierarchical and balanced EPLB, on held-out iterations (host only)",
     "ep": "expert-parallel model step time per dispatch mode (all_to_all, allgather) and token bucket, next "
           "to one device and TP only (8 CPU devices by default)",
+    "eplb-online": "the online expert load balancer on EP MoE layers while the hot experts switch: imbalance "
+                   "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
 }
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.

@@ -73,7 +73,8 @@ class MoeConfig:
 
     `load_balancer` is the expert placement loaded at start: a `MoeLoadBalancerConfig`
     (`sharding.eplb.config`), its fields as a dict, or the path of the YAML that
-    `jaxllm eplb generate-config` writes. `dispatch` picks how tokens reach the ranks that
+    `jaxllm eplb generate-config` writes; with `layer_updates_per_iter > 0` the online
+    balancer keeps rebalancing it while serving (`jaxllm.engine.load_balancer`). `dispatch` picks how tokens reach the ranks that
     hold their experts ("auto": by the step's token bucket); `capacity_factor` opts into
     a capacity-limited all_to_all that drops (and counts) overflow rows.
     """
@@ -87,9 +88,6 @@ class MoeConfig:
             from sharding.eplb.config import load_eplb_config
 
             self.load_balancer = load_eplb_config(self.load_balancer)
-            if self.load_balancer.layer_updates_per_iter:
-                raise ValueError("load_balancer.layer_updates_per_iter > 0 asks for the online balancer, "
-                                 "which is not available yet; use 0 (a static placement)")
         if self.dispatch not in MOE_DISPATCH_MODES:
             raise ValueError(f"moe dispatch must be one of {MOE_DISPATCH_MODES}, got {self.dispatch!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:

@@ -39,6 +39,7 @@ from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arr
 from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
@@ -51,6 +52,7 @@ from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, c
 from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
 from sharding import make_mesh
+from sharding.mesh import expert_parallel_size
 from sharding.ep_moe import EpMoeOptions
 from sharding.eplb.statistics import ExpertStatisticsWriter
 
@@ -87,6 +89,7 @@ class _PendingStep:
     stats: dict
     iteration: int = 0
     expert_counts: Any = None  # device array of the step's expert counts, when statistics are recorded
+    slot_tables: Optional[dict] = None  # MoE layer -> slot table the step ran with (online balancer)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -147,10 +150,16 @@ class LLMEngine:
                                max_seq_len=self.max_seq_len)
         self.attention_backend, self.moe_backend, attention_fn, moe_fn = resolve_backends(
             config.attention_backend, config.moe_backend)
+        online = balancer is not None and balancer.layer_updates_per_iter > 0
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
                                   moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh,
-                                  moe_options=moe_options, moe_stats=self.expert_statistics is not None)
+                                  moe_options=moe_options, moe_stats=self.expert_statistics is not None or online)
+        # Online expert load balancing: placements recomputed in the background, slots rewritten in place.
+        self.load_balancer = OnlineLoadBalancer(
+            config=balancer, params=self.runner.params, moe_layers=moe_layers,
+            num_experts=self.model_config.num_experts, ep_size=expert_parallel_size(self.mesh),
+            mesh=self.mesh) if online else None
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
@@ -216,6 +225,8 @@ class LLMEngine:
         outputs = [self.runner.sample(logits, sampling) for sampling in samplings]
         for out in outputs:
             np.asarray(out.token_ids)
+        if self.load_balancer is not None:
+            self.load_balancer.warm_up(self.runner.params)
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
@@ -354,10 +365,15 @@ class LLMEngine:
             except Exception as exc:
                 self._failed += self._fail(output.all_requests(), exc, "building a step")
                 return None
+        balancer = self.load_balancer
+        updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
         sampler_output = self.runner.execute(plan)
+        if balancer is not None:
+            balancer.after_forward(self.runner.last_expert_counts)
         iteration = self.iteration  # index of this step (stats are recorded once it is dispatched)
         writer = self.expert_statistics
-        expert_counts = self.runner.last_expert_counts if writer is not None and writer.wants(iteration) else None
+        wanted = balancer is not None or (writer is not None and writer.wants(iteration))
+        expert_counts = self.runner.last_expert_counts if wanted else None
         rows = output.all_requests()
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
@@ -372,7 +388,10 @@ class LLMEngine:
                 "numCtxTokens": plan.num_context_tokens,
             },
         }
-        return _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts)
+        if balancer is not None:
+            stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
+        return _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
+                            balancer.tables if balancer is not None else None)
 
     def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
         """The requests of a step whose plan cannot be built even alone."""
@@ -393,7 +412,11 @@ class LLMEngine:
         self._wait_seconds += time.perf_counter() - wait_start
         writer = self.expert_statistics
         if pending.expert_counts is not None:
-            writer.record(pending.iteration, np.asarray(pending.expert_counts))
+            counts = np.asarray(pending.expert_counts)
+            if self.load_balancer is not None:  # per slot: the placement changes while recording
+                counts = self.load_balancer.observe(counts, pending.slot_tables)
+            if writer is not None and writer.wants(pending.iteration):
+                writer.record(pending.iteration, counts)
         if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
             writer.save()
         logprobs = None
@@ -444,6 +467,12 @@ class LLMEngine:
         iteration range ends)."""
         if self.expert_statistics is not None:
             self.expert_statistics.save()
+
+    def close(self) -> None:
+        """Write pending statistics and stop the load balancer's placement thread."""
+        self.close_statistics()
+        if self.load_balancer is not None:
+            self.load_balancer.close()
 
     def _record_stats(self, stats: dict) -> None:
         self.iteration += 1

@@ -441,9 +441,9 @@ class GenerationExecutor:
         self._closed = True
         self._core.stop()
         self._core.join(timeout)
-        close_statistics = getattr(self._engine, "close_statistics", None)
-        if close_statistics is not None:  # expert statistics recorded so far (EXPERT_STATISTIC_PATH)
-            close_statistics()
+        close = getattr(self._engine, "close", None) or getattr(self._engine, "close_statistics", None)
+        if close is not None:  # expert statistics recorded so far; the load balancer's thread
+            close()
         if threading.current_thread() is not self._output_thread:
             self._output_thread.join(timeout)
         _live_executors.discard(self)

@@ -8,12 +8,17 @@ YAML layout is TensorRT-LLM's::
     initial_global_assignments:
       0: [12, 3, 40, ...]     # layer -> expert id per global slot, length num_slots
     layer_updates_per_iter: 0  # 0 = static placement; k > 0 = online, k layers per step
+
+With k > 0 the online balancer (`jaxllm.engine.load_balancer`) also reads
+`placement_algorithm` (greedy: fast enough to follow the traffic), `min_imbalance_gain`
+(skip an update whose predicted imbalance gain is smaller) and `minimize_moves` (lay a new
+placement onto the current one so that the fewest slots are rewritten).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
@@ -27,11 +32,25 @@ class MoeLoadBalancerConfig:
     num_slots: Optional[int] = None
     initial_global_assignments: dict[int, list[int]] = field(default_factory=dict)
     layer_updates_per_iter: int = 0
+    # Online balancer only (layer_updates_per_iter > 0):
+    placement_algorithm: str = "greedy"
+    min_imbalance_gain: float = 0.02  # predicted (max - mean) / mean drop below which an update is skipped
+    minimize_moves: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_updates_per_iter is None or int(self.layer_updates_per_iter) < 0:
             raise ValueError(f"layer_updates_per_iter must be >= 0, got {self.layer_updates_per_iter!r}")
         self.layer_updates_per_iter = int(self.layer_updates_per_iter)
+        from sharding.eplb.placement import ALGORITHMS
+
+        if self.placement_algorithm not in ALGORITHMS:
+            raise ValueError(f"placement_algorithm must be one of {list(ALGORITHMS)}, got {self.placement_algorithm!r}")
+        try:
+            self.min_imbalance_gain = float(self.min_imbalance_gain)
+        except (TypeError, ValueError):
+            raise ValueError(f"min_imbalance_gain must be a number, got {self.min_imbalance_gain!r}") from None
+        if not isinstance(self.minimize_moves, bool):
+            raise ValueError(f"minimize_moves must be true or false, got {self.minimize_moves!r}")
         if self.num_slots is not None:
             if int(self.num_slots) <= 0:
                 raise ValueError(f"num_slots must be positive, got {self.num_slots!r}")
@@ -65,6 +84,7 @@ class MoeLoadBalancerConfig:
             raise ValueError(f"num_slots={self.num_slots} is smaller than the {num_experts} experts")
 
     def to_dict(self) -> dict[str, Any]:
+        """The reference file's fields (the online options are read, not written)."""
         return {
             "num_slots": self.num_slots,
             "initial_global_assignments": {int(k): [int(e) for e in v]
@@ -103,7 +123,7 @@ def load_eplb_config(source: Union[str, os.PathLike, Mapping[str, Any], MoeLoadB
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a mapping with num_slots and initial_global_assignments")
         data = dict(data)
-    known = {"num_slots", "initial_global_assignments", "layer_updates_per_iter"}
+    known = {f.name for f in fields(MoeLoadBalancerConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown expert load balancer field(s) {unknown}; expected {sorted(known)}")

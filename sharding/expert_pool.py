@@ -1,0 +1,56 @@
+"""The host-memory pool of every expert's weights, the source of online slot rewrites.
+
+The online balancer copies an expert into a slot from here, never from another device's
+slot: a device only ever receives the rows of its own slots, and no collective runs
+between devices for a rebalance. One pool serves all the EP ranks this process drives
+(one copy per node, as TensorRT-LLM shares its pool between a node's ranks).
+
+The pool is built from the slot buffers themselves (every expert holds at least one slot,
+so the slots contain every expert), which keeps it independent of the checkpoint format
+and of the model: any MoE layer stored as slots qualifies. Arrays are plain numpy
+(pageable memory); a device receives each piece with one host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import jax
+import numpy as np
+
+# The slot-stacked weights of an expert-parallel MoE layer (`sharding.ep_moe.ep_moe_block`
+# reads these names): [num_slots, ...], dimension 0 split over the expert axis.
+SLOT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+@dataclass
+class ExpertWeightPool:
+    """weights[layer][name]: numpy [num_experts, ...], expert e's rows of that slot-stacked weight."""
+
+    weights: dict[int, dict[str, np.ndarray]]
+
+    @classmethod
+    def from_slots(cls, layers: Mapping[int, Mapping[str, jax.Array]], tables: Mapping[int, np.ndarray],
+                   num_experts: int) -> "ExpertWeightPool":
+        """Gather each expert's rows from the first slot holding it (layers: MoE layer -> {name: slot buffer})."""
+        weights: dict[int, dict[str, np.ndarray]] = {}
+        for layer, buffers in layers.items():
+            table = np.asarray(tables[layer])
+            experts, first = np.unique(table, return_index=True)
+            if experts.size != num_experts:
+                raise ValueError(f"layer {layer}: the slots hold {experts.size} of the {num_experts} experts")
+            weights[layer] = {name: np.ascontiguousarray(np.asarray(buffer)[first])
+                              for name, buffer in buffers.items()}
+        return cls(weights)
+
+    def rows(self, layer: int, name: str) -> np.ndarray:
+        return self.weights[layer][name]
+
+    def row_bytes(self, layer: int) -> int:
+        """Bytes of one expert's weights in one layer (all its slot-stacked arrays)."""
+        return int(sum(w[0].nbytes for w in self.weights[layer].values()))
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(w.nbytes for layer in self.weights.values() for w in layer.values()))
