@@ -66,4 +66,15 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
         return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
                              check_vma=False)(x, group_sizes, w_gate, w_up, w_down)
 
+    fused = getattr(moe_fn, "fused", None)
+    if fused is not None:  # the kernel that gathers rows and combines (jaxllm.models.moe), split the same way
+        def fused_body(x, ids, weights, w_gate, w_up, w_down):
+            y = fused(x, ids, weights, w_gate, w_up, w_down)
+            return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
+
+        def fused_sharded(x, ids, weights, w_gate, w_up, w_down):
+            return jax.shard_map(fused_body, mesh=mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec),
+                                 out_specs=P(), check_vma=False)(x, ids, weights, w_gate, w_up, w_down)
+
+        sharded.fused = fused_sharded
     return sharded

@@ -12,6 +12,7 @@ on this CPU-only machine; they catch GPU-only rule violations that interpret mod
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,14 +21,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_grouped_gemm import GemmTiling, MoeTiling, moe_grouped_ffn, moe_grouped_ffn_reference
-from pallas_kernels.moe_grouped_gemm.kernel import moe_forward
+from pallas_kernels.moe_grouped_gemm import (
+    GemmTiling,
+    MoeTiling,
+    moe_fused_ffn,
+    moe_fused_ffn_reference,
+    moe_grouped_ffn,
+    moe_grouped_ffn_reference,
+)
+from pallas_kernels.moe_grouped_gemm.kernel import default_tiling as default_moe_tiling
+from pallas_kernels.moe_grouped_gemm.kernel import moe_forward, moe_fused_forward
 from pallas_kernels.ragged_paged_attention import (
     AttentionTiling,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
 from pallas_kernels.ragged_paged_attention.kernel import attention_forward
+from pallas_kernels.triton_backend import cuda_lowering_target
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -205,8 +215,17 @@ def test_attention_public_function_inside_jit():
     assert np.all(np.asarray(out[7:]) == 0.0)
 
 
+def _jax_paged_attention():
+    """JAX's GPU paged_attention, a peer for decode; deprecated (in favour of tokamax) on jax >= 0.11."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
+                                category=DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    return paged_attention
+
+
 def test_attention_matches_jax_paged_attention_on_decode():
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    paged_attention = _jax_paged_attention()
 
     lens = [1, 8, 9, 61, 33, 16]
     case = make_attention_case(10, [1] * len(lens), lens, num_tokens=len(lens), num_seq_slots=len(lens))
@@ -220,6 +239,35 @@ def test_attention_matches_jax_paged_attention_on_decode():
             case.q, case.k_kernel, case.v_kernel, case.kv_lens, case.block_tables, case.cu_q_lens,
             case.num_seqs, sm_scale=sm_scale, interpret=True, tiling=tiling)
         assert rel_err(out, theirs) < F32_TOL
+
+
+def test_attention_clamps_bad_metadata():
+    """Metadata the engine never produces must not make the kernel leave its buffers: block-table
+    ids out of range (both signs), a last sequence running past the bucket (`cu_q_lens[n] > T`),
+    a KV length past the block table's capacity, `num_seqs > S`. The kernel clamps as the
+    reference does; every cache slot is finite here, so the outputs must agree."""
+    case = make_attention_case(11, [3, 1, 6], [9, 61, 20], num_tokens=10, num_seq_slots=3)
+    q = case.q[:8]  # the bucket holds 8 tokens; cu_q_lens still says 10
+    num_blocks, max_blocks, tpb = case.k_ref.shape[1], case.block_tables.shape[1], case.k_ref.shape[2]
+    tables = case.block_tables.copy()
+    tables[0, 0], tables[1, 7], tables[2, 1] = num_blocks + 5, -3, 10**6
+    kv_lens = case.kv_lens.copy()
+    kv_lens[1] = max_blocks * tpb + 40
+    meta = (kv_lens, tables, case.cu_q_lens, np.array([7], np.int32))
+    opts = dict(sm_scale=0.125)
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))(q, case.k_ref, case.v_ref, *meta)
+    for tiling in (SMALL, SPLIT):
+        out, raw = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, interpret=True,
+                                             poison_outputs=True))(q, case.k_ref, case.v_ref, *meta)
+        assert_all_written(raw)
+        assert rel_err(out, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("field,value", [("block_m", 48), ("block_k", 8), ("num_warps", 3), ("num_kv_splits", 0)])
+def test_attention_tiling_refuses_invalid_sizes_up_front(field, value):
+    kw = dict(block_m=16, block_k=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match=field):
+        AttentionTiling(**{**kw, field: value})
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -251,6 +299,8 @@ def check_moe(args, tiling: Optional[MoeTiling], tol: float = F32_TOL) -> None:
 
 
 MOE_SMALL = MoeTiling(GemmTiling(16, 32, 32, 4, 2), GemmTiling(16, 32, 32, 4, 2))
+# Split-K in the down projection: 96 / 16 = 6 K steps over 4 splits (the last one short).
+MOE_SPLIT_K = MoeTiling(GemmTiling(16, 32, 32, 4, 2), GemmTiling(16, 32, 16, 4, 2, num_k_splits=4))
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)], ids=["f32", "bf16"])
@@ -264,9 +314,70 @@ def test_moe_one_group_and_no_padding():
     check_moe(make_moe_case(1, [0, 48, 0], num_rows=48), MOE_SMALL)
 
 
+def test_moe_split_k_down_projection():
+    check_moe(make_moe_case(5, [0, 5, 21, 0, 1, 17, 0, 9, 0], num_rows=64), MOE_SPLIT_K)
+
+
+def make_fused_case(seed: int, num_tokens: int, num_valid: int, num_experts: int, top_k: int, hidden: int = 64,
+                    inter: int = 96, dtype=np.float32):
+    """Tokens routed to distinct experts each (top-k of random scores, skewed so some experts
+    are hot and some empty); tokens past `num_valid` are padding (every id out of range)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((num_tokens, num_experts)) + np.linspace(0, 3, num_experts)
+    ids = np.argsort(-scores, axis=1)[:, :top_k].astype(np.int32)
+    ids[num_valid:] = rng.choice([num_experts, -1, num_experts + 7], size=(num_tokens - num_valid, top_k))
+    weights = rng.uniform(0.1, 1.0, (num_tokens, top_k))
+    x, _, w_gate, w_up, w_down = make_moe_case(seed, [0] * num_experts, num_tokens, hidden, inter, dtype)
+    return x, jnp.asarray(ids), jnp.asarray(weights, jnp.float32), w_gate, w_up, w_down
+
+
+def check_fused_moe(args, tiling: Optional[MoeTiling], tol: float = F32_TOL) -> None:
+    kernel = jax.jit(functools.partial(moe_fused_forward, tiling=tiling, interpret=True, poison_outputs=True))
+    out, hidden = kernel(*args)
+    ref = jax.jit(moe_fused_ffn_reference)(*args)
+    valid_rows = int(np.sum((np.asarray(args[1]) >= 0) & (np.asarray(args[1]) < args[3].shape[0])))
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    assert_all_written(hidden[:valid_rows])
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err} >= {tol}"
+    padding = np.all((np.asarray(args[1]) < 0) | (np.asarray(args[1]) >= args[3].shape[0]), axis=1)
+    assert np.all(np.asarray(out)[padding] == 0.0), "padding tokens must be zero"
+
+
+@pytest.mark.parametrize("tiling", [MOE_SMALL, MOE_SPLIT_K, None], ids=["small", "split_k", "default"])
+def test_moe_fused_gather_and_weighted_combine(tiling):
+    # 24 tokens (3 padding) x top-3 over 8 experts: hot, cold and empty experts, straddling tiles.
+    check_fused_moe(make_fused_case(6, num_tokens=24, num_valid=21, num_experts=8, top_k=3), tiling)
+
+
+def test_moe_fused_bf16_decode_and_public_function():
+    args = make_fused_case(7, num_tokens=2, num_valid=2, num_experts=16, top_k=4, dtype=jnp.bfloat16)
+    check_fused_moe(args, None, BF16_TOL)
+    out = jax.jit(functools.partial(moe_fused_ffn, interpret=True))(*args)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, jax.jit(moe_fused_ffn_reference)(*args)) < BF16_TOL
+
+
+@pytest.mark.parametrize("num_rows,num_groups,hidden,inter", [
+    (8, 128, 2048, 768), (2048, 128, 2048, 768), (2, 8, 4096, 14336), (512, 8, 4096, 14336),
+    (8, 256, 7168, 2048), (65536, 128, 2048, 768)])
+def test_moe_default_tiling_fits_registers_and_small_batches(num_rows, num_groups, hidden, inter):
+    tiling = default_moe_tiling(num_rows, num_groups, hidden, inter)
+    assert tiling.gate_up.acc_regs_per_thread(2) <= 128 and tiling.down.acc_regs_per_thread(1) <= 128
+    if num_rows <= num_groups:  # decode: one row per group
+        assert tiling.gate_up.block_m == 16
+
+
 def test_moe_single_token_and_all_empty():
     check_moe(make_moe_case(2, [0, 1, 0, 0], num_rows=1), MOE_SMALL)
     check_moe(make_moe_case(3, [0, 0, 0, 0], num_rows=8), MOE_SMALL)
+
+
+@pytest.mark.parametrize("field,value", [("block_m", 24), ("block_n", 96), ("block_k", 8), ("num_warps", 6)])
+def test_moe_tiling_refuses_invalid_sizes_up_front(field, value):
+    kw = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match=field):
+        GemmTiling(**{**kw, field: value})
 
 
 def test_moe_public_function_default_tiling_inside_jit():
@@ -281,7 +392,8 @@ def test_moe_public_function_default_tiling_inside_jit():
 
 
 def _lower_for_cuda(fn, *specs) -> str:
-    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_lowering_target():
+        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, "no Triton kernel in the lowering"
     return text
 
@@ -314,21 +426,46 @@ def test_attention_lowers_for_cuda(num_tokens, num_seq_slots, hq, hkv, head_dim,
 
 
 @pytest.mark.parametrize(
-    "num_rows,num_groups,hidden,inter,dtype",
+    "num_tokens,top_k,num_groups,hidden,inter,dtype",
     [
-        (4096, 64, 2048, 768, jnp.bfloat16),  # E 64 top-8, 512 tokens
-        (64, 64, 2048, 768, jnp.bfloat16),  # decode: 8 tokens x top-8
-        (65536, 128, 2048, 768, jnp.bfloat16),  # large batch: 128-row tiles
-        (256, 8, 4096, 14336, jnp.bfloat16),  # Mixtral-like, top-2
-        (512, 16, 1024, 512, jnp.float32),
+        (512, 8, 64, 2048, 768, jnp.bfloat16),  # E 64 top-8, 512 tokens
+        (1, 8, 128, 2048, 768, jnp.bfloat16),  # Qwen3-30B-A3B decode, batch 1: block_m 16, narrow tiles
+        (8192, 8, 128, 2048, 768, jnp.bfloat16),  # large batch: 128-row tiles
+        (1, 2, 8, 4096, 14336, jnp.bfloat16),  # Mixtral decode, batch 1: split-K down projection
+        (128, 2, 8, 4096, 14336, jnp.bfloat16),  # Mixtral, 128 tokens
+        (4, 8, 256, 7168, 2048, jnp.bfloat16),  # DeepSeek-V3 routed experts, decode
+        (256, 2, 16, 1024, 512, jnp.float32),
     ],
 )
-def test_moe_lowers_for_cuda(num_rows, num_groups, hidden, inter, dtype):
+def test_moe_lowers_for_cuda(num_tokens, top_k, num_groups, hidden, inter, dtype):
     s = jax.ShapeDtypeStruct
-    specs = (s((num_rows, hidden), dtype), s((num_groups,), jnp.int32), s((num_groups, hidden, inter), dtype),
-             s((num_groups, hidden, inter), dtype), s((num_groups, inter, hidden), dtype))
-    text = _lower_for_cuda(moe_grouped_ffn, *specs)
+    weights = (s((num_groups, hidden, inter), dtype), s((num_groups, hidden, inter), dtype),
+               s((num_groups, inter, hidden), dtype))
+    sorted_specs = (s((num_tokens * top_k, hidden), dtype), s((num_groups,), jnp.int32), *weights)
+    text = _lower_for_cuda(moe_grouped_ffn, *sorted_specs)
     assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2
+    fused_specs = (s((num_tokens, hidden), dtype), s((num_tokens, top_k), jnp.int32),
+                   s((num_tokens, top_k), jnp.float32), *weights)
+    text = _lower_for_cuda(moe_fused_ffn, *fused_specs)
+    assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2
+
+
+def test_triton_deprecation_is_filtered_and_nothing_else():
+    """jax >= 0.11 warns at every Triton lowering; building one of our kernels filters exactly
+    that DeprecationWarning (other deprecations still show), and on such a jax a CUDA lowering
+    of both kernels emits none."""
+    from pallas_kernels.triton_backend import compiler_params
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiler_params(4, 2)
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+                      DeprecationWarning)
+        warnings.warn("some other deprecation", DeprecationWarning)
+        specs = _attention_specs(64, 64, 16, 8, 2, 64, 16, 256, jnp.bfloat16)
+        _lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.125), *specs)
+    messages = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
+    assert messages == ["some other deprecation"], messages
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -203,7 +204,10 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
 
     ref_out = None
     if peer == "paged_attention":
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        with warnings.catch_warnings():  # deprecated in favour of tokamax on jax >= 0.11; still our decode peer
+            warnings.filterwarnings("ignore", message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
+                                    category=DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         k_splits, ppcb = _jax_paged_splits(inputs["block_tables"].shape[1])
         peer_fn = jax.jit(lambda q, k, v, bt, lens: paged_attention(
@@ -354,6 +358,7 @@ def _header() -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli import HelpFormatter
+    from pallas_kernels.triton_backend import filter_triton_deprecation
 
     parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
@@ -375,6 +380,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "to exercise the benchmark on CPU in interpret mode.", file=sys.stderr)
         return 2
 
+    filter_triton_deprecation()  # the peers (JAX's paged_attention) lower through Triton as well
     s = Settings(
         interpret=args.smoke,
         iters=args.iters or (1 if args.smoke else 20),

@@ -26,9 +26,11 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
 
     attention_fn = pallas_attention(interpret=not on_gpu) if attention_backend == "pallas" else xla_attention()
     if moe_backend == "pallas":
-        from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn
+        from pallas_kernels.moe_grouped_gemm import moe_fused_ffn, moe_grouped_ffn
 
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
+        # Unsharded layers call the kernel that gathers rows and combines in place (jaxllm.models.moe).
+        moe_fn.fused = functools.partial(moe_fused_ffn, interpret=not on_gpu)
     else:
         from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
 

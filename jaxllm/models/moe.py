@@ -5,7 +5,11 @@ top-k ids and weights; `grouped_expert_ffn` takes ids as they should address the
 stacked weights (an expert-parallel layout maps ExpertIds to SlotIds in between, see
 `sharding.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
 grouped GEMM backend; `expert_rows_ffn` and `combine` are its two halves, which the
-expert-parallel layer runs on different devices.
+expert-parallel layer runs on different devices. A backend whose `moe_fn` carries a
+`fused` attribute (`fused(x, ids, weights, w_gate, w_up, w_down) -> [T, H]`, the Pallas
+kernel that gathers the token rows and applies the routing weights itself) replaces
+the sort, unsort and combine here (under tensor parallelism too, `sharding.kernels.shard_moe`;
+the expert-parallel layer keeps the sorted-rows path).
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -75,6 +79,9 @@ def grouped_expert_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate:
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, num_groups)
         weights = jnp.where(valid[:, None], weights, 0.0)
+    fused = getattr(moe_fn, "fused", None)
+    if fused is not None:
+        return fused(x, ids, weights, w_gate, w_up, w_down).astype(x.dtype)
     y = expert_rows_ffn(x, ids.reshape(-1), w_gate, w_up, w_down, moe_fn=moe_fn, rows_per_token=ids.shape[1])
     return combine(y, weights).astype(x.dtype)
 

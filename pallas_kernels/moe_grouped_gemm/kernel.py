@@ -1,19 +1,25 @@
-"""Grouped expert FFN (SwiGLU) over expert-sorted rows, as two Pallas Triton kernels.
+"""Grouped expert FFN (SwiGLU) as two Pallas Triton kernels: over expert-sorted rows, or
+fused with the token gather and the weighted top-k combine.
 
 Lowering: Triton (`compiler_params=pltriton.CompilerParams`), for the same reasons as
 the attention kernel: it runs on Ampere and Hopper, supports masked loads, scalar reads
-from refs and dynamic loop trip counts, and can be checked on CPU in interpret mode.
-Mosaic GPU (`ragged_dot_mgpu`) would use TMA and wgmma but is Hopper-only. From jax
-0.11 the Triton backend emits a deprecation warning; it still lowers there.
+from refs, atomics and dynamic loop trip counts, and can be checked on CPU in interpret
+mode. From jax 0.11 the Triton backend is deprecated (see `pallas_kernels.triton_backend`).
 
-Two kernels, each on grid (work item, column tile); the work list (see `schedule.py`)
-pairs every row tile with each group it overlaps, so ragged groups, straddling tiles and
-empty groups need no host sync and no per-group Python loop:
+Two kernels, each on grid (work item, column tile, K split); the work list (see
+`schedule.py`) pairs every row tile with each group it overlaps, so ragged groups,
+straddling tiles and empty groups need no host sync and no per-group Python loop:
   1. gate/up: `hidden = silu(x @ w_gate[g]) * (x @ w_up[g])` with both products
      accumulated in f32 in one pass over `x` (x is read once for the two projections),
      rounded to the activation dtype like the reference.
   2. down: `out = hidden @ w_down[g]`, f32 accumulation.
-Rows past `sum(group_sizes)` come out as zeros. Routing weights are not applied here.
+`moe_grouped_ffn` takes rows already sorted by group and returns them in that order
+(rows past `sum(group_sizes)` are zeros). `moe_fused_ffn` takes the tokens, their top-k
+expert ids and routing weights: the gate/up kernel gathers each row's token straight
+from `x` (no sorted copy of the activations), and the down kernel multiplies each row by
+its routing weight and adds it into the token's f32 output row with atomics (no unsort
+scatter, no separate combine pass); the same atomics let the down projection split K
+when a small batch would otherwise leave most SMs idle.
 Weights are viewed as 2-D (`[E * K, N]`) so every load is a 2-D gather with a contiguous
 last axis.
 """
@@ -30,42 +36,109 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.moe_grouped_gemm import schedule
+from pallas_kernels.triton_backend import check_power_of_two, compiler_params
+
+# CTAs a launch should have work for: two per SM on the 132-SM H100 / H200, so a wave's
+# tail and per-CTA imbalance still leave every SM busy.
+TARGET_WORKING_CTAS = 2 * 132
+# f32 accumulator registers per thread above which Triton starts to spill (255 max, and
+# the operands and addresses need their share).
+MAX_ACC_REGS_PER_THREAD = 128
 
 
 @dataclass(frozen=True)
 class GemmTiling:
-    """Static tile sizes and launch parameters of one grouped GEMM kernel."""
+    """Static tile sizes and launch parameters of one grouped GEMM kernel.
+
+    `num_k_splits > 1` (split-K) cuts the reduction into that many parts, each program
+    adding its partial product into an f32 output with atomics.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    num_k_splits: int = 1
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("block_m", 16), ("block_n", 16), ("block_k", 16), ("num_warps", 1),
+                              ("num_k_splits", 1)):
+            check_power_of_two("GemmTiling", name, getattr(self, name), minimum)
+        if self.num_stages < 1:
+            raise ValueError(f"{self}: num_stages must be >= 1")
+
+    def acc_regs_per_thread(self, num_accumulators: int) -> int:
+        return num_accumulators * self.block_m * self.block_n // (32 * self.num_warps)
 
 
 @dataclass(frozen=True)
 class MoeTiling:
-    """Both kernels share `block_m` (they share the work list)."""
+    """Both kernels share `block_m` (they share the work list). The gate/up kernel cannot
+    split K (SwiGLU needs the whole sums)."""
 
     gate_up: GemmTiling
     down: GemmTiling
 
+    def __post_init__(self) -> None:
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(f"{self}: both kernels must use the same block_m")
+        if self.gate_up.num_k_splits != 1:
+            raise ValueError(f"{self}: the gate/up kernel cannot split K")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _gemm_tiling(block_m: int, working_items: int, n: int, k: int, num_accumulators: int,
+                 split_k: bool) -> GemmTiling:
+    """Column tile, warps and split-K for one kernel, given how many work items run a GEMM.
+
+    `block_n` starts at 128 (64 for two accumulators above 32 rows) and halves, down to
+    32, while the launch has fewer than `TARGET_WORKING_CTAS` working programs; then K is
+    split (down projection only) while that is still short and each split keeps at least
+    four K steps. Warps grow until the f32 accumulators fit in registers.
+    """
+    block_k = 64
+    block_n = 64 if num_accumulators > 1 and block_m > 32 else 128
+    while block_n > 32 and working_items * _cdiv(n, block_n) < TARGET_WORKING_CTAS:
+        block_n //= 2
+    splits = 1
+    while (split_k and splits < 8 and working_items * _cdiv(n, block_n) * splits < TARGET_WORKING_CTAS
+           and k >= block_k * 4 * splits * 2):
+        splits *= 2
+    num_warps = 4
+    while num_accumulators * block_m * block_n // (32 * num_warps) > MAX_ACC_REGS_PER_THREAD:
+        num_warps *= 2
+    return GemmTiling(block_m, block_n, block_k, num_warps, num_stages=3, num_k_splits=splits)
+
 
 def default_tiling(num_rows: int, num_groups: int, hidden: int, inter: int) -> MoeTiling:
-    """Tile sizes from static shapes only.
+    """Tile sizes from static shapes only (the kernels compile once per bucket).
 
-    Small batches are weight-bandwidth bound: 64-row tiles keep every active expert's
-    weights read about once per column tile. When groups average 128+ rows, 128-row
-    tiles halve weight re-reads and raise MMA efficiency. Shared memory per pipeline
-    stage (bf16): gate/up holds an x tile and two weight tiles (40 KiB at 64 rows, 32 KiB
-    at 128 rows with 64 columns), down holds two tiles (24-32 KiB), so three stages stay
-    under 128 KiB (Ampere allows 164 KiB, Hopper 227 KiB). f32 accumulators stay at
-    <= 64 KiB of registers per program (<= 128 registers per thread).
+    `block_m` follows the rows per group, assuming the rows spread over as many groups as
+    they can (decode: each row of a token goes to a different expert): 16 rows at decode
+    batch sizes (vLLM's and SGLang's small-M configs), up to 64, and 128 once groups
+    average 128+ rows (halves weight re-reads). Small batches are weight-bandwidth bound,
+    so what matters there is that enough programs stream weights at once; `_gemm_tiling`
+    narrows the column tiles (and splits K in the down projection) until about two
+    working programs per SM exist. Shared memory per pipeline stage (bf16) stays <= 32 KiB
+    (gate/up: an x tile and two weight tiles), so three stages fit on Ampere and Hopper.
     """
-    del hidden, inter
+    groups_used = max(1, min(num_rows, num_groups))
     if num_rows >= 128 * num_groups:
-        return MoeTiling(GemmTiling(128, 64, 64, 8, 3), GemmTiling(128, 128, 64, 8, 3))
-    return MoeTiling(GemmTiling(64, 128, 64, 4, 3), GemmTiling(64, 128, 64, 4, 3))
+        block_m = 128
+    else:
+        block_m = min(64, max(16, _next_pow2(_cdiv(num_rows, groups_used))))
+    working_items = max(groups_used, _cdiv(num_rows, block_m))
+    return MoeTiling(
+        _gemm_tiling(block_m, working_items, inter, hidden, num_accumulators=2, split_k=False),
+        _gemm_tiling(block_m, working_items, hidden, inter, num_accumulators=1, split_k=True))
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -106,13 +179,41 @@ def _store_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mas
     pltriton.store(ref.at[rows[:, None], cols[None, :]], value, mask=mask)
 
 
-def _grouped_kernel(sched_ref, a_ref, *refs, num_weights: int, swiglu: bool, block_m: int,
-                    block_n: int, block_k: int, num_aliased: int):
-    """One (work item, column tile): `a[rows] @ w[g]` for each weight, then the epilogue.
+def _add_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mask: jax.Array,
+              col_mask: Optional[jax.Array], interpret: bool) -> None:
+    """Atomically adds the masked rows (and columns) of `value` into `ref[rows, cols]`.
 
-    `a_ref` is [M, K]; each weight ref is the [E * K, N] view of a [E, K, N] stack. With
-    `swiglu` the two products (gate, up) become `silu(gate) * up`.
+    `ref` has one spare row at the end: masked-off rows are redirected there and tail
+    columns clamped to the last column, with zeros added. On a GPU the mask stops those
+    accesses anyway; interpret mode has no masked atomics, and adding zeros to the spare
+    row never collides with a real row (interpret mode adds duplicate indices of one
+    call as a scatter, so rows within one call must be distinct, as they are here).
     """
+    mask = _and(row_mask[:, None], None if col_mask is None else col_mask[None, :])
+    rows = jnp.where(row_mask, rows, ref.shape[0] - 1)
+    if col_mask is not None:
+        cols = jnp.minimum(cols, ref.shape[1] - 1)
+    value = jnp.where(mask, value, 0.0)
+    pltriton.atomic_add(ref, (rows[:, None], cols[None, :]), value, mask=None if interpret else mask)
+
+
+def _grouped_kernel(sched_ref, *refs, num_weights: int, swiglu: bool, gather: bool, combine: bool,
+                    atomic: bool, block_m: int, block_n: int, block_k: int, num_k_splits: int,
+                    interpret: bool, num_aliased: int):
+    """One (work item, column tile, K split): `a[rows] @ w[g]` for each weight, then the epilogue.
+
+    Refs after the work table: `row_token` (int32 [M], with `gather` or `combine`),
+    `row_weight` (f32 [M], with `combine`), `a`, the weights, then the output.
+    `a` is [M, K], or [T, K] with `gather` (row r reads token `row_token[r]`); each weight
+    ref is the [E * K, N] view of a [E, K, N] stack. With `swiglu` the two products (gate,
+    up) become `silu(gate) * up`. The output is stored per row, or with `atomic` added into
+    an f32 buffer with a spare last row: at row r, or with `combine` at `row_token[r]`
+    after scaling by `row_weight[r]`.
+    """
+    refs = list(refs)
+    row_token_ref = refs.pop(0) if gather or combine else None
+    row_weight_ref = refs.pop(0) if combine else None
+    a_ref = refs.pop(0)
     w_refs = refs[:num_weights]
     (o_ref,) = refs[num_weights + num_aliased:]
     item = pl.program_id(0)
@@ -126,6 +227,10 @@ def _grouped_kernel(sched_ref, a_ref, *refs, num_weights: int, swiglu: bool, blo
 
     rows = tile_start + jnp.arange(block_m, dtype=jnp.int32)
     row_mask = (rows >= row_lo) & (rows < row_hi)
+    token = None
+    if row_token_ref is not None:
+        token = pltriton.load(row_token_ref.at[jnp.where(row_mask, rows, 0)], mask=row_mask, other=0)
+    a_rows = token if gather else rows
     cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_mask = _tail_mask(cols, n_size, block_n)
     w_row_base = expert * k_size
@@ -133,48 +238,87 @@ def _grouped_kernel(sched_ref, a_ref, *refs, num_weights: int, swiglu: bool, blo
     def body(step, accs):
         ks = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_mask = _tail_mask(ks, k_size, block_k)
-        a = _load_tile(a_ref, rows, ks, _and(row_mask[:, None], None if k_mask is None else k_mask[None, :]))
+        a = _load_tile(a_ref, a_rows, ks, _and(row_mask[:, None], None if k_mask is None else k_mask[None, :]))
         w_mask = _and(None if k_mask is None else k_mask[:, None], None if col_mask is None else col_mask[None, :])
         return tuple(acc + _dot(a, _load_tile(w_ref, w_row_base + ks, cols, w_mask))
                      for acc, w_ref in zip(accs, w_refs))
 
     # Zero-filling and unused items skip the K loop (and every weight load).
-    trip_count = jnp.where(active > 0, (k_size + block_k - 1) // block_k, 0)
+    num_steps = (k_size + block_k - 1) // block_k
+    steps_per_split = (num_steps + num_k_splits - 1) // num_k_splits
+    first_step = pl.program_id(2) * steps_per_split
+    last_step = jnp.minimum(first_step + steps_per_split, num_steps)
+    last_step = jnp.where(active > 0, last_step, first_step)
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    accs = jax.lax.fori_loop(0, trip_count, body, (zeros,) * num_weights)
+    accs = jax.lax.fori_loop(first_step, last_step, body, (zeros,) * num_weights)
     if swiglu:
         gate, up = accs
         out = gate * jax.nn.sigmoid(gate) * up
     else:
         (out,) = accs
-    _store_tile(o_ref, rows, cols, out.astype(o_ref.dtype), row_mask, col_mask)
+    if not atomic:
+        _store_tile(o_ref, rows, cols, out.astype(o_ref.dtype), row_mask, col_mask)
+        return
+    add_mask = row_mask & (active > 0)  # zero-filling items add nothing (the buffer starts at zero)
+    if combine:
+        weight = pltriton.load(row_weight_ref.at[jnp.where(row_mask, rows, 0)], mask=row_mask, other=0.0)
+        _add_tile(o_ref, token, cols, out * weight[:, None], add_mask, col_mask, interpret)
+    else:
+        _add_tile(o_ref, rows, cols, out, add_mask, col_mask, interpret)
 
 
 def _grouped_call(sched, a, weights, out_struct, tiling: GemmTiling, *, swiglu: bool, interpret: bool,
-                  poison: bool, name: str) -> jax.Array:
-    inputs = [sched, a, *weights]
+                  poison: bool, name: str, row_token: Optional[jax.Array] = None,
+                  row_weight: Optional[jax.Array] = None, gather: bool = False) -> jax.Array:
+    """Launches one kernel. The output is stored row by row, unless the kernel adds into it
+    (split-K, or the weighted combine when `row_weight` is given): then it is an f32
+    buffer with one spare row, zeroed first (never poisoned)."""
+    combine = row_weight is not None
+    atomic = combine or tiling.num_k_splits > 1
+    if atomic and swiglu:
+        raise ValueError("the gate/up kernel cannot add partial products (SwiGLU needs whole sums)")
+    inputs = [sched]
+    if gather or combine:
+        inputs.append(row_token)
+    if combine:
+        inputs.append(row_weight)
+    inputs += [a, *weights]
     aliases: dict[int, int] = {}
-    if poison:
+    if atomic:
+        out_struct = jax.ShapeDtypeStruct((out_struct.shape[0] + 1, out_struct.shape[1]), jnp.float32)
+        aliases[len(inputs)] = 0
+        inputs.append(jnp.zeros(out_struct.shape, jnp.float32))
+    elif poison:
         aliases[len(inputs)] = 0
         inputs.append(jnp.full(out_struct.shape, jnp.nan, out_struct.dtype))
-    grid = (sched.shape[0], pl.cdiv(out_struct.shape[1], tiling.block_n))
-    body = functools.partial(_grouped_kernel, num_weights=len(weights), swiglu=swiglu,
-                             block_m=tiling.block_m, block_n=tiling.block_n, block_k=tiling.block_k,
+    grid = (sched.shape[0], pl.cdiv(out_struct.shape[1], tiling.block_n), tiling.num_k_splits)
+    body = functools.partial(_grouped_kernel, num_weights=len(weights), swiglu=swiglu, gather=gather,
+                             combine=combine, atomic=atomic, block_m=tiling.block_m, block_n=tiling.block_n,
+                             block_k=tiling.block_k, num_k_splits=tiling.num_k_splits, interpret=interpret,
                              num_aliased=len(aliases))
-    return pl.pallas_call(
+    out = pl.pallas_call(
         body,
         out_shape=out_struct,
         grid=grid,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        compiler_params=compiler_params(tiling.num_warps, tiling.num_stages),
         name=name,
     )(*inputs)
+    return out[:-1] if atomic else out
 
 
-def _check(name: str, size: int) -> None:
-    if size < 16 or size & (size - 1):
-        raise ValueError(f"{name}={size} must be a power of two >= 16 (Triton tensor shapes, MMA)")
+def _check_weights(hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *dtypes) -> None:
+    num_groups, wh, inter_size = w_gate.shape
+    if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
+        raise ValueError(f"shape mismatch: hidden size {hidden_size}, w_gate {w_gate.shape}, "
+                         f"w_up {w_up.shape}, w_down {w_down.shape}")
+    if len({*dtypes, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
+        raise ValueError("the activations and the weights must share one dtype")
+
+
+def _stacked(w: jax.Array) -> jax.Array:
+    return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
 
 
 def moe_forward(
@@ -188,38 +332,75 @@ def moe_forward(
     interpret: bool = False,
     poison_outputs: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs both kernels; returns (out [M, H], hidden [M, I]).
+    """Runs both kernels on expert-sorted rows; returns (out [M, H], hidden [M, I]).
 
-    `poison_outputs` hands each kernel a NaN-filled output buffer (aliased in place) so a
-    test can check that every element was written.
+    `poison_outputs` hands each kernel that stores rows a NaN-filled output buffer
+    (aliased in place) so a test can check that every element was written.
     """
     num_rows, hidden_size = x_sorted.shape
-    num_groups, wh, inter_size = w_gate.shape
-    if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
-        raise ValueError(f"shape mismatch: x {x_sorted.shape}, w_gate {w_gate.shape}, "
-                         f"w_up {w_up.shape}, w_down {w_down.shape}")
+    num_groups, _, inter_size = w_gate.shape
+    _check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype)
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes {group_sizes.shape} does not match {num_groups} groups")
-    if len({x_sorted.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
-        raise ValueError("x_sorted and the weights must share one dtype")
     if tiling is None:
         tiling = default_tiling(num_rows, num_groups, hidden_size, inter_size)
-    if tiling.gate_up.block_m != tiling.down.block_m:
-        raise ValueError("both kernels must use the same block_m")
-    for t in (tiling.gate_up, tiling.down):
-        for name in ("block_m", "block_n", "block_k"):
-            _check(name, getattr(t, name))
 
     sched = schedule.group_tile_schedule(group_sizes, num_rows=num_rows, block_m=tiling.gate_up.block_m)
     hidden = _grouped_call(
-        sched, x_sorted,
-        [w_gate.reshape(num_groups * hidden_size, inter_size), w_up.reshape(num_groups * hidden_size, inter_size)],
+        sched, x_sorted, [_stacked(w_gate), _stacked(w_up)],
         jax.ShapeDtypeStruct((num_rows, inter_size), x_sorted.dtype), tiling.gate_up, swiglu=True,
         interpret=interpret, poison=poison_outputs, name="moe_gate_up")
     out = _grouped_call(
-        sched, hidden, [w_down.reshape(num_groups * inter_size, hidden_size)],
-        jax.ShapeDtypeStruct((num_rows, hidden_size), x_sorted.dtype), tiling.down, swiglu=False,
-        interpret=interpret, poison=poison_outputs, name="moe_down")
+        sched, hidden, [_stacked(w_down)], jax.ShapeDtypeStruct((num_rows, hidden_size), x_sorted.dtype),
+        tiling.down, swiglu=False, interpret=interpret, poison=poison_outputs, name="moe_down")
+    return out.astype(x_sorted.dtype), hidden
+
+
+def moe_fused_forward(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    routing_weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    tiling: Optional[MoeTiling] = None,
+    interpret: bool = False,
+    poison_outputs: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs both kernels with the token gather and the weighted combine inside them;
+    returns (out f32 [T, H], hidden [T * top_k, I] in expert-sorted row order).
+
+    Only the row order is computed in XLA (a stable sort of the T * top_k expert ids);
+    ids outside `[0, E)` mark padding rows, which no kernel computes.
+    """
+    num_tokens, hidden_size = x.shape
+    num_groups, _, inter_size = w_gate.shape
+    _check_weights(hidden_size, w_gate, w_up, w_down, x.dtype)
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or routing_weights.shape != expert_ids.shape:
+        raise ValueError(f"expert_ids {expert_ids.shape} and routing_weights {routing_weights.shape} must both "
+                         f"be [{num_tokens}, top_k]")
+    top_k = expert_ids.shape[1]
+    num_rows = num_tokens * top_k
+    if tiling is None:
+        tiling = default_tiling(num_rows, num_groups, hidden_size, inter_size)
+
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    ids = jnp.where((ids >= 0) & (ids < num_groups), ids, num_groups)
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(ids, length=num_groups).astype(jnp.int32)
+    row_token = order // top_k
+    row_weight = routing_weights.reshape(-1).astype(jnp.float32)[order]
+
+    sched = schedule.group_tile_schedule(group_sizes, num_rows=num_rows, block_m=tiling.gate_up.block_m)
+    hidden = _grouped_call(
+        sched, x, [_stacked(w_gate), _stacked(w_up)], jax.ShapeDtypeStruct((num_rows, inter_size), x.dtype),
+        tiling.gate_up, swiglu=True, interpret=interpret, poison=poison_outputs, name="moe_fused_gate_up",
+        row_token=row_token, gather=True)
+    out = _grouped_call(
+        sched, hidden, [_stacked(w_down)], jax.ShapeDtypeStruct((num_tokens, hidden_size), jnp.float32),
+        tiling.down, swiglu=False, interpret=interpret, poison=False, name="moe_fused_down",
+        row_token=row_token, row_weight=row_weight)
     return out, hidden
 
 
@@ -241,3 +422,22 @@ def moe_grouped_ffn(
     """
     out, _ = moe_forward(x_sorted, group_sizes, w_gate, w_up, w_down, tiling=tiling, interpret=interpret)
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def moe_fused_ffn(
+    x: jax.Array,  # [T, H]
+    expert_ids: jax.Array,  # int32[T, top_k]; ids outside [0, E) are skipped
+    routing_weights: jax.Array,  # [T, top_k]
+    w_gate: jax.Array,  # [E, H, I]
+    w_up: jax.Array,  # [E, H, I]
+    w_down: jax.Array,  # [E, I, H]
+    *,
+    interpret: bool = False,
+    tiling: Optional[MoeTiling] = None,
+) -> jax.Array:
+    """`sum_k routing_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`: [T, H] in x's dtype,
+    combined in f32. Same contract as `moe_fused_ffn_reference`."""
+    out, _ = moe_fused_forward(x, expert_ids, routing_weights, w_gate, w_up, w_down, tiling=tiling,
+                               interpret=interpret)
+    return out.astype(x.dtype)

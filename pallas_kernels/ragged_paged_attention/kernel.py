@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.triton_backend import check_power_of_two, compiler_params
 
 _MASK_VALUE = -1e30
 _TARGET_PROGRAMS = 2048  # enough resident programs to fill an H100 (132 SMs) several times
@@ -57,6 +58,12 @@ class AttentionTiling:
     num_kv_splits: int
     num_warps: int
     num_stages: int
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("block_m", 16), ("block_k", 16), ("num_warps", 1)):
+            check_power_of_two("AttentionTiling", name, getattr(self, name), minimum)
+        if self.num_kv_splits < 1 or self.num_stages < 1:
+            raise ValueError(f"{self}: num_kv_splits and num_stages must be >= 1")
 
 
 def default_tiling(
@@ -203,6 +210,7 @@ def _attention_kernel(
             mask=key_valid,
             other=0,
         )
+        page = jnp.clip(page, 0, num_blocks - 1)  # a bad block-table id must not leave the cache
         in_page = jax.lax.rem(key_pos, tokens_per_block)
         cache_row = jnp.where(key_valid, cache_row_base + page * tokens_per_block + in_page, 0)
         k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2)
@@ -304,7 +312,7 @@ def attention_forward(
 
     tiles = schedule.query_tile_schedule(
         cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
-        tokens_per_block=tokens_per_block, sliding_window=sliding_window)
+        tokens_per_block=tokens_per_block, sliding_window=sliding_window, max_kv_len=max_blocks * tokens_per_block)
     rows = num_tokens * num_q_heads
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
@@ -352,7 +360,7 @@ def attention_forward(
         grid=grid,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        compiler_params=compiler_params(tiling.num_warps, tiling.num_stages),
         name="ragged_paged_attention",
     )(*inputs)
     raw = tuple(raw)

@@ -77,8 +77,9 @@ def ragged_paged_attention_reference(
         jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, tokens_per_block, _ = k_cache.shape
+    num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
+    block_tables = jnp.clip(block_tables, 0, num_blocks - 1)  # a bad id never leaves the cache
     group = num_q_heads // num_kv_heads
     if group * num_kv_heads != num_q_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")

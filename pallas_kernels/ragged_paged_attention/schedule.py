@@ -43,6 +43,7 @@ def query_tile_schedule(
     block_q: int,
     tokens_per_block: int,
     sliding_window: Optional[int],
+    max_kv_len: Optional[int] = None,
 ) -> jax.Array:
     """int32[max_query_tiles, NUM_FIELDS]: per tile its token range, sequence and KV range.
 
@@ -50,14 +51,22 @@ def query_tile_schedule(
     tiles have an empty KV range and write zeros. `POS_OFFSET` turns a token index into its
     absolute position; `[KV_LO, KV_HI)` is the key range any token of the tile may see,
     with `KV_LO` aligned down to a cache block so loads start on a page boundary.
+
+    The metadata is clamped as the XLA reference clamps it, so bad metadata cannot make a
+    kernel read or write out of bounds: `num_seqs` to `[0, S]`, token ranges to `[0, T)`
+    (a sequence running past the bucket keeps its positions but loses the tokens past
+    `T`), `KV_HI` to `max_kv_len` (the block table's capacity).
     """
     num_slots = kv_lens.shape[0]
     num_tiles = max_query_tiles(num_tokens, num_slots, block_q)
-    n = num_seqs[0]
-    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
+    n = jnp.clip(num_seqs[0], 0, num_slots)
     live = jnp.arange(num_slots, dtype=jnp.int32) < n
-    q_lens = jnp.where(live, ends - starts, 0)
-    total_q = jnp.minimum(cu_q_lens[n], num_tokens)
+    # Positions follow the metadata as given; the token ranges are clamped to the bucket.
+    q_lens_given = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    clamped = jnp.clip(cu_q_lens, 0, num_tokens)
+    starts, ends = clamped[:-1], clamped[1:]
+    q_lens = jnp.where(live, jnp.maximum(ends - starts, 0), 0)
+    total_q = clamped[n]
 
     # Segments 0..S-1 are sequences; segment S is the padding run [total_q, num_tokens).
     seg_start = jnp.concatenate([starts, total_q[None]])
@@ -76,13 +85,15 @@ def query_tile_schedule(
 
     is_seq = used & (seg < num_slots)
     seq = jnp.minimum(seg, num_slots - 1)
-    pos_offset = kv_lens[seq] - q_lens[seq] - starts[seq]
+    pos_offset = kv_lens[seq] - q_lens_given[seq] - cu_q_lens[seq]
     kv_hi = jnp.where(is_seq, q_end - 1 + pos_offset + 1, 0)
     if sliding_window is None:
         kv_lo = jnp.zeros_like(kv_hi)
     else:
         kv_lo = jnp.maximum(q_start + pos_offset - sliding_window + 1, 0)
         kv_lo = jnp.where(is_seq, kv_lo // tokens_per_block * tokens_per_block, 0)
+    if max_kv_len is not None:
+        kv_hi = jnp.minimum(kv_hi, max_kv_len)
     kv_hi = jnp.maximum(kv_hi, kv_lo)
     zeros = jnp.zeros_like(q_start)
     fields = [q_start, q_end, pos_offset, seq, kv_lo, kv_hi]

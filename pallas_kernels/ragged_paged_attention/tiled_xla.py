@@ -39,8 +39,9 @@ def ragged_paged_attention_tiled(
     block_q: Optional[int] = None,
 ) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, tokens_per_block, _ = k_cache.shape
+    num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
     max_seqs, max_blocks = block_tables.shape
+    block_tables = jnp.clip(block_tables, 0, num_blocks - 1)  # as the reference
     group = num_q_heads // num_kv_heads
     bq = block_q or default_block_q(num_tokens, max_seqs)
     if bq == 1:  # one token per tile: the reference's per-token walk is exactly that
