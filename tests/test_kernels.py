@@ -121,12 +121,13 @@ def make_attention_case(
 
 
 def check_attention(case: AttentionCase, tiling: Optional[AttentionTiling], *, tol: float = F32_TOL,
-                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> None:
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                    decode_tiling: Optional[AttentionTiling] = None) -> None:
     opts = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     meta = (case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs)
     # Whole-function jit: one compile instead of many eager op dispatches (interpret mode).
-    kernel = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, interpret=True,
-                                       poison_outputs=True))
+    kernel = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, decode_tiling=decode_tiling,
+                                       interpret=True, poison_outputs=True))
     out, raw = kernel(case.q, case.k_kernel, case.v_kernel, *meta)
     reference = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))
     ref = reference(case.q, case.k_ref, case.v_ref, *meta)
@@ -160,17 +161,35 @@ def test_attention_prefill_only(tiling):
     check_attention(case, tiling)
 
 
-@pytest.mark.parametrize("tiling", [SPLIT, None], ids=["split", "default"])
-def test_attention_mixed_batch(tiling):
-    # Context chunks first, then generation tokens; padding tokens at the end.
-    case = make_attention_case(2, [13, 3, 1, 1, 1], [13, 40, 9, 1, 64], num_tokens=32, num_seq_slots=7)
-    check_attention(case, tiling)
+@pytest.mark.parametrize("tiling,decode", [(SPLIT, None), (None, None), (SMALL, SPLIT), (WIDE, SMALL)],
+                         ids=["one_launch_split", "default", "decode_launch_split", "prefill_launch_split"])
+def test_attention_mixed_batch(tiling, decode):
+    # Context chunks first, then generation tokens (and a 3-token one: with 2 kv heads of 4 q
+    # heads a 16-row decode tile holds 8 tokens, so it runs in the decode launch too); padding last.
+    case = make_attention_case(2, [13, 3, 1, 1, 1, 9], [13, 40, 9, 1, 64, 30], num_tokens=32, num_seq_slots=7)
+    check_attention(case, tiling, decode_tiling=decode)
+
+
+def test_attention_flash_decoding_splits_follow_the_lengths():
+    """Split slots are dealt from the actual lengths: short sequences use one, long ones all
+    four; the result matches the reference either way."""
+    from pallas_kernels.ragged_paged_attention import schedule
+
+    lens = [1, 9, 200, 250, 17]
+    case = make_attention_case(12, [1] * 5, lens, num_tokens=5, num_seq_slots=6, max_blocks=32, num_blocks=80)
+    check_attention(case, SPLIT)
+    tiles = schedule.query_tile_schedule(
+        jnp.asarray(case.cu_q_lens), jnp.asarray(case.kv_lens), jnp.asarray(case.num_seqs), num_tokens=5,
+        block_q=8, tokens_per_block=8, sliding_window=None, num_splits=4, block_k=16)
+    splits = {int(t[schedule.KV_HI]): int(t[schedule.SPLITS]) for t in np.asarray(tiles) if t[schedule.KV_HI] > 0}
+    assert splits == {1: 1, 9: 1, 17: 1, 200: 4, 250: 4}
 
 
 @pytest.mark.parametrize("window,cap", [(10, None), (None, 5.0), (17, 2.0)])
 def test_attention_sliding_window_and_soft_cap(window, cap):
     case = make_attention_case(3, [12, 1, 1, 2], [12, 33, 9, 50], num_tokens=24, num_seq_slots=4)
     check_attention(case, SPLIT, sliding_window=window, soft_cap=cap)
+    check_attention(case, SMALL, sliding_window=window, soft_cap=cap, decode_tiling=SPLIT)
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2)], ids=["mqa", "gqa3"])

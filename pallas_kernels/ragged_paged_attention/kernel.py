@@ -83,9 +83,12 @@ def default_tiling(
       point, so decode remains bandwidth bound.
     - `block_k`: one K (and one V) chunk is at most 16 KiB, which keeps two pipeline
       stages of K and V plus the q tile well inside Ampere's and Hopper's shared memory.
-    - `num_kv_splits` (flash-decoding): doubled while the grid is too small to fill the
-      GPU, each split keeps at least four chunks at the longest context, and the f32
-      partial buffers stay under 32 MiB (prefill-heavy buckets need no split).
+    - `num_kv_splits` (flash-decoding), decode buckets only: doubled while the grid is
+      too small to fill the GPU, each split keeps at least four chunks at the longest
+      context, and the f32 partial buffers stay under 32 MiB. How many of those split
+      slots each sequence uses is decided on device from its length (`schedule.py`). A
+      mixed or prefill bucket gets one split: its decode tokens run in a launch of their
+      own with the decode tiling (`decode_tiling`), and its prefill tiles fill the GPU.
     """
     group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
     block_m = max(16 if num_tokens <= num_seq_slots else 64, group_pow2)
@@ -95,7 +98,8 @@ def default_tiling(
     partial_bytes = num_tokens * num_q_heads * head_dim * 4
     splits = 1
     while (
-        splits < 16
+        num_tokens <= num_seq_slots
+        and splits < 16
         and busy_tiles * num_kv_heads * splits * 2 <= _TARGET_PROGRAMS
         and max_kv_len >= block_k * 4 * splits * 2
         and partial_bytes * splits * 2 <= 32 * 2**20
@@ -103,6 +107,13 @@ def default_tiling(
         splits *= 2
     num_warps = 4 if head_dim <= 128 and block_m <= 64 else 8
     return AttentionTiling(block_m, block_k, splits, num_warps, num_stages=2)
+
+
+def decode_tiling(num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
+                  itemsize: int = 2) -> AttentionTiling:
+    """The tiling of the decode launch of a mixed bucket: as for a decode-only bucket of
+    `num_seq_slots` tokens (the smallest MMA tile, flash-decoding splits)."""
+    return default_tiling(num_seq_slots, num_seq_slots, num_q_heads, num_kv_heads, head_dim, max_kv_len, itemsize)
 
 
 def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
@@ -180,6 +191,7 @@ def _attention_kernel(
     seq = tiles_ref[tile, schedule.SEQ]
     kv_lo = tiles_ref[tile, schedule.KV_LO]
     kv_hi = tiles_ref[tile, schedule.KV_HI]
+    tile_splits = tiles_ref[tile, schedule.SPLITS]  # split slots this tile uses (<= num_splits)
 
     rows = jnp.arange(block_m, dtype=jnp.int32)
     token = q_start + jax.lax.div(rows, group_pow2)
@@ -190,9 +202,9 @@ def _attention_kernel(
 
     q = _load_rows(q_ref, q_row, row_valid, head_dim_pow2)
 
-    # This program's contiguous share of the tile's key range.
+    # This program's contiguous share of the tile's key range (none past the tile's splits).
     num_chunks = (kv_hi - kv_lo + block_k - 1) // block_k
-    chunks_per_split = (num_chunks + num_splits - 1) // num_splits
+    chunks_per_split = (num_chunks + tile_splits - 1) // tile_splits
     lo = kv_lo + split * chunks_per_split * block_k
     hi = jnp.minimum(lo + chunks_per_split * block_k, kv_hi)
     trip_count = (jnp.maximum(hi - lo, 0) + block_k - 1) // block_k
@@ -272,68 +284,84 @@ def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
 
 
-def attention_forward(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: Optional[int] = None,
-    soft_cap: Optional[float] = None,
-    tiling: Optional[AttentionTiling] = None,
-    interpret: bool = False,
-    poison_outputs: bool = False,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Runs the kernel; returns (output [T, Hq, D], the kernel's raw output buffers).
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a step: its tiling and which sequences it covers."""
 
-    `poison_outputs` hands the kernel NaN-filled output buffers (aliased in place), so a
-    test can check that every element the kernel owns was written.
+    tiling: AttentionTiling
+    num_tiles: int  # static grid size along the tile axis
+    max_q_len: Optional[int]  # sequences with q_len <= this (None: no bound)
+    min_q_len: int  # and q_len >= this
+    include_padding: bool  # whether it writes the padding tokens' zeros
+
+
+def plan_launches(num_tokens: int, num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  max_kv_len: int, itemsize: int, tiling: Optional[AttentionTiling] = None,
+                  decode: Optional[AttentionTiling] = None) -> list[Launch]:
+    """The launches of a bucket, from static shapes.
+
+    A decode-only bucket (T <= S), or an explicit `tiling` without a `decode` one, is one
+    launch over every token. A mixed or prefill bucket is two: the sequences whose
+    queries fit one decode-sized tile (q_len <= decode block_q) with the decode tiling
+    and its flash-decoding splits, and the rest (plus the padding) with `tiling`
+    (64-row tiles, no split by default).
     """
-    _check_shapes(q, k_cache, v_cache)
-    kv_lens, block_tables, cu_q_lens, num_seqs = (
-        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
-    num_seq_slots, max_blocks = block_tables.shape
+    group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
+    args = (num_q_heads, num_kv_heads, head_dim, max_kv_len, itemsize)
+    explicit = tiling is not None
+    if tiling is None:
+        tiling = default_tiling(num_tokens, num_seq_slots, *args)
+    for t in (tiling, decode):
+        if t is not None and t.block_m % group_pow2:
+            raise ValueError(f"{t} does not fit GQA group size {num_q_heads // num_kv_heads} "
+                             f"(block_m must be a multiple of {group_pow2})")
+    one = Launch(tiling, schedule.max_query_tiles(num_tokens, num_seq_slots, tiling.block_m // group_pow2),
+                 None, 0, True)
+    if num_tokens <= num_seq_slots or (explicit and decode is None):
+        return [one]
+    if decode is None:
+        decode = decode_tiling(num_seq_slots, *args)
+    decode_q = decode.block_m // group_pow2
+    return [Launch(tiling, one.num_tiles, None, decode_q + 1, True),
+            Launch(decode, min(num_seq_slots, num_tokens), decode_q, 0, False)]
+
+
+def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+            block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *, num_q_heads: int,
+            sm_scale: float, sliding_window: Optional[int], soft_cap: Optional[float], interpret: bool,
+            out_init: Optional[jax.Array], poison: bool):
+    """Runs one launch. Returns (tile table, raw outputs): the [T * Hq, D] output (written
+    in place over `out_init` when given) or, with splits, the f32 partials (acc, max, denom)."""
+    num_kv_heads, num_blocks, tokens_per_block, head_dim = k_cache.shape
+    rows = q2d.shape[0]
+    num_tokens = rows // num_q_heads
+    max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     group_pow2 = _next_pow2(group)
-    if tiling is None:
-        tiling = default_tiling(num_tokens, num_seq_slots, num_q_heads, num_kv_heads, head_dim,
-                                max_blocks * tokens_per_block, q.dtype.itemsize)
-    if tiling.block_m % group_pow2 or tiling.block_m < 16 or tiling.block_k < 16:
-        raise ValueError(f"{tiling} does not fit group size {group} (block_m must be a multiple of "
-                         f"{group_pow2} and >= 16, block_k >= 16)")
-    block_q = tiling.block_m // group_pow2
+    tiling = launch.tiling
     num_splits = tiling.num_kv_splits
-
     tiles = schedule.query_tile_schedule(
-        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
-        tokens_per_block=tokens_per_block, sliding_window=sliding_window, max_kv_len=max_blocks * tokens_per_block)
-    rows = num_tokens * num_q_heads
+        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=tiling.block_m // group_pow2,
+        tokens_per_block=tokens_per_block, sliding_window=sliding_window, max_kv_len=max_blocks * tokens_per_block,
+        max_q_len=launch.max_q_len, min_q_len=launch.min_q_len, include_padding=launch.include_padding,
+        num_tiles=launch.num_tiles, num_splits=num_splits, block_k=tiling.block_k)
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q2d.dtype)]
     else:
         out_shape = [
             jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
             jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
         ]
-    inputs = [
-        tiles,
-        q.reshape(rows, head_dim),
-        k_cache.reshape(-1, head_dim),
-        v_cache.reshape(-1, head_dim),
-        block_tables.reshape(-1),
-    ]
+    inputs = [tiles, q2d, k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim), block_tables.reshape(-1)]
     aliases: dict[int, int] = {}
-    if poison_outputs:
-        for i, s in enumerate(out_shape):
+    if num_splits == 1 and out_init is not None:
+        aliases[len(inputs)] = 0
+        inputs.append(out_init)
+    elif poison:
+        for i, shape in enumerate(out_shape):
             aliases[len(inputs)] = i
-            inputs.append(jnp.full(s.shape, jnp.nan, s.dtype))
+            inputs.append(jnp.full(shape.shape, jnp.nan, shape.dtype))
 
     kernel = functools.partial(
         _attention_kernel,
@@ -353,32 +381,98 @@ def attention_forward(
         soft_cap=soft_cap,
         num_aliased=len(aliases),
     )
-    grid = (tiles.shape[0], num_kv_heads, num_splits)
     raw = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=grid,
+        grid=(launch.num_tiles, num_kv_heads, num_splits),
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=compiler_params(tiling.num_warps, tiling.num_stages),
         name="ragged_paged_attention",
     )(*inputs)
-    raw = tuple(raw)
+    return tiles, tuple(raw)
 
-    if num_splits == 1:
-        out = raw[0]
-    else:
-        o_part, m_part, l_part = raw
-        out = _merge_splits(
-            o_part.reshape(num_splits, rows, head_dim),
-            m_part.reshape(num_splits, rows),
-            l_part.reshape(num_splits, rows),
-        ).astype(q.dtype)
-    return out.reshape(num_tokens, num_q_heads, head_dim), raw
+
+def _tile_rows(tiles: jax.Array, block_q: int, num_q_heads: int, num_rows: int) -> jax.Array:
+    """Output rows (token * Hq + head) of every tile's tokens, [tiles * block_q * Hq];
+    rows of unused token slots point one past the end."""
+    token = tiles[:, schedule.Q_START, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    used = token < tiles[:, schedule.Q_END, None]
+    rows = token[:, :, None] * num_q_heads + jnp.arange(num_q_heads, dtype=jnp.int32)[None, None, :]
+    return jnp.where(used[:, :, None], rows, num_rows).reshape(-1)
+
+
+def attention_forward(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    tiling: Optional[AttentionTiling] = None,
+    decode_tiling: Optional[AttentionTiling] = None,
+    interpret: bool = False,
+    poison_outputs: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Runs the kernel launches (`plan_launches`); returns (output [T, Hq, D], raw buffers).
+
+    `poison_outputs` hands the kernel NaN-filled output buffers (aliased in place), so a
+    test can check that every element the kernel owns was written: the raw buffers are
+    the output every launch writes into and the partials each split launch wrote (of the
+    decode launch of a mixed bucket, only its own tokens' rows).
+    """
+    _check_shapes(q, k_cache, v_cache)
+    kv_lens, block_tables, cu_q_lens, num_seqs = (
+        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, tokens_per_block, _ = k_cache.shape
+    num_seq_slots, max_blocks = block_tables.shape
+    group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
+    launches = plan_launches(num_tokens, num_seq_slots, num_q_heads, num_kv_heads, head_dim,
+                             max_blocks * tokens_per_block, q.dtype.itemsize, tiling, decode_tiling)
+    rows = num_tokens * num_q_heads
+    q2d = q.reshape(rows, head_dim)
+    out = None
+    raw_all: list[jax.Array] = []
+    for launch in launches:
+        num_splits = launch.tiling.num_kv_splits
+        out_init = out
+        if out_init is None and poison_outputs and num_splits == 1:
+            out_init = jnp.full((rows, head_dim), jnp.nan, q.dtype)
+        tiles, raw = _launch(launch, q2d, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                             num_q_heads=num_q_heads, sm_scale=sm_scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap, interpret=interpret, out_init=out_init, poison=poison_outputs)
+        if num_splits == 1:
+            out = raw[0]
+            continue
+        o_part, m_part, l_part = (
+            raw[0].reshape(num_splits, rows, head_dim), raw[1].reshape(num_splits, rows), raw[2].reshape(num_splits, rows))
+        if launch.include_padding and launch.max_q_len is None and launch.min_q_len == 0:
+            merged = _merge_splits(o_part, m_part, l_part).astype(q.dtype)  # the launch owns every row
+            raw_all += raw
+            out = merged  # a launch over every row is the only launch
+            continue
+        # One launch of several (a mixed bucket's): merge (and report) only its own rows.
+        if out is None:
+            out = jnp.full((rows, head_dim), jnp.nan if poison_outputs else 0.0, q.dtype)
+        mine = _tile_rows(tiles, launch.tiling.block_m // group_pow2, num_q_heads, rows)
+        valid = mine < rows
+        take = jnp.where(valid, mine, 0)
+        o_mine, m_mine, l_mine = o_part[:, take], m_part[:, take], l_part[:, take]
+        raw_all += [jnp.where(valid[None, :, None], o_mine, 0.0), jnp.where(valid[None], m_mine, 0.0),
+                    jnp.where(valid[None], l_mine, 0.0)]
+        merged = _merge_splits(o_mine, m_mine, l_mine).astype(q.dtype)
+        out = out.at[mine].set(merged, mode="drop")
+    return out.reshape(num_tokens, num_q_heads, head_dim), (out, *raw_all)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling"))
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling", "decode_tiling"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
@@ -393,14 +487,17 @@ def ragged_paged_attention(
     soft_cap: Optional[float] = None,
     interpret: bool = False,
     tiling: Optional[AttentionTiling] = None,
+    decode_tiling: Optional[AttentionTiling] = None,
 ) -> jax.Array:
     """Attention of a packed prefill+decode batch over the paged KV cache: [T, Hq, D].
 
     Same contract as `ragged_paged_attention_reference`; padding tokens get zeros.
-    `tiling` overrides the shape-derived tile sizes (benchmarks, tests).
+    `tiling` overrides the shape-derived tile sizes (benchmarks, tests): alone, one launch
+    with it over the whole batch; with `decode_tiling`, the decode sequences of a mixed
+    bucket run in a launch of their own with that tiling (see `plan_launches`).
     """
     out, _ = attention_forward(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        tiling=tiling, interpret=interpret)
+        tiling=tiling, decode_tiling=decode_tiling, interpret=interpret)
     return out

@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 
 # Columns of the tile table.
-Q_START, Q_END, POS_OFFSET, SEQ, KV_LO, KV_HI = range(6)
+Q_START, Q_END, POS_OFFSET, SEQ, KV_LO, KV_HI, SPLITS = range(7)
 NUM_FIELDS = 8  # padded to a power of two
+# A flash-decoding split walks at least this many key chunks (shorter ones cost more in
+# partial writes and merging than they save).
+MIN_CHUNKS_PER_SPLIT = 4
 
 
 def max_query_tiles(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
@@ -44,6 +47,12 @@ def query_tile_schedule(
     tokens_per_block: int,
     sliding_window: Optional[int],
     max_kv_len: Optional[int] = None,
+    max_q_len: Optional[int] = None,
+    min_q_len: int = 0,
+    include_padding: bool = True,
+    num_tiles: Optional[int] = None,
+    num_splits: int = 1,
+    block_k: int = 16,
 ) -> jax.Array:
     """int32[max_query_tiles, NUM_FIELDS]: per tile its token range, sequence and KV range.
 
@@ -56,9 +65,21 @@ def query_tile_schedule(
     kernel read or write out of bounds: `num_seqs` to `[0, S]`, token ranges to `[0, T)`
     (a sequence running past the bucket keeps its positions but loses the tokens past
     `T`), `KV_HI` to `max_kv_len` (the block table's capacity).
+
+    One launch may cover only some sequences: those with `min_q_len <= q_len <= max_q_len`
+    (a mixed bucket gives its decode sequences decode-sized tiles in a launch of their
+    own), and the padding run only with `include_padding`; `num_tiles` overrides the
+    static tile count when the caller knows a tighter bound.
+
+    `SPLITS` (flash-decoding, `num_splits > 1`) is each tile's share of the launch's
+    split slots, from the actual KV lengths on device: key chunks (of `block_k` keys) are
+    dealt so that every used split walks about the same number of chunks, and at least
+    `MIN_CHUNKS_PER_SPLIT`; a short sequence uses one split and leaves its other slots
+    idle, a long one uses all of them.
     """
     num_slots = kv_lens.shape[0]
-    num_tiles = max_query_tiles(num_tokens, num_slots, block_q)
+    if num_tiles is None:
+        num_tiles = max_query_tiles(num_tokens, num_slots, block_q)
     n = jnp.clip(num_seqs[0], 0, num_slots)
     live = jnp.arange(num_slots, dtype=jnp.int32) < n
     # Positions follow the metadata as given; the token ranges are clamped to the bucket.
@@ -67,10 +88,15 @@ def query_tile_schedule(
     starts, ends = clamped[:-1], clamped[1:]
     q_lens = jnp.where(live, jnp.maximum(ends - starts, 0), 0)
     total_q = clamped[n]
+    picked = q_lens_given >= min_q_len
+    if max_q_len is not None:
+        picked &= q_lens_given <= max_q_len
+    tiled_q_lens = jnp.where(picked, q_lens, 0)
 
     # Segments 0..S-1 are sequences; segment S is the padding run [total_q, num_tokens).
     seg_start = jnp.concatenate([starts, total_q[None]])
-    seg_end = jnp.concatenate([starts + q_lens, jnp.full((1,), num_tokens, jnp.int32)])
+    padding_end = num_tokens if include_padding else total_q
+    seg_end = jnp.concatenate([starts + tiled_q_lens, jnp.full((1,), padding_end, jnp.int32)])
     seg_tiles = _cdiv(jnp.maximum(seg_end - seg_start, 0), block_q)
     cum = jnp.cumsum(seg_tiles)
     first_tile = cum - seg_tiles
@@ -95,7 +121,13 @@ def query_tile_schedule(
     if max_kv_len is not None:
         kv_hi = jnp.minimum(kv_hi, max_kv_len)
     kv_hi = jnp.maximum(kv_hi, kv_lo)
+    splits = jnp.ones_like(q_start)
+    if num_splits > 1:
+        chunks = _cdiv(kv_hi - kv_lo, block_k)
+        busy_tiles = jnp.maximum(jnp.sum(chunks > 0), 1)
+        per_split = jnp.maximum(_cdiv(jnp.sum(chunks), busy_tiles * num_splits), MIN_CHUNKS_PER_SPLIT)
+        splits = jnp.clip((chunks + per_split - 1) // per_split, 1, num_splits)
     zeros = jnp.zeros_like(q_start)
-    fields = [q_start, q_end, pos_offset, seq, kv_lo, kv_hi]
+    fields = [q_start, q_end, pos_offset, seq, kv_lo, kv_hi, splits]
     fields += [zeros] * (NUM_FIELDS - len(fields))
     return jnp.stack(fields, axis=1).astype(jnp.int32)
