@@ -119,6 +119,61 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                         "its values override the flags (unset: none)")
 
 
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-host flags: every process of the run gets the same command with its own --process-id."""
+    g = parser.add_argument_group(
+        "multi-host (jax.distributed)",
+        "Run one model over the devices of several processes or hosts: start the same command on every host "
+        "with its own --process-id; process 0 serves, the others follow. Unset flags are read from "
+        "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM (srun) or Open MPI (mpirun); "
+        "without any of them the run is a single process.")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordination service, reachable from every host")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process's rank (0: the leader)")
+    g.add_argument("--local-device-ids", default=None, metavar="IDS",
+                   help="comma-separated devices of this host the process uses (unset: all)")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat after which a process counts as dead or hung (the leader "
+                        "then fails its requests and exits; followers exit)")
+    g.add_argument("--plan-channel", dest="multihost_plan_channel", choices=["kv", "collective"], default="kv",
+                   help="how the leader sends each step's plan: the coordination service's key-value store, "
+                        "or a broadcast_one_to_all device collective")
+
+
+def distributed_config(args: argparse.Namespace):
+    from sharding.multihost import DistributedConfig
+
+    ids = getattr(args, "local_device_ids", None)
+    return DistributedConfig(
+        coordinator_address=getattr(args, "coordinator_address", None),
+        num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
+        local_device_ids=tuple(int(i) for i in ids.split(",")) if ids else None,
+        heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0))
+
+
+def join_distributed(args: argparse.Namespace) -> bool:
+    """Join the multi-process run the flags or the environment describe, if any. Returns True
+    when this process is a follower (it then runs `run_follower` instead of the command)."""
+    from sharding import multihost
+
+    config = distributed_config(args)
+    if not multihost.requested(config):
+        return False
+    multihost.initialize(config)
+    return not multihost.is_leader()
+
+
+def run_follower_command(args: argparse.Namespace) -> int:
+    """A follower: fetch the model here too when one is named (so the leader's paths exist), then
+    build and mirror each engine the leader opens until it exits."""
+    from jaxllm.engine.followers import run_follower
+
+    if getattr(args, "model", None):
+        resolve_model_arg(args)
+    return run_follower()
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """The LLM API fields in a YAML file (ValueError naming the problem)."""
     import yaml
@@ -152,7 +207,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         moe_expert_parallel_size=getattr(args, "moe_expert_parallel_size", None),
         moe_tensor_parallel_size=getattr(args, "moe_tensor_parallel_size", None),
-        enable_attention_dp=getattr(args, "enable_attention_dp", False))
+        enable_attention_dp=getattr(args, "enable_attention_dp", False),
+        multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"))
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     if getattr(args, "no_compile_cache", False):
@@ -387,6 +443,40 @@ def _bench(argv: list[str]) -> int:
     return int(importlib.import_module(BENCHMARKS[name]).main(rest) or 0)
 
 
+# ----------------------------------------------------------------------------- worker
+def _worker(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jaxllm worker", formatter_class=_HelpFormatter,
+        description="A follower of a multi-host run: joins it, builds the engine process 0 opens (each "
+                    "process loads only its devices' weight shards), runs every step with it, and exits when "
+                    "process 0 exits. Process 0 runs `jaxllm serve` (or generate, chat, LLM(...)) with the "
+                    "same multi-host flags; `jaxllm serve` with those flags on a process other than 0 does the "
+                    "same as this command.")
+    parser.add_argument("--model", default=None, help="fetch this model here before following (unset: the "
+                                                      "leader's model path must exist on this host)")
+    parser.add_argument("--revision", default=None, help="Hub revision of --model")
+    _add_distributed_args(parser)
+    args = parser.parse_args(argv)
+    quiet_logs()
+    from sharding import multihost
+
+    config = distributed_config(args)
+    if not multihost.requested(config):
+        print("jaxllm worker: error: no multi-host run: give --coordinator-address, --num-processes and "
+              "--process-id, or launch under srun / mpirun / JAX_COORDINATOR_ADDRESS", file=sys.stderr)
+        return 2
+    try:
+        multihost.initialize(config)
+        if multihost.is_leader():
+            print("jaxllm worker: error: process 0 is the leader; run `jaxllm serve` (or generate, chat) there",
+                  file=sys.stderr)
+            return 2
+        return run_follower_command(args)
+    except LOAD_ERRORS as exc:
+        print(f"jaxllm worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference in JAX and Pallas.",
@@ -399,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("prompt", nargs="*", help="a question to answer once")
     chat.add_argument("--system", default=None, help="system message (default: the chat template's own)")
     _add_engine_args(chat, DEFAULT_MODEL)
+    _add_distributed_args(chat)
     chat.set_defaults(max_batch_size=4, max_num_tokens=256, max_seq_len=2048)
     _sampling_args(chat, max_tokens=256, temperature=None)
 
@@ -408,10 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated, one prompt at a time")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_engine_args(gen, DEFAULT_MODEL)
+    _add_distributed_args(gen)
     gen.set_defaults(max_batch_size=16, max_num_tokens=512, max_seq_len=2048)
     _sampling_args(gen, max_tokens=32, temperature=None)
 
     sub.add_parser("serve", help="OpenAI-compatible server (jaxllm serve --help)", add_help=False)
+    sub.add_parser("worker", help="a follower process of a multi-host run (jaxllm worker --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks (jaxllm bench --help lists them)", add_help=False)
     sub.add_parser("eplb", help="expert load balancing: load report and placement YAML from recorded "
                                 "statistics (jaxllm eplb --help)", add_help=False)
@@ -437,9 +530,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         from jaxllm.server.cli import main as serve_main
 
         return int(serve_main(argv[1:]) or 0)
+    if argv and argv[0] == "worker":
+        return _worker(argv[1:])
     args = build_parser().parse_args(argv)
     quiet_logs()
     try:
+        if join_distributed(args):
+            return run_follower_command(args)
         if args.command == "generate":
             return _generate(args, started)
         if args.command == "chat":

@@ -90,6 +90,9 @@ def make_mesh(parallel: ParallelConfig, devices: Optional[Sequence[jax.Device]] 
     if parallel.num_devices > len(available):
         raise ValueError(f"the parallel configuration needs {parallel.num_devices} devices "
                          f"(tensor_parallel_size={parallel.tensor_parallel_size}); {len(available)} available")
+    from sharding.multihost import check_mesh_devices
+
+    check_mesh_devices(available[:parallel.num_devices])
     grid = np.asarray(available[:parallel.num_devices], dtype=object).reshape(parallel.mesh_shape)
     return jax.sharding.Mesh(grid, MESH_AXES)
 

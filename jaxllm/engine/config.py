@@ -10,6 +10,7 @@ from sharding.mesh import ParallelConfig
 
 ATTENTION_BACKENDS = ("xla", "pallas")
 MOE_BACKENDS = ("xla", "pallas")
+PLAN_CHANNELS = ("kv", "collective")
 
 
 @dataclass
@@ -43,6 +44,9 @@ class EngineConfig:
     moe_tensor_parallel_size: Optional[int] = None
     enable_attention_dp: bool = False  # not supported yet: attention is tensor-parallel over all N devices
     moe_config: MoeConfig = field(default_factory=MoeConfig)  # expert placement (EPLB), dispatch mode
+    # Multi-host runs: how the leader sends each step's plan to the other processes
+    # ("kv": the coordination service's key-value store; "collective": broadcast_one_to_all).
+    multihost_plan_channel: str = "kv"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
@@ -68,6 +72,9 @@ class EngineConfig:
         self.parallel_config()  # checks E * T == N
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.multihost_plan_channel not in PLAN_CHANNELS:
+            raise ValueError(f"multihost_plan_channel must be one of {PLAN_CHANNELS}, "
+                             f"got {self.multihost_plan_channel!r}")
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
 

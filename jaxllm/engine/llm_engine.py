@@ -39,6 +39,7 @@ from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arr
 from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
@@ -55,6 +56,7 @@ from sharding import make_mesh
 from sharding.mesh import expert_parallel_size
 from sharding.ep_moe import EpMoeOptions
 from sharding.eplb.statistics import ExpertStatisticsWriter
+from sharding.multihost import agree_min, is_multiprocess
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ class LLMEngine:
         self.config = config
         if compile_cache_requested(config.compile_cache):
             enable_compile_cache()  # before anything compiles
+        # Multi-host leader: the followers build this same engine from the config (None otherwise).
+        session = open_session(config)
         model_dir = resolve_model_dir(config.model)
         dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
         self.model_config = load_model_config(model_dir, dtype=dtype)
@@ -137,6 +141,7 @@ class LLMEngine:
             model_config=self.model_config, dtype=kv_dtype, tokens_per_block=tpb,
             max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
             max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len, mesh=self.mesh)
+        num_blocks = agree_min("kv_cache_blocks", num_blocks)  # every host holds its share of every block
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
         self.kv_cache_manager = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq,
                                                enable_block_reuse=kv_cfg.enable_block_reuse,
@@ -151,6 +156,9 @@ class LLMEngine:
         self.attention_backend, self.moe_backend, attention_fn, moe_fn = resolve_backends(
             config.attention_backend, config.moe_backend)
         online = balancer is not None and balancer.layer_updates_per_iter > 0
+        if online and is_multiprocess():
+            raise ValueError("moe_config.load_balancer: online expert load balancing (layer_updates_per_iter > 0) "
+                             "is not supported in multi-host runs: its slot writes run outside the mirrored step")
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
                                   moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh,
@@ -160,6 +168,8 @@ class LLMEngine:
             config=balancer, params=self.runner.params, moe_layers=moe_layers,
             num_experts=self.model_config.num_experts, ep_size=expert_parallel_size(self.mesh),
             mesh=self.mesh) if online else None
+        # On a multi-host leader every step is first sent to the followers, which run it too.
+        self.runner = mirror(self.runner, session, config.multihost_plan_channel)
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
@@ -469,10 +479,14 @@ class LLMEngine:
             self.expert_statistics.save()
 
     def close(self) -> None:
-        """Write pending statistics and stop the load balancer's placement thread."""
+        """Write pending statistics, stop the load balancer's placement thread and end the
+        multi-host session (the followers drop their copy of the engine)."""
         self.close_statistics()
         if self.load_balancer is not None:
             self.load_balancer.close()
+        end_session = getattr(self.runner, "close", None)
+        if end_session is not None:
+            end_session()
 
     def _record_stats(self, stats: dict) -> None:
         self.iteration += 1

@@ -76,7 +76,9 @@ def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_bloc
     limits = []
     if max_tokens is not None:
         limits.append(math.ceil(max_tokens / tokens_per_block))
-    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
+    # This process's devices (another host's cannot be asked; `multihost.agree_min` then takes
+    # the smallest pool any host can hold).
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if all("bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         limits.append(int(free * free_memory_fraction) // bytes_per_block)

@@ -37,6 +37,7 @@ from jaxllm.executor.request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
+from sharding.multihost import on_peer_failure
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class GenerationExecutor:
         self._output_thread = threading.Thread(target=self._output_loop, name="jaxllm-output", daemon=True)
         self._output_thread.start()
         self._core = EngineCore(engine, self._events.put, self._on_stats)
+        # Multi-host: a follower that dies or hangs fails every request (before the process exits).
+        self._forget_peer_failure = on_peer_failure(lambda message: self._on_fatal(RuntimeError(message)))
         _live_executors.add(self)
 
     # ------------------------------------------------------------------ setup helpers
@@ -442,8 +445,9 @@ class GenerationExecutor:
         self._core.stop()
         self._core.join(timeout)
         close = getattr(self._engine, "close", None) or getattr(self._engine, "close_statistics", None)
-        if close is not None:  # expert statistics recorded so far; the load balancer's thread
+        if close is not None:  # expert statistics recorded so far; the load balancer's thread; followers
             close()
+        self._forget_peer_failure()
         if threading.current_thread() is not self._output_thread:
             self._output_thread.join(timeout)
         _live_executors.discard(self)

@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Optional
 
-from jaxllm.cli import DEFAULT_MODEL, LOAD_ERRORS, _add_engine_args, _HelpFormatter, engine_kwargs
+from jaxllm.cli import (DEFAULT_MODEL, LOAD_ERRORS, _add_distributed_args, _add_engine_args, _HelpFormatter,
+                        engine_kwargs, join_distributed, run_follower_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "/v1/iteration_stats).")
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     _add_engine_args(parser, DEFAULT_MODEL)
+    _add_distributed_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port")
     parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
@@ -49,8 +51,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli import resolve_model_arg, start_executor
     from jaxllm.server.app import ServerConfig, build_app
     from jaxllm.server.lifecycle import serve
+    from sharding import multihost
 
     try:
+        if join_distributed(args):  # not process 0: follow the leader's engine, serve nothing
+            return run_follower_command(args)
         kwargs = engine_kwargs(args)
         if args.disable_block_reuse:
             kwargs["kv_cache_config"].enable_block_reuse = False
@@ -67,9 +72,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                            shutdown_timeout=args.shutdown_timeout),
                     shutdown_executor=True)
     try:
-        return serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        code = serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     finally:
         executor.shutdown()
+    if code and multihost.is_multiprocess():
+        multihost.exit_now(code)  # a failed run: no final barrier with processes that may be gone
+    return code
 
 
 if __name__ == "__main__":

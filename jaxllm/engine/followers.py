@@ -1,0 +1,237 @@
+"""A multi-host engine: process 0 plans, every process runs the same jitted steps.
+
+The leader (process 0) is the only process with requests: it owns the queue, the scheduler and
+the KV block manager, and the executor, the server and the benchmarks run there. Building an
+`LLMEngine` on the leader opens a *session*: the engine's config is published in the
+coordination service's key-value store and every follower builds the same engine from it
+(each loading only the weight shards of its own devices), keeps only its `ModelRunner`, and
+then mirrors the leader's runner: each call that runs a device program (`execute(plan)`, and
+the warm-up's `forward` / `sample`) is sent to the followers before the leader makes it, and
+they make the same call, so every process launches the same programs in the same order and
+their collectives meet. Sampled tokens are read back on the leader only (they are replicated,
+so its own devices hold them); followers never read anything back.
+
+A device array passed to a mirrored call (the warm-up samples the logits of its last forward)
+travels as a reference to the latest output of a mirrored method, which each follower holds.
+
+The session ends with `close()` (the executor's shutdown); the run ends when the leader exits
+(it sets an exit key that waiting followers see within a second).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+
+from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
+from sharding import multihost
+
+logger = logging.getLogger(__name__)
+
+MIRRORED = ("execute", "forward", "sample")
+SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
+EXIT_KEY = f"{multihost.KEY_PREFIX}/exit"
+
+
+@dataclass(frozen=True)
+class LatestOutput:
+    """Stands for leaf `leaf` of the latest output of mirrored method `method`."""
+
+    method: str
+    leaf: int
+
+
+@dataclass
+class ChannelStats:
+    messages: int = 0
+    bytes: int = 0
+    send_seconds: float = 0.0
+
+
+class MirroredRunner:
+    """The leader's runner: sends every device-program call to the followers, then makes it.
+    Everything else (compiling, attributes) is the wrapped runner's own."""
+
+    def __init__(self, runner: Any, channel: Any) -> None:
+        self._runner = runner
+        self._channel = channel
+        self._latest: dict[str, list] = {}
+        self.channel_stats = ChannelStats()
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    def _send(self, message: tuple) -> None:
+        payload = encode(message)
+        started = time.perf_counter()
+        self._channel.send(payload)
+        stats = self.channel_stats
+        stats.send_seconds += time.perf_counter() - started
+        stats.messages += 1
+        stats.bytes += len(payload)
+
+    def _reference(self, arg: Any) -> Any:
+        if not isinstance(arg, jax.Array):
+            return arg
+        for method, leaves in self._latest.items():
+            for i, leaf in enumerate(leaves):
+                if leaf is arg:
+                    return LatestOutput(method, i)
+        raise ValueError("a device array passed to a mirrored runner call must be the latest output of one of "
+                         f"{MIRRORED}: the followers hold no other")
+
+    def _mirror(self, method: str, *args: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("the multi-host session is closed")
+        self._send(("call", method, tuple(self._reference(a) for a in args)))
+        out = getattr(self._runner, method)(*args)
+        self._latest[method] = jax.tree_util.tree_leaves(out)
+        return out
+
+    def execute(self, plan):
+        return self._mirror("execute", plan)
+
+    def forward(self, batch, feed_index, prev_tokens):
+        return self._mirror("forward", batch, feed_index, prev_tokens)
+
+    def sample(self, logits, sampling):
+        return self._mirror("sample", logits, sampling)
+
+    def close(self) -> None:
+        """End the session: the followers drop their runner and wait for the next engine."""
+        if not self._closed:
+            self._closed = True
+            self._send(("stop",))
+
+
+_session_lock = threading.Lock()
+_sessions_opened = 0
+
+
+def open_session(config: Any) -> Optional[str]:
+    """On the leader of a multi-process run: publish `config` for the followers to build the
+    same engine; returns the session's channel prefix. None elsewhere (single process, or a
+    follower building its copy of the leader's engine)."""
+    global _sessions_opened
+    if not multihost.is_multiprocess() or not multihost.is_leader():
+        return None
+    with _session_lock:
+        session = _sessions_opened
+        _sessions_opened += 1
+    if session == 0:
+        atexit.register(end_run)
+    multihost.kv_client().key_value_set_bytes(f"{SESSION_KEY}/{session}", encode(("engine", config)))
+    logger.info("multi-host session %d: %d follower process(es) build the engine", session,
+                jax.process_count() - 1)
+    return f"{SESSION_KEY}/{session}/messages"
+
+
+def mirror(runner: Any, prefix: Optional[str], channel_kind: str) -> Any:
+    """`runner` as the leader's mirrored runner when a session is open, else unchanged."""
+    if prefix is None:
+        return runner
+    return MirroredRunner(runner, make_channel(channel_kind, prefix))
+
+
+def end_run() -> None:
+    """Leader: tell every follower to exit, then leave the run (registered at exit)."""
+    if multihost.is_multiprocess() and multihost.is_leader():
+        try:
+            multihost.kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
+        except Exception:  # the run is already torn down
+            return
+        multihost.shutdown()
+
+
+# ----------------------------------------------------------------------------- followers
+def _exit_requested(client) -> Optional[str]:
+    try:
+        if client.key_value_try_get(EXIT_KEY):
+            return "exit"
+    except Exception as exc:
+        if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
+            return f"the coordination service failed: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _wait(client, key: str) -> Optional[bytes]:
+    """The value of `key`, or None once the leader asks the followers to exit."""
+    while True:
+        try:
+            return client.blocking_key_value_get_bytes(key, 1000)
+        except Exception as exc:
+            if "DEADLINE_EXCEEDED" not in str(exc) and "timed out" not in str(exc).lower():
+                raise ChannelClosed(f"the coordination service failed: {str(exc).splitlines()[0]}") from exc
+        reason = _exit_requested(client)
+        if reason == "exit":
+            return None
+        if reason:
+            raise ChannelClosed(reason)
+
+
+def follow(runner: Any, channel: Any, client: Any = None) -> int:
+    """Make the leader's runner calls on `runner` until the session stops; returns the calls made."""
+    latest: dict[str, list] = {}
+    calls = 0
+
+    def stop_reason() -> Optional[str]:
+        reason = _exit_requested(client) if client is not None else None
+        return "the leader exited" if reason == "exit" else reason
+
+    while True:
+        message = decode(channel.recv(stop_reason))
+        if message[0] == "stop":
+            return calls
+        _, method, args = message
+        if method not in MIRRORED:
+            raise ValueError(f"unknown runner call {method!r} from the leader")
+        args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
+        out = getattr(runner, method)(*args)
+        latest[method] = jax.tree_util.tree_leaves(out)
+        calls += 1
+
+
+def run_follower() -> int:
+    """A follower's whole life: build each engine the leader opens and mirror its runner, until
+    the leader exits. Returns the process exit code."""
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    if multihost.is_leader():
+        raise ValueError("process 0 is the leader: it runs the engine, not a follower loop")
+    client = multihost.kv_client()
+    session = 0
+    pid = jax.process_index()
+    try:
+        while True:
+            payload = _wait(client, f"{SESSION_KEY}/{session}")
+            if payload is None:
+                logger.info("process %d: the leader exited", pid)
+                break
+            _, config = decode(payload)
+            logger.info("process %d: building the engine of session %d (%s)", pid, session, config.model)
+            runner = LLMEngine(config).runner  # the scheduler and KV block manager are dropped here
+            gc.collect()
+            channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
+            calls = follow(runner, channel, client)
+            logger.info("process %d: session %d ended after %d steps", pid, session, calls)
+            del runner
+            gc.collect()
+            session += 1
+    except Exception as exc:  # the leader is gone (or its step failed here): no step can run any more
+        reason = str(exc) if isinstance(exc, ChannelClosed) else f"{type(exc).__name__}: {exc}"
+        multihost.report_failure(f"process {pid}: {reason}; exiting", grace=0.0)
+        return multihost.FAILURE_EXIT_CODE
+    multihost.shutdown()
+    return 0

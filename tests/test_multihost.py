@@ -1,0 +1,172 @@
+"""Multi-host runs: two local processes with 2 CPU devices each, joined by jax.distributed (gloo).
+
+1. Engines spanning both processes (TP 4, then EP 4 with all_to_all across the process
+   boundary) give exactly the greedy tokens of the single-process, single-device engine on the
+   shared staggered workload (chunked prefill, prefix reuse, mixed steps); the follower builds
+   each engine from the leader's config and ends its session when the leader shuts it down.
+2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
+   streams; SIGKILL on the worker fails the running stream with an error and the server exits
+   non-zero within the bound.
+3. SIGKILL on the serving leader makes its follower exit within the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multihost import ProcessGroup, distributed_flags, wait_for
+from tests.parallel_workload import run_staggered_requests, small_engine
+
+ENGINES = {"tp4": dict(tensor_parallel_size=4),
+           "ep4": dict(tensor_parallel_size=4, moe_expert_parallel_size=4, moe_config={"dispatch": "all_to_all"})}
+EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
+
+
+def write_model(root: Path) -> Path:
+    from tests.test_ep_moe import write_checkpoint
+
+    return write_checkpoint("qwen3_moe", root / "qwen3_moe", seed=5, vocab_size=256)
+
+
+def leader_engines(root: Path) -> int:
+    """Process 0 of run 1: each engine in turn over all 4 devices of both processes."""
+    import jax
+
+    from jaxllm.models import materialize_preset
+
+    assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+    tokenizer = materialize_preset("tiny-moe")
+    for name, args in ENGINES.items():
+        engine = small_engine(root / "qwen3_moe", tokenizer, **args)
+        outputs = run_staggered_requests(engine)
+        stats = engine.runner.channel_stats
+        mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+                    for s in engine.iteration_stats)
+        engine.close()
+        print(json.dumps(dict(engine=name, tokens={str(k): v for k, v in sorted(outputs.items())}, mixed=mixed,
+                              steps=engine.iteration, messages=stats.messages, bytes=stats.bytes)), flush=True)
+    return 0
+
+
+def follower_engines(root: Path) -> int:
+    from jaxllm.engine.followers import run_follower
+
+    return run_follower()
+
+
+def test_engines_spanning_two_processes_match_single_device(tmp_path):
+    from jaxllm.models import materialize_preset
+
+    write_model(tmp_path)
+    group = ProcessGroup(tmp_path)
+    try:
+        leader = group.start_function("test_multihost", "leader_engines", 0, 2, tmp_path)
+        follower = group.start_function("test_multihost", "follower_engines", 1, 2, tmp_path)
+        # The reference, meanwhile: this process's single-device engine on the same workload.
+        expected = run_staggered_requests(small_engine(tmp_path / "qwen3_moe", materialize_preset("tiny-moe")))
+        assert group.wait(leader, 240) == 0, group.all_logs()
+        assert group.wait(follower, 30) == 0, group.all_logs()
+    finally:
+        group.close()
+    results = [json.loads(line) for line in group.log(0).splitlines() if line.startswith("{")]
+    assert [r["engine"] for r in results] == list(ENGINES)
+    expected = {str(k): v for k, v in sorted(expected.items())}
+    assert len(expected) == 5 and all(len(t) == 7 for t in expected.values())
+    for r in results:
+        assert r["tokens"] == expected, f"{r['engine']}: greedy tokens differ from the single-device engine"
+        assert r["mixed"], r["engine"]
+        assert r["messages"] >= r["steps"] > 0 and r["bytes"] > 0, r
+
+
+def serve_argv(model: Path, port: int, group: ProcessGroup, process_id: int) -> list[str]:
+    from jaxllm.models import materialize_preset
+
+    return [sys.executable, "-m", "jaxllm", "serve", "--model", str(model),
+            "--tokenizer", str(materialize_preset("tiny-moe")), "--dtype", "float32", "--max-batch-size", "4",
+            "--max-num-tokens", "32", "--max-seq-len", "96", "--tokens-per-block", "8",
+            "--kv-cache-max-tokens", "512", "--tp-size", "4", "--port", str(port), "--no-warmup",
+            "--log-level", "warning", *distributed_flags(group.port, 2, process_id)]
+
+
+def worker_argv(group: ProcessGroup) -> list[str]:
+    return [sys.executable, "-m", "jaxllm", "worker", *distributed_flags(group.port, 2, 1)]
+
+
+def wait_healthy(url: str, group: ProcessGroup, timeout: float = 240) -> None:
+    import httpx
+
+    def healthy() -> bool:
+        assert all(p.poll() is None for p in group.procs), "a process ended early:\n" + group.all_logs()
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, timeout, f"{url}/health", interval=0.5)
+
+
+def stream_events(http, url: str, body: dict):
+    with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                yield line[len("data: "):]
+
+
+def test_server_on_two_processes_and_peer_failures(tmp_path):
+    """Run A: serve (process 0) + worker (process 1): completions, streaming, then the worker is
+    killed mid-stream. Run B, at the same time: the serving leader is killed; its follower exits."""
+    import httpx
+
+    from tests.server_helpers import free_port
+
+    model = write_model(tmp_path)
+    run_a, run_b = ProcessGroup(tmp_path / "a"), ProcessGroup(tmp_path / "b")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    port_a, port_b = free_port(), free_port()
+    try:
+        leader_a = run_a.start(serve_argv(model, port_a, run_a, 0), "serve")
+        worker_a = run_a.start(worker_argv(run_a), "worker")
+        leader_b = run_b.start(serve_argv(model, port_b, run_b, 0), "serve")
+        # `jaxllm serve` on a process other than 0 follows instead of serving.
+        follower_b = run_b.start(serve_argv(model, port_b, run_b, 1), "follower")
+        url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+        wait_healthy(url_a, run_a)
+        wait_healthy(url_b, run_b)
+
+        leader_b.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert run_b.wait(follower_b, EXIT_BOUND) != 0
+        follower_exit = time.monotonic() - killed_at
+
+        body = dict(model=str(model), prompt=[5, 17, 42, 9, 100], max_tokens=6, temperature=0, ignore_eos=True)
+        with httpx.Client(timeout=120) as http:
+            done = http.post(url_a + "/v1/completions", json=body).json()
+            assert done["usage"]["completion_tokens"] == 6, done
+            chunks = [json.loads(e) for e in stream_events(http, url_a, body) if e != "[DONE]"]
+            streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+            assert len(chunks) >= 3 and streamed == done["choices"][0]["text"], (chunks, done)
+
+            # A long stream; the follower dies after its first token.
+            events = stream_events(http, url_a, dict(body, max_tokens=80))
+            first = json.loads(next(events))
+            assert first["choices"][0]["text"] is not None
+            worker_a.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = list(events)
+        errors = [e for e in rest if e != "[DONE]" and "error" in json.loads(e)]
+        assert errors, f"the stream ended without an error event: {rest[-3:]}"
+        assert run_a.wait(leader_a, EXIT_BOUND) != 0
+        leader_exit = time.monotonic() - killed_at
+    finally:
+        run_a.close()
+        run_b.close()
+    print(f"follower exit {follower_exit:.1f} s after the leader died; leader exit {leader_exit:.1f} s after "
+          f"the follower died; error: {json.loads(errors[0])['error']['message'][:200]}")
