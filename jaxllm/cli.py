@@ -28,6 +28,7 @@ BENCHMARKS = {
     "eplb": "jaxllm.bench.eplb",
     "ep": "jaxllm.bench.ep",
     "eplb-online": "jaxllm.bench.eplb_online",
+    "multihost": "jaxllm.bench.multihost",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -45,6 +46,8 @@ BENCHMARK_HELP = {
           "to one device and TP only (8 CPU devices by default)",
     "eplb-online": "the online expert load balancer on EP MoE layers while the hot experts switch: imbalance "
                    "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
+    "multihost": "per-step cost of sending the step plan to the other processes of a multi-host run (bytes, "
+                 "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
 }
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.

@@ -120,53 +120,96 @@ def stream_events(http, url: str, body: dict):
 
 
 def test_server_on_two_processes_and_peer_failures(tmp_path):
-    """Run A: serve (process 0) + worker (process 1): completions, streaming, then the worker is
-    killed mid-stream. Run B, at the same time: the serving leader is killed; its follower exits."""
+    """Three runs at once, each serve (process 0) + follower (process 1). A: completions and
+    streaming, then the follower is killed mid-stream. B: the serving leader is killed; its
+    follower exits. C: the follower hangs (SIGSTOP) mid-stream: only the heartbeats can tell."""
     import httpx
 
     from tests.server_helpers import free_port
 
     model = write_model(tmp_path)
-    run_a, run_b = ProcessGroup(tmp_path / "a"), ProcessGroup(tmp_path / "b")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    port_a, port_b = free_port(), free_port()
+    runs = {}
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        run = ProcessGroup(tmp_path / name)
+        port = free_port()
+        leader = run.start(serve_argv(model, port, run, 0), "serve")
+        # `jaxllm serve` on a process other than 0 follows instead of serving (run b); `jaxllm worker`
+        # is the follower's own command.
+        follower = run.start(serve_argv(model, port, run, 1) if name == "b" else worker_argv(run), "follower")
+        runs[name] = (run, leader, follower, f"http://127.0.0.1:{port}")
+    body = dict(model=str(model), prompt=[5, 17, 42, 9, 100], max_tokens=6, temperature=0, ignore_eos=True)
     try:
-        leader_a = run_a.start(serve_argv(model, port_a, run_a, 0), "serve")
-        worker_a = run_a.start(worker_argv(run_a), "worker")
-        leader_b = run_b.start(serve_argv(model, port_b, run_b, 0), "serve")
-        # `jaxllm serve` on a process other than 0 follows instead of serving.
-        follower_b = run_b.start(serve_argv(model, port_b, run_b, 1), "follower")
-        url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
-        wait_healthy(url_a, run_a)
-        wait_healthy(url_b, run_b)
-
-        leader_b.send_signal(signal.SIGKILL)
+        for run, _, _, url in runs.values():
+            wait_healthy(url, run)
+        run, leader, follower, url = runs["b"]
+        leader.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        assert run_b.wait(follower_b, EXIT_BOUND) != 0
+        assert run.wait(follower, EXIT_BOUND) != 0
         follower_exit = time.monotonic() - killed_at
 
-        body = dict(model=str(model), prompt=[5, 17, 42, 9, 100], max_tokens=6, temperature=0, ignore_eos=True)
+        run, leader, follower, url = runs["a"]
         with httpx.Client(timeout=120) as http:
-            done = http.post(url_a + "/v1/completions", json=body).json()
+            done = http.post(url + "/v1/completions", json=body).json()
             assert done["usage"]["completion_tokens"] == 6, done
-            chunks = [json.loads(e) for e in stream_events(http, url_a, body) if e != "[DONE]"]
+            chunks = [json.loads(e) for e in stream_events(http, url, body) if e != "[DONE]"]
             streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
             assert len(chunks) >= 3 and streamed == done["choices"][0]["text"], (chunks, done)
-
-            # A long stream; the follower dies after its first token.
-            events = stream_events(http, url_a, dict(body, max_tokens=80))
-            first = json.loads(next(events))
-            assert first["choices"][0]["text"] is not None
-            worker_a.send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-            rest = list(events)
-        errors = [e for e in rest if e != "[DONE]" and "error" in json.loads(e)]
-        assert errors, f"the stream ended without an error event: {rest[-3:]}"
-        assert run_a.wait(leader_a, EXIT_BOUND) != 0
-        leader_exit = time.monotonic() - killed_at
+        exits = {}
+        for name, sig in (("a", signal.SIGKILL), ("c", signal.SIGSTOP)):
+            run, leader, follower, url = runs[name]
+            with httpx.Client(timeout=120) as http:
+                events = stream_events(http, url, dict(body, max_tokens=80))  # a long stream
+                assert json.loads(next(events))["choices"]
+                follower.send_signal(sig)  # after the first token
+                hit_at = time.monotonic()
+                rest = list(events)
+            errors = [json.loads(e)["error"]["message"] for e in rest if e != "[DONE]" and "error" in json.loads(e)]
+            assert errors, f"run {name}: the stream ended without an error event: {rest[-3:]}"
+            assert run.wait(leader, EXIT_BOUND) != 0
+            exits[name] = (time.monotonic() - hit_at, errors[0])
+        assert "sent no heartbeat" in exits["c"][1] and "died or hung" in exits["c"][1], exits["c"][1]
     finally:
-        run_a.close()
-        run_b.close()
-    print(f"follower exit {follower_exit:.1f} s after the leader died; leader exit {leader_exit:.1f} s after "
-          f"the follower died; error: {json.loads(errors[0])['error']['message'][:200]}")
+        for run, *_ in runs.values():
+            run.close()
+    print(f"follower exit {follower_exit:.1f} s after the leader was killed; leader exit {exits['a'][0]:.1f} s "
+          f"after the follower was killed ({exits['a'][1][:120]}), {exits['c'][0]:.1f} s after it hung "
+          f"({exits['c'][1][:160]})")
+
+def test_distributed_detection_config_checks_and_message_allow_list():
+    import pickle
+
+    import numpy as np
+
+    import jax
+
+    from jaxllm.engine.followers import LatestOutput
+    from jaxllm.engine.plan_channel import decode, encode
+    from jaxllm.sampling import SamplingTensors
+    from sharding.multihost import DistributedConfig, requested
+
+    assert not requested(DistributedConfig(), environ={})
+    assert not requested(DistributedConfig(), environ={"SLURM_STEP_NUM_TASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"})
+    assert requested(DistributedConfig(), environ={"SLURM_STEP_NUM_TASKS": "2"})
+    assert requested(DistributedConfig(), environ={"OMPI_COMM_WORLD_SIZE": "4"})
+    assert requested(DistributedConfig(), environ={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
+    assert requested(DistributedConfig("127.0.0.1:1234", 2, 1), environ={})
+    for bad, match in ((dict(coordinator_address="nohost"), "HOST:PORT"), (dict(num_processes=0), "num_processes"),
+                       (dict(num_processes=2, process_id=2), "not below"),
+                       (dict(heartbeat_interval=5, heartbeat_timeout=2), "heartbeat_interval")):
+        with pytest.raises(ValueError, match=match):
+            DistributedConfig(**bad)
+
+    sampling = SamplingTensors.empty(4, 16, use_penalties=True, any_random=True)
+    back = decode(encode(("call", "sample", (LatestOutput("forward", 0), sampling))))
+    assert back[2][0] == LatestOutput("forward", 0) and back[2][1].use_penalties and back[2][1].any_random
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back[2][1]),
+                                                     jax.tree_util.tree_leaves(sampling)))
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("never",))
+
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
+        decode(pickle.dumps(Evil()))
+

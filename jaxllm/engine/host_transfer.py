@@ -43,3 +43,14 @@ def unpack(buffers: tuple[jax.Array, ...], layout: PackedLayout) -> Any:
     leaves = [jax.lax.slice_in_dim(buffers[b], offset, offset + int(np.prod(shape, dtype=np.int64))).reshape(shape)
               for b, offset, shape in layout.leaves]
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def put_on_mesh(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """Host arrays (the same on every process) onto `sharding`. In a multi-process run
+    `jax.device_put` first checks with a collective that every process passes equal data: a
+    gather of the step's inputs each step, and a deadlock when only the leader puts (warm-up
+    compiles). Here each process puts just its own devices' pieces."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree_util.tree_map(
+        lambda a: jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index]), tree)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.host_transfer import PackedLayout, pack, unpack
+from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from jaxllm.models.decoder import forward_with_moe_stats
@@ -123,7 +123,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self._compile_lock = threading.Lock()  # warm-up compiles from several threads
         self.steps_per_bucket: collections.Counter = collections.Counter()
-        self._zero_tokens = jax.device_put(np.zeros((max_batch_size,), np.int32), self._replicated)
+        self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
         self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
         # Expert counts [num_moe_layers, num_experts] of the last executed step (device array;
         # None unless the runner was built with moe_stats=True).
@@ -158,7 +158,7 @@ class ModelRunner:
     def _to_device(self, tree: Any) -> tuple[tuple[jax.Array, ...], PackedLayout]:
         """Host inputs packed into one flat buffer per dtype, replicated over the mesh."""
         buffers, layout = pack(tree)
-        return tuple(jax.device_put(buffers, self._replicated)), layout
+        return tuple(put_on_mesh(buffers, self._replicated)), layout
 
     def compile_forward(self, batch: StepBatch, feed_index: np.ndarray) -> None:
         """Compile, without running, the model forward of `batch`'s shape. Safe to call from
@@ -180,7 +180,7 @@ class ModelRunner:
         both programs go to the devices in one transfer (one flat buffer per dtype and program)."""
         batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         sampling_buffers, sampling_layout = pack(plan.sampling)
-        batch_inputs, sampling_inputs = jax.device_put((batch_buffers, sampling_buffers), self._replicated)
+        batch_inputs, sampling_inputs = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_inputs, batch_layout, self._last_tokens)
         self.steps_per_bucket[plan.batch.num_tokens_padded] += 1
         out = self._sample(logits, sampling_inputs, sampling_layout)
