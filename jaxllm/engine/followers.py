@@ -68,6 +68,7 @@ class MirroredRunner:
         self._latest: dict[str, list] = {}
         self.channel_stats = ChannelStats()
         self._closed = False
+        self._send_lock = threading.Lock()  # close() may come from another thread than the steps
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -80,7 +81,8 @@ class MirroredRunner:
         started = time.perf_counter()
         payload = encode(message)
         encoded = time.perf_counter()
-        self._channel.send(payload)
+        with self._send_lock:
+            self._channel.send(payload)
         stats = self.channel_stats
         stats.encode_seconds += encoded - started
         stats.send_seconds += time.perf_counter() - encoded
