@@ -1,7 +1,7 @@
 """Multi-host runs: two local processes with 2 CPU devices each, joined by jax.distributed (gloo).
 
 1. Engines spanning both processes (TP 4, then EP 4 with all_to_all across the process
-   boundary) give exactly the greedy tokens of the single-process, single-device engine on the
+   boundary), warmed up first, give exactly the greedy tokens of the single-process, single-device engine on the
    shared staggered workload (chunked prefill, prefix reuse, mixed steps); the follower builds
    each engine from the leader's config and ends its session when the leader shuts it down.
 2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
@@ -44,6 +44,7 @@ def leader_engines(root: Path) -> int:
     tokenizer = materialize_preset("tiny-moe")
     for name, args in ENGINES.items():
         engine = small_engine(root / "qwen3_moe", tokenizer, **args)
+        engine.warmup(all_variants=False)  # mirrored runs; the follower compiles alongside
         outputs = run_staggered_requests(engine)
         stats = engine.runner.channel_stats
         mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]

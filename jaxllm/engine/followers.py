@@ -8,7 +8,7 @@ coordination service's key-value store and every follower builds the same engine
 then mirrors the leader's runner: each call that runs a device program (`execute(plan)`, and
 the warm-up's `forward` / `sample`) is sent to the followers before the leader makes it, and
 they make the same call, so every process launches the same programs in the same order and
-their collectives meet. Sampled tokens are read back on the leader only (they are replicated,
+their collectives meet. Compilations are announced too, so followers compile while the leader does. Sampled tokens are read back on the leader only (they are replicated,
 so its own devices hold them); followers never read anything back.
 
 A device array passed to a mirrored call (the warm-up samples the logits of its last forward)
@@ -23,8 +23,10 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,6 +38,7 @@ from sharding import multihost
 logger = logging.getLogger(__name__)
 
 MIRRORED = ("execute", "forward", "sample")
+COMPILES = ("compile_forward", "compile_sampler")
 SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
 EXIT_KEY = f"{multihost.KEY_PREFIX}/exit"
 
@@ -115,6 +118,16 @@ class MirroredRunner:
 
     def sample(self, logits, sampling):
         return self._mirror("sample", logits, sampling)
+
+    # Compiling runs nothing, but followers compile the same programs meanwhile (in parallel, as the
+    # warm-up does here) instead of one at a time when the first step needs each.
+    def compile_forward(self, batch, feed_index) -> None:
+        self._send(("compile", "compile_forward", (batch, feed_index)))
+        self._runner.compile_forward(batch, feed_index)
+
+    def compile_sampler(self, logits, sampling) -> None:
+        self._send(("compile", "compile_sampler", (self._reference(logits), sampling)))
+        self._runner.compile_sampler(logits, sampling)
 
     def close(self) -> None:
         """End the session: the followers drop their runner and wait for the next engine."""
@@ -197,17 +210,25 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
         reason = _exit_requested(client) if client is not None else None
         return "the leader exited" if reason == "exit" else reason
 
-    while True:
-        message = decode(channel.recv(stop_reason))
-        if message[0] == "stop":
-            return calls
-        _, method, args = message
-        if method not in MIRRORED:
-            raise ValueError(f"unknown runner call {method!r} from the leader")
-        args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
-        out = getattr(runner, method)(*args)
-        latest[method] = jax.tree_util.tree_leaves(out)
-        calls += 1
+    compiling: list[Future] = []
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxllm-compile") as pool:
+        while True:
+            message = decode(channel.recv(stop_reason))
+            if message[0] == "stop":
+                return calls
+            kind, method, args = message
+            if method not in (COMPILES if kind == "compile" else MIRRORED):
+                raise ValueError(f"unknown runner call {method!r} from the leader")
+            args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
+            if kind == "compile":
+                compiling.append(pool.submit(getattr(runner, method), *args))
+                continue
+            for future in compiling:  # the program about to run may be among them
+                future.result()
+            compiling.clear()
+            out = getattr(runner, method)(*args)
+            latest[method] = jax.tree_util.tree_leaves(out)
+            calls += 1
 
 
 def run_follower() -> int:
