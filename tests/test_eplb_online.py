@@ -243,8 +243,8 @@ def test_hungarian_assignment_is_optimal():
 
 
 def test_mapping_keeps_rank_loads_and_moves_fewer_slots():
-    from sharding.eplb.mapping import map_onto, moved_slots
-    from sharding.eplb.metrics import rank_loads, slot_loads
+    from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
+    from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
     from sharding.eplb.placement import greedy_placement
 
     rng = np.random.default_rng(1)
@@ -259,6 +259,12 @@ def test_mapping_keeps_rank_loads_and_moves_fewer_slots():
         pytest.approx(sorted(rank_loads(slot_loads(drifted, new), ep).tolist()))
     assert sorted(mapped.tolist()) == sorted(new.tolist())
     assert moved_slots(current, mapped).size < moved_slots(current, new).size
+    # moving from the current table reaches the fresh placement's imbalance with fewer rewrites still
+    fresh = float(imbalance_ratio(rank_loads(slot_loads(drifted, new), ep)))
+    closer = incremental_placement(drifted, current, ep, fresh + 0.01, max_moved=moved_slots(current, mapped).size)
+    assert closer is not None and np.unique(closer).size == num_experts
+    assert float(imbalance_ratio(rank_loads(slot_loads(drifted, closer), ep))) <= fresh + 0.01
+    assert moved_slots(current, closer).size < moved_slots(current, mapped).size
     assert map_onto(current, current, ep).tolist() == current.tolist()
     # a rank-order shuffle of the same placement moves nothing
     shuffled = current.reshape(ep, -1)[rng.permutation(ep)]

@@ -285,7 +285,7 @@ def plot(runs: list[OnlineRun], args: argparse.Namespace, path: str) -> None:
     ax.plot(steps, moving_average(runs[0].static_imbalance, args.window), color="tab:gray",
             label="static default placement")
     for run, color in zip(runs, ("tab:blue", "tab:orange")):
-        label = "online, move-minimizing mapping" if run.minimize_moves else "online, raw placements"
+        label = "online, move-minimizing" if run.minimize_moves else "online, raw placements"
         ax.plot(steps, moving_average(run.imbalance, args.window), color=color, label=label)
     ax.axvline(args.steps // 2, color="k", linestyle=":", label="hot set switched")
     ax.axhline(args.target, color="tab:red", linestyle="--", linewidth=1, label=f"target {args.target:g}")
@@ -339,7 +339,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"Online EPLB: Zipf s={args.zipf_s} over {args.experts} experts, {args.num_slots} slots, EP {args.ep_size}, "
           f"top-{args.top_k}, {args.layers} layers, {args.tokens} tokens/step, k={args.layer_updates_per_iter} "
           f"layers/step, {args.algorithm}, min gain {args.min_gain}; hot set switched at step {args.steps // 2}")
-    names = [("online, mapping" if r["minimize_moves"] else "online, raw") for r in rows]
+    names = [("online, min-moves" if r["minimize_moves"] else "online, raw") for r in rows]
     print(f"{'':<38}" + "".join(f"{n:>18}" for n in names))
     lines = [
         ("static placement imbalance (before/after)", lambda r: f"{r['static_before']:.3f}/{r['static_after']:.3f}"),

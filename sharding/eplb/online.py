@@ -11,8 +11,11 @@ with the placement each layer has now. For every layer the worker
    and drops the new one when the gain is below `min_imbalance_gain` (a rebalance that
    would hardly help is not worth its copies; a negative threshold applies any placement
    that differs, which tests use to move many slots);
-3. with `minimize_moves`, lays the new placement onto the current one so that the fewest
-   slots are rewritten (`sharding.eplb.mapping.map_onto`);
+3. with `minimize_moves`, rewrites as few slots as it can (`sharding.eplb.mapping`): it
+   first lays the new placement onto the current one (whole ranks and slots relabelled:
+   `map_onto`), then tries to reach the same predicted imbalance (within
+   INCREMENTAL_TOLERANCE) by local-search moves from the current table
+   (`incremental_placement`) and keeps whichever rewrites fewer slots;
 
 and leaves the result for the step loop to pick up, layer by layer, when each layer's
 update round comes (`take`). `submit` never blocks: while the worker is busy a new
@@ -30,9 +33,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from sharding.eplb.mapping import map_onto, moved_slots
+from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
 from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
 from sharding.eplb.placement import ALGORITHMS, compute_placement
+
+# An incremental placement may be this much more imbalanced (predicted ratio) than the fresh one.
+INCREMENTAL_TOLERANCE = 0.01
 
 
 def predicted_imbalance(load: np.ndarray, slot_to_expert: np.ndarray, ep_size: int) -> float:
@@ -61,6 +67,7 @@ class WorkerStats:
     proposed: int = 0  # updates left for the step loop
     skipped_small_gain: int = 0
     skipped_unchanged: int = 0
+    incremental: int = 0  # updates reached by moving from the current table rather than relabelling
     seconds: list[float] = field(default_factory=list)  # host time per snapshot (all layers)
 
 
@@ -167,7 +174,14 @@ class PlacementWorker:
             if before - after < self.min_imbalance_gain:
                 self.stats.skipped_small_gain += 1
                 continue
-            new = map_onto(current, raw, self.ep_size) if self.minimize_moves else raw
+            new = raw
+            if self.minimize_moves:
+                new = map_onto(current, raw, self.ep_size)
+                closer = incremental_placement(row, current, self.ep_size, after + INCREMENTAL_TOLERANCE,
+                                               max_moved=int(moved_slots(current, new).size))
+                if closer is not None:
+                    new = closer
+                    self.stats.incremental += 1
             if np.array_equal(new, current):
                 self.stats.skipped_unchanged += 1
                 continue

@@ -307,6 +307,14 @@ def balanced_placement(load: np.ndarray, num_slots: int, ep_size: int, variance:
     return min(results, key=lambda slots: _objective(_rank_scores(load, variance, slots, ep_size, spread)))
 
 
+def refine_placement(load: np.ndarray, slot_to_expert: np.ndarray, ep_size: int, max_moves: int = 1) -> np.ndarray:
+    """Up to `max_moves` moves of `balanced`'s local search (a slot swap between the most loaded rank
+    and another, or a replicated expert's slot handed to another expert) starting from a given table."""
+    load = _check(load, len(slot_to_expert), ep_size)
+    slots = np.array(slot_to_expert, dtype=np.int64)
+    return _improve(load, np.zeros_like(load), slots, ep_size, 0.0, max_moves)
+
+
 # ----------------------------------------------------------------------------- entry point
 _PLACERS: dict[str, Callable[..., np.ndarray]] = {
     "greedy": greedy_placement,
