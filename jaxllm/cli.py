@@ -102,10 +102,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
                    "--gpu-memory-utilization", dest="free_gpu_memory_fraction", type=float, default=0.9,
                    help="share of the device memory left after loading the weights that the KV cache takes")
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV cache block")
-    g.add_argument("--attention-backend", choices=["xla", "pallas"], default=None,
-                   help="unset: pallas on GPU, xla elsewhere")
-    g.add_argument("--moe-backend", choices=["xla", "pallas"], default=None,
-                   help="unset: pallas on GPU, xla elsewhere")
+    g.add_argument("--attention-backend", choices=["xla", "pallas", "triton", "mosaic"], default=None,
+                   help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere")
+    g.add_argument("--moe-backend", choices=["xla", "pallas", "triton", "mosaic", "tokamax"], default=None,
+                   help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere; "
+                        "tokamax: tokamax's ragged_dot (pip install 'jaxllm[tokamax]')")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                    help="devices the model is split over (attention heads, MLP columns, vocabulary)")
     g.add_argument("--ep-size", "--moe-expert-parallel-size", "--moe_ep_size", dest="moe_expert_parallel_size",

@@ -23,7 +23,9 @@ from pallas_kernels import mosaic_gpu_interpret
 from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn_reference
 from pallas_kernels.moe_grouped_gemm.mosaic_gpu import (
     MosaicGemmTiling, MosaicMoeTiling, moe_forward, moe_grouped_ffn_mosaic)
-from test_kernels import BF16_TOL, make_moe_case, rel_err
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import attention_forward, ragged_paged_attention_mosaic
+from test_kernels import BF16_TOL, make_attention_case, make_moe_case, rel_err
 
 needs_interpreter = pytest.mark.skipif(not mosaic_gpu_interpret.available(),
                                        reason="this jax has no Mosaic GPU interpreter")
@@ -31,6 +33,68 @@ needs_interpreter = pytest.mark.skipif(not mosaic_gpu_interpret.available(),
 
 def _mosaic_calls(text: str) -> int:
     return len(re.findall(r"custom_call @mosaic_gpu", text))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def check_attention(case, *, sliding_window=None, soft_cap=None) -> None:
+    """Kernel (NaN in every cache slot no live sequence owns, except the tail of each
+    sequence's last page: see the kernel's docstring) against the reference (finite
+    garbage there)."""
+    tpb = case.k_kernel.shape[2]
+    k, v = np.array(case.k_kernel), np.array(case.v_kernel)
+    for s in range(int(case.num_seqs[0])):
+        last = case.block_tables[s, (case.kv_lens[s] - 1) // tpb]
+        k[:, last], v[:, last] = case.k_ref[:, last], case.v_ref[:, last]
+    opts = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    meta = (case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs)
+    out = jax.jit(functools.partial(attention_forward, **opts, interpret=True))(case.q, k, v, *meta)
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))(case.q, case.k_ref, case.v_ref, *meta)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten rows or a poisoned page was read"
+    n = case.num_valid_tokens
+    err = rel_err(out[:n], ref[:n])
+    assert err < BF16_TOL, f"relative error {err} >= {BF16_TOL}"
+    assert np.all(np.asarray(out[n:], np.float32) == 0.0), "padding tokens must be zero"
+
+
+@needs_interpreter
+def test_attention_mosaic_mixed_batch_gqa():
+    # A 37-token prefill chunk after 20 cached tokens (a 64-row tile holds 32 tokens of
+    # GQA 2, so it spans two tiles), two decodes, a 1-token prefill, 3 padding tokens;
+    # pages of 16 in random order.
+    case = make_attention_case(0, [37, 1, 1, 1], [57, 9, 33, 1], num_tokens=43, num_seq_slots=6,
+                               num_q_heads=4, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_blocks=4,
+                               num_blocks=16, dtype=jnp.bfloat16)
+    check_attention(case)
+
+
+@needs_interpreter
+def test_attention_mosaic_window_soft_cap_odd_group():
+    # Three q heads per kv head (padded to four rows each), a sliding window that starts
+    # mid-page and a soft-cap; float16, pages of 32.
+    case = make_attention_case(1, [6, 1], [70, 40], num_tokens=8, num_seq_slots=2, num_q_heads=6,
+                               num_kv_heads=2, head_dim=32, tokens_per_block=32, max_blocks=3, num_blocks=8,
+                               dtype=jnp.float16)
+    check_attention(case, sliding_window=19, soft_cap=5.0)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_seq_slots,tpb,window,cap",
+    [
+        (512, 64, 32, None, None),  # Llama-3-8B mixed bucket
+        (64, 64, 16, 4096, 50.0),  # decode bucket, window, soft-cap
+    ],
+)
+def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window, cap):
+    s = jax.ShapeDtypeStruct
+    hq, hkv, d, dt = 32, 8, 128, jnp.bfloat16
+    specs = (s((num_tokens, hq, d), dt), s((hkv, 8192, tpb, d), dt), s((hkv, 8192, tpb, d), dt),
+             s((num_seq_slots,), jnp.int32), s((num_seq_slots, 128), jnp.int32), s((num_seq_slots + 1,), jnp.int32),
+             s((1,), jnp.int32))
+    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
+    assert _mosaic_calls(jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()) == 1
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -57,13 +121,6 @@ def test_moe_mosaic_ragged_groups_with_empty_groups():
     sizes = [0, 5, 70, 0, 1, 33, 0, 9, 0]
     tiling = MosaicMoeTiling(MosaicGemmTiling(64, 32, 64, 2), MosaicGemmTiling(64, 64, 32, 2))
     check_moe(make_moe_case(0, sizes, num_rows=131, hidden=128, inter=64, dtype=jnp.bfloat16), tiling)
-
-
-@needs_interpreter
-def test_moe_mosaic_decode_rows_default_tiling():
-    # A decode step: 2 tokens x top-2 over 8 experts (4 of 64 rows used), float16.
-    args = make_moe_case(1, [0, 2, 0, 0, 1, 0, 1, 0], num_rows=4, hidden=64, inter=32, dtype=jnp.float16)
-    check_moe(args)
 
 
 def test_moe_mosaic_refuses_what_it_cannot_run():

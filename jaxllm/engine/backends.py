@@ -1,20 +1,93 @@
 """Choose the attention and MoE implementations the model step calls.
 
 `xla` is plain XLA (default off-GPU): query-tiled paged attention and a tiled grouped FFN
-that, unlike `jax.lax.ragged_dot`, only computes the rows each expert owns; `pallas` runs the Pallas kernels,
-natively on GPU and in interpret mode elsewhere (slow: for tests).
+that, unlike `jax.lax.ragged_dot`, only computes the rows each expert owns. `pallas` (the
+default on GPU) runs the Pallas kernels of the GPU's generation (`gpu_kernel_flavour`):
+the Mosaic GPU kernels (TMA + wgmma) on Hopper, the Triton kernels on other GPUs, and
+the Triton kernels in interpret mode off-GPU (slow: for tests). `triton` and `mosaic`
+force one flavour; the Mosaic GPU kernels take bf16/f16 and their tile constraints
+(`supports`), and fall back to Triton per call for anything else. `tokamax` (MoE only)
+runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three projections.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
+
+KERNEL_FLAVOURS = ("triton", "mosaic")
 
 
 def default_platform() -> str:
     return jax.default_backend()
+
+
+def gpu_kernel_flavour(device: Any) -> str:
+    """'mosaic' on Hopper (compute capability 9.x: the kernels use sm_90a's wgmma, which
+    Blackwell does not have), 'triton' on every other GPU."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    major = capability.split(".")[0]
+    return "mosaic" if major == "9" else "triton"
+
+
+def _flavour(backend: str, on_gpu: bool) -> str:
+    if backend in KERNEL_FLAVOURS:
+        return backend
+    return gpu_kernel_flavour(jax.devices()[0]) if on_gpu else "triton"
+
+
+def mosaic_or_triton_attention(interpret: bool) -> Callable:
+    """The Mosaic GPU attention kernel where it takes the problem, else the Triton one."""
+    from pallas_kernels.ragged_paged_attention import mosaic_gpu, ragged_paged_attention
+
+    def attention(q, k_cache, v_cache, *metadata, sm_scale, sliding_window=None):
+        num_kv_heads, _, tokens_per_block, head_dim = k_cache.shape
+        if mosaic_gpu.supports(q.dtype, q.shape[1], num_kv_heads, head_dim, tokens_per_block):
+            kernel = mosaic_gpu.ragged_paged_attention_mosaic
+        else:
+            kernel = ragged_paged_attention
+        return kernel(q, k_cache, v_cache, *metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+                      interpret=interpret)
+
+    attention.__name__ = "ragged_paged_attention_mosaic"
+    return attention
+
+
+def mosaic_or_triton_moe(interpret: bool) -> Callable:
+    """The Mosaic GPU grouped FFN where it takes the problem, else the Triton one."""
+    from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn, mosaic_gpu
+
+    def moe(x_sorted, group_sizes, w_gate, w_up, w_down):
+        _, hidden, inter = w_gate.shape
+        if x_sorted.dtype == w_gate.dtype and mosaic_gpu.supports(x_sorted.dtype, hidden, inter):
+            return mosaic_gpu.moe_grouped_ffn_mosaic(x_sorted, group_sizes, w_gate, w_up, w_down,
+                                                     interpret=interpret)
+        return moe_grouped_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, interpret=interpret)
+
+    return moe
+
+
+def tokamax_moe() -> Callable:
+    """Per-group SwiGLU FFN from tokamax's `ragged_dot` (same contract as the reference)."""
+    try:
+        import tokamax
+    except ImportError as e:
+        raise ValueError("moe_backend='tokamax' needs the tokamax package: pip install 'jaxllm[tokamax]'") from e
+    import jax.numpy as jnp
+
+    def moe(x_sorted, group_sizes, w_gate, w_up, w_down):
+        f32 = jnp.float32
+        sizes = group_sizes.astype(jnp.int32)
+        gate = tokamax.ragged_dot(x_sorted, w_gate, sizes, preferred_element_type=f32)
+        up = tokamax.ragged_dot(x_sorted, w_up, sizes, preferred_element_type=f32)
+        hidden = (jax.nn.silu(gate) * up).astype(x_sorted.dtype)
+        out = tokamax.ragged_dot(hidden, w_down, sizes, preferred_element_type=f32)
+        valid = jnp.arange(x_sorted.shape[0]) < sizes.sum()
+        return jnp.where(valid[:, None], out, 0.0).astype(x_sorted.dtype)
+
+    return moe
 
 
 def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str]) -> tuple[str, str, Callable, Callable]:
@@ -22,17 +95,27 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
     attention_backend = attention_backend or ("pallas" if on_gpu else "xla")
     moe_backend = moe_backend or ("pallas" if on_gpu else "xla")
     # Attention backends take (q, layer cache, AttentionMetadata); see jaxllm.models.attention.
-    from jaxllm.models.attention import pallas_attention, xla_attention
+    from jaxllm.models.attention import mosaic_attention, pallas_attention, xla_attention
 
-    attention_fn = pallas_attention(interpret=not on_gpu) if attention_backend == "pallas" else xla_attention()
-    if moe_backend == "pallas":
+    if attention_backend == "xla":
+        attention_fn = xla_attention()
+    elif _flavour(attention_backend, on_gpu) == "mosaic":
+        attention_fn = mosaic_attention(interpret=not on_gpu)
+    else:
+        attention_fn = pallas_attention(interpret=not on_gpu)
+
+    if moe_backend == "tokamax":
+        moe_fn = tokamax_moe()
+    elif moe_backend == "xla":
+        from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
+
+        moe_fn = moe_grouped_ffn_tiled
+    elif _flavour(moe_backend, on_gpu) == "mosaic":
+        moe_fn = mosaic_or_triton_moe(interpret=not on_gpu)
+    else:
         from pallas_kernels.moe_grouped_gemm import moe_fused_ffn, moe_grouped_ffn
 
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
         # Unsharded layers call the kernel that gathers rows and combines in place (jaxllm.models.moe).
         moe_fn.fused = functools.partial(moe_fused_ffn, interpret=not on_gpu)
-    else:
-        from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
-
-        moe_fn = moe_grouped_ffn_tiled
     return attention_backend, moe_backend, attention_fn, moe_fn

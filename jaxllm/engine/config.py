@@ -8,8 +8,8 @@ from typing import Optional
 from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from sharding.mesh import ParallelConfig
 
-ATTENTION_BACKENDS = ("xla", "pallas")
-MOE_BACKENDS = ("xla", "pallas")
+ATTENTION_BACKENDS = ("xla", "pallas", "triton", "mosaic")  # pallas: mosaic on Hopper, triton elsewhere
+MOE_BACKENDS = ("xla", "pallas", "triton", "mosaic", "tokamax")
 PLAN_CHANNELS = ("kv", "collective")
 
 

@@ -97,3 +97,11 @@ def pallas_attention(interpret: bool) -> AttentionFn:
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     return _mha(functools.partial(ragged_paged_attention, interpret=interpret))
+
+
+def mosaic_attention(interpret: bool) -> AttentionFn:
+    """The Mosaic GPU (Hopper) kernel, falling back to the Triton one per call for problems
+    it does not take (see `jaxllm.engine.backends`)."""
+    from jaxllm.engine.backends import mosaic_or_triton_attention
+
+    return _mha(mosaic_or_triton_attention(interpret))

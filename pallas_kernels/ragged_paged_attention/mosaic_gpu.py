@@ -18,8 +18,14 @@ reads). Per page: `S = q @ K^T` (wgmma, K transposed in shared memory), causal /
 window / soft-cap masking and an online softmax in f32, `acc += P @ V` (wgmma with P from
 shared memory). Rows are stored with power-of-two TMA boxes so a tile never writes rows of
 another sequence's tokens. Padding tiles see no keys and write zeros.
+One CTA walks all of its tile's pages: there is no flash-decoding split yet, so a decode
+batch of B sequences launches B * Hkv working CTAs (few at small B on 132 SMs).
 
 Metadata is not trusted: page ids are clamped into the cache and token ranges to T.
+Whole pages are loaded, so the slots past a sequence's last key in its last page are read
+(and masked); they must hold finite values, since 0 * inf poisons P @ V. The engine's
+cache starts zeroed and only ever holds written keys and values, so they do; the Triton
+kernel's masked loads never read them at all.
 Requirements (`supports`): bf16/f16, `tokens_per_block % 16 == 0` (the P @ V contraction),
 `head_dim % 16 == 0`, q heads per kv head <= 64.
 """
