@@ -65,7 +65,7 @@ def test_attention_mosaic_mixed_batch_gqa():
     # GQA 2, so it spans two tiles), two decodes, a 1-token prefill, 3 padding tokens;
     # pages of 16 in random order.
     case = make_attention_case(0, [37, 1, 1, 1], [57, 9, 33, 1], num_tokens=43, num_seq_slots=6,
-                               num_q_heads=4, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_blocks=4,
+                               num_q_heads=2, num_kv_heads=1, head_dim=64, tokens_per_block=16, max_blocks=4,
                                num_blocks=16, dtype=jnp.bfloat16)
     check_attention(case)
 
@@ -74,8 +74,8 @@ def test_attention_mosaic_mixed_batch_gqa():
 def test_attention_mosaic_window_soft_cap_odd_group():
     # Three q heads per kv head (padded to four rows each), a sliding window that starts
     # mid-page and a soft-cap; float16, pages of 32.
-    case = make_attention_case(1, [6, 1], [70, 40], num_tokens=8, num_seq_slots=2, num_q_heads=6,
-                               num_kv_heads=2, head_dim=32, tokens_per_block=32, max_blocks=3, num_blocks=8,
+    case = make_attention_case(1, [6, 1], [70, 40], num_tokens=8, num_seq_slots=2, num_q_heads=3,
+                               num_kv_heads=1, head_dim=32, tokens_per_block=32, max_blocks=3, num_blocks=8,
                                dtype=jnp.float16)
     check_attention(case, sliding_window=19, soft_cap=5.0)
 
