@@ -45,14 +45,31 @@ def leader_engines(root: Path) -> int:
     for name, args in ENGINES.items():
         engine = small_engine(root / "qwen3_moe", tokenizer, **args)
         engine.warmup(all_variants=False)  # mirrored runs; the follower compiles alongside
+        # Each process reads only its own devices' shards of the checkpoint.
+        read = loaded_bytes(root / "qwen3_moe", engine) if name == "tp4" else None
         outputs = run_staggered_requests(engine)
         stats = engine.runner.channel_stats
         mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
                     for s in engine.iteration_stats)
         engine.close()
         print(json.dumps(dict(engine=name, tokens={str(k): v for k, v in sorted(outputs.items())}, mixed=mixed,
-                              steps=engine.iteration, messages=stats.messages, bytes=stats.bytes)), flush=True)
+                              steps=engine.iteration, messages=stats.messages, bytes=stats.bytes,
+                              read_share=read)), flush=True)
     return 0
+
+
+def loaded_bytes(directory: Path, engine) -> float:
+    """Share of the checkpoint's bytes this process reads when loading onto the engine's mesh."""
+    from safetensors import safe_open
+
+    from jaxllm.models import load_params
+
+    read = []
+    load_params(directory, engine.model_config, mesh=engine.mesh,
+                slice_hook=lambda name, slices, array: read.append(array.nbytes))
+    with safe_open(str(directory / "model.safetensors"), framework="np") as f:
+        total = sum(f.get_tensor(n).nbytes for n in f.keys())
+    return sum(read) / total
 
 
 def follower_engines(root: Path) -> int:
@@ -83,6 +100,8 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
         assert r["tokens"] == expected, f"{r['engine']}: greedy tokens differ from the single-device engine"
         assert r["mixed"], r["engine"]
         assert r["messages"] >= r["steps"] > 0 and r["bytes"] > 0, r
+    # Half the devices: about half of every sharded tensor (norms and the router are replicated).
+    assert 0.4 < results[0]["read_share"] < 0.6, results[0]["read_share"]
 
 
 def serve_argv(model: Path, port: int, group: ProcessGroup, process_id: int) -> list[str]:
