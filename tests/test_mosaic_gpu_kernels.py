@@ -24,7 +24,8 @@ from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn_reference
 from pallas_kernels.moe_grouped_gemm.mosaic_gpu import (
     MosaicGemmTiling, MosaicMoeTiling, moe_forward, moe_grouped_ffn_mosaic)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention.mosaic_gpu import attention_forward, ragged_paged_attention_mosaic
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
+    MosaicAttentionTiling, attention_forward, default_num_kv_splits, ragged_paged_attention_mosaic)
 from test_kernels import BF16_TOL, make_attention_case, make_moe_case, rel_err
 
 needs_interpreter = pytest.mark.skipif(not mosaic_gpu_interpret.available(),
@@ -38,7 +39,7 @@ def _mosaic_calls(text: str) -> int:
 # ----------------------------------------------------------------------------- attention
 
 
-def check_attention(case, *, sliding_window=None, soft_cap=None) -> None:
+def check_attention(case, *, sliding_window=None, soft_cap=None, tiling=None) -> None:
     """Kernel (NaN in every cache slot no live sequence owns, except the tail of each
     sequence's last page: see the kernel's docstring) against the reference (finite
     garbage there)."""
@@ -49,7 +50,7 @@ def check_attention(case, *, sliding_window=None, soft_cap=None) -> None:
         k[:, last], v[:, last] = case.k_ref[:, last], case.v_ref[:, last]
     opts = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     meta = (case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs)
-    out = jax.jit(functools.partial(attention_forward, **opts, interpret=True))(case.q, k, v, *meta)
+    out = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, interpret=True))(case.q, k, v, *meta)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))(case.q, case.k_ref, case.v_ref, *meta)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert not np.isnan(np.asarray(out, np.float32)).any(), "unwritten rows or a poisoned page was read"
@@ -71,13 +72,14 @@ def test_attention_mosaic_mixed_batch_gqa():
 
 
 @needs_interpreter
-def test_attention_mosaic_window_soft_cap_odd_group():
+def test_attention_mosaic_window_soft_cap_odd_group_kv_splits():
     # Three q heads per kv head (padded to four rows each), a sliding window that starts
-    # mid-page and a soft-cap; float16, pages of 32.
+    # mid-page and a soft-cap; float16, pages of 32; the pages split over three CTAs
+    # (flash-decoding: uneven shares, and some CTAs get none).
     case = make_attention_case(1, [6, 1], [70, 40], num_tokens=8, num_seq_slots=2, num_q_heads=3,
                                num_kv_heads=1, head_dim=32, tokens_per_block=32, max_blocks=3, num_blocks=8,
                                dtype=jnp.float16)
-    check_attention(case, sliding_window=19, soft_cap=5.0)
+    check_attention(case, sliding_window=19, soft_cap=5.0, tiling=MosaicAttentionTiling(num_kv_splits=3))
 
 
 @pytest.mark.parametrize(
@@ -85,6 +87,7 @@ def test_attention_mosaic_window_soft_cap_odd_group():
     [
         (512, 64, 32, None, None),  # Llama-3-8B mixed bucket
         (64, 64, 16, 4096, 50.0),  # decode bucket, window, soft-cap
+        (8, 8, 32, None, None),  # small decode bucket: four KV splits
     ],
 )
 def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window, cap):
@@ -93,6 +96,7 @@ def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window
     specs = (s((num_tokens, hq, d), dt), s((hkv, 8192, tpb, d), dt), s((hkv, 8192, tpb, d), dt),
              s((num_seq_slots,), jnp.int32), s((num_seq_slots, 128), jnp.int32), s((num_seq_slots + 1,), jnp.int32),
              s((1,), jnp.int32))
+    assert default_num_kv_splits(num_tokens, num_seq_slots, hkv, 128 * tpb, tpb) == (4 if num_tokens == 8 else 1)
     fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
     assert _mosaic_calls(jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()) == 1
 

@@ -18,8 +18,9 @@ reads). Per page: `S = q @ K^T` (wgmma, K transposed in shared memory), causal /
 window / soft-cap masking and an online softmax in f32, `acc += P @ V` (wgmma with P from
 shared memory). Rows are stored with power-of-two TMA boxes so a tile never writes rows of
 another sequence's tokens. Padding tiles see no keys and write zeros.
-One CTA walks all of its tile's pages: there is no flash-decoding split yet, so a decode
-batch of B sequences launches B * Hkv working CTAs (few at small B on 132 SMs).
+Decode buckets split each tile's pages over up to 16 CTAs (flash-decoding,
+`default_num_kv_splits`): a CTA stores its unnormalised rows, running max and denominator
+in f32 and XLA merges them; the split count comes from static shapes, not from lengths.
 
 Metadata is not trusted: page ids are clamped into the cache and token ranges to T.
 Whole pages are loaded, so the slots past a sequence's last key in its last page are read
@@ -57,9 +58,30 @@ def _next_pow2(x: int) -> int:
 
 @dataclass(frozen=True)
 class MosaicAttentionTiling:
-    """Pages in flight per CTA (K and V each: 2 * tokens_per_block * D * 2 bytes per page)."""
+    """Pages in flight per CTA (K and V each: tokens_per_block * D * 2 bytes per page), and
+    the flash-decoding split: each tile's pages are cut into `num_kv_splits` contiguous
+    shares, one CTA each, merged in XLA (None: `default_num_kv_splits`)."""
 
     max_concurrent_steps: int = 4
+    num_kv_splits: Optional[int] = None
+
+
+_NUM_SMS = 132  # H100 SXM; H200 has the same count
+_ML_COLS = 8  # running max / denominator stored as [rows, 8] f32: TMA rows of 32 bytes
+
+
+def default_num_kv_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, max_kv_len: int,
+                          tokens_per_block: int) -> int:
+    """Decode buckets only (T <= S, one token per tile): double the split while the grid
+    holds fewer than two CTAs per SM and each share keeps at least four pages; mixed and
+    prefill buckets have enough tiles and run unsplit (no partial buffers)."""
+    if num_tokens > num_seq_slots:
+        return 1
+    splits = 1
+    while (splits < 16 and num_tokens * num_kv_heads * splits * 2 <= 2 * _NUM_SMS
+           and max_kv_len >= tokens_per_block * 4 * splits * 2):
+        splits *= 2
+    return splits
 
 
 def supports(dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int) -> bool:
@@ -134,6 +156,10 @@ def attention_forward(
     group_pow2 = _next_pow2(group)
     block_q = _ROWS // group_pow2
     dtype = q.dtype
+    num_splits = tiling.num_kv_splits or default_num_kv_splits(
+        num_tokens, block_tables.shape[0], num_kv_heads, max_blocks * tokens_per_block, tokens_per_block)
+    if num_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_splits}")
     tiles = schedule.query_tile_schedule(
         cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
         tokens_per_block=tokens_per_block, sliding_window=sliding_window)
@@ -155,9 +181,10 @@ def attention_forward(
     qk_transforms = _smem_transforms(dtype, head_dim)  # q and K
     pv_transforms = _smem_transforms(dtype, head_dim, tokens_per_block)  # P and V
 
-    def body(tiles_gmem, q_gmem, k_gmem, v_gmem, bt_gmem, o_gmem):
+    def body(tiles_gmem, q_gmem, k_gmem, v_gmem, bt_gmem, *out_gmems):
         tile = jax.lax.axis_index("tile")
         head = jax.lax.axis_index("head")
+        split = jax.lax.axis_index("split")
         q_end = jnp.minimum(tiles_gmem[tile, schedule.Q_END], num_tokens)
         q_start = jnp.minimum(tiles_gmem[tile, schedule.Q_START], q_end)
         pos_offset = tiles_gmem[tile, schedule.POS_OFFSET]
@@ -166,7 +193,11 @@ def attention_forward(
         kv_hi = tiles_gmem[tile, schedule.KV_HI]
         first_page = jnp.maximum(kv_lo, 0) // tokens_per_block
         last_page = jnp.minimum((kv_hi + tokens_per_block - 1) // tokens_per_block, max_blocks)
-        num_pages = jnp.maximum(last_page - first_page, 0)
+        total_pages = jnp.maximum(last_page - first_page, 0)
+        # This CTA's contiguous share of the tile's pages.
+        pages_per_split = (total_pages + num_splits - 1) // num_splits
+        first_page = first_page + split * pages_per_split
+        num_pages = jnp.clip(total_pages - split * pages_per_split, 0, pages_per_split)
 
         def page_block(j):
             page = bt_gmem[seq, first_page + j]
@@ -176,8 +207,9 @@ def attention_forward(
         def _tile():
             @functools.partial(pl.run_scoped, q_smem=plgpu.SMEM((_ROWS, head_dim), dtype, transforms=qk_transforms),
                                p_smem=plgpu.SMEM((_ROWS, tokens_per_block), dtype, transforms=pv_transforms),
-                               o_smem=plgpu.SMEM((_ROWS, head_dim), dtype), barrier=plgpu.Barrier())
-            def _scope(q_smem, p_smem, o_smem, barrier):
+                               o_smem=plgpu.SMEM((_ROWS, head_dim), dtype if num_splits == 1 else jnp.float32),
+                               ml_smem=plgpu.SMEM((2, _ROWS, _ML_COLS), jnp.float32), barrier=plgpu.Barrier())
+            def _scope(q_smem, p_smem, o_smem, ml_smem, barrier):
                 plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(q_start * group_pow2, _ROWS)], q_smem, barrier)
                 plgpu.barrier_wait(barrier)
                 shape = (_ROWS, tokens_per_block)
@@ -226,28 +258,55 @@ def attention_forward(
                         cast(jnp.zeros((_ROWS,), jnp.float32), _WGMMA_ROW))
                 k_spec, v_spec = (plgpu.BlockSpec((tokens_per_block, head_dim), lambda j: (page_block(j), 0),
                                                   transforms=t) for t in (qk_transforms, pv_transforms))
-                acc, _, denom = plgpu.emit_pipeline(
+                acc, running_max, denom = plgpu.emit_pipeline(
                     step, grid=(num_pages,), in_specs=[k_spec, v_spec],
                     max_concurrent_steps=max(2, tiling.max_concurrent_steps), init_carry=init,
                 )(k_gmem, v_gmem)
-                seen = denom > 0
-                inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
-                out = acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])
+                rows = dict(gmem_start=q_start * group_pow2, num_rows=(q_end - q_start) * group_pow2,
+                            max_rows=_ROWS)
                 # Not q_smem: wgmma operands are tiled and swizzled, while the row
                 # ladder slices the output at any row.
-                o_smem[...] = out.astype(dtype)
-                plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem.at[head], gmem_start=q_start * group_pow2,
-                            num_rows=(q_end - q_start) * group_pow2, max_rows=_ROWS)
+                if num_splits == 1:
+                    seen = denom > 0
+                    inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
+                    o_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem, out_gmems[0].at[head], **rows)
+                else:  # unnormalised partials, merged in XLA
+                    o_part, ml_part = out_gmems
+                    o_smem[...] = acc
+                    ml_shape = (_ROWS, _ML_COLS)
+                    ml_smem[0] = cast(jax.lax.broadcast_in_dim(running_max, ml_shape, [0]), _WGMMA)
+                    ml_smem[1] = cast(jax.lax.broadcast_in_dim(denom, ml_shape, [0]), _WGMMA)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem, o_part.at[split, head], **rows)
+                    _store_rows(ml_smem.at[0], ml_part.at[split, 0, head], **rows)
+                    _store_rows(ml_smem.at[1], ml_part.at[split, 1, head], **rows)
 
+    rows_shape = (num_kv_heads, num_tokens * group_pow2)
+    if num_splits == 1:
+        out_type = [jax.ShapeDtypeStruct((*rows_shape, head_dim), dtype)]
+    else:
+        out_type = [jax.ShapeDtypeStruct((num_splits, *rows_shape, head_dim), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, 2, *rows_shape, _ML_COLS), jnp.float32)]
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tokens * group_pow2, head_dim), dtype),
-        grid=(tiles.shape[0], num_kv_heads),
-        grid_names=("tile", "head"),
+        out_type=out_type,
+        grid=(tiles.shape[0], num_kv_heads, num_splits),
+        grid_names=("tile", "head", "split"),
         interpret=interpret_params(interpret),
     )
-    out = kernel(tiles, qh, k_rows, v_rows, block_tables)
+    raw = kernel(tiles, qh, k_rows, v_rows, block_tables)
+    if num_splits == 1:
+        out = raw[0]
+    else:
+        o_part, ml_part = raw
+        running_max, denom = ml_part[:, 0, ..., 0], ml_part[:, 1, ..., 0]
+        global_max = jnp.max(running_max, axis=0)
+        weight = jnp.exp(running_max - global_max[None])
+        total = jnp.sum(denom * weight, axis=0)
+        acc = jnp.sum(o_part * weight[..., None], axis=0)
+        out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
     out = out.reshape(num_kv_heads, num_tokens, group_pow2, head_dim)[:, :, :group]
     return jnp.swapaxes(out, 0, 1).reshape(num_tokens, num_q_heads, head_dim)
 
