@@ -16,6 +16,8 @@ error against that peer, so a first run on a new GPU doubles as a correctness ch
     jaxllm bench kernels                 # everything (needs a GPU)
     jaxllm bench kernels --only moe --json out.json
     jaxllm bench kernels --smoke         # tiny shapes, CPU interpret mode
+    jaxllm bench kernels --cost-model    # no GPU: grid, working CTAs, bytes, FLOPs, roofline
+                                         # on H100/H200 datasheet numbers (pallas_kernels/cost_model.py)
 """
 
 from __future__ import annotations
@@ -372,7 +374,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-ragged-dot-rows", type=int, default=16384,
                         help="skip the ragged_dot peer above this many rows (XLA may densify it)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="print the launch cost model at real model shapes instead (no GPU needed): grid, "
+                             "working CTAs, bytes, FLOPs, roofline time on datasheet numbers")
+    parser.add_argument("--gpu", choices=("h100", "h200", "both"), default="both",
+                        help="datasheet numbers the cost model uses")
     args = parser.parse_args(argv)
+
+    if args.cost_model:
+        from pallas_kernels import cost_model
+
+        gpus = [cost_model.GPUS[g] for g in (("h100", "h200") if args.gpu == "both" else (args.gpu,))]
+        costs = cost_model.default_cases()
+        if args.only != "all":
+            costs = [c for c in costs if (c.kernel.startswith("moe")) == (args.only == "moe")]
+        print(cost_model.format_table(costs, gpus))
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump([dict(asdict(c), programs=c.programs, **{f"{g.name}_roofline_us": c.roofline_s(g) * 1e6
+                                                                   for g in gpus})
+                           for c in costs], f, indent=1)
+        return 0
 
     if not args.smoke and jax.default_backend() != "gpu":
         print(f"jaxllm bench kernels: no GPU found (jax backend is {jax.default_backend()!r}, devices "

@@ -1,0 +1,270 @@
+"""Launch cost model of the Triton kernels, computed without a GPU.
+
+For a kernel call at a given shape it builds the same launch plan, tilings and device
+work tables the kernels build (the schedules run in XLA on the CPU), then counts:
+  - grid: the static launch grid; programs = its product;
+  - working CTAs: programs that do work (a GEMM; a non-empty key range). The rest exit at
+    once, but a launch with fewer working CTAs than SMs leaves SMs idle;
+  - bytes: HBM traffic of the working programs, re-reads included (each weight or K/V
+    tile is counted every time a program loads it, activations and outputs once), plus
+    the f32 partials / atomics / XLA passes around the kernels;
+  - FLOPs executed by the MMAs (padded rows included) and the useful share of them;
+  - roofline time on datasheet numbers, max(bytes / HBM bandwidth, FLOPs / bf16 peak),
+    and an SM-limited estimate that scales the bandwidth by the share of SMs that have
+    a working CTA (min(1, working / SMs)): crude, but it shows occupancy regressions.
+Numbers are models, not measurements; `jaxllm bench kernels` measures on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet numbers (SXM parts; dense bf16 tensor-core peak)."""
+
+    name: str
+    num_sms: int
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+
+
+H100 = GpuSpec("H100", 132, 3.35e12, 989e12)
+H200 = GpuSpec("H200", 132, 4.8e12, 989e12)
+GPUS = {"h100": H100, "h200": H200}
+
+
+@dataclass(frozen=True)
+class LaunchCost:
+    kernel: str
+    case: str
+    grid: tuple[int, ...]
+    working: int
+    bytes: float
+    flops: float
+    useful_flops: float
+    note: str = ""
+
+    @property
+    def programs(self) -> int:
+        return int(np.prod(self.grid)) if self.grid else 0
+
+    def roofline_s(self, gpu: GpuSpec) -> float:
+        return max(self.bytes / gpu.hbm_bytes_per_s, self.flops / gpu.bf16_flops_per_s)
+
+    def sm_limited_s(self, gpu: GpuSpec) -> float:
+        if not self.grid:  # an XLA pass: XLA fills the GPU
+            return self.roofline_s(gpu)
+        busy = min(1.0, self.working / gpu.num_sms) if self.working else 1.0
+        return max(self.bytes / (gpu.hbm_bytes_per_s * busy), self.flops / (gpu.bf16_flops_per_s * busy))
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+MOE_MODELS = (
+    MoeShape("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336),
+    MoeShape("DeepSeek-V3", 256, 8, 7168, 2048),
+)
+
+
+def routed_group_sizes(num_tokens: int, num_experts: int, top_k: int, seed: int = 0) -> np.ndarray:
+    """Rows per expert for `num_tokens` tokens routed top-k over random scores (distinct
+    experts per token, as a router gives)."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(-rng.standard_normal((num_tokens, num_experts)), axis=1)[:, :top_k]
+    return np.bincount(ids.reshape(-1), minlength=num_experts).astype(np.int32)
+
+
+def moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2, fused: bool = True) -> list[LaunchCost]:
+    """The two kernels (and the XLA passes around them) of one MoE layer at `num_tokens`."""
+    from pallas_kernels.moe_grouped_gemm import schedule
+    from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
+
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    rows = num_tokens * k
+    case = f"{shape.name} T={num_tokens}" + ("" if fused else " sorted-rows path")
+    tiling = default_tiling(rows, e, h, i)
+    sizes = routed_group_sizes(num_tokens, e, k)
+    build = jax.jit(functools.partial(schedule.group_tile_schedule, num_rows=rows, block_m=tiling.gate_up.block_m))
+    sched = np.asarray(build(jnp.asarray(sizes)))
+    active = sched[:, schedule.ACTIVE] > 0
+    item_rows = np.where(active, sched[:, schedule.ROW_HI] - sched[:, schedule.ROW_LO], 0)
+    num_active = int(active.sum())
+    costs = []
+    for name, t, n, kk, num_weights in (("moe_gate_up", tiling.gate_up, i, h, 2), ("moe_down", tiling.down, h, i, 1)):
+        col_tiles = -(-n // t.block_n)
+        grid = (sched.shape[0], col_tiles, t.num_k_splits)
+        working = num_active * col_tiles * t.num_k_splits
+        weight_bytes = num_active * kk * col_tiles * t.block_n * num_weights * itemsize
+        act_bytes = int(item_rows.sum()) * kk * itemsize  # each item's rows once (L2 serves the column tiles)
+        if name == "moe_gate_up":
+            out_bytes = rows * i * itemsize
+        elif fused or t.num_k_splits > 1:  # f32 atomics: zeroed buffer, adds at L2, one write-back, cast
+            out_rows = num_tokens if fused else rows
+            out_bytes = out_rows * h * 4 * 3 + out_rows * h * itemsize
+        else:
+            out_bytes = rows * h * itemsize
+        flops = 2.0 * working * t.block_m * t.block_n * (-(-kk // t.num_k_splits)) * num_weights
+        useful = 2.0 * rows * h * i * num_weights
+        note = (f"block_m={t.block_m} block_n={t.block_n} split_k={t.num_k_splits} warps={t.num_warps} "
+                f"active experts {int((sizes > 0).sum())}/{e}")
+        costs.append(LaunchCost(name, case, grid, working, weight_bytes + act_bytes + out_bytes, flops, useful, note))
+    if not fused:  # x_sorted gather, unsort scatter and the f32 combine, each an XLA pass over the rows
+        glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize
+        costs.append(LaunchCost("moe_xla_glue", case, (), 0, glue, 0.0, 0.0, "sorted-rows path: gather, scatter, combine"))
+    return costs
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+ATTENTION_MODELS = (
+    AttentionShape("Llama-3-8B", 32, 8, 128),
+    AttentionShape("Qwen3-30B-A3B", 32, 4, 128),
+    AttentionShape("Mixtral-8x7B", 32, 8, 128),
+)
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """A step: live sequences' query and KV lengths, in a bucket of `num_tokens` tokens and
+    `num_seq_slots` sequence slots, with a block table of `max_kv_len` tokens."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_tokens: int
+    num_seq_slots: int
+    max_kv_len: int
+
+
+def decode_batch(batch: int, context: int, max_kv_len: int = 8192) -> AttentionBatch:
+    return AttentionBatch(f"decode B={batch} ctx={context}", (1,) * batch, (context,) * batch, batch, batch,
+                          max_kv_len)
+
+
+def mixed_batch(chunk: int, num_decode: int, context: int, num_tokens: int, num_seq_slots: int,
+                max_kv_len: int = 8192) -> AttentionBatch:
+    return AttentionBatch(f"mixed {chunk} prefill + {num_decode} decode ctx={context} (T={num_tokens})",
+                          (chunk,) + (1,) * num_decode, (chunk,) + (context,) * num_decode, num_tokens,
+                          num_seq_slots, max_kv_len)
+
+
+def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2,
+                    tokens_per_block: int = 16) -> list[LaunchCost]:
+    """Every launch of one attention layer for `batch` (see `kernel.plan_launches`)."""
+    from pallas_kernels.ragged_paged_attention import schedule
+    from pallas_kernels.ragged_paged_attention.kernel import _next_pow2, plan_launches
+
+    hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    group = hq // hkv
+    group_pow2 = _next_pow2(group)
+    n = len(batch.q_lens)
+    cu = np.zeros(batch.num_seq_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(batch.q_lens)
+    cu[n + 1:] = cu[n]
+    kv = np.zeros(batch.num_seq_slots, np.int32)
+    kv[:n] = batch.kv_lens
+    launches = plan_launches(batch.num_tokens, batch.num_seq_slots, hq, hkv, d, batch.max_kv_len, itemsize)
+    case = f"{shape.name} {batch.name}"
+    costs = []
+    for launch in launches:
+        t = launch.tiling
+        block_q = t.block_m // group_pow2
+        build = jax.jit(functools.partial(
+            schedule.query_tile_schedule, num_tokens=batch.num_tokens, block_q=block_q,
+            tokens_per_block=tokens_per_block, sliding_window=None, max_kv_len=batch.max_kv_len,
+            max_q_len=launch.max_q_len, min_q_len=launch.min_q_len, include_padding=launch.include_padding,
+            num_tiles=launch.num_tiles, num_splits=t.num_kv_splits, block_k=t.block_k))
+        tiles = np.asarray(build(jnp.asarray(cu), jnp.asarray(kv), jnp.asarray([n], jnp.int32)))
+        working = kv_bytes = q_bytes = flops = 0.0
+        out_rows = 0
+        for row in tiles:
+            tokens = int(row[schedule.Q_END] - row[schedule.Q_START])
+            chunks = -(-int(row[schedule.KV_HI] - row[schedule.KV_LO]) // t.block_k)
+            if tokens <= 0:
+                continue
+            out_rows += tokens * hq
+            splits = int(row[schedule.SPLITS])
+            per_split = -(-chunks // splits) if chunks else 0
+            for s in range(splits):
+                mine = max(0, min(per_split, chunks - s * per_split))
+                if not mine:
+                    continue
+                working += hkv
+                kv_bytes += hkv * mine * t.block_k * d * 2 * itemsize
+                q_bytes += tokens * hq * d * itemsize
+                flops += hkv * mine * 4.0 * t.block_m * t.block_k * d
+        out_bytes = out_rows * d * itemsize
+        if t.num_kv_splits > 1:  # f32 partials (acc, max, denom) written, read back by the merge
+            out_bytes += 2 * t.num_kv_splits * out_rows * (d + 2) * 4
+        kind = "decode launch" if launch.max_q_len is not None else ("prefill launch" if len(launches) > 1 else "")
+        note = (f"{kind + ' ' if kind else ''}block_m={t.block_m} ({group} of {group_pow2} rows per token) "
+                f"block_k={t.block_k} splits<={t.num_kv_splits}")
+        covered = [(q, kv_) for q, kv_ in zip(batch.q_lens, batch.kv_lens)
+                   if q >= launch.min_q_len and (launch.max_q_len is None or q <= launch.max_q_len)]
+        useful = 4.0 * hq * d * sum(q * (kv_ - q) + q * (q + 1) // 2 for q, kv_ in covered)
+        costs.append(LaunchCost("ragged_paged_attention", case, (launch.num_tiles, hkv, t.num_kv_splits),
+                                int(working), kv_bytes + q_bytes + out_bytes, flops, useful, note))
+    return costs
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def default_cases() -> list[LaunchCost]:
+    costs: list[LaunchCost] = []
+    for shape in ATTENTION_MODELS:
+        for batch in (1, 16, 64, 256):
+            costs += attention_costs(shape, decode_batch(batch, 4096))
+        costs += attention_costs(shape, mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64))
+        costs += attention_costs(shape, AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192))
+    for moe in MOE_MODELS:
+        for tokens in (1, 4, 16, 64, 256):
+            costs += moe_costs(moe, tokens)
+        costs += moe_costs(moe, 2048)
+        costs += moe_costs(moe, 256, fused=False)  # the sorted-rows path, for its extra passes
+    return costs
+
+
+def format_table(costs: Sequence[LaunchCost], gpus: Sequence[GpuSpec]) -> str:
+    head = (f"{'kernel':<24} {'case':<56} {'grid':<16} {'programs':>8} {'working':>8} {'MB':>9} {'GFLOP':>8} "
+            f"{'useful%':>7} " + " ".join(f"{g.name + ' us':>9} {g.name + ' SM-lim':>11}" for g in gpus) + "  note")
+    lines = [head]
+    for c in costs:
+        useful = f"{100 * c.useful_flops / c.flops:.0f}" if c.flops and c.useful_flops else "-"
+        grid = "x".join(str(x) for x in c.grid) if c.grid else "xla"
+        times = " ".join(f"{c.roofline_s(g) * 1e6:>9.1f} {c.sm_limited_s(g) * 1e6:>11.1f}" for g in gpus)
+        lines.append(f"{c.kernel:<24} {c.case:<56} {grid:<16} {c.programs:>8} {c.working:>8} {c.bytes / 1e6:>9.2f} "
+                     f"{c.flops / 1e9:>8.2f} {useful:>7} {times}  {c.note}")
+    return "\n".join(lines)
+
+
+def report(gpus: Optional[Sequence[GpuSpec]] = None) -> str:
+    return format_table(default_cases(), gpus or (H100, H200))
