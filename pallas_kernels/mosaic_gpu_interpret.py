@@ -9,6 +9,7 @@ interpreter off (`available()` is False) instead of breaking imports.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import jax
@@ -32,6 +33,20 @@ def available() -> bool:
     return _params_class() is not None
 
 
+def detect_races() -> bool:
+    """`JAXLLM_MOSAIC_DETECT_RACES=1` turns on the interpreter's race detector (several
+    times slower, so off by default); `races_found()` reads its verdict."""
+    return os.environ.get("JAXLLM_MOSAIC_DETECT_RACES", "").strip() in ("1", "true", "yes")
+
+
+def races_found() -> bool:
+    """Whether the race detector flagged the most recent interpreted kernel (it keeps
+    the state of the last kernel only)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return bool(gpu_callbacks._races is not None and gpu_callbacks._races.races_found)
+
+
 def interpret_params(interpret: bool) -> Any:
     """The `interpret=` value for `plgpu.kernel`: None (compile for the GPU) or the
     interpreter's parameters; a clear error when the interpreter is missing."""
@@ -41,7 +56,7 @@ def interpret_params(interpret: bool) -> Any:
     if cls is None:
         raise ValueError("this jax has no Mosaic GPU interpreter: Mosaic GPU kernels need a Hopper GPU here")
     _install_transposing_wgmma()
-    return cls()
+    return cls(detect_races=True) if detect_races() else cls()
 
 
 def _transposing_wgmma(original):
