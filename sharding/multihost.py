@@ -18,6 +18,8 @@ pending requests with the message) and then ends the process with `FAILURE_EXIT_
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import logging
 import os
 import sys
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 FAILURE_EXIT_CODE = 1
 KEY_PREFIX = "jaxllm"
+EXIT_KEY = f"{KEY_PREFIX}/exit"  # set by the leader when it exits: followers then exit too
 # Environment variables that make `jax.distributed.initialize()` find the cluster by itself.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
@@ -99,17 +102,21 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
             return
         # Cross-process collectives of the CPU backend (must precede its creation; GPUs use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        options = dict(initialization_timeout=config.initialization_timeout,
+                       shutdown_timeout_seconds=config.shutdown_timeout,
+                       # JAX's own detection ends the process abruptly; ours (shorter) fails requests first.
+                       heartbeat_timeout_seconds=max(100, int(config.heartbeat_timeout * 4)))
+        accepted = inspect.signature(jax.distributed.initialize).parameters  # the options vary across versions
         jax.distributed.initialize(
             config.coordinator_address, config.num_processes, config.process_id,
             local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
-            initialization_timeout=config.initialization_timeout,
-            shutdown_timeout_seconds=config.shutdown_timeout,
-            # JAX's own detection ends the process abruptly; ours (shorter) fails requests first.
-            heartbeat_timeout_seconds=max(100, int(config.heartbeat_timeout * 4)))
+            **{k: v for k, v in options.items() if k in accepted})
         logger.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
                     jax.process_count(), jax.local_device_count(), jax.device_count())
         _monitor = Heartbeats(config)
         _monitor.start()
+        if jax.process_index() == 0:
+            atexit.register(end_run)
 
 
 def is_multiprocess() -> bool:
@@ -250,6 +257,17 @@ class Heartbeats(threading.Thread):
                 return (f"process {peer} ({role}) sent no heartbeat for {now - since:.0f} s: it died or hung; "
                         f"process {self.process_id} stops")
         return None
+
+
+def end_run() -> None:
+    """Leader: tell every follower to exit, then leave the run (registered at exit)."""
+    if _monitor is None or not is_leader():
+        return
+    try:
+        kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
+    except Exception:  # the run is already torn down
+        return
+    shutdown()
 
 
 def shutdown() -> None:

@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 

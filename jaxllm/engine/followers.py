@@ -20,7 +20,6 @@ The session ends with `close()` (the executor's shutdown); the run ends when the
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import os
@@ -40,7 +39,7 @@ logger = logging.getLogger(__name__)
 MIRRORED = ("execute", "forward", "sample")
 COMPILES = ("compile_forward", "compile_sampler")
 SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
-EXIT_KEY = f"{multihost.KEY_PREFIX}/exit"
+EXIT_KEY = multihost.EXIT_KEY
 
 
 @dataclass(frozen=True)
@@ -150,8 +149,6 @@ def open_session(config: Any) -> Optional[str]:
     with _session_lock:
         session = _sessions_opened
         _sessions_opened += 1
-    if session == 0:
-        atexit.register(end_run)
     multihost.kv_client().key_value_set_bytes(f"{SESSION_KEY}/{session}", encode(("engine", config)))
     logger.info("multi-host session %d: %d follower process(es) build the engine", session,
                 jax.process_count() - 1)
@@ -163,16 +160,6 @@ def mirror(runner: Any, prefix: Optional[str], channel_kind: str) -> Any:
     if prefix is None:
         return runner
     return MirroredRunner(runner, make_channel(channel_kind, prefix))
-
-
-def end_run() -> None:
-    """Leader: tell every follower to exit, then leave the run (registered at exit)."""
-    if multihost.is_multiprocess() and multihost.is_leader():
-        try:
-            multihost.kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
-        except Exception:  # the run is already torn down
-            return
-        multihost.shutdown()
 
 
 # ----------------------------------------------------------------------------- followers
