@@ -194,7 +194,7 @@ def _jax_paged_splits(pages_per_seq: int) -> tuple[int, int]:
 
 def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: str) -> None:
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-    from pallas_kernels.ragged_paged_attention.kernel import AttentionTiling, default_tiling
+    from pallas_kernels.ragged_paged_attention.kernel import AttentionTiling, default_tiling, plan_launches
 
     dtype = jnp.bfloat16
     tpb = s.tokens_per_block
@@ -222,16 +222,20 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
         peer_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))
         ref_out = _record(s, ceil, "paged_attention", case.name, "xla reference", peer_fn, args, nbytes, flops)
 
-    base = default_tiling(args[0].shape[0], len(case.q_lens), case.num_q_heads, case.num_kv_heads,
-                          case.head_dim, inputs["block_tables"].shape[1] * tpb, jnp.dtype(dtype).itemsize)
-    tilings = [base]
+    shape_args = (args[0].shape[0], len(case.q_lens), case.num_q_heads, case.num_kv_heads, case.head_dim,
+                  inputs["block_tables"].shape[1] * tpb, jnp.dtype(dtype).itemsize)
+    base = default_tiling(*shape_args)
+    # The default (None): the engine's launch plan, two launches for a mixed bucket.
+    tilings: list[Optional[AttentionTiling]] = [None]
     if s.sweep:
         tilings += [AttentionTiling(base.block_m, base.block_k, n, base.num_warps, base.num_stages)
-                    for n in (1, 2, 4, 8, 16) if n != base.num_kv_splits]
+                    for n in (1, 2, 4, 8, 16)]
     for tiling in tilings:
         fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=s.interpret,
                                        tiling=tiling))
-        note = f"block_m={tiling.block_m} block_k={tiling.block_k} splits={tiling.num_kv_splits}"
+        launches = plan_launches(*shape_args, tiling=tiling)
+        note = "; ".join(f"block_m={la.tiling.block_m} block_k={la.tiling.block_k} splits<={la.tiling.num_kv_splits}"
+                         for la in launches)
         _record(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
     del inputs, args
 
@@ -249,9 +253,10 @@ class MoeCase:
     inter: int
 
 
-def _moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[jax.Array, ...]:
-    """Random top-k routing (distinct experts per token), rows sorted by expert; generated
-    on device by one jitted function."""
+def _moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Random top-k routing (distinct experts per token), generated on device by one jitted
+    function: (rows sorted by expert, group sizes, weights) for `moe_grouped_ffn` and
+    (tokens, expert ids, routing weights, weights) for `moe_fused_ffn`."""
     e, h, i = case.num_experts, case.hidden, case.inter
     rows = case.num_tokens * case.top_k
 
@@ -259,23 +264,27 @@ def _moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[jax.Array, ...]:
     def generate(key):
         keys = jax.random.split(key, 5)
         scores = jax.random.uniform(keys[0], (case.num_tokens, e))
-        ids = jnp.argsort(scores, axis=1)[:, : case.top_k].reshape(-1)
+        top = jnp.argsort(scores, axis=1)[:, : case.top_k].astype(jnp.int32)
+        routing = jax.nn.softmax(jnp.take_along_axis(scores, top, axis=1), axis=1)
+        ids = top.reshape(-1)
         group_sizes = jnp.zeros((e,), jnp.int32).at[ids].add(1)
-        x = jax.random.normal(keys[1], (rows, h), dtype)
+        tokens = jax.random.normal(keys[1], (case.num_tokens, h), dtype)
+        x = tokens[jnp.argsort(ids, stable=True) // case.top_k]
         w_gate = (jax.random.normal(keys[2], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
         w_up = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
         w_down = (jax.random.normal(keys[4], (e, i, h), jnp.float32) * i ** -0.5).astype(dtype)
-        return x, group_sizes, w_gate, w_up, w_down
+        return (x, group_sizes, w_gate, w_up, w_down), (tokens, top, routing, w_gate, w_up, w_down)
 
     return generate(jax.random.PRNGKey(seed))
 
 
 def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
-    from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn, moe_grouped_ffn_reference
+    from pallas_kernels.moe_grouped_gemm import (
+        moe_fused_ffn, moe_fused_ffn_reference, moe_grouped_ffn, moe_grouped_ffn_reference)
     from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
 
     dtype = jnp.bfloat16
-    args = _moe_inputs(case, dtype, s.seed)
+    args, fused_args = _moe_inputs(case, dtype, s.seed)
     rows = case.num_tokens * case.top_k
     active = int(np.count_nonzero(np.asarray(jax.device_get(args[1]))))
     item = jnp.dtype(dtype).itemsize
@@ -294,9 +303,17 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         print(_format_row(s.rows[-1]), flush=True)
     tiling = default_tiling(rows, case.num_experts, case.hidden, case.inter)
     fn = jax.jit(functools.partial(moe_grouped_ffn, interpret=s.interpret))
-    note = f"block_m={tiling.gate_up.block_m} active experts {active}/{case.num_experts}"
+    note = (f"block_m={tiling.gate_up.block_m} block_n={tiling.gate_up.block_n}/{tiling.down.block_n} "
+            f"split_k={tiling.down.num_k_splits} active experts {active}/{case.num_experts}")
     _record(s, ceil, "moe_grouped_ffn", name, "pallas", fn, args, nbytes, flops, ref_out, note)
-    del args
+    # The engine's path: token gather and routing-weighted combine inside the kernels.
+    fused_ref = None
+    if rows <= s.max_ragged_dot_rows:
+        fused_ref = _record(s, ceil, "moe_fused_ffn", name, "ragged_dot x3 + sort/unsort/combine",
+                            jax.jit(moe_fused_ffn_reference), fused_args, nbytes, flops)
+    fn = jax.jit(functools.partial(moe_fused_ffn, interpret=s.interpret))
+    _record(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
+    del args, fused_args
 
 
 # ----------------------------------------------------------------------------- cases
@@ -304,7 +321,8 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
 
 def attention_cases(smoke: bool) -> list[tuple[AttentionCase, str]]:
     if smoke:
-        return [(AttentionCase("decode S=4 ctx<=64", (1,) * 4, (17, 64, 33, 1), 4, 2, 64), "paged_attention")]
+        return [(AttentionCase("decode S=4 ctx<=64", (1,) * 4, (17, 64, 33, 1), 4, 2, 64), "paged_attention"),
+                (AttentionCase("mixed 5 prefill + 3 decode", (5, 1, 1, 1), (9, 17, 33, 64), 4, 2, 64), "xla")]
     cases: list[tuple[AttentionCase, str]] = []
     for num_seqs in (64, 256):
         for ctx in (1024, 8192):

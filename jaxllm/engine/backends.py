@@ -116,6 +116,6 @@ def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str
         from pallas_kernels.moe_grouped_gemm import moe_fused_ffn, moe_grouped_ffn
 
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
-        # Unsharded layers call the kernel that gathers rows and combines in place (jaxllm.models.moe).
+        # The MoE layer calls the kernel that gathers rows and combines in place (jaxllm.models.moe).
         moe_fn.fused = functools.partial(moe_fused_ffn, interpret=not on_gpu)
     return attention_backend, moe_backend, attention_fn, moe_fn

@@ -10,7 +10,7 @@ prefetch and no dynamic grid (so the grid is sized for the worst case and each p
 reads its work from a table built in XLA), power-of-two tensor shapes (so GQA groups and
 head dims are padded to powers of two inside the kernel, with masked loads and stores),
 at most three grid dims.
-From jax 0.11 the Triton backend emits a deprecation warning; it still lowers there.
+From jax 0.11 the Triton backend is deprecated (see `pallas_kernels.triton_backend`).
 
 Grid: (query tile, kv head, kv split).
   - A query tile is `block_q` consecutive tokens of one sequence (see `schedule.py`); its
@@ -19,10 +19,17 @@ Grid: (query tile, kv head, kv split).
   - Each program walks its share of the tile's key range `[kv_lo, kv_hi)` in chunks of
     `block_k` keys with an online softmax in f32. Keys are gathered row by row through the
     block table, so a chunk may span pages and pages may have any size.
-  - With `num_kv_splits > 1` the key range is cut into that many contiguous parts
-    (flash-decoding); each program writes an unnormalised partial output plus its
-    running max and denominator, and a small XLA epilogue merges them. With one split the
-    kernel normalises and writes the final output directly.
+  - With `num_kv_splits > 1` (decode tiles only) the key range is cut into up to that
+    many contiguous parts (flash-decoding), as many as the tile's `SPLITS` entry, which
+    the schedule deals on device from the actual KV lengths; each program writes an
+    unnormalised partial output plus its running max and denominator, and a small XLA
+    epilogue merges them. With one split the kernel normalises and writes the final
+    output directly.
+A mixed bucket is two launches (`plan_launches`): its decode sequences with the smallest
+MMA tile and flash-decoding splits, the prefill chunks and padding with 64-row tiles and
+no split, both writing into one output buffer.
+Metadata is clamped (`schedule.py`, block-table ids here) so that bad metadata cannot
+read or write out of bounds; tilings are validated when they are built.
 KV cache layout is the engine's `[Hkv, num_blocks, tokens_per_block, D]` (the layout of
 JAX's GPU `paged_attention`), viewed as `[Hkv * num_blocks * tokens_per_block, D]` rows.
 """
