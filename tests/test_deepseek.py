@@ -29,11 +29,10 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 VARIANTS = {
     "q_lora": BASE,
-    "plain_q": dict(BASE, q_lora_rank=None, n_shared_experts=2, norm_topk_prob=False),
-    "yarn": dict(BASE, rope_parameters=YARN),
+    "plain_q_yarn": dict(BASE, q_lora_rank=None, n_shared_experts=2, norm_topk_prob=False, rope_parameters=YARN),
 }
 # The engine's model: 8 heads and 16 experts, for tensor and expert parallelism over 8 devices.
-ENGINE = dict(BASE, vocab_size=256, hidden_size=64, num_attention_heads=8, kv_lora_rank=32, qk_rope_head_dim=16,
+ENGINE = dict(BASE, num_hidden_layers=2, vocab_size=256, hidden_size=64, num_attention_heads=8, kv_lora_rank=32, qk_rope_head_dim=16,
               qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=32,
               intermediate_size=128)
 
@@ -104,14 +103,16 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 
 def test_config_reads_mla_routing_and_yarn(loaded):
-    c = loaded("yarn").config
+    c = loaded("q_lora").config
     assert (c.architecture, c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
         "DeepseekV3ForCausalLM", 16, 24, 12, 8, 10)
     assert (c.n_group, c.topk_group, c.routed_scaling_factor, c.n_shared_experts, c.scoring_func) == (
         4, 2, 2.5, 1, "sigmoid")
     assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True] and c.rope_interleave
-    assert c.rope_scaling.rope_type == "yarn" and c.rope_scaling.factor == 4.0 and c.rope_scaling.mscale == 0.707
-    assert loaded("plain_q").config.q_lora_rank is None
+    assert c.rope_scaling is None and c.norm_topk_prob
+    y = loaded("plain_q_yarn").config
+    assert y.q_lora_rank is None and y.n_shared_experts == 2 and not y.norm_topk_prob
+    assert y.rope_scaling.rope_type == "yarn" and y.rope_scaling.factor == 4.0 and y.rope_scaling.mscale == 0.707
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -197,7 +198,7 @@ def test_mixed_prefill_and_decode_batch_matches_separate_runs(loaded):
 def test_multi_token_prediction_layers_are_skipped_with_a_log_line(loaded, tmp_path, caplog):
     from safetensors.numpy import load_file, save_file
 
-    m = loaded("plain_q")
+    m = loaded("plain_q_yarn")
     directory = tmp_path / "with_mtp"
     directory.mkdir()
     (directory / "config.json").write_text((m.dir / "config.json").read_text())
@@ -317,3 +318,83 @@ def test_engine_in_flight_batching_matches_one_request_at_a_time_and_hf(tmp_path
         for j, token in enumerate(batched[i]):
             row = ref[len(p) - 1 + j]
             assert row[token] >= row.max() - TOL * scale, f"request {i} token {j}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The latent variant of the ragged paged attention kernel
+
+
+def _latent_case(seed: int, q_lens: list[int], kv_lens: list[int], *, heads: int, dim: int, tpb: int,
+                 num_blocks: int, max_blocks: int, num_tokens: int, num_seq_slots: int):
+    rng = np.random.default_rng(seed)
+    tables = np.zeros((num_seq_slots, max_blocks), np.int32)
+    free = rng.permutation(num_blocks)
+    used = 0
+    for s, kv in enumerate(kv_lens):
+        n = -(-kv // tpb)
+        tables[s, :n] = free[used:used + n]
+        used += n
+    cu = np.zeros(num_seq_slots + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    lens = np.zeros(num_seq_slots, np.int32)
+    lens[:len(kv_lens)] = kv_lens
+    q = rng.standard_normal((num_tokens, heads, dim), dtype=np.float32)
+    latent = rng.standard_normal((num_blocks, tpb, dim), dtype=np.float32)
+    return q, latent, lens, tables, cu, np.array([len(q_lens)], np.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_latent_attention_kernel_matches_reference_in_interpret_mode(splits):
+    """A mixed batch (a chunk over cached context, a fresh prefill, decodes), 4 heads sharing
+    one latent of width 24 (not a power of two) whose first 16 columns are the values."""
+    from pallas_kernels.ragged_paged_attention import (
+        AttentionTiling,
+        ragged_paged_latent_attention,
+        ragged_paged_latent_attention_reference,
+    )
+
+    args = _latent_case(0, [9, 13, 1, 1], [30, 13, 7, 22], heads=4, dim=24, tpb=4, num_blocks=40, max_blocks=10,
+                        num_tokens=32, num_seq_slots=6)
+    total = 24
+    ref = np.asarray(ragged_paged_latent_attention_reference(*args, sm_scale=0.2, value_dim=16))
+    out = ragged_paged_latent_attention(*args, sm_scale=0.2, value_dim=16, interpret=True,
+                                        tiling=AttentionTiling(16, 16, splits, 4, 2))
+    assert out.shape == (32, 4, 16)
+    assert rel_err(np.asarray(out)[:total], ref[:total]) < 1e-5
+    assert not np.asarray(out)[total:].any()
+
+
+@pytest.mark.parametrize("num_tokens,num_seq_slots", [(64, 64), (512, 64)], ids=["decode", "mixed"])
+def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_tokens, num_seq_slots):
+    """Per device under 8-way tensor parallelism: 16 of the 128 heads, latent 512 + 64, bf16."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_latent_attention
+
+    s = jax.ShapeDtypeStruct
+    specs = (s((num_tokens, 16, 576), jnp.bfloat16), s((4096, 32, 576), jnp.bfloat16), s((num_seq_slots,), jnp.int32),
+             s((num_seq_slots, 128), jnp.int32), s((num_seq_slots + 1,), jnp.int32), s((1,), jnp.int32))
+    fn = functools.partial(ragged_paged_latent_attention, sm_scale=192 ** -0.5, value_dim=512)
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, "no Triton kernel in the lowering"
+
+
+def test_pallas_backend_pairs_the_latent_kernel_with_the_mha_one():
+    """The engine's Pallas attention backend hands MLA the latent kernel (interpret mode here),
+    which agrees with the reference backend's latent attention on the cache pytree."""
+    from jaxllm.engine.backends import resolve_backends
+    from jaxllm.kv_cache.spec import MlaLayerCache
+    from jaxllm.models.attention import AttentionMetadata, latent_attention_of, reference_attention
+
+    q, latent, kv_lens, tables, cu, num_seqs = _latent_case(
+        1, [6, 1, 1], [11, 9, 3], heads=4, dim=24, tpb=4, num_blocks=16, max_blocks=4, num_tokens=16, num_seq_slots=4)
+    md = AttentionMetadata(np.zeros(16, np.int32), kv_lens, tables, cu, num_seqs)
+    _, _, pallas_fn, _ = resolve_backends("pallas", "xla")
+    assert pallas_fn.latent.__name__ == "pallas_latent_attention"
+    ours = latent_attention_of(pallas_fn)(q, MlaLayerCache(latent), md, sm_scale=0.3, value_dim=16)
+    ref = latent_attention_of(reference_attention())(q, MlaLayerCache(latent), md, sm_scale=0.3, value_dim=16)
+    assert rel_err(np.asarray(ours)[:8], np.asarray(ref)[:8]) < 1e-5

@@ -96,7 +96,23 @@ def xla_attention() -> AttentionFn:
 def pallas_attention(interpret: bool) -> AttentionFn:
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-    return _mha(functools.partial(ragged_paged_attention, interpret=interpret))
+    attention = _mha(functools.partial(ragged_paged_attention, interpret=interpret))
+    attention.latent = pallas_latent_attention(interpret)
+    return attention
+
+
+def pallas_latent_attention(interpret: bool) -> Callable:
+    """The Pallas kernel's latent variant as a backend for the MLA latent cache."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_latent_attention
+
+    latent_kernel = functools.partial(ragged_paged_latent_attention, interpret=interpret)
+
+    def pallas_latent_attention(q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float,
+                                value_dim: int) -> jax.Array:
+        return latent_kernel(q, cache.latent, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+                             sm_scale=sm_scale, value_dim=value_dim)
+
+    return pallas_latent_attention
 
 
 def mosaic_attention(interpret: bool) -> AttentionFn:
@@ -104,4 +120,6 @@ def mosaic_attention(interpret: bool) -> AttentionFn:
     it does not take (see `jaxllm.engine.backends`)."""
     from jaxllm.engine.backends import mosaic_or_triton_attention
 
-    return _mha(mosaic_or_triton_attention(interpret))
+    attention = _mha(mosaic_or_triton_attention(interpret))
+    attention.latent = pallas_latent_attention(interpret)  # MLA's latent cache: the Triton latent kernel
+    return attention

@@ -32,6 +32,12 @@ Metadata is clamped (`schedule.py`, block-table ids here) so that bad metadata c
 read or write out of bounds; tilings are validated when they are built.
 KV cache layout is the engine's `[Hkv, num_blocks, tokens_per_block, D]` (the layout of
 JAX's GPU `paged_attention`), viewed as `[Hkv * num_blocks * tokens_per_block, D]` rows.
+
+Latent variant (`ragged_paged_latent_attention`, multi-head latent attention's absorbed
+form): one cache `[num_blocks, tokens_per_block, L]` is both the keys and the values, the
+values being its first `value_dim` columns; the kernel reads the value tile from the key
+rows it just used (`value_dim` set) and writes `[T, Hq, value_dim]`. Every query head
+shares the one latent "KV head" (MQA), so each latent row loaded serves all of them.
 """
 
 from __future__ import annotations
@@ -130,16 +136,17 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _row_col_mask(ref, mask: jax.Array, width: int) -> jax.Array:
+def _row_col_mask(ref, mask: jax.Array, width: int, num_cols: Optional[int] = None) -> jax.Array:
     """[rows, 1] mask, or [rows, width] when the tile is wider than the ref (padded head
     dim). Column indices are never masked or clamped themselves: they must stay a plain
     `arange` so Triton can prove the row contiguous and vectorise the access."""
-    if width == ref.shape[1]:
+    num_cols = ref.shape[1] if num_cols is None else num_cols  # columns in use (a prefix of the ref's)
+    if width == num_cols:
         return mask[:, None]
-    return mask[:, None] & (jnp.arange(width, dtype=jnp.int32) < ref.shape[1])[None, :]
+    return mask[:, None] & (jnp.arange(width, dtype=jnp.int32) < num_cols)[None, :]
 
 
-def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int) -> jax.Array:
+def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int, num_cols: Optional[int] = None) -> jax.Array:
     """Gathers `ref[rows, :]` as a [len(rows), width] tile; masked rows and columns past
     the ref's width read as zero.
 
@@ -147,7 +154,7 @@ def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int) -> jax.Array:
     with a slice, and Triton sees the same contiguous column offsets either way.
     """
     cols = jnp.arange(width, dtype=jnp.int32)
-    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width), other=0)
+    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width, num_cols), other=0)
 
 
 def _store_rows(ref, rows: jax.Array, value: jax.Array, mask: jax.Array) -> None:
@@ -182,6 +189,8 @@ def _attention_kernel(
     num_blocks: int,
     max_blocks: int,
     head_dim_pow2: int,
+    value_dim: Optional[int],
+    value_dim_pow2: int,
     block_m: int,
     block_k: int,
     num_splits: int,
@@ -244,12 +253,12 @@ def _attention_kernel(
         probs = jnp.where(allowed, jnp.exp(scores - new_max[:, None]), 0.0)
         correction = jnp.exp(running_max - new_max)
         denom = denom * correction + jnp.sum(probs, axis=1)
-        v = _load_rows(v_ref, cache_row, key_valid, head_dim_pow2)
+        v = _load_rows(v_ref, cache_row, key_valid, value_dim_pow2, value_dim)
         pv = _dot(probs.astype(v.dtype), v, contract_b=0)
         return acc * correction[:, None] + pv, new_max, denom
 
     init = (
-        jnp.zeros((block_m, head_dim_pow2), jnp.float32),
+        jnp.zeros((block_m, value_dim_pow2), jnp.float32),
         jnp.full((block_m,), _MASK_VALUE, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
@@ -278,7 +287,7 @@ def _merge_splits(o_part: jax.Array, m_part: jax.Array, l_part: jax.Array) -> ja
     return jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0)
 
 
-def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
+def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, value_dim: Optional[int] = None) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, tokens_per_block, kd = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -287,6 +296,8 @@ def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
         raise ValueError(f"head_dim of q ({head_dim}) and cache ({kd}) differ")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if value_dim is not None and not 0 < value_dim <= kd:
+        raise ValueError(f"value_dim={value_dim} must be in [1, head_dim={kd}]")
     if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
 
@@ -336,10 +347,11 @@ def plan_launches(num_tokens: int, num_seq_slots: int, num_q_heads: int, num_kv_
 def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
             block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *, num_q_heads: int,
             sm_scale: float, sliding_window: Optional[int], soft_cap: Optional[float], interpret: bool,
-            out_init: Optional[jax.Array], poison: bool):
+            out_init: Optional[jax.Array], poison: bool, value_dim: Optional[int] = None):
     """Runs one launch. Returns (tile table, raw outputs): the [T * Hq, D] output (written
     in place over `out_init` when given) or, with splits, the f32 partials (acc, max, denom)."""
     num_kv_heads, num_blocks, tokens_per_block, head_dim = k_cache.shape
+    out_dim = head_dim if value_dim is None else value_dim
     rows = q2d.shape[0]
     num_tokens = rows // num_q_heads
     max_blocks = block_tables.shape[1]
@@ -353,10 +365,10 @@ def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
         max_q_len=launch.max_q_len, min_q_len=launch.min_q_len, include_padding=launch.include_padding,
         num_tiles=launch.num_tiles, num_splits=num_splits, block_k=tiling.block_k)
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q2d.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((rows, out_dim), q2d.dtype)]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((num_splits * rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits * rows, out_dim), jnp.float32),
             jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
             jax.ShapeDtypeStruct((num_splits * rows,), jnp.float32),
         ]
@@ -380,6 +392,8 @@ def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
         num_blocks=num_blocks,
         max_blocks=max_blocks,
         head_dim_pow2=max(16, _next_pow2(head_dim)),
+        value_dim=value_dim,
+        value_dim_pow2=max(16, _next_pow2(out_dim)),
         block_m=tiling.block_m,
         block_k=tiling.block_k,
         num_splits=num_splits,
@@ -425,15 +439,17 @@ def attention_forward(
     decode_tiling: Optional[AttentionTiling] = None,
     interpret: bool = False,
     poison_outputs: bool = False,
+    value_dim: Optional[int] = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Runs the kernel launches (`plan_launches`); returns (output [T, Hq, D], raw buffers).
 
     `poison_outputs` hands the kernel NaN-filled output buffers (aliased in place), so a
     test can check that every element the kernel owns was written: the raw buffers are
     the output every launch writes into and the partials each split launch wrote (of the
-    decode launch of a mixed bucket, only its own tokens' rows).
+    decode launch of a mixed bucket, only its own tokens' rows). `value_dim` keeps only the
+    first `value_dim` columns of the values (the output is [T, Hq, value_dim]).
     """
-    _check_shapes(q, k_cache, v_cache)
+    _check_shapes(q, k_cache, v_cache, value_dim)
     kv_lens, block_tables, cu_q_lens, num_seqs = (
         jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
@@ -444,21 +460,23 @@ def attention_forward(
                              max_blocks * tokens_per_block, q.dtype.itemsize, tiling, decode_tiling)
     rows = num_tokens * num_q_heads
     q2d = q.reshape(rows, head_dim)
+    out_dim = head_dim if value_dim is None else value_dim
     out = None
     raw_all: list[jax.Array] = []
     for launch in launches:
         num_splits = launch.tiling.num_kv_splits
         out_init = out
         if out_init is None and poison_outputs and num_splits == 1:
-            out_init = jnp.full((rows, head_dim), jnp.nan, q.dtype)
+            out_init = jnp.full((rows, out_dim), jnp.nan, q.dtype)
         tiles, raw = _launch(launch, q2d, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                              num_q_heads=num_q_heads, sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap, interpret=interpret, out_init=out_init, poison=poison_outputs)
+                             soft_cap=soft_cap, interpret=interpret, out_init=out_init, poison=poison_outputs,
+                             value_dim=value_dim)
         if num_splits == 1:
             out = raw[0]
             continue
         o_part, m_part, l_part = (
-            raw[0].reshape(num_splits, rows, head_dim), raw[1].reshape(num_splits, rows), raw[2].reshape(num_splits, rows))
+            raw[0].reshape(num_splits, rows, out_dim), raw[1].reshape(num_splits, rows), raw[2].reshape(num_splits, rows))
         if launch.include_padding and launch.max_q_len is None and launch.min_q_len == 0:
             merged = _merge_splits(o_part, m_part, l_part).astype(q.dtype)  # the launch owns every row
             raw_all += raw
@@ -466,7 +484,7 @@ def attention_forward(
             continue
         # One launch of several (a mixed bucket's): merge (and report) only its own rows.
         if out is None:
-            out = jnp.full((rows, head_dim), jnp.nan if poison_outputs else 0.0, q.dtype)
+            out = jnp.full((rows, out_dim), jnp.nan if poison_outputs else 0.0, q.dtype)
         mine = _tile_rows(tiles, launch.tiling.block_m // group_pow2, num_q_heads, rows)
         valid = mine < rows
         take = jnp.where(valid, mine, 0)
@@ -475,7 +493,7 @@ def attention_forward(
                     jnp.where(valid[None], l_mine, 0.0)]
         merged = _merge_splits(o_mine, m_mine, l_mine).astype(q.dtype)
         out = out.at[mine].set(merged, mode="drop")
-    return out.reshape(num_tokens, num_q_heads, head_dim), (out, *raw_all)
+    return out.reshape(num_tokens, num_q_heads, out_dim), (out, *raw_all)
 
 
 @functools.partial(
@@ -507,4 +525,27 @@ def ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         tiling=tiling, decode_tiling=decode_tiling, interpret=interpret)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "value_dim", "interpret", "tiling", "decode_tiling"))
+def ragged_paged_latent_attention(
+    q: jax.Array,  # [T, Hq, L]
+    latent_cache: jax.Array,  # [num_blocks, tokens_per_block, L]
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    value_dim: int,
+    interpret: bool = False,
+    tiling: Optional[AttentionTiling] = None,
+    decode_tiling: Optional[AttentionTiling] = None,
+) -> jax.Array:
+    """Multi-query attention over a latent cache whose rows are the keys and whose first
+    `value_dim` columns are the values (MLA's absorbed form): [T, Hq, value_dim]."""
+    kv = latent_cache[None]
+    out, _ = attention_forward(q, kv, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                               tiling=tiling, decode_tiling=decode_tiling, interpret=interpret, value_dim=value_dim)
     return out

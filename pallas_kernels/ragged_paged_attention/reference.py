@@ -111,3 +111,21 @@ def ragged_paged_attention_reference(
     out = finish_online_softmax(denom, acc)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def ragged_paged_latent_attention_reference(
+    q: jax.Array,  # [T, Hq, L]
+    latent_cache: jax.Array,  # [num_blocks, tokens_per_block, L]
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    value_dim: int,
+) -> jax.Array:
+    """Multi-head latent attention's absorbed form: the latent rows are the keys of one KV head
+    shared by all query heads, their first `value_dim` columns its values. [T, Hq, value_dim]."""
+    kv = jnp.asarray(latent_cache)[None]
+    return ragged_paged_attention_reference(q, kv, kv, kv_lens, block_tables, cu_q_lens, num_seqs,
+                                            sm_scale=sm_scale)[..., :value_dim]
