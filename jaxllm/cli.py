@@ -29,6 +29,7 @@ BENCHMARKS = {
     "ep": "jaxllm.bench.ep",
     "eplb-online": "jaxllm.bench.eplb_online",
     "multihost": "jaxllm.bench.multihost",
+    "mla": "jaxllm.bench.mla",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -48,6 +49,8 @@ BENCHMARK_HELP = {
                    "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
     "multihost": "per-step cost of sending the step plan to the other processes of a multi-host run (bytes, "
                  "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
+    "mla": "DeepSeek-V3-shaped decode tokens/s with absorbed vs expanded latent attention; latent vs full KV "
+           "bytes per token",
 }
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
