@@ -190,6 +190,11 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
     key = jax.random.PRNGKey(args.seed)
     for _ in range(2):  # compile and warm the step
         jax.block_until_ready(work.step_fn(params, key))
+    baseline = []  # the same step with no balancer work at all
+    for step in range(args.baseline_steps):
+        start = time.perf_counter()
+        np.asarray(work.step_fn(params, jax.random.fold_in(key, 10 ** 6 + step))[1])
+        baseline.append(time.perf_counter() - start)
     imbalance, static, step_seconds, update_steps = [], [], [], []
     layer_update_seconds, layer_dispatch_seconds = [], []
     try:
@@ -226,7 +231,31 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
                      placement_seconds=list(balancer.worker.stats.seconds), rebalances=stats.rebalances,
                      slots_rewritten=stats.slots_rewritten, bytes_moved=stats.bytes_moved,
                      naive_bytes=stats.naive_bytes, full_bytes_per_layer=row_bytes * args.num_slots,
-                     skipped_small_gain=balancer.worker.stats.skipped_small_gain)
+                     skipped_small_gain=balancer.worker.stats.skipped_small_gain,
+                     extra=dict(baseline_step_seconds=baseline))
+
+
+def host_placement_ms(num_layers: int, num_experts: int, num_slots: int, ep_size: int, zipf_s: float, *,
+                      switched: bool, seed: int = 0) -> float:
+    """Worker time (ms per layer) to plan every layer at a given scale from synthetic Zipf loads: the
+    tables fitted to one set of loads, then planned for drifted loads (or, `switched`, a new hot set)."""
+    from sharding.eplb.online import PlacementWorker
+    from sharding.eplb.placement import greedy_placement
+
+    rng = np.random.default_rng(seed)
+    loads = np.stack([np.exp(zipf_bias(num_experts, zipf_s, rng)) * 1e4 for _ in range(num_layers)])
+    tables = {l: greedy_placement(loads[l], num_slots, ep_size) for l in range(num_layers)}
+    if switched:
+        later = np.stack([np.exp(zipf_bias(num_experts, zipf_s, rng)) * 1e4 for _ in range(num_layers)])
+    else:
+        later = loads * rng.lognormal(0.0, 0.2, loads.shape)
+    worker = PlacementWorker(num_slots=num_slots, ep_size=ep_size)
+    try:
+        start = time.perf_counter()
+        worker.plan(later, tables, list(range(num_layers)))
+        return 1e3 * (time.perf_counter() - start) / num_layers
+    finally:
+        worker.close()
 
 
 def moving_average(values: list[float], window: int) -> np.ndarray:
@@ -271,6 +300,10 @@ def summarize(run: OnlineRun, args: argparse.Namespace) -> dict:
         layer_update_ms=1e3 * statistics.median(run.layer_update_seconds) if run.layer_update_seconds else None,
         layer_dispatch_ms=1e3 * statistics.median(run.layer_dispatch_seconds) if run.layer_dispatch_seconds else None,
         step_ms=1e3 * statistics.median(quiet) if quiet else None,
+        step_ms_with_update=(1e3 * statistics.median([run.step_seconds[s] for s in run.update_steps])
+                             if run.update_steps else None),
+        baseline_step_ms=(1e3 * statistics.median(run.extra["baseline_step_seconds"])
+                          if run.extra.get("baseline_step_seconds") else None),
     )
 
 
@@ -324,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-worker", action="store_true",
                    help="wait for the placement worker after each step (reproducible runs)")
     p.add_argument("--no-compare", action="store_true", help="skip the run without the move-minimizing mapping")
+    p.add_argument("--baseline-steps", type=int, default=20, help="steps timed before, with no balancer")
+    p.add_argument("--host-scale", default="58,256,288,32", metavar="L,E,S,EP",
+                   help="also time the host placement alone at this scale (DeepSeek-V3: 58 MoE layers, 256 "
+                        "experts, 288 slots, EP 32); empty to skip")
     p.add_argument("--plot", default=None, metavar="PNG")
     p.add_argument("--json", action="store_true")
     return p
@@ -354,7 +391,9 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         ("host placement ms / layer", lambda r: _fmt(r["placement_ms_per_layer"])),
         ("layer update ms (dispatch)", lambda r: _fmt(r["layer_dispatch_ms"])),
         ("layer update ms (weights on devices)", lambda r: _fmt(r["layer_update_ms"])),
-        ("step ms (median, no update)", lambda r: _fmt(r["step_ms"])),
+        ("step ms, no balancer (median)", lambda r: _fmt(r["baseline_step_ms"])),
+        ("step ms, balancer on, no update", lambda r: _fmt(r["step_ms"])),
+        ("step ms, balancer on, update step", lambda r: _fmt(r["step_ms_with_update"])),
     ]
     for label, cell in lines:
         print(f"{label:<38}" + "".join(f"{cell(r):>18}" for r in rows))
@@ -383,6 +422,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(r))
     else:
         print_table(rows, args)
+    if args.host_scale:
+        layers, experts, slots, ep = (int(v) for v in args.host_scale.split(","))
+        for switched in (False, True):
+            ms = host_placement_ms(layers, experts, slots, ep, args.zipf_s, switched=switched, seed=args.seed)
+            what = "hot set switched" if switched else "loads drifted"
+            print(f"host placement at {layers} layers x {experts} experts / {slots} slots, EP {ep} ({what}): "
+                  f"{ms:.2f} ms per layer, {ms * layers:.0f} ms per snapshot")
     if args.plot:
         plot(runs, args, args.plot)
         print(f"plot: {args.plot}")
