@@ -8,6 +8,9 @@ small batch), FLOP/s above it (prefill, MoE at large batch). Bytes are the uniqu
 the case must move (K/V of every live token once; each active expert's weights once);
 FLOPs count only useful work (causal pairs; real rows).
 
+On Hopper the Mosaic GPU kernels get rows of their own next to the Triton ones (`pallas`),
+and MoE a `tokamax` row when tokamax is installed.
+
 Peers on the same inputs: JAX's `pallas.ops.gpu.paged_attention` for decode, the XLA
 reference (the engine's `xla` backend) for prefill and mixed batches, and
 `jax.lax.ragged_dot` (the MoE reference) for MoE. Each row also prints the relative
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import sys
@@ -135,6 +139,13 @@ def _record(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str, fn: 
     return out
 
 
+def _on_hopper(s: Settings) -> bool:
+    """The Mosaic GPU kernels (sm_90a) run: a Hopper GPU, not interpret mode."""
+    from jaxllm.engine.backends import gpu_kernel_flavour
+
+    return not s.interpret and gpu_kernel_flavour(jax.devices()[0]) == "mosaic"
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -237,6 +248,14 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
         note = "; ".join(f"block_m={la.tiling.block_m} block_k={la.tiling.block_k} splits<={la.tiling.num_kv_splits}"
                          for la in launches)
         _record(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    if _on_hopper(s):
+        from pallas_kernels.ragged_paged_attention.mosaic_gpu import default_num_kv_splits, ragged_paged_attention_mosaic
+
+        fn = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=sm_scale))
+        splits = default_num_kv_splits(args[0].shape[0], len(case.q_lens), case.num_kv_heads,
+                                       inputs["block_tables"].shape[1] * tpb, tpb)
+        _record(s, ceil, "ragged_paged_attention", case.name, "mosaic", fn, args, nbytes, flops, ref_out,
+                f"TMA pages + wgmma, splits={splits}")
     del inputs, args
 
 
@@ -313,6 +332,18 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
                             jax.jit(moe_fused_ffn_reference), fused_args, nbytes, flops)
     fn = jax.jit(functools.partial(moe_fused_ffn, interpret=s.interpret))
     _record(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
+    if _on_hopper(s):
+        from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling as mosaic_tiling
+        from pallas_kernels.moe_grouped_gemm.mosaic_gpu import moe_grouped_ffn_mosaic
+
+        t = mosaic_tiling(rows, case.num_experts, case.hidden, case.inter)
+        _record(s, ceil, "moe_grouped_ffn", name, "mosaic", jax.jit(moe_grouped_ffn_mosaic), args, nbytes, flops,
+                ref_out, f"TMA + wgmma block_m={t.gate_up.block_m} n={t.gate_up.block_n}/{t.down.block_n}")
+    if not s.interpret and importlib.util.find_spec("tokamax") is not None:
+        from jaxllm.engine.backends import tokamax_moe
+
+        _record(s, ceil, "moe_grouped_ffn", name, "tokamax ragged_dot x3", jax.jit(tokamax_moe()), args, nbytes,
+                flops, ref_out)
     del args, fused_args
 
 
