@@ -117,7 +117,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
     g.add_argument("--moe-tp-size", "--moe-tensor-parallel-size", "--moe_tp_size", dest="moe_tensor_parallel_size",
                    type=int, default=None, help="MoE: devices each expert's columns are split over (unset: tp / ep)")
     g.add_argument("--enable-attention-dp", "--enable_attention_dp", dest="enable_attention_dp",
-                   action="store_true", help="attention data-parallel over the devices (not supported yet)")
+                   action="store_true", help="attention data-parallel over the devices: each its own requests, KV cache, max batch size and max num tokens; MoE layers stay expert/tensor parallel")
     g.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
                    help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
                         "default: kept in $JAXLLM_CACHE_DIR/xla)")

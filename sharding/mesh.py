@@ -3,8 +3,9 @@
 The mesh always has the same three named axes, so code that names an axis never has to
 ask whether that dimension is in use: an unused dimension is an axis of size 1.
 
-    attn_dp  attention data parallelism (each group of devices runs its own requests'
-             attention; reserved: size 1 until the KV manager is split per group)
+    attn_dp  data parallelism over groups of devices (reserved: size 1). Attention data
+             parallelism over the N devices (`enable_attention_dp`) needs no axis of its
+             own: its ranks are the expert x tensor devices (`sharding.attention_dp`)
     expert   expert parallelism: MoE slots spread over E ranks
     tensor   MoE tensor parallelism: each expert's FFN columns split over T ranks
 

@@ -117,10 +117,13 @@ def resolve_assignments(num_experts: int, moe_layers: Sequence[int], ep_size: in
             for layer in moe_layers}
 
 
-def choose_slots(ids: jax.Array, table: SlotTable, valid: Optional[jax.Array] = None) -> jax.Array:
+def choose_slots(ids: jax.Array, table: SlotTable, valid: Optional[jax.Array] = None,
+                 occurrence_offset: Optional[jax.Array] = None) -> jax.Array:
     """SlotId of every (token, k) choice, int32[T, k]; rows of invalid tokens get `num_slots`.
 
     The n-th valid row routed to expert e (token-major order) takes replica n mod c_e.
+    `occurrence_offset` (int32[E]) counts rows of each expert that come before these ones
+    (the rows of earlier attention-DP ranks), so the round robin runs over the global batch.
     """
     num_tokens, top_k = ids.shape
     num_experts, num_slots = table.num_experts, table.num_slots
@@ -133,6 +136,8 @@ def choose_slots(ids: jax.Array, table: SlotTable, valid: Optional[jax.Array] = 
     occurrence_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[key[order]].astype(jnp.int32)
     occurrence = jnp.zeros_like(flat).at[order].set(occurrence_sorted, unique_indices=True)
     expert = jnp.clip(flat, 0, num_experts - 1)
+    if occurrence_offset is not None:
+        occurrence = occurrence + occurrence_offset.astype(occurrence.dtype)[expert]
     replica = occurrence % jnp.maximum(table.replica_counts[expert], 1)
     slots = table.expert_slots[expert, replica]
     return jnp.where(ok, slots, num_slots).astype(jnp.int32).reshape(num_tokens, top_k)

@@ -118,8 +118,8 @@ def test_parallel_flags_and_placement_from_config_yaml(tmp_path):
     assert config.moe_config.load_balancer.initial_global_assignments[1] == list(range(8)) * 2
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--tp-size", "8", "--moe-tp-size", "2"])
     assert EngineConfig(model="m", **engine_kwargs(args)).parallel_config().mesh_shape == (1, 4, 2)
-    with pytest.raises(ValueError, match="enable_attention_dp"):
-        EngineConfig(model="m", enable_attention_dp=True)
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--tp-size", "4", "--enable-attention-dp"])
+    assert EngineConfig(model="m", **engine_kwargs(args)).parallel_config().enable_attention_dp
     with pytest.raises(ValueError, match="must equal tensor_parallel_size"):
         EngineConfig(model="m", tensor_parallel_size=8, moe_expert_parallel_size=2, moe_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="does not exist"):

@@ -56,9 +56,6 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
-        if self.enable_attention_dp:
-            raise ValueError("enable_attention_dp is not supported yet: attention runs tensor-parallel over "
-                             "all tensor_parallel_size devices")
         for name in ("max_batch_size", "max_num_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -81,4 +78,5 @@ class EngineConfig:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               moe_expert_parallel_size=self.moe_expert_parallel_size,
-                              moe_tensor_parallel_size=self.moe_tensor_parallel_size)
+                              moe_tensor_parallel_size=self.moe_tensor_parallel_size,
+                              enable_attention_dp=self.enable_attention_dp)

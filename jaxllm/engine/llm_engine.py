@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxllm.batch_builder import build_step_batch
 from jaxllm.config import CapacitySchedulerPolicy
+from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
@@ -52,7 +53,8 @@ from jaxllm.request import LlmRequest
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
-from sharding import make_mesh
+from sharding import ParallelConfig, make_mesh
+from sharding.attention_dp import attention_dp_rules
 from sharding.mesh import expert_parallel_size
 from sharding.ep_moe import EpMoeOptions
 from sharding.eplb.statistics import ExpertStatisticsWriter
@@ -121,9 +123,19 @@ class LLMEngine:
         self.mesh = make_mesh(parallel)
         # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
         balancer = config.moe_config.load_balancer
+        # Attention DP: attention and dense weights replicated, experts always stored as slots
+        # (the MoE layers dispatch every rank's tokens; see sharding.attention_dp).
+        self.attention_dp = parallel.enable_attention_dp
+        if self.attention_dp and self.model_config.is_mla:
+            raise ValueError(f"enable_attention_dp: {self.model_config.architecture} uses multi-head latent "
+                             "attention, which attention data parallelism does not support yet")
+        num_slots = balancer.num_slots if balancer else None
+        if self.attention_dp and num_slots is None and self.model_config.num_experts:
+            num_slots = self.model_config.num_experts
         params = load_params(model_dir, self.model_config, mesh=self.mesh,
+                             rules=attention_dp_rules(self.model_config, self.mesh) if self.attention_dp else None,
                              slot_assignments=balancer.initial_global_assignments if balancer else None,
-                             num_slots=balancer.num_slots if balancer else None)
+                             num_slots=num_slots)
         moe_layers = [i for i in range(self.model_config.num_layers) if self.model_config.is_moe_layer(i)]
         # Offline expert statistics (EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH), per expert.
         self.expert_statistics = ExpertStatisticsWriter.from_env(
@@ -137,22 +149,35 @@ class LLMEngine:
         if config.enable_chunked_prefill and config.max_num_tokens < tpb:
             raise ValueError(f"max_num_tokens ({config.max_num_tokens}) must be at least tokens_per_block ({tpb}): "
                              "prompt chunks are whole blocks, so no prompt could ever start")
-        num_blocks = plan_num_kv_blocks(
+        # Under attention DP every device is a rank with this many blocks of its own.
+        kv_meshes = [make_mesh(ParallelConfig(), [d]) for d in self.mesh.devices.flat] if self.attention_dp \
+            else [self.mesh]
+        num_blocks = min(plan_num_kv_blocks(
             model_config=self.model_config, dtype=kv_dtype, tokens_per_block=tpb,
             max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
-            max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len, mesh=self.mesh)
+            max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len, mesh=kv_mesh) for kv_mesh in kv_meshes)
         num_blocks = agree_min("kv_cache_blocks", num_blocks)  # every host holds its share of every block
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
-        self.kv_cache_manager = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq,
-                                               enable_block_reuse=kv_cfg.enable_block_reuse,
-                                               max_num_sequences=config.max_batch_size)
-        self.scheduler = make_scheduler(config.scheduler_config, self.kv_cache_manager,
-                                        config.max_batch_size, config.max_num_tokens,
-                                        config.enable_chunked_prefill)
-        self.planner = Planner(scheduler=self.scheduler, kv_cache_manager=self.kv_cache_manager,
-                               max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
-                               min_token_bucket=config.min_token_bucket, max_blocks_per_seq=self.max_blocks_per_seq,
-                               max_seq_len=self.max_seq_len)
+
+        def rank_planner() -> Planner:
+            kv = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq, enable_block_reuse=kv_cfg.enable_block_reuse,
+                                max_num_sequences=config.max_batch_size)
+            scheduler = make_scheduler(config.scheduler_config, kv, config.max_batch_size, config.max_num_tokens,
+                                       config.enable_chunked_prefill)
+            return Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=config.max_batch_size,
+                           max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
+                           max_blocks_per_seq=self.max_blocks_per_seq, max_seq_len=self.max_seq_len)
+
+        if self.attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.attention_dp)
+            assignment = RankAssignment(len(kv_meshes))
+            self.planner = AttentionDpPlanner([rank_planner() for _ in kv_meshes], assignment)
+            self.kv_cache_manager = RankedKvCaches([p.kv_cache_manager for p in self.planner.planners], assignment)
+            self.scheduler = None
+            self.num_sampler_rows = self.planner.num_rows
+        else:
+            self.planner = rank_planner()
+            self.kv_cache_manager, self.scheduler = self.planner.kv_cache_manager, self.planner.scheduler
+            self.num_sampler_rows = config.max_batch_size
         self.attention_backend, self.moe_backend, attention_fn, moe_fn = resolve_backends(
             config.attention_backend, config.moe_backend)
         online = balancer is not None and balancer.layer_updates_per_iter > 0
@@ -161,8 +186,9 @@ class LLMEngine:
                              "is not supported in multi-host runs: its slot writes run outside the mirrored step")
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
-                                  moe_fn=moe_fn, max_batch_size=config.max_batch_size, mesh=self.mesh,
-                                  moe_options=moe_options, moe_stats=self.expert_statistics is not None or online)
+                                  moe_fn=moe_fn, max_batch_size=self.num_sampler_rows, mesh=self.mesh,
+                                  moe_options=moe_options, moe_stats=self.expert_statistics is not None or online,
+                                  attention_dp=self.attention_dp)
         # Online expert load balancing: placements recomputed in the background, slots rewritten in place.
         self.load_balancer = OnlineLoadBalancer(
             config=balancer, params=self.runner.params, moe_layers=moe_layers,
@@ -210,11 +236,15 @@ class LLMEngine:
         buckets = self.token_buckets()
         variants = SAMPLER_VARIANTS if all_variants else [dict()]
         total = len(buckets) + len(variants)
-        batches = [(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
-                                     max_batch_size=self.config.max_batch_size,
-                                     max_blocks_per_seq=self.max_blocks_per_seq),
-                    np.full((bucket,), -1, np.int32)) for bucket in buckets]
-        samplings = [SamplingTensors.empty(self.config.max_batch_size, self.max_seq_len, **flags)
+        if self.attention_dp:
+            batches = [(self.planner.empty_batch(bucket), np.full((self.planner.num_ranks, bucket), -1, np.int32))
+                       for bucket in buckets]
+        else:
+            batches = [(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
+                                         max_batch_size=self.config.max_batch_size,
+                                         max_blocks_per_seq=self.max_blocks_per_seq),
+                        np.full((bucket,), -1, np.int32)) for bucket in buckets]
+        samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags)
                      for flags in variants]
         logits = self.runner.forward(*batches[0], None)
         done = 1

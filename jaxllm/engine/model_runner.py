@@ -32,6 +32,7 @@ from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from jaxllm.models.decoder import forward_with_moe_stats
+from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
 from sharding.ep_moe import EpMoeOptions
 from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
@@ -42,12 +43,20 @@ logger = logging.getLogger(__name__)
 
 def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
                   model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh,
-                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False):
+                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
+                  attention_dp_specs: Any = None):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
-    and with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts], else None)."""
+    and with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts], else None).
+    `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
+    the batch then has a leading rank axis and the logits are [ranks * S, V]."""
     batch, feed_index = unpack(inputs, layout)
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
+    if attention_dp_specs is not None:
+        logits, kv_cache, stats = forward_attention_dp(
+            params, kv_cache, batch, config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
+            param_specs=attention_dp_specs, moe_options=moe_options)
+        return kv_cache, logits, stats.expert_counts if moe_stats else None
     kwargs = dict(config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     if moe_stats:
         logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
@@ -102,7 +111,10 @@ class ModelRunner:
     def __init__(self, *, model_config: ModelConfig, params: Any, num_blocks: int,
                  tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
                  max_batch_size: int, mesh: jax.sharding.Mesh | None = None,
-                 moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False) -> None:
+                 moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
+                 attention_dp: bool = False) -> None:
+        """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
+        `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -110,10 +122,14 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
+        if attention_dp:
+            self.kv_cache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
+        else:
+            self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         self._forward_jit = jax.jit(
             functools.partial(_forward_step, model_config=model_config, attention_fn=attention_fn,
-                              moe_fn=moe_fn, mesh=self.mesh, moe_options=moe_options, moe_stats=moe_stats),
+                              moe_fn=moe_fn, mesh=self.mesh, moe_options=moe_options, moe_stats=moe_stats,
+                              attention_dp_specs=param_partition_specs(params) if attention_dp else None),
             static_argnames=("layout",),
             donate_argnums=(1,),
         )
@@ -182,7 +198,7 @@ class ModelRunner:
         sampling_buffers, sampling_layout = pack(plan.sampling)
         batch_inputs, sampling_inputs = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_inputs, batch_layout, self._last_tokens)
-        self.steps_per_bucket[plan.batch.num_tokens_padded] += 1
+        self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
         out = self._sample(logits, sampling_inputs, sampling_layout)
         self._last_tokens = out.token_ids
         return out

@@ -152,8 +152,14 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
 
 def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
                    attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-                   moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+                   moe_options: Optional[EpMoeOptions], slot_moe_layer: Optional[Callable] = None
+                   ) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+    """The layers. `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when
+    given, runs the MoE layers stored as slots instead of `ep_moe_block` (attention data
+    parallelism runs the whole decoder per device, see `sharding.attention_dp`)."""
     if config.is_mla:
+        if slot_moe_layer is not None:
+            raise ValueError("attention data parallelism does not support multi-head latent attention models yet")
         from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 
         return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
@@ -176,7 +182,12 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
         new_cache.append(cache)
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        if config.is_moe_layer(i) and "slots" in layer["moe"]:
+        if config.is_moe_layer(i) and "slots" in layer["moe"] and slot_moe_layer is not None:
+            y, layer_counts, layer_dropped = slot_moe_layer(h, layer["moe"], valid)
+            x = x + y
+            counts.append(layer_counts)
+            dropped.append(layer_dropped)
+        elif config.is_moe_layer(i) and "slots" in layer["moe"]:
             from sharding.ep_moe import EpMoeOptions, ep_moe_block
 
             ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())

@@ -93,14 +93,18 @@ def slot_assignments_for(config: ModelConfig, mesh: jax.sharding.Mesh,
     return resolve_assignments(config.num_experts, moe_layers, ep, slot_assignments, num_slots)
 
 
-def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
+def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> int:
+    """Copies of each KV head in the k/v weights: none when `rules` keep the KV heads whole
+    (attention data parallelism), else as tensor parallelism over the mesh needs."""
+    if rules is not None and rules.kv_heads is None:
+        return 1
     return kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
 
 
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> Params:
     """The parameter pytree as NamedShardings on `mesh`."""
     rules = rules or rules_for(config, mesh)
-    decls = declare_weights(config, kv_replicas_for(config, mesh))
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules))
     return build_tree((w.path, named_sharding(mesh, w.axes, rules)) for w in decls)
 
 
@@ -226,7 +230,7 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
                              "load from the safetensors checkpoint")
         return restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules)
     np_dtype = numpy_dtype(dtype or config.dtype)
-    decls = declare_weights(config, kv_replicas_for(config, mesh), assignments)
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
     chosen = _choose_alternatives(header, decls, config, model_dir)
     total_bytes = sum(int(np.prod(s)) * _ITEMSIZE.get(header.dtype[n], 1) for n, s in header.shape.items())

@@ -1,0 +1,167 @@
+"""Attention data parallelism: each device its own requests and KV cache, the MoE layers shared.
+
+With `enable_attention_dp` the N devices of the mesh (its `expert` x `tensor` axes, E x T,
+rank d = e * T + t) are N attention-DP ranks. TensorRT-LLM's semantics: each rank runs
+attention for its own requests over its own KV cache (its own block pool, its own
+max_batch_size and max_num_tokens), and the MoE layers stay expert x tensor parallel over
+all N devices, the tokens of every rank dispatched together.
+
+Layout (SPMD, one program for all ranks):
+
+- The step's inputs carry a leading rank axis split over the devices: every `StepBatch`
+  field is [D, ...] (tokens [D, T_rank], sequences [D, S_rank]), the same token bucket on
+  every rank (the largest any rank needs this step). Built on the host by
+  `jaxllm.engine.attention_dp`; the step plan stays plain numpy.
+- The KV cache of each layer is [D, Hkv, blocks, tokens_per_block, head_dim] split over
+  the devices on its leading axis: device d holds rank d's block pool, every KV head.
+- Attention, dense and embedding weights are replicated (no head or column split), the
+  experts are stored as slots split over `expert` with their FFN columns over `tensor`,
+  as under plain expert parallelism (`attention_dp_rules`).
+- The whole decoder runs under one `shard_map` (`forward_attention_dp`): each device
+  runs the single-device layers on its own batch, and each MoE layer
+  (`dp_moe_layer`) starts from tokens that are already split over the devices. The T
+  devices of an expert group first gather their tokens (all_gather over `tensor`, so the
+  group holds the same rows, as the MoE tensor split needs), route them, dispatch them
+  over `expert` exactly as `sharding.ep_moe` does (all_to_all or allgather + local slots
+  + reduce-scatter), and a reduce-scatter over `tensor` both sums the column partials and
+  hands every device back its own tokens. No device ever holds the global token batch.
+- Replica choice stays the global round robin of `sharding.slot_table.choose_slots`: the
+  per-expert row counts of the earlier ranks (one all_gather of int32[E] per layer) offset
+  each rank's occurrences. Expert counts for statistics are those counts summed.
+- Logits come back [D * S_rank, V] in rank-major rows: sampler row d * S_rank + i is
+  sequence i of rank d, and the overlap scheduler's feed index names those global rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.kv_cache.spec import MhaLayerCache
+from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.moe import MoeFn, route
+from jaxllm.step_batch import StepBatch
+from sharding.ep_moe import EpMoeOptions, _all_to_all_body, _allgather_body
+from sharding.expert_load import MoeStepStats, count_experts
+from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
+from sharding.rules import ShardingRules
+from sharding.slot_table import SlotTable, choose_slots
+
+DP_AXES = (EXPERT_AXIS, TENSOR_AXIS)
+"""The mesh axes whose devices are the attention-DP ranks (rank = expert index * T + tensor index)."""
+RANK_SPEC = P(DP_AXES)
+
+
+def attention_dp_size(mesh: jax.sharding.Mesh) -> int:
+    return int(mesh.shape[EXPERT_AXIS]) * int(mesh.shape[TENSOR_AXIS])
+
+
+def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
+    """Weights under attention DP: everything but the experts replicated; slots over
+    `expert`, each expert's FFN columns over `tensor`."""
+    moe_tp = int(mesh.shape[TENSOR_AXIS])
+    if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
+        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
+                         f"{config.moe_intermediate_size}")
+    return ShardingRules(heads=None, kv_heads=None, mlp=None, vocab=None,
+                         experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
+                         moe_mlp=TENSOR_AXIS if moe_tp > 1 else None)
+
+
+def init_dp_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
+                     mesh: jax.sharding.Mesh) -> list[MhaLayerCache]:
+    """Per-layer zeroed caches [D, Hkv, num_blocks, tokens_per_block, head_dim]: one block pool
+    of `num_blocks` per rank, on that rank's device."""
+    shape = (attention_dp_size(mesh), config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
+    dt = jnp.dtype(numpy_dtype(dtype))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, RANK_SPEC))
+    return [MhaLayerCache(zeros(), zeros()) for _ in range(config.num_layers)]
+
+
+def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig, moe_fn: MoeFn,
+                 options: EpMoeOptions, ep: int, moe_tp: int, global_tokens: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One MoE layer inside the attention-DP shard_map, on this device's tokens h [T_rank, H]:
+    (output [T_rank, H], global expert counts int32[E], dropped rows int32[])."""
+    table: SlotTable = p["slots"]
+    x, ok = h, valid
+    if moe_tp > 1:  # the expert group's T devices work on the same rows
+        x = jax.lax.all_gather(h, TENSOR_AXIS, axis=0, tiled=True)
+        ok = jax.lax.all_gather(valid, TENSOR_AXIS, axis=0, tiled=True)
+    weights, ids = route(x, p["router"], config)
+    group_counts = count_experts(ids, config.num_experts, ok)
+    if ep > 1:
+        by_rank = jax.lax.all_gather(group_counts, EXPERT_AXIS)  # [ep, E]
+        before = jnp.arange(ep)[:, None] < jax.lax.axis_index(EXPERT_AXIS)
+        offset = jnp.sum(jnp.where(before, by_rank, 0), axis=0)
+        counts = jnp.sum(by_rank, axis=0).astype(jnp.int32)
+    else:
+        offset, counts = None, group_counts
+    slots = choose_slots(ids, table, ok, occurrence_offset=offset)
+    if options.mode_for(global_tokens) == "all_to_all":
+        out, dropped = _all_to_all_body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn,
+                                        capacity_factor=options.capacity_factor, ep=ep, moe_tp=1)
+    else:
+        out, dropped = _allgather_body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn,
+                                       moe_tp=1)
+    if moe_tp > 1:  # sum the column partials, each device keeps its own rows
+        out = jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=0, tiled=True)
+    return out.astype(h.dtype), counts, dropped[0]
+
+
+def param_partition_specs(params: Any) -> Any:
+    """The PartitionSpec tree of loaded (concrete) parameters, for shard_map's in_specs."""
+    def spec(a: jax.Array) -> P:
+        sharding = getattr(a, "sharding", None)
+        return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+    return jax.tree.map(spec, params)
+
+
+def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: StepBatch, *, config: ModelConfig,
+                         attention_fn: Callable, moe_fn: MoeFn, mesh: jax.sharding.Mesh, param_specs: Any,
+                         moe_options: Optional[EpMoeOptions] = None
+                         ) -> tuple[jax.Array, list[MhaLayerCache], Optional[MoeStepStats]]:
+    """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
+    [D * S_rank, V] (rank-major rows), the updated caches, and the MoE statistics."""
+    from jaxllm.models.decoder import _decode_layers, compute_logits
+
+    options = moe_options or EpMoeOptions()
+    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
+    num_ranks, tokens_per_rank = batch.token_ids.shape
+    moe_layer = functools.partial(dp_moe_layer, config=config, moe_fn=moe_fn, options=options, ep=ep,
+                                  moe_tp=moe_tp, global_tokens=num_ranks * tokens_per_rank)
+    has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
+
+    def body(params_, cache_, batch_):
+        local = jax.tree.map(lambda a: a[0], batch_)
+        cache_local = jax.tree.map(lambda a: a[0], cache_)
+        x, new_cache, stats = _decode_layers(params_, cache_local, local, config=config, attention_fn=attention_fn,
+                                             moe_fn=moe_fn, mesh=None, moe_options=options,
+                                             slot_moe_layer=moe_layer)
+        logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
+        counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
+        dropped = stats.dropped_rows if stats is not None else jnp.zeros((0,), jnp.int32)
+        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped
+
+    cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
+    batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
+    logits, kv_cache, counts, dropped = jax.shard_map(
+        body, mesh=mesh, in_specs=(param_specs, cache_specs, batch_specs),
+        out_specs=(RANK_SPEC, cache_specs, P(), P()), check_vma=False)(params, kv_cache, batch)
+    # The sampler sees every row (as under tensor parallelism, where the logits are gathered too).
+    logits = jax.lax.with_sharding_constraint(logits.reshape(num_ranks * logits.shape[1], logits.shape[2]),
+                                              NamedSharding(mesh, P()))
+    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None
+
+
+def stack_batches(batches: list[StepBatch]) -> StepBatch:
+    """Per-rank host batches of one token bucket -> one StepBatch with a leading rank axis."""
+    names = StepBatch.__dataclass_fields__
+    return StepBatch(**{name: np.stack([getattr(b, name) for b in batches]) for name in names})
