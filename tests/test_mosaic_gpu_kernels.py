@@ -154,3 +154,19 @@ def test_moe_mosaic_lowers_for_cuda(num_rows, num_groups, hidden, inter):
              s((num_groups, hidden, inter), dt), s((num_groups, inter, hidden), dt))
     text = moe_grouped_ffn_mosaic.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert _mosaic_calls(text) == 2
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_mosaic_cost_model_decode_occupancy():
+    from pallas_kernels.cost_model import H100, MOE_MODELS, AttentionShape, decode_batch
+    from pallas_kernels.cost_model_mosaic import mosaic_attention_costs, mosaic_moe_costs
+
+    llama = AttentionShape("Llama-3-8B", 32, 8, 128)
+    attention, _ = mosaic_attention_costs(llama, decode_batch(1, 4096))
+    assert attention.grid == (1, 8, 16) and attention.working >= 0.9 * H100.num_sms, attention
+    assert attention.bytes >= 4096 * 8 * 128 * 2 * 2  # every cached K/V row read at least once
+    gate_up, down, _ = mosaic_moe_costs(MOE_MODELS[0], 1)
+    # Qwen3-30B-A3B at batch 1: 8 active experts x column tiles (no split-K on this path).
+    assert gate_up.working == 8 * (768 // 64) and down.working == 8 * (2048 // 128)

@@ -21,6 +21,7 @@ error against that peer, so a first run on a new GPU doubles as a correctness ch
     jaxllm bench kernels --smoke         # tiny shapes, CPU interpret mode
     jaxllm bench kernels --cost-model    # no GPU: grid, working CTAs, bytes, FLOPs, roofline
                                          # on H100/H200 datasheet numbers (pallas_kernels/cost_model.py)
+    jaxllm bench kernels --cost-model --kernels mosaic   # the same for the Mosaic GPU (Hopper) kernels
 """
 
 from __future__ import annotations
@@ -423,6 +424,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-ragged-dot-rows", type=int, default=16384,
                         help="skip the ragged_dot peer above this many rows (XLA may densify it)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--kernels", choices=("triton", "mosaic", "both"), default="triton",
+                        help="--cost-model: which kernels' launches (mosaic: the Hopper kernels)")
     parser.add_argument("--cost-model", action="store_true",
                         help="print the launch cost model at real model shapes instead (no GPU needed): grid, "
                              "working CTAs, bytes, FLOPs, roofline time on datasheet numbers")
@@ -434,7 +437,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pallas_kernels import cost_model
 
         gpus = [cost_model.GPUS[g] for g in (("h100", "h200") if args.gpu == "both" else (args.gpu,))]
-        costs = cost_model.default_cases()
+        costs = cost_model.default_cases() if args.kernels in ("triton", "both") else []
+        if args.kernels in ("mosaic", "both"):
+            from pallas_kernels import cost_model_mosaic
+
+            costs += cost_model_mosaic.default_cases()
         if args.only != "all":
             costs = [c for c in costs if (c.kernel.startswith("moe")) == (args.only == "moe")]
         print(cost_model.format_table(costs, gpus))

@@ -1,0 +1,112 @@
+"""Launch cost model of the Mosaic GPU (Hopper) kernels, next to the Triton ones'.
+
+Same counting as `cost_model.py` (grid, working CTAs, HBM bytes with re-reads, MMA
+FLOPs, datasheet roofline), built from the Mosaic kernels' own tilings and the same
+device work tables. What differs from the Triton launches:
+  - MoE: a CTA per (work item, column tile), 64-row wgmma tiles loaded whole by TMA
+    (padded rows included), no split-K, no fused gather/combine: the sorted-rows path
+    (gather, unsort scatter, f32 combine in XLA) is counted as glue.
+  - attention: 64-row tiles (one warpgroup), one TMA copy per page of K and V, splits
+    only in decode buckets; q goes head-major and back through XLA (counted as glue).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cost_model import AttentionBatch, AttentionShape, LaunchCost, MoeShape, routed_group_sizes
+
+
+def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
+    from pallas_kernels.moe_grouped_gemm import schedule
+    from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling
+
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    rows = num_tokens * k
+    case = f"{shape.name} T={num_tokens}"
+    tiling = default_tiling(rows, e, h, i)
+    block_m = tiling.gate_up.block_m
+    sizes = routed_group_sizes(num_tokens, e, k)
+    build = jax.jit(functools.partial(schedule.group_tile_schedule, num_rows=rows, block_m=block_m))
+    sched = np.asarray(build(jnp.asarray(sizes)))
+    num_active = int((sched[:, schedule.ACTIVE] > 0).sum())
+    costs = []
+    for name, t, n, kk, num_weights in (("moe_gate_up_mosaic", tiling.gate_up, i, h, 2),
+                                        ("moe_down_mosaic", tiling.down, h, i, 1)):
+        col_tiles = n // t.block_n
+        working = num_active * col_tiles
+        weight_bytes = working * kk * t.block_n * num_weights * itemsize
+        act_bytes = num_active * block_m * kk * itemsize  # whole tiles (L2 serves the column tiles)
+        out_bytes = rows * n * itemsize
+        flops = 2.0 * working * block_m * t.block_n * kk * num_weights
+        note = (f"block_m={block_m} block_n={t.block_n} block_k={t.block_k} stages={t.max_concurrent_steps} "
+                f"active experts {int((sizes > 0).sum())}/{e}")
+        costs.append(LaunchCost(name, case, (col_tiles, sched.shape[0]), working, weight_bytes + act_bytes + out_bytes,
+                                flops, 2.0 * rows * h * i * num_weights, note))
+    glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize
+    if rows % block_m:
+        glue += 2 * rows * h * itemsize  # x padded to whole tiles
+    costs.append(LaunchCost("moe_xla_glue", case, (), 0, glue, 0.0, 0.0, "Mosaic path: gather, pad, scatter, combine"))
+    return costs
+
+
+def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2,
+                           tokens_per_block: int = 16) -> list[LaunchCost]:
+    from pallas_kernels.ragged_paged_attention import schedule
+    from pallas_kernels.ragged_paged_attention.mosaic_gpu import _ROWS, _next_pow2, default_num_kv_splits
+
+    hq, hkv, d, tpb = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, tokens_per_block
+    group_pow2 = _next_pow2(hq // hkv)
+    n = len(batch.q_lens)
+    cu = np.zeros(batch.num_seq_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(batch.q_lens)
+    cu[n + 1:] = cu[n]
+    kv = np.zeros(batch.num_seq_slots, np.int32)
+    kv[:n] = batch.kv_lens
+    splits = default_num_kv_splits(batch.num_tokens, batch.num_seq_slots, hkv, batch.max_kv_len, tpb)
+    build = jax.jit(functools.partial(schedule.query_tile_schedule, num_tokens=batch.num_tokens,
+                                      block_q=_ROWS // group_pow2, tokens_per_block=tpb, sliding_window=None))
+    tiles = np.asarray(build(jnp.asarray(cu), jnp.asarray(kv), jnp.asarray([n], jnp.int32)))
+    working = kv_bytes = q_bytes = flops = 0.0
+    for row in tiles:
+        if row[schedule.Q_END] <= row[schedule.Q_START]:
+            continue
+        pages = -(-int(row[schedule.KV_HI]) // tpb) - int(row[schedule.KV_LO]) // tpb
+        per_split = -(-pages // splits) if pages > 0 else 0
+        for s in range(splits):
+            mine = max(0, min(per_split, pages - s * per_split))
+            working += hkv if mine else 0
+            q_bytes += hkv * _ROWS * d * itemsize
+            kv_bytes += hkv * mine * tpb * d * 2 * itemsize
+            flops += hkv * mine * 4.0 * _ROWS * tpb * d
+    out_rows = batch.num_tokens * hq
+    out_bytes = out_rows * d * itemsize
+    if splits > 1:
+        out_bytes += 2 * splits * out_rows * (d + 16) * 4
+    glue = 4 * batch.num_tokens * hkv * group_pow2 * d * itemsize  # q to head-major and the output back
+    useful = 4.0 * hq * d * sum(q * (kv_ - q) + q * (q + 1) // 2 for q, kv_ in zip(batch.q_lens, batch.kv_lens))
+    case = f"{shape.name} {batch.name}"
+    note = f"64-row tiles ({hq // hkv} of {group_pow2} rows per token) page={tpb} splits={splits}"
+    return [LaunchCost("ragged_paged_attn_mosaic", case, (tiles.shape[0], hkv, splits), int(working),
+                       kv_bytes + q_bytes + out_bytes, flops, useful, note),
+            LaunchCost("attn_mosaic_xla_glue", case, (), 0, glue, 0.0, 0.0, "q head-major and back")]
+
+
+def default_cases() -> list[LaunchCost]:
+    """The Mosaic GPU launches at the cases `cost_model.default_cases` covers (Hopper)."""
+    from pallas_kernels.cost_model import ATTENTION_MODELS, MOE_MODELS, decode_batch, mixed_batch
+
+    costs: list[LaunchCost] = []
+    for shape in ATTENTION_MODELS:
+        for batch in (1, 16, 64, 256):
+            costs += mosaic_attention_costs(shape, decode_batch(batch, 4096))
+        costs += mosaic_attention_costs(shape, mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64))
+        costs += mosaic_attention_costs(shape, AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192))
+    for moe in MOE_MODELS:
+        for tokens in (1, 4, 16, 64, 256, 2048):
+            costs += mosaic_moe_costs(moe, tokens)
+    return costs
