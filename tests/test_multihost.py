@@ -109,7 +109,7 @@ def serve_argv(model: Path, port: int, group: ProcessGroup, process_id: int) -> 
 
     return [sys.executable, "-m", "jaxllm", "serve", "--model", str(model),
             "--tokenizer", str(materialize_preset("tiny-moe")), "--dtype", "float32", "--max-batch-size", "4",
-            "--max-num-tokens", "32", "--max-seq-len", "96", "--tokens-per-block", "8",
+            "--max-num-tokens", "16", "--max-seq-len", "96", "--tokens-per-block", "8",
             "--kv-cache-max-tokens", "512", "--tp-size", "4", "--port", str(port), "--no-warmup",
             "--log-level", "warning", *distributed_flags(group.port, 2, process_id)]
 

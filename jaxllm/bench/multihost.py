@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -56,8 +57,9 @@ def _measure(args: argparse.Namespace, channel: str) -> dict:
     from jaxllm.engine.llm_engine import LLMEngine
 
     n = args.running
+    # Tokens per step: room for every decode token plus prompt chunks, so all `n` requests get in.
     engine = LLMEngine(EngineConfig(
-        model=args.model, dtype="float32", max_batch_size=n, max_num_tokens=max(n, 64), max_seq_len=args.max_seq_len,
+        model=args.model, dtype="float32", max_batch_size=n, max_num_tokens=2 * n, max_seq_len=args.max_seq_len,
         kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=n * args.max_seq_len),
         tensor_parallel_size=args.devices, multihost_plan_channel=channel, compile_cache=False))
     engine.warmup(all_variants=False)
@@ -108,13 +110,13 @@ def _launch(args: argparse.Namespace, argv: list[str], processes: int, channel: 
     per_process = args.devices // processes
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per_process}")
-    procs = []
+    procs, logs = [], [tempfile.TemporaryFile() for _ in range(processes)]
     try:
         for pid in range(processes):
             row = json.dumps(dict(processes=processes, pid=pid, port=port, channel=channel))
             procs.append(subprocess.Popen([sys.executable, "-m", "jaxllm.bench.multihost", *argv, "--row", row],
                                           env=env, stdout=subprocess.PIPE if pid == 0 else subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, text=True, start_new_session=True))
+                                          stderr=logs[pid], text=True, start_new_session=True))
         out, _ = procs[0].communicate(timeout=1800)
         for proc in procs[1:]:
             proc.wait(120)
@@ -125,7 +127,12 @@ def _launch(args: argparse.Namespace, argv: list[str], processes: int, channel: 
                 proc.wait()
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if procs[0].returncode != 0 or not lines:
-        print(f"row processes={processes} channel={channel} failed (exit {procs[0].returncode})", file=sys.stderr)
+        print(f"row processes={processes} channel={channel} failed (exit codes {[p.returncode for p in procs]})",
+              file=sys.stderr)
+        for pid, log in enumerate(logs):
+            log.seek(0)
+            tail = [line for line in log.read().decode(errors="replace").splitlines() if "[Gloo]" not in line]
+            print(f"--- process {pid}:\n" + "\n".join(tail[-8:]), file=sys.stderr)
         return None
     return json.loads(lines[-1])
 
