@@ -168,5 +168,5 @@ def test_mosaic_cost_model_decode_occupancy():
     assert attention.grid == (1, 8, 16) and attention.working >= 0.9 * H100.num_sms, attention
     assert attention.bytes >= 4096 * 8 * 128 * 2 * 2  # every cached K/V row read at least once
     gate_up, down, _ = mosaic_moe_costs(MOE_MODELS[0], 1)
-    # Qwen3-30B-A3B at batch 1: 8 active experts x column tiles (no split-K on this path).
-    assert gate_up.working == 8 * (768 // 64) and down.working == 8 * (2048 // 128)
+    # Qwen3-30B-A3B at batch 1: 8 active experts x decode-sized column tiles fill the SMs.
+    assert gate_up.working == 8 * (768 // 32) >= H100.num_sms and down.working == 8 * (2048 // 64) >= H100.num_sms
