@@ -30,6 +30,7 @@ BENCHMARKS = {
     "eplb-online": "jaxllm.bench.eplb_online",
     "multihost": "jaxllm.bench.multihost",
     "mla": "jaxllm.bench.mla",
+    "compile": "jaxllm.bench.compile_time",
 }
 BENCHMARK_HELP = {
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
@@ -51,6 +52,8 @@ BENCHMARK_HELP = {
                  "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
     "mla": "DeepSeek-V3-shaped decode tokens/s with absorbed vs expanded latent attention; latent vs full KV "
            "bytes per token",
+    "compile": "trace + compile time of the model forward at several depths: layers under lax.scan next to "
+               "the unrolled per-layer loop (shapes only, nothing loaded)",
 }
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
@@ -121,6 +124,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
     g.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
                    help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
                         "default: kept in $JAXLLM_CACHE_DIR/xla)")
+    g.add_argument("--no-scan-layers", dest="no_scan_layers", action="store_true",
+                   help="run the decoder layers as an unrolled per-layer loop (compile time grows with depth; "
+                        "default: one lax.scan per run of identical layers)")
     g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
                    help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
                         "its values override the flags (unset: none)")
@@ -220,6 +226,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["tokenizer"] = args.tokenizer
     if getattr(args, "no_compile_cache", False):
         kwargs["compile_cache"] = False
+    if getattr(args, "no_scan_layers", False):
+        kwargs["scan_layers"] = False
     extra = load_config_file(args.config) if getattr(args, "config", None) else {}
     known = {f.name for f in fields(EngineConfig)} - {"model"}
     unknown = sorted(set(extra) - known)

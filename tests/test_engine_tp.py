@@ -18,6 +18,8 @@ CASES = [("qwen3_moe", "xla", (1, 2, 4, 8)), ("qwen3_moe", "pallas", (8,))]  # e
 def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded: list | None = None) -> dict:
     """The shared staggered workload (tests/parallel_workload.py) at TP `tp`; with `recorded`,
     every executed plan is appended to it, then the KV pool's size in blocks."""
+    import jax
+
     engine = small_engine(directory, tokenizer, attention_backend=backend, moe_backend=backend,
                           tensor_parallel_size=tp)
     plans = record_plans(engine)
@@ -28,8 +30,9 @@ def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded
     if recorded is not None:
         recorded.extend(plans)
         recorded.append(engine.kv_cache_manager.num_blocks)
+    keys = jax.tree_util.tree_leaves(engine.runner.kv_cache)[0]  # the page pool's keys (or layer 0's)
     return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, reused=stats.reused_blocks, mixed=chunked,
-                kv_heads_per_device=int(engine.runner.kv_cache[0].k.addressable_shards[0].data.shape[0]))
+                kv_heads_per_device=int(keys.addressable_shards[0].data.shape[0]))
 
 
 def check_all(root: Path) -> None:

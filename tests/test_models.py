@@ -248,7 +248,10 @@ def test_moe_routing_and_grouped_ffn_match_dense_loop():
 
 def test_kv_cache_layout_and_size(loaded):
     config = loaded("qwen3").config
-    cache = init_kv_cache(config, 6, 4, jnp.bfloat16)
+    pool = init_kv_cache(config, 6, 4, jnp.bfloat16)  # scan_layers: one page pool, 6 pages per layer
+    assert pool.k.shape == (config.num_kv_heads, config.num_layers * 6, 4, config.head_dim)
+    assert pool.v.dtype == jnp.bfloat16
+    cache = init_kv_cache(replace(config, scan_layers=False), 6, 4, jnp.bfloat16)
     assert len(cache) == config.num_layers
     assert cache[0].k.shape == (config.num_kv_heads, 6, 4, config.head_dim) and cache[0].v.dtype == jnp.bfloat16
     assert kv_cache_bytes_per_token(config, "bfloat16") == 2 * config.num_layers * config.num_kv_heads * 16 * 2
@@ -268,9 +271,17 @@ def test_param_pytree_layout(loaded):
     m = loaded("qwen3_moe_sparse_step")
     shapes = jax.tree_util.tree_map(lambda s: s.shape, param_shapes(m.config))
     assert jax.tree_util.tree_map(lambda x: x.shape, m.params) == shapes
-    assert "moe" in m.params["layers"][1] and "mlp" in m.params["layers"][0] and "mlp" in m.params["layers"][2]
-    assert m.params["layers"][1]["moe"]["w_gate"].shape == (8, 32, 16)
-    assert m.params["layers"][1]["moe"]["w_down"].shape == (8, 16, 32)
+    # scan_layers: layers 0, 1, 2 alternate dense / MoE, so each is a stack of one; layers[i] are empty
+    assert m.config.num_layers == 3 and m.params["layers"] == [{}, {}, {}]
+    stacks = m.params["layer_stacks"]
+    assert "mlp" in stacks[0] and "moe" in stacks[1] and "mlp" in stacks[2]
+    assert stacks[1]["moe"]["w_gate"].shape == (1, 8, 32, 16)
+    assert stacks[1]["moe"]["w_down"].shape == (1, 8, 16, 32)
+    per_layer = load_params(m.dir, replace(m.config, scan_layers=False))
+    assert "layer_stacks" not in per_layer
+    assert "moe" in per_layer["layers"][1] and "mlp" in per_layer["layers"][0] and "mlp" in per_layer["layers"][2]
+    assert per_layer["layers"][1]["moe"]["w_gate"].shape == (8, 32, 16)
+    np.testing.assert_array_equal(per_layer["layers"][1]["moe"]["w_down"], stacks[1]["moe"]["w_down"][0])
     assert "lm_head" not in loaded("llama3_tied_headdim").params
 
 

@@ -129,7 +129,7 @@ def check_all(root: Path) -> None:
             for tp in sizes:
                 mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
                 params = load_params(directory, config, mesh=mesh)
-                q_spec = params["layers"][0]["attn"]["q"].sharding.spec
+                q_spec = params["layer_stacks"][0]["attn"]["q"].sharding.spec  # [layers, H, Hq, D]
                 logits, tokens = run_script(config, params, mesh, backend)
                 if base_logits is None:
                     base_logits, base_tokens = logits, tokens

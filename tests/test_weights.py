@@ -4,6 +4,7 @@ alone, and the orbax format restores the same arrays into the requested sharding
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 
 from jaxllm.models import (ModelConfig, declare_weights, load_params, param_bytes, param_shapes,
                            partition_specs)
-from jaxllm.models.weights import random_checkpoint, read_parameter
+from jaxllm.models.weights import declare_params, random_checkpoint, read_parameter
 from sharding import ShardingRules
 from tests.multidevice import run_on_cpu_devices
 from tests.test_sharding_tp import hf_config, write_checkpoint
@@ -58,11 +59,17 @@ def test_derived_views_agree_with_the_loaded_tree(tmp_path):
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == \
         jax.tree_util.tree_map(lambda s: (s.shape, s.dtype), shapes)
     assert param_bytes(config) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-    specs = partition_specs(config, ShardingRules())
-    assert specs["layers"][0]["attn"]["q"] == jax.sharding.PartitionSpec(None, "tensor", None)
-    assert specs["layers"][0]["attn"]["o"] == jax.sharding.PartitionSpec("tensor", None, None)
-    assert specs["layers"][1]["moe"]["w_down"] == jax.sharding.PartitionSpec(None, "tensor", None)
-    assert specs["embed"] == jax.sharding.PartitionSpec("tensor", None)
+    P = jax.sharding.PartitionSpec
+    specs = partition_specs(replace(config, scan_layers=False), ShardingRules())
+    assert specs["layers"][0]["attn"]["q"] == P(None, "tensor", None)
+    assert specs["layers"][0]["attn"]["o"] == P("tensor", None, None)
+    assert specs["layers"][1]["moe"]["w_down"] == P(None, "tensor", None)
+    assert specs["embed"] == P("tensor", None)
+    # Layer stacks (scan_layers): the same specs behind an unsharded layer axis.
+    stacked = partition_specs(config, ShardingRules())
+    assert stacked["layers"] == [{}] * config.num_layers and len(stacked["layer_stacks"]) == 2  # dense, MoE
+    assert stacked["layer_stacks"][0]["attn"]["q"] == P(None, None, "tensor", None)
+    assert stacked["layer_stacks"][1]["moe"]["w_down"] == P(None, None, "tensor", None)
     # The random checkpoint is exactly the canonical spelling of every parameter.
     canonical = {src.name for d in declare_weights(config) for src in d.alternatives[0]}
     assert set(random_checkpoint(config, 0)) == canonical
@@ -106,13 +113,15 @@ def check_sharded_loading(root: Path) -> None:
     # Every sharded parameter: no read bigger than one device's shard of its tensor.
     sizes = {name: n for name, n in reads}
     worst = 0.0
-    for decl in declare_weights(config, 4):  # 2 KV heads on 8 ranks: 4 replicas
+    for decl in declare_params(config, 4):  # 2 KV heads on 8 ranks: 4 replicas
         leaf = params
         for key in decl.path:
             leaf = leaf[key]
-        shard_bytes = leaf.addressable_shards[0].data.nbytes
-        if shard_bytes < leaf.nbytes:
-            biggest = max(n for name, n in reads if name in decl.checkpoint_names)
+        members = getattr(decl, "members", (decl,))  # a layer stack is read layer by layer
+        shard_bytes = leaf.addressable_shards[0].data.nbytes // len(members)
+        if shard_bytes < leaf.nbytes // len(members):
+            names = set().union(*(m.checkpoint_names for m in members))
+            biggest = max(n for name, n in reads if name in names)
             worst = max(worst, biggest / shard_bytes)
     print(json.dumps(dict(kind="shards", worst_read_over_shard=worst, num_tensors=len(sizes))), flush=True)
 
@@ -127,8 +136,8 @@ def check_sharded_loading(root: Path) -> None:
         same_shardings = jax.tree_util.tree_all(jax.tree_util.tree_map(
             lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, expected))
         print(json.dumps(dict(kind="orbax", tp=tp, same_values=same_values, same_shardings=same_shardings,
-                              k_spec=str(restored["layers"][0]["attn"]["k"].sharding.spec),
-                              k_shape=list(restored["layers"][0]["attn"]["k"].shape))), flush=True)
+                              k_spec=str(restored["layer_stacks"][0]["attn"]["k"].sharding.spec),
+                              k_shape=list(restored["layer_stacks"][0]["attn"]["k"].shape[1:]))), flush=True)
 
 
 def test_sharded_loading_and_orbax_round_trip(tmp_path):

@@ -47,6 +47,9 @@ class EngineConfig:
     # Multi-host runs: how the leader sends each step's plan to the other processes
     # ("kv": the coordination service's key-value store; "collective": broadcast_one_to_all).
     multihost_plan_channel: str = "kv"
+    # Runs of identical layers as one lax.scan over stacked weights (compile time independent
+    # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -112,7 +112,10 @@ class LLMEngine:
         session = open_session(config)
         model_dir = resolve_model_dir(config.model)
         dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
-        self.model_config = load_model_config(model_dir, dtype=dtype)
+        # Layer stacks under lax.scan; attention data parallelism keeps per-layer caches (its
+        # per-rank cache layout, sharding.attention_dp) and so the per-layer loop.
+        self.model_config = replace(load_model_config(model_dir, dtype=dtype),
+                                    scan_layers=config.scan_layers and not config.enable_attention_dp)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

@@ -31,6 +31,9 @@ class KvCacheSpec(Protocol):
     def init(self, num_blocks: int, tokens_per_block: int,
              mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list: ...
 
+    def init_pool(self, num_blocks: int, tokens_per_block: int,
+                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> Any: ...
+
     def write(self, cache: Any, entries: Any, slot_mapping: jax.Array) -> Any: ...
 
     def partition_spec(self, rules: ShardingRules) -> Any: ...
@@ -65,13 +68,27 @@ class MhaKvCacheSpec:
     def init(self, num_blocks: int, tokens_per_block: int,
              mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list[MhaLayerCache]:
         """Zeroed per-layer caches, created already sharded when a mesh is given."""
-        shape = (self.num_kv_heads, num_blocks, tokens_per_block, self.head_dim)
+        zeros = self._zeros((self.num_kv_heads, num_blocks, tokens_per_block, self.head_dim), mesh, rules)
+        return [MhaLayerCache(zeros(), zeros()) for _ in range(self.num_layers)]
+
+    def init_pool(self, num_blocks: int, tokens_per_block: int,
+                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> MhaLayerCache:
+        """One zeroed cache for all layers, each [num_kv_heads, num_layers * num_blocks,
+        tokens_per_block, head_dim]: layer i owns pages [i * num_blocks, (i + 1) * num_blocks).
+        Attention and the KV write see one layer through its page and slot offset
+        (`jaxllm.models.decoder.layer_metadata`), so a scan over layers carries this one
+        buffer and updates it in place, and the kernels need no layer argument."""
+        zeros = self._zeros((self.num_kv_heads, self.num_layers * num_blocks, tokens_per_block, self.head_dim),
+                            mesh, rules)
+        return MhaLayerCache(zeros(), zeros())
+
+    def _zeros(self, shape: tuple[int, ...], mesh: Optional[jax.sharding.Mesh],
+               rules: Optional[ShardingRules]) -> Any:
         dt = jnp.dtype(self.dtype)
         if mesh is None:
-            return [MhaLayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(self.num_layers)]
+            return lambda: jnp.zeros(shape, dt)
         sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(MHA_CACHE_AXES, rules or ShardingRules()))
-        zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
-        return [MhaLayerCache(zeros(), zeros()) for _ in range(self.num_layers)]
+        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
 
     def write(self, cache: MhaLayerCache, entries: tuple[jax.Array, jax.Array], slot_mapping: jax.Array
               ) -> MhaLayerCache:

@@ -122,6 +122,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # shared experts (one FFN of n * moe_intermediate_size) in every MoE layer
     mla_attention: str = "auto"  # MLA form: "auto" (absorbed for decode-only steps), "absorbed", "expanded"
+    # Run runs of identical layers as one lax.scan over stacked weights and one KV page pool for
+    # all layers (compile time independent of depth); off: a per-layer loop over per-layer caches.
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -134,6 +137,12 @@ class ModelConfig:
         if self.mla_attention not in ("auto", "absorbed", "expanded"):
             raise ValueError(f"mla_attention must be 'auto', 'absorbed' or 'expanded', got {self.mla_attention!r}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def layer_scan(self) -> bool:
+        """Whether runs of identical layers run as lax.scan over stacked weights (`scan_layers`;
+        DeepSeek-V3's MLA layer loop, `jaxllm.models.deepseek`, does not scan yet)."""
+        return self.scan_layers and not self.is_mla
 
     @property
     def is_mla(self) -> bool:

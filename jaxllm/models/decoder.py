@@ -8,9 +8,22 @@ Parameters are a plain pytree passed to the step as an argument; its layout, sha
 logical axes are declared once in `jaxllm.models.weights`.
 
 Attention and the grouped expert FFN are passed in as functions so kernel backends plug
-in without touching the model; the KV cache is a per-layer list of the pytrees a
-`KvCacheSpec` builds (`kv_cache_spec`), written through the spec and read only by the
-attention backend.
+in without touching the model; the KV cache is built by a `KvCacheSpec` (`kv_cache_spec`),
+written through the spec and read only by the attention backend.
+
+Depth (`ModelConfig.scan_layers`, on by default): runs of consecutive layers of one kind
+are stored stacked (`weights.layer_stacks`) and each run is one `lax.scan`, so the traced
+and compiled program, and its compile time, do not grow with depth (dense-then-MoE models
+have two stacks). The KV cache is then one page pool for all layers
+(`MhaKvCacheSpec.init_pool`): layer i owns pages [i * num_blocks, (i + 1) * num_blocks),
+and `layer_metadata` offsets the step's block tables and slot mapping by the layer index,
+which inside the scan is a traced value. The pool is the scan's carry and every KV write
+a scatter into it, which XLA performs in place (no copy of the cache per layer or step);
+the kernels take the pool as if it were one big layer cache and need no layer argument.
+Layers stored apart (`params["layers"][i]` non-empty: expert-parallel slot layers, whose
+slot buffers the load balancer rewrites one layer at a time) run unrolled between the
+stacks, over the same pool. With `scan_layers` off every layer runs unrolled over a
+per-layer list of caches, as before.
 
 Tensor parallelism: given a `mesh`, the weights arrive sharded (see `sharding.rules`),
 XLA partitions the dense einsums from those shardings (q/k/v and gate/up split by
@@ -28,7 +41,8 @@ the unused counting from its compiled program.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +52,7 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_at
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from jaxllm.models.weights import Params
+from jaxllm.models.weights import LayerStack, Params, stacks_of_params
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
 from sharding.expert_load import MoeStepStats, count_experts
@@ -49,7 +63,8 @@ from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
 if TYPE_CHECKING:  # sharding.ep_moe imports the MoE layer pieces of this package
     from sharding.ep_moe import EpMoeOptions
 
-KVCache = list[MhaLayerCache]
+# Per-layer caches (scan_layers off), or one page pool for all layers (`MhaKvCacheSpec.init_pool`).
+KVCache = Union[list[MhaLayerCache], MhaLayerCache]
 _REFERENCE_ATTENTION = reference_attention()
 
 
@@ -65,10 +80,15 @@ def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
                   mesh: Optional[jax.sharding.Mesh] = None) -> KVCache:
-    """Per-layer zeroed caches (sharded by KV head over `mesh`, when given)."""
+    """A zeroed cache of `num_blocks` pages per layer (sharded by KV head over `mesh`, when
+    given): one page pool for all layers when the layers run as scans (`config.layer_scan`),
+    else one cache per layer."""
     replicas = 1 if mesh is None or config.is_mla else kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
     rules = None if mesh is None else _rules(config, mesh)
-    return kv_cache_spec(config, dtype, replicas).init(num_blocks, tokens_per_block, mesh, rules)
+    spec = kv_cache_spec(config, dtype, replicas)
+    if config.layer_scan:
+        return spec.init_pool(num_blocks, tokens_per_block, mesh, rules)
+    return spec.init(num_blocks, tokens_per_block, mesh, rules)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: Optional[jax.sharding.Mesh] = None) -> int:
@@ -125,10 +145,15 @@ def _mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
     return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=prec)
 
 
+def _cache_keys(kv_cache: KVCache) -> jax.Array:
+    return kv_cache[0].k if isinstance(kv_cache, list) else kv_cache.k
+
+
 def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn,
               mesh: Optional[jax.sharding.Mesh]) -> tuple[AttentionFn, Callable, MoeFn]:
     """The attention, KV-write and MoE functions of one step; under a mesh, wrapped in shard_map."""
-    spec = kv_cache_spec(config, kv_cache[0].k.dtype, kv_cache[0].k.shape[0] // config.num_kv_heads)
+    keys = _cache_keys(kv_cache)
+    spec = kv_cache_spec(config, keys.dtype, keys.shape[0] // config.num_kv_heads)
     if mesh is None:
         return attention_fn, spec.write, moe_fn
     rules = _rules(config, mesh)
@@ -137,6 +162,17 @@ def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn,
     return (shard_attention(attention_fn, mesh, rules, cache_spec),
             shard_kv_write(spec.write, mesh, rules, cache_spec, (entry_spec, entry_spec)),
             shard_moe(moe_fn, mesh, rules))
+
+
+def layer_metadata(md: AttentionMetadata, layer: jax.Array | int, blocks_per_layer: int, tokens_per_block: int,
+                   num_layers: int) -> AttentionMetadata:
+    """The step's metadata as layer `layer` of a page pool sees it (see `MhaKvCacheSpec.init_pool`):
+    its pages are offset by `layer * blocks_per_layer`; padding slots (== blocks_per_layer *
+    tokens_per_block) stay past the end of the whole pool, so the write still drops them."""
+    layer_slots = blocks_per_layer * tokens_per_block
+    slots = jnp.where(md.slot_mapping < layer_slots, md.slot_mapping + layer * layer_slots, num_layers * layer_slots)
+    return replace(md, slot_mapping=slots.astype(jnp.int32),
+                   block_tables=(md.block_tables + layer * blocks_per_layer).astype(jnp.int32))
 
 
 def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
@@ -148,6 +184,60 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
     x, new_cache, _ = _decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
                                      moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     return x, new_cache
+
+
+@dataclass(frozen=True)
+class _LayerContext:
+    """What every layer of one step shares (closed over by the scan body)."""
+
+    config: ModelConfig
+    md: AttentionMetadata
+    cos: jax.Array
+    sin: jax.Array
+    valid: jax.Array
+    attention_fn: AttentionFn
+    write_fn: Callable
+    moe_fn: MoeFn
+    raw_moe_fn: MoeFn
+    mesh: Optional[jax.sharding.Mesh]
+    moe_options: Optional[EpMoeOptions]
+    pool_blocks: Optional[int]  # blocks per layer of a page pool; None for per-layer caches
+    tokens_per_block: int
+    slot_moe_layer: Optional[Callable] = None  # attention data parallelism's slot MoE layer
+
+
+def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int, ctx: _LayerContext
+                   ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
+    """One decoder layer (`index` static, or traced inside a scan): the new residual, the new
+    cache (its own per-layer cache, or the pool), and for MoE layers the expert counts and the
+    dropped-row count."""
+    config = ctx.config
+    md = ctx.md
+    if ctx.pool_blocks is not None:
+        md = layer_metadata(md, index, ctx.pool_blocks, ctx.tokens_per_block, config.num_layers)
+    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    h, cache = _attention(h, layer["attn"], cache, md, ctx.cos, ctx.sin, config=config,
+                          attention_fn=ctx.attention_fn, write_fn=ctx.write_fn)
+    x = x + h
+    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+    if "moe" in layer and "slots" in layer["moe"] and ctx.slot_moe_layer is not None:
+        y, counts, dropped = ctx.slot_moe_layer(h, layer["moe"], ctx.valid)
+        return x + y, cache, counts, dropped
+    if "moe" in layer and "slots" in layer["moe"]:
+        from sharding.ep_moe import EpMoeOptions, ep_moe_block
+
+        ep_mesh = ctx.mesh if ctx.mesh is not None else make_mesh(ParallelConfig())
+        y, counts, dropped = ep_moe_block(
+            h, layer["moe"], config=config, moe_fn=ctx.raw_moe_fn, mesh=ep_mesh, rules=_rules(config, ep_mesh),
+            options=ctx.moe_options or EpMoeOptions(), valid=ctx.valid)
+        return x + y, cache, counts, dropped
+    if "moe" in layer:
+        if ctx.mesh is not None and expert_parallel_size(ctx.mesh) > 1:
+            raise ValueError(f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
+                             "(load_params with the same mesh)")
+        y, ids = moe_block(h, layer["moe"], config=config, moe_fn=ctx.moe_fn, valid=ctx.valid)
+        return x + y, cache, count_experts(ids, config.num_experts, ctx.valid), jnp.zeros((), jnp.int32)
+    return x + _mlp(h, layer["mlp"], config), cache, None, None
 
 
 def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
@@ -164,51 +254,68 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
 
         return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
-    if len(kv_cache) != config.num_layers:
+    stacks = stacks_of_params(config, params)
+    pooled = not isinstance(kv_cache, list)
+    if pooled:
+        if kv_cache.k.shape[1] % config.num_layers:
+            raise ValueError(f"a KV page pool of {kv_cache.k.shape[1]} pages does not split over "
+                             f"{config.num_layers} layers")
+    elif stacks:
+        raise ValueError("stacked layers (scan_layers) need the KV page pool of init_kv_cache with scan_layers")
+    elif len(kv_cache) != config.num_layers:
         raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
     raw_moe_fn = moe_fn
     attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
-    md = AttentionMetadata.from_batch(batch)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), x.dtype)
     num_tokens = batch.token_ids.shape[0]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
-    new_cache: KVCache = []
+    keys = _cache_keys(kv_cache)
+    ctx = _LayerContext(config, AttentionMetadata.from_batch(batch), cos, sin, valid, attention_fn, write_fn,
+                        moe_fn, raw_moe_fn, mesh, moe_options,
+                        keys.shape[1] // config.num_layers if pooled else None, keys.shape[2], slot_moe_layer)
+    stack_at = {s.start: (g, s) for g, s in enumerate(stacks)}
+    new_cache: list = []
     counts, dropped = [], []
-    for i, (layer, cache) in enumerate(zip(params["layers"], kv_cache)):
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        h, cache = _attention(h, layer["attn"], cache, md, cos, sin, config=config, attention_fn=attention_fn,
-                              write_fn=write_fn)
-        new_cache.append(cache)
-        x = x + h
-        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        if config.is_moe_layer(i) and "slots" in layer["moe"] and slot_moe_layer is not None:
-            y, layer_counts, layer_dropped = slot_moe_layer(h, layer["moe"], valid)
-            x = x + y
-            counts.append(layer_counts)
-            dropped.append(layer_dropped)
-        elif config.is_moe_layer(i) and "slots" in layer["moe"]:
-            from sharding.ep_moe import EpMoeOptions, ep_moe_block
-
-            ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
-            y, layer_counts, layer_dropped = ep_moe_block(
-                h, layer["moe"], config=config, moe_fn=raw_moe_fn, mesh=ep_mesh, rules=_rules(config, ep_mesh),
-                options=moe_options or EpMoeOptions(), valid=valid)
-            x = x + y
-            counts.append(layer_counts)
-            dropped.append(layer_dropped)
-        elif config.is_moe_layer(i):
-            if mesh is not None and expert_parallel_size(mesh) > 1:
-                raise ValueError(f"layer {i}: an expert-parallel mesh needs the experts loaded as slots "
-                                 "(load_params with the same mesh)")
-            y, ids = moe_block(h, layer["moe"], config=config, moe_fn=moe_fn, valid=valid)
-            x = x + y
-            counts.append(count_experts(ids, config.num_experts, valid))
-            dropped.append(jnp.zeros((), jnp.int32))
+    i = 0
+    while i < config.num_layers:
+        if i in stack_at:
+            g, stack = stack_at[i]
+            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, params["layer_stacks"][g], kv_cache, stack, ctx)
+            i = stack.stop
+            if layer_counts is not None:
+                counts.append(layer_counts)
+                dropped.append(layer_dropped)
+            continue
+        cache = kv_cache if pooled else kv_cache[i]
+        x, cache, layer_counts, layer_dropped = _decoder_layer(x, params["layers"][i], cache, i, ctx)
+        if pooled:
+            kv_cache = cache
         else:
-            x = x + _mlp(h, layer["mlp"], config)
-    stats = MoeStepStats(jnp.stack(counts), jnp.stack(dropped)) if counts else None
-    return x, new_cache, stats
+            new_cache.append(cache)
+        if layer_counts is not None:
+            counts.append(layer_counts[None])
+            dropped.append(layer_dropped[None])
+        i += 1
+    stats = MoeStepStats(jnp.concatenate(counts), jnp.concatenate(dropped)) if counts else None
+    return x, (kv_cache if pooled else new_cache), stats
+
+
+def _scan_stack(x: jax.Array, stacked: dict, pool: MhaLayerCache, stack: LayerStack, ctx: _LayerContext
+                ) -> tuple[jax.Array, MhaLayerCache, Optional[jax.Array], Optional[jax.Array]]:
+    """The layers of one stack as one `lax.scan`: the residual and the whole page pool are the
+    carry (each layer's KV write is an in-place scatter into the pool), the stacked weights and
+    the layer index the scanned inputs."""
+
+    def body(carry, xs):
+        x, pool = carry
+        layer, index = xs
+        x, pool, counts, dropped = _decoder_layer(x, layer, pool, index, ctx)
+        return (x, pool), (counts, dropped)
+
+    indices = jnp.arange(stack.start, stack.stop, dtype=jnp.int32)
+    (x, pool), (counts, dropped) = jax.lax.scan(body, (x, pool), (stacked, indices))
+    return x, pool, counts, dropped  # per-layer counts [n, E] and dropped rows [n] (None for dense)
 
 
 def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> jax.Array:

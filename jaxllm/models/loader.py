@@ -30,7 +30,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.models.config import ModelConfig, numpy_dtype
-from jaxllm.models.weights import Params, Source, WeightDecl, build_tree, declare_weights, read_parameter_view
+from jaxllm.models.weights import (Params, Source, StackedDecl, WeightDecl, build_params, declare_params,
+                                   declare_weights, layer_stacks, read_parameter_view, read_stacked_view,
+                                   stack_declarations)
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, model_rules, named_sharding
 from sharding.slot_table import make_slot_table, resolve_assignments
@@ -104,8 +106,8 @@ def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optiona
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> Params:
     """The parameter pytree as NamedShardings on `mesh`."""
     rules = rules or rules_for(config, mesh)
-    decls = declare_weights(config, kv_replicas_for(config, mesh, rules))
-    return build_tree((w.path, named_sharding(mesh, w.axes, rules)) for w in decls)
+    decls = declare_params(config, kv_replicas_for(config, mesh, rules))
+    return build_params(((w.path, named_sharding(mesh, w.axes, rules)) for w in decls), config, layer_stacks(config))
 
 
 class _Header:
@@ -217,6 +219,8 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
     With expert parallelism (or an explicit placement: `slot_assignments`, MoE layer ->
     expert of each of `num_slots` slots, missing layers placed by default) each device
     reads its slots' experts, and every MoE layer gets its `SlotTable` under "slots".
+    With `config.scan_layers` the other layers are read straight into their layer stacks
+    (see `jaxllm.models.weights`), each device piece stacked on the host from the layers' boxes.
     `slice_hook(name, slices, array)` sees every read from the files (for measurements).
     """
     from jaxllm.models.orbax_io import is_converted, restore_converted
@@ -228,11 +232,14 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
         if assignments is not None:
             raise ValueError(f"{model_dir} is a converted checkpoint; expert parallelism and expert placements "
                              "load from the safetensors checkpoint")
-        return restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules)
+        restored = restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules)
+        return stack_params(restored, config, mesh, rules, delete_layers=True)
     np_dtype = numpy_dtype(dtype or config.dtype)
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
-    chosen = _choose_alternatives(header, decls, config, model_dir)
+    chosen_for = dict(zip((d.path for d in decls), _choose_alternatives(header, decls, config, model_dir)))
+    stacks = layer_stacks(config, tuple(assignments or ()))
+    param_decls = stack_declarations(decls, stacks)
     total_bytes = sum(int(np.prod(s)) * _ITEMSIZE.get(header.dtype[n], 1) for n, s in header.shape.items())
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="np")) for path in header.files}
@@ -243,18 +250,62 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
                 slice_hook(name, slices, array)
             return array
 
+        def read_box(decl: WeightDecl | StackedDecl, index: tuple[slice, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
+            if isinstance(decl, StackedDecl):
+                return read_stacked_view(decl, [chosen_for[m.path] for m in decl.members], index, read)
+            return read_parameter_view(decl, chosen_for[decl.path], index, read)
+
         leaves = []
-        with tqdm(total=len(decls), desc="Loading weights", unit="tensor",
+        with tqdm(total=len(param_decls), desc="Loading weights", unit="tensor",
                   disable=total_bytes < _PROGRESS_MIN_BYTES) as bar:
-            for decl, alt in zip(decls, chosen):
+            for decl in param_decls:
                 sharding = named_sharding(mesh, decl.axes, rules)
                 leaves.append((decl.path, assemble_array(
-                    decl.shape, sharding,
-                    lambda index, decl=decl, alt=alt: read_parameter_view(decl, alt, index, read), np_dtype)))
+                    decl.shape, sharding, functools.partial(read_box, decl), np_dtype)))
                 bar.update(1)
-    params = build_tree(leaves)
+    params = build_params(leaves, config, stacks)
     if assignments is not None:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         for layer, slot_to_expert in assignments.items():
             params["layers"][layer]["moe"]["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
     return params
+
+
+def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.sharding.Mesh] = None,
+                 rules: Optional[ShardingRules] = None, *, delete_layers: bool = False) -> Params:
+    """Per-layer parameters (the `scan_layers=False` layout) in `config`'s layer stacks, on
+    the devices; slot layers stay apart. Each stacked leaf is built on the devices; with
+    `delete_layers` its per-layer arrays are deleted before the next, so the extra memory is
+    one leaf's stack (`params` is unusable afterwards)."""
+    if params.get("layer_stacks"):
+        return params
+    unstacked = [i for i, layer in enumerate(params["layers"]) if "slots" in layer.get("moe", {})]
+    stacks = layer_stacks(config, unstacked)
+    if not stacks:
+        return params
+    mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+    rules = rules or rules_for(config, mesh)
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules))
+    by_path = {d.path: d for d in decls}
+    layers = list(params["layers"])
+    leaves = [(d.path, _lookup(params, d.path)) for d in decls
+              if d.path[0] != "layers" or d.path[1] in unstacked]
+    for decl in stack_declarations([by_path[p] for p in by_path if p[0] == "layers"], stacks):
+        if not isinstance(decl, StackedDecl):
+            continue
+        members = [_lookup(params, m.path) for m in decl.members]
+        sharding = named_sharding(mesh, decl.axes, rules)
+        leaves.append((decl.path, jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*members)))
+        if delete_layers:
+            for member in members:
+                member.delete()
+    tree = build_params(leaves, config, stacks)
+    for i in unstacked:  # slot tables are not declared weights
+        tree["layers"][i]["moe"]["slots"] = layers[i]["moe"]["slots"]
+    return tree
+
+
+def _lookup(tree: Params, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,7 +48,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: Opt
         raise ValueError(f"{model_dir} is already a converted checkpoint")
     if output_dir.exists() and any(output_dir.iterdir()):
         raise ValueError(f"output directory {output_dir} exists and is not empty")
-    config = load_model_config(model_dir, dtype)
+    # Stored per layer (the format does not depend on scan_layers); restoring stacks them.
+    config = replace(load_model_config(model_dir, dtype), scan_layers=False)
     params = load_params(model_dir, config)
     output_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()

@@ -25,6 +25,17 @@ Parameter layout (the decoder's pytree):
             (expert parallelism: [S, ...] over S slots, plus `slots`, the layer's
              `sharding.slot_table.SlotTable`, attached by the loader, not declared)
 
+Layer stacks (`ModelConfig.scan_layers`, the default): runs of consecutive layers of one
+kind (dense or MoE) are stored stacked, so the decoder runs each run as one `lax.scan`
+step and its compile time does not grow with depth:
+
+    layer_stacks[g]: the layer pytree above with every leaf [n, ...] (n layers of the run)
+    layers[i]: {} for a layer that lives in a stack
+
+Layers kept apart (expert-parallel slot layers, whose slot buffers the balancer rewrites
+one layer at a time) stay in `layers[i]`; `layer_stacks(config, unstacked)` says which
+layers form which stack, statically, so the loader and the decoder agree.
+
 Hkv' = Hkv * kv_replicas: with fewer KV heads than tensor-parallel ranks each KV head is
 stored `kv_replicas` times in a row (see `sharding.rules.kv_head_replicas`); attention
 over repeated heads is the same function, since query head j still meets a copy of
@@ -34,7 +45,7 @@ KV head j // (Hq / Hkv).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -216,6 +227,111 @@ def _declare_experts(add: Callable, config: ModelConfig, layer: int,
 
 
 # ---------------------------------------------------------------------------------------------
+# Layer stacks
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Layers [start, stop), all of one kind, stored as one stacked pytree (leaves [stop - start, ...])."""
+
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class StackedDecl:
+    """One stacked parameter: the same per-layer parameter of every layer of a stack, row i
+    being layer `members[i]`'s. Its leading axis is never sharded."""
+
+    path: KeyPath  # ("layer_stacks", g, ...)
+    members: tuple[WeightDecl, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.members),) + self.members[0].shape
+
+    @property
+    def axes(self) -> tuple[Optional[str], ...]:
+        return (None,) + self.members[0].axes
+
+
+ParamDecl = Union[WeightDecl, StackedDecl]
+
+
+def layer_stacks(config: ModelConfig, unstacked: Collection[int] = ()) -> tuple[LayerStack, ...]:
+    """The maximal runs of consecutive layers of the same kind (dense / MoE), skipping the
+    layers in `unstacked`; none when the layers do not run as scans (`config.layer_scan`)."""
+    if not config.layer_scan:
+        return ()
+    stacks: list[LayerStack] = []
+    start = None
+    for i in range(config.num_layers + 1):
+        ends = (i == config.num_layers or i in unstacked
+                or (start is not None and config.is_moe_layer(i) != config.is_moe_layer(start)))
+        if start is not None and ends:
+            stacks.append(LayerStack(start, i))
+            start = None
+        if start is None and i < config.num_layers and i not in unstacked:
+            start = i
+    return tuple(stacks)
+
+
+def stacks_of_params(config: ModelConfig, params: Params) -> tuple[LayerStack, ...]:
+    """The stacks a parameter pytree holds (layers stored apart are the non-empty `layers[i]`),
+    checked against the stacked leaves' leading axis."""
+    layers = params["layers"]
+    if len(layers) != config.num_layers:
+        raise ValueError(f"params hold {len(layers)} layers, the model {config.num_layers}")
+    stored = params.get("layer_stacks", [])
+    if not stored:
+        return ()
+    stacks = layer_stacks(config, [i for i, layer in enumerate(layers) if layer])
+    sizes = [int(jax.tree_util.tree_leaves(tree)[0].shape[0]) for tree in stored]
+    if sizes != [s.size for s in stacks]:
+        raise ValueError(f"params hold layer stacks of sizes {sizes}, expected {[s.size for s in stacks]} "
+                         f"(scan_layers={config.scan_layers})")
+    return stacks
+
+
+def stack_declarations(decls: Sequence[WeightDecl], stacks: Sequence[LayerStack]) -> list[ParamDecl]:
+    """`decls` with every layer parameter of a stack folded into one `StackedDecl` (in the place
+    of the stack's first layer)."""
+    stack_of = {i: g for g, s in enumerate(stacks) for i in range(s.start, s.stop)}
+    grouped: dict[KeyPath, list[WeightDecl]] = {}
+    out: list[Any] = []
+    for decl in decls:
+        g = stack_of.get(decl.path[1]) if decl.path[0] == "layers" else None
+        if g is None:
+            out.append(decl)
+            continue
+        key = ("layer_stacks", g) + decl.path[2:]
+        if key not in grouped:
+            grouped[key] = []
+            out.append(key)
+        grouped[key].append(decl)
+    return [StackedDecl(d, tuple(grouped[d])) if isinstance(d, tuple) else d for d in out]
+
+
+def declare_params(config: ModelConfig, kv_replicas: int = 1,
+                   slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> list[ParamDecl]:
+    """The parameters as stored: `declare_weights` with the layer stacks folded in (slot layers
+    stay apart)."""
+    decls = declare_weights(config, kv_replicas, slot_assignments)
+    return stack_declarations(decls, layer_stacks(config, tuple(slot_assignments or ())))
+
+
+def build_params(items: Iterable[tuple[KeyPath, Any]], config: ModelConfig,
+                 stacks: Sequence[LayerStack]) -> Params:
+    """`build_tree` of parameter leaves, with the empty `layers[i]` of stacked layers."""
+    empty = [(("layers", i), {}) for s in stacks for i in range(s.start, s.stop)]
+    return build_tree(list(items) + empty)
+
+
+# ---------------------------------------------------------------------------------------------
 # Derived views
 
 
@@ -241,12 +357,14 @@ def build_tree(items: Iterable[tuple[KeyPath, Any]]) -> Params:
 def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> Params:
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
     dt = numpy_dtype(dtype or config.dtype)
-    return build_tree((w.path, jax.ShapeDtypeStruct(w.shape, dt)) for w in declare_weights(config, kv_replicas))
+    return build_params(((w.path, jax.ShapeDtypeStruct(w.shape, dt)) for w in declare_params(config, kv_replicas)),
+                        config, layer_stacks(config))
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
     """The parameter pytree as PartitionSpecs (under `rules`)."""
-    return build_tree((w.path, logical_to_physical(w.axes, rules)) for w in declare_weights(config, kv_replicas))
+    return build_params(((w.path, logical_to_physical(w.axes, rules)) for w in declare_params(config, kv_replicas)),
+                        config, layer_stacks(config))
 
 
 def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
@@ -329,6 +447,16 @@ def read_parameter(decl: WeightDecl, alternative: Sequence[Source], index: tuple
     """The box `index` of parameter `decl`, from the checkpoint spelling `alternative`."""
     block, perm = read_parameter_view(decl, alternative, index, read)
     return np.ascontiguousarray(block.transpose(perm)).astype(dtype, copy=False)
+
+
+def read_stacked_view(decl: StackedDecl, alternatives: Sequence[Sequence[Source]], index: tuple[slice, ...],
+                      read: SliceReader) -> tuple[np.ndarray, tuple[int, ...]]:
+    """`read_parameter_view` of a stacked parameter: its members' boxes (each read from its own
+    spelling in `alternatives`), stacked along a new first axis."""
+    index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
+    views = [read_parameter_view(decl.members[r], alternatives[r], index[1:], read)
+             for r in range(*index[0].indices(decl.shape[0]))]
+    return np.stack([block for block, _ in views]), (0,) + tuple(p + 1 for p in views[0][1])
 
 
 def read_parameter_view(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...],
