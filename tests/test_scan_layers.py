@@ -143,3 +143,12 @@ def test_layouts_do_not_mix(checkpoint):
         forward(params, per_layer_cache, _batch(), config=config)
     with pytest.raises(ValueError, match="layer stacks"):
         forward(params, init_kv_cache(config, 8, 4, jnp.float32), _batch(), config=replace(config, scan_layers=False))
+
+
+def test_scan_layers_switch_reaches_the_engine_config():
+    from jaxllm.cli import build_parser, engine_kwargs
+    from jaxllm.engine.config import EngineConfig
+
+    assert EngineConfig(model="tiny-moe").scan_layers
+    assert "scan_layers" not in engine_kwargs(build_parser().parse_args(["generate"]))
+    assert engine_kwargs(build_parser().parse_args(["generate", "--no-scan-layers"]))["scan_layers"] is False
