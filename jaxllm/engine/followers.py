@@ -42,6 +42,10 @@ SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
 EXIT_KEY = multihost.EXIT_KEY
 
 
+class LeaderExited(Exception):
+    """The leader ended the run (a clean exit: followers exit too)."""
+
+
 @dataclass(frozen=True)
 class LatestOutput:
     """Stands for leaf `leaf` of the latest output of mirrored method `method`."""
@@ -195,7 +199,9 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
 
     def stop_reason() -> Optional[str]:
         reason = _exit_requested(client) if client is not None else None
-        return "the leader exited" if reason == "exit" else reason
+        if reason == "exit":  # the leader exited without closing the engine first
+            raise LeaderExited()
+        return reason
 
     compiling: list[Future] = []
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxllm-compile") as pool:
@@ -232,7 +238,6 @@ def run_follower() -> int:
         while True:
             payload = _wait(client, f"{SESSION_KEY}/{session}")
             if payload is None:
-                logger.info("process %d: the leader exited", pid)
                 break
             _, config = decode(payload)
             logger.info("process %d: building the engine of session %d (%s)", pid, session, config.model)
@@ -244,9 +249,12 @@ def run_follower() -> int:
             del runner
             gc.collect()
             session += 1
+    except LeaderExited:
+        pass
     except Exception as exc:  # the leader is gone (or its step failed here): no step can run any more
         reason = str(exc) if isinstance(exc, ChannelClosed) else f"{type(exc).__name__}: {exc}"
         multihost.report_failure(f"process {pid}: {reason}; exiting", grace=0.0)
         return multihost.FAILURE_EXIT_CODE
+    logger.info("process %d: the leader exited", pid)
     multihost.shutdown()
     return 0
