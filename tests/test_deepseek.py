@@ -217,6 +217,21 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(loaded, tmp_p
         load_params(directory, m.config)
 
 
+def test_router_correction_bias_stays_float32_in_a_bfloat16_model(loaded):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.models import param_shapes
+
+    m = loaded("q_lora")
+    params = load_params(m.dir, m.config, dtype="bfloat16")
+    bias = params["layers"][1]["moe"]["router_bias"]
+    assert bias.dtype == jnp.float32 and params["layers"][1]["attn"]["kv_a"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bias), np.asarray(m.params["layers"][1]["moe"]["router_bias"]))
+    shapes = param_shapes(m.config, "bfloat16")
+    assert jax.tree_util.tree_map(lambda a: a.dtype, params) == jax.tree_util.tree_map(lambda a: a.dtype, shapes)
+
+
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3, without its fp8 quantization_config).
 DEEPSEEK_V3 = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,

@@ -134,12 +134,13 @@ def declare_mla_attention(add: Callable, config: ModelConfig, layer: int) -> Non
 
 
 def declare_moe_extras(add: Callable, config: ModelConfig, layer: int) -> None:
-    """The router's correction bias [E] and the shared experts (gate/up [H, Is], down [Is, H],
+    """The router's correction bias [E] (float32 in every model dtype, as transformers keeps it:
+    it decides near ties between experts) and the shared experts (gate/up [H, Is], down [Is, H],
     replicated on every rank)."""
     h, e = config.hidden_size, config.num_experts
     pre = f"model.layers.{layer}.mlp"
     add(("layers", layer, "moe", "router_bias"), (e,), (None,),
-        _single(f"{pre}.gate.e_score_correction_bias", (e,), Layout((e,), (0,))), "bias")
+        _single(f"{pre}.gate.e_score_correction_bias", (e,), Layout((e,), (0,))), "bias", dtype="float32")
     if config.n_shared_experts:
         inter, shared = config.moe_intermediate_size * config.n_shared_experts, ("layers", layer, "shared")
         for ours in ("gate", "up"):

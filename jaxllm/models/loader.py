@@ -261,7 +261,7 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
             for decl in param_decls:
                 sharding = named_sharding(mesh, decl.axes, rules)
                 leaves.append((decl.path, assemble_array(
-                    decl.shape, sharding, functools.partial(read_box, decl), np_dtype)))
+                    decl.shape, sharding, functools.partial(read_box, decl), decl.param_dtype(np_dtype))))
                 bar.update(1)
     params = build_params(leaves, config, stacks)
     if assignments is not None:

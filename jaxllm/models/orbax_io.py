@@ -80,7 +80,8 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
         # Leaves whose KV heads get repeated are restored replicated over the KV-head axis.
         axes = tuple(None if repeated and a == "kv_heads" else a for a in before.axes)
         sharding = named_sharding(mesh, axes, rules)
-        targets.append((before.path, jax.ShapeDtypeStruct(before.shape, np_dtype, sharding=sharding)))
+        targets.append((before.path, jax.ShapeDtypeStruct(before.shape, before.param_dtype(np_dtype),
+                                                           sharding=sharding)))
     restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
     if replicas == 1:
         return restored

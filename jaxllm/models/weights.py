@@ -101,6 +101,10 @@ class WeightDecl:
     # the alternatives describe (a placement may repeat an expert in several slots).
     rows_from: Optional[tuple[int, ...]] = None
     source_rows: int = 0
+    dtype: Optional[str] = None  # kept in this dtype whatever the model's (DeepSeek's float32 router bias)
+
+    def param_dtype(self, model_dtype: Any) -> np.dtype:
+        return numpy_dtype(self.dtype or model_dtype)
 
     @property
     def checkpoint_names(self) -> set[str]:
@@ -131,14 +135,15 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
     decls: list[WeightDecl] = []
 
     def add(path: KeyPath, shape: tuple[int, ...], axes: tuple, alternatives: Sequence[Sequence[Source]],
-            init: str, gain: float = 1.0, rows_from: Optional[Sequence[int]] = None) -> None:
+            init: str, gain: float = 1.0, rows_from: Optional[Sequence[int]] = None,
+            dtype: Optional[str] = None) -> None:
         if rows_from is not None:
             source_rows, shape = shape[0], (len(rows_from),) + tuple(shape[1:])
             rows_from = tuple(int(r) for r in rows_from)
         else:
             source_rows = 0
         decls.append(WeightDecl(path, tuple(shape), tuple(axes), tuple(tuple(a) for a in alternatives), init, gain,
-                                rows_from, source_rows))
+                                rows_from, source_rows, dtype))
 
     def single(name: str, shape: tuple[int, ...], layout: Layout) -> list[list[Source]]:
         return [[Source(name, shape, layout)]]
@@ -258,6 +263,9 @@ class StackedDecl:
     def axes(self) -> tuple[Optional[str], ...]:
         return (None,) + self.members[0].axes
 
+    def param_dtype(self, model_dtype: Any) -> np.dtype:
+        return self.members[0].param_dtype(model_dtype)
+
 
 ParamDecl = Union[WeightDecl, StackedDecl]
 
@@ -356,9 +364,9 @@ def build_tree(items: Iterable[tuple[KeyPath, Any]]) -> Params:
 
 def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> Params:
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
-    dt = numpy_dtype(dtype or config.dtype)
-    return build_params(((w.path, jax.ShapeDtypeStruct(w.shape, dt)) for w in declare_params(config, kv_replicas)),
-                        config, layer_stacks(config))
+    dt = dtype or config.dtype
+    return build_params(((w.path, jax.ShapeDtypeStruct(w.shape, w.param_dtype(dt)))
+                         for w in declare_params(config, kv_replicas)), config, layer_stacks(config))
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
@@ -369,8 +377,8 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
 def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
     """Bytes of all parameters (replicated KV heads counted once per copy)."""
-    itemsize = numpy_dtype(dtype or config.dtype).itemsize
-    return sum(int(np.prod(w.shape)) * itemsize for w in declare_weights(config, kv_replicas))
+    dt = dtype or config.dtype
+    return sum(int(np.prod(w.shape)) * w.param_dtype(dt).itemsize for w in declare_weights(config, kv_replicas))
 
 
 def num_params(config: ModelConfig) -> int:
