@@ -1,7 +1,7 @@
 """Multi-host runs: two local processes with 2 CPU devices each, joined by jax.distributed (gloo).
 
 1. Engines spanning both processes (TP 4, then EP 4 with all_to_all across the process
-   boundary), warmed up first, give exactly the greedy tokens of the single-process, single-device engine on the
+   boundary, its plans sent by the collective channel), warmed up first, give exactly the greedy tokens of the single-process, single-device engine on the
    shared staggered workload (chunked prefill, prefix reuse, mixed steps); the follower builds
    each engine from the leader's config and ends its session when the leader shuts it down.
 2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
@@ -24,7 +24,9 @@ from tests.multihost import ProcessGroup, distributed_flags, wait_for
 from tests.parallel_workload import run_staggered_requests, small_engine
 
 ENGINES = {"tp4": dict(tensor_parallel_size=4),
-           "ep4": dict(tensor_parallel_size=4, moe_expert_parallel_size=4, moe_config={"dispatch": "all_to_all"})}
+           # The plan sent by broadcast_one_to_all instead of the key-value store.
+           "ep4": dict(tensor_parallel_size=4, moe_expert_parallel_size=4, moe_config={"dispatch": "all_to_all"},
+                       multihost_plan_channel="collective")}
 EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
 
 

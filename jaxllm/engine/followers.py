@@ -75,6 +75,8 @@ class MirroredRunner:
         self.channel_stats = ChannelStats()
         self._closed = False
         self._send_lock = threading.Lock()  # close() may come from another thread than the steps
+        if hasattr(channel, "wait_for"):
+            channel.wait_for = lambda: [leaf for leaves in list(self._latest.values()) for leaf in leaves]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -203,6 +205,8 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
             raise LeaderExited()
         return reason
 
+    if hasattr(channel, "wait_for"):
+        channel.wait_for = lambda: [leaf for leaves in list(latest.values()) for leaf in leaves]
     compiling: list[Future] = []
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxllm-compile") as pool:
         while True:

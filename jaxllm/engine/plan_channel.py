@@ -10,7 +10,8 @@ scalars). Two transports, both JAX's own (no socket layer of ours):
     step's collectives cannot finish without every process).
   * `CollectiveChannel`: `multihost_utils.broadcast_one_to_all` of the message (its length,
     then the bytes padded to a power of two so a few shapes compile), a device collective
-    over every process, which returns only once all processes have joined it.
+    over every process, which returns only once all processes have joined it and, to keep the
+    collectives of all processes in one order, only after the previous step's programs ran.
 
 Messages are unpickled with an allow list (numpy and this project's own classes): they come
 from process 0 of the same job, but a store reachable on the network should not be able to
@@ -93,9 +94,17 @@ class CollectiveChannel:
 
     def __init__(self, prefix: str = "") -> None:
         self.seq = 0
+        # The device arrays of the work dispatched before (set by the runner side). The broadcast
+        # is a program of its own with no data dependency on the steps, and XLA:CPU may run
+        # independent programs at once, so their collectives could interleave differently on
+        # different processes: the broadcast first waits for that work.
+        self.wait_for: Callable[[], list] = list
 
     def _broadcast(self, payload: Optional[bytes]) -> bytes:
+        import jax
         from jax.experimental.multihost_utils import broadcast_one_to_all
+
+        jax.block_until_ready(self.wait_for())
 
         size = np.array([len(payload) if payload is not None else 0], np.int64)
         size = int(broadcast_one_to_all(size)[0])
