@@ -64,7 +64,7 @@ class KvCacheConfig:
                 f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
 
 
-MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather")
+MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")  # the last: not on XLA:CPU
 
 
 @dataclass

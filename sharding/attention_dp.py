@@ -22,8 +22,8 @@ Layout (SPMD, one program for all ranks):
   (`dp_moe_layer`) starts from tokens that are already split over the devices. The T
   devices of an expert group first gather their tokens (all_gather over `tensor`, so the
   group holds the same rows, as the MoE tensor split needs), route them, dispatch them
-  over `expert` exactly as `sharding.ep_moe` does (all_to_all or allgather + local slots
-  + reduce-scatter), and a reduce-scatter over `tensor` both sums the column partials and
+  over `expert` exactly as `sharding.ep_moe` does (all_to_all, allgather + local slots
+  + reduce-scatter, or ragged_all_to_all), and a reduce-scatter over `tensor` both sums the column partials and
   hands every device back its own tokens. No device ever holds the global token batch.
 - Replica choice stays the global round robin of `sharding.slot_table.choose_slots`: the
   per-expert row counts of the earlier ranks (one all_gather of int32[E] per layer) offset
@@ -47,7 +47,7 @@ from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, route
 from jaxllm.step_batch import StepBatch
-from sharding.ep_moe import EpMoeOptions, _all_to_all_body, _allgather_body
+from sharding.ep_moe import EpMoeOptions, dispatch_body
 from sharding.expert_load import MoeStepStats, count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules
@@ -104,12 +104,8 @@ def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig
     else:
         offset, counts = None, group_counts
     slots = choose_slots(ids, table, ok, occurrence_offset=offset)
-    if options.mode_for(global_tokens) == "all_to_all":
-        out, dropped = _all_to_all_body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn,
-                                        capacity_factor=options.capacity_factor, ep=ep, moe_tp=1)
-    else:
-        out, dropped = _allgather_body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn,
-                                       moe_tp=1)
+    body = dispatch_body(options, global_tokens, moe_fn=moe_fn, ep=ep, moe_tp=1)
+    out, dropped = body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
     if moe_tp > 1:  # sum the column partials, each device keeps its own rows
         out = jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=0, tiled=True)
     return out.astype(h.dtype), counts, dropped[0]

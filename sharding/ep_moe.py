@@ -25,13 +25,21 @@ same slots with a 1/T share of the FFN columns; their partial outputs are summed
 a psum over `tensor` after the combine. The output leaves the shard_map split over
 `expert` by token; XLA gathers it where the replicated residual stream needs it.
 
-`ragged_all_to_all` (sizes kept on device, no padding) is not offered: XLA:CPU does not
-implement it, so it could not be tested here, and it is reported slow on GPU
-(openxla/xla #46982).
+- `ragged_all_to_all`: the rows sorted by destination go out as one ragged exchange whose
+  sizes and offsets stay on the device (seed 001: no host sync on communication sizes):
+  one all_gather of the E x E row counts gives every rank its receive sizes and where
+  its rows land in each receiver's buffer; nothing is padded on the wire and the grouped
+  FFN skips the unused tail of the (dropless, E x rows) receive buffer. XLA:CPU does not
+  implement the collective (the engine refuses this mode on CPU) and it is reported slow
+  on GPU (openxla/xla #46982), so it is an option, never the default.
+  `EpMoeOptions(ragged_emulation=True)` runs the same code with the collective emulated by
+  a dense all_to_all (`emulated_ragged_all_to_all`), which is how CPU tests check it; the
+  CUDA lowering of the real collective is checked from CPU with `lowering_platforms`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -47,7 +55,7 @@ from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules, logical_to_physical
 from sharding.slot_table import SlotTable, choose_slots
 
-DISPATCH_MODES = ("auto", "all_to_all", "allgather")
+DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class EpMoeOptions:
     # send buffers are as large as the whole step's rows); all_to_all moves E times less data
     # per token, which should pay off on real interconnects with large steps.
     allgather_max_tokens: int = 4096
+    # ragged_all_to_all only: run its semantics with a dense all_to_all (platforms without the
+    # collective, e.g. XLA:CPU; for checking the dispatch logic, not for speed).
+    ragged_emulation: bool = False
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
@@ -115,6 +126,67 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a dense all_to_all:
+    every slice is padded to the operand's length on the wire."""
+    n = input_offsets.shape[0]
+    length = operand.shape[0]
+    idx = jnp.arange(length, dtype=jnp.int32)
+    blocks = operand[jnp.clip(input_offsets[:, None] + idx[None, :], 0, length - 1)]  # [n, length, ...]
+    recv = jax.lax.all_to_all(blocks.reshape((n * length,) + operand.shape[1:]), axis_name, 0, 0, tiled=True)
+    starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender writes here
+    pos = jnp.where(idx[None, :] < recv_sizes[:, None], starts[:, None] + idx[None, :], output.shape[0])
+    return output.at[pos.reshape(-1)].set(recv, mode="drop")
+
+
+def _ragged_all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int,
+                            emulate: bool):
+    exchange = functools.partial(emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all,
+                                 axis_name=EXPERT_AXIS)
+    tokens, top_k = slots.shape
+    slots_per_rank = w_gate.shape[0]
+    rows = tokens * top_k
+    flat = slots.reshape(-1)
+    dest = flat // slots_per_rank  # == ep for padding rows (slot id S): sorted last, never sent
+    order = jnp.argsort(dest, stable=True)
+    sizes = jnp.bincount(dest, length=ep + 1)[:ep].astype(jnp.int32)  # rows to each rank
+    send_offsets = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    matrix = jax.lax.all_gather(sizes, EXPERT_AXIS)  # [sender, receiver] row counts
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    earlier = jnp.arange(ep)[:, None] < me
+    land_at = jnp.sum(jnp.where(earlier, matrix, 0), axis=0).astype(jnp.int32)  # my rows' offset at each receiver
+    recv_sizes = matrix[:, me]
+    recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    buffer_rows = ep * rows  # dropless: every rank may send all its rows here
+    recv_x = exchange(x[order // top_k], jnp.zeros((buffer_rows, x.shape[1]), x.dtype), send_offsets, sizes,
+                      land_at, recv_sizes)
+    recv_ids = exchange((flat % slots_per_rank)[order], jnp.full((buffer_rows,), slots_per_rank, jnp.int32),
+                        send_offsets, sizes, land_at, recv_sizes)
+    y = expert_rows_ffn(recv_x, recv_ids, w_gate, w_up, w_down, moe_fn=moe_fn)
+    # Back to the senders, into the sorted positions the rows left from.
+    return_at = jnp.sum(jnp.where(jnp.arange(ep)[None, :] < me, matrix, 0), axis=1).astype(jnp.int32)
+    back = exchange(y, jnp.zeros((rows, y.shape[1]), y.dtype), recv_offsets, recv_sizes, return_at, sizes)
+    y_rows = jnp.zeros_like(back).at[order].set(back, unique_indices=True)  # padding rows stay 0
+    out = combine(y_rows, jnp.where((dest < ep).reshape(tokens, top_k), weights, 0.0))
+    if moe_tp > 1:
+        out = jax.lax.psum(out, TENSOR_AXIS)
+    return out, jnp.zeros((1,), jnp.int32)
+
+
+def dispatch_body(options: EpMoeOptions, num_tokens: int, *, moe_fn: MoeFn, ep: int, moe_tp: int):
+    """The per-device body `(x, slots, weights, w_gate, w_up, w_down) -> (out, dropped[1])` of the
+    dispatch mode `options` picks for a step of `num_tokens` tokens."""
+    mode = options.mode_for(num_tokens)
+    if mode == "all_to_all":
+        return functools.partial(_all_to_all_body, moe_fn=moe_fn, capacity_factor=options.capacity_factor,
+                                 ep=ep, moe_tp=moe_tp)
+    if mode == "ragged_all_to_all":
+        return functools.partial(_ragged_all_to_all_body, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp,
+                                 emulate=options.ragged_emulation)
+    return functools.partial(_allgather_body, moe_fn=moe_fn, moe_tp=moe_tp)
+
+
 def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, moe_tp: int):
     slots_per_rank = w_gate.shape[0]
     x_all = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)
@@ -151,12 +223,7 @@ def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, m
         x = jnp.pad(x, ((0, extra), (0, 0)))
         slots = jnp.pad(slots, ((0, extra), (0, 0)), constant_values=table.num_slots)
         weights = jnp.pad(weights, ((0, extra), (0, 0)))
-    mode = options.mode_for(num_tokens)
-    if mode == "all_to_all":
-        body = lambda *a: _all_to_all_body(*a, moe_fn=moe_fn, capacity_factor=options.capacity_factor,  # noqa: E731
-                                           ep=ep, moe_tp=moe_tp)
-    else:
-        body = lambda *a: _allgather_body(*a, moe_fn=moe_fn, moe_tp=moe_tp)  # noqa: E731
+    body = dispatch_body(options, num_tokens, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp)
     tok = P(EXPERT_AXIS)
     up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
     down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)

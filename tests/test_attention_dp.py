@@ -2,9 +2,13 @@
 
 - Layer level (one small compile per layout): the attention-DP MoE layer
   (`sharding.attention_dp.dp_moe_layer`, tokens already split over the N devices, padding
-  rows on every rank) for every (N, E, T) with N in {2, 4, 8}, each dispatch mode, with a
+  rows on every rank) for every (N, E, T) with N in {2, 4, 8}, each dispatch mode (the
+  ragged_all_to_all one through `emulated_ragged_all_to_all`), with a
   placement holding redundant slots, against the plain single-device MoE layer on the same
   tokens: outputs within 1e-5 (float32) and the global expert counts equal.
+- The ragged_all_to_all dispatch: its logic checked above with the collective emulated (XLA:CPU
+  lacks it), the real collective lowered for CUDA from this CPU-only process (plain EP layer and
+  attention-DP layer), the engine refusing the mode on CPU.
 - Engine level (Qwen3-MoE and Mixtral tiny checkpoints, the staggered in-flight-batching
   workload of tests/parallel_workload.py: chunked prefill, prefix reuse, prefill and decode
   in one step, overlap scheduler; prefix reuse only within a rank, so the shared prompts,
@@ -26,7 +30,7 @@ from tests.multidevice import run_on_cpu_devices
 from tests.parallel_workload import run_staggered_requests, small_engine
 
 LAYOUTS = [(n, e, n // e) for n in (2, 4, 8) for e in (1, 2, 4, 8) if n % e == 0]
-MODES = ("all_to_all", "allgather")
+MODES = ("all_to_all", "allgather", "ragged_all_to_all")  # ragged: emulated on CPU
 # (arch, N, E, dispatch, redundant placement?)
 ENGINE_CASES = [
     ("qwen3_moe", 8, 8, "allgather", True),
@@ -115,7 +119,7 @@ def check_layers() -> None:
         p["router"] = router
         p["slots"] = make_slot_table(slots, E)
         layers = [functools.partial(dp_moe_layer, config=config, moe_fn=moe_grouped_ffn_tiled,
-                                    options=EpMoeOptions(dispatch=mode), ep=e, moe_tp=t,
+                                    options=EpMoeOptions(dispatch=mode, ragged_emulation=True), ep=e, moe_tp=t,
                                     global_tokens=n * tokens_per_rank) for mode in MODES]
 
         def body(x_, valid_, p_):
@@ -132,6 +136,56 @@ def check_layers() -> None:
             print(json.dumps(dict(kind="layer", n=n, e=e, t=t, mode=mode, slots=len(slots), err=err,
                                   counts_ok=np.asarray(counts).tolist() == want_counts.tolist(),
                                   dropped=int(np.asarray(dropped).max()))), flush=True)
+
+
+def check_ragged_lowers_for_cuda() -> None:
+    """The real ragged_all_to_all dispatch (plain EP layer and attention-DP layer) lowers for CUDA
+    from this CPU-only process; running it here fails (XLA:CPU does not implement it)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.models import ModelConfig
+    from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+    from sharding import ParallelConfig, make_mesh
+    from sharding.attention_dp import RANK_SPEC, attention_dp_rules, dp_moe_layer
+    from sharding.ep_moe import EpMoeOptions, ep_moe_block
+    from sharding.rules import named_sharding
+    from sharding.slot_table import default_assignment, make_slot_table
+    from tests.test_ep_moe import hf_config
+
+    config = ModelConfig.from_hf_config(hf_config("qwen3_moe"))
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=4))
+    rules = attention_dp_rules(config, mesh)
+    slots = np.asarray(default_assignment(E, E, 4))
+    p = {name: jax.device_put(jnp.zeros(shape, jnp.float32), named_sharding(mesh, axes, rules)) for name, shape, axes in
+         (("w_gate", (E, H, I), ("experts", "embed", "moe_mlp")), ("w_up", (E, H, I), ("experts", "embed", "moe_mlp")),
+          ("w_down", (E, I, H), ("experts", "moe_mlp", "embed")))}
+    p["router"] = jnp.zeros((H, E), jnp.float32)
+    p["slots"] = make_slot_table(slots, E)
+    options = EpMoeOptions(dispatch="ragged_all_to_all")
+    x = jnp.zeros((16, H), jnp.float32)
+    plain = jax.jit(functools.partial(ep_moe_block, config=config, moe_fn=moe_grouped_ffn_reference, mesh=mesh,
+                                      rules=rules, options=options))
+    layer = functools.partial(dp_moe_layer, config=config, moe_fn=moe_grouped_ffn_reference, options=options, ep=4,
+                              moe_tp=2, global_tokens=16)
+    in_p = dict({name: p[name].sharding.spec for name in ("w_gate", "w_up", "w_down")}, router=P(),
+                slots=jax.tree.map(lambda _: P(), p["slots"]))
+    dp = jax.jit(jax.shard_map(lambda x_, v_, p_: layer(x_[0], p_, v_[0])[0][None], mesh=mesh,
+                               in_specs=(RANK_SPEC, RANK_SPEC, in_p), out_specs=RANK_SPEC, check_vma=False))
+    dp_args = (jnp.zeros((8, 2, H), jnp.float32), jnp.ones((8, 2), bool), p)
+    texts = [plain.trace(x, p).lower(lowering_platforms=("cuda",)).as_text(),
+             dp.trace(*dp_args).lower(lowering_platforms=("cuda",)).as_text()]
+    try:
+        plain(x, p)
+        cpu_error = ""
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        cpu_error = str(exc)
+    print(json.dumps(dict(kind="ragged_lowering", cuda_ok=["ragged_all_to_all" in t for t in texts],
+                          cpu_error=cpu_error[:300])), flush=True)
 
 
 def check_engines(root: Path) -> None:
@@ -184,6 +238,7 @@ def check_all(root: Path) -> None:
 
     assert len(jax.devices()) == 8
     check_layers()
+    check_ragged_lowers_for_cuda()
     check_engines(root)
 
 
@@ -201,6 +256,18 @@ def test_dp_moe_layer_matches_single_device_for_every_layout(dp_results):
         assert r["err"] < 1e-5, f"{case}: error {r['err']}"
         assert r["counts_ok"], f"{case}: expert counts differ from the single-device count"
         assert r["dropped"] == 0, case
+
+
+def test_ragged_all_to_all_lowers_for_cuda_and_is_refused_on_cpu(dp_results):
+    from jaxllm.config import MoeConfig
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    (r,) = [r for r in dp_results if r["kind"] == "ragged_lowering"]
+    assert r["cuda_ok"] == [True, True], "the ragged_all_to_all dispatch does not lower for CUDA"
+    assert "ragged-all-to-all" in r["cpu_error"] or "ragged_all_to_all" in r["cpu_error"], r["cpu_error"]
+    with pytest.raises(ValueError, match="ragged_all_to_all.*XLA:CPU"):
+        LLMEngine(EngineConfig(model="tiny-moe", moe_config=MoeConfig(dispatch="ragged_all_to_all")))
 
 
 def test_attention_dp_engine_matches_single_device(dp_results):

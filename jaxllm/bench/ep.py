@@ -1,13 +1,16 @@
 """Step time of the expert-parallel MoE model per dispatch mode and token bucket.
 
 Runs the full model forward (a Qwen3-MoE-shaped random checkpoint) on an EP mesh for
-each token bucket and dispatch mode (`all_to_all`, `allgather`), next to the same model
-with tensor parallelism only (E = 1, experts' columns split) and on one device, and
+each token bucket and dispatch mode (`all_to_all`, `allgather`; `ragged_all_to_all` where
+the platform implements it), with attention tensor-parallel and with attention data-parallel
+(`--attention-dp on`: each device its own share of the step's sequences and its own KV
+cache; the bucket is the step's tokens over all ranks, T / N per rank), next to the same
+model with tensor parallelism only (E = 1, experts' columns split) and on one device, and
 prints a table of median step times. Each variant is compiled before it is timed.
 On CPU the devices are XLA:CPU's host-platform devices: the benchmark restarts itself
 with `--xla_force_host_platform_device_count` when fewer devices are visible.
 
-    jaxllm bench ep --devices 8 --ep-size 8 --buckets 16,64,256,1024
+    jaxllm bench ep --devices 8 --ep-size 8 --buckets 16,64,256,1024 --attention-dp off,on
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-size", type=int, default=8, help="moe_expert_parallel_size (moe_tp = devices / ep)")
     p.add_argument("--buckets", default="16,64,256,1024", help="token buckets, comma-separated")
     p.add_argument("--modes", default="all_to_all,allgather", help="dispatch modes, comma-separated")
+    p.add_argument("--attention-dp", default="off,on",
+                   help="attention tensor-parallel (off), data-parallel (on), or both (off,on)")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="also time all_to_all with this capacity factor (drops overflow rows)")
     p.add_argument("--num-experts", type=int, default=64)
@@ -88,28 +93,46 @@ def _step_batch(bucket: int, max_seqs: int, tokens_per_block: int, num_blocks: i
 
 
 def _time_variant(directory: Path, config, buckets: list[int], iters: int, *, devices: int, ep: int,
-                  mode: Optional[str], slot_assignments, capacity_factor: Optional[float] = None) -> dict[int, float]:
+                  mode: Optional[str], slot_assignments, capacity_factor: Optional[float] = None,
+                  attention_dp: bool = False) -> dict[int, float]:
     import jax
 
     from jaxllm.engine.backends import resolve_backends
     from jaxllm.models import forward, init_kv_cache, load_params
     from sharding import ParallelConfig, make_mesh
+    from sharding.attention_dp import (attention_dp_rules, forward_attention_dp, init_dp_kv_cache,
+                                       param_partition_specs, stack_batches)
     from sharding.ep_moe import EpMoeOptions
 
     mesh = None if devices == 1 else make_mesh(ParallelConfig(tensor_parallel_size=devices,
                                                               moe_expert_parallel_size=ep))
-    params = load_params(directory, config, mesh=mesh,
-                         slot_assignments=slot_assignments if ep > 1 else None)
-    _, _, attention_fn, moe_fn = resolve_backends("xla", "xla")
-    options = EpMoeOptions(dispatch=mode, capacity_factor=capacity_factor) if mode else None
-    step = jax.jit(functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
-                                     moe_options=options), donate_argnums=(1,))
     tpb, max_seqs = 16, 16
     num_blocks = max_seqs * -(-max(buckets) // (max_seqs * tpb)) + 1
-    cache = init_kv_cache(config, num_blocks, tpb, config.dtype, mesh=mesh)
+    _, _, attention_fn, moe_fn = resolve_backends("xla", "xla")
+    options = EpMoeOptions(dispatch=mode, capacity_factor=capacity_factor) if mode else None
+    if attention_dp:
+        params = load_params(directory, config, mesh=mesh, rules=attention_dp_rules(config, mesh),
+                             slot_assignments=slot_assignments, num_slots=None if slot_assignments else
+                             config.num_experts)
+        dp_forward = functools.partial(forward_attention_dp, config=config, attention_fn=attention_fn,
+                                       moe_fn=moe_fn, mesh=mesh, param_specs=param_partition_specs(params),
+                                       moe_options=options)
+        step = jax.jit(lambda p, c, b: dp_forward(p, c, b)[:2], donate_argnums=(1,))
+        rank_blocks = -(-num_blocks // devices) + 1
+        cache = init_dp_kv_cache(config, rank_blocks, tpb, config.dtype, mesh)
+    else:
+        params = load_params(directory, config, mesh=mesh, slot_assignments=slot_assignments if ep > 1 else None)
+        step = jax.jit(functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn,
+                                         mesh=mesh, moe_options=options), donate_argnums=(1,))
+        cache = init_kv_cache(config, num_blocks, tpb, config.dtype, mesh=mesh)
     times = {}
     for bucket in buckets:
-        batch = _step_batch(bucket, max_seqs, tpb, num_blocks, config.vocab_size)
+        if attention_dp:  # the step's sequences and tokens shared out over the ranks
+            seqs = max(1, max_seqs // devices)
+            batch = stack_batches([_step_batch(bucket // devices, seqs, tpb, rank_blocks, config.vocab_size)
+                                   for _ in range(devices)])
+        else:
+            batch = _step_batch(bucket, max_seqs, tpb, num_blocks, config.vocab_size)
         for _ in range(2):  # compile; the donated cache comes back committed, which may compile once more
             logits, cache = step(params, cache, batch)
             logits.block_until_ready()
@@ -133,6 +156,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     buckets = [int(b) for b in args.buckets.split(",")]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    choices = {"off": False, "on": True}
+    values = [v.strip() for v in args.attention_dp.split(",") if v.strip()]
+    if not values or set(values) - set(choices):
+        raise ValueError(f"--attention-dp takes off, on or off,on; got {args.attention_dp!r}")
+    dp_settings = [choices[v] for v in values]
+    if any(dp_settings) and any(b % args.devices for b in buckets):
+        raise ValueError(f"--attention-dp on: every bucket must divide over the {args.devices} ranks")
     hf = _hf_config(args)
     config = ModelConfig.from_hf_config(hf)
     placement = None
@@ -147,15 +177,22 @@ def run(args: argparse.Namespace) -> list[dict]:
         save_file(random_checkpoint(config, 0), str(directory / "model.safetensors"))
         variants = [] if args.no_baselines else [("1 device", 1, 1, None, None),
                                                  (f"TP{args.devices} (E=1)", args.devices, 1, None, None)]
+        variants = [(*v, False) for v in variants]
         prefix = f"EP{args.ep_size} x T{args.devices // args.ep_size}"
-        variants += [(f"{prefix} {mode}", args.devices, args.ep_size, mode, None) for mode in modes]
-        if args.capacity_factor:
-            variants.append((f"{prefix} all_to_all cf={args.capacity_factor:g}", args.devices, args.ep_size,
-                             "all_to_all", args.capacity_factor))
-        for name, devices, ep, mode, factor in variants:
+        for dp in dp_settings:
+            suffix = " +attn DP" if dp else ""
+            variants += [(f"{prefix} {mode}{suffix}", args.devices, args.ep_size, mode, None, dp) for mode in modes]
+            if args.capacity_factor:
+                variants.append((f"{prefix} all_to_all cf={args.capacity_factor:g}{suffix}", args.devices,
+                                 args.ep_size, "all_to_all", args.capacity_factor, dp))
+        for name, devices, ep, mode, factor, dp in variants:
+            if mode == "ragged_all_to_all" and jax.default_backend() == "cpu":
+                print(f"jaxllm bench ep: skipping {name}: XLA:CPU does not implement ragged_all_to_all",
+                      file=sys.stderr)
+                continue
             times = _time_variant(directory, config, buckets, args.iters, devices=devices, ep=ep, mode=mode,
-                                  slot_assignments=placement, capacity_factor=factor)
-            rows.append(dict(variant=name, devices=devices, ep=ep, mode=mode or "-",
+                                  slot_assignments=placement, capacity_factor=factor, attention_dp=dp)
+            rows.append(dict(variant=name, devices=devices, ep=ep, mode=mode or "-", attention_dp=dp,
                              step_ms={b: round(t * 1e3, 3) for b, t in times.items()},
                              platform=jax.default_backend()))
     return rows

@@ -124,6 +124,9 @@ class LLMEngine:
         # The device mesh: every weight and the KV cache are sharded over it at load time.
         parallel = config.parallel_config()
         self.mesh = make_mesh(parallel)
+        if config.moe_config.dispatch == "ragged_all_to_all" and self.mesh.devices.flat[0].platform == "cpu":
+            raise ValueError("moe dispatch 'ragged_all_to_all' needs a platform that implements "
+                             "jax.lax.ragged_all_to_all (XLA:CPU does not); use all_to_all, allgather or auto")
         # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
         balancer = config.moe_config.load_balancer
         # Attention DP: attention and dense weights replicated, experts always stored as slots
