@@ -8,6 +8,8 @@ table in one operation.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from jaxllm.kv_cache import KVCacheManager
@@ -43,7 +45,8 @@ def choose_token_bucket(num_tokens: int, max_num_tokens: int, min_bucket: int = 
 
 
 def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucket: int,
-                     max_batch_size: int, max_blocks_per_seq: int) -> StepBatch:
+                     max_batch_size: int, max_blocks_per_seq: int,
+                     generation_tokens: Optional[np.ndarray] = None) -> StepBatch:
     """Pack the scheduled requests (context chunks first, then generation tokens) into a
     `StepBatch` of numpy int32 arrays (views of one buffer allocated per call, so nothing
     is overwritten by later steps). Blocks must already be allocated: call
@@ -52,7 +55,8 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
 
     A context request contributes `prompt[pos : pos + chunk]` at positions `pos ...`; a
     generation request contributes its last output token at position `num_tokens - 1`.
-    Each sequence's logits index is its last token in the buffer.
+    Each sequence's logits index is its last token in the buffer. `generation_tokens`: the
+    generation requests' last output tokens when the caller already gathered them.
     """
     ctx = output.context_requests
     gen = output.generation_requests
@@ -134,7 +138,8 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
         positions[:total] = starts_a
         token_rows = rows
     if n_gen:
-        token_ids[n_ctx_tokens:total] = [r.output_token_ids[-1] for r in gen]
+        token_ids[n_ctx_tokens:total] = (generation_tokens if generation_tokens is not None
+                                         else [r.output_token_ids[-1] for r in gen])
     block_index, offset_in_block = np.divmod(positions[:total], tpb)
     np.add(table[token_rows, block_index] * tpb, offset_in_block, out=slot_mapping[:total])
     slot_mapping[total:] = kv.num_kv_slots

@@ -24,6 +24,8 @@ BENCHMARKS = {
     "serve": "jaxllm.bench.serve_client",
     "engine": "jaxllm.bench.engine_vs_hf",
     "scheduler": "jaxllm.bench.scheduler_overhead",
+    "host": "jaxllm.bench.host_overhead",
+    "startup": "jaxllm.bench.startup",
     "kernels": "jaxllm.bench.kernels",
     "eplb": "jaxllm.bench.eplb",
     "ep": "jaxllm.bench.ep",
@@ -40,6 +42,8 @@ BENCHMARK_HELP = {
     "engine": "LLM.generate tokens/s next to Hugging Face generate on the same weights (needs torch: the "
               "test extra)",
     "scheduler": "host time of one scheduling step (schedulers, KV block manager, step packing), no model",
+    "host": "host time and device idle time per engine step with N requests decoding (overlap on and off)",
+    "startup": "seconds from starting `jaxllm serve` to healthy, with an empty and a populated compilation cache",
     "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
                "--smoke runs tiny shapes on CPU)",
     "eplb": "expert placement on a skewed (Zipf) routing workload: imbalance before and after greedy, "

@@ -67,6 +67,9 @@ class LlmRequest:
     end_ids: tuple[int, ...] = ()  # token ids that end generation
     cumulative_logprob: float = 0.0  # sum of the chosen tokens' logprobs (when logprobs are requested)
     stop_reason: Any = None  # the stop string or token id that finished the request, if any
+    # Row of this request in the step that sampled its newest output token, while that token
+    # is still on the device (the engine's placeholder); the next step reads it from there.
+    feed_row: int = -1
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

@@ -49,7 +49,7 @@ from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
 from jaxllm.outputs import Logprob
-from jaxllm.request import LlmRequest
+from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
@@ -62,9 +62,10 @@ from sharding.multihost import agree_min, is_multiprocess
 
 logger = logging.getLogger(__name__)
 
+_COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one processed step produced for one request."""
 
@@ -83,6 +84,8 @@ class EngineTiming:
     steps: int = 0
     host_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    # Part of host_seconds spent handing a step to the runtime (input transfer, program calls).
+    dispatch_seconds: float = 0.0
 
 
 @dataclass
@@ -206,6 +209,10 @@ class LLMEngine:
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
         self.active: dict[int, LlmRequest] = {}
+        # Active requests whose sampling reads the token history / wants logprobs, counted so
+        # that a step needs no pass over every request to know whether any does.
+        self._num_needing_history = 0
+        self._num_wanting_logprobs = 0
         self._pending: Optional[_PendingStep] = None
         self._ids = itertools.count()
         self.iteration = 0
@@ -214,6 +221,9 @@ class LLMEngine:
         self.timing = EngineTiming()
         self._wait_seconds = 0.0
         self._failed: list[RequestUpdate] = []  # requests failed while building a step
+        # Called after each dispatch with (time the forward was enqueued, sampler output): lets a
+        # benchmark watch when each step's device work ends without syncing the step loop.
+        self.on_dispatch: Optional[Callable[[float, Any], None]] = None
         kv = self.kv_cache_manager
         self.admission_limits = AdmissionLimits(
             vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
@@ -310,11 +320,13 @@ class LLMEngine:
         request.seed = resolve_seed(params, sequence_index)
         request.end_ids = admitted.end_ids
         self.active[request.request_id] = request
+        self._num_needing_history += params.needs_history
+        self._num_wanting_logprobs += params.logprobs is not None
         return request
 
     def abort_request(self, request_id: int) -> Optional[LlmRequest]:
         """Finish a request as 'cancelled' and free its blocks at once."""
-        request = self.active.pop(request_id, None)
+        request = self.active.get(request_id)
         if request is None:
             return None
         self._finish(request, "cancelled", None, self._num_resolved(request))
@@ -350,14 +362,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def _schedulable(self) -> list[LlmRequest]:
         return [r for r in self.active.values()
-                if len(r.output_token_ids) < r.sampling_params.max_tokens and not r.is_finished]
+                if len(r.output_token_ids) < r.sampling_params.max_tokens and r.state is not _COMPLETE]
 
     def step(self) -> list[RequestUpdate]:
         """Run one iteration; returns the updates of the step whose tokens were read back."""
         started = time.perf_counter()
         updates: list[RequestUpdate] = []
         candidates = self._schedulable()
-        if self._pending is not None and any(r.sampling_params.needs_history for r in candidates):
+        if (self._pending is not None and self._num_needing_history
+                and any(r.sampling_params.needs_history for r in candidates)):
             # Penalties and bad-word lists need every previous token on the host: no overlap here.
             updates += self._process(self._pending)
             self._pending = None
@@ -413,7 +426,11 @@ class LLMEngine:
                 return None
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
+        dispatch_start = time.perf_counter()
         sampler_output = self.runner.execute(plan)
+        self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
+        if self.on_dispatch is not None:
+            self.on_dispatch(self.runner.last_enqueue_time, sampler_output)
         if balancer is not None:
             balancer.after_forward(self.runner.last_expert_counts)
         iteration = self.iteration  # index of this step (stats are recorded once it is dispatched)
@@ -421,7 +438,8 @@ class LLMEngine:
         wanted = balancer is not None or (writer is not None and writer.wants(iteration))
         expert_counts = self.runner.last_expert_counts if wanted else None
         rows = output.all_requests()
-        wants_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
+        wants_logprobs = bool(self._num_wanting_logprobs) and any(
+            r.sampling_params.logprobs is not None for r in rows)
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
         stats = {
@@ -470,11 +488,23 @@ class LLMEngine:
             logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
         token_list = tokens.tolist()  # plain ints, converted once for the whole batch
         updates = []
+        append = updates.append
         for request, row, index in pending.entries:
-            if request.is_finished or index >= len(request.output_token_ids):
+            out = request.output_token_ids
+            if request.state is _COMPLETE or index >= len(out):
+                continue
+            params = request.sampling_params
+            token = token_list[row]
+            n = index + 1
+            # The common case inline: no logprobs, and the token neither ends the request by
+            # length nor can stop it (check_stop decides every other case).
+            if (logprobs is None and n < params.max_tokens and token not in request.end_ids
+                    and not params.stop_token_ids):
+                out[index] = token
+                append(RequestUpdate(request, [token]))
                 continue
             try:
-                updates.append(self._apply_token(request, index, token_list[row], row, logprobs))
+                append(self._apply_token(request, index, token, row, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += self._fail([request], exc, "applying a sampled token")
         return updates
@@ -505,7 +535,10 @@ class LLMEngine:
         request.stop_reason = stop_reason
         request.finish(reason)
         self.kv_cache_manager.free_resources(request)
-        self.active.pop(request.request_id, None)
+        if self.active.pop(request.request_id, None) is not None:
+            params = request.sampling_params
+            self._num_needing_history -= params.needs_history
+            self._num_wanting_logprobs -= params.logprobs is not None
 
     # ------------------------------------------------------------------ stats
     def close_statistics(self) -> None:

@@ -69,6 +69,10 @@ def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutpu
     return sample(logits, unpack(inputs, layout))
 
 
+def _is_host_buffers(value: Any) -> bool:
+    return isinstance(value, tuple) and bool(value) and all(isinstance(v, np.ndarray) for v in value)
+
+
 def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
                        max_tokens: int | None, free_memory_fraction: float,
                        max_batch_size: int, max_seq_len: int, mesh: jax.sharding.Mesh | None = None) -> int:
@@ -122,6 +126,8 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        # One process: host buffers go straight into the compiled calls (see `execute`).
+        self._single_process = jax.process_count() == 1
         if attention_dp:
             self.kv_cache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
         else:
@@ -144,6 +150,7 @@ class ModelRunner:
         # Expert counts [num_moe_layers, num_experts] of the last executed step (device array;
         # None unless the runner was built with moe_stats=True).
         self.last_expert_counts: jax.Array | None = None
+        self.last_enqueue_time = 0.0  # time.perf_counter() when the last forward was handed to the runtime
 
     @property
     def num_forward_variants(self) -> int:
@@ -163,6 +170,8 @@ class ModelRunner:
         exe = cache.get(layout)
         if exe is None:
             start = time.perf_counter()
+            # Host buffers are lowered as what they become on the mesh: replicated device arrays.
+            args = tuple(put_on_mesh(a, self._replicated) if _is_host_buffers(a) else a for a in args)
             exe = jitted.lower(*args, layout=layout).compile()
             elapsed = time.perf_counter() - start
             logger.debug("compiled a %s variant in %.2fs", what, elapsed)
@@ -193,13 +202,17 @@ class ModelRunner:
         """Dispatch one planned step (forward, then sampling); returns the sampler output as
         device arrays without waiting for them. Tokens the plan feeds from the previous step
         (`plan.feed_index`) come from the last step this runner executed. The host inputs of
-        both programs go to the devices in one transfer (one flat buffer per dtype and program)."""
+        each program are one flat buffer, handed to the compiled program as a numpy array: its
+        C++ call path moves it to the mesh far cheaper than a `jax.device_put` from Python
+        (pack allocates a new buffer per call, so the runtime may read it asynchronously).
+        With several processes each puts its own devices' pieces first (`put_on_mesh`)."""
         batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         sampling_buffers, sampling_layout = pack(plan.sampling)
-        batch_inputs, sampling_inputs = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
-        logits = self._forward(batch_inputs, batch_layout, self._last_tokens)
+        if not self._single_process:
+            batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
+        logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
-        out = self._sample(logits, sampling_inputs, sampling_layout)
+        out = self._sample(logits, sampling_buffers, sampling_layout)
         self._last_tokens = out.token_ids
         return out
 
@@ -207,6 +220,7 @@ class ModelRunner:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         args = (self.params, self.kv_cache, inputs, prev)
         exe = self._compile(self._forward_exes, self._forward_jit, args, layout, "model forward")
+        self.last_enqueue_time = time.perf_counter()
         self.kv_cache, logits, self.last_expert_counts = exe(*args)
         return logits
 

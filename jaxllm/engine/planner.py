@@ -21,10 +21,14 @@ import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
+from jaxllm.sampling.slots import SamplingSlots
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.step_batch import StepBatch
+
+_GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
+_GENERATION_TO_COMPLETE = LlmRequestState.GENERATION_TO_COMPLETE
 
 PLACEHOLDER_TOKEN = -1
 """An output token sampled by a step still in flight (its value is on the device)."""
@@ -67,6 +71,8 @@ class Planner:
         self.min_token_bucket = min_token_bucket
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
+        # Sampling settings per KV slot, gathered each step instead of re-read from each request.
+        self.sampling_slots = SamplingSlots(kv_cache_manager.block_table.shape[0])
 
     def token_buckets(self) -> list[int]:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
@@ -85,38 +91,62 @@ class Planner:
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""
-        num_gen = len(output.generation_requests)
+        gen = output.generation_requests
+        num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
         bucket = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
-                                 max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
+                                 max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                                 generation_tokens=last_tokens)
         feed_index = np.full((bucket,), -1, np.int32)
         num_ctx_tokens = num_tokens - num_gen
-        prev_rows = {id(r): row for r, row, _ in in_flight or ()}
-        for i, request in enumerate(output.generation_requests):
-            if request.output_token_ids[-1] == PLACEHOLDER_TOKEN:
-                feed_index[num_ctx_tokens + i] = prev_rows[id(request)]
+        in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
+        if in_flight_rows.any():
+            # The previous step's row of each such request (set by `commit`).
+            if not in_flight:
+                raise ValueError("a generation request waits for a token of a step that is not in flight")
+            feed = np.array([r.feed_row for r in gen], np.int32).reshape(num_gen)
+            feed_index[num_ctx_tokens:num_tokens] = np.where(in_flight_rows, feed, -1)
         rows = output.all_requests()
+        kv = self.kv_cache_manager
+        placement = output.kv_placement
+        slots = (placement.rows if kv.placement_is_current(placement) and len(placement.rows) == len(rows)
+                 else kv.get_table_rows(rows))
+        sampling = self.sampling_slots.build(rows, slots, self.max_batch_size, self.max_seq_len,
+                                             lambda: self._build_sampling(rows))
+        return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens)
+
+    def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
+        """Sampling tensors from every request's parameters (any setting)."""
         params = [r.sampling_params for r in rows]
         needs_history = any(p.needs_history for p in params)
-        sampling = SamplingTensors.build(
+        return SamplingTensors.build(
             params, [len(r.output_token_ids) for r in rows],
             [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
             [r.end_ids for r in rows], self.max_batch_size, self.max_seq_len, seeds=[r.seed for r in rows])
-        return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens)
 
     @staticmethod
     def commit(output: SchedulerOutput) -> list[TokenEntry]:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
         request that gets a token (generation, or a finished prompt) carries a placeholder."""
         entries: list[TokenEntry] = []
+        append = entries.append
         for row, request in enumerate(output.all_requests()):
-            produces_token = request.is_generation_phase or request.is_last_context_chunk
+            state = request.state
+            if state is _GENERATION_IN_PROGRESS or state is _GENERATION_TO_COMPLETE:
+                out = request.output_token_ids  # add_new_token in this state is an append
+                append((request, row, len(out)))
+                out.append(PLACEHOLDER_TOKEN)
+                request.feed_row = row
+                continue
+            produces_token = request.is_last_context_chunk
             if request.is_context_phase:
                 request.move_to_next_context_chunk()
             if produces_token:
-                entries.append((request, row, len(request.output_token_ids)))
+                append((request, row, len(request.output_token_ids)))
                 request.add_new_token(PLACEHOLDER_TOKEN)
+                request.feed_row = row
         return entries
 
     def plan(self, candidates: list[LlmRequest], in_flight: Optional[list[TokenEntry]] = None

@@ -1,0 +1,107 @@
+"""Per-request sampling settings kept in persistent arrays, one row per KV-cache slot.
+
+A request's temperature, top-k/p, min-p, penalties and seed never change while it runs,
+so they are written once, into the row of the KV block table the request occupies, and
+each step gathers the rows of its requests with one numpy `take` instead of reading every
+request's parameters again. A row is rewritten when another request takes the slot
+(checked by identity, one comparison per row).
+
+Only "plain" rows take this path: no penalties, no bad words, no min_tokens, no logprobs.
+A step with any other row is built by `SamplingTensors.build`, which handles every
+setting (those rows need per-step work anyway: histories, bans, logprob outputs), so both
+paths produce the same tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from jaxllm.sampling.tensors import SUPPRESS_WIDTH, SamplingTensors
+
+_NEUTRAL = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # a padding row: greedy, no penalties
+
+
+class SamplingSlots:
+    """The step-invariant sampler settings of the request in each KV slot."""
+
+    def __init__(self, num_slots: int = 64) -> None:
+        num_slots = max(1, num_slots)
+        self._owner: list[Any] = [None] * num_slots
+        self._values = np.tile(_NEUTRAL, (num_slots, 1))  # float64 [slots, 7], SamplingTensors columns
+        self._seed = np.zeros((num_slots, 2), np.uint32)  # high, low word of the 64-bit seed
+        self._plain = np.zeros(num_slots, np.bool_)
+
+    def _grow(self, needed: int) -> None:
+        old = len(self._owner)
+        size = max(needed, 2 * old)
+        self._owner += [None] * (size - old)
+        self._values = np.concatenate([self._values, np.tile(_NEUTRAL, (size - old, 1))])
+        self._seed = np.concatenate([self._seed, np.zeros((size - old, 2), np.uint32)])
+        self._plain = np.concatenate([self._plain, np.zeros(size - old, np.bool_)])
+
+    def _fill(self, slot: int, request: Any) -> None:
+        params = request.sampling_params
+        row = params._row
+        seed = request.seed if request.seed is not None else params.seed
+        plain = (not row.has_penalties and not row.has_bad_words and not row.needs_history
+                 and row.min_tokens == 0 and params.logprobs is None and (seed is not None or row.greedy))
+        self._owner[slot] = request
+        self._values[slot] = row.values
+        seed = 0 if seed is None else seed
+        self._seed[slot] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+        self._plain[slot] = plain
+
+    def build(self, requests: Sequence[Any], slots: Sequence[int], max_batch_size: int, history_len: int,
+              general: Callable[[], SamplingTensors], *, suppress_width: int = SUPPRESS_WIDTH
+              ) -> SamplingTensors:
+        """The sampling tensors of a step whose row i is `requests[i]`, held in KV slot
+        `slots[i]`; `general()` builds them the general way when some row is not plain."""
+        n = len(requests)
+        S = max_batch_size
+        if n > S:
+            raise ValueError(f"max_batch_size: {n} rows do not fit in a batch of {S}")
+        if n and max(slots) >= len(self._owner):
+            self._grow(max(slots) + 1)
+        owner = self._owner
+        for i, (request, slot) in enumerate(zip(requests, slots)):
+            if owner[slot] is not request:
+                self._fill(slot, request)
+        idx = np.asarray(slots, dtype=np.intp).reshape(n)
+        if not self._plain[idx].all():
+            return general()
+        scalars = np.empty((S, 7), np.float64)
+        np.take(self._values, idx, axis=0, out=scalars[:n])
+        scalars[n:] = _NEUTRAL
+        seed = np.zeros((S, 2), np.uint32)
+        np.take(self._seed, idx, axis=0, out=seed[:n])
+        step = np.zeros(S, np.int32)
+        step[:n] = [len(r.output_token_ids) for r in requests]
+        f32 = scalars.astype(np.float32)
+        sampled = scalars[:, 0] > 0
+        return SamplingTensors(
+            temperature=f32[:, 0].copy(),
+            top_k=scalars[:, 1].astype(np.int32),
+            top_p=f32[:, 2].copy(),
+            min_p=f32[:, 3].copy(),
+            repetition_penalty=f32[:, 4].copy(),
+            presence_penalty=f32[:, 5].copy(),
+            frequency_penalty=f32[:, 6].copy(),
+            seed=seed,
+            step=step,
+            suppress_ids=np.full((S, suppress_width), -1, np.int32),
+            history_ids=np.full((S, 1), -1, np.int32),
+            history_is_output=np.zeros((S, 1), np.bool_),
+            use_penalties=False,
+            num_top_logprobs=0,
+            any_random=bool(sampled.any()),
+            use_top_k_top_p=bool((sampled & ((scalars[:, 1] > 0) | (scalars[:, 2] < 1))).any()),
+        )
+
+    def release(self, slot: Optional[int] = None) -> None:
+        """Forget the owner of `slot` (every slot when None); the next step refills it."""
+        if slot is None:
+            self._owner = [None] * len(self._owner)
+        else:
+            self._owner[slot] = None
