@@ -40,7 +40,9 @@ def _model_dir(name: str, work: Path) -> Path:
     if is_preset(name):
         return materialize_preset(name)
     if name != "qwen3-moe-100m":
-        return Path(name)
+        from jaxllm.models.resolve import resolve_model
+
+        return resolve_model(name)  # a directory, or a downloadable name such as smollm2
     import shutil
 
     import torch
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="jaxllm bench engine", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default="tiny-moe", help="preset, HF dir, or qwen3-moe-100m")
+    parser.add_argument("--model", default="tiny-moe",
+                        help="preset, smollm2, HF dir, or qwen3-moe-100m (random, built on demand)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))

@@ -126,8 +126,8 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        # One process: host buffers go straight into the compiled calls (see `execute`).
-        self._single_process = jax.process_count() == 1
+        # One device: host buffers go straight into the compiled calls (see `execute`).
+        self._single_device = jax.process_count() == 1 and self.mesh.devices.size == 1
         if attention_dp:
             self.kv_cache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
         else:
@@ -205,10 +205,10 @@ class ModelRunner:
         each program are one flat buffer, handed to the compiled program as a numpy array: its
         C++ call path moves it to the mesh far cheaper than a `jax.device_put` from Python
         (pack allocates a new buffer per call, so the runtime may read it asynchronously).
-        With several processes each puts its own devices' pieces first (`put_on_mesh`)."""
+        On a mesh of several devices the buffers are put on the mesh first (`put_on_mesh`)."""
         batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         sampling_buffers, sampling_layout = pack(plan.sampling)
-        if not self._single_process:
+        if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
