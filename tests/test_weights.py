@@ -125,19 +125,31 @@ def check_sharded_loading(root: Path) -> None:
             worst = max(worst, biggest / shard_bytes)
     print(json.dumps(dict(kind="shards", worst_read_over_shard=worst, num_tensors=len(sizes))), flush=True)
 
-    # Orbax: convert once, restore into TP 8 (KV heads replicated) and TP 2.
+    # Orbax: convert once, restore into TP 8 (KV heads replicated), TP 2, expert parallelism with
+    # the default placement and with redundant slots, and attention DP's replicated attention.
+    from sharding.attention_dp import attention_dp_rules
+
     converted = convert_checkpoint(directory, root / "converted")
-    for tp in (8, 2):
-        mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
-        expected = load_params(directory, config, mesh=mesh)
-        restored = load_params(converted, config, mesh=mesh)
+    redundant = {1: [3, 1, 0, 2, 0, 1]}  # the 4 experts in 6 slots over 2 ranks
+    for tp, ep, placement, dp in ((8, None, None, False), (2, None, None, False), (8, 4, None, False),
+                                  (8, 2, redundant, False), (8, 2, None, True)):
+        mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp, moe_expert_parallel_size=ep))
+        kwargs = dict(mesh=mesh, slot_assignments=placement,
+                      rules=attention_dp_rules(config, mesh) if dp else None)
+        expected = load_params(directory, config, **kwargs)
+        restored = load_params(converted, config, **kwargs)
         same_values = jax.tree_util.tree_all(jax.tree_util.tree_map(
             lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), restored, expected))
         same_shardings = jax.tree_util.tree_all(jax.tree_util.tree_map(
             lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, expected))
-        print(json.dumps(dict(kind="orbax", tp=tp, same_values=same_values, same_shardings=same_shardings,
-                              k_spec=str(restored["layer_stacks"][0]["attn"]["k"].sharding.spec),
-                              k_shape=list(restored["layer_stacks"][0]["attn"]["k"].shape[1:]))), flush=True)
+        stacks = restored.get("layer_stacks") or []
+        k = stacks[0]["attn"]["k"] if stacks else restored["layers"][0]["attn"]["k"]
+        layers = restored.get("layers") or []
+        moe = layers[1].get("moe", {}) if len(layers) > 1 and isinstance(layers[1], dict) else {}
+        print(json.dumps(dict(kind="orbax", tp=tp, ep=ep, dp=dp, same_values=same_values, same_shardings=same_shardings,
+                              slots=list(moe["w_gate"].shape)[:1] if "slots" in moe else None,
+                              k_spec=str(k.sharding.spec), k_shape=list(k.shape[1:] if stacks else k.shape))),
+              flush=True)
 
 
 def test_sharded_loading_and_orbax_round_trip(tmp_path):
@@ -150,7 +162,9 @@ def test_sharded_loading_and_orbax_round_trip(tmp_path):
     shards = next(r for r in out if r["kind"] == "shards")
     assert shards["worst_read_over_shard"] <= 1.0, shards
     orbax = [r for r in out if r["kind"] == "orbax"]
-    assert len(orbax) == 2
+    assert len(orbax) == 5
     for r in orbax:
         assert r["same_values"] and r["same_shardings"], r
     assert orbax[0]["k_shape"][1] == 8 and "tensor" in orbax[0]["k_spec"]
+    assert [r["slots"] for r in orbax[2:4]] == [[4], [6]], "EP layouts restore the experts as slots"
+    assert orbax[4]["k_shape"][1] == 2 and "tensor" not in orbax[4]["k_spec"], "attention DP: k replicated"

@@ -229,11 +229,9 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
     if is_converted(model_dir):
-        if assignments is not None:
-            raise ValueError(f"{model_dir} is a converted checkpoint; expert parallelism and expert placements "
-                             "load from the safetensors checkpoint")
-        restored = restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules)
-        return stack_params(restored, config, mesh, rules, delete_layers=True)
+        restored = restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules, slot_assignments=assignments)
+        _add_slot_tables(restored, config, mesh, assignments)
+        return stack_params(restored, config, mesh, rules, delete_layers=True)  # slot layers stay per layer
     np_dtype = numpy_dtype(dtype or config.dtype)
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
@@ -264,11 +262,16 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
                     decl.shape, sharding, functools.partial(read_box, decl), decl.param_dtype(np_dtype))))
                 bar.update(1)
     params = build_params(leaves, config, stacks)
+    _add_slot_tables(params, config, mesh, assignments)
+    return params
+
+
+def _add_slot_tables(params: Params, config: ModelConfig, mesh: jax.sharding.Mesh,
+                     assignments: Optional[dict[int, np.ndarray]]) -> None:
     if assignments is not None:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         for layer, slot_to_expert in assignments.items():
             params["layers"][layer]["moe"]["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
-    return params
 
 
 def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.sharding.Mesh] = None,

@@ -15,15 +15,14 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.models.config import ModelConfig, load_model_config, numpy_dtype
 from jaxllm.models.weights import Params, build_tree, declare_weights
-from sharding.rules import ShardingRules, kv_head_replicas, named_sharding
-from sharding.mesh import tensor_parallel_size
+from sharding.rules import ShardingRules, named_sharding
 
 _MARKER = "jaxllm_converted.json"
 _PARAMS_DIR = "params"
@@ -63,36 +62,57 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: Opt
 
 
 def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *,
-                      mesh: jax.sharding.Mesh, rules: ShardingRules) -> Params:
-    """The parameters of a converted directory, each restored directly into its sharding."""
+                      mesh: jax.sharding.Mesh, rules: ShardingRules,
+                      slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> Params:
+    """The parameters of a converted directory, each restored directly into its sharding.
+    `slot_assignments` (MoE layer -> expert of each slot, as `load_params` resolves them)
+    stores those layers' experts as slots, gathered on the devices from the expert stack."""
     import orbax.checkpoint as ocp
+
+    from jaxllm.models.loader import kv_replicas_for
 
     model_dir = Path(model_dir).absolute()
     marker = json.loads((model_dir / _MARKER).read_text())
     if marker.get("version") != _FORMAT_VERSION:
         raise ValueError(f"{model_dir} was converted by an incompatible version ({marker.get('version')})")
     np_dtype = numpy_dtype(dtype or config.dtype)
-    replicas = kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
-    stored, final = declare_weights(config, 1), declare_weights(config, replicas)
+    replicas = kv_replicas_for(config, mesh, rules)
+    stored, final = declare_weights(config, 1), declare_weights(config, replicas, slot_assignments)
     targets = []
     for before, after in zip(stored, final):
-        repeated = before.shape != after.shape
-        # Leaves whose KV heads get repeated are restored replicated over the KV-head axis.
-        axes = tuple(None if repeated and a == "kv_heads" else a for a in before.axes)
+        changed = before.shape != after.shape
+        axes = before.axes
+        if changed and "kv_heads" in axes:  # KV heads to repeat: restored replicated over that axis
+            axes = tuple(None if a == "kv_heads" else a for a in axes)
+        if changed and axes[:1] == ("experts",) and config.num_experts % _axis_size(mesh, rules.experts):
+            axes = (None,) + tuple(axes[1:])  # an expert stack that does not split evenly: replicated
         sharding = named_sharding(mesh, axes, rules)
         targets.append((before.path, jax.ShapeDtypeStruct(before.shape, before.param_dtype(np_dtype),
                                                            sharding=sharding)))
     restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
-    if replicas == 1:
+    if replicas == 1 and not slot_assignments:
         return restored
     leaves = []
     for before, after, value in zip(stored, final, _leaves_in_order(restored, stored)):
         if before.shape != after.shape:
-            axis = before.axes.index("kv_heads")
             sharding = named_sharding(mesh, after.axes, rules)
-            value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis), out_shardings=sharding)(value)
+            if after.axes[:1] == ("experts",):  # the layer's slots, from its expert stack
+                rows = jnp.asarray(slot_assignments[after.path[1]], jnp.int32)
+                value = jax.jit(lambda x, rows=rows: jnp.take(x, rows, axis=0), out_shardings=sharding)(value)
+            else:
+                axis = before.axes.index("kv_heads")
+                value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis),
+                                out_shardings=sharding)(value)
         leaves.append((after.path, value))
     return build_tree(leaves)
+
+
+def _axis_size(mesh: jax.sharding.Mesh, axis: Any) -> int:
+    names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+    size = 1
+    for name in names:
+        size *= int(mesh.shape[name])
+    return size
 
 
 def _leaves_in_order(tree: Params, decls) -> list:
