@@ -7,6 +7,12 @@ tensorstore files into its sharding, with none of the per-tensor transforms: the
 path for restarting a large model. The stored KV heads are never replicated; when the
 mesh needs replicas (fewer KV heads than tensor-parallel ranks) k/v are restored
 replicated and repeated on device.
+
+Experts are stored as the plain expert stack [E, ...]. Under expert parallelism (or with
+an explicit placement) each MoE layer's stack is restored split over the `expert` axis
+(replicated on it when E does not divide) and its slots [S, ...] are gathered from it on
+the devices, straight into the slot sharding: any placement, redundant slots included,
+restores from the same converted checkpoint.
 """
 
 from __future__ import annotations
