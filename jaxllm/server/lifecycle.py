@@ -65,10 +65,16 @@ class BoundedH11Protocol(H11Protocol):
 
 
 def make_config(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
-                timeout_keep_alive: int = 5, header_timeout: float = 10.0) -> uvicorn.Config:
-    """The uvicorn settings `serve` runs with (tests build their servers from it too)."""
+                timeout_keep_alive: int = 5, header_timeout: float = 10.0,
+                configure_logging: bool = True) -> uvicorn.Config:
+    """The uvicorn settings `serve` runs with (tests build their servers from it too).
+
+    uvicorn's logging setup is `logging.config.dictConfig`, which closes every handler the
+    process already has; an embedding process (tests under output capture) can keep its own
+    with `configure_logging=False`."""
     protocol = type("BoundedH11", (BoundedH11Protocol,), {"header_timeout": header_timeout})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+    logging_kwargs = {} if configure_logging else {"log_config": None}
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, **logging_kwargs,
                           timeout_keep_alive=timeout_keep_alive,
                           timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)))
 
