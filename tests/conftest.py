@@ -14,9 +14,12 @@ after warm-up still see anything that was not compiled during warm-up.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+
+import pytest
 
 _SESSION_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -42,3 +45,15 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     if _cache_dir is not None:
         shutil.rmtree(_cache_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_logging():
+    """Tests that run the CLI in-process get its logging setup (`jaxllm.cli.quiet_logs`: the
+    `jaxllm` logger stops propagating, the root logger gets a stderr handler bound to that
+    test's captured output); undo it so later tests' `caplog` sees jaxllm's records."""
+    root, ours = logging.getLogger(), logging.getLogger("jaxllm")
+    saved = (root.handlers[:], root.level, ours.handlers[:], ours.level, ours.propagate)
+    yield
+    root.handlers[:], root.level = saved[0], saved[1]
+    ours.handlers[:], ours.level, ours.propagate = saved[2], saved[3], saved[4]
