@@ -255,7 +255,9 @@ def test_a_failure_while_building_a_step_fails_only_its_request(llm, canary_toke
         return build_step_batch(output, *args, **kwargs)
 
     # Fault 2: the sampling tensors raise for another request in the middle of its generation.
-    poisoned_params = SamplingParams(max_tokens=8, ignore_eos=True)
+    # (Its logprobs make its steps take the general SamplingTensors.build path; plain rows are
+    # gathered from per-slot arrays instead.)
+    poisoned_params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     build = SamplingTensors.build
 
     def faulty_build(cls, rows, num_generated, *args, **kwargs):
