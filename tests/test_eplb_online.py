@@ -210,7 +210,9 @@ def test_in_place_round_keeps_device_memory_and_addresses(online_results):
     rounds = online_results["engine"]["rounds"]
     assert len(rounds) >= 6
     for r in rounds:
-        assert r["after"] == r["before"], r
+        # Live arrays include the step loop's own small buffers, which may be freed meanwhile:
+        # the round itself must leave nothing new behind.
+        assert r["after"] <= r["before"], r
         assert r["donated"] and r["same_layout"] and r["same_address"], r
 
 
