@@ -60,7 +60,7 @@ class ChannelStats:
 
     messages: int = 0
     bytes: int = 0
-    encode_seconds: float = 0.0  # pickling the calls
+    encode_seconds: float = 0.0  # encoding the calls (plan_channel.encode)
     send_seconds: float = 0.0  # handing them to the channel (kv: one store write; collective: the broadcast)
 
 
