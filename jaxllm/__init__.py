@@ -4,7 +4,7 @@ from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "MoeConfig", "SchedulerConfig", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "KvCacheConfig", "MoeConfig", "SchedulerConfig", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,10 @@ def __getattr__(name: str):
         from jaxllm.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from jaxllm.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from jaxllm.sampling import SamplingParams
 

@@ -13,7 +13,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.engine.config import EngineConfig
-from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor
+from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor, per_prompt_loras
+from jaxllm.lora.request import LoRARequest
 from jaxllm.executor.result import GenerationResult
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
@@ -93,8 +94,11 @@ class LLM:
         return prompts, params
 
     # ----------------------------------------------------------------- generate
-    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True) -> Union[RequestOutput, list[RequestOutput]]:
+    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None
+                 ) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate for one prompt (returns one output) or a list (returns a list, same order).
+        `lora_request`: the LoRA adapter of every prompt, or a list with one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad prompt raises ValueError
         and leaves the engine untouched.
@@ -102,7 +106,9 @@ class LLM:
         self._check_open()
         single = _is_single_prompt(inputs)
         prompts, params = self._normalize(inputs, sampling_params)
-        results = self._executor.submit_many([self._executor.make_request(p, sp) for p, sp in zip(prompts, params)])
+        loras = per_prompt_loras(lora_request, len(prompts))
+        results = self._executor.submit_many([self._executor.make_request(p, sp, lora_request=lr)
+                                              for p, sp, lr in zip(prompts, params, loras)])
         outputs = []
         try:
             with tqdm(total=len(results), desc="generate", unit="req",
@@ -118,12 +124,15 @@ class LLM:
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None) -> GenerationResult:
-        """Submit one prompt and return its `GenerationResult` at once (stream it, or await it)."""
+                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
+                       ) -> GenerationResult:
+        """Submit one prompt and return its `GenerationResult` at once (stream it, or await it);
+        `lora_request`: the LoRA adapter to run it with."""
         self._check_open()
         if not _is_single_prompt(inputs):
             raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
-        return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout)
+        return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout,
+                                             lora_request=lora_request)
 
     def get_stats(self, timeout: Optional[float] = 2.0) -> list[dict]:
         """Iteration stats since the previous call, waiting up to `timeout` seconds for one."""

@@ -70,6 +70,8 @@ class LlmRequest:
     # Row of this request in the step that sampled its newest output token, while that token
     # is still on the device (the engine's placeholder); the next step reads it from there.
     feed_row: int = -1
+    # The request's LoRA adapter (a `jaxllm.lora.LoraAdapter`), None for the base model.
+    lora_adapter: Any = None
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

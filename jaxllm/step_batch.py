@@ -16,6 +16,7 @@ the last slot, so KV writes are dropped) and their outputs are ignored; sequence
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import jax
 import numpy as np
@@ -32,10 +33,14 @@ class StepBatch:
     block_tables: np.ndarray  # int32[S, MB] physical block ids; unused entries are any valid id
     num_seqs: np.ndarray  # int32[1] live sequences in this step
     logits_indices: np.ndarray  # int32[S] token whose logits are sampled for each sequence
+    # int32[T] LoRA slot of each token (-1: no adapter); None when the engine serves no
+    # adapters, which leaves the compiled step exactly as without LoRA (see jaxllm.lora).
+    lora_slots: Optional[np.ndarray] = None
 
     @property
     def num_tokens_padded(self) -> int:
         return int(self.token_ids.shape[0])
 
     def as_device(self) -> "StepBatch":
-        return StepBatch(**{f.name: jax.numpy.asarray(getattr(self, f.name)) for f in fields(self)})
+        return StepBatch(**{f.name: None if getattr(self, f.name) is None else jax.numpy.asarray(getattr(self, f.name))
+                            for f in fields(self)})

@@ -44,7 +44,7 @@ def plan_without_devices() -> dict:
         for name in ("batch", "sampling"):
             for f in fields(getattr(plan, name)):
                 value = getattr(getattr(plan, name), f.name)
-                only_host_values &= isinstance(value, (np.ndarray, bool, int))
+                only_host_values &= value is None or isinstance(value, (np.ndarray, bool, int))  # None: unused (LoRA off)
         only_host_values &= isinstance(plan, StepPlan) and isinstance(plan.feed_index, np.ndarray)
         for request, row, index in step.entries:  # the "device": a token made up on the host
             assert request.output_token_ids[index] == PLACEHOLDER_TOKEN

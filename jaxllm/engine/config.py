@@ -50,6 +50,11 @@ class EngineConfig:
     # Runs of identical layers as one lax.scan over stacked weights (compile time independent
     # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
     scan_layers: bool = True
+    # LoRA adapters (jaxllm.lora): `max_loras` device slots of rank up to `max_lora_rank`.
+    # Off, the compiled step is exactly the base model's.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
@@ -59,7 +64,7 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
-        for name in ("max_batch_size", "max_num_tokens"):
+        for name in ("max_batch_size", "max_num_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < 2:

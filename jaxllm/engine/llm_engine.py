@@ -45,6 +45,9 @@ from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.lora import LoraAdapter, LoRARequest, LoraSlots
+from jaxllm.lora.cache import AdapterCache
+from jaxllm.lora.weights import empty_slot, init_lora_weights, slot_update
 from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
@@ -167,15 +170,19 @@ class LLMEngine:
             max_batch_size=config.max_batch_size, max_seq_len=self.max_seq_len, mesh=kv_mesh) for kv_mesh in kv_meshes)
         num_blocks = agree_min("kv_cache_blocks", num_blocks)  # every host holds its share of every block
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / tpb)
+        # LoRA: adapter slots are a resource of the capacity scheduler (jaxllm.lora.slots).
+        self.lora_slots = self._lora_slots(config) if config.enable_lora else None
+        self._adapters = AdapterCache(self.model_config, config.max_lora_rank) if config.enable_lora else None
 
         def rank_planner() -> Planner:
             kv = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq, enable_block_reuse=kv_cfg.enable_block_reuse,
                                 max_num_sequences=config.max_batch_size)
             scheduler = make_scheduler(config.scheduler_config, kv, config.max_batch_size, config.max_num_tokens,
-                                       config.enable_chunked_prefill)
+                                       config.enable_chunked_prefill, lora_slots=self.lora_slots)
             return Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=config.max_batch_size,
                            max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
-                           max_blocks_per_seq=self.max_blocks_per_seq, max_seq_len=self.max_seq_len)
+                           max_blocks_per_seq=self.max_blocks_per_seq, max_seq_len=self.max_seq_len,
+                           lora_slots=self.lora_slots)
 
         if self.attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.attention_dp)
             assignment = RankAssignment(len(kv_meshes))
@@ -198,6 +205,9 @@ class LLMEngine:
                                   moe_fn=moe_fn, max_batch_size=self.num_sampler_rows, mesh=self.mesh,
                                   moe_options=moe_options, moe_stats=self.expert_statistics is not None or online,
                                   attention_dp=self.attention_dp)
+        if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
+            self.runner.params["lora"] = init_lora_weights(self.model_config, self.runner.params, config.max_loras,
+                                                           config.max_lora_rank, self.model_config.dtype)
         # Online expert load balancing: placements recomputed in the background, slots rewritten in place.
         self.load_balancer = OnlineLoadBalancer(
             config=balancer, params=self.runner.params, moe_layers=moe_layers,
@@ -231,6 +241,39 @@ class LLMEngine:
             max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
             max_num_tokens=config.max_num_tokens, enable_chunked_prefill=config.enable_chunked_prefill)
 
+    def _lora_slots(self, config: EngineConfig) -> LoraSlots:
+        """The adapter slots, after refusing the layouts LoRA does not run on yet."""
+        unsupported = []
+        if self.model_config.is_mla:
+            unsupported.append(f"{self.model_config.architecture} (multi-head latent attention)")
+        if self.mesh.devices.size > 1:
+            unsupported.append(f"a mesh of {self.mesh.devices.size} devices (tensor / expert parallelism, "
+                               "attention data parallelism)")
+        if config.moe_config.load_balancer is not None:
+            unsupported.append("expert slots (moe_config.load_balancer)")
+        if is_multiprocess():
+            unsupported.append("multi-host runs")
+        if unsupported:
+            raise ValueError(f"enable_lora: LoRA adapters are not supported with {' or '.join(unsupported)}; "
+                             "they run on one device with dense or MoE (attention-only adapters) models")
+        return LoraSlots(config.max_loras)
+
+    def resolve_lora(self, lora_request: Any) -> Optional[LoraAdapter]:
+        """The checked adapter of `lora_request` (None for the base model); ValueError when it
+        cannot be served. Safe from any thread; adapters are read once and kept."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a jaxllm.LoRARequest, got {type(lora_request).__name__}")
+        if self._adapters is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was built without LoRA "
+                             "support; build it with enable_lora=True (CLI: --enable-lora)")
+        return self._adapters.get(lora_request)
+
+    def _slot_update(self, adapter: LoraAdapter) -> Any:
+        return slot_update(adapter, self.model_config, self.runner.params, self.config.max_lora_rank,
+                           self.model_config.dtype)
+
     def reset_timing(self) -> None:
         self.timing = EngineTiming()
 
@@ -256,9 +299,10 @@ class LLMEngine:
             batches = [(self.planner.empty_batch(bucket), np.full((self.planner.num_ranks, bucket), -1, np.int32))
                        for bucket in buckets]
         else:
-            batches = [(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
-                                         max_batch_size=self.config.max_batch_size,
-                                         max_blocks_per_seq=self.max_blocks_per_seq),
+            batches = [(replace(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
+                                                 max_batch_size=self.config.max_batch_size,
+                                                 max_blocks_per_seq=self.max_blocks_per_seq),
+                                lora_slots=self.planner.empty_lora_slots(bucket)),
                         np.full((bucket,), -1, np.int32)) for bucket in buckets]
         samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags)
                      for flags in variants]
@@ -283,16 +327,23 @@ class LLMEngine:
             np.asarray(out.token_ids)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
+        if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
+            adapter = self.lora_slots.adapter_in(0)
+            self.runner.write_lora_slot(0, self._slot_update(adapter) if adapter is not None else empty_slot(
+                self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype))
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
         return next(self._ids)
 
-    def validate_request(self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0) -> AdmittedRequest:
+    def validate_request(self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0,
+                         lora_request: Any = None) -> AdmittedRequest:
         """Admission checks (ValueError naming the field); safe to call from any thread, and
         what the executor and the server call before queueing a request."""
-        return validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
-                                tokenizer=self.tokenizer)
+        admitted = validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
+                                    tokenizer=self.tokenizer)
+        self.resolve_lora(lora_request)
+        return admitted
 
     def validate_prompt(self, prompt_token_ids: Any, params: Any) -> None:
         """Alias of `validate_request` with the default priority."""
@@ -300,10 +351,13 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Any, sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[int] = None, priority: float = 0.0,
-                    arrival_time: Optional[float] = None, sequence_index: int = 0) -> LlmRequest:
-        """Admit a request (ValueError naming the field if it breaks a limit)."""
+                    arrival_time: Optional[float] = None, sequence_index: int = 0,
+                    lora_request: Optional[LoRARequest] = None) -> LlmRequest:
+        """Admit a request (ValueError naming the field if it breaks a limit). `lora_request`:
+        the LoRA adapter it runs with (the engine needs enable_lora)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         admitted = self.validate_request(prompt_token_ids, params, priority=priority)
+        adapter = self.resolve_lora(lora_request)
         sequence_index = check_sequence_index(sequence_index)
         arrival_time = check_arrival_time(arrival_time)
         if request_id is None:
@@ -319,6 +373,7 @@ class LLMEngine:
             sampling_params=params)
         request.seed = resolve_seed(params, sequence_index)
         request.end_ids = admitted.end_ids
+        request.lora_adapter = adapter
         self.active[request.request_id] = request
         self._num_needing_history += params.needs_history
         self._num_wanting_logprobs += params.logprobs is not None
@@ -424,6 +479,9 @@ class LLMEngine:
             except Exception as exc:
                 self._failed += self._fail(output.all_requests(), exc, "building a step")
                 return None
+        if self.lora_slots is not None:  # adapters newly given a slot: written before the step reads them
+            for slot, adapter in self.lora_slots.take_loads():
+                self.runner.write_lora_slot(slot, self._slot_update(adapter))
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
         dispatch_start = time.perf_counter()
@@ -535,6 +593,8 @@ class LLMEngine:
         request.stop_reason = stop_reason
         request.finish(reason)
         self.kv_cache_manager.free_resources(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         if self.active.pop(request.request_id, None) is not None:
             params = request.sampling_params
             self._num_needing_history -= params.needs_history

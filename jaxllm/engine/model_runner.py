@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
+from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from jaxllm.models.decoder import forward_with_moe_stats
 from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
@@ -215,6 +216,11 @@ class ModelRunner:
         out = self._sample(logits, sampling_buffers, sampling_layout)
         self._last_tokens = out.token_ids
         return out
+
+    def write_lora_slot(self, slot: int, update: Any) -> None:
+        """Replace LoRA slot `slot` of `params["lora"]` by `update` (host arrays of one slot; see
+        `jaxllm.lora.weights`), in place: the old buffers are donated, nothing recompiles."""
+        self.params["lora"] = write_slot(self.params["lora"], slot, update)
 
     def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens

@@ -14,13 +14,14 @@ that will get a token carry a placeholder until the runner's output is read back
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.lora.slots import NO_SLOT, LoraSlots
 from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
 from jaxllm.sampling.slots import SamplingSlots
@@ -63,8 +64,12 @@ class PlannedStep:
 
 class Planner:
     def __init__(self, *, scheduler, kv_cache_manager: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 min_token_bucket: int, max_blocks_per_seq: int, max_seq_len: int) -> None:
+                 min_token_bucket: int, max_blocks_per_seq: int, max_seq_len: int,
+                 lora_slots: Optional[LoraSlots] = None) -> None:
+        """`lora_slots`: the adapter slots when the engine serves LoRA adapters (every plan then
+        carries each token's slot, `StepBatch.lora_slots`)."""
         self.scheduler = scheduler
+        self.lora_slots = lora_slots
         self.kv_cache_manager = kv_cache_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -83,6 +88,8 @@ class Planner:
         output = self.scheduler.schedule_request(candidates, set())
         for paused in output.paused_requests:
             self.kv_cache_manager.free_resources(paused)
+            if self.lora_slots is not None:
+                self.lora_slots.release(paused)
         if output.is_empty:
             return None
         self.kv_cache_manager.prepare_resources(output)
@@ -99,6 +106,8 @@ class Planner:
         batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
                                  max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq,
                                  generation_tokens=last_tokens)
+        if self.lora_slots is not None:
+            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
         feed_index = np.full((bucket,), -1, np.int32)
         num_ctx_tokens = num_tokens - num_gen
         in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
@@ -116,6 +125,20 @@ class Planner:
         sampling = self.sampling_slots.build(rows, slots, self.max_batch_size, self.max_seq_len,
                                              lambda: self._build_sampling(rows))
         return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens)
+
+    def _lora_token_slots(self, output: SchedulerOutput, batch: StepBatch) -> np.ndarray:
+        """int32[T]: each token's adapter slot (-1: none, and for padding)."""
+        rows = output.all_requests()
+        slots = np.full(batch.token_ids.shape[0], NO_SLOT, np.int32)
+        if any(r.lora_adapter is not None for r in rows):
+            per_seq = np.array([self.lora_slots.slot_of(r) for r in rows], np.int32)
+            counts = np.diff(batch.cu_q_lens[:len(rows) + 1])
+            slots[:int(counts.sum())] = np.repeat(per_seq, counts)
+        return slots
+
+    def empty_lora_slots(self, bucket: int) -> Optional[np.ndarray]:
+        """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
+        return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
     def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
         """Sampling tensors from every request's parameters (any setting)."""

@@ -36,6 +36,7 @@ class SequenceRequest:
     priority: float = 0.0
     arrival_time: Optional[float] = None
     deadline: Optional[float] = None  # time.monotonic() after which it finishes with 'timeout'
+    lora_request: Any = None  # the LoRA adapter (a jaxllm.LoRARequest), None for the base model
 
 
 @dataclass
@@ -202,9 +203,10 @@ class EngineCore:
         if kind == "add":
             for seq in command[1]:
                 events.append((ADD, seq.rid, seq.spec))
+                extra = {} if seq.lora_request is None else {"lora_request": seq.lora_request}
                 try:
                     self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,
-                                            priority=seq.priority, arrival_time=seq.arrival_time)
+                                            priority=seq.priority, arrival_time=seq.arrival_time, **extra)
                 except Exception as exc:  # refused: this request fails, the others go on
                     events.append((ERROR, seq.rid, portable_error(exc)))
                     continue

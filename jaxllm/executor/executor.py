@@ -35,6 +35,7 @@ from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec
 from jaxllm.executor.postprocess import PostprocessWorkerPool
 from jaxllm.executor.request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
 from sharding.multihost import on_peer_failure
@@ -68,6 +69,18 @@ class ExecutorConfig:
 
 
 EXECUTOR_FIELDS = ("num_postprocess_workers", "stream_interval")
+
+
+def per_prompt_loras(lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]],
+                     num_prompts: int) -> list[Optional[LoRARequest]]:
+    """One adapter (or None) for every prompt: one given for all, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+        return list(lora_request)
+    raise ValueError(f"lora_request must be a jaxllm.LoRARequest or a list of them, got {type(lora_request).__name__}")
 
 
 _SLICE = 32  # events processed between two GIL releases on the output thread
@@ -206,7 +219,8 @@ class GenerationExecutor:
         if isinstance(params.bad, (str, list, tuple)) and params.bad:
             with self._encode_lock:  # the engine's check counts the tokenized bad words
                 params.setup(self.tokenizer)
-        self._engine.validate_request(request.prompt_token_ids, params, priority=request.priority)
+        extra = {} if request.lora_request is None else {"lora_request": request.lora_request}
+        self._engine.validate_request(request.prompt_token_ids, params, priority=request.priority, **extra)
         kv = getattr(self._engine, "kv_cache_manager", None)
         if kv is not None:
             blocks = kv.blocks_for_tokens(len(request.prompt_token_ids) + params.max_tokens)
@@ -260,7 +274,7 @@ class GenerationExecutor:
                     stream_interval=self.config.stream_interval)
                 children.append(SequenceRequest(next(self._rids), request.prompt_token_ids, seq_params, spec,
                                                 priority=request.priority, arrival_time=request.arrival_time,
-                                                deadline=deadline))
+                                                deadline=deadline, lora_request=request.lora_request))
             result._rids = [c.rid for c in children]
             result._open_children = len(children)
             results.append(result)
@@ -281,13 +295,17 @@ class GenerationExecutor:
 
     def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None) -> GenerationResult:
-        """Submit one prompt (text or token ids); returns its `GenerationResult` without waiting."""
+                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
+                       ) -> GenerationResult:
+        """Submit one prompt (text or token ids); returns its `GenerationResult` without waiting.
+        `lora_request`: the LoRA adapter to run it with."""
         self._check_open()
-        return self.submit(self.make_request(prompt, sampling_params, streaming, priority=priority, timeout=timeout))
+        return self.submit(self.make_request(prompt, sampling_params, streaming, priority=priority, timeout=timeout,
+                                             lora_request=lora_request))
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
-                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None
                  ) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate and wait: one prompt gives one output, a list gives a list in the same order.
 
@@ -302,7 +320,9 @@ class GenerationExecutor:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(batch)
-        results = self.submit_many([self.make_request(p, sp) for p, sp in zip(batch, params)])
+        loras = per_prompt_loras(lora_request, len(batch))
+        results = self.submit_many([self.make_request(p, sp, lora_request=lr)
+                                    for p, sp, lr in zip(batch, params, loras)])
         outputs = [r.result() for r in results]
         return outputs[0] if single else outputs
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.sampling.params import _show
 
@@ -43,6 +44,7 @@ class GenerationRequest:
     timeout: Optional[float] = None
     arrival_time: float = field(default_factory=time.monotonic)
     id: Optional[int] = None
+    lora_request: Optional[LoRARequest] = None  # the LoRA adapter to run with (None: the base model)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__len__"):
@@ -63,6 +65,8 @@ class GenerationRequest:
             raise ValueError(f"priority must be a finite number, got {_show(self.priority)}")
         if not isinstance(self.streaming, bool):
             raise ValueError(f"streaming must be a bool, got {self.streaming!r}")
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a jaxllm.LoRARequest, got {type(self.lora_request).__name__}")
         if self.timeout is not None and not (_is_finite_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {_show(self.timeout)}")
 

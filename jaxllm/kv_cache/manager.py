@@ -45,6 +45,14 @@ _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 
 
+def prefix_root(request: LlmRequest) -> int:
+    """The node prefixes of `request` hang from: with a LoRA adapter the KV differs from the
+    base model's for the same tokens, so each adapter has its own prefix tree (a negative
+    root, which no block's node id can equal)."""
+    adapter = getattr(request, "lora_adapter", None)
+    return ROOT_NODE if adapter is None else -adapter.lora_int_id
+
+
 @dataclass(eq=False)
 class _Sequence:
     """The KV state of one request: its blocks and its row in the block-table array."""
@@ -506,7 +514,7 @@ class KVCacheManager:
             return
         pool = self._pool
         nodes = seq.nodes
-        node = nodes[-1] if nodes else ROOT_NODE
+        node = nodes[-1] if nodes else prefix_root(request)
         base = start * tpb
         if full * tpb <= len(request.prompt_token_ids):
             tokens, base = request.prompt_token_ids, 0
@@ -538,7 +546,7 @@ class KVCacheManager:
         prompt = request.prompt_token_ids
         limit = min((len(prompt) - 1) // tpb, self.max_blocks_per_seq)
         pool = self._pool
-        node = ROOT_NODE
+        node = prefix_root(request)
         matched: list[int] = []
         for i in range(limit):
             block = pool.lookup(node, tuple(prompt[i * tpb:(i + 1) * tpb]))

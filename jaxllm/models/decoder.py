@@ -117,13 +117,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax.lax.Precision]) -> jax.Array:
+    """The batched low-rank update of one projection: token t adds `(x[t] @ a[s]) @ b[s]` of its
+    slot s (`onehot` [T, slots]; an all-zero row adds nothing). Every slot's `x @ a` is computed
+    and masked, which at the small rank and slot counts of LoRA serving costs less than
+    gathering a weight matrix per token."""
+    h = jnp.einsum("ti,sir->tsr", x, w["a"], precision=precision) * onehot[:, :, None]
+    return jnp.einsum("tsr,sro->to", h, w["b"], precision=precision)
+
+
 def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadata, cos: jax.Array,
-               sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn, write_fn: Callable
+               sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn, write_fn: Callable,
+               lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
                ) -> tuple[jax.Array, MhaLayerCache]:
     prec = _precision(config)
     q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = jnp.einsum("th,hnd->tnd", x, p["k"], precision=prec)
     v = jnp.einsum("th,hnd->tnd", x, p["v"], precision=prec)
+    if lora is not None:
+        q = q + lora_delta(x, lora["q"], onehot, prec).reshape(q.shape)
+        k = k + lora_delta(x, lora["k"], onehot, prec).reshape(k.shape)
+        v = v + lora_delta(x, lora["v"], onehot, prec).reshape(v.shape)
     if config.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if config.qk_norm:
@@ -133,16 +147,26 @@ def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadat
     cache = write_fn(cache, (k, v), md.slot_mapping)
     out = attention_fn(q, cache, md, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
     y = jnp.einsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
+    if lora is not None:
+        y = y + lora_delta(out.astype(x.dtype).reshape(out.shape[0], -1), lora["o"], onehot, prec)
     if config.o_proj_bias:
         y = y + p["o_bias"]
     return y, cache
 
 
-def _mlp(x: jax.Array, p: dict, config: ModelConfig) -> jax.Array:
+def _mlp(x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None,
+         onehot: Optional[jax.Array] = None) -> jax.Array:
     prec = _precision(config)
     gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=prec)
     up = jnp.einsum("th,hi->ti", x, p["up"], precision=prec)
-    return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=prec)
+    if lora is not None:
+        gate = gate + lora_delta(x, lora["gate"], onehot, prec)
+        up = up + lora_delta(x, lora["up"], onehot, prec)
+    act = jax.nn.silu(gate) * up
+    y = jnp.einsum("ti,ih->th", act, p["down"], precision=prec)
+    if lora is not None:
+        y = y + lora_delta(act, lora["down"], onehot, prec)
+    return y
 
 
 def _cache_keys(kv_cache: KVCache) -> jax.Array:
@@ -204,6 +228,7 @@ class _LayerContext:
     pool_blocks: Optional[int]  # blocks per layer of a page pool; None for per-layer caches
     tokens_per_block: int
     slot_moe_layer: Optional[Callable] = None  # attention data parallelism's slot MoE layer
+    lora_onehot: Optional[jax.Array] = None  # [T, slots] each token's LoRA slot (params["lora"])
 
 
 def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int, ctx: _LayerContext
@@ -216,8 +241,9 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
     if ctx.pool_blocks is not None:
         md = layer_metadata(md, index, ctx.pool_blocks, ctx.tokens_per_block, config.num_layers)
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    lora = layer.get("lora")
     h, cache = _attention(h, layer["attn"], cache, md, ctx.cos, ctx.sin, config=config,
-                          attention_fn=ctx.attention_fn, write_fn=ctx.write_fn)
+                          attention_fn=ctx.attention_fn, write_fn=ctx.write_fn, lora=lora, onehot=ctx.lora_onehot)
     x = x + h
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "moe" in layer and "slots" in layer["moe"] and ctx.slot_moe_layer is not None:
@@ -237,7 +263,7 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
                              "(load_params with the same mesh)")
         y, ids = moe_block(h, layer["moe"], config=config, moe_fn=ctx.moe_fn, valid=ctx.valid)
         return x + y, cache, count_experts(ids, config.num_experts, ctx.valid), jnp.zeros((), jnp.int32)
-    return x + _mlp(h, layer["mlp"], config), cache, None, None
+    return x + _mlp(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
 
 
 def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
@@ -271,9 +297,11 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
     num_tokens = batch.token_ids.shape[0]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
     keys = _cache_keys(kv_cache)
+    lora = params.get("lora")
     ctx = _LayerContext(config, AttentionMetadata.from_batch(batch), cos, sin, valid, attention_fn, write_fn,
                         moe_fn, raw_moe_fn, mesh, moe_options,
-                        keys.shape[1] // config.num_layers if pooled else None, keys.shape[2], slot_moe_layer)
+                        keys.shape[1] // config.num_layers if pooled else None, keys.shape[2], slot_moe_layer,
+                        _lora_onehot(lora, batch, x.dtype))
     stack_at = {s.start: (g, s) for g, s in enumerate(stacks)}
     new_cache: list = []
     counts, dropped = [], []
@@ -281,14 +309,20 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
     while i < config.num_layers:
         if i in stack_at:
             g, stack = stack_at[i]
-            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, params["layer_stacks"][g], kv_cache, stack, ctx)
+            stacked = params["layer_stacks"][g]
+            if lora is not None:
+                stacked = {**stacked, "lora": lora["layer_stacks"][g]}
+            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, stacked, kv_cache, stack, ctx)
             i = stack.stop
             if layer_counts is not None:
                 counts.append(layer_counts)
                 dropped.append(layer_dropped)
             continue
         cache = kv_cache if pooled else kv_cache[i]
-        x, cache, layer_counts, layer_dropped = _decoder_layer(x, params["layers"][i], cache, i, ctx)
+        layer = params["layers"][i]
+        if lora is not None:
+            layer = {**layer, "lora": lora["layers"][i]}
+        x, cache, layer_counts, layer_dropped = _decoder_layer(x, layer, cache, i, ctx)
         if pooled:
             kv_cache = cache
         else:
@@ -299,6 +333,18 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
         i += 1
     stats = MoeStepStats(jnp.concatenate(counts), jnp.concatenate(dropped)) if counts else None
     return x, (kv_cache if pooled else new_cache), stats
+
+
+def _lora_onehot(lora: Optional[dict], batch: StepBatch, dtype: Any) -> Optional[jax.Array]:
+    """[T, slots] one-hot of each token's LoRA slot (`batch.lora_slots`, -1 = none), or None
+    when the parameters carry no LoRA slots (the step is then the plain model)."""
+    if lora is None:
+        return None
+    if batch.lora_slots is None:
+        raise ValueError("params carry LoRA slots (params['lora']) but the batch has no lora_slots")
+    leaves = [w for s in lora["layer_stacks"] for w in jax.tree_util.tree_leaves(s)]
+    num_slots = leaves[0].shape[1] if leaves else jax.tree_util.tree_leaves(lora["layers"])[0].shape[0]
+    return jax.nn.one_hot(batch.lora_slots, num_slots, dtype=dtype)
 
 
 def _scan_stack(x: jax.Array, stacked: dict, pool: MhaLayerCache, stack: LayerStack, ctx: _LayerContext

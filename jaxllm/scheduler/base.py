@@ -52,6 +52,8 @@ class CapacityScheduler(ABC):
 
     no_schedule_until_state = LlmRequestState.CONTEXT_INIT
     no_schedule_after_state = LlmRequestState.GENERATION_COMPLETE
+    # LoRA adapter slots handed out with the KV blocks (a `jaxllm.lora.LoraSlots`), or None.
+    lora_slots = None
 
     @abstractmethod
     def schedule_request(self, active_requests: RequestList) -> tuple[RequestList, RequestList]:

@@ -14,6 +14,11 @@ request that was let in is never starved by later arrivals.
 
 New requests are added to the KV cache manager at admission (`add_sequence`), which
 applies prefix reuse before the micro-batch scheduler sizes their chunks.
+
+LoRA adapter slots (`lora_slots`, a `jaxllm.lora.LoraSlots`, when the engine serves
+adapters) are a second resource: a new request whose adapter is not resident and for which
+no slot can be freed (every slot is held by running requests of other adapters) waits,
+and the requests behind it go on.
 """
 
 from __future__ import annotations
@@ -65,12 +70,15 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 scheduled.append(req)
         if self.static_batch and scheduled:
             return scheduled, []
+        lora_slots = self.lora_slots
         for req in pending:
             if len(scheduled) >= max_requests:
                 break
             needed = kv.get_needed_resource_to_completion(req)
             if needed > available:
                 break  # no skipping ahead: keeps arrival (and priority) order fair
+            if lora_slots is not None and not lora_slots.acquire(req):
+                continue  # no adapter slot until a running request of another adapter ends
             kv.add_sequence(req)
             scheduled.append(req)
             available -= needed
@@ -113,6 +121,9 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 needed = needed_for_step(req)
                 if needed <= available:
                     if req.state is _CONTEXT_INIT and not kv.has_sequence(req):
+                        if self.lora_slots is not None and not self.lora_slots.acquire(req):
+                            i += 1  # waits for an adapter slot
+                            continue
                         kv.add_sequence(req)
                     scheduled.append(req)
                     available -= needed

@@ -38,11 +38,13 @@ _CAPACITY_SCHEDULERS: dict[CapacitySchedulerPolicy, type] = {
 
 def make_scheduler(scheduler_config: Optional[SchedulerConfig], kv_cache_manager: KVCacheManager,
                    max_batch_size: int, max_num_tokens: int, enable_chunked_prefill: bool,
-                   max_context_length: Optional[int] = None) -> SimpleScheduler:
-    """Build the scheduler the engine uses from the user's `SchedulerConfig`."""
+                   max_context_length: Optional[int] = None, lora_slots=None) -> SimpleScheduler:
+    """Build the scheduler the engine uses from the user's `SchedulerConfig` (`lora_slots`:
+    the engine's `jaxllm.lora.LoraSlots`, a resource of the capacity scheduler)."""
     config = scheduler_config if scheduler_config is not None else SchedulerConfig()
     capacity_cls = _CAPACITY_SCHEDULERS[config.capacity_scheduler_policy]
     capacity = capacity_cls(max_batch_size, kv_cache_manager)
+    capacity.lora_slots = lora_slots
     chunking = None
     if enable_chunked_prefill:
         chunking = ContextChunkingConfig(config.context_chunking_policy,

@@ -1,0 +1,163 @@
+"""Read a LoRA adapter in the Hugging Face PEFT layout and check it against the base model.
+
+A PEFT adapter directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`,
+`target_modules`, ...) and `adapter_model.safetensors` with, per adapted linear layer,
+`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r].
+PEFT adds `x @ A.T @ B.T * scaling` to the layer's output, with scaling `lora_alpha / r`
+(`lora_alpha / sqrt(r)` with rsLoRA).
+
+Here each adapted layer becomes `(a [in, r], b [r, out])` in float32 with the scaling
+folded into `b`, so the model adds `(x @ a) @ b`. Everything that cannot be served that way
+(other target modules, DoRA, trained biases, per-module rank/alpha patterns, MoE experts,
+shapes of another base model, rank above `max_lora_rank`) is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.lora.request import LoRARequest
+from jaxllm.models.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# PEFT module name -> (our name, attention or MLP).
+LORA_TARGETS = {"q_proj": ("q", "attn"), "k_proj": ("k", "attn"), "v_proj": ("v", "attn"),
+                "o_proj": ("o", "attn"), "gate_proj": ("gate", "mlp"), "up_proj": ("up", "mlp"),
+                "down_proj": ("down", "mlp")}
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")
+
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# Config fields whose non-default value changes the computation in a way not served here.
+_REFUSED = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
+            "modules_to_save": (None, []), "lora_bias": (False, None), "rank_pattern": ({}, None),
+            "alpha_pattern": ({}, None), "target_parameters": (None, []), "layer_replication": (None, []),
+            "trainable_token_indices": (None, [], {})}
+
+
+def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(in, out) features of a LoRA target in `config`'s decoder."""
+    h, d = config.hidden_size, config.head_dim
+    return {"q": (h, config.num_heads * d), "k": (h, config.num_kv_heads * d), "v": (h, config.num_kv_heads * d),
+            "o": (config.num_heads * d, h), "gate": (h, config.intermediate_size),
+            "up": (h, config.intermediate_size), "down": (config.intermediate_size, h)}[target]
+
+
+def layer_targets(config: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The projections of `layer` an adapter may adapt (MoE experts are not targets)."""
+    return ATTENTION_TARGETS if config.is_moe_layer(layer) else ATTENTION_TARGETS + MLP_TARGETS
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter, ready for a device slot: (layer, target) -> (a [in, r], b [r, out] * scaling)."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = field(repr=False)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.request.lora_int_id
+
+    @property
+    def targets(self) -> set[str]:
+        return {t for _, t in self.weights}
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} does not hold a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise ValueError(f"lora_path {str(path)!r}: peft_type {peft_type!r} is not a LoRA adapter")
+    for key, allowed in _REFUSED.items():
+        if key in config and config[key] not in allowed:
+            raise ValueError(f"lora_path {str(path)!r}: {key}={config[key]!r} is not supported "
+                             f"(supported: {allowed[0]!r})")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} needs a positive {key!r}, got {value!r}")
+    return config
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    tensors = {}
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="flax") as f:
+            for name in f.keys():
+                tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    except Exception as exc:  # a corrupt or truncated file
+        raise ValueError(f"lora_path {str(path)!r}: cannot read {WEIGHTS_FILE}: {exc}") from None
+    return tensors
+
+
+def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read and check `request`'s adapter against the base model `config` (ValueError naming
+    the problem)."""
+    path = Path(request.lora_path).expanduser()
+    where = f"lora_path {request.lora_path!r}"
+    if not path.is_dir():
+        raise ValueError(f"{where}: no such adapter directory")
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{where}: {CONFIG_FILE} is missing (expected a Hugging Face PEFT adapter)")
+    if not (path / WEIGHTS_FILE).is_file():
+        pickled = " (pickle files such as adapter_model.bin are not loaded)" if (
+            path / "adapter_model.bin").exists() else ""
+        raise ValueError(f"{where}: {WEIGHTS_FILE} is missing{pickled}")
+    peft = _read_config(path)
+    rank = int(peft["r"])
+    if rank > max_rank:
+        raise ValueError(f"{where}: adapter rank r={rank} exceeds max_lora_rank ({max_rank})")
+    scaling = float(peft["lora_alpha"]) / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, tensor in _read_tensors(path).items():
+        match = _TENSOR.search(name)
+        module = match.group(3) if match else None
+        if match is None or module not in LORA_TARGETS or LORA_TARGETS[module][1] != (
+                "attn" if match.group(2) == "self_attn" else "mlp"):
+            raise ValueError(f"{where}: tensor {name!r} adapts a module that is not a LoRA target here "
+                             f"(supported: {', '.join(LORA_TARGETS)} of the decoder layers)")
+        layer, target = int(match.group(1)), LORA_TARGETS[module][0]
+        if layer >= config.num_layers:
+            raise ValueError(f"{where}: tensor {name!r} adapts layer {layer}, but the base model has "
+                             f"{config.num_layers} layers")
+        if target not in layer_targets(config, layer):
+            raise ValueError(f"{where}: tensor {name!r} adapts MoE layer {layer}'s {module}; expert "
+                             "weights are not LoRA targets (attention projections are)")
+        pairs.setdefault((layer, target), {})[match.group(4)] = tensor
+
+    weights = {}
+    for (layer, target), ab in sorted(pairs.items()):
+        module = next(k for k, v in LORA_TARGETS.items() if v[0] == target)
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} "
+                             f"but no lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        d_in, d_out = target_dims(config, target)
+        if a.shape != (rank, d_in) or b.shape != (d_out, rank):
+            raise ValueError(
+                f"{where}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                f"this base model with r={rank} needs ({rank}, {d_in}) and ({d_out}, {rank}) "
+                "(an adapter for a different base model?)")
+        weights[(layer, target)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scaling))
+    if not weights:
+        raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    return LoraAdapter(request, rank, scaling, weights)

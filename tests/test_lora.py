@@ -1,0 +1,154 @@
+"""LoRA adapters against Hugging Face PEFT on a tiny random Llama checkpoint.
+
+Three random adapters of different ranks and targets (one with rsLoRA scaling) are saved
+with PEFT; one batch mixing them with the base model must give, token for token, the
+greedy tokens of PEFT's models (teacher forcing), with fewer device slots than adapters so
+the scheduler makes a request wait for a slot and slots are evicted and rewritten. Swapping
+adapters in and out compiles nothing after warm-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import numpy as np
+import pytest
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
+from jaxllm import LLM, KvCacheConfig, LoRARequest, SamplingParams
+
+VOCAB = 384
+ADAPTERS = {  # name: (r, lora_alpha, use_rslora, target modules)
+    "qv": (4, 8, False, ["q_proj", "v_proj"]),
+    "all": (8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "out": (2, 4, False, ["o_proj", "up_proj", "down_proj"]),
+}
+
+
+def _save_adapter(base, path, r, alpha, rslora, targets, seed):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora,
+                                                           target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.25)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_hf_model("llama", root / "base", VOCAB)
+    peft_models, requests = {}, {}
+    for i, (name, (r, alpha, rslora, targets)) in enumerate(ADAPTERS.items()):
+        peft_models[name] = _save_adapter(base, root / name, r, alpha, rslora, targets, seed=10 + i)
+        requests[name] = LoRARequest(name, i + 1, str(root / name))
+    llm = LLM(str(root / "base"), max_batch_size=4, max_num_tokens=16, max_seq_len=128, enable_lora=True,
+              max_loras=2, max_lora_rank=8, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024))
+    yield root, base, peft_models, requests, llm
+    llm.shutdown()
+
+
+def test_mixed_adapter_batch_matches_peft(lora_setup):
+    _, base, peft_models, requests, llm = lora_setup
+    prompts = random_prompts(7, VOCAB, 4, 30, seed=1)
+    prompts[4] = list(prompts[0])  # the base model and adapter "qv" on one prompt: no shared prefix KV
+    names = ["qv", "all", "out", None, None, "all", "qv"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        lora_request=[None if n is None else requests[n] for n in names])
+    base_outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, name, out, base_out in zip(prompts, names, outs, base_outs):
+        tokens = out.outputs[0].token_ids
+        hf_teacher_forcing_check(base if name is None else peft_models[name], prompt, tokens)
+        if name is None:
+            assert tokens == base_out.outputs[0].token_ids
+    assert any(o.outputs[0].token_ids != b.outputs[0].token_ids for o, b in zip(outs, base_outs))
+    # three adapters, two slots: one request waited for a slot that a finished request freed
+    stats = llm.executor.call_on_engine(lambda e: (e.lora_slots.loads, e.lora_slots.evictions))
+    assert stats[0] >= 3 and stats[1] >= 1, stats
+
+
+def test_swapping_adapters_compiles_nothing(lora_setup):
+    import jax.monitoring
+
+    _, _, peft_models, requests, llm = lora_setup
+    llm.executor.call_on_engine(lambda e: e.warmup(all_variants=False), timeout=300)
+    compiles: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    before = llm.executor.call_on_engine(lambda e: (e.lora_slots.loads, e.runner.num_compiled_variants))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = random_prompts(6, VOCAB, 3, 20, seed=2)
+        order = ["out", "qv", "all", "out", "qv", "all"]
+        for start in range(0, 6, 2):  # two adapters at a time, so each round evicts the oldest
+            names = order[start:start + 2]
+            outs = llm.generate(prompts[start:start + 2], SamplingParams(max_tokens=4, ignore_eos=True),
+                                use_tqdm=False, lora_request=[requests[n] for n in names])
+            for prompt, name, out in zip(prompts[start:start + 2], names, outs):
+                hf_teacher_forcing_check(peft_models[name], prompt, out.outputs[0].token_ids)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    after = llm.executor.call_on_engine(lambda e: (e.lora_slots.loads, e.runner.num_compiled_variants))
+    assert after[0] - before[0] >= 4, (before, after)  # adapters were written into slots again
+    assert compiles == [] and after[1] == before[1]
+
+
+def _write_tensors(path, tensors: dict, config: dict) -> None:
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_path):
+    root, _, peft_models, requests, llm = lora_setup
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    big = _save_adapter(peft_models["qv"].get_base_model(), tmp_path / "r16", 16, 16, False, ["q_proj"], seed=3)
+    del big
+    cases = {
+        "exceeds max_lora_rank (8)": LoRARequest("r16", 40, str(tmp_path / "r16")),
+        "no such adapter directory": LoRARequest("missing", 41, str(tmp_path / "missing")),
+    }
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}
+    a = np.zeros((2, 64), np.float32)
+    _write_tensors(tmp_path / "shape", {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+                                        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                                            np.zeros((50, 2), np.float32)}, config)
+    cases["an adapter for a different base model"] = LoRARequest("shape", 42, str(tmp_path / "shape"))
+    _write_tensors(tmp_path / "head", {"base_model.model.lm_head.lora_A.weight": a,
+                                       "base_model.model.lm_head.lora_B.weight": np.zeros((VOCAB, 2), np.float32)},
+                   config)
+    cases["not a LoRA target here"] = LoRARequest("head", 43, str(tmp_path / "head"))
+    (tmp_path / "nofile").mkdir()
+    (tmp_path / "nofile" / "adapter_config.json").write_text(json.dumps(config))
+    cases["adapter_model.safetensors is missing"] = LoRARequest("nofile", 44, str(tmp_path / "nofile"))
+    for message, request in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate(prompt, params, use_tqdm=False, lora_request=request)
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, str(tmp_path))
+    out = llm.generate(prompt, params, use_tqdm=False, lora_request=requests["all"])
+    hf_teacher_forcing_check(peft_models["all"], prompt, out.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="lora_int_id 2 already names the adapter"):
+        llm.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("again", 2, str(root / "qv")))
+
+    plain = LLM(str(root / "base"), max_batch_size=2, max_num_tokens=16, max_seq_len=64,
+                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
+    try:
+        with pytest.raises(ValueError, match="without LoRA support.*enable_lora=True"):
+            plain.generate(prompt, params, use_tqdm=False, lora_request=requests["qv"])
+    finally:
+        plain.shutdown()
