@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.kernel_io import check_shapes, int32_metadata, merge_splits
 from pallas_kernels.triton_backend import check_power_of_two, compiler_params
 
 _MASK_VALUE = -1e30
@@ -277,31 +278,6 @@ def _attention_kernel(
         _store_vector(l_ref, part_row, denom, row_valid)
 
 
-def _merge_splits(o_part: jax.Array, m_part: jax.Array, l_part: jax.Array) -> jax.Array:
-    """Flash-decoding epilogue: merge per-split (acc, max, denom) into normalised rows."""
-    global_max = jnp.max(m_part, axis=0)
-    weight = jnp.exp(m_part - global_max[None])
-    denom = jnp.sum(l_part * weight, axis=0)
-    acc = jnp.sum(o_part * weight[..., None], axis=0)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0)
-
-
-def _check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, value_dim: Optional[int] = None) -> None:
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, tokens_per_block, kd = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if kd != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and cache ({kd}) differ")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if value_dim is not None and not 0 < value_dim <= kd:
-        raise ValueError(f"value_dim={value_dim} must be in [1, head_dim={kd}]")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-
-
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a step: its tiling and which sequences it covers."""
@@ -449,9 +425,8 @@ def attention_forward(
     decode launch of a mixed bucket, only its own tokens' rows). `value_dim` keeps only the
     first `value_dim` columns of the values (the output is [T, Hq, value_dim]).
     """
-    _check_shapes(q, k_cache, v_cache, value_dim)
-    kv_lens, block_tables, cu_q_lens, num_seqs = (
-        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+    check_shapes(q, k_cache, v_cache, value_dim)
+    kv_lens, block_tables, cu_q_lens, num_seqs = int32_metadata(kv_lens, block_tables, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, tokens_per_block, _ = k_cache.shape
     num_seq_slots, max_blocks = block_tables.shape
@@ -478,7 +453,7 @@ def attention_forward(
         o_part, m_part, l_part = (
             raw[0].reshape(num_splits, rows, out_dim), raw[1].reshape(num_splits, rows), raw[2].reshape(num_splits, rows))
         if launch.include_padding and launch.max_q_len is None and launch.min_q_len == 0:
-            merged = _merge_splits(o_part, m_part, l_part).astype(q.dtype)  # the launch owns every row
+            merged = merge_splits(o_part, m_part, l_part).astype(q.dtype)  # the launch owns every row
             raw_all += raw
             out = merged  # a launch over every row is the only launch
             continue
@@ -491,7 +466,7 @@ def attention_forward(
         o_mine, m_mine, l_mine = o_part[:, take], m_part[:, take], l_part[:, take]
         raw_all += [jnp.where(valid[None, :, None], o_mine, 0.0), jnp.where(valid[None], m_mine, 0.0),
                     jnp.where(valid[None], l_mine, 0.0)]
-        merged = _merge_splits(o_mine, m_mine, l_mine).astype(q.dtype)
+        merged = merge_splits(o_mine, m_mine, l_mine).astype(q.dtype)
         out = out.at[mine].set(merged, mode="drop")
     return out.reshape(num_tokens, num_q_heads, out_dim), (out, *raw_all)
 

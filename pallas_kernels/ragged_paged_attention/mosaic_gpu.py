@@ -44,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu_interpret import interpret_params
 from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.kernel_io import check_shapes, int32_metadata, merge_splits
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASK_VALUE = -1e30
@@ -114,16 +115,9 @@ def _store_rows(o_smem, o_gmem, *, gmem_start, num_rows, max_rows: int):
 
 
 def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
+    check_shapes(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, tokens_per_block, kd = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if kd != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and cache ({kd}) differ")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_kv_heads, _, tokens_per_block, _ = k_cache.shape
     if not supports(q.dtype, num_q_heads, num_kv_heads, head_dim, tokens_per_block):
         raise ValueError(
             f"Mosaic GPU attention needs bf16/f16 (got {q.dtype}), tokens_per_block % 16 == 0 (got "
@@ -147,8 +141,7 @@ def attention_forward(
 ) -> jax.Array:
     _check(q, k_cache, v_cache)
     tiling = tiling or MosaicAttentionTiling()
-    kv_lens, block_tables, cu_q_lens, num_seqs = (
-        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+    kv_lens, block_tables, cu_q_lens, num_seqs = int32_metadata(kv_lens, block_tables, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -301,12 +294,7 @@ def attention_forward(
         out = raw[0]
     else:
         o_part, ml_part = raw
-        running_max, denom = ml_part[:, 0, ..., 0], ml_part[:, 1, ..., 0]
-        global_max = jnp.max(running_max, axis=0)
-        weight = jnp.exp(running_max - global_max[None])
-        total = jnp.sum(denom * weight, axis=0)
-        acc = jnp.sum(o_part * weight[..., None], axis=0)
-        out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+        out = merge_splits(o_part, ml_part[:, 0, ..., 0], ml_part[:, 1, ..., 0]).astype(dtype)
     out = out.reshape(num_kv_heads, num_tokens, group_pow2, head_dim)[:, :, :group]
     return jnp.swapaxes(out, 0, 1).reshape(num_tokens, num_q_heads, head_dim)
 
