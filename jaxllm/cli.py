@@ -131,6 +131,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny
     g.add_argument("--no-scan-layers", dest="no_scan_layers", action="store_true",
                    help="run the decoder layers as an unrolled per-layer loop (compile time grows with depth; "
                         "default: one lax.scan per run of identical layers)")
+    g.add_argument("--enable-lora", dest="enable_lora", action="store_true",
+                   help="serve LoRA adapters (HF PEFT directories) next to the base model")
+    g.add_argument("--max-loras", dest="max_loras", type=int, default=4,
+                   help="adapters resident on the device at once (LoRA slots)")
+    g.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, default=16,
+                   help="largest adapter rank accepted (slots are sized for it)")
     g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
                    help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
                         "its values override the flags (unset: none)")
@@ -226,6 +232,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         moe_tensor_parallel_size=getattr(args, "moe_tensor_parallel_size", None),
         enable_attention_dp=getattr(args, "enable_attention_dp", False),
         multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"))
+    if getattr(args, "enable_lora", False):
+        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if getattr(args, "tokenizer", None):
         kwargs["tokenizer"] = args.tokenizer
     if getattr(args, "no_compile_cache", False):

@@ -152,3 +152,37 @@ def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_p
             plain.generate(prompt, params, use_tqdm=False, lora_request=requests["qv"])
     finally:
         plain.shutdown()
+
+
+def test_server_selects_adapters_by_model_name(lora_setup):
+    import httpx
+
+    from jaxllm.server.app import ServerConfig, build_app
+    from jaxllm.server.cli import parse_lora_modules
+    from server_helpers import LiveServer
+
+    root, base, peft_models, requests, llm = lora_setup
+    modules = parse_lora_modules([f"qv={root / 'qv'}", f"all={root / 'all'}"])
+    assert modules["qv"] == requests["qv"] and modules["all"] == requests["all"]  # ids 1, 2 in order
+    server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="base", lora_modules=modules)))
+    prompt = [7, 21, 99, 4, 250]
+    try:
+        with httpx.Client(timeout=60) as http:
+            listed = http.get(server.url + "/v1/models").json()["data"]
+            assert [m["id"] for m in listed] == ["base", "qv", "all"]
+            assert listed[1]["parent"] == "base" and listed[1]["root"] == str(root / "qv")
+            for model, oracle in (("base:qv", peft_models["qv"]), ("all", peft_models["all"]), ("base", base)):
+                r = http.post(server.url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
+                                                                     "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == model
+                out = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                                   lora_request=None if oracle is base else modules[model.split(":")[-1]])
+                hf_teacher_forcing_check(oracle, prompt, out.outputs[0].token_ids)
+                assert r.json()["choices"][0]["text"] == out.outputs[0].text
+            r = http.post(server.url + "/v1/completions", json={"model": "base:nope", "prompt": prompt})
+            assert r.status_code == 404
+            error = r.json()["error"]
+            assert error["param"] == "model" and error["type"] == "not_found_error" and "`qv`" in error["message"]
+    finally:
+        server.stop()

@@ -29,7 +29,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import anyio
@@ -40,6 +40,7 @@ from pydantic import ValidationError
 import jaxllm
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -62,6 +63,8 @@ class ServerConfig:
     send_timeout: float = 30.0  # seconds a client may leave one response chunk unread (then dropped)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds streams may still run before they are aborted
     num_api_threads: int = 4  # threads that parse, render templates and tokenize off the event loop
+    # LoRA adapters clients select by model name (`NAME` or `served_model_name:NAME`; --lora-modules).
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
 
 class APIError(Exception):
@@ -241,10 +244,18 @@ class OpenAIServer:
         if not self.executor.is_healthy:
             raise APIError(503, "the engine is not healthy", None, "service_unavailable")
 
-    def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.config.served_model_name}`.", "model", "not_found_error")
+    def check_model(self, model: str) -> Optional[LoRARequest]:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        base = self.config.served_model_name
+        if model == base:
+            return None
+        adapters = self.config.lora_modules
+        name = model[len(base) + 1:] if model.startswith(base + ":") else model
+        if name in adapters:
+            return adapters[name]
+        served = ", ".join(f"`{m}`" for m in [base, *adapters])
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", "model",
+                       "not_found_error")
 
     async def read_body(self, request: Request) -> bytes:
         try:
@@ -273,7 +284,7 @@ class OpenAIServer:
 
     def submit_all(self, prompts: list[Union[str, list[int]]], params_for, streaming: bool,
                    add_special_tokens: bool = True, texts: Optional[list[Optional[str]]] = None,
-                   field: str = "prompt") -> list[GenerationResult]:
+                   field: str = "prompt", lora_request: Optional[LoRARequest] = None) -> list[GenerationResult]:
         """Validate every prompt before queuing any (ValueError -> 400), then submit them all.
         Runs on the API thread pool: tokenizing may take a while. `field`: the request field
         the prompts come from, named in length errors."""
@@ -286,7 +297,7 @@ class OpenAIServer:
                 if len(ids) >= executor.max_seq_len:  # before any per-token work on a huge prompt
                     raise APIError(400, f"{field}: {len(ids)} tokens leave no room to generate within "
                                         f"max_seq_len ({executor.max_seq_len})", field)
-                request = executor.make_request(ids, params_for(len(ids)), streaming)
+                request = executor.make_request(ids, params_for(len(ids)), streaming, lora_request=lora_request)
                 text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
                 if text is not None:
                     request.prompt = text
@@ -342,7 +353,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/completions
     def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[GenerationResult]]:
         body = self.parse(CompletionRequest, raw)
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         try:
             body.check_stream_options()
             prompts = body.prompts()
@@ -355,7 +366,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS)) from None
         results = self.submit_all(prompts, lambda n: self._params(body, body.max_tokens, n), body.stream,
-                                  body.add_special_tokens)
+                                  body.add_special_tokens, lora_request=lora_request)
         return body, results
 
     async def completions(self, request: Request) -> Response:
@@ -374,7 +385,7 @@ class OpenAIServer:
                                 "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": self.config.served_model_name, "choices": choices,
+                             "model": body.model, "choices": choices,
                              "usage": _usage(outputs)})
 
     def _params(self, body, requested: Optional[int], prompt_len: int):
@@ -386,7 +397,7 @@ class OpenAIServer:
     async def _stream_completion(self, results: list[GenerationResult], body: CompletionRequest,
                                  request_id: str) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.config.served_model_name
+        model = body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         finals: dict[int, RequestOutput] = {}
         ended: set[int] = set()
@@ -426,7 +437,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[GenerationResult]]:
         body = self.parse(ChatCompletionRequest, raw)
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         try:
             body.check_stream_options()
             body.to_sampling_params(body.requested_max_tokens() or 1)
@@ -444,7 +455,7 @@ class OpenAIServer:
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
         results = self.submit_all([ids], lambda n: self._params(body, body.requested_max_tokens(), n), body.stream,
-                                  texts=[prompt], field="messages")
+                                  texts=[prompt], field="messages", lora_request=lora_request)
         return body, results
 
     async def chat_completions(self, request: Request) -> Response:
@@ -460,7 +471,7 @@ class OpenAIServer:
                     "logprobs": self._chat_logprobs(c) if body.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.config.served_model_name, "choices": choices, "usage": _usage([out])})
+                             "model": body.model, "choices": choices, "usage": _usage([out])})
 
     def _apply_chat_template(self, body: ChatCompletionRequest, template: Optional[str]) -> str:
         if template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -483,7 +494,7 @@ class OpenAIServer:
     async def _stream_chat(self, result: GenerationResult, body: ChatCompletionRequest,
                            request_id: str) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.config.served_model_name
+        model = body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[dict]) -> str:
@@ -607,9 +618,12 @@ class OpenAIServer:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
-                                            "created": self.created, "owned_by": "jaxllm",
-                                            "max_model_len": self.executor.max_seq_len}]}
+        base = {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "jaxllm", "root": self.config.served_model_name, "parent": None,
+                "max_model_len": self.executor.max_seq_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": self.config.served_model_name}
+                    for name, lora in self.config.lora_modules.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
 
 def _ranked(entry: dict) -> list:

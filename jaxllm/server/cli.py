@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (or set JAXLLM_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the --model value)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (HF PEFT directories) clients select with model NAME or "
+                             "MODEL:NAME (implies --enable-lora)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted")
     parser.add_argument("--num-postprocess-workers", type=int, default=0,
                         help="processes that detokenize off the engine's process (0: a thread)")
@@ -39,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds running requests may finish before they are aborted")
     return parser
+
+
+def parse_lora_modules(specs: Optional[list[str]]) -> dict:
+    """`--lora-modules name=path ...` (vLLM's form) -> {name: LoRARequest}, ids 1, 2, ... in order."""
+    from jaxllm.lora import LoRARequest
+
+    modules: dict = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules: adapter name {name!r} is given twice")
+        modules[name] = LoRARequest(name, len(modules) + 1, path)
+    return modules
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -56,6 +74,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if join_distributed(args):  # not process 0: follow the leader's engine, serve nothing
             return run_follower_command(args)
+        lora_modules = parse_lora_modules(args.lora_modules)
+        if lora_modules:
+            args.enable_lora = True
         kwargs = engine_kwargs(args)
         if args.disable_block_reuse:
             kwargs["kv_cache_config"].enable_block_reuse = False
@@ -63,13 +84,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                                   started=started,
                                   executor_kwargs=dict(num_postprocess_workers=args.num_postprocess_workers,
                                                        stream_interval=args.stream_interval))
+        try:  # every adapter is read and checked now, not at its first request
+            for lora_request in lora_modules.values():
+                executor.engine.resolve_lora(lora_request)
+        except ValueError:
+            executor.shutdown()
+            raise
     except LOAD_ERRORS as exc:
         print(f"jaxllm serve: error: {exc}", file=sys.stderr)
         return 2
     app = build_app(executor, ServerConfig(served_model_name=args.served_model_name or args.model,
                                            api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                                            trust_request_chat_template=args.trust_request_chat_template,
-                                           shutdown_timeout=args.shutdown_timeout),
+                                           shutdown_timeout=args.shutdown_timeout, lora_modules=lora_modules),
                     shutdown_executor=True)
     try:
         code = serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
