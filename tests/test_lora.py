@@ -186,3 +186,42 @@ def test_server_selects_adapters_by_model_name(lora_setup):
             assert error["param"] == "model" and error["type"] == "not_found_error" and "`qv`" in error["message"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("policy", ["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
+def test_adapter_slots_are_a_scheduling_resource(policy):
+    """One slot, two adapters: the second adapter's request waits (the base request behind it
+    runs) until the first adapter's request ends; its slot is then rewritten. Base and adapter
+    requests on one prompt never share prefix KV blocks."""
+    from jaxllm.config import SchedulerConfig
+    from jaxllm.kv_cache import KVCacheManager
+    from jaxllm.lora import LoraAdapter, LoraSlots
+    from jaxllm.request import LlmRequest
+    from jaxllm.scheduler import make_scheduler
+
+    kv = KVCacheManager(64, 4, 16, enable_block_reuse=True)
+    slots = LoraSlots(1)
+    scheduler = make_scheduler(SchedulerConfig(policy), kv, 4, 64, True, lora_slots=slots)
+    adapters = [LoraAdapter(LoRARequest(n, i + 1, f"/{n}"), 1, 1.0, {}) for i, n in enumerate("ab")]
+    prompt = list(range(3, 15))
+    requests = [LlmRequest(i, prompt, 4) for i in range(3)]
+    requests[0].lora_adapter, requests[1].lora_adapter = adapters
+    out = scheduler.schedule_request(requests, set())
+    assert [r.request_id for r in out.context_requests] == [0, 2]  # 1 waits for the slot 0 holds
+    assert slots.take_loads() == [(0, adapters[0])] and slots.slot_of(requests[0]) == 0
+    assert slots.slot_of(requests[2]) == -1
+    kv.prepare_resources(out)
+    for r in out.context_requests:  # the prompts are computed: their blocks join the prefix cache
+        r.move_to_next_context_chunk()
+        r.add_new_token(7)
+    kv.prepare_resources(scheduler.schedule_request(requests, set()))
+    requests[0].finish("length")
+    kv.free_resources(requests[0])
+    slots.release(requests[0])
+    out = scheduler.schedule_request(requests, set())
+    assert [r.request_id for r in out.context_requests] == [1]
+    assert slots.take_loads() == [(0, adapters[1])] and slots.evictions == 1
+    assert requests[1].prepopulated_prompt_len == 0  # adapter b reuses neither a's nor the base's KV
+    late = LlmRequest(3, prompt, 4)  # another base request reuses the base request's prefix
+    kv.add_sequence(late)
+    assert late.prepopulated_prompt_len == 8
