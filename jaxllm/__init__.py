@@ -4,7 +4,8 @@ from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "KvCacheConfig", "MoeConfig", "SchedulerConfig", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "KvCacheConfig", "KvCacheRetentionConfig", "MoeConfig",
+           "SchedulerConfig", "TokenRangeRetentionConfig", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,6 +18,10 @@ def __getattr__(name: str):
         from jaxllm.lora.request import LoRARequest
 
         return LoRARequest
+    if name in ("KvCacheRetentionConfig", "TokenRangeRetentionConfig"):
+        from jaxllm.kv_cache import retention
+
+        return getattr(retention, name)
     if name == "SamplingParams":
         from jaxllm.sampling import SamplingParams
 

@@ -62,6 +62,10 @@ class KvCacheConfig:
         if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
             raise ValueError(
                 f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        if (isinstance(self.event_buffer_max_size, bool) or not isinstance(self.event_buffer_max_size, int)
+                or self.event_buffer_max_size < 0):
+            raise ValueError(f"event_buffer_max_size must be an int >= 0 (0: no KV cache events), "
+                             f"got {self.event_buffer_max_size!r}")
 
 
 MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")  # the last: not on XLA:CPU

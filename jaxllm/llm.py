@@ -16,6 +16,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor, per_prompt_loras
 from jaxllm.lora.request import LoRARequest
 from jaxllm.executor.result import GenerationResult
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, retention_configs_per_prompt
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
 
@@ -95,20 +96,23 @@ class LLM:
 
     # ----------------------------------------------------------------- generate
     def generate(self, inputs, sampling_params=None, use_tqdm: bool = True,
-                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None
-                 ) -> Union[RequestOutput, list[RequestOutput]]:
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None, *,
+                 kv_cache_retention_config=None) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate for one prompt (returns one output) or a list (returns a list, same order).
         `lora_request`: the LoRA adapter of every prompt, or a list with one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad prompt raises ValueError
-        and leaves the engine untouched.
+        and leaves the engine untouched. `kv_cache_retention_config`: one
+        `KvCacheRetentionConfig` for every prompt, or a list with one per prompt.
         """
         self._check_open()
         single = _is_single_prompt(inputs)
         prompts, params = self._normalize(inputs, sampling_params)
         loras = per_prompt_loras(lora_request, len(prompts))
-        results = self._executor.submit_many([self._executor.make_request(p, sp, lora_request=lr)
-                                              for p, sp, lr in zip(prompts, params, loras)])
+        retention = retention_configs_per_prompt(kv_cache_retention_config, len(prompts))
+        results = self._executor.submit_many([
+            self._executor.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
+            for p, sp, lr, r in zip(prompts, params, loras, retention)])
         outputs = []
         try:
             with tqdm(total=len(results), desc="generate", unit="req",
@@ -124,20 +128,29 @@ class LLM:
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
-                       ) -> GenerationResult:
+                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
+                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None) -> GenerationResult:
         """Submit one prompt and return its `GenerationResult` at once (stream it, or await it);
-        `lora_request`: the LoRA adapter to run it with."""
+        `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
+        priorities of its cached KV blocks."""
         self._check_open()
         if not _is_single_prompt(inputs):
             raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
         return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout,
-                                             lora_request=lora_request)
+                                             lora_request=lora_request,
+                                             kv_cache_retention_config=kv_cache_retention_config)
 
     def get_stats(self, timeout: Optional[float] = 2.0) -> list[dict]:
         """Iteration stats since the previous call, waiting up to `timeout` seconds for one."""
         self._check_open()
         return self._executor.get_stats(timeout)
+
+    def get_kv_cache_events(self, timeout: Optional[float] = 2.0) -> list[dict]:
+        """KV cache events (created / stored / removed / updated blocks, TensorRT-LLM's shape)
+        since the previous call, waiting up to `timeout` seconds for one. Needs
+        `kv_cache_config=KvCacheConfig(event_buffer_max_size=N)`; empty otherwise."""
+        self._check_open()
+        return self._executor.get_kv_cache_events(timeout)
 
     def shutdown(self) -> None:
         """Cancel what is still running and stop the background thread (idempotent)."""

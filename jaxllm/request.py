@@ -72,6 +72,8 @@ class LlmRequest:
     feed_row: int = -1
     # The request's LoRA adapter (a `jaxllm.lora.LoraAdapter`), None for the base model.
     lora_adapter: Any = None
+    # KvCacheRetentionConfig: retention priorities of this request's cached blocks (None: default).
+    kv_cache_retention_config: Any = None
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

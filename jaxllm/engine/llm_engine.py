@@ -45,6 +45,8 @@ from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
+from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.lora import LoraAdapter, LoRARequest, LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import empty_slot, init_lora_weights, slot_update
@@ -173,10 +175,14 @@ class LLMEngine:
         # LoRA: adapter slots are a resource of the capacity scheduler (jaxllm.lora.slots).
         self.lora_slots = self._lora_slots(config) if config.enable_lora else None
         self._adapters = AdapterCache(self.model_config, config.max_lora_rank) if config.enable_lora else None
+        # KV cache events (stored / removed / updated blocks) for get_kv_cache_events; off at 0.
+        self.kv_events = KvCacheEventBuffer(kv_cfg.event_buffer_max_size, window_size=self.max_seq_len) \
+            if kv_cfg.event_buffer_max_size > 0 else None
 
-        def rank_planner() -> Planner:
+        def rank_planner(rank: Optional[int] = None) -> Planner:
+            events = None if self.kv_events is None else KvEventRecorder(self.kv_events, rank)
             kv = KVCacheManager(num_blocks, tpb, self.max_blocks_per_seq, enable_block_reuse=kv_cfg.enable_block_reuse,
-                                max_num_sequences=config.max_batch_size)
+                                max_num_sequences=config.max_batch_size, events=events)
             scheduler = make_scheduler(config.scheduler_config, kv, config.max_batch_size, config.max_num_tokens,
                                        config.enable_chunked_prefill, lora_slots=self.lora_slots)
             return Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=config.max_batch_size,
@@ -186,7 +192,7 @@ class LLMEngine:
 
         if self.attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.attention_dp)
             assignment = RankAssignment(len(kv_meshes))
-            self.planner = AttentionDpPlanner([rank_planner() for _ in kv_meshes], assignment)
+            self.planner = AttentionDpPlanner([rank_planner(rank) for rank in range(len(kv_meshes))], assignment)
             self.kv_cache_manager = RankedKvCaches([p.kv_cache_manager for p in self.planner.planners], assignment)
             self.scheduler = None
             self.num_sampler_rows = self.planner.num_rows
@@ -352,11 +358,14 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Any, sampling_params: Optional[SamplingParams] = None,
                     *, request_id: Optional[int] = None, priority: float = 0.0,
                     arrival_time: Optional[float] = None, sequence_index: int = 0,
-                    lora_request: Optional[LoRARequest] = None) -> LlmRequest:
+                    lora_request: Optional[LoRARequest] = None,
+                    kv_cache_retention_config: Any = None) -> LlmRequest:
         """Admit a request (ValueError naming the field if it breaks a limit). `lora_request`:
-        the LoRA adapter it runs with (the engine needs enable_lora)."""
+        the LoRA adapter it runs with (the engine needs enable_lora); `kv_cache_retention_config`:
+        retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         admitted = self.validate_request(prompt_token_ids, params, priority=priority)
+        retention = check_retention_config(kv_cache_retention_config)
         adapter = self.resolve_lora(lora_request)
         sequence_index = check_sequence_index(sequence_index)
         arrival_time = check_arrival_time(arrival_time)
@@ -374,10 +383,16 @@ class LLMEngine:
         request.seed = resolve_seed(params, sequence_index)
         request.end_ids = admitted.end_ids
         request.lora_adapter = adapter
+        request.kv_cache_retention_config = retention
         self.active[request.request_id] = request
         self._num_needing_history += params.needs_history
         self._num_wanting_logprobs += params.logprobs is not None
         return request
+
+    def get_kv_cache_events(self, timeout: Optional[float] = None) -> list[dict]:
+        """KV cache events since the previous call (any thread; waits up to `timeout` seconds
+        for one). Empty unless `kv_cache_config.event_buffer_max_size > 0`."""
+        return [] if self.kv_events is None else self.kv_events.get(timeout)
 
     def abort_request(self, request_id: int) -> Optional[LlmRequest]:
         """Finish a request as 'cancelled' and free its blocks at once."""

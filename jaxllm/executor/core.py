@@ -37,6 +37,7 @@ class SequenceRequest:
     arrival_time: Optional[float] = None
     deadline: Optional[float] = None  # time.monotonic() after which it finishes with 'timeout'
     lora_request: Any = None  # the LoRA adapter (a jaxllm.LoRARequest), None for the base model
+    kv_cache_retention_config: Any = None
 
 
 @dataclass
@@ -204,6 +205,8 @@ class EngineCore:
             for seq in command[1]:
                 events.append((ADD, seq.rid, seq.spec))
                 extra = {} if seq.lora_request is None else {"lora_request": seq.lora_request}
+                if seq.kv_cache_retention_config is not None:
+                    extra["kv_cache_retention_config"] = seq.kv_cache_retention_config
                 try:
                     self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,
                                             priority=seq.priority, arrival_time=seq.arrival_time, **extra)

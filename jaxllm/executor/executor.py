@@ -35,6 +35,7 @@ from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec
 from jaxllm.executor.postprocess import PostprocessWorkerPool
 from jaxllm.executor.request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, retention_configs_per_prompt
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
@@ -274,7 +275,8 @@ class GenerationExecutor:
                     stream_interval=self.config.stream_interval)
                 children.append(SequenceRequest(next(self._rids), request.prompt_token_ids, seq_params, spec,
                                                 priority=request.priority, arrival_time=request.arrival_time,
-                                                deadline=deadline, lora_request=request.lora_request))
+                                                deadline=deadline, lora_request=request.lora_request,
+                                                kv_cache_retention_config=request.kv_cache_retention_config))
             result._rids = [c.rid for c in children]
             result._open_children = len(children)
             results.append(result)
@@ -295,18 +297,20 @@ class GenerationExecutor:
 
     def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
-                       ) -> GenerationResult:
+                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
+                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None) -> GenerationResult:
         """Submit one prompt (text or token ids); returns its `GenerationResult` without waiting.
-        `lora_request`: the LoRA adapter to run it with."""
+        `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
+        priorities of its cached KV blocks."""
         self._check_open()
         return self.submit(self.make_request(prompt, sampling_params, streaming, priority=priority, timeout=timeout,
-                                             lora_request=lora_request))
+                                             lora_request=lora_request,
+                                             kv_cache_retention_config=kv_cache_retention_config))
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None
-                 ) -> Union[RequestOutput, list[RequestOutput]]:
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+                 kv_cache_retention_config: Any = None) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate and wait: one prompt gives one output, a list gives a list in the same order.
 
         Every prompt is validated before any is queued.
@@ -321,8 +325,9 @@ class GenerationExecutor:
         else:
             params = [sampling_params] * len(batch)
         loras = per_prompt_loras(lora_request, len(batch))
-        results = self.submit_many([self.make_request(p, sp, lora_request=lr)
-                                    for p, sp, lr in zip(batch, params, loras)])
+        retention = retention_configs_per_prompt(kv_cache_retention_config, len(batch))
+        results = self.submit_many([self.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
+                                    for p, sp, lr, r in zip(batch, params, loras, retention)])
         outputs = [r.result() for r in results]
         return outputs[0] if single else outputs
 
@@ -360,6 +365,13 @@ class GenerationExecutor:
         """Run `fn(engine)` on the engine thread between two steps; returns its value."""
         self._check_open()
         return self._core.call(fn, timeout)
+
+    def get_kv_cache_events(self, timeout: Optional[float] = None) -> list[dict]:
+        """KV cache events (TensorRT-LLM's serialized shape, `jaxllm.kv_cache.events`) since the
+        previous call; waits up to `timeout` seconds for one. Empty unless the engine was built
+        with `kv_cache_config.event_buffer_max_size > 0`."""
+        get = getattr(self._engine, "get_kv_cache_events", None)
+        return [] if get is None else get(timeout)
 
     def get_kv_cache_stats(self, timeout: Optional[float] = 30.0):
         return self.call_on_engine(lambda engine: engine.kv_cache_manager.get_kv_cache_stats(), timeout)

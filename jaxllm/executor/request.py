@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, check_retention_config
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.sampling.params import _show
@@ -45,6 +46,7 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     id: Optional[int] = None
     lora_request: Optional[LoRARequest] = None  # the LoRA adapter to run with (None: the base model)
+    kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__len__"):
@@ -69,6 +71,7 @@ class GenerationRequest:
             raise ValueError(f"lora_request must be a jaxllm.LoRARequest, got {type(self.lora_request).__name__}")
         if self.timeout is not None and not (_is_finite_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {_show(self.timeout)}")
+        check_retention_config(self.kv_cache_retention_config)
 
     @property
     def num_sequences(self) -> int:

@@ -1,7 +1,11 @@
-"""Paged KV cache: block pool with prefix reuse, per-request block tables, statistics."""
+"""Paged KV cache: block pool with prefix reuse and retention priorities, per-request block
+tables, statistics and KV cache events."""
 
 from jaxllm.kv_cache.block_pool import BlockPool
+from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
 from jaxllm.kv_cache.manager import KVCacheManager, StepPlacement
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from jaxllm.kv_cache.stats import KvCacheStats
 
-__all__ = ["BlockPool", "KVCacheManager", "KvCacheStats", "StepPlacement"]
+__all__ = ["BlockPool", "KVCacheManager", "KvCacheEventBuffer", "KvCacheRetentionConfig", "KvCacheStats",
+           "KvEventRecorder", "StepPlacement", "TokenRangeRetentionConfig"]

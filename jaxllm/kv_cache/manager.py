@@ -29,12 +29,15 @@ the current step (which an overlapped engine may not have read back yet).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import numpy as np
 
 from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
+from jaxllm.kv_cache.events import KvEventRecorder
+from jaxllm.kv_cache.retention import DEFAULT_RETENTION_PRIORITY
 from jaxllm.kv_cache.stats import KvCacheStats
 from jaxllm.request import LlmRequest, LlmRequestState
 
@@ -100,6 +103,8 @@ class KVCacheManager:
         enable_block_reuse: bool = True,
         *,
         max_num_sequences: int = 64,
+        events: Optional[KvEventRecorder] = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
@@ -108,7 +113,7 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self.max_blocks_per_seq = max_blocks_per_seq
         self.enable_block_reuse = enable_block_reuse
-        self._pool = BlockPool(num_blocks)
+        self._pool = BlockPool(num_blocks, events=events, clock=clock)
         self._seqs: dict[int, _Sequence] = {}
         rows = max(1, max_num_sequences)
         self._table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
@@ -142,6 +147,11 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         """Unowned blocks kept for prefix reuse."""
         return self._pool.num_evictable
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The physical blocks (reference counts, eviction order, retention priorities)."""
+        return self._pool
 
     @property
     def num_sequences(self) -> int:
@@ -242,6 +252,13 @@ class KVCacheManager:
             pool = self._pool
             for block in matched:
                 pool.acquire(block)
+            config = request.kv_cache_retention_config
+            if config is not None:  # the request's priorities apply to the blocks it reuses
+                tpb, plen = self.tokens_per_block, request.orig_prompt_len
+                for i, block in enumerate(matched):
+                    priority, duration = config.block_retention(i, tpb, plen)
+                    if priority is not None:
+                        pool.set_retention(block, priority, duration)
             k = len(matched)
             seq.blocks = matched
             seq.nodes = [pool.node_of(b) for b in matched]
@@ -521,10 +538,24 @@ class KVCacheManager:
         else:
             tokens = request.get_tokens(base, full * tpb)
         blocks = seq.blocks
-        for i in range(start, full):
-            lo = i * tpb - base
-            node = pool.register(blocks[i], node, tuple(tokens[lo:lo + tpb]))
-            nodes.append(node)
+        config = request.kv_cache_retention_config
+        if config is None and pool.events is None:  # the common case
+            for i in range(start, full):
+                lo = i * tpb - base
+                node = pool.register(blocks[i], node, tuple(tokens[lo:lo + tpb]))
+                nodes.append(node)
+        else:
+            retentions = None
+            if config is not None:
+                plen = request.orig_prompt_len
+                retentions = []
+                for i in range(start, full):
+                    priority, duration = config.block_retention(i, tpb, plen)
+                    retentions.append((DEFAULT_RETENTION_PRIORITY, None) if priority is None else (priority, duration))
+            lora = getattr(request, "lora_adapter", None)
+            nodes.extend(pool.register_chain(
+                blocks[start:full], node, [tuple(tokens[i * tpb - base:(i + 1) * tpb - base]) for i in range(start, full)],
+                retentions, getattr(lora, "lora_int_id", None)))
         self._refresh_next_event(seq)
 
     def _withdraw_uncomputed(self, seq: _Sequence, num_computed: int) -> None:

@@ -1,0 +1,100 @@
+"""KV cache events: what entered and left the prefix-reuse cache, for KV-aware routers.
+
+The shapes are TensorRT-LLM's serialized `KVCacheEvent`s (`LLM.get_kv_cache_events()`):
+
+    {"event_id": 7, "window_size": 256, "data": {...}}   (+ "attention_dp_rank" under attention DP)
+
+with `data` one of
+
+    {"type": "created", "num_blocks_per_cache_level": [num_blocks]}
+    {"type": "stored", "parent_hash": int | None, "blocks": [
+        {"type": "stored_block", "block_hash": int, "tokens": [{"type": "unique_token",
+         "token_id": t, "token_extra_id": 0}, ...], "lora_id": int | None, "cache_level": 0,
+         "priority": int}, ...]}
+    {"type": "removed", "block_hashes": [int, ...]}
+    {"type": "updated", "block_hash": int, "cache_level": None,
+     "priority": {"type": "event_diff", "old_value": int, "new_value": int}}
+
+A block hash is the block's prefix-node id (`BlockPool`): unique for the engine's life and
+exact (two different prefixes never share one), so `parent_hash` chains identify a prefix.
+
+The engine thread records events; any thread takes them (`KvCacheEventBuffer.get`). The
+buffer is bounded: when full, the oldest events are dropped (and counted). With
+`event_buffer_max_size=0` no buffer exists and the KV manager records nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from typing import Iterable, Optional
+
+
+class KvCacheEventBuffer:
+    """Thread-safe bounded queue of serialized KV cache events, shared by the engine's
+    block managers (one per attention-DP rank)."""
+
+    def __init__(self, max_size: int, window_size: int) -> None:
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"event_buffer_max_size must be a positive int for an event buffer, got {max_size!r}")
+        self.max_size = max_size
+        self.window_size = window_size
+        self._events: collections.deque = collections.deque(maxlen=max_size)
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self.num_dropped = 0
+
+    def record(self, data: dict, rank: Optional[int] = None) -> None:
+        """Append one event (engine thread)."""
+        event = {"event_id": 0, "data": data, "window_size": self.window_size}
+        if rank is not None:
+            event["attention_dp_rank"] = rank
+        with self._cond:
+            event["event_id"] = next(self._ids)
+            if len(self._events) == self.max_size:
+                self.num_dropped += 1
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def get(self, timeout: Optional[float] = None) -> list[dict]:
+        """Every buffered event, oldest first, emptying the buffer; waits up to `timeout`
+        seconds for one when there is none (None or 0: do not wait)."""
+        with self._cond:
+            if not self._events and timeout:
+                self._cond.wait(timeout)
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+class KvEventRecorder:
+    """What one block pool reports into a shared buffer (tags its attention-DP rank)."""
+
+    __slots__ = ("buffer", "rank")
+
+    def __init__(self, buffer: KvCacheEventBuffer, rank: Optional[int] = None) -> None:
+        self.buffer = buffer
+        self.rank = rank
+
+    def created(self, num_blocks: int) -> None:
+        self.buffer.record({"type": "created", "num_blocks_per_cache_level": [num_blocks]}, self.rank)
+
+    def stored(self, parent_hash: Optional[int], blocks: list[tuple[int, tuple[int, ...], int]],
+               lora_id: Optional[int] = None) -> None:
+        """`blocks`: (block_hash, token ids, priority) of consecutive newly cached blocks."""
+        self.buffer.record({"type": "stored", "parent_hash": parent_hash, "blocks": [
+            {"type": "stored_block", "block_hash": block_hash,
+             "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+             "lora_id": lora_id, "cache_level": 0, "priority": priority}
+            for block_hash, tokens, priority in blocks]}, self.rank)
+
+    def removed(self, block_hashes: Iterable[int]) -> None:
+        self.buffer.record({"type": "removed", "block_hashes": list(block_hashes)}, self.rank)
+
+    def priority_updated(self, block_hash: int, old: int, new: int) -> None:
+        self.buffer.record({"type": "updated", "block_hash": block_hash, "cache_level": None,
+                            "priority": {"type": "event_diff", "old_value": old, "new_value": new}}, self.rank)
