@@ -16,7 +16,13 @@ with `data` one of
      "priority": {"type": "event_diff", "old_value": int, "new_value": int}}
 
 A block hash is the block's prefix-node id (`BlockPool`): unique for the engine's life and
-exact (two different prefixes never share one), so `parent_hash` chains identify a prefix.
+exact (two different prefixes never share one), so `parent_hash` chains identify a prefix;
+the first block of a prefix has `parent_hash` None. Blocks of requests with a LoRA adapter
+form the adapter's own prefix tree and carry its `lora_id`. A stored event lists a run of
+consecutive blocks of one sequence that entered the cache together; a block is removed when
+it is evicted (or withdrawn before its KV was written); an `updated` event reports a
+priority change: a request reusing the block with its own retention priority, or a
+priority duration running out (applied lazily, at the latest when a block is next evicted).
 
 The engine thread records events; any thread takes them (`KvCacheEventBuffer.get`). The
 buffer is bounded: when full, the oldest events are dropped (and counted). With
