@@ -134,6 +134,10 @@ def test_expired_duration_reverts_to_the_default_priority(elapsed, high_survives
                         events=KvEventRecorder(buffer))
     high_prompt, mid_prompt = _prompt(100, 9), _prompt(200, 9)
     _serve(kv, LlmRequest(1, high_prompt, 1, kv_cache_retention_config=_retain(90, duration_ms=1000)))
+    for rid in range(10, 30):  # reused and released again (restarting the duration) many times
+        clock.now += 0.01
+        _serve(kv, LlmRequest(rid, high_prompt, 1))
+    assert len(kv.block_pool._expiring) <= 2 * kv.num_blocks  # stale expiries do not pile up
     _serve(kv, LlmRequest(2, mid_prompt, 1, kv_cache_retention_config=_retain(50)))
     buffer.get()
     clock.now += elapsed
@@ -312,3 +316,31 @@ def test_engine_same_tokens_with_retention_and_events_match_the_pool(llm):
         llm.generate(prompts[0], params, kv_cache_retention_config={"priority": 90})
     with pytest.raises(ValueError, match="kv_cache_retention_config has 1 entries for 2 prompts"):
         llm.generate(prompts[:2], params, kv_cache_retention_config=[keep_system])
+
+
+def test_server_takes_a_retention_config(llm):
+    import httpx
+
+    from jaxllm.server.app import ServerConfig, build_app
+    from server_helpers import LiveServer
+
+    server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny")))
+    try:
+        llm.get_kv_cache_events(timeout=0)
+        prompt = _prompt(300, 17)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                "kv_cache_retention_config": {"token_range_retention_priorities": [
+                    {"token_start": 0, "token_end": 8, "priority": 77}]}}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        stored = {tuple(t["token_id"] for t in b["tokens"]): b["priority"]
+                  for e in llm.get_kv_cache_events(timeout=0) if e["data"]["type"] == "stored"
+                  for b in e["data"]["blocks"]}
+        assert stored[tuple(prompt[:8])] == 77 and stored[tuple(prompt[8:16])] == 35
+        body["kv_cache_retention_config"]["token_range_retention_priorities"][0]["priority"] = 101
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "kv_cache_retention_config"
+        assert "priority must be in [0, 100], got 101" in reply.json()["error"]["message"]
+    finally:
+        server.stop()

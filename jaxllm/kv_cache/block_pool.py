@@ -59,7 +59,6 @@ class BlockPool:
         self._block_of_key: dict[BlockKey, int] = {}
         self._next_node = ROOT_NODE + 1
         self.num_evictions = 0
-        self._last_evicted_node = ROOT_NODE
         self.events = events
         if events is not None:
             events.created(num_blocks)
@@ -91,9 +90,9 @@ class BlockPool:
         if self._free:
             block = self._free.pop()
         elif self._num_evictable:
-            block = self._evict()
+            block, node = self._evict()
             if self.events is not None:
-                self.events.removed([self._last_evicted_node])
+                self.events.removed([node])
         else:
             raise RuntimeError("KV cache pool exhausted: no free or evictable block left")
         self.ref_count[block] = 1
@@ -115,16 +114,17 @@ class BlockPool:
         if count > take:
             removed = []
             for _ in range(count - take):
-                block = self._evict()
-                removed.append(self._last_evicted_node)
+                block, node = self._evict()
+                removed.append(node)
                 ref[block] = 1
                 blocks.append(block)
             if self.events is not None:
                 self.events.removed(removed)
         return blocks
 
-    def _evict(self) -> int:
-        """Unindex and return the evictable block to reuse: lowest priority, then oldest."""
+    def _evict(self) -> tuple[int, int]:
+        """Unindex the evictable block to reuse (lowest priority, then oldest); returns it and
+        the prefix node it held."""
         if self._expiring:
             self._expire()
         nonempty = self._nonempty
@@ -135,10 +135,10 @@ class BlockPool:
             self._nonempty = nonempty & ~(1 << priority)
         self._num_evictable -= 1
         self._expiry[block] = 0.0
-        self._last_evicted_node = self._node_of[block]
+        node = self._node_of[block]
         self._unregister(block)
         self.num_evictions += 1
-        return block
+        return block, node
 
     def _expire(self) -> None:
         """Move released blocks whose priority duration has passed to the default priority."""
@@ -195,6 +195,10 @@ class BlockPool:
                 when = self._clock() + duration
                 self._expiry[block] = when
                 heapq.heappush(self._expiring, (when, block))
+                if len(self._expiring) > 2 * self.num_blocks:  # mostly stale: reacquired meanwhile
+                    expiry = self._expiry
+                    self._expiring = [(t, b) for t, b in self._expiring if expiry[b] == t]
+                    heapq.heapify(self._expiring)
         else:
             self._free.append(block)
         return True

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 import jaxllm
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -284,7 +285,8 @@ class OpenAIServer:
 
     def submit_all(self, prompts: list[Union[str, list[int]]], params_for, streaming: bool,
                    add_special_tokens: bool = True, texts: Optional[list[Optional[str]]] = None,
-                   field: str = "prompt", lora_request: Optional[LoRARequest] = None) -> list[GenerationResult]:
+                   field: str = "prompt", lora_request: Optional[LoRARequest] = None,
+                   kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None) -> list[GenerationResult]:
         """Validate every prompt before queuing any (ValueError -> 400), then submit them all.
         Runs on the API thread pool: tokenizing may take a while. `field`: the request field
         the prompts come from, named in length errors."""
@@ -297,7 +299,8 @@ class OpenAIServer:
                 if len(ids) >= executor.max_seq_len:  # before any per-token work on a huge prompt
                     raise APIError(400, f"{field}: {len(ids)} tokens leave no room to generate within "
                                         f"max_seq_len ({executor.max_seq_len})", field)
-                request = executor.make_request(ids, params_for(len(ids)), streaming, lora_request=lora_request)
+                request = executor.make_request(ids, params_for(len(ids)), streaming, lora_request=lora_request,
+                                                kv_cache_retention_config=kv_cache_retention_config)
                 text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
                 if text is not None:
                     request.prompt = text
@@ -363,10 +366,12 @@ class OpenAIServer:
             if body.stream and body.best_of is not None and body.best_of > body.n:
                 raise ValueError("best_of: streaming is not supported when best_of > n")
             body.to_sampling_params(body.max_tokens or 1)  # field errors before tokenizing
+            retention = body.retention_config()
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS)) from None
         results = self.submit_all(prompts, lambda n: self._params(body, body.max_tokens, n), body.stream,
-                                  body.add_special_tokens, lora_request=lora_request)
+                                  body.add_special_tokens, lora_request=lora_request,
+                                  kv_cache_retention_config=retention)
         return body, results
 
     async def completions(self, request: Request) -> Response:
@@ -441,6 +446,7 @@ class OpenAIServer:
         try:
             body.check_stream_options()
             body.to_sampling_params(body.requested_max_tokens() or 1)
+            retention = body.retention_config()
             template = body.requested_chat_template()
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc), _PARAMS) or "messages") from None
@@ -455,7 +461,8 @@ class OpenAIServer:
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
         results = self.submit_all([ids], lambda n: self._params(body, body.requested_max_tokens(), n), body.stream,
-                                  texts=[prompt], field="messages", lora_request=lora_request)
+                                  texts=[prompt], field="messages", lora_request=lora_request,
+                                  kv_cache_retention_config=retention)
         return body, results
 
     async def chat_completions(self, request: Request) -> Response:
@@ -636,7 +643,7 @@ _PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream_options",
            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "echo", "suffix", "logit_bias",
            "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs", "stream",
-           "add_special_tokens", "add_generation_prompt"}
+           "add_special_tokens", "add_generation_prompt", "kv_cache_retention_config"}
 
 
 def _validation_error(exc: ValidationError) -> APIError:

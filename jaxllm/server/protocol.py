@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from jaxllm.sampling import SamplingParams
 
 
@@ -33,6 +34,31 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
     _continuous = _refuse_if_set("continuous_usage_stats")
+
+
+class TokenRangeRetentionBody(StrictModel):
+    token_start: int
+    token_end: Optional[int] = None
+    priority: int
+    duration_ms: Optional[int] = None
+
+
+class KvCacheRetentionBody(StrictModel):
+    """`kv_cache_retention_config` extension field: TensorRT-LLM's KvCacheRetentionConfig as JSON."""
+
+    token_range_retention_priorities: list[TokenRangeRetentionBody] = []
+    decode_retention_priority: int = 35
+    decode_duration_ms: Optional[int] = None
+
+    def to_config(self) -> KvCacheRetentionConfig:
+        """The engine's config (ValueError naming the problem for invalid ranges or priorities)."""
+        try:
+            return KvCacheRetentionConfig(
+                [TokenRangeRetentionConfig(r.token_start, r.token_end, r.priority, r.duration_ms)
+                 for r in self.token_range_retention_priorities],
+                self.decode_retention_priority, self.decode_duration_ms)
+        except ValueError as exc:
+            raise ValueError(f"kv_cache_retention_config: {exc}") from None
 
 
 class _SamplingFields(StrictModel):
@@ -59,6 +85,11 @@ class _SamplingFields(StrictModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    kv_cache_retention_config: Optional[KvCacheRetentionBody] = None  # as in TensorRT-LLM's LLM API
+
+    def retention_config(self) -> Optional[KvCacheRetentionConfig]:
+        body = self.kv_cache_retention_config
+        return None if body is None else body.to_config()
 
     @field_validator("stop")
     @classmethod
