@@ -33,8 +33,11 @@ BENCHMARKS = {
     "multihost": "jaxllm.bench.multihost",
     "mla": "jaxllm.bench.mla",
     "compile": "jaxllm.bench.compile_time",
+    "lora": "jaxllm.bench.lora",
 }
 BENCHMARK_HELP = {
+    "lora": "LoRA serving cost: tokens/s with LoRA off, on for base-model requests, with resident adapters "
+            "and with more adapters than slots (compiles after warm-up counted)",
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
                   "(output tokens/s, TTFT/ITL)",
     "latency": "one request at a time on an idle engine, streamed: TTFT, TPOT, ITL, end-to-end",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -78,7 +79,10 @@ def test_mixed_adapter_batch_matches_peft(lora_setup):
 def test_swapping_adapters_compiles_nothing(lora_setup):
     import jax.monitoring
 
-    _, _, peft_models, requests, llm = lora_setup
+    root, _, peft_models, requests, llm = lora_setup
+    shutil.copytree(root / "out", root / "out2")  # a new id: read from disk after warm-up too
+    requests = {**requests, "out2": LoRARequest("out2", 4, str(root / "out2"))}
+    peft_models = {**peft_models, "out2": peft_models["out"]}
     llm.executor.call_on_engine(lambda e: e.warmup(all_variants=False), timeout=300)
     compiles: list[str] = []
 
@@ -90,7 +94,7 @@ def test_swapping_adapters_compiles_nothing(lora_setup):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = random_prompts(6, VOCAB, 3, 20, seed=2)
-        order = ["out", "qv", "all", "out", "qv", "all"]
+        order = ["out", "qv", "all", "out2", "qv", "all"]
         for start in range(0, 6, 2):  # two adapters at a time, so each round evicts the oldest
             names = order[start:start + 2]
             outs = llm.generate(prompts[start:start + 2], SamplingParams(max_tokens=4, ignore_eos=True),

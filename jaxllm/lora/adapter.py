@@ -95,16 +95,38 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 
-    tensors = {}
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the adapter file as float32 numpy. Read here with numpy alone (header
+    JSON, then the raw bytes), so admission never runs a JAX program and bfloat16 needs no
+    framework."""
+    where = f"lora_path {str(path)!r}: {WEIGHTS_FILE}"
     try:
-        with safe_open(str(path / WEIGHTS_FILE), framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-    except Exception as exc:  # a corrupt or truncated file
-        raise ValueError(f"lora_path {str(path)!r}: cannot read {WEIGHTS_FILE}: {exc}") from None
+        raw = (path / WEIGHTS_FILE).read_bytes()
+        size = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + size])
+        data = memoryview(raw)[8 + size:]
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, not a float type")
+            if dtype == "bfloat16":
+                import ml_dtypes
+
+                dtype = ml_dtypes.bfloat16
+            start, end = info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+            array = np.frombuffer(data[start:end], dtype=dtype)
+            tensors[name] = array.reshape(shape).astype(np.float32)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, IndexError, OSError) as exc:  # a corrupt or truncated file
+        raise ValueError(f"{where}: cannot read it ({type(exc).__name__}: {exc})") from None
     return tensors
 
 
