@@ -318,27 +318,30 @@ def test_engine_same_tokens_with_retention_and_events_match_the_pool(llm):
         llm.generate(prompts[:2], params, kv_cache_retention_config=[keep_system])
 
 
-def test_server_takes_a_retention_config(llm):
+def test_server_takes_a_retention_config_and_serves_events(llm):
     import httpx
 
     from jaxllm.server.app import ServerConfig, build_app
     from server_helpers import LiveServer
 
-    server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny")))
+    server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny", api_key="k")))
+    auth = {"Authorization": "Bearer k"}
     try:
         llm.get_kv_cache_events(timeout=0)
         prompt = _prompt(300, 17)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
                 "kv_cache_retention_config": {"token_range_retention_priorities": [
                     {"token_start": 0, "token_end": 8, "priority": 77}]}}
-        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60)
         assert reply.status_code == 200, reply.text
+        assert httpx.post(server.url + "/kv_cache_events", timeout=60).status_code == 401  # events show prompts
+        events = httpx.post(server.url + "/kv_cache_events", headers=auth, timeout=60).json()
         stored = {tuple(t["token_id"] for t in b["tokens"]): b["priority"]
-                  for e in llm.get_kv_cache_events(timeout=0) if e["data"]["type"] == "stored"
-                  for b in e["data"]["blocks"]}
+                  for e in events if e["data"]["type"] == "stored" for b in e["data"]["blocks"]}
         assert stored[tuple(prompt[:8])] == 77 and stored[tuple(prompt[8:16])] == 35
+        assert httpx.post(server.url + "/kv_cache_events", headers=auth, timeout=60).json() == []  # drained
         body["kv_cache_retention_config"]["token_range_retention_priorities"][0]["priority"] = 101
-        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60)
         assert reply.status_code == 400
         assert reply.json()["error"]["param"] == "kv_cache_retention_config"
         assert "priority must be in [0, 100], got 101" in reply.json()["error"]["message"]

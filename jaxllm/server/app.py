@@ -713,7 +713,7 @@ async def _merge(results: list[GenerationResult]) -> AsyncIterator[tuple[int, Re
 
 
 class GuardMiddleware:
-    """Checks the API key on /v1/ routes and refuses bodies over the limit: by Content-Length
+    """Checks the API key on /v1/ routes and /kv_cache_events and refuses bodies over the limit: by Content-Length
     at once, else while they stream in. Bounds slow clients: a body must arrive within
     `body_timeout` (else 408) and each response message must be taken within `send_timeout`
     (else the connection is dropped, which aborts its request). Pure ASGI, so streaming
@@ -731,7 +731,8 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", ()))
-        if self.api_key and scope.get("path", "").startswith("/v1/"):
+        path = scope.get("path", "")
+        if self.api_key and (path.startswith("/v1/") or path == "/kv_cache_events"):  # events carry prompt tokens
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
                 response = error_response(APIError(401, "invalid or missing API key", None, "authentication_error"))
                 return await response(scope, receive, send)
@@ -848,6 +849,12 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
     async def iteration_stats() -> JSONResponse:
         """TensorRT-LLM's per-iteration stats (JSON list), the most recent window; reading keeps them."""
         return JSONResponse(server.metrics.iteration_stats.read())
+
+    @app.post("/kv_cache_events")
+    async def kv_cache_events() -> JSONResponse:
+        """KV cache events since the previous call (trtllm-serve's route; reading drains them);
+        [] unless the engine records them (kv_cache_config.event_buffer_max_size > 0)."""
+        return JSONResponse(executor.get_kv_cache_events(timeout=0))
 
     @app.get("/version")
     async def version() -> JSONResponse:
