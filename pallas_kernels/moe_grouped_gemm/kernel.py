@@ -308,7 +308,8 @@ def _grouped_call(sched, a, weights, out_struct, tiling: GemmTiling, *, swiglu: 
     return out[:-1] if atomic else out
 
 
-def _check_weights(hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *dtypes) -> None:
+def check_weights(hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *dtypes) -> None:
+    """Stacked expert weights [E, H, I], [E, H, I], [E, I, H] of one dtype with the activations'."""
     num_groups, wh, inter_size = w_gate.shape
     if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
         raise ValueError(f"shape mismatch: hidden size {hidden_size}, w_gate {w_gate.shape}, "
@@ -339,7 +340,7 @@ def moe_forward(
     """
     num_rows, hidden_size = x_sorted.shape
     num_groups, _, inter_size = w_gate.shape
-    _check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype)
+    check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype)
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes {group_sizes.shape} does not match {num_groups} groups")
     if tiling is None:
@@ -376,7 +377,7 @@ def moe_fused_forward(
     """
     num_tokens, hidden_size = x.shape
     num_groups, _, inter_size = w_gate.shape
-    _check_weights(hidden_size, w_gate, w_up, w_down, x.dtype)
+    check_weights(hidden_size, w_gate, w_up, w_down, x.dtype)
     if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or routing_weights.shape != expert_ids.shape:
         raise ValueError(f"expert_ids {expert_ids.shape} and routing_weights {routing_weights.shape} must both "
                          f"be [{num_tokens}, top_k]")

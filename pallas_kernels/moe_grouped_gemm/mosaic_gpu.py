@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe_grouped_gemm import schedule
+from pallas_kernels.moe_grouped_gemm.kernel import check_weights
 from pallas_kernels.mosaic_gpu_interpret import interpret_params
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -205,14 +206,10 @@ def moe_forward(
 ) -> tuple[jax.Array, jax.Array]:
     """Runs both kernels; returns (out [M, H], hidden [M, I])."""
     num_rows, hidden_size = x_sorted.shape
-    num_groups, wh, inter_size = w_gate.shape
-    if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
-        raise ValueError(f"shape mismatch: x {x_sorted.shape}, w_gate {w_gate.shape}, "
-                         f"w_up {w_up.shape}, w_down {w_down.shape}")
+    num_groups, _, inter_size = w_gate.shape
+    check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype)
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes {group_sizes.shape} does not match {num_groups} groups")
-    if len({x_sorted.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
-        raise ValueError("x_sorted and the weights must share one dtype")
     if x_sorted.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Mosaic GPU MoE kernels take bfloat16 or float16, not {x_sorted.dtype}")
     if tiling is None:
