@@ -176,6 +176,35 @@ def mixed_batch(chunk: int, num_decode: int, context: int, num_tokens: int, num_
                           num_seq_slots, max_kv_len)
 
 
+def default_attention_batches() -> list[AttentionBatch]:
+    """The attention steps every kernel's cost model is reported at: decode at four batch
+    sizes, a mixed bucket, a long prefill."""
+    return [*(decode_batch(batch, 4096) for batch in (1, 16, 64, 256)),
+            mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64),
+            AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192)]
+
+
+MOE_TOKEN_COUNTS = (1, 4, 16, 64, 256, 2048)
+"""Tokens per MoE layer call the MoE kernels' cost models are reported at."""
+
+
+def step_metadata(batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray, int]:
+    """(cu_q_lens int32[S + 1], kv_lens int32[S], live sequences) of `batch`, as a step passes them."""
+    n = len(batch.q_lens)
+    cu = np.zeros(batch.num_seq_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(batch.q_lens)
+    cu[n + 1:] = cu[n]
+    kv = np.zeros(batch.num_seq_slots, np.int32)
+    kv[:n] = batch.kv_lens
+    return cu, kv, n
+
+
+def useful_attention_flops(shape: AttentionShape, q_lens, kv_lens) -> float:
+    """QK and PV FLOPs of causal attention over the sequences' real keys (no padding, no masked keys)."""
+    return 4.0 * shape.num_q_heads * shape.head_dim * sum(
+        q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(q_lens, kv_lens))
+
+
 def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2,
                     tokens_per_block: int = 16) -> list[LaunchCost]:
     """Every launch of one attention layer for `batch` (see `kernel.plan_launches`)."""
@@ -185,12 +214,7 @@ def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int 
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hkv
     group_pow2 = _next_pow2(group)
-    n = len(batch.q_lens)
-    cu = np.zeros(batch.num_seq_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(batch.q_lens)
-    cu[n + 1:] = cu[n]
-    kv = np.zeros(batch.num_seq_slots, np.int32)
-    kv[:n] = batch.kv_lens
+    cu, kv, n = step_metadata(batch)
     launches = plan_launches(batch.num_tokens, batch.num_seq_slots, hq, hkv, d, batch.max_kv_len, itemsize)
     case = f"{shape.name} {batch.name}"
     costs = []
@@ -229,7 +253,7 @@ def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int 
                 f"block_k={t.block_k} splits<={t.num_kv_splits}")
         covered = [(q, kv_) for q, kv_ in zip(batch.q_lens, batch.kv_lens)
                    if q >= launch.min_q_len and (launch.max_q_len is None or q <= launch.max_q_len)]
-        useful = 4.0 * hq * d * sum(q * (kv_ - q) + q * (q + 1) // 2 for q, kv_ in covered)
+        useful = useful_attention_flops(shape, *zip(*covered)) if covered else 0.0
         costs.append(LaunchCost("ragged_paged_attention", case, (launch.num_tiles, hkv, t.num_kv_splits),
                                 int(working), kv_bytes + q_bytes + out_bytes, flops, useful, note))
     return costs
@@ -241,14 +265,11 @@ def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int 
 def default_cases() -> list[LaunchCost]:
     costs: list[LaunchCost] = []
     for shape in ATTENTION_MODELS:
-        for batch in (1, 16, 64, 256):
-            costs += attention_costs(shape, decode_batch(batch, 4096))
-        costs += attention_costs(shape, mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64))
-        costs += attention_costs(shape, AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192))
+        for batch in default_attention_batches():
+            costs += attention_costs(shape, batch)
     for moe in MOE_MODELS:
-        for tokens in (1, 4, 16, 64, 256):
+        for tokens in MOE_TOKEN_COUNTS:
             costs += moe_costs(moe, tokens)
-        costs += moe_costs(moe, 2048)
         costs += moe_costs(moe, 256, fused=False)  # the sorted-rows path, for its extra passes
     return costs
 

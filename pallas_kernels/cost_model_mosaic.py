@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cost_model import AttentionBatch, AttentionShape, LaunchCost, MoeShape, routed_group_sizes
+from pallas_kernels.cost_model import (ATTENTION_MODELS, MOE_MODELS, MOE_TOKEN_COUNTS, AttentionBatch, AttentionShape,
+                                      LaunchCost, MoeShape, default_attention_batches, routed_group_sizes,
+                                      step_metadata, useful_attention_flops)
 
 
 def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
@@ -61,12 +63,7 @@ def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsiz
 
     hq, hkv, d, tpb = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, tokens_per_block
     group_pow2 = _next_pow2(hq // hkv)
-    n = len(batch.q_lens)
-    cu = np.zeros(batch.num_seq_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(batch.q_lens)
-    cu[n + 1:] = cu[n]
-    kv = np.zeros(batch.num_seq_slots, np.int32)
-    kv[:n] = batch.kv_lens
+    cu, kv, n = step_metadata(batch)
     splits = default_num_kv_splits(batch.num_tokens, batch.num_seq_slots, hkv, batch.max_kv_len, tpb)
     build = jax.jit(functools.partial(schedule.query_tile_schedule, num_tokens=batch.num_tokens,
                                       block_q=_ROWS // group_pow2, tokens_per_block=tpb, sliding_window=None))
@@ -88,7 +85,7 @@ def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsiz
     if splits > 1:
         out_bytes += 2 * splits * out_rows * (d + 16) * 4
     glue = 4 * batch.num_tokens * hkv * group_pow2 * d * itemsize  # q to head-major and the output back
-    useful = 4.0 * hq * d * sum(q * (kv_ - q) + q * (q + 1) // 2 for q, kv_ in zip(batch.q_lens, batch.kv_lens))
+    useful = useful_attention_flops(shape, batch.q_lens, batch.kv_lens)
     case = f"{shape.name} {batch.name}"
     note = f"64-row tiles ({hq // hkv} of {group_pow2} rows per token) page={tpb} splits={splits}"
     return [LaunchCost("ragged_paged_attn_mosaic", case, (tiles.shape[0], hkv, splits), int(working),
@@ -98,15 +95,11 @@ def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsiz
 
 def default_cases() -> list[LaunchCost]:
     """The Mosaic GPU launches at the cases `cost_model.default_cases` covers (Hopper)."""
-    from pallas_kernels.cost_model import ATTENTION_MODELS, MOE_MODELS, decode_batch, mixed_batch
-
     costs: list[LaunchCost] = []
     for shape in ATTENTION_MODELS:
-        for batch in (1, 16, 64, 256):
-            costs += mosaic_attention_costs(shape, decode_batch(batch, 4096))
-        costs += mosaic_attention_costs(shape, mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64))
-        costs += mosaic_attention_costs(shape, AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192))
+        for batch in default_attention_batches():
+            costs += mosaic_attention_costs(shape, batch)
     for moe in MOE_MODELS:
-        for tokens in (1, 4, 16, 64, 256, 2048):
+        for tokens in MOE_TOKEN_COUNTS:
             costs += mosaic_moe_costs(moe, tokens)
     return costs
