@@ -10,13 +10,13 @@ passes can never fail a step; the engine's step-level fault isolation is only a 
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from jaxllm.sampling import (SUPPRESS_WIDTH, SamplingParams, is_finite_number, resolve_end_ids)
+from jaxllm.sampling.params import is_integer
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,6 @@ class AdmittedRequest(NamedTuple):
     end_ids: list[int]
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
 def normalize_prompt(prompt_token_ids: Any, vocab_size: int) -> list[int]:
     """Prompt ids as a list of Python ints (from a list, tuple or 1-D integer numpy array)."""
     if isinstance(prompt_token_ids, np.ndarray):
@@ -56,7 +52,7 @@ def normalize_prompt(prompt_token_ids: Any, vocab_size: int) -> list[int]:
         ids = list(prompt_token_ids)
         if not all(type(t) is int for t in ids):
             for t in ids:
-                if not _is_int(t):
+                if not is_integer(t):
                     raise ValueError(f"prompt_token_ids: token ids must be integers, got {type(t).__name__}")
             ids = [int(t) for t in ids]
     else:
@@ -144,7 +140,7 @@ def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits
 
 
 def check_sequence_index(sequence_index: Any) -> int:
-    if not _is_int(sequence_index) or sequence_index < 0:
+    if not is_integer(sequence_index) or sequence_index < 0:
         raise ValueError(f"sequence_index must be an integer >= 0, got {sequence_index!r}")
     return int(sequence_index)
 

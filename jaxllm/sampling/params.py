@@ -55,7 +55,8 @@ def _show(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _is_int(v: Any) -> bool:
+def is_integer(v: Any) -> bool:
+    """An integer (Python or numpy); bools are not integers here."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
@@ -78,7 +79,7 @@ def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None,
                optional: bool = False) -> None:
     if v is None and optional:
         return
-    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+    if not is_integer(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
             f" >= {lo}" if lo is not None else "")
         raise ValueError(f"{name} must be an integer{bounds}, got {_show(v)}")
@@ -101,7 +102,7 @@ def _check_token_ids(name: str, v: Any) -> list[int] | None:
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"{name} must be a list of integer token ids, got {type(v).__name__}")
     for t in v:
-        if not _is_int(t) or not 0 <= t <= INT32_MAX:
+        if not is_integer(t) or not 0 <= t <= INT32_MAX:
             raise ValueError(f"{name} must hold integer token ids in [0, {INT32_MAX}], got {_show(t)}")
     return [int(t) for t in v]
 
