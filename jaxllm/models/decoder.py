@@ -51,6 +51,7 @@ from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.moe import MoeFn, moe_block
+from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import LayerStack, Params, stacks_of_params
 from jaxllm.step_batch import StepBatch
@@ -105,18 +106,6 @@ def _rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     return rules_for(config, mesh)
 
 
-def _precision(config: ModelConfig) -> Optional[jax.lax.Precision]:
-    # float32 models are run for exactness: keep GPUs from using TF32 for their matmuls.
-    return jax.lax.Precision.HIGHEST if config.dtype == "float32" else None
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in float32, scaled in the activation dtype (as HF does)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax.lax.Precision]) -> jax.Array:
     """The batched low-rank update of one projection: token t adds `(x[t] @ a[s]) @ b[s]` of its
     slot s (`onehot` [T, slots]; an all-zero row adds nothing). Every slot's `x @ a` is computed
@@ -130,7 +119,7 @@ def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadat
                sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn, write_fn: Callable,
                lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
                ) -> tuple[jax.Array, MhaLayerCache]:
-    prec = _precision(config)
+    prec = matmul_precision(config)
     q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = jnp.einsum("th,hnd->tnd", x, p["k"], precision=prec)
     v = jnp.einsum("th,hnd->tnd", x, p["v"], precision=prec)
@@ -156,7 +145,7 @@ def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadat
 
 def _mlp(x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None,
          onehot: Optional[jax.Array] = None) -> jax.Array:
-    prec = _precision(config)
+    prec = matmul_precision(config)
     gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=prec)
     up = jnp.einsum("th,hi->ti", x, p["up"], precision=prec)
     if lora is not None:
@@ -367,7 +356,7 @@ def _scan_stack(x: jax.Array, stacked: dict, pool: MhaLayerCache, stack: LayerSt
 def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm and LM head: float32 logits [N, V] for residual rows [N, H]."""
     h = rms_norm(residual, params["final_norm"], config.rms_norm_eps)
-    prec = _precision(config)
+    prec = matmul_precision(config)
     if config.tie_word_embeddings:
         return jnp.einsum("nh,vh->nv", h, params["embed"], precision=prec, preferred_element_type=jnp.float32)
     return jnp.einsum("nh,hv->nv", h, params["lm_head"], precision=prec, preferred_element_type=jnp.float32)

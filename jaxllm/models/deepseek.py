@@ -34,6 +34,7 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.mla import latent_backend, mla_attention, mla_cache_spec
 from jaxllm.models.moe import MoeFn, moe_block
+from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import Layout, Source
 from jaxllm.step_batch import StepBatch
@@ -200,16 +201,6 @@ def kv_cache_spec(config: ModelConfig, dtype: str) -> MlaKvCacheSpec:
     return mla_cache_spec(config, dtype)
 
 
-def _precision(config: ModelConfig) -> Optional[jax.lax.Precision]:
-    return jax.lax.Precision.HIGHEST if config.dtype == "float32" else None
-
-
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def _mlp(x: jax.Array, p: dict, precision: Optional[jax.lax.Precision]) -> jax.Array:
     gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=precision)
     up = jnp.einsum("th,hi->ti", x, p["up"], precision=precision)
@@ -239,7 +230,7 @@ def decode_layers(params: dict, kv_cache: list, batch: StepBatch, *, config: Mod
     """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats."""
     if len(kv_cache) != config.num_layers:
         raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
-    prec = _precision(config)
+    prec = matmul_precision(config)
     mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh,
                                                             kv_cache[0].latent.dtype)
     md = AttentionMetadata.from_batch(batch)
@@ -253,12 +244,12 @@ def decode_layers(params: dict, kv_cache: list, batch: StepBatch, *, config: Mod
     decode_only = num_valid == batch.num_seqs[0]
     new_cache, counts, dropped = [], [], []
     for i, (layer, cache) in enumerate(zip(params["layers"], kv_cache)):
-        h = _rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         h, cache = mla_attention(h, layer["attn"], cache, md, cos, sin, config=config, mha_fn=mha_fn,
                                  latent_fn=latent_fn, write_fn=write_fn, decode_only=decode_only, precision=prec)
         new_cache.append(cache)
         x = x + h
-        h = _rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
         if not config.is_moe_layer(i):
             x = x + _mlp(h, layer["mlp"], prec)
             continue

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaKvCacheSpec, MlaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, latent_attention_of
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.numerics import rms_norm
 from jaxllm.models.rope import yarn_softmax_scale
 
 MLA_MODES = ("auto", "absorbed", "expanded")
@@ -67,24 +68,18 @@ def apply_mla_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: boo
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def mla_projections(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, *, config: ModelConfig,
                     precision: Optional[jax.lax.Precision]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q_nope [T, Hq, Dn], RoPE'd q_rope [T, Hq, Dr], the cache entries [T, R + Dr])."""
     c = config
     if c.q_lora_rank is not None:
         qa = jnp.einsum("th,hr->tr", x, p["q_a"], precision=precision)
-        qa = _rms_norm(qa, p["q_a_norm"], c.rms_norm_eps)
+        qa = rms_norm(qa, p["q_a_norm"], c.rms_norm_eps)
         q = jnp.einsum("tr,rnd->tnd", qa, p["q_b"], precision=precision)
     else:
         q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=precision)
     q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-    latent = _rms_norm(jnp.einsum("th,hr->tr", x, p["kv_a"], precision=precision), p["kv_a_norm"], c.rms_norm_eps)
+    latent = rms_norm(jnp.einsum("th,hr->tr", x, p["kv_a"], precision=precision), p["kv_a_norm"], c.rms_norm_eps)
     k_rope = jnp.einsum("th,hd->td", x, p["k_rope"], precision=precision)
     q_rope = apply_mla_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_mla_rope(k_rope, cos, sin, c.rope_interleave)
