@@ -74,6 +74,10 @@ class LlmRequest:
     lora_adapter: Any = None
     # KvCacheRetentionConfig: retention priorities of this request's cached blocks (None: default).
     kv_cache_retention_config: Any = None
+    # Beam search: beams kept per step (the KV cache reserves blocks for all of them), and the
+    # engine's beam state (`jaxllm.engine.beam_search`) while the request runs.
+    beam_width: int = 1
+    beam: Any = None
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

@@ -38,6 +38,7 @@ from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, Ranke
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
+from jaxllm.engine.beam_search import BeamHypothesis, BeamRun, BeamSearch, beam_id
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
@@ -80,6 +81,8 @@ class RequestUpdate:
     finished: bool = False
     # Set when the engine failed this request (finish_reason 'error'): what went wrong.
     error: Optional[str] = None
+    # Beam search, on the final update: the n best beams, best first (new_token_ids is the best).
+    beam_outputs: Optional[list[BeamHypothesis]] = None
 
 
 @dataclass
@@ -102,6 +105,7 @@ class _PendingStep:
     iteration: int = 0
     expert_counts: Any = None  # device array of the step's expert counts, when statistics are recorded
     slot_tables: Optional[dict] = None  # MoE layer -> slot table the step ran with (online balancer)
+    beam_entries: Optional[list[TokenEntry]] = None  # rows of beam-search requests (processed apart)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -229,6 +233,7 @@ class LLMEngine:
         # that a step needs no pass over every request to know whether any does.
         self._num_needing_history = 0
         self._num_wanting_logprobs = 0
+        self._num_beam_search = 0  # active beam-search requests (their steps are not overlapped)
         self._pending: Optional[_PendingStep] = None
         self._ids = itertools.count()
         self.iteration = 0
@@ -329,6 +334,8 @@ class LLMEngine:
         for batch in batches[1:]:
             logits = self.runner.forward(*batch, None)
         outputs = [self.runner.sample(logits, sampling) for sampling in samplings]
+        if not self.attention_dp:
+            self.runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
         for out in outputs:
             np.asarray(out.token_ids)
         if self.load_balancer is not None:
@@ -349,7 +356,33 @@ class LLMEngine:
         admitted = validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
                                     tokenizer=self.tokenizer)
         self.resolve_lora(lora_request)
+        if getattr(params, "use_beam_search", False):
+            self._check_beam_search(params, len(admitted.prompt_token_ids))
         return admitted
+
+    def _check_beam_search(self, params: SamplingParams, prompt_len: int) -> None:
+        """What this engine's configuration allows beam search to do (ValueError otherwise)."""
+        width = params.beam_width
+        if self.attention_dp:
+            raise ValueError("use_beam_search is not supported with enable_attention_dp")
+        if is_multiprocess():
+            raise ValueError("use_beam_search is not supported in multi-host runs (beam forks copy KV blocks "
+                             "outside the mirrored step)")
+        if self.config.scheduler_config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
+            raise ValueError("use_beam_search needs the GUARANTEED_NO_EVICT capacity scheduler policy: "
+                             "MAX_UTILIZATION pauses requests, and paused beams cannot be recomputed")
+        if width > self.config.max_batch_size or width > self.config.max_num_tokens:
+            raise ValueError(f"use_beam_search: beam width {width} exceeds max_batch_size "
+                             f"({self.config.max_batch_size}) or max_num_tokens ({self.config.max_num_tokens}); "
+                             "each beam is a row of the step")
+        kv = self.kv_cache_manager
+        tpb = kv.tokens_per_block
+        per_beam = -(-(prompt_len + params.max_tokens) // tpb)
+        blocks = width * per_beam - (width - 1) * (prompt_len // tpb)
+        if blocks > kv.get_max_resource_count():
+            raise ValueError(f"max_tokens: {width} beams of prompt ({prompt_len} tokens) + max_tokens "
+                             f"({params.max_tokens}) need up to {blocks} KV blocks, more than the cache holds "
+                             f"({kv.get_max_resource_count()})")
 
     def validate_prompt(self, prompt_token_ids: Any, params: Any) -> None:
         """Alias of `validate_request` with the default priority."""
@@ -384,6 +417,15 @@ class LLMEngine:
         request.end_ids = admitted.end_ids
         request.lora_adapter = adapter
         request.kv_cache_retention_config = retention
+        if params.use_beam_search:
+            if request_id < 0:
+                raise ValueError(f"request_id must be >= 0 for beam search, got {request_id}")
+            request.beam_width = params.beam_width
+            request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, frozenset(admitted.end_ids),
+                                              float(params.length_penalty), params.early_stopping),
+                                   [request], params.n)
+            self._num_beam_search += 1
+            self.planner.beam_search_active = True
         self.active[request.request_id] = request
         self._num_needing_history += params.needs_history
         self._num_wanting_logprobs += params.logprobs is not None
@@ -442,6 +484,12 @@ class LLMEngine:
         if (self._pending is not None and self._num_needing_history
                 and any(r.sampling_params.needs_history for r in candidates)):
             # Penalties and bad-word lists need every previous token on the host: no overlap here.
+            updates += self._process(self._pending)
+            self._pending = None
+            candidates = self._schedulable()
+        if (self._pending is not None and self._num_beam_search
+                and any(r.beam is not None for r in candidates)):
+            # The next beams are chosen on the host from this step's candidates: no overlap here.
             updates += self._process(self._pending)
             self._pending = None
             candidates = self._schedulable()
@@ -515,6 +563,11 @@ class LLMEngine:
             r.sampling_params.logprobs is not None for r in rows)
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
+        beam_entries = None
+        if self._num_beam_search:
+            beam_entries = [e for e in entries if e[0].beam is not None]
+            if beam_entries:
+                entries = [e for e in entries if e[0].beam is None]
         stats = {
             "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
@@ -528,7 +581,7 @@ class LLMEngine:
         if balancer is not None:
             stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
         return _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
-                            balancer.tables if balancer is not None else None)
+                            balancer.tables if balancer is not None else None, beam_entries or None)
 
     def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
         """The requests of a step whose plan cannot be built even alone."""
@@ -580,7 +633,61 @@ class LLMEngine:
                 append(self._apply_token(request, index, token, row, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += self._fail([request], exc, "applying a sampled token")
+        if pending.beam_entries:
+            updates += self._advance_beams(pending)
         return updates
+
+    def _advance_beams(self, pending: _PendingStep) -> list[RequestUpdate]:
+        """Choose each beam-search request's next beams from its rows' top candidates, fork
+        their KV blocks (copying shared partial blocks on the device), or finish it."""
+        out = pending.sampler_output
+        top_ids, top_logprobs = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        rows_of: dict[LlmRequest, list[int]] = {}
+        for request, row, _ in pending.beam_entries:
+            leader = request.beam.requests[0]
+            rows_of.setdefault(leader, []).append(row)
+        updates = []
+        for leader, rows in rows_of.items():
+            if leader.state is _COMPLETE:
+                continue
+            try:
+                updates += self._advance_one(leader, rows, top_ids, top_logprobs)
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates += self._fail([leader], exc, "choosing the next beams")
+        return updates
+
+    def _advance_one(self, leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
+                     top_logprobs: np.ndarray) -> list[RequestUpdate]:
+        run: BeamRun = leader.beam
+        search = run.search
+        parents = search.step(top_ids[rows], top_logprobs[rows])
+        if search.done:
+            results = search.results(run.num_returned)
+            best = results[0]
+            leader.output_token_ids[:] = best.token_ids
+            self._finish(leader, best.finish_reason, None, len(best.token_ids))
+            return [RequestUpdate(leader, list(best.token_ids), finished=True, beam_outputs=results)]
+        kv = self.kv_cache_manager
+        if len(run.requests) == 1:  # the prompt is done: the other beams start from it
+            beams = []
+            for j in range(1, search.beam_width):
+                beam = LlmRequest(request_id=beam_id(leader.request_id, j), prompt_token_ids=leader.prompt_token_ids,
+                                  max_new_tokens=leader.max_new_tokens, priority=leader.priority,
+                                  arrival_time=leader.arrival_time, sampling_params=leader.sampling_params,
+                                  state=LlmRequestState.GENERATION_IN_PROGRESS)
+                beam.context_current_position = leader.prompt_len
+                beam.seed, beam.end_ids, beam.beam = leader.seed, leader.end_ids, run
+                beam.lora_adapter = leader.lora_adapter
+                beams.append(beam)
+            kv.add_beams(leader, beams)
+            run.requests.extend(beams)
+        cached = leader.prompt_len + search.num_generated - 1  # the newest token is fed next step
+        copies = kv.fork_beams(leader, [p for p, _ in parents], cached)
+        for beam, tokens in zip(run.requests, search.tokens):
+            beam.output_token_ids[:] = tokens
+        if copies:
+            self.runner.copy_blocks(copies)
+        return []
 
     def _apply_token(self, request: LlmRequest, index: int, token: int, row: int,
                      logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:
@@ -614,6 +721,9 @@ class LLMEngine:
             params = request.sampling_params
             self._num_needing_history -= params.needs_history
             self._num_wanting_logprobs -= params.logprobs is not None
+            if request.beam is not None:
+                self._num_beam_search -= 1
+                self.planner.beam_search_active = self._num_beam_search > 0
 
     # ------------------------------------------------------------------ stats
     def close_statistics(self) -> None:

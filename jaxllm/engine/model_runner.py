@@ -31,6 +31,7 @@ import numpy as np
 from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
+from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
 from jaxllm.models.decoder import forward_with_moe_stats
 from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
@@ -64,6 +65,34 @@ def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: Packe
         return kv_cache, logits.astype(jnp.float32), stats.expert_counts
     logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
     return kv_cache, logits.astype(jnp.float32), None
+
+
+MAX_BLOCK_COPIES = 8
+"""Block copies per `copy_blocks` call (one compiled shape): a beam fork copies at most
+beam_width - 1 <= 7 blocks."""
+
+_NO_BLOCK = 2**30  # destination of a padding copy: out of range, so the write is dropped
+
+
+def _copy_pages(kv_cache, src: jax.Array, dst: jax.Array, *, num_blocks: int):
+    """Copy KV block `src[i]` to block `dst[i]` in every layer (padding pairs have an
+    out-of-range destination and are dropped). Handles per-layer caches and the scanned
+    layers' single page pool (layer l owns pages [l * num_blocks, (l + 1) * num_blocks))."""
+    def copy(pages: jax.Array, axis: int) -> jax.Array:
+        layers = pages.shape[axis] // num_blocks
+        offsets = jnp.arange(layers, dtype=jnp.int32)[:, None] * num_blocks
+        s, d = (src[None, :] + offsets).ravel(), (dst[None, :] + offsets).ravel()
+        index = (slice(None),) * axis
+        return pages.at[index + (d,)].set(pages[index + (s,)], mode="drop")
+
+    def layer(cache):
+        if isinstance(cache, MhaLayerCache):
+            return MhaLayerCache(copy(cache.k, 1), copy(cache.v, 1))
+        if isinstance(cache, MlaLayerCache):
+            return MlaLayerCache(copy(cache.latent, 0))
+        raise TypeError(f"cannot copy KV blocks of a {type(cache).__name__}")
+
+    return [layer(c) for c in kv_cache] if isinstance(kv_cache, list) else layer(kv_cache)
 
 
 def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutput:
@@ -141,6 +170,7 @@ class ModelRunner:
             donate_argnums=(1,),
         )
         self._sample_jit = jax.jit(_sample_step, static_argnames=("layout",))
+        self._copy_jit = jax.jit(functools.partial(_copy_pages, num_blocks=num_blocks), donate_argnums=(0,))
         self._forward_exes: dict[PackedLayout, Any] = {}
         self._sampler_exes: dict[PackedLayout, Any] = {}
         self.compile_seconds = 0.0
@@ -221,6 +251,19 @@ class ModelRunner:
         """Replace LoRA slot `slot` of `params["lora"]` by `update` (host arrays of one slot; see
         `jaxllm.lora.weights`), in place: the old buffers are donated, nothing recompiles."""
         self.params["lora"] = write_slot(self.params["lora"], slot, update)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in place, before the next step reads
+        them (a beam fork's copy on write). One compiled shape: pairs are padded to
+        `MAX_BLOCK_COPIES` (more are copied in several calls)."""
+        for start in range(0, max(len(pairs), 1), MAX_BLOCK_COPIES):
+            chunk = pairs[start:start + MAX_BLOCK_COPIES]
+            src = np.zeros(MAX_BLOCK_COPIES, np.int32)
+            dst = np.full(MAX_BLOCK_COPIES, _NO_BLOCK, np.int32)
+            if chunk:
+                src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            src, dst = put_on_mesh((src, dst), self._replicated)
+            self.kv_cache = self._copy_jit(self.kv_cache, src, dst)
 
     def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens

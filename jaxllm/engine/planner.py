@@ -78,6 +78,9 @@ class Planner:
         self.max_seq_len = max_seq_len
         # Sampling settings per KV slot, gathered each step instead of re-read from each request.
         self.sampling_slots = SamplingSlots(kv_cache_manager.block_table.shape[0])
+        # Set by the engine while a beam-search request is active: its generation steps run
+        # one row per beam (`expand_beams`).
+        self.beam_search_active = False
 
     def token_buckets(self) -> list[int]:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
@@ -92,8 +95,19 @@ class Planner:
                 self.lora_slots.release(paused)
         if output.is_empty:
             return None
+        if self.beam_search_active:
+            self.expand_beams(output)
         self.kv_cache_manager.prepare_resources(output)
         return output
+
+    @staticmethod
+    def expand_beams(output: SchedulerOutput) -> None:
+        """A beam-search request in generation runs as its beams, one row each, in beam
+        order (its prompt ran once, as the request itself)."""
+        gen = output.generation_requests
+        if any(r.beam is not None and len(r.beam.requests) > 1 for r in gen):
+            output.generation_requests = [b for r in gen for b in (
+                r.beam.requests if r.beam is not None and len(r.beam.requests) > 1 else (r,))]
 
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the

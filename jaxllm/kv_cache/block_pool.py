@@ -303,9 +303,11 @@ class BlockPool:
                 for b, key in enumerate(self._key_of) if key is not None}
 
     # ------------------------------------------------------------- checking
-    def check_invariants(self, owner_counts: list[int]) -> None:
+    def check_invariants(self, owner_counts: list[int], beam_blocks: frozenset = frozenset()) -> None:
         """Raise AssertionError unless free + cached + owned == pool, each block is in
-        exactly one place, and `ref_count` equals the number of sequences listing it."""
+        exactly one place, and `ref_count` equals the number of sequences listing it.
+        `beam_blocks`: blocks of beam-search beams, which may share full blocks of generated
+        tokens that are not in the prefix index."""
         n = self.num_blocks
         if owner_counts != self.ref_count:
             bad = [b for b in range(n) if owner_counts[b] != self.ref_count[b]][:5]
@@ -337,7 +339,7 @@ class BlockPool:
         for b in range(n):
             if self.ref_count[b] > 0:
                 place[b] += 1
-                if self.ref_count[b] > 1 and self._key_of[b] is None:
+                if self.ref_count[b] > 1 and self._key_of[b] is None and b not in beam_blocks:
                     raise AssertionError(f"block {b} is shared by {self.ref_count[b]} sequences "
                                          "but holds no cached prefix")
         lost = [b for b in range(n) if place[b] == 0]

@@ -25,6 +25,16 @@ order, so the KV is written before any later step reads it); if the request is f
 before that step ran, the entry is withdrawn again. A block holding generated tokens is
 indexed once all its tokens are known on the host, i.e. not including the token fed in
 the current step (which an overlapped engine may not have read back yet).
+
+Beam search (`request.beam_width > 1`): the request's beams are sequences of one
+`_BeamGroup`, each with its own block-table row. The prompt is computed once, by the
+request's own sequence (beam 0); `add_beams` adds the other beams and `fork_beams`
+gives each new beam its parent's blocks after every step: full blocks are shared by
+reference count, and a partially filled last block that several beams would write into is
+copied first (copy on write; the caller copies the device pages). The group reserves the
+worst case, `k * ceil((P + M) / tpb) - (k - 1) * (P // tpb)` blocks (only full prompt
+blocks are surely shared), and releases every beam's blocks when the request is freed.
+Blocks holding generated tokens of beams are not entered in the prefix index.
 """
 
 from __future__ import annotations
@@ -70,10 +80,23 @@ class _Sequence:
     # Smallest `num_tokens` at which a generation step needs a new block or can index a
     # full one (so the per-step check of a generation request is a single comparison).
     next_event: int = 0
+    group: Optional["_BeamGroup"] = None  # the beams of a beam-search request, when it is one
 
     @property
     def num_registered(self) -> int:
         return len(self.nodes)
+
+
+@dataclass(eq=False)
+class _BeamGroup:
+    """The sequences of one beam-search request (beam 0 is the request itself) and the
+    blocks the group reserved for the worst case."""
+
+    seqs: list[_Sequence]
+    total: int
+
+    def distinct_blocks(self) -> int:
+        return len({b for s in self.seqs for b in s.blocks})
 
 
 @dataclass
@@ -200,10 +223,20 @@ class KVCacheManager:
         a request not yet added: minus prefix blocks it would share with running ones)."""
         seq = self._seqs.get(request.request_id)
         if seq is not None:
+            if seq.group is not None:
+                return seq.group.total - seq.group.distinct_blocks()
             need = seq.total_blocks - len(seq.blocks)
             return need if need > 0 else 0
-        total = -(-(len(request.prompt_token_ids) + request.max_new_tokens) // self.tokens_per_block)
-        return total - self._num_shared_prefix_blocks(request)
+        return self._total_blocks(request) - self._num_shared_prefix_blocks(request)
+
+    def _total_blocks(self, request: LlmRequest) -> int:
+        """Blocks a request may hold at most: every beam at full length, the full prompt
+        blocks counted once."""
+        tpb = self.tokens_per_block
+        prompt_len = len(request.prompt_token_ids)
+        total = -(-(prompt_len + request.max_new_tokens) // tpb)
+        k = request.beam_width
+        return total if k == 1 else k * total - (k - 1) * (prompt_len // tpb)
 
     def get_needed_resource_for_step(self, request: LlmRequest) -> int:
         """Blocks this request takes from the pool if it runs this step (0 when it already
@@ -215,6 +248,8 @@ class KVCacheManager:
             if seq is not None and num_tokens <= len(seq.blocks) * self.tokens_per_block:
                 return 0  # the common case: the fed token fits the last block
             target = -(-num_tokens // self.tokens_per_block)
+            if seq is not None and seq.group is not None:  # every beam grows (or copies) a block
+                return len(seq.group.seqs) * max(target - len(seq.blocks), 1)
         elif state is _CONTEXT_INIT:
             target = -(-len(request.prompt_token_ids) // self.tokens_per_block)
         else:
@@ -243,7 +278,11 @@ class KVCacheManager:
         total = len(request.prompt_token_ids) + request.max_new_tokens
         seq = _Sequence(request, self._take_row(), self.blocks_for_tokens(total))
         self._seqs[rid] = seq
-        self._reserved += seq.total_blocks
+        if request.beam_width > 1:
+            seq.group = _BeamGroup([seq], self._total_blocks(request))
+            self._reserved += seq.group.total
+        else:
+            self._reserved += seq.total_blocks
         num_prompt_blocks = self.blocks_for_tokens(len(request.prompt_token_ids))
         matched: list[int] = []
         if reuse and self.enable_block_reuse:
@@ -289,6 +328,8 @@ class KVCacheManager:
             indexable = num_tokens - 1  # the token fed this step may not be known yet
         new = self._grow(seq, -(-num_tokens // self.tokens_per_block))
         if self.enable_block_reuse:
+            if seq.group is not None:
+                indexable = min(indexable, len(request.prompt_token_ids))
             self._register_computed(seq, request, indexable)
         return new
 
@@ -338,7 +379,7 @@ class KVCacheManager:
             if num_tokens >= seq.next_event:  # once per block boundary
                 if num_tokens > len(seq.blocks) * tpb:
                     self._grow(seq, -(-num_tokens // tpb))
-                if reuse and (num_tokens - 1) // tpb > len(seq.nodes):
+                if reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None:
                     self._register_computed(seq, request, num_tokens - 1)
             add_row(seq.row)
             add_num_tokens(num_tokens)
@@ -352,9 +393,25 @@ class KVCacheManager:
         seq = self._seqs.get(request.request_id)
         if seq is None or seq.request is not request:
             return 0
+        group = seq.group
+        if group is not None:
+            if group.seqs[0] is not seq:
+                raise ValueError(f"request {request.request_id} is a beam of another request; free that request")
+            self._reserved -= group.total - group.distinct_blocks()
+            returned = 0
+            for beam in reversed(group.seqs):
+                beam.group = None
+                beam.total_blocks = len(beam.blocks)  # nothing left reserved per beam
+                returned += self._free_sequence(beam, beam.request)
+            return returned
+        return self._free_sequence(seq, request)
+
+    def _free_sequence(self, seq: _Sequence, request: LlmRequest) -> int:
         if self.enable_block_reuse:
             computed = self._num_computed_tokens(request)
             self._withdraw_uncomputed(seq, computed)
+            if request.beam_width > 1 or request.request_id < 0:  # generated beam blocks stay unindexed
+                computed = min(computed, len(request.prompt_token_ids))
             self._register_computed(seq, request, computed)
         del self._seqs[request.request_id]
         self._version += 1
@@ -370,6 +427,70 @@ class KVCacheManager:
         self._row_num_blocks[row] = 0
         self._free_rows.append(row)
         return returned
+
+    # ----------------------------------------------------------- beam search
+    def add_beams(self, request: LlmRequest, beams: list[LlmRequest]) -> None:
+        """Track the beams 1..k-1 of a beam-search request (beam 0 is `request`, already
+        added). They hold no blocks until `fork_beams` gives them their parents'."""
+        leader = self._seqs.get(request.request_id)
+        if leader is None or leader.group is None:
+            raise ValueError(f"request {request.request_id} is not a beam-search request with KV blocks")
+        group = leader.group
+        if len(group.seqs) + len(beams) != request.beam_width:
+            raise ValueError(f"request {request.request_id}: {len(group.seqs) + len(beams)} beams for a beam "
+                             f"width of {request.beam_width}")
+        for beam in beams:
+            if beam.request_id in self._seqs:
+                raise ValueError(f"beam id {beam.request_id} is already in use")
+            seq = _Sequence(beam, self._take_row(), leader.total_blocks, group=group)
+            self._seqs[beam.request_id] = seq
+            group.seqs.append(seq)
+
+    def fork_beams(self, request: LlmRequest, parents: list[int], num_cached_tokens: int) -> list[tuple[int, int]]:
+        """Make beam j continue beam `parents[j]`: it takes that beam's blocks (shared by
+        reference count). `num_cached_tokens`: tokens whose KV is written; when the next
+        one lands inside a block several beams share, all but one of them get a private
+        copy of it. Returns the (source, destination) block copies the device must make
+        before the next step."""
+        group = self._seqs[request.request_id].group
+        if group is None or len(parents) != len(group.seqs):
+            raise ValueError(f"request {request.request_id}: {len(parents)} parents for its beams")
+        pool = self._pool
+        seqs = group.seqs
+        before = group.distinct_blocks()
+        new = [list(seqs[p].blocks) for p in parents]
+        new_nodes = [list(seqs[p].nodes) for p in parents]
+        for blocks in new:
+            for block in blocks:
+                pool.acquire(block)
+        for seq in seqs:
+            for block in reversed(seq.blocks):
+                pool.release(block)
+        copies: list[tuple[int, int]] = []
+        tpb = self.tokens_per_block
+        index = num_cached_tokens // tpb
+        if num_cached_tokens % tpb:  # the next token is written into a partly filled block
+            for blocks in new:
+                if index < len(blocks) and pool.ref_count[blocks[index]] > 1:
+                    src = blocks[index]
+                    dst = pool.allocate()
+                    pool.release(src)
+                    blocks[index] = dst
+                    copies.append((src, dst))
+            self._alloc_new += len(copies)
+            self._alloc_total += len(copies)
+        for seq, blocks, nodes in zip(seqs, new, new_nodes):
+            old = len(seq.blocks)
+            seq.blocks = blocks
+            seq.nodes = nodes[:len(blocks)]
+            row = seq.row
+            self._table[row, :len(blocks)] = blocks
+            if old > len(blocks):
+                self._table[row, len(blocks):old] = 0
+            self._row_num_blocks[row] = len(blocks)
+            self._refresh_next_event(seq)
+        self._reserved += before - group.distinct_blocks()
+        return copies
 
     # ------------------------------------------------------- block tables
     def placement_is_current(self, placement: Optional[StepPlacement]) -> bool:
@@ -446,7 +567,18 @@ class KVCacheManager:
                 raise AssertionError(f"row block count of request {rid} is stale")
             if len(blocks) > seq.total_blocks:
                 raise AssertionError(f"request {rid} holds more blocks than it reserved")
-            reserved += seq.total_blocks - len(blocks)
+            group = seq.group
+            if group is None:
+                reserved += seq.total_blocks - len(blocks)
+            elif group.seqs[0] is seq:
+                if any(self._seqs.get(b.request.request_id) is not b or b.group is not group for b in group.seqs):
+                    raise AssertionError(f"beam group of request {rid} lists a beam the manager does not track")
+                held = group.distinct_blocks()
+                if held > group.total:
+                    raise AssertionError(f"beams of request {rid} hold {held} blocks, more than reserved")
+                reserved += group.total - held
+            elif seq not in group.seqs:
+                raise AssertionError(f"beam {rid} is not in its group")
         free_rows = self._free_rows
         if rows_seen.intersection(free_rows):
             raise AssertionError(f"rows {sorted(rows_seen.intersection(free_rows))} are both free and in use")
@@ -456,7 +588,16 @@ class KVCacheManager:
             raise AssertionError("block-table rows lost")
         if reserved != self._reserved:
             raise AssertionError(f"reserved-block total is {self._reserved}, the sequences add up to {reserved}")
-        self._pool.check_invariants(counts)
+        tpb = self.tokens_per_block
+        beam_blocks = set()
+        for seq in self._seqs.values():
+            if seq.group is not None:
+                # Beams share full blocks only: the block the next token lands in is private.
+                written = seq.request.num_tokens - 1
+                for i, b in enumerate(seq.blocks):
+                    if (i + 1) * tpb <= written:
+                        beam_blocks.add(b)
+        self._pool.check_invariants(counts, frozenset(beam_blocks))
 
     # ----------------------------------------------------------- internal
     def _take_row(self) -> int:
@@ -506,7 +647,7 @@ class KVCacheManager:
     def _refresh_next_event(self, seq: _Sequence) -> None:
         tpb = self.tokens_per_block
         event = len(seq.blocks) * tpb + 1  # first token that needs a new block
-        if self.enable_block_reuse:
+        if self.enable_block_reuse and seq.group is None:
             # num_tokens at which the next unindexed block is full of known tokens
             fills = (len(seq.nodes) + 1) * tpb + 1
             if fills < event:

@@ -27,6 +27,11 @@ INT32_MAX = 2**31 - 1
 MAX_SEQUENCES = 128
 """Largest `n` / `best_of` (OpenAI's limit for `n`): each sequence is a request of its own."""
 
+MAX_BEAM_WIDTH = 8
+"""Largest beam width (`best_of`, else `n`, with `use_beam_search`), as in TensorRT-LLM."""
+
+EARLY_STOPPING_VALUES = (True, False, "never")
+
 
 class _Row(NamedTuple):
     """The step-invariant sampler settings of one request, cached so that building the
@@ -137,6 +142,10 @@ class SamplingParams:
     n: int = 1
     best_of: Optional[int] = None
     use_beam_search: bool = False
+    # Beam search only (Hugging Face's definitions): a finished hypothesis scores
+    # sum_logprobs / generated_len ** length_penalty; early_stopping True / False / "never".
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
     temperature: Optional[float] = None
     top_k: Optional[int] = None
     top_p: Optional[float] = None
@@ -186,8 +195,11 @@ class SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_bool("use_beam_search", self.use_beam_search)
-        if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported yet")
+        if not _is_real(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {_show(self.length_penalty)}")
+        if not any(self.early_stopping is v or (isinstance(v, str) and self.early_stopping == v)
+                   for v in EARLY_STOPPING_VALUES):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
         if self.temperature is not None and not (_is_real(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {_show(self.temperature)}")
         if self.top_k is not None:
@@ -219,6 +231,11 @@ class SamplingParams:
                                   ("exclude_input_from_output", not self.exclude_input_from_output)):
             if unsupported:
                 raise ValueError(f"{name}: {_show(getattr(self, name))} is not supported")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+            raise ValueError(f"{name} applies to beam search only: set use_beam_search=True")
         lp = self.logits_processor
         if lp is not None and not callable(lp) and not (
                 isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
@@ -229,6 +246,48 @@ class SamplingParams:
             if value is not None and type(value) is not int:
                 setattr(self, name, int(value))
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search is deterministic: it ranks continuations by the model's log-probabilities.
+        Knobs that would change those (sampling, penalties, bans) or per-token outputs it does
+        not produce are refused rather than ignored."""
+        width = self.beam_width
+        if width > MAX_BEAM_WIDTH:
+            raise ValueError(f"use_beam_search: the beam width (best_of, else n) must be <= {MAX_BEAM_WIDTH}, "
+                             f"got {width}")
+        sampled = [name for name, on in (
+            ("temperature", self.temperature is not None and self.temperature >= GREEDY_TEMPERATURE_EPS),
+            ("top_k", self.top_k is not None and self.top_k not in (-1, 0, 1)),
+            ("top_p", self.top_p is not None and self.top_p < 1),
+            ("min_p", self.min_p is not None and self.min_p > 0)) if on]
+        if sampled:
+            raise ValueError(f"{sampled[0]}: beam search does not sample (it keeps the most likely beams); "
+                             f"leave {sampled[0]} unset or neutral with use_beam_search")
+        refused = [name for name, on in (
+            ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
+            ("presence_penalty", self.presence_penalty not in (None, 0.0)),
+            ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
+            ("min_tokens", self.min_tokens > 0),
+            ("bad", bool(self.bad)), ("bad_token_ids", bool(self.bad_token_ids)),
+            ("stop", bool(self.stop)), ("stop_token_ids", bool(self.stop_token_ids)),
+            ("logprobs", self.logprobs is not None),
+            ("logits_processor", self.logits_processor is not None)) if on]
+        if refused:
+            raise ValueError(f"{refused[0]} is not supported with use_beam_search (beams end at an end id "
+                             "or max_tokens, and are ranked by their raw log-probabilities)")
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step: best_of, else n (1 without beam search)."""
+        if not self.use_beam_search:
+            return 1
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def wants_top_logprobs(self) -> bool:
+        """Whether the sampler must return this request's top log-probabilities (logprobs, or
+        the candidates of beam search)."""
+        return self.logprobs is not None or self.use_beam_search
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":

@@ -164,7 +164,7 @@ class SamplingTensors:
             seed[at, 1] = (seed_arr & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
             penalty_rows = [i for i, r in zip(live, rows) if r.has_penalties]
-            want_logprobs = any(p.logprobs for p in lp)
+            want_logprobs = any(p.wants_top_logprobs for p in lp)
             for i, r in zip(live, rows):
                 if not r.has_bad_words and num_generated[i] >= r.min_tokens:
                     continue

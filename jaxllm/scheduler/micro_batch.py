@@ -69,8 +69,10 @@ class MicroBatchScheduler:
         inflight = inflight_request_ids or ()
         max_batch = self.max_batch_size
         max_tokens = self.max_num_tokens
-        # Generation requests cost one token each; the first over a limit stops them.
+        # Generation requests cost one token (and batch row) per beam, `beam_width` for beam
+        # search as in the reference; the first over a limit stops them.
         gen_limit = max_batch if max_tokens is None else min(max_batch, max_tokens)
+        gen_tokens = 0
         generation: RequestList = []
         candidates: RequestList = []
         gen_open = True
@@ -78,18 +80,20 @@ class MicroBatchScheduler:
             state = req.state
             if state is _GENERATION_IN_PROGRESS:
                 if gen_open and not (inflight and req.request_id in inflight):
-                    if len(generation) < gen_limit:
+                    width = req.beam_width
+                    if gen_tokens + width <= gen_limit:
                         generation.append(req)
+                        gen_tokens += width
                     else:
                         gen_open = False
             elif state is _CONTEXT_INIT:
                 if not (inflight and req.request_id in inflight):
                     candidates.append(req)
                     req.context_chunk_size = 0
-        del candidates[max_batch - len(generation):]  # generation goes first
+        del candidates[max_batch - gen_tokens:]  # generation goes first
         # A finished prompt still in CONTEXT_INIT (its token not added yet) has nothing to run.
         candidates = [r for r in candidates if r.context_current_position < len(r.prompt_token_ids)]
-        budget = None if max_tokens is None else max_tokens - len(generation)
+        budget = None if max_tokens is None else max_tokens - gen_tokens
         if self.chunking is None:
             context = self._schedule_whole_prompts(candidates, budget)
         else:
