@@ -110,7 +110,8 @@ HOSTILE = [
     ("params", dict(stop=""), "stop"),
     ("params", dict(bad=[7]), "bad"),
     ("params", dict(ignore_eos="yes"), "ignore_eos"),
-    ("params", dict(use_beam_search=True), "use_beam_search"),
+    ("params", dict(use_beam_search=True, temperature=0.5), "temperature"),
+    ("params", dict(use_beam_search=True, n=9), "use_beam_search"),
     ("params", dict(logits_processor=5), "logits_processor"),
     # limits that depend on the model, checked at admission
     ("submit", dict(stop_token_ids=[VOCAB]), "stop_token_ids"),

@@ -101,9 +101,9 @@ def test_invalid_field_raises_naming_it(kwargs, name):
         SamplingParams(**kwargs)
 
 
-def test_beam_search_not_supported():
-    with pytest.raises(ValueError, match="not supported yet"):
-        SamplingParams(use_beam_search=True)
+def test_beam_search_refuses_sampling():
+    with pytest.raises(ValueError, match="temperature: beam search does not sample"):
+        SamplingParams(use_beam_search=True, temperature=0.7)
 
 
 def test_valid_edge_values_accepted():

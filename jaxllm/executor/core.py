@@ -38,6 +38,9 @@ class SequenceRequest:
     deadline: Optional[float] = None  # time.monotonic() after which it finishes with 'timeout'
     lora_request: Any = None  # the LoRA adapter (a jaxllm.LoRARequest), None for the base model
     kv_cache_retention_config: Any = None
+    # Beam search: ids of outputs 1..n-1 (this request gives output 0); they get their
+    # tokens from this request's final update and finish with it.
+    beam_siblings: tuple[int, ...] = ()
 
 
 @dataclass
@@ -79,6 +82,7 @@ class EngineCore:
         # Sequences whose output nobody watches while it grows (no streaming, no stop strings):
         # rid -> logprobs gathered so far (None when not requested).
         self._quiet: dict[int, Optional[list]] = {}
+        self._siblings: dict[int, tuple[int, ...]] = {}  # beam-search request -> its other outputs' ids
         self.timing = LoopTiming()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -159,12 +163,15 @@ class EngineCore:
                         rid = request.request_id
                         if u.error is not None:  # the engine failed this request alone
                             quiet.pop(rid, None)
+                            self._siblings.pop(rid, None)
                             events.append((ERROR, rid, RuntimeError(u.error)))
+                        elif u.beam_outputs is not None:
+                            events += self._beam_events(rid, u.beam_outputs)
                         elif rid in quiet:
                             if u.new_logprobs and quiet[rid] is not None:
                                 quiet[rid].extend(u.new_logprobs)
                             if u.finished:
-                                events.append(self._final_event(rid, request, request.finish_reason,
+                                events.extend(self._final_events(rid, request, request.finish_reason,
                                                                 getattr(request, "stop_reason", None)))
                         elif u.finished:
                             events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None,
@@ -207,11 +214,19 @@ class EngineCore:
                 extra = {} if seq.lora_request is None else {"lora_request": seq.lora_request}
                 if seq.kv_cache_retention_config is not None:
                     extra["kv_cache_retention_config"] = seq.kv_cache_retention_config
+                events += [(ADD, sibling, seq.spec) for sibling in seq.beam_siblings]
                 try:
                     self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,
                                             priority=seq.priority, arrival_time=seq.arrival_time, **extra)
                 except Exception as exc:  # refused: this request fails, the others go on
                     events.append((ERROR, seq.rid, portable_error(exc)))
+                    continue
+                if seq.sampling_params.use_beam_search:
+                    # Beams change until the end: only the final beams are sent (streaming too).
+                    self._siblings[seq.rid] = tuple(seq.beam_siblings)
+                    self._quiet[seq.rid] = None
+                    if seq.deadline is not None:
+                        heapq.heappush(self._deadlines, (seq.deadline, seq.rid))
                     continue
                 if seq.deadline is not None:
                     heapq.heappush(self._deadlines, (seq.deadline, seq.rid))
@@ -223,7 +238,7 @@ class EngineCore:
             for rid in command[1]:
                 request = self.engine.abort_request(rid)
                 if request is not None:
-                    events.append(self._final_event(rid, request, reason, None))
+                    events.extend(self._final_events(rid, request, reason, None))
         elif kind == "call":
             call = command[1]
             try:
@@ -241,19 +256,35 @@ class EngineCore:
             _, rid = heapq.heappop(self._deadlines)
             request = self.engine.abort_request(rid)
             if request is not None:
-                events.append(self._final_event(rid, request, "timeout", None))
+                events.extend(self._final_events(rid, request, "timeout", None))
 
     def _cancel_all(self, events: list[tuple]) -> None:
         engine = self.engine
         for rid in list(engine.active):
             request = engine.abort_request(rid)
             if request is not None:
-                events.append(self._final_event(rid, request, "cancelled", None))
+                events.extend(self._final_events(rid, request, "cancelled", None))
         # Read back the step still in flight so nothing refers to the freed blocks.
         for _ in range(4):
             if not engine.has_unfinished_requests():
                 break
             engine.step()
+
+    def _beam_events(self, rid: int, beams: list) -> list[tuple]:
+        """The final events of a beam-search request: output i is the i-th best beam."""
+        self._quiet.pop(rid, None)
+        rids = (rid,) + self._siblings.pop(rid, ())
+        events = [(TOKENS, r, list(b.token_ids), None, b.finish_reason, None, b.score) for r, b in zip(rids, beams)]
+        # Fewer finished beams than outputs (cannot happen with n <= beam width): empty outputs.
+        events += [(TOKENS, r, [], None, "length", None) for r in rids[len(beams):]]
+        return events
+
+    def _final_events(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> list[tuple]:
+        """The last event of a sequence, and of the other outputs of a beam-search request
+        that ended early (aborted, timed out: they end empty)."""
+        siblings = self._siblings.pop(rid, ())
+        return [self._final_event(rid, request, reason, stop_reason)] + [
+            (TOKENS, r, [], None, reason, None) for r in siblings]
 
     def _final_event(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> tuple:
         """The last event of a sequence; a quiet one carries all its tokens (and logprobs) here."""

@@ -266,6 +266,22 @@ class GenerationExecutor:
             params = request.sampling_params
             deadline = None if request.timeout is None else request.arrival_time + request.timeout
             children = []
+            if params.use_beam_search:  # one engine request; its n best beams are the outputs
+                spec = OutputSpec(
+                    prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,
+                    detokenize=params.detokenize, skip_special_tokens=params.skip_special_tokens,
+                    stream_interval=self.config.stream_interval)
+                rids = [next(self._rids) for _ in range(params.n)]
+                children.append(SequenceRequest(rids[0], request.prompt_token_ids, params, spec,
+                                                priority=request.priority, arrival_time=request.arrival_time,
+                                                deadline=deadline, lora_request=request.lora_request,
+                                                kv_cache_retention_config=request.kv_cache_retention_config,
+                                                beam_siblings=tuple(rids[1:])))
+                result._rids = rids
+                result._open_children = len(rids)
+                results.append(result)
+                seqs.extend(children)
+                continue
             for seq_params in self._sequence_params(params, request.num_sequences):
                 spec = OutputSpec(
                     prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,

@@ -6,7 +6,8 @@ Everything crossing a process boundary here is a plain tuple or a small dataclas
 
 Events (from the engine thread, in order per engine request):
   (ADD, rid, OutputSpec)                          a sequence starts
-  (TOKENS, rid, token_ids, logprobs, finish_reason, stop_reason)
+  (TOKENS, rid, token_ids, logprobs, finish_reason, stop_reason[, score])
+                                                  a beam-search beam's final event carries its score
                                                   tokens read back; finish_reason set on the last
   (ERROR, rid, exception)                         the engine refused or failed this sequence
 A sequence's final delta is produced only once the engine has released it (its last
@@ -112,7 +113,8 @@ class OutputProcessor:
             kind, rid = event[0], event[1]
             try:
                 if kind == TOKENS:
-                    delta = self._tokens(rid, event[2], event[3], event[4], event[5])
+                    delta = self._tokens(rid, event[2], event[3], event[4], event[5],
+                                         event[6] if len(event) > 6 else None)
                     if delta is not None:
                         deltas.append(delta)
                 elif kind == ADD:
@@ -126,10 +128,12 @@ class OutputProcessor:
         return deltas
 
     def _tokens(self, rid: int, token_ids: list[int], logprobs: Optional[list],
-                finish_reason: Optional[str], stop_reason) -> Optional[Delta]:
+                finish_reason: Optional[str], stop_reason, score: Optional[float] = None) -> Optional[Delta]:
         seq = self._seqs.get(rid)
         if seq is None:
             return None
+        if score is not None:  # beam search: the beam's score is its cumulative logprob
+            seq.cumulative = score
         spec = seq.spec
         if seq.stop_str is not None:
             # Already finished by a stop string; wait for the engine to release the sequence.

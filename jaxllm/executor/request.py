@@ -77,4 +77,6 @@ class GenerationRequest:
     def num_sequences(self) -> int:
         """How many engine requests this prompt fans out into (best_of, else n)."""
         params = self.sampling_params
+        if params.use_beam_search:  # one engine request whose beams give the n outputs
+            return params.n
         return max(params.n, params.best_of or 1)

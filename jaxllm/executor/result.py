@@ -55,6 +55,7 @@ class GenerationResult:
         self._num_seqs = request.num_sequences
         self._n = params.n
         self._want_logprobs = params.logprobs is not None
+        self._want_scores = self._want_logprobs or params.use_beam_search  # a beam's score is its cumulative logprob
         self._outputs = [CompletionOutput(index=i, logprobs=[] if self._want_logprobs else None)
                          for i in range(self._num_seqs)]
         # Producer side (output thread), guarded by _cond.
@@ -186,7 +187,7 @@ class GenerationResult:
                     o.cumulative_logprob = None
         else:
             outputs = outputs[:self._n]
-            if not self._want_logprobs:
+            if not self._want_scores:
                 for o in outputs:
                     o.cumulative_logprob = None
         copies = [CompletionOutput(

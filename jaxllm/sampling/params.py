@@ -285,9 +285,9 @@ class SamplingParams:
 
     @property
     def wants_top_logprobs(self) -> bool:
-        """Whether the sampler must return this request's top log-probabilities (logprobs, or
-        the candidates of beam search)."""
-        return self.logprobs is not None or self.use_beam_search
+        """Whether the sampler must return top log-probabilities for this request (logprobs > 0,
+        or the candidates of beam search)."""
+        return bool(self.logprobs) or self.use_beam_search
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":

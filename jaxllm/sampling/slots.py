@@ -46,7 +46,7 @@ class SamplingSlots:
         row = params._row
         seed = request.seed if request.seed is not None else params.seed
         plain = (not row.has_penalties and not row.has_bad_words and not row.needs_history
-                 and row.min_tokens == 0 and not params.wants_top_logprobs and (seed is not None or row.greedy))
+                 and row.min_tokens == 0 and params.logprobs is None and not params.use_beam_search and (seed is not None or row.greedy))
         self._owner[slot] = request
         self._values[slot] = row.values
         seed = 0 if seed is None else seed

@@ -643,7 +643,8 @@ _PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream_options",
            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "echo", "suffix", "logit_bias",
            "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs", "stream",
-           "add_special_tokens", "add_generation_prompt", "kv_cache_retention_config"}
+           "add_special_tokens", "add_generation_prompt", "kv_cache_retention_config", "use_beam_search",
+           "length_penalty", "early_stopping"}
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -85,6 +85,10 @@ class _SamplingFields(StrictModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    # vLLM's beam-search extra fields (beam width: best_of, else n).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     kv_cache_retention_config: Optional[KvCacheRetentionBody] = None  # as in TensorRT-LLM's LLM API
 
     def retention_config(self) -> Optional[KvCacheRetentionConfig]:
@@ -113,7 +117,9 @@ class _SamplingFields(StrictModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping)
 
 
 PromptField = Union[str, list[str], list[int], list[list[int]]]
