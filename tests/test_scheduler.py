@@ -494,3 +494,6 @@ def test_scheduler_overhead_benchmark_runs(capsys):
     assert main(["--running", "8", "--steps", "3", "--max-num-tokens", "256", "--max-seq-len", "256"]) == 0
     table = capsys.readouterr().out
     assert "GUARANTEED_NO_EVICT" in table and "MAX_UTILIZATION" in table and "mixed" in table
+    assert main(["--running", "8", "--steps", "3", "--max-num-tokens", "256", "--max-seq-len", "256",
+                 "--scenario", "mixed", "--policy", "GUARANTEED_NO_EVICT", "--kv", "retention+events"]) == 0
+    assert "retention+events" in capsys.readouterr().out

@@ -15,6 +15,11 @@ Defaults: max_batch_size = running, max_num_tokens 8192, tokens_per_block 32,
 max_seq_len 2048, chunked prefill (first come first served), prefix reuse on, random
 prompts of 64-1024 tokens, a KV pool that fits every running request to completion.
 The garbage collector is paused while timing so its pauses do not land in one step.
+
+`--kv retention` gives every request a random `KvCacheRetentionConfig` (a prompt range and
+the decode blocks at random priorities, half of them with a duration), so cached blocks spread
+over the priority buckets; `retention+events` also records KV cache events (drained between
+steps, untimed): the rows next to `plain` show what retention and events cost a step.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 
 from jaxllm.config import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.engine.planner import Planner
-from jaxllm.kv_cache import KVCacheManager
+from jaxllm.kv_cache import KVCacheManager, KvCacheEventBuffer, KvEventRecorder
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from jaxllm.request import LlmRequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import make_scheduler
@@ -39,6 +45,7 @@ class StepTiming:
     scenario: str
     policy: str
     running: int
+    kv: str
     mean_ms: float
     p50_ms: float
     p90_ms: float
@@ -52,15 +59,18 @@ class _Workload:
     """Keeps `running` requests in flight and advances them between timed steps."""
 
     def __init__(self, *, running: int, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
-                 policy: str, scenario: str, seed: int, reuse: bool) -> None:
+                 policy: str, scenario: str, seed: int, reuse: bool, kv: str = "plain") -> None:
         self.rng = random.Random(seed)
         self.running = running
         self.max_seq_len = max_seq_len
         self.max_num_tokens = max_num_tokens
         self.scenario = scenario
         max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
+        self.retention = kv != "plain"
+        self.events = KvCacheEventBuffer(100_000, max_seq_len) if kv == "retention+events" else None
         self.kv = KVCacheManager(running * max_blocks_per_seq + 64, tokens_per_block, max_blocks_per_seq,
-                                 enable_block_reuse=reuse, max_num_sequences=running)
+                                 enable_block_reuse=reuse, max_num_sequences=running,
+                                 events=None if self.events is None else KvEventRecorder(self.events))
         config = SchedulerConfig(policy, ContextChunkingPolicy.FIRST_COME_FIRST_SERVED)
         self.scheduler = make_scheduler(config, self.kv, running, max_num_tokens, True)
         self.planner = Planner(scheduler=self.scheduler, kv_cache_manager=self.kv, max_batch_size=running,
@@ -80,8 +90,14 @@ class _Workload:
             max_new = rng.randint(min(16, room), min(256, room))
         self.next_id += 1
         prompt = [rng.randrange(32000) for _ in range(prompt_len)]
-        return LlmRequest(self.next_id, prompt, max_new, arrival_time=float(self.next_id),
-                          sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True))
+        request = LlmRequest(self.next_id, prompt, max_new, arrival_time=float(self.next_id),
+                             sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True))
+        if self.retention:
+            duration = 1000 if rng.random() < 0.5 else None
+            request.kv_cache_retention_config = KvCacheRetentionConfig(
+                [TokenRangeRetentionConfig(0, rng.randint(1, prompt_len), rng.randint(0, 100), duration)],
+                decode_retention_priority=rng.randint(0, 100), decode_duration_ms=duration)
+        return request
 
     def fill(self) -> None:
         while len(self.active) < self.running:
@@ -101,6 +117,8 @@ class _Workload:
                 req.finish("length")
                 self.kv.free_resources(req)
         self.active = [r for r in self.active if not r.is_finished]
+        if self.events is not None:
+            self.events.get()
         if self.scenario == "mixed":
             self.fill()
 
@@ -120,9 +138,9 @@ class _Workload:
 
 def measure(*, running: int, scenario: str, policy: str, steps: int, max_num_tokens: int = 8192,
             tokens_per_block: int = 32, max_seq_len: int = 2048, seed: int = 0,
-            reuse: bool = True) -> StepTiming:
+            reuse: bool = True, kv: str = "plain") -> StepTiming:
     work = _Workload(running=running, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                     max_seq_len=max_seq_len, policy=policy, scenario=scenario, seed=seed, reuse=reuse)
+                     max_seq_len=max_seq_len, policy=policy, scenario=scenario, seed=seed, reuse=reuse, kv=kv)
     work.warm_up()
     times, cpu_times, tokens, ctx = [], [], [], []
     gc_was_enabled = gc.isenabled()
@@ -140,17 +158,17 @@ def measure(*, running: int, scenario: str, policy: str, steps: int, max_num_tok
         if gc_was_enabled:
             gc.enable()
     times.sort()
-    return StepTiming(scenario, policy, running, statistics.fmean(times), times[len(times) // 2],
+    return StepTiming(scenario, policy, running, kv, statistics.fmean(times), times[len(times) // 2],
                       times[int(len(times) * 0.9)], times[-1], statistics.median(cpu_times),
                       statistics.fmean(tokens), statistics.fmean(ctx))
 
 
 def format_table(rows: list[StepTiming]) -> str:
-    header = (f"{'scenario':<8} {'policy':<20} {'running':>7} {'mean ms':>8} {'p50 ms':>8} "
+    header = (f"{'scenario':<8} {'policy':<20} {'running':>7} {'kv':<16} {'mean ms':>8} {'p50 ms':>8} "
               f"{'p90 ms':>8} {'max ms':>8} {'cpu p50 ms':>10} {'tokens/step':>11} {'ctx reqs/step':>13}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.scenario:<8} {r.policy:<20} {r.running:>7} {r.mean_ms:>8.3f} {r.p50_ms:>8.3f} "
+        lines.append(f"{r.scenario:<8} {r.policy:<20} {r.running:>7} {r.kv:<16} {r.mean_ms:>8.3f} {r.p50_ms:>8.3f} "
                      f"{r.p90_ms:>8.3f} {r.max_ms:>8.3f} {r.cpu_p50_ms:>10.3f} {r.tokens_per_step:>11.1f} "
                      f"{r.context_requests_per_step:>13.2f}")
     return "\n".join(lines)
@@ -174,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per row")
     parser.add_argument("--no-block-reuse", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv", nargs="+", default=["plain"], choices=["plain", "retention", "retention+events"],
+                        help="KV cache retention configs on every request, and KV cache events on")
     args = parser.parse_args(argv)
     if args.max_seq_len < 2:
         parser.error("--max-seq-len must be at least 2")
@@ -181,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenario:
         for running in args.running:
             for policy in args.policy:
-                rows.append(measure(running=running, scenario=scenario, policy=policy, steps=args.steps,
-                                    max_num_tokens=args.max_num_tokens,
-                                    tokens_per_block=args.tokens_per_block, max_seq_len=args.max_seq_len,
-                                    seed=args.seed, reuse=not args.no_block_reuse))
+                for kv in args.kv:
+                    rows.append(measure(running=running, scenario=scenario, policy=policy, steps=args.steps,
+                                        max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
+                                        max_seq_len=args.max_seq_len, seed=args.seed,
+                                        reuse=not args.no_block_reuse, kv=kv))
     print(format_table(rows))
     return 0
 

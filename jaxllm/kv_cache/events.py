@@ -32,14 +32,14 @@ buffer is bounded: when full, the oldest events are dropped (and counted). With
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from typing import Iterable, Optional
 
 
 class KvCacheEventBuffer:
-    """Thread-safe bounded queue of serialized KV cache events, shared by the engine's
-    block managers (one per attention-DP rank)."""
+    """Thread-safe bounded queue of KV cache events, shared by the engine's block managers
+    (one per attention-DP rank). The engine thread appends compact records; the dicts are
+    built by `get`, on the caller's thread, so recording costs the step loop little."""
 
     def __init__(self, max_size: int, window_size: int) -> None:
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
@@ -48,19 +48,16 @@ class KvCacheEventBuffer:
         self.window_size = window_size
         self._events: collections.deque = collections.deque(maxlen=max_size)
         self._cond = threading.Condition()
-        self._ids = itertools.count()
+        self._next_id = 0
         self.num_dropped = 0
 
-    def record(self, data: dict, rank: Optional[int] = None) -> None:
-        """Append one event (engine thread)."""
-        event = {"event_id": 0, "data": data, "window_size": self.window_size}
-        if rank is not None:
-            event["attention_dp_rank"] = rank
+    def record(self, kind: str, payload: tuple, rank: Optional[int] = None) -> None:
+        """Append one event (engine thread): `kind` and its fields, serialized by `get`."""
         with self._cond:
-            event["event_id"] = next(self._ids)
             if len(self._events) == self.max_size:
                 self.num_dropped += 1
-            self._events.append(event)
+            self._events.append((self._next_id, kind, payload, rank))
+            self._next_id += 1
             self._cond.notify_all()
 
     def get(self, timeout: Optional[float] = None) -> list[dict]:
@@ -69,12 +66,33 @@ class KvCacheEventBuffer:
         with self._cond:
             if not self._events and timeout:
                 self._cond.wait(timeout)
-            events = list(self._events)
+            records = list(self._events)
             self._events.clear()
-        return events
+        return [self._serialize(*record) for record in records]
 
     def __len__(self) -> int:
         return len(self._events)
+
+    def _serialize(self, event_id: int, kind: str, payload: tuple, rank: Optional[int]) -> dict:
+        if kind == "stored":
+            parent_hash, blocks, lora_id = payload
+            data = {"type": "stored", "parent_hash": parent_hash, "blocks": [
+                {"type": "stored_block", "block_hash": block_hash,
+                 "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+                 "lora_id": lora_id, "cache_level": 0, "priority": priority}
+                for block_hash, tokens, priority in blocks]}
+        elif kind == "removed":
+            data = {"type": "removed", "block_hashes": list(payload[0])}
+        elif kind == "updated":
+            block_hash, old, new = payload
+            data = {"type": "updated", "block_hash": block_hash, "cache_level": None,
+                    "priority": {"type": "event_diff", "old_value": old, "new_value": new}}
+        else:  # created
+            data = {"type": "created", "num_blocks_per_cache_level": [payload[0]]}
+        event = {"event_id": event_id, "data": data, "window_size": self.window_size}
+        if rank is not None:
+            event["attention_dp_rank"] = rank
+        return event
 
 
 class KvEventRecorder:
@@ -87,20 +105,15 @@ class KvEventRecorder:
         self.rank = rank
 
     def created(self, num_blocks: int) -> None:
-        self.buffer.record({"type": "created", "num_blocks_per_cache_level": [num_blocks]}, self.rank)
+        self.buffer.record("created", (num_blocks,), self.rank)
 
     def stored(self, parent_hash: Optional[int], blocks: list[tuple[int, tuple[int, ...], int]],
                lora_id: Optional[int] = None) -> None:
         """`blocks`: (block_hash, token ids, priority) of consecutive newly cached blocks."""
-        self.buffer.record({"type": "stored", "parent_hash": parent_hash, "blocks": [
-            {"type": "stored_block", "block_hash": block_hash,
-             "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
-             "lora_id": lora_id, "cache_level": 0, "priority": priority}
-            for block_hash, tokens, priority in blocks]}, self.rank)
+        self.buffer.record("stored", (parent_hash, blocks, lora_id), self.rank)
 
     def removed(self, block_hashes: Iterable[int]) -> None:
-        self.buffer.record({"type": "removed", "block_hashes": list(block_hashes)}, self.rank)
+        self.buffer.record("removed", (block_hashes,), self.rank)
 
     def priority_updated(self, block_hash: int, old: int, new: int) -> None:
-        self.buffer.record({"type": "updated", "block_hash": block_hash, "cache_level": None,
-                            "priority": {"type": "event_diff", "old_value": old, "new_value": new}}, self.rank)
+        self.buffer.record("updated", (block_hash, old, new), self.rank)
