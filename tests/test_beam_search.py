@@ -98,6 +98,8 @@ def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
         lambda engine: (engine.kv_cache_manager.check_invariants(),
                         engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks)[1])
     assert used == 0
+    # The copy-on-write page copy has one compiled shape, however many blocks a fork copies.
+    assert llm.executor.call_on_engine(lambda engine: engine.runner._copy_jit._cache_size()) == 1
 
 
 @pytest.mark.parametrize("kwargs, message", [

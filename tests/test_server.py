@@ -212,6 +212,17 @@ def test_non_streaming_disconnect_aborts(live):
     assert live.app.state.server.disconnects == aborted + 1
 
 
+def test_beam_search_fields(client, live):
+    """vLLM's extra fields: use_beam_search (width best_of, else n), length_penalty, early_stopping."""
+    resp = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, n=2, best_of=3,
+                                     extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                 "early_stopping": True, "ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.completion_tokens == 8
+    _wait_idle(live)
+
+
 # ---------------------------------------------------------------------------- bad requests
 BAD_COMPLETIONS = [
     ({"prompt": "hi"}, "model"),
@@ -225,6 +236,10 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, "temperature": 0.7}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, "early_stopping": "sometimes"},
+     "early_stopping"),
+    ({"model": MODEL, "prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": "hi", "stop": 5}, "stop"),
