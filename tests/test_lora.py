@@ -21,20 +21,21 @@ from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_promp
 from jaxllm import LLM, KvCacheConfig, LoRARequest, SamplingParams
 
 VOCAB = 384
-ADAPTERS = {  # name: (r, lora_alpha, use_rslora, target modules)
-    "qv": (4, 8, False, ["q_proj", "v_proj"]),
-    "all": (8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "out": (2, 4, False, ["o_proj", "up_proj", "down_proj"]),
+ADAPTERS = {  # name: (r, lora_alpha, use_rslora, target modules, per-module rank / alpha)
+    "qv": (4, 8, False, ["q_proj", "v_proj"], {}),
+    "all": (8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], {}),
+    "out": (2, 4, False, ["o_proj", "up_proj", "down_proj"],
+            dict(rank_pattern={"down_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.o_proj": 12})),
 }
 
 
-def _save_adapter(base, path, r, alpha, rslora, targets, seed):
+def _save_adapter(base, path, r, alpha, rslora, targets, patterns, seed):
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora,
-                                                           target_modules=targets, lora_dropout=0.0))
+                                                           target_modules=targets, lora_dropout=0.0, **patterns))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -48,8 +49,8 @@ def lora_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = make_hf_model("llama", root / "base", VOCAB)
     peft_models, requests = {}, {}
-    for i, (name, (r, alpha, rslora, targets)) in enumerate(ADAPTERS.items()):
-        peft_models[name] = _save_adapter(base, root / name, r, alpha, rslora, targets, seed=10 + i)
+    for i, (name, (r, alpha, rslora, targets, patterns)) in enumerate(ADAPTERS.items()):
+        peft_models[name] = _save_adapter(base, root / name, r, alpha, rslora, targets, patterns, seed=10 + i)
         requests[name] = LoRARequest(name, i + 1, str(root / name))
     llm = LLM(str(root / "base"), max_batch_size=4, max_num_tokens=16, max_seq_len=128, enable_lora=True,
               max_loras=2, max_lora_rank=8, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024))
@@ -117,13 +118,13 @@ def _write_tensors(path, tensors: dict, config: dict) -> None:
 
 
 def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_path):
-    root, _, peft_models, requests, llm = lora_setup
+    root, base, peft_models, requests, llm = lora_setup
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     prompt = [5, 6, 7, 8]
-    big = _save_adapter(peft_models["qv"].get_base_model(), tmp_path / "r16", 16, 16, False, ["q_proj"], seed=3)
-    del big
+    _save_adapter(base, tmp_path / "r16", 4, 4, False, ["q_proj"], dict(rank_pattern={"q_proj": 16}), seed=3)
     cases = {
-        "exceeds max_lora_rank (8)": LoRARequest("r16", 40, str(tmp_path / "r16")),
+        "r=16 of model.layers.0.self_attn.q_proj exceeds max_lora_rank (8)": LoRARequest("r16", 40,
+                                                                                          str(tmp_path / "r16")),
         "no such adapter directory": LoRARequest("missing", 41, str(tmp_path / "missing")),
     }
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}

@@ -38,8 +38,7 @@ MLP_TARGETS = ("gate", "up", "down")
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # Config fields whose non-default value changes the computation in a way not served here.
 _REFUSED = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
-            "modules_to_save": (None, []), "lora_bias": (False, None), "rank_pattern": ({}, None),
-            "alpha_pattern": ({}, None), "target_parameters": (None, []), "layer_replication": (None, []),
+            "modules_to_save": (None, []), "lora_bias": (False, None), "target_parameters": (None, []), "layer_replication": (None, []),
             "trainable_token_indices": (None, [], {})}
 
 
@@ -61,8 +60,8 @@ class LoraAdapter:
     """One adapter, ready for a device slot: (layer, target) -> (a [in, r], b [r, out] * scaling)."""
 
     request: LoRARequest
-    rank: int
-    scaling: float
+    rank: int  # the largest rank of its modules
+    scaling: float  # lora_alpha / r (NaN when rank_pattern / alpha_pattern make it differ per module)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = field(repr=False)
 
     @property
@@ -144,12 +143,24 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
             path / "adapter_model.bin").exists() else ""
         raise ValueError(f"{where}: {WEIGHTS_FILE} is missing{pickled}")
     peft = _read_config(path)
-    rank = int(peft["r"])
-    if rank > max_rank:
-        raise ValueError(f"{where}: adapter rank r={rank} exceeds max_lora_rank ({max_rank})")
-    scaling = float(peft["lora_alpha"]) / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+    rank_pattern, alpha_pattern = peft.get("rank_pattern") or {}, peft.get("alpha_pattern") or {}
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(peft.get(key) or {}, dict):
+            raise ValueError(f"{where}: {key} must be a mapping, got {peft[key]!r}")
 
+    def rank_and_scaling(module_key: str) -> tuple[int, float]:
+        """PEFT's per-module rank and scaling: `rank_pattern` / `alpha_pattern` entries whose
+        regex matches the end of the module's name override `r` / `lora_alpha`."""
+        r = int(rank_pattern.get(_pattern_key(rank_pattern, module_key), peft["r"]))
+        alpha = float(alpha_pattern.get(_pattern_key(alpha_pattern, module_key), peft["lora_alpha"]))
+        if r > max_rank:
+            at = f" of {module_key}" if module_key else ""
+            raise ValueError(f"{where}: adapter rank r={r}{at} exceeds max_lora_rank ({max_rank})")
+        return r, alpha / (math.sqrt(r) if peft.get("use_rslora") else r)
+
+    rank_and_scaling("")  # the adapter's own r, before any tensor is read
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    module_keys: dict[tuple[int, str], str] = {}
     for name, tensor in _read_tensors(path).items():
         match = _TENSOR.search(name)
         module = match.group(3) if match else None
@@ -165,9 +176,14 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
             raise ValueError(f"{where}: tensor {name!r} adapts MoE layer {layer}'s {module}; expert "
                              "weights are not LoRA targets (attention projections are)")
         pairs.setdefault((layer, target), {})[match.group(4)] = tensor
+        module_keys[(layer, target)] = _module_key(name)
 
     weights = {}
+    ranks, scalings = [], []
     for (layer, target), ab in sorted(pairs.items()):
+        rank, scaling = rank_and_scaling(module_keys[(layer, target)])
+        ranks.append(rank)
+        scalings.append(scaling)
         module = next(k for k, v in LORA_TARGETS.items() if v[0] == target)
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} "
@@ -182,4 +198,19 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
         weights[(layer, target)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scaling))
     if not weights:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    return LoraAdapter(request, rank, scaling, weights)
+    return LoraAdapter(request, max(ranks), scalings[0] if len(set(scalings)) == 1 else float("nan"), weights)
+
+
+def _module_key(tensor_name: str) -> str:
+    """The adapted module's name in the base model, as PEFT matches patterns against it:
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
+    name = tensor_name[:tensor_name.index(".lora_")]
+    return name[len("base_model.model."):] if name.startswith("base_model.model.") else name
+
+
+def _pattern_key(patterns: dict, module_key: str) -> str:
+    """PEFT's `get_pattern_key`: the first pattern matching the end of `module_key` (at a dot)."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", module_key):
+            return pattern
+    return module_key
