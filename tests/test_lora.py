@@ -230,3 +230,17 @@ def test_adapter_slots_are_a_scheduling_resource(policy):
     late = LlmRequest(3, prompt, 4)  # another base request reuses the base request's prefix
     kv.add_sequence(late)
     assert late.prepopulated_prompt_len == 8
+
+
+def test_beam_search_runs_every_beam_with_the_adapter(lora_setup):
+    import torch
+
+    _, _, peft_models, requests, llm = lora_setup
+    prompt = [9, 31, 77, 120, 5, 64]
+    params = SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=5, ignore_eos=True)
+    out = llm.generate(prompt, params, use_tqdm=False, lora_request=requests["all"])
+    with torch.no_grad():
+        hf = peft_models["all"].generate(input_ids=torch.tensor([prompt]), max_new_tokens=5, num_beams=3,
+                                         num_return_sequences=2, do_sample=False, early_stopping=False,
+                                         length_penalty=1.0, eos_token_id=None, pad_token_id=0)
+    assert [c.token_ids for c in out.outputs] == [hf[i, len(prompt):].tolist() for i in range(2)]

@@ -80,8 +80,10 @@ class LoraSlots:
 
     # ------------------------------------------------------------------ steps
     def slot_of(self, request: Any) -> int:
-        """The slot of a scheduled request's adapter, `NO_SLOT` without one."""
-        return self._held.get(request, NO_SLOT)
+        """The slot of a scheduled request's adapter, `NO_SLOT` without one. Looked up by the
+        adapter, so rows that run for a request holding the slot (its beams) find it too."""
+        adapter = getattr(request, "lora_adapter", None)
+        return NO_SLOT if adapter is None else self._slot_of.get(adapter.lora_int_id, NO_SLOT)
 
     def take_loads(self) -> list[tuple[int, LoraAdapter]]:
         """The (slot, adapter) writes the next step needs, once."""
