@@ -89,6 +89,11 @@ def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
     assert len(updates) == 1 and updates[0].finished  # beams change until the end: only the final beams
     assert [len(o.token_ids) for o in updates[0].outputs] == [6, 6]
     assert updates[0].outputs[0].cumulative_logprob >= updates[0].outputs[1].cumulative_logprob
+    # ignore_eos: an end id the best beam starts with changes nothing.
+    first = updates[0].outputs[0].token_ids[0]
+    again = llm.generate(prompt, SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=6, ignore_eos=True,
+                                                end_id=first), use_tqdm=False)
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in updates[0].outputs]
     result = llm.generate_async(prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=100,
                                                        ignore_eos=True))
     llm.executor.abort_request(result.request_id)

@@ -421,7 +421,8 @@ class LLMEngine:
             if request_id < 0:
                 raise ValueError(f"request_id must be >= 0 for beam search, got {request_id}")
             request.beam_width = params.beam_width
-            request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, frozenset(admitted.end_ids),
+            end_ids = frozenset(() if params.ignore_eos else admitted.end_ids)
+            request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, end_ids,
                                               float(params.length_penalty), params.early_stopping),
                                    [request], params.n)
             self._num_beam_search += 1
