@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -13,6 +13,8 @@ class Logprob:
 
 
 TokenLogprobs = list[dict[int, Logprob]]
+# vLLM's prompt_logprobs: None for the first prompt token, then one dict per prompt token.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -29,6 +31,10 @@ class CompletionOutput:
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     logprobs_diff: Optional[TokenLogprobs] = None
+    # float32 numpy [num_generated, vocab]: the raw logits each token was sampled from
+    # (return_generation_logits; set on the final output).
+    generation_logits: Optional[Any] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -42,3 +48,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    context_logits: Optional[Any] = None  # float32 numpy [prompt_len, vocab] (return_context_logits)
+    prompt_logprobs: Optional[PromptLogprobs] = None  # as vLLM's RequestOutput.prompt_logprobs

@@ -78,6 +78,10 @@ class LlmRequest:
     # engine's beam state (`jaxllm.engine.beam_search`) while the request runs.
     beam_width: int = 1
     beam: Any = None
+    # False: compute the whole prompt even if its prefix is cached (its logits are wanted).
+    reuse_prefix: bool = True
+    # Logits outputs asked for and gathered so far (jaxllm.engine.logits_outputs.LogitsRecord).
+    logits_record: Any = None
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

@@ -244,8 +244,8 @@ def test_bad_input_raises_value_error_and_queues_nothing(executor):
         executor.generate_async([5] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="vocabulary"):
         executor.generate_async([10**7], SamplingParams())
-    with pytest.raises(ValueError, match="logits_processor"):
-        executor.generate_async("hi", SamplingParams(logits_processor=lambda ids, logits: logits))
+    with pytest.raises(ValueError, match="logits_post_processor_name"):
+        executor.generate_async("hi", SamplingParams(logits_post_processor_name="unregistered"))
     with pytest.raises(ValueError, match="best_of"):
         executor.generate_async("hi", SamplingParams(n=1, best_of=2), streaming=True)
     with pytest.raises(ValueError, match="prompt"):

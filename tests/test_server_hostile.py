@@ -418,7 +418,7 @@ PYTHON_CASES = [
     ("params", (), {"end_id": 2**40, "min_tokens": 1}, "end_id"),
     ("params", (), {"stop_token_ids": list(range(17)), "min_tokens": 2}, "stop_token_ids"),
     ("params", (), {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
-    ("params", (), {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("params", (), {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("params", (), {"max_tokens": "16"}, "max_tokens"),
     ("params", (), {"n": True}, "n"),
 ]

@@ -31,6 +31,10 @@ class AdmissionLimits:
     max_num_tokens: int
     enable_chunked_prefill: bool = True
     suppress_width: int = SUPPRESS_WIDTH
+    # Names of the device-side batched logits post-processors registered on the engine.
+    batched_processor_names: tuple[str, ...] = ()
+    # Why this engine cannot return logits or run post-processors (None: it can).
+    logits_unsupported: Optional[str] = None
 
 
 class AdmittedRequest(NamedTuple):
@@ -85,6 +89,25 @@ def _banned_at_once(params: SamplingParams, end_ids: Sequence[int]) -> tuple[int
     return len(always), len(early)
 
 
+def _check_logits_request(params: SamplingParams, limits: AdmissionLimits) -> None:
+    """Logits outputs and post-processors the engine can serve (see jaxllm.engine.logits_outputs)."""
+    name = params.logits_post_processor_name
+    asked = [field for field, on in (
+        ("return_context_logits", params.return_context_logits),
+        ("return_generation_logits", params.return_generation_logits),
+        ("prompt_logprobs", params.prompt_logprobs is not None),
+        ("logits_processor", params.logits_processor is not None),
+        ("logits_post_processor_name", name is not None)) if on]
+    if asked and limits.logits_unsupported is not None:
+        raise ValueError(f"{asked[0]}: {limits.logits_unsupported}")
+    if asked and params.use_beam_search:
+        raise ValueError(f"{asked[0]}: logits outputs and post-processors are not supported with beam search")
+    if name is not None and name not in limits.batched_processor_names:
+        known = ", ".join(limits.batched_processor_names) or "none are registered"
+        raise ValueError(f"logits_post_processor_name: no batched logits post-processor named {name!r} is "
+                         f"registered on the engine (EngineConfig.logits_post_processors: {known})")
+
+
 def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits, *,
                      priority: Any = 0.0, tokenizer: Any = None) -> AdmittedRequest:
     """Check one request against the engine's limits; ValueError naming the field, else the
@@ -96,9 +119,7 @@ def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits
         shown = repr(priority)[:40] if isinstance(priority, (str, bool, float)) else type(priority).__name__
         raise ValueError(f"priority must be a finite number, got {shown}")
     prompt = normalize_prompt(prompt_token_ids, limits.vocab_size)
-    if params.logits_processor is not None:
-        raise ValueError("logits_processor: host logits processors are not supported; the sampler runs "
-                         "on the device inside the compiled step")
+    _check_logits_request(params, limits)
     vocab = limits.vocab_size
     for name in ("end_id", "pad_id"):
         value = getattr(params, name)

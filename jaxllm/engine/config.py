@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from sharding.mesh import ParallelConfig
@@ -55,6 +55,10 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Device-side batched logits post-processors by name: jittable
+    # fn(logits f32[S, V], request_ids int32[S], mask bool[S]) -> logits, selected per request
+    # by SamplingParams.logits_post_processor_name (jaxllm.engine.logits_processing).
+    logits_post_processors: Optional[dict[str, Callable[..., Any]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):

@@ -43,6 +43,8 @@ from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
+from jaxllm.engine.logits_outputs import LogitsRecord, StepLogitsTargets, plan_step_logits, store_step_logits
+from jaxllm.engine.logits_processing import check_batched_processors, host_processor_hook
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
 from jaxllm.kv_cache import KVCacheManager
@@ -106,6 +108,10 @@ class _PendingStep:
     expert_counts: Any = None  # device array of the step's expert counts, when statistics are recorded
     slot_tables: Optional[dict] = None  # MoE layer -> slot table the step ran with (online balancer)
     beam_entries: Optional[list[TokenEntry]] = None  # rows of beam-search requests (processed apart)
+    # Steps where some row asks for logits: who gets which rows, and the device arrays.
+    logits_targets: Optional[StepLogitsTargets] = None
+    context_logits: Any = None
+    row_logits: Any = None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -214,7 +220,8 @@ class LLMEngine:
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
                                   moe_fn=moe_fn, max_batch_size=self.num_sampler_rows, mesh=self.mesh,
                                   moe_options=moe_options, moe_stats=self.expert_statistics is not None or online,
-                                  attention_dp=self.attention_dp)
+                                  attention_dp=self.attention_dp,
+                                  batched_processors=check_batched_processors(config.logits_post_processors))
         if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
             self.runner.params["lora"] = init_lora_weights(self.model_config, self.runner.params, config.max_loras,
                                                            config.max_lora_rank, self.model_config.dtype)
@@ -234,6 +241,8 @@ class LLMEngine:
         self._num_needing_history = 0
         self._num_wanting_logprobs = 0
         self._num_beam_search = 0  # active beam-search requests (their steps are not overlapped)
+        # Active requests with logits outputs or post-processors (jaxllm.engine.logits_outputs).
+        self._num_logits_requests = 0
         self._pending: Optional[_PendingStep] = None
         self._ids = itertools.count()
         self.iteration = 0
@@ -250,7 +259,17 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
             default_end_ids=tuple(sorted(self.eos_ids)), tokens_per_block=tpb,
             max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
-            max_num_tokens=config.max_num_tokens, enable_chunked_prefill=config.enable_chunked_prefill)
+            max_num_tokens=config.max_num_tokens, enable_chunked_prefill=config.enable_chunked_prefill,
+            batched_processor_names=tuple(sorted(config.logits_post_processors or ())),
+            logits_unsupported=self._logits_unsupported())
+
+    def _logits_unsupported(self) -> Optional[str]:
+        if self.attention_dp:
+            return "logits outputs and post-processors are not supported with attention data parallelism"
+        if is_multiprocess():
+            return ("logits outputs and post-processors are not supported in multi-host runs (the followers "
+                    "mirror only the plain step)")
+        return None
 
     def _lora_slots(self, config: EngineConfig) -> LoraSlots:
         """The adapter slots, after refusing the layouts LoRA does not run on yet."""
@@ -318,6 +337,7 @@ class LLMEngine:
         samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags)
                      for flags in variants]
         logits = self.runner.forward(*batches[0], None)
+        self.runner.compile_batched_processors(logits)
         done = 1
         if progress is not None:
             progress(done, total)
@@ -430,6 +450,11 @@ class LLMEngine:
         self.active[request.request_id] = request
         self._num_needing_history += params.needs_history
         self._num_wanting_logprobs += params.logprobs is not None
+        if (params.wants_context_logits or params.return_generation_logits or params.logits_processor is not None
+                or params.logits_post_processor_name is not None):
+            request.logits_record = LogitsRecord(list(admitted.prompt_token_ids))
+            request.reuse_prefix = not params.wants_context_logits  # cached blocks have no logits
+            self._num_logits_requests += 1
         return request
 
     def get_kv_cache_events(self, timeout: Optional[float] = None) -> list[dict]:
@@ -546,10 +571,21 @@ class LLMEngine:
         if self.lora_slots is not None:  # adapters newly given a slot: written before the step reads them
             for slot, adapter in self.lora_slots.take_loads():
                 self.runner.write_lora_slot(slot, self._slot_update(adapter))
+        targets, processor_failures = None, []
+        if self._num_logits_requests:
+            fields, targets = plan_step_logits(
+                output.all_requests(), len(output.context_requests), plan.batch.cu_q_lens,
+                plan.batch.token_ids.shape[-1], self.config.min_token_bucket, self.num_sampler_rows)
+            if targets is not None:
+                plan = replace(plan, **fields)
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
         dispatch_start = time.perf_counter()
-        sampler_output = self.runner.execute(plan)
+        if targets is not None and targets.processors:
+            hook = host_processor_hook([request for request, _ in targets.processors], processor_failures)
+            sampler_output = self.runner.execute(plan, host_processor=hook)
+        else:
+            sampler_output = self.runner.execute(plan)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
         if self.on_dispatch is not None:
             self.on_dispatch(self.runner.last_enqueue_time, sampler_output)
@@ -569,6 +605,8 @@ class LLMEngine:
             beam_entries = [e for e in entries if e[0].beam is not None]
             if beam_entries:
                 entries = [e for e in entries if e[0].beam is None]
+        for request, exc in processor_failures:  # the user's callable failed: that request only
+            self._failed += self._fail([request], exc, "running its logits_processor")
         stats = {
             "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
@@ -581,8 +619,16 @@ class LLMEngine:
         }
         if balancer is not None:
             stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
-        return _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
-                            balancer.tables if balancer is not None else None, beam_entries or None)
+        pending = _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
+                               balancer.tables if balancer is not None else None, beam_entries or None)
+        if targets is not None:
+            pending.logits_targets = targets
+            pending.context_logits = self.runner.last_context_logits if targets.context else None
+            pending.row_logits = self.runner.last_row_logits if targets.generation else None
+            # The pending step holds them now; the runner drops its references, so they are
+            # freed as soon as they have been copied to the host.
+            self.runner.last_context_logits = self.runner.last_row_logits = None
+        return pending
 
     def _find_culprits(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
         """The requests of a step whose plan cannot be built even alone."""
@@ -610,6 +656,8 @@ class LLMEngine:
                 writer.record(pending.iteration, counts)
         if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
             writer.save()
+        if pending.logits_targets is not None:
+            store_step_logits(pending.logits_targets, pending.context_logits, pending.row_logits, pending.entries)
         logprobs = None
         if pending.wants_logprobs:
             logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
@@ -725,6 +773,16 @@ class LLMEngine:
             if request.beam is not None:
                 self._num_beam_search -= 1
                 self.planner.beam_search_active = self._num_beam_search > 0
+            self._num_logits_requests -= request.logits_record is not None
+
+    @staticmethod
+    def logits_outputs(request: LlmRequest) -> Optional[dict]:
+        """A finished request's logits outputs (`context_logits`, `generation_logits`,
+        `prompt_logprobs`, those it asked for), or None when it asked for none."""
+        record = request.logits_record
+        if record is None:
+            return None
+        return record.outputs(request.sampling_params, len(request.output_token_ids)) or None
 
     # ------------------------------------------------------------------ stats
     def close_statistics(self) -> None:

@@ -33,7 +33,8 @@ from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
-from jaxllm.models.decoder import forward_with_moe_stats
+from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
+from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
 from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
 from sharding.ep_moe import EpMoeOptions
 from sharding.mesh import make_mesh, ParallelConfig
@@ -48,23 +49,39 @@ def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: Packe
                   moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
                   attention_dp_specs: Any = None):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
-    and with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts], else None).
+    with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
+    and the context logits [E, V] of the packed tokens `context_index` when the inputs carry
+    one (the variant for steps where a request asks for its prompt's logits) else None).
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
     the batch then has a leading rank axis and the logits are [ranks * S, V]."""
-    batch, feed_index = unpack(inputs, layout)
+    unpacked = unpack(inputs, layout)
+    batch, feed_index = unpacked[0], unpacked[1]
+    context_index = unpacked[2] if len(unpacked) > 2 else None
     fed = prev_tokens[jnp.maximum(feed_index, 0)]
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
     if attention_dp_specs is not None:
         logits, kv_cache, stats = forward_attention_dp(
             params, kv_cache, batch, config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
             param_specs=attention_dp_specs, moe_options=moe_options)
-        return kv_cache, logits, stats.expert_counts if moe_stats else None
+        return kv_cache, logits, stats.expert_counts if moe_stats else None, None
     kwargs = dict(config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    if context_index is not None:
+        logits, context, kv_cache, stats = forward_with_rows(params, kv_cache, batch, context_index,
+                                                             moe_stats=moe_stats, **kwargs)
+        return kv_cache, logits.astype(jnp.float32), stats.expert_counts if moe_stats else None, context
     if moe_stats:
         logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
-        return kv_cache, logits.astype(jnp.float32), stats.expert_counts
+        return kv_cache, logits.astype(jnp.float32), stats.expert_counts, None
     logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
-    return kv_cache, logits.astype(jnp.float32), None
+    return kv_cache, logits.astype(jnp.float32), None, None
+
+
+def _gather_rows(logits, rows):
+    return logits[rows]
+
+
+def _scatter_rows(logits, rows, values):
+    return logits.at[rows].set(values)
 
 
 MAX_BLOCK_COPIES = 8
@@ -146,9 +163,12 @@ class ModelRunner:
                  tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
                  max_batch_size: int, mesh: jax.sharding.Mesh | None = None,
                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
-                 attention_dp: bool = False) -> None:
+                 attention_dp: bool = False,
+                 batched_processors: Optional[dict[str, BatchedProcessor]] = None) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
-        `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks."""
+        `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
+        `batched_processors`: device-side logits post-processors by name
+        (`jaxllm.engine.logits_processing`)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -171,6 +191,17 @@ class ModelRunner:
         )
         self._sample_jit = jax.jit(_sample_step, static_argnames=("layout",))
         self._copy_jit = jax.jit(functools.partial(_copy_pages, num_blocks=num_blocks), donate_argnums=(0,))
+        # Programs of steps where some row asks for logits or has a post-processor: row
+        # gathers and scatters (one per row bucket) and the batched processors (one each).
+        self._gather_jit = jax.jit(_gather_rows)
+        self._scatter_jit = jax.jit(_scatter_rows)
+        self._batched_jits = {name: jax.jit(functools.partial(apply_batched, fn=fn))
+                              for name, fn in (batched_processors or {}).items()}
+        self._logits_exes: dict[tuple, Any] = {}
+        # Context logits [E, V] and gathered raw logits rows [R, V] of the last executed step
+        # (device arrays; None when that step had none).
+        self.last_context_logits: jax.Array | None = None
+        self.last_row_logits: jax.Array | None = None
         self._forward_exes: dict[PackedLayout, Any] = {}
         self._sampler_exes: dict[PackedLayout, Any] = {}
         self.compile_seconds = 0.0
@@ -229,20 +260,68 @@ class ModelRunner:
         inputs, layout = self._to_device(sampling)
         self._compile(self._sampler_exes, self._sample_jit, (logits, inputs), layout, "sampler")
 
-    def execute(self, plan: StepPlan) -> SamplerOutput:
+    def _logits_program(self, key: tuple, jitted, args: tuple):
+        """A small program over a step's logits, compiled once per key (name and shapes)."""
+        if not self._single_device:
+            args = tuple(put_on_mesh(a, self._replicated) if isinstance(a, np.ndarray) else a for a in args)
+        exe = self._logits_exes.get(key)
+        if exe is None:
+            start = time.perf_counter()
+            exe = jitted.lower(*args).compile()
+            with self._compile_lock:
+                self.compile_seconds += time.perf_counter() - start
+                exe = self._logits_exes.setdefault(key, exe)
+        return exe(*args)
+
+    def compile_batched_processors(self, logits: jax.Array) -> None:
+        """Compile every registered batched post-processor (warm-up)."""
+        S = logits.shape[0]
+        for name in self._batched_jits:
+            self._apply_batched(logits, name, np.zeros(S, np.int32), np.zeros(S, np.bool_))
+
+    def _apply_batched(self, logits: jax.Array, name: str, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
+        return self._logits_program(("batched", name), self._batched_jits[name], (logits, ids, mask))
+
+    def _post_process(self, logits: jax.Array, plan: StepPlan,
+                      host_processor: Optional[Callable[[np.ndarray], np.ndarray]]) -> jax.Array:
+        """Gather the raw rows asked for, then run the batched and the host post-processors
+        (see `jaxllm.engine.logits_processing`); returns the logits the sampler reads."""
+        rows = plan.logits_rows
+        if rows is not None:
+            self.last_row_logits = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
+        for name, ids, mask in plan.batched_processors:
+            logits = self._apply_batched(logits, name, ids, mask)
+        rows = plan.processor_rows
+        if rows is not None and host_processor is not None:
+            gathered = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
+            processed = np.ascontiguousarray(host_processor(np.array(gathered)), np.float32)
+            logits = self._logits_program(("scatter", rows.shape[0]), self._scatter_jit, (logits, rows, processed))
+        return logits
+
+    def execute(self, plan: StepPlan,
+                host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> SamplerOutput:
         """Dispatch one planned step (forward, then sampling); returns the sampler output as
         device arrays without waiting for them. Tokens the plan feeds from the previous step
         (`plan.feed_index`) come from the last step this runner executed. The host inputs of
         each program are one flat buffer, handed to the compiled program as a numpy array: its
         C++ call path moves it to the mesh far cheaper than a `jax.device_put` from Python
         (pack allocates a new buffer per call, so the runtime may read it asynchronously).
-        On a mesh of several devices the buffers are put on the mesh first (`put_on_mesh`)."""
-        batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
+        On a mesh of several devices the buffers are put on the mesh first (`put_on_mesh`).
+        A plan whose rows ask for logits or post-processing runs the extra programs of
+        `jaxllm.engine.logits_outputs` (`host_processor(rows) -> rows` rewrites
+        `plan.processor_rows` on the host); a plain plan runs exactly the two programs."""
+        if plan.context_index is None:
+            batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
+        else:  # another layout: the forward variant that also returns these tokens' logits
+            batch_buffers, batch_layout = pack((plan.batch, plan.feed_index, plan.context_index))
         sampling_buffers, sampling_layout = pack(plan.sampling)
         if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
+        self.last_row_logits = None
+        if plan.has_logits_work:
+            logits = self._post_process(logits, plan, host_processor)
         out = self._sample(logits, sampling_buffers, sampling_layout)
         self._last_tokens = out.token_ids
         return out
@@ -270,7 +349,7 @@ class ModelRunner:
         args = (self.params, self.kv_cache, inputs, prev)
         exe = self._compile(self._forward_exes, self._forward_jit, args, layout, "model forward")
         self.last_enqueue_time = time.perf_counter()
-        self.kv_cache, logits, self.last_expert_counts = exe(*args)
+        self.kv_cache, logits, self.last_expert_counts, self.last_context_logits = exe(*args)
         return logits
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:

@@ -51,6 +51,17 @@ class StepPlan:
     feed_index: np.ndarray  # int32[T]
     num_tokens: int  # tokens before padding
     num_context_tokens: int
+    # Only in steps where some row asks for logits or post-processing (see
+    # jaxllm.engine.logits_outputs); None / () in a plain step.
+    context_index: Optional[np.ndarray] = None  # int32[E] packed tokens whose logits come back
+    logits_rows: Optional[np.ndarray] = None  # int32[R] rows whose raw logits come back
+    processor_rows: Optional[np.ndarray] = None  # int32[R] rows rewritten by host processors
+    batched_processors: tuple = ()  # (name, request ids int32[S], mask bool[S]) per device processor
+
+    @property
+    def has_logits_work(self) -> bool:
+        return (self.logits_rows is not None or self.processor_rows is not None
+                or bool(self.batched_processors))
 
 
 @dataclass

@@ -67,6 +67,14 @@ class _Call:
     error: Optional[BaseException] = None
 
 
+def _logits_outputs(request: Any) -> Optional[dict]:
+    """The finished request's logits outputs (jaxllm.engine.logits_outputs), if it asked."""
+    record = getattr(request, "logits_record", None)
+    if record is None:
+        return None
+    return record.outputs(request.sampling_params, len(request.output_token_ids)) or None
+
+
 class EngineCore:
     """Runs schedule -> step -> respond on a background thread."""
 
@@ -175,7 +183,8 @@ class EngineCore:
                                                                 getattr(request, "stop_reason", None)))
                         elif u.finished:
                             events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None,
-                                           request.finish_reason, getattr(request, "stop_reason", None)))
+                                           request.finish_reason, getattr(request, "stop_reason", None),
+                                           None, _logits_outputs(request)))
                         else:
                             events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None, None, None))
                     if self._on_stats is not None and engine.iteration != iteration and engine.iteration_stats:
@@ -287,11 +296,13 @@ class EngineCore:
             (TOKENS, r, [], None, reason, None) for r in siblings]
 
     def _final_event(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> tuple:
-        """The last event of a sequence; a quiet one carries all its tokens (and logprobs) here."""
+        """The last event of a sequence; a quiet one carries all its tokens (and logprobs) here,
+        and any sequence the logits outputs it asked for."""
         if rid in self._quiet:
             logprobs = self._quiet.pop(rid)
-            return (TOKENS, rid, list(request.output_token_ids), logprobs or None, reason, stop_reason)
-        return (TOKENS, rid, [], None, reason, stop_reason)
+            return (TOKENS, rid, list(request.output_token_ids), logprobs or None, reason, stop_reason, None,
+                    _logits_outputs(request))
+        return (TOKENS, rid, [], None, reason, stop_reason, None, _logits_outputs(request))
 
     def _fail_leftover_commands(self) -> None:
         error = self.error

@@ -212,9 +212,6 @@ class GenerationExecutor:
     def validate(self, request: GenerationRequest) -> None:
         """Everything that can be checked without the engine thread (ValueError naming the field)."""
         params = request.sampling_params
-        if params.logits_processor is not None:
-            raise ValueError("logits_processor: host logits processors are not supported; the sampler runs "
-                             "on the device inside the compiled step")
         if request.streaming and request.num_sequences > params.n:
             raise ValueError("best_of: streaming is not supported when best_of > n")
         if isinstance(params.bad, (str, list, tuple)) and params.bad:

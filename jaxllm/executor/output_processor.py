@@ -6,9 +6,10 @@ Everything crossing a process boundary here is a plain tuple or a small dataclas
 
 Events (from the engine thread, in order per engine request):
   (ADD, rid, OutputSpec)                          a sequence starts
-  (TOKENS, rid, token_ids, logprobs, finish_reason, stop_reason[, score])
-                                                  a beam-search beam's final event carries its score
-                                                  tokens read back; finish_reason set on the last
+  (TOKENS, rid, token_ids, logprobs, finish_reason, stop_reason[, score[, logits_outputs]])
+                                                  tokens read back; finish_reason set on the last;
+                                                  a beam-search beam's final event carries its score,
+                                                  a final event the logits outputs asked for
   (ERROR, rid, exception)                         the engine refused or failed this sequence
 A sequence's final delta is produced only once the engine has released it (its last
 TOKENS event), so a finished result never still holds KV blocks.
@@ -53,6 +54,8 @@ class Delta:
     stop_reason: Optional[Union[int, str]] = None
     stop_hit: bool = False  # a stop string matched: the engine should stop this sequence
     error: Optional[BaseException] = None
+    # On the final delta: context_logits / generation_logits / prompt_logprobs, those asked for.
+    logits_outputs: Optional[dict] = None
 
 
 def portable_error(exc: BaseException) -> BaseException:
@@ -115,6 +118,8 @@ class OutputProcessor:
                 if kind == TOKENS:
                     delta = self._tokens(rid, event[2], event[3], event[4], event[5],
                                          event[6] if len(event) > 6 else None)
+                    if delta is not None and len(event) > 7 and delta.finish_reason is not None:
+                        delta.logits_outputs = event[7]
                     if delta is not None:
                         deltas.append(delta)
                 elif kind == ADD:

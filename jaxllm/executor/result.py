@@ -58,6 +58,7 @@ class GenerationResult:
         self._want_scores = self._want_logprobs or params.use_beam_search  # a beam's score is its cumulative logprob
         self._outputs = [CompletionOutput(index=i, logprobs=[] if self._want_logprobs else None)
                          for i in range(self._num_seqs)]
+        self._context_logits = None  # set from the final delta when return_context_logits
         # Producer side (output thread), guarded by _cond.
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[tuple[int, Delta]] = []
@@ -167,6 +168,11 @@ class GenerationResult:
                 if delta.finish_reason is not None:
                     out.finish_reason = delta.finish_reason
                     out.stop_reason = delta.stop_reason
+                if delta.logits_outputs:
+                    out.generation_logits = delta.logits_outputs.get("generation_logits")
+                    out.prompt_logprobs = delta.logits_outputs.get("prompt_logprobs")
+                    if self._context_logits is None:  # the same prompt for every sequence
+                        self._context_logits = delta.logits_outputs.get("context_logits")
             if done:
                 self._finished = True
                 self._final = self._snapshot(final=True)
@@ -194,8 +200,11 @@ class GenerationResult:
             index=o.index, text=o.text, token_ids=list(o.token_ids), cumulative_logprob=o.cumulative_logprob,
             logprobs=None if o.logprobs is None else list(o.logprobs), finish_reason=o.finish_reason,
             stop_reason=o.stop_reason, text_diff=o.text_diff, token_ids_diff=o.token_ids_diff,
-            logprobs_diff=o.logprobs_diff) for o in outputs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, copies, finished=final)
+            logprobs_diff=o.logprobs_diff, generation_logits=o.generation_logits,
+            prompt_logprobs=o.prompt_logprobs) for o in outputs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, copies, finished=final,
+                             context_logits=self._context_logits,
+                             prompt_logprobs=copies[0].prompt_logprobs if copies else None)
 
     def _next_blocking(self, timeout: Optional[float]) -> Optional[RequestOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout

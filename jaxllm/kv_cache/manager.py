@@ -285,7 +285,7 @@ class KVCacheManager:
             self._reserved += seq.total_blocks
         num_prompt_blocks = self.blocks_for_tokens(len(request.prompt_token_ids))
         matched: list[int] = []
-        if reuse and self.enable_block_reuse:
+        if reuse and self.enable_block_reuse and request.reuse_prefix:
             matched = self._match_prefix(request)
         if matched:
             pool = self._pool

@@ -386,6 +386,23 @@ def forward_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, 
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache, stats
 
 
+def forward_with_rows(params: Params, kv_cache: KVCache, batch: StepBatch, rows: jax.Array, *,
+                      config: ModelConfig, attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+                      moe_fn: MoeFn = moe_grouped_ffn_reference, mesh: Optional[jax.sharding.Mesh] = None,
+                      moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False
+                      ) -> tuple[jax.Array, jax.Array, KVCache, Optional[MoeStepStats]]:
+    """`forward` plus float32 logits [E, V] of the packed tokens `rows` int32[E] (context
+    logits of the requests that ask; see jaxllm.engine.logits_outputs); with `moe_stats`
+    also the step's MoE statistics, else None."""
+    kwargs = dict(config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    if moe_stats:
+        residual, kv_cache, stats = _decode_layers(params, kv_cache, batch, **kwargs)
+    else:
+        (residual, kv_cache), stats = decode_layers(params, kv_cache, batch, **kwargs), None
+    return (compute_logits(params, residual[batch.logits_indices], config),
+            compute_logits(params, residual[rows], config), kv_cache, stats)
+
+
 def forward_all_logits(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
                        attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
                        mesh: Optional[jax.sharding.Mesh] = None,

@@ -43,7 +43,7 @@ class _Row(NamedTuple):
     greedy: bool
     has_penalties: bool
     has_bad_words: bool  # bans tokens at every step
-    needs_history: bool  # penalties or multi-token bad words read the token history
+    needs_history: bool  # penalties, multi-token bad words or a host logits processor read the token history
     min_tokens: int  # bans end/stop ids while fewer outputs exist
 
 
@@ -166,6 +166,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logits_processor: Optional[Union[Callable, list[Callable]]] = None
     truncate_prompt_tokens: Optional[int] = None
+    # A device-side batched post-processor registered on the engine
+    # (`EngineConfig.logits_post_processors`), selected by name (TensorRT-LLM's
+    # `logits_post_processor_name`); see `jaxllm.engine.logits_processing`.
+    logits_post_processor_name: Optional[str] = None
     # Token ids of the `bad` strings, filled by `setup(tokenizer)`.
     _bad_word_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -224,10 +228,7 @@ class SamplingParams:
                      "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         # Accepted by the API for compatibility but not implemented: refused, never ignored.
-        for name, unsupported in (("prompt_logprobs", self.prompt_logprobs is not None),
-                                  ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
-                                  ("return_context_logits", self.return_context_logits),
-                                  ("return_generation_logits", self.return_generation_logits),
+        for name, unsupported in (("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
                                   ("exclude_input_from_output", not self.exclude_input_from_output)):
             if unsupported:
                 raise ValueError(f"{name}: {_show(getattr(self, name))} is not supported")
@@ -240,8 +241,11 @@ class SamplingParams:
         if lp is not None and not callable(lp) and not (
                 isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
             raise ValueError(f"logits_processor must be a callable or a list of callables, got {_show(lp)}")
+        name = self.logits_post_processor_name
+        if name is not None and not (isinstance(name, str) and name):
+            raise ValueError(f"logits_post_processor_name must be a non-empty string, got {_show(name)}")
         for name in ("end_id", "pad_id", "max_tokens", "min_tokens", "n", "best_of", "top_k", "seed",
-                     "logprobs"):
+                     "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and type(value) is not int:
                 setattr(self, name, int(value))
@@ -321,6 +325,19 @@ class SamplingParams:
         return self._row.needs_history
 
     @property
+    def logits_processors(self) -> list[Callable]:
+        """The host logits processors, in the order they run."""
+        lp = self.logits_processor
+        if lp is None:
+            return []
+        return list(lp) if isinstance(lp, (list, tuple)) else [lp]
+
+    @property
+    def wants_context_logits(self) -> bool:
+        """Whether the prompt's logits must come back (context logits or prompt logprobs)."""
+        return self.return_context_logits or self.prompt_logprobs is not None
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -349,7 +366,8 @@ class SamplingParams:
             greedy=bool(greedy),
             has_penalties=rep != 1.0 or pres != 0.0 or freq != 0.0,
             has_bad_words=bool(self.bad_token_ids or self.bad),
-            needs_history=bool(rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad),
+            needs_history=bool(rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad
+                               or self.logits_processor is not None),
             min_tokens=self.min_tokens,
         )
 
