@@ -257,7 +257,11 @@ CASES = [
     (C, _c(stream=True, stream_options={"bogus": 1}), 400, "stream_options"),
     # --- unsupported fields are refused, not ignored
     (C, _c(truncate_prompt_tokens=5), 400, "truncate_prompt_tokens"),
-    (C, _c(prompt_logprobs=1), 400, "prompt_logprobs"),
+    (C, _c(prompt_logprobs=21), 400, "prompt_logprobs"),
+    (C, _c(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    (C, _c(logits_processors=["my_module.Ban"]), 400, "logits_processors"),
+    (C, _c(logits_post_processor_name="ban"), 400, "logits_post_processor_name"),
+    (CH, _ch(logits_processor="x"), 400, "logits_processor"),
     (C, _c(guided_json={"type": "object"}), 400, "guided_json"),
     (C, _c(not_a_field=1), 400, "not_a_field"),
     (C, _c(model=5), 400, "model"),
@@ -541,6 +545,26 @@ def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, c
         assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(oracle[best[0]],
                                                                                              abs=2e-3)
         prefix.append(best[0])
+    _assert_still_serving(live, http)
+
+
+def test_completion_prompt_logprobs_match_the_model(live, http):
+    """vLLM's prompt_logprobs: None first, then per prompt token the actual token and the top 2."""
+    prompt = [5, 6, 7, 8]
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    entries = resp.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    server = live.app.state.server
+    for i in range(1, len(prompt)):
+        oracle = _oracle_logprobs(prompt[:i])
+        best = [int(t) for t in np.argsort(-oracle)[:2]]
+        entry = entries[i]
+        assert set(entry) == {str(t) for t in best} | {str(prompt[i])}
+        for t, value in entry.items():
+            assert value["logprob"] == pytest.approx(oracle[int(t)], abs=2e-3)
+            assert value["decoded_token"] == server._token_str(int(t))
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2]
     _assert_still_serving(live, http)
 
 

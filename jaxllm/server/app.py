@@ -389,6 +389,8 @@ class OpenAIServer:
                 choices.append({"index": p * body.n + c.index, "text": c.text,
                                 "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if body.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                              "model": body.model, "choices": choices,
                              "usage": _usage(outputs)})
@@ -607,6 +609,15 @@ class OpenAIServer:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _prompt_logprobs(self, entries: Optional[list]) -> Optional[list]:
+        """vLLM's `prompt_logprobs` in a completion choice: None for the first prompt token,
+        then {token id: {logprob, rank, decoded_token}} per prompt token."""
+        if entries is None:
+            return None
+        return [None if entry is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._token_str(t)}
+            for t, lp in entry.items()} for entry in entries]
+
     def _chat_logprobs(self, c: CompletionOutput, diff: bool = False) -> Optional[dict]:
         ids = c.token_ids_diff if diff else c.token_ids
         lps = c.logprobs_diff if diff else c.logprobs
@@ -644,7 +655,8 @@ _PARAMS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "echo", "suffix", "logit_bias",
            "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs", "stream",
            "add_special_tokens", "add_generation_prompt", "kv_cache_retention_config", "use_beam_search",
-           "length_penalty", "early_stopping"}
+           "length_penalty", "early_stopping", "prompt_logprobs", "logits_processors", "logits_processor",
+           "logits_post_processor_name"}
 
 
 def _validation_error(exc: ValidationError) -> APIError:

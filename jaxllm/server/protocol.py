@@ -90,6 +90,11 @@ class _SamplingFields(StrictModel):
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
     kv_cache_retention_config: Optional[KvCacheRetentionBody] = None  # as in TensorRT-LLM's LLM API
+    # Logits post-processors are Python callables (or device functions registered on the
+    # engine): the Python API takes them, a request body cannot carry them.
+    logits_processors: Optional[Any] = None
+    logits_processor: Optional[Any] = None
+    logits_post_processor_name: Optional[Any] = None
 
     def retention_config(self) -> Optional[KvCacheRetentionConfig]:
         body = self.kv_cache_retention_config
@@ -106,6 +111,14 @@ class _SamplingFields(StrictModel):
         return v
 
     _logit_bias = _refuse_if_set("logit_bias")
+
+    @field_validator("logits_processors", "logits_processor", "logits_post_processor_name")
+    @classmethod
+    def _no_post_processors(cls, v):
+        if v is not None:
+            raise ValueError("logits post-processors are not accepted by the server; pass a Python callable "
+                             "as SamplingParams.logits_processor through the Python API (LLM / GenerationExecutor)")
+        return v
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -133,6 +146,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     add_special_tokens: bool = True
+    # vLLM's extension: logprobs of the prompt tokens (the actual token plus the top k).
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
 
     _echo = _refuse_if_set("echo")
     _suffix = _refuse_if_set("suffix")
@@ -154,8 +169,12 @@ class CompletionRequest(_SamplingFields):
         return prompts
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not supported with stream (the prompt's logprobs come with the "
+                             "final output)")
         return SamplingParams(max_tokens=max_tokens, best_of=self.best_of, logprobs=self.logprobs,
-                              add_special_tokens=self.add_special_tokens, **self.sampling_kwargs())
+                              prompt_logprobs=self.prompt_logprobs, add_special_tokens=self.add_special_tokens,
+                              **self.sampling_kwargs())
 
 
 class TextPart(StrictModel):
