@@ -182,7 +182,7 @@ def test_host_logits_processors_change_only_their_requests(llm, hf_model, prompt
     seen = []
 
     def ban(request_id, token_ids, logits):
-        seen.append(list(token_ids))
+        seen.append((request_id, list(token_ids)))
         logits[list(banned)] = -np.inf  # in place, returning None
 
     def boom(request_id, token_ids, logits):
@@ -211,7 +211,7 @@ def test_host_logits_processors_change_only_their_requests(llm, hf_model, prompt
         row = ref[len(other) - 1 + i].copy()
         row[list(banned)] = -np.inf
         assert token == int(np.argmax(row)) and token not in banned
-    assert seen == [other + banned_out[:i] for i in range(len(banned_out))]
+    assert seen == [(results[2].request_id, other + banned_out[:i]) for i in range(len(banned_out))]
     # The engine serves on, and equal requests get equal tokens.
     assert run(llm, [short], [greedy()])[0].outputs[0].token_ids == baseline[0]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -85,6 +86,17 @@ def per_prompt_loras(lora_request: Union[None, LoRARequest, Sequence[Optional[Lo
 
 
 _SLICE = 32  # events processed between two GIL releases on the output thread
+
+
+def _with_request_id(processors: list, request_id: int) -> list:
+    """Host logits processors called with the request's id (`RequestOutput.request_id`)
+    instead of the engine's id of one of its sequences."""
+    def bind(fn):
+        @functools.wraps(fn)
+        def call(_engine_id, token_ids, logits):
+            return fn(request_id, token_ids, logits)
+        return call
+    return [bind(fn) for fn in processors]
 
 
 class GenerationExecutor:
@@ -280,6 +292,9 @@ class GenerationExecutor:
                 seqs.extend(children)
                 continue
             for seq_params in self._sequence_params(params, request.num_sequences):
+                if seq_params.logits_processor is not None:  # they see the id the caller knows
+                    seq_params = replace(seq_params, logits_processor=_with_request_id(
+                        seq_params.logits_processors, request.id))
                 spec = OutputSpec(
                     prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,
                     detokenize=params.detokenize, skip_special_tokens=params.skip_special_tokens,
