@@ -727,6 +727,7 @@ class LLMEngine:
                 beam.context_current_position = leader.prompt_len
                 beam.seed, beam.end_ids, beam.beam = leader.seed, leader.end_ids, run
                 beam.lora_adapter = leader.lora_adapter
+                beam.kv_cache_retention_config = leader.kv_cache_retention_config
                 beams.append(beam)
             kv.add_beams(leader, beams)
             run.requests.extend(beams)
