@@ -220,6 +220,15 @@ def test_beam_search_fields(client, live):
     assert [c.index for c in resp.choices] == [0, 1]
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.usage.completion_tokens == 8
+    # Streamed: the beams arrive once, finished (they change until the end).
+    stream = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, n=2, best_of=3, stream=True,
+                                       extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                   "early_stopping": True, "ignore_eos": True})
+    text = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            text[c.index] += c.text
+    assert text == {c.index: c.text for c in resp.choices}
     _wait_idle(live)
 
 

@@ -363,7 +363,7 @@ class OpenAIServer:
             if len(prompts) * body.n > self.config.max_prompts_per_request:
                 raise ValueError(f"n: {len(prompts)} prompts x n={body.n} exceeds "
                                  f"{self.config.max_prompts_per_request} sequences per request")
-            if body.stream and body.best_of is not None and body.best_of > body.n:
+            if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
                 raise ValueError("best_of: streaming is not supported when best_of > n")
             body.to_sampling_params(body.max_tokens or 1)  # field errors before tokenizing
             retention = body.retention_config()
