@@ -37,7 +37,9 @@ def hf_model(tmp_path_factory):
 def llm(hf_model):
     llm = LLM(str(hf_model[0]), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
               kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
-              logits_post_processors={"ban_low": ban_low})
+              logits_post_processors={"ban_low": ban_low}, warmup_logits_outputs=True)
+    llm.warmed_up = llm.executor.call_on_engine(lambda engine: engine.warmup(all_variants=False) or _compiled(engine),
+                                                timeout=None)
     yield llm
     llm.shutdown()
 
@@ -46,6 +48,11 @@ def llm(hf_model):
 def prompts():
     long, short, mid, other = random_prompts(4, VOCAB, 7, 12, seed=3)
     return dict(long=(long * 5)[:40], short=short, mid=mid, other=other)
+
+
+def _compiled(engine) -> tuple[int, int]:
+    """Compiled model forwards (plain and context-logits variants) and logits programs."""
+    return engine.runner.num_forward_variants, len(engine.runner._logits_exes)
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:
@@ -237,3 +244,9 @@ def test_batched_device_processor_changes_only_rows_that_select_it(llm, hf_model
 def test_invalid_logits_requests_are_refused_by_name(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
         llm.generate_async([5, 6, 7], SamplingParams(max_tokens=2, **kwargs))
+
+
+def test_nothing_for_logits_compiled_after_warmup(llm):
+    """With warmup_logits_outputs, every forward variant and row program the module's logits
+    requests and host processors used was compiled by warm-up."""
+    assert llm.executor.call_on_engine(_compiled, timeout=60) == llm.warmed_up

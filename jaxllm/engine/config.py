@@ -59,6 +59,10 @@ class EngineConfig:
     # fn(logits f32[S, V], request_ids int32[S], mask bool[S]) -> logits, selected per request
     # by SamplingParams.logits_post_processor_name (jaxllm.engine.logits_processing).
     logits_post_processors: Optional[dict[str, Callable[..., Any]]] = None
+    # Warm-up also compiles what logits outputs and host post-processors use (per token bucket,
+    # the forward variants returning context logits; the row gathers and scatters), so such
+    # requests compile nothing later. Off: those compile on first use, and warm-up costs no more.
+    warmup_logits_outputs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):

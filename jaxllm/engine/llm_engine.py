@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jaxllm.batch_builder import build_step_batch
+from jaxllm.batch_builder import build_step_batch, token_buckets
 from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
@@ -43,7 +43,8 @@ from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
-from jaxllm.engine.logits_outputs import LogitsRecord, StepLogitsTargets, plan_step_logits, store_step_logits
+from jaxllm.engine.logits_outputs import (LogitsRecord, StepLogitsTargets, plan_step_logits, row_buckets,
+                                          store_step_logits)
 from jaxllm.engine.logits_processing import check_batched_processors, host_processor_hook
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
@@ -342,6 +343,13 @@ class LLMEngine:
         if progress is not None:
             progress(done, total)
         jobs = [(self.runner.compile_forward, batch) for batch in batches[1:]]
+        if self.config.warmup_logits_outputs and self.admission_limits.logits_unsupported is None:
+            # The context-logits variant of every bucket, for every size of its extra output.
+            jobs += [(self.runner.compile_forward, (*batch, np.zeros(rows, np.int32)))
+                     for batch in batches for rows in token_buckets(batch[0].token_ids.shape[-1],
+                                                                    self.config.min_token_bucket)]
+            self.runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+            total += len(jobs) - (len(batches) - 1)
         jobs += [(self.runner.compile_sampler, (logits, sampling)) for sampling in samplings]
         workers = compile_workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs))),

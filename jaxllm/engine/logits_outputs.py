@@ -35,6 +35,12 @@ def row_bucket(n: int, limit: int) -> int:
     return min(limit, 1 << max(0, n - 1).bit_length())
 
 
+def row_buckets(limit: int) -> list[int]:
+    """Every size `row_bucket` can return for at most `limit` rows."""
+    sizes = sorted({row_bucket(n, limit) for n in (1 << k for k in range(limit.bit_length() + 1))})
+    return [s for s in sizes if s <= limit]
+
+
 def padded_index(values: list[int], size: int) -> np.ndarray:
     """`values` as int32[size], padded by repeating the first value (a padded gather reads a
     real row; a padded scatter writes that row's own new value again)."""

@@ -247,11 +247,14 @@ class ModelRunner:
         buffers, layout = pack(tree)
         return tuple(put_on_mesh(buffers, self._replicated)), layout
 
-    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray) -> None:
-        """Compile, without running, the model forward of `batch`'s shape. Safe to call from
-        several threads at once (XLA compiles without holding the GIL), which is how warm-up
-        compiles every token bucket in parallel."""
-        inputs, layout = self._to_device((batch, feed_index))
+    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray,
+                        context_index: Optional[np.ndarray] = None) -> None:
+        """Compile, without running, the model forward of `batch`'s shape (with `context_index`:
+        its variant returning those tokens' logits too). Safe to call from several threads at
+        once (XLA compiles without holding the GIL), which is how warm-up compiles every token
+        bucket in parallel."""
+        tree = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
+        inputs, layout = self._to_device(tree)
         self._compile(self._forward_exes, self._forward_jit, (self.params, self.kv_cache, inputs, self._zero_tokens),
                       layout, "model forward")
 
@@ -272,6 +275,15 @@ class ModelRunner:
                 self.compile_seconds += time.perf_counter() - start
                 exe = self._logits_exes.setdefault(key, exe)
         return exe(*args)
+
+    def compile_logits_programs(self, logits: jax.Array, row_buckets: list[int]) -> None:
+        """Compile (and run on `logits`, harmlessly) the row gather and scatter of every row bucket."""
+        vocab = logits.shape[1]
+        for size in row_buckets:
+            rows = np.zeros(size, np.int32)
+            self._logits_program(("gather", size), self._gather_jit, (logits, rows))
+            self._logits_program(("scatter", size), self._scatter_jit,
+                                 (logits, rows, np.zeros((size, vocab), np.float32)))
 
     def compile_batched_processors(self, logits: jax.Array) -> None:
         """Compile every registered batched post-processor (warm-up)."""
