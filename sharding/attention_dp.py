@@ -160,4 +160,5 @@ def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: Step
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
     """Per-rank host batches of one token bucket -> one StepBatch with a leading rank axis."""
     names = StepBatch.__dataclass_fields__
-    return StepBatch(**{name: np.stack([getattr(b, name) for b in batches]) for name in names})
+    return StepBatch(**{name: None if getattr(batches[0], name) is None  # optional inputs left out (LoRA)
+                        else np.stack([getattr(b, name) for b in batches]) for name in names})
