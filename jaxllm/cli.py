@@ -317,21 +317,25 @@ def engine_banner(engine, model: str) -> str:
     ])
 
 
-def warm_up(engine, all_variants: bool = True) -> None:
-    """Compile every step shape with a progress bar ("compiling N token buckets...")."""
+def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
+    """Compile every step shape with a progress bar ("compiling N token buckets..."); with
+    `background`, only the largest bucket and the greedy sampler before returning (see
+    `LLMEngine.warmup`)."""
     from tqdm.auto import tqdm
 
     buckets = engine.token_buckets()
-    with tqdm(total=len(buckets) + 1, desc=f"compiling {len(buckets)} token buckets + sampler", unit="graph",
-              file=sys.stderr, leave=True) as bar:
+    desc = (f"compiling 1 of {len(buckets)} token buckets + sampler (the rest while serving)" if background
+            else f"compiling {len(buckets)} token buckets + sampler")
+    with tqdm(total=len(buckets) + 1, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        engine.warmup(all_variants=all_variants, progress=progress)
+        engine.warmup(all_variants=all_variants, progress=progress, background=background)
 
 
 def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
+                   background_warmup: bool = False,
                    executor_kwargs: Optional[dict] = None, started: Optional[float] = None,
                    kwargs: Optional[dict] = None):
     """Build the executor on `model_dir`, print the banner, compile, print "ready in X s".
@@ -346,7 +350,7 @@ def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = T
     try:
         _status(executor.call_on_engine(lambda engine: engine_banner(engine, args.model), timeout=None))
         if warmup:
-            executor.call_on_engine(lambda engine: warm_up(engine, all_variants), timeout=None)
+            executor.call_on_engine(lambda engine: warm_up(engine, all_variants, background_warmup), timeout=None)
     except BaseException:
         executor.shutdown()
         raise
@@ -385,7 +389,7 @@ def _stream(result, out=None) -> Any:
 
 def _generate(args: argparse.Namespace, started: float) -> int:
     prompts = args.prompt or ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    executor = start_executor(args, resolve_model_arg(args), all_variants=False, started=started)
+    executor = start_executor(args, resolve_model_arg(args), all_variants=False, background_warmup=True, started=started)
     try:
         params = _sampling_params(args)
         if args.stream:
@@ -417,7 +421,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _chat(args: argparse.Namespace, started: float) -> int:
-    executor = start_executor(args, resolve_model_arg(args), all_variants=False, started=started)
+    executor = start_executor(args, resolve_model_arg(args), all_variants=False, background_warmup=True, started=started)
     try:
         params = _sampling_params(args)
         history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []

@@ -9,8 +9,10 @@ with EOS ignored, so each request yields exactly its output length, and only tho
 are counted.
 
 Cold is the first call of a fresh engine, compilation included, with an empty compilation
-cache (the run points JAX's persistent cache at a new temporary directory); warm is the
-same call again once everything is compiled (jaxllm warms up every bucket in between).
+cache (the run points JAX's persistent cache at a new temporary directory): steps run in a
+compiled token bucket while better-fitting ones compile in the background
+(`jaxllm.engine.compile_ahead`); warm is the same call again once everything is compiled
+(jaxllm warms up every bucket in between).
 Also reports the host time per engine step and its share of the step.
 
     jaxllm bench engine --model tiny-moe --num-requests 64 --input-len 8 192 --output-len 8 96
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -97,7 +100,10 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
                                  host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
                                                                       1e-9))
         if phase == "cold":
-            results[phase]["compile_seconds"] = llm.executor.call_on_engine(lambda e: e.runner.compile_seconds)
+            results[phase].update(llm.executor.call_on_engine(lambda e: dict(
+                compile_seconds=e.runner.compile_seconds, compile_wait_seconds=e.runner.compile_wait_seconds,
+                forwards_compiled=e.runner.num_forward_variants,
+                padded_steps=e.bucket_compiler.padded_steps if e.bucket_compiler is not None else 0)))
     results["build_seconds"] = build_seconds
     llm.shutdown()
     return results
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-json", default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory() as work:
         model_dir = _model_dir(args.model, Path(work))
@@ -207,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<28}{phase:<6}{r['seconds']:>9.2f}{r['tokens']:>12}{r['tok_per_s']:>9.1f}{ratio:>12}")
     print("cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
           "call again (x HF static: against HF static batching in the same run)")
-    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s; {ours['cold']['compile_seconds']:.1f} s "
-          f"compiling during the cold call")
+    cold = ours["cold"]
+    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s; cold call: steps waited {cold['compile_wait_seconds']:.1f} s "
+          f"for compiles ({cold['compile_seconds']:.1f} s compiling in all threads, {cold['forwards_compiled']} token "
+          f"buckets compiled by its end, {cold['padded_steps']} steps run in a larger compiled bucket meanwhile)")
+    print(f"load average (1 min) at start {load_start:.1f}, at end {os.getloadavg()[0]:.1f}")
     warm = ours["warm"]
     print(f"engine steps (warm): {warm['steps']}, host time per step: {warm['host_ms_per_step']:.2f} ms, "
           f"host share of step time: {100 * warm['host_share']:.1f}%")

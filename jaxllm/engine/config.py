@@ -50,6 +50,12 @@ class EngineConfig:
     # Runs of identical layers as one lax.scan over stacked weights (compile time independent
     # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
     scan_layers: bool = True
+    # Compiling on demand (no warm-up): a step whose best-fitting token bucket is not compiled
+    # runs padded in a compiled larger one while the best fit compiles on the compile threads
+    # (jaxllm.engine.compile_ahead); False: each bucket compiles on the step that first needs it.
+    # `compile_workers`: threads compiling at once (default one per CPU core, at most 8).
+    compile_ahead: bool = True
+    compile_workers: Optional[int] = None
     # LoRA adapters (jaxllm.lora): `max_loras` device slots of rank up to `max_lora_rank`.
     # Off, the compiled step is exactly the base model's.
     enable_lora: bool = False
@@ -75,6 +81,9 @@ class EngineConfig:
         for name in ("max_batch_size", "max_num_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.compile_workers is not None and (not isinstance(self.compile_workers, int)
+                                                 or isinstance(self.compile_workers, bool) or self.compile_workers < 1):
+            raise ValueError(f"compile_workers must be a positive integer, got {self.compile_workers!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

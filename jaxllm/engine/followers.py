@@ -126,19 +126,21 @@ class MirroredRunner:
 
     # Compiling runs nothing, but followers compile the same programs meanwhile (in parallel, as the
     # warm-up does here) instead of one at a time when the first step needs each.
-    def compile_forward(self, batch, feed_index) -> None:
-        self._send(("compile", "compile_forward", (batch, feed_index)))
-        self._runner.compile_forward(batch, feed_index)
+    def compile_forward(self, batch, feed_index, context_index=None, *, wait: bool = True):
+        args = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
+        self._send(("compile", "compile_forward", args))
+        return self._runner.compile_forward(*args, wait=wait)
 
-    def compile_sampler(self, logits, sampling) -> None:
+    def compile_sampler(self, logits, sampling, *, wait: bool = True):
         self._send(("compile", "compile_sampler", (self._reference(logits), sampling)))
-        self._runner.compile_sampler(logits, sampling)
+        return self._runner.compile_sampler(logits, sampling, wait=wait)
 
     def close(self) -> None:
         """End the session: the followers drop their runner and wait for the next engine."""
         if not self._closed:
             self._closed = True
             self._send(("stop",))
+        self._runner.close()
 
 
 _session_lock = threading.Lock()
@@ -250,6 +252,7 @@ def run_follower() -> int:
             channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
             calls = follow(runner, channel, client)
             logger.info("process %d: session %d ended after %d steps", pid, session, calls)
+            runner.close()  # its compile threads
             del runner
             gc.collect()
             session += 1

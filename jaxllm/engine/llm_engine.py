@@ -23,9 +23,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -39,6 +38,7 @@ from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arr
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.beam_search import BeamHypothesis, BeamRun, BeamSearch, beam_id
+from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
@@ -222,7 +222,8 @@ class LLMEngine:
                                   moe_fn=moe_fn, max_batch_size=self.num_sampler_rows, mesh=self.mesh,
                                   moe_options=moe_options, moe_stats=self.expert_statistics is not None or online,
                                   attention_dp=self.attention_dp,
-                                  batched_processors=check_batched_processors(config.logits_post_processors))
+                                  batched_processors=check_batched_processors(config.logits_post_processors),
+                                  compile_workers=config.compile_workers)
         if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
             self.runner.params["lora"] = init_lora_weights(self.model_config, self.runner.params, config.max_loras,
                                                            config.max_lora_rank, self.model_config.dtype)
@@ -233,6 +234,16 @@ class LLMEngine:
             mesh=self.mesh) if online else None
         # On a multi-host leader every step is first sent to the followers, which run it too.
         self.runner = mirror(self.runner, session, config.multihost_plan_channel)
+        # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
+        # not under attention DP (its planner picks one bucket for all ranks) nor on a multi-host
+        # leader (its followers compile on demand).
+        self.bucket_compiler: Optional[BucketCompiler] = None
+        if config.compile_ahead and session is None and not self.attention_dp:
+            self.bucket_compiler = BucketCompiler(
+                max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
+                compile_bucket=lambda bucket: self.runner.compile_forward(*self._empty_batch(bucket), wait=False),
+                max_in_flight=self.runner.compile_workers - 1)
+            self.planner.choose_bucket = self.bucket_compiler.choose
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (not config.disable_overlap_scheduler and
                         config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
@@ -311,54 +322,74 @@ class LLMEngine:
     def token_buckets(self) -> list[int]:
         return self.planner.token_buckets()
 
+    def _empty_batch(self, bucket: int) -> tuple[Any, np.ndarray]:
+        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of traffic)."""
+        if self.attention_dp:
+            return self.planner.empty_batch(bucket), np.full((self.planner.num_ranks, bucket), -1, np.int32)
+        batch = build_step_batch(SchedulerOutput([], [], []), self.kv_cache_manager, token_bucket=bucket,
+                                 max_batch_size=self.config.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        return replace(batch, lora_slots=self.planner.empty_lora_slots(bucket)), np.full((bucket,), -1, np.int32)
+
     def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None,
-               compile_workers: Optional[int] = None) -> None:
+               background: bool = False) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
         the model forward for every token bucket and the sampler for every variant of its
         static switches (`all_variants=False`: only the default greedy sampler). Runs empty
         batches, which write nothing to the KV cache. `progress(done, total)` is called after
         each compiled piece (for a progress bar).
 
-        The programs are independent, so after the smallest bucket (whose logits the sampler
-        compiles against) they are compiled at once in `compile_workers` threads (default:
-        one per CPU core, at most 8; 1: one after another); then each runs once."""
-        empty = SchedulerOutput([], [], [])
+        The programs are independent, so they compile at once on the runner's compile threads
+        (`EngineConfig.compile_workers`); the samplers once the smallest bucket's forward gave
+        the logits they take. Then each runs once.
+
+        `background`: return once the largest bucket (which holds any step) and the greedy
+        sampler are compiled; the other buckets and variants compile on the compile threads
+        while the engine serves (steps run padded in the largest bucket meanwhile, see
+        `jaxllm.engine.compile_ahead`; a request whose sampler variant is still compiling waits
+        for it). Needs `compile_ahead` (else everything compiles before returning)."""
         buckets = self.token_buckets()
         variants = SAMPLER_VARIANTS if all_variants else [dict()]
         total = len(buckets) + len(variants)
-        if self.attention_dp:
-            batches = [(self.planner.empty_batch(bucket), np.full((self.planner.num_ranks, bucket), -1, np.int32))
-                       for bucket in buckets]
+        if background and self.bucket_compiler is not None:
+            self._warm_up_in_background(buckets, variants)
+            if progress is not None:
+                progress(total, total)
         else:
-            batches = [(replace(build_step_batch(empty, self.kv_cache_manager, token_bucket=bucket,
-                                                 max_batch_size=self.config.max_batch_size,
-                                                 max_blocks_per_seq=self.max_blocks_per_seq),
-                                lora_slots=self.planner.empty_lora_slots(bucket)),
-                        np.full((bucket,), -1, np.int32)) for bucket in buckets]
+            self._warm_up_all(buckets, variants, progress, total)
+        if self.load_balancer is not None:
+            self.load_balancer.warm_up(self.runner.params)
+        if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
+            adapter = self.lora_slots.adapter_in(0)
+            self.runner.write_lora_slot(0, self._slot_update(adapter) if adapter is not None else empty_slot(
+                self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype))
+
+    def _warm_up_all(self, buckets: list[int], variants: Any, progress: Optional[Callable[[int, int], None]],
+                     total: int) -> None:
+        batches = [self._empty_batch(bucket) for bucket in buckets]
         samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags)
                      for flags in variants]
-        logits = self.runner.forward(*batches[0], None)
+        pending = [self.runner.compile_forward(*batch, wait=False) for batch in batches[1:]]
+        logits = self.runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
         self.runner.compile_batched_processors(logits)
         done = 1
         if progress is not None:
             progress(done, total)
-        jobs = [(self.runner.compile_forward, batch) for batch in batches[1:]]
         if self.config.warmup_logits_outputs and self.admission_limits.logits_unsupported is None:
             # The context-logits variant of every bucket, for every size of its extra output.
-            jobs += [(self.runner.compile_forward, (*batch, np.zeros(rows, np.int32)))
-                     for batch in batches for rows in token_buckets(batch[0].token_ids.shape[-1],
-                                                                    self.config.min_token_bucket)]
+            variants_of_logits = [self.runner.compile_forward(*batch, np.zeros(rows, np.int32), wait=False)
+                                  for batch in batches for rows in token_buckets(batch[0].token_ids.shape[-1],
+                                                                                 self.config.min_token_bucket)]
+            pending += variants_of_logits
             self.runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
-            total += len(jobs) - (len(batches) - 1)
-        jobs += [(self.runner.compile_sampler, (logits, sampling)) for sampling in samplings]
-        workers = compile_workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs))),
-                                thread_name_prefix="jaxllm-compile") as pool:
-            for future in as_completed([pool.submit(fn, *args) for fn, args in jobs]):
-                future.result()
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+            total += len(variants_of_logits)
+        pending += [self.runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
+        for future in as_completed(pending):
+            future.result()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        if self.bucket_compiler is not None:
+            self.bucket_compiler.mark_ready(buckets)
         for batch in batches[1:]:
             logits = self.runner.forward(*batch, None)
         outputs = [self.runner.sample(logits, sampling) for sampling in samplings]
@@ -366,12 +397,24 @@ class LLMEngine:
             self.runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
         for out in outputs:
             np.asarray(out.token_ids)
-        if self.load_balancer is not None:
-            self.load_balancer.warm_up(self.runner.params)
-        if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
-            adapter = self.lora_slots.adapter_in(0)
-            self.runner.write_lora_slot(0, self._slot_update(adapter) if adapter is not None else empty_slot(
-                self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype))
+
+    def _warm_up_in_background(self, buckets: list[int], variants: Any) -> None:
+        logits = self.runner.forward(*self._empty_batch(buckets[-1]), None)
+        self.runner.compile_batched_processors(logits)
+        greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
+        out = self.runner.sample(logits, greedy)
+        self.runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
+        np.asarray(out.token_ids)
+        self.bucket_compiler.mark_ready(buckets[-1:])
+        self.bucket_compiler.want(buckets[:-1])  # smallest first: decoding steps are the common ones
+        for flags in variants:
+            self.runner.compile_sampler(logits, SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags),
+                                        wait=False)
+        if self.config.warmup_logits_outputs and self.admission_limits.logits_unsupported is None:
+            self.runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+            for bucket in buckets:
+                for rows in token_buckets(bucket, self.config.min_token_bucket):
+                    self.runner.compile_forward(*self._empty_batch(bucket), np.zeros(rows, np.int32), wait=False)
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
@@ -801,9 +844,11 @@ class LLMEngine:
             self.expert_statistics.save()
 
     def close(self) -> None:
-        """Write pending statistics, stop the load balancer's placement thread and end the
-        multi-host session (the followers drop their copy of the engine)."""
+        """Write pending statistics, stop the load balancer's placement thread and the compile
+        threads, and end the multi-host session (the followers drop their copy of the engine)."""
         self.close_statistics()
+        if self.bucket_compiler is not None:
+            self.bucket_compiler.close()
         if self.load_balancer is not None:
             self.load_balancer.close()
         end_session = getattr(self.runner, "close", None)

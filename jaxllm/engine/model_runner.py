@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -116,8 +117,9 @@ def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutpu
     return sample(logits, unpack(inputs, layout))
 
 
-def _is_host_buffers(value: Any) -> bool:
-    return isinstance(value, tuple) and bool(value) and all(isinstance(v, np.ndarray) for v in value)
+def default_compile_workers() -> int:
+    """Threads that compile programs at once: one per CPU core, at most 8."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
@@ -164,11 +166,13 @@ class ModelRunner:
                  max_batch_size: int, mesh: jax.sharding.Mesh | None = None,
                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
                  attention_dp: bool = False,
-                 batched_processors: Optional[dict[str, BatchedProcessor]] = None) -> None:
+                 batched_processors: Optional[dict[str, BatchedProcessor]] = None,
+                 compile_workers: Optional[int] = None) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
         `batched_processors`: device-side logits post-processors by name
-        (`jaxllm.engine.logits_processing`)."""
+        (`jaxllm.engine.logits_processing`). `compile_workers`: threads compiling programs in
+        the background (default: one per CPU core, at most 8)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -204,8 +208,15 @@ class ModelRunner:
         self.last_row_logits: jax.Array | None = None
         self._forward_exes: dict[PackedLayout, Any] = {}
         self._sampler_exes: dict[PackedLayout, Any] = {}
-        self.compile_seconds = 0.0
-        self._compile_lock = threading.Lock()  # warm-up compiles from several threads
+        # Compiles under way, by program: a second request for one waits for it (nothing compiles twice).
+        self._compiling: dict[tuple[str, PackedLayout], Future] = {}
+        self._compile_pool: Optional[ThreadPoolExecutor] = None
+        self._closed = False  # no more background compiles (a step may still compile its own)
+        self._queued: dict[tuple[str, PackedLayout], Future] = {}  # the compile threads' tasks
+        self.compile_workers = compile_workers or default_compile_workers()
+        self.compile_seconds = 0.0  # summed over programs (several compile at once)
+        self.compile_wait_seconds = 0.0  # time steps spent waiting for a program to compile
+        self._compile_lock = threading.Lock()
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
         self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
@@ -228,40 +239,149 @@ class ModelRunner:
     def num_compiled_variants(self) -> int:
         return len(self._forward_exes) + len(self._sampler_exes)
 
-    def _compile(self, cache: dict, jitted, args: tuple, layout: PackedLayout, what: str):
-        exe = cache.get(layout)
-        if exe is None:
-            start = time.perf_counter()
-            # Host buffers are lowered as what they become on the mesh: replicated device arrays.
-            args = tuple(put_on_mesh(a, self._replicated) if _is_host_buffers(a) else a for a in args)
-            exe = jitted.lower(*args, layout=layout).compile()
-            elapsed = time.perf_counter() - start
-            logger.debug("compiled a %s variant in %.2fs", what, elapsed)
+    def _abstract(self, args: tuple) -> tuple:
+        """`args` as shapes, dtypes and shardings only: a program is lowered from these, never
+        from live buffers (the KV cache and LoRA slots are donated by the steps meanwhile).
+        Host buffers are lowered as what they become on the mesh: replicated device arrays."""
+        def spec(leaf: Any) -> Any:
+            if isinstance(leaf, np.ndarray):
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+
+        return jax.tree_util.tree_map(spec, args)
+
+    def _claim(self, kind: str, layout: PackedLayout) -> tuple[Future, bool]:
+        """The compile of program `kind` ("forward" or "sampler") for `layout`: (its future, True
+        when the caller must run it). A compiled program gives a done future, one under way its
+        own future; nothing compiles twice."""
+        cache = self._forward_exes if kind == "forward" else self._sampler_exes
+        with self._compile_lock:
+            future = self._compiling.get((kind, layout))
+            if future is not None:
+                return future, False
+            future = Future()
+            exe = cache.get(layout)
+            if exe is not None:
+                future.set_result(exe)
+                return future, False
+            self._compiling[(kind, layout)] = future
+            return future, True
+
+    def _run_compile(self, kind: str, abstract_args: tuple, layout: PackedLayout, future: Future) -> None:
+        jitted, cache = ((self._forward_jit, self._forward_exes) if kind == "forward"
+                         else (self._sample_jit, self._sampler_exes))
+        start = time.perf_counter()
+        try:
+            exe = jitted.lower(*abstract_args, layout=layout).compile()
+        except BaseException as exc:
             with self._compile_lock:
-                self.compile_seconds += elapsed
-                exe = cache.setdefault(layout, exe)
+                self._compiling.pop((kind, layout), None)
+                self._queued.pop((kind, layout), None)
+            future.set_exception(exc)
+            return
+        elapsed = time.perf_counter() - start
+        logger.debug("compiled a %s variant in %.2fs", kind, elapsed)
+        with self._compile_lock:
+            self.compile_seconds += elapsed
+            cache[layout] = exe
+            self._compiling.pop((kind, layout), None)
+            self._queued.pop((kind, layout), None)
+        future.set_result(exe)
+
+    def _start_compile(self, kind: str, args: tuple, layout: PackedLayout) -> Future:
+        """Compile on the compile threads (see `_claim`); returns the compile's future."""
+        future, mine = self._claim(kind, layout)
+        if mine:
+            with self._compile_lock:
+                if self._closed:
+                    self._compiling.pop((kind, layout), None)
+                    future.set_exception(RuntimeError("the model runner is closed"))
+                    return future
+                if self._compile_pool is None:
+                    self._compile_pool = ThreadPoolExecutor(self.compile_workers,
+                                                            thread_name_prefix="jaxllm-compile")
+                pool = self._compile_pool
+            self._queued[(kind, layout)] = pool.submit(self._run_compile, kind, self._abstract(args), layout, future)
+        return future
+
+    def _compile(self, kind: str, args: tuple, layout: PackedLayout) -> Any:
+        """The executable for `layout`. A program not compiled yet is compiled in this thread
+        (never queued behind background compiles); one under way elsewhere is waited for."""
+        cache = self._forward_exes if kind == "forward" else self._sampler_exes
+        exe = cache.get(layout)
+        if exe is not None:
+            return exe
+        start = time.perf_counter()
+        future, mine = self._claim(kind, layout)
+        if not mine:  # queued on the compile threads but not started: compile it here, now
+            with self._compile_lock:
+                task = self._queued.pop((kind, layout), None)
+            mine = task is not None and task.cancel()
+        if mine:
+            self._run_compile(kind, self._abstract(args), layout, future)
+        exe = future.result()
+        with self._compile_lock:
+            self.compile_wait_seconds += time.perf_counter() - start
         return exe
+
+    @property
+    def compiles_in_flight(self) -> int:
+        """Programs being compiled (or queued for it) on the compile threads."""
+        with self._compile_lock:
+            return len(self._compiling)
+
+    def close(self) -> None:
+        """Stop the compile threads: queued compiles are dropped, one under way finishes."""
+        with self._compile_lock:
+            self._closed = True
+            pool, self._compile_pool = self._compile_pool, None
+            queued, self._queued = self._queued, {}
+        for key, task in queued.items():
+            if task.cancel():
+                with self._compile_lock:
+                    future = self._compiling.pop(key, None)
+                if future is not None:
+                    future.set_exception(RuntimeError("the model runner was closed before this program compiled"))
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _to_device(self, tree: Any) -> tuple[tuple[jax.Array, ...], PackedLayout]:
         """Host inputs packed into one flat buffer per dtype, replicated over the mesh."""
         buffers, layout = pack(tree)
         return tuple(put_on_mesh(buffers, self._replicated)), layout
 
-    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray,
-                        context_index: Optional[np.ndarray] = None) -> None:
+    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray, context_index: Optional[np.ndarray] = None,
+                        *, wait: bool = True) -> Optional[Future]:
         """Compile, without running, the model forward of `batch`'s shape (with `context_index`:
-        its variant returning those tokens' logits too). Safe to call from several threads at
-        once (XLA compiles without holding the GIL), which is how warm-up compiles every token
-        bucket in parallel."""
+        its variant returning those tokens' logits too), on the compile threads (XLA compiles
+        without holding the GIL, so several compile at once). `wait=False`: return the
+        compile's future at once (the step that needs it waits for it, and nothing compiles
+        twice)."""
         tree = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
-        inputs, layout = self._to_device(tree)
-        self._compile(self._forward_exes, self._forward_jit, (self.params, self.kv_cache, inputs, self._zero_tokens),
-                      layout, "model forward")
+        inputs, layout = pack(tree)
+        future = self._start_compile("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
+        if not wait:
+            return future
+        future.result()
+        return None
 
-    def compile_sampler(self, logits: jax.Array, sampling: SamplingTensors) -> None:
-        """Compile, without running, the sampler of `sampling`'s static switches (thread-safe)."""
-        inputs, layout = self._to_device(sampling)
-        self._compile(self._sampler_exes, self._sample_jit, (logits, inputs), layout, "sampler")
+    def compile_sampler(self, logits: Any, sampling: SamplingTensors, *, wait: bool = True) -> Optional[Future]:
+        """Compile, without running, the sampler of `sampling`'s static switches over `logits`
+        (an array or a `jax.ShapeDtypeStruct` with its sharding); `wait` as in `compile_forward`."""
+        inputs, layout = pack(sampling)
+        future = self._start_compile("sampler", (logits, inputs), layout)
+        if not wait:
+            return future
+        future.result()
+        return None
+
+    def logits_spec(self) -> Optional[jax.ShapeDtypeStruct]:
+        """Shape, dtype and sharding of the forward's logits (what the sampler takes), from any
+        compiled forward; None before one is compiled."""
+        for exe in list(self._forward_exes.values()):
+            info = exe.out_info[1]
+            return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=info.sharding)
+        return None
 
     def _logits_program(self, key: tuple, jitted, args: tuple):
         """A small program over a step's logits, compiled once per key (name and shapes)."""
@@ -358,15 +478,16 @@ class ModelRunner:
 
     def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
+        # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
+        exe = self._compile("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
         args = (self.params, self.kv_cache, inputs, prev)
-        exe = self._compile(self._forward_exes, self._forward_jit, args, layout, "model forward")
         self.last_enqueue_time = time.perf_counter()
         self.kv_cache, logits, self.last_expert_counts, self.last_context_logits = exe(*args)
         return logits
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:
         args = (logits, inputs)
-        return self._compile(self._sampler_exes, self._sample_jit, args, layout, "sampler")(*args)
+        return self._compile("sampler", args, layout)(*args)
 
     def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:
         """Only the model forward: float32 logits [max_batch_size, vocab] on the device."""

@@ -15,7 +15,7 @@ that will get a token carry a placeholder until the runner's output is read back
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -92,6 +92,9 @@ class Planner:
         # Set by the engine while a beam-search request is active: its generation steps run
         # one row per beam (`expand_beams`).
         self.beam_search_active = False
+        # num_tokens -> the token bucket a step runs in (None: the smallest that holds them);
+        # the engine sets it to run in a compiled bucket while the best fit compiles.
+        self.choose_bucket: Optional[Callable[[int], int]] = None
 
     def token_buckets(self) -> list[int]:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
@@ -126,7 +129,8 @@ class Planner:
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        bucket = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        bucket = (choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+                  if self.choose_bucket is None else self.choose_bucket(num_tokens))
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
                                  max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq,

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-interval", type=int, default=1, help="stream every N tokens")
     parser.add_argument("--disable-block-reuse", action="store_true", help="turn KV prefix reuse off")
     parser.add_argument("--no-warmup", action="store_true", help="skip compiling every token bucket before serving")
+    parser.add_argument("--warmup-all", action="store_true",
+                        help="compile every token bucket and sampler variant before reporting healthy (default: "
+                             "the largest bucket and the greedy sampler; the rest compile while serving, steps "
+                             "running padded in a compiled bucket meanwhile)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
     parser.add_argument("--trust-request-chat-template", action="store_true",
@@ -81,6 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.disable_block_reuse:
             kwargs["kv_cache_config"].enable_block_reuse = False
         executor = start_executor(args, resolve_model_arg(args), warmup=not args.no_warmup, kwargs=kwargs,
+                                  background_warmup=not args.warmup_all,
                                   started=started,
                                   executor_kwargs=dict(num_postprocess_workers=args.num_postprocess_workers,
                                                        stream_interval=args.stream_interval))

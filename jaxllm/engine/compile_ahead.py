@@ -1,0 +1,127 @@
+"""Which token bucket a step runs in while the engine still compiles its programs.
+
+Without a warm-up (`LLM.generate` on a fresh engine) every token bucket used to compile the
+first time a step needed it, on the step loop, one after another: on a CPU most of a first
+`generate` was compiling. Instead, a step whose best-fitting bucket (the smallest holding its
+tokens) is not compiled runs in the smallest *compiled* bucket that holds it, padded (the
+padding is masked, as in any bucket), and the best fit compiles on the runner's compile
+threads meanwhile; later steps use it once it is ready. A step waits for a compile only when
+no compiled bucket holds its tokens (the first step, or one larger than any before).
+
+At most `max_in_flight` buckets compile at once (default one fewer than the compile threads,
+at least one), so that on a small CPU the steps keep a core. Programs compiled this way are
+the same programs, under the same persistent-cache keys, as a warm-up's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from jaxllm.batch_builder import choose_token_bucket
+
+logger = logging.getLogger(__name__)
+
+
+class BucketCompiler:
+    def __init__(self, *, max_num_tokens: int, min_token_bucket: int,
+                 compile_bucket: Callable[[int], Future], max_in_flight: int = 1) -> None:
+        """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
+        threads and returns its future."""
+        self.max_num_tokens = max_num_tokens
+        self.min_token_bucket = min_token_bucket
+        self._compile_bucket = compile_bucket
+        self.max_in_flight = max(1, max_in_flight)
+        self._lock = threading.Lock()
+        self._ready: list[int] = []  # compiled buckets, ascending
+        self._wanted: list[int] = []  # buckets asked for, not started yet (first asked, first started)
+        self._in_flight: set[int] = set()
+        self._closed = False
+        self._failed: set[int] = set()  # compiled ahead with an error: the step compiles it (and reports)
+        self.padded_steps = 0  # steps run in a larger bucket than their best fit
+
+    @property
+    def ready(self) -> list[int]:
+        with self._lock:
+            return list(self._ready)
+
+    def mark_ready(self, buckets: Any) -> None:
+        """Buckets compiled by someone else (the warm-up, or a step that compiled its own)."""
+        with self._lock:
+            for bucket in buckets:
+                self._add_ready(bucket)
+
+    def _add_ready(self, bucket: int) -> None:
+        if bucket not in self._ready:
+            self._ready.append(bucket)
+            self._ready.sort()
+        if bucket in self._wanted:
+            self._wanted.remove(bucket)
+
+    def want(self, buckets: Any) -> None:
+        """Compile `buckets` in the background, in this order (a background warm-up)."""
+        with self._lock:
+            for bucket in buckets:
+                if bucket not in self._ready and bucket not in self._in_flight and bucket not in self._wanted:
+                    self._wanted.append(bucket)
+            to_start = self._take_startable()
+        self._start(to_start)
+
+    def choose(self, num_tokens: int) -> int:
+        """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
+        best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        with self._lock:
+            ready = self._ready
+            if best in ready or best in self._failed:
+                return best
+            fitting = next((b for b in ready if b >= num_tokens), None)
+            if fitting is None:  # the step compiles `best` itself (or waits for its compile)
+                self._add_ready(best)
+                return best
+            if best not in self._in_flight and best not in self._wanted:
+                self._wanted.append(best)
+            to_start = self._take_startable()
+            self.padded_steps += 1
+        self._start(to_start)
+        return fitting
+
+    def close(self) -> None:
+        """Start no more compiles (the engine is closing)."""
+        with self._lock:
+            self._closed = True
+            self._wanted.clear()
+
+    def _take_startable(self) -> list[int]:
+        started = []
+        if self._closed:
+            return started
+        while self._wanted and len(self._in_flight) < self.max_in_flight:
+            bucket = self._wanted.pop(0)
+            self._in_flight.add(bucket)
+            started.append(bucket)
+        return started
+
+    def _start(self, buckets: list[int]) -> None:
+        for bucket in buckets:
+            try:
+                future = self._compile_bucket(bucket)
+            except Exception as exc:  # closing, or exiting: a step that needs it compiles it
+                logger.debug("could not start compiling token bucket %d ahead: %r", bucket, exc)
+                self._done(bucket, None)
+                continue
+            future.add_done_callback(lambda f, bucket=bucket: self._done(bucket, f))
+
+    def _done(self, bucket: int, future: Future | None) -> None:
+        ok = future is not None and not future.cancelled() and future.exception() is None
+        if future is not None and not ok and not future.cancelled():
+            logger.warning("compiling token bucket %d ahead failed: %r", bucket, future.exception())
+        with self._lock:
+            self._in_flight.discard(bucket)
+            if ok:
+                self._add_ready(bucket)
+            else:
+                self._failed.add(bucket)
+            to_start = self._take_startable()
+        self._start(to_start)
