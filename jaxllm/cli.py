@@ -34,8 +34,11 @@ BENCHMARKS = {
     "mla": "jaxllm.bench.mla",
     "compile": "jaxllm.bench.compile_time",
     "lora": "jaxllm.bench.lora",
+    "beam": "jaxllm.bench.beam",
 }
 BENCHMARK_HELP = {
+    "beam": "beam search (k beams sharing KV blocks, copy on write) next to n=k sampled sequences: tokens/s, "
+            "peak KV blocks with and without sharing, block copies, compiles after warm-up",
     "lora": "LoRA serving cost: tokens/s with LoRA off, on for base-model requests, with resident adapters "
             "and with more adapters than slots (compiles after warm-up counted)",
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
