@@ -3,16 +3,18 @@
 Layout and padding are defined in `jaxllm/step_batch.py`. Everything here is vectorised
 with numpy: Python only loops over requests (to read their positions and last tokens),
 never over tokens, and block tables are gathered from the KV cache manager's persistent
-table in one operation.
+table in one operation. A steady decode step (`build_decode_batch`) is built from the KV
+cache manager's per-slot arrays without a pass over the requests.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.request import LlmRequest
 from jaxllm.scheduler.output import SchedulerOutput
 from jaxllm.step_batch import StepBatch
 
@@ -74,6 +76,9 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
     placement = output.kv_placement
     prepared = (kv.placement_is_current(placement) and len(placement.rows) == n
                 and len(placement.generation_num_tokens) == n_gen)
+    if prepared and placement.decode is not None and not n_ctx:
+        return build_decode_batch(kv, placement.rows, placement.generation_num_tokens, generation_tokens, gen,
+                                  token_bucket=T, max_batch_size=S, max_blocks_per_seq=MB)
     if prepared:
         rows_list, gen_num_tokens = placement.rows, placement.generation_num_tokens
     else:
@@ -86,15 +91,10 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
     if n_ctx:
         q_lens[:n_ctx] = chunks
 
-    # One allocation; every field is a view into it.
-    buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S, dtype=np.int32)
-    token_ids, positions, slot_mapping = buf[:T], buf[T:2 * T], buf[2 * T:3 * T]
-    o = 3 * T
-    cu_q_lens, kv_lens = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1]
-    o += 2 * S + 1
-    block_tables = buf[o:o + S * MB].reshape(S, MB)
-    o += S * MB
-    num_seqs, logits_indices = buf[o:o + 1], buf[o + 1:o + 1 + S]
+    batch = _zero_batch(T, S, MB)
+    token_ids, positions, slot_mapping = batch.token_ids, batch.positions, batch.slot_mapping
+    cu_q_lens, kv_lens, block_tables = batch.cu_q_lens, batch.kv_lens, batch.block_tables
+    num_seqs, logits_indices = batch.num_seqs, batch.logits_indices
 
     if n_ctx:
         np.cumsum(q_lens, out=cu_q_lens[1:n + 1])
@@ -151,13 +151,57 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
         block_tables[:n, :w] = table[rows, :w]
     num_seqs[0] = n
     np.subtract(cu_q_lens[1:n + 1], 1, out=logits_indices[:n])
-    return StepBatch(
-        token_ids=token_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        cu_q_lens=cu_q_lens,
-        kv_lens=kv_lens,
-        block_tables=block_tables,
-        num_seqs=num_seqs,
-        logits_indices=logits_indices,
-    )
+    return batch
+
+
+def _zero_batch(T: int, S: int, MB: int) -> StepBatch:
+    """A zeroed StepBatch whose fields are views of one allocation (new per call, so a
+    batch handed to the runtime is never overwritten by a later step)."""
+    buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S, dtype=np.int32)
+    o = 3 * T
+    cu_q_lens, kv_lens = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1]
+    o += 2 * S + 1
+    block_tables = buf[o:o + S * MB].reshape(S, MB)
+    o += S * MB
+    return StepBatch(token_ids=buf[:T], positions=buf[T:2 * T], slot_mapping=buf[2 * T:3 * T],
+                     cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
+                     num_seqs=buf[o:o + 1], logits_indices=buf[o + 1:o + 1 + S])
+
+
+def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndarray,
+                       tokens: Optional[np.ndarray], requests: Sequence[LlmRequest], *, token_bucket: int,
+                       max_batch_size: int, max_blocks_per_seq: int) -> StepBatch:
+    """`build_step_batch` of a generation-only step from per-slot arrays (no pass over the
+    requests): `rows[i]` is the block-table row of sequence i, `num_tokens[i]` its token
+    count with this step's token, which `tokens[i]` holds (read from `requests` when None).
+    The blocks must be prepared (`kv.prepare_decode`)."""
+    n = rows.shape[0]
+    T, S, MB = token_bucket, max_batch_size, max_blocks_per_seq
+    if n > S:
+        raise ValueError(f"{n} scheduled requests exceed max_batch_size ({S})")
+    if n > T:
+        raise ValueError(f"{n} scheduled tokens exceed the token bucket ({T})")
+    tpb = kv.tokens_per_block
+    table = kv.block_table
+    width = table.shape[1]
+    if width > MB and n and int(kv.row_num_blocks[rows].max()) > MB:
+        raise ValueError(f"a sequence holds more than max_blocks_per_seq ({MB}) blocks")
+    batch = _zero_batch(T, S, MB)
+    batch.token_ids[:n] = tokens if tokens is not None else [r.output_token_ids[-1] for r in requests]
+    positions = batch.positions[:n]
+    np.subtract(num_tokens, 1, out=positions)
+    block_index, offset_in_block = np.divmod(positions, tpb)
+    np.add(table[rows, block_index] * tpb, offset_in_block, out=batch.slot_mapping[:n])
+    batch.slot_mapping[n:] = kv.num_kv_slots
+    arange = np.arange(n + 1, dtype=np.int32)
+    batch.cu_q_lens[:n + 1] = arange
+    batch.cu_q_lens[n + 1:] = n
+    batch.kv_lens[:n] = num_tokens
+    if width == MB:
+        np.take(table, rows, axis=0, out=batch.block_tables[:n], mode="clip")
+    else:
+        w = min(width, MB)
+        batch.block_tables[:n, :w] = table[rows, :w]
+    batch.num_seqs[0] = n
+    batch.logits_indices[:n] = arange[:n]
+    return batch

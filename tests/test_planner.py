@@ -111,3 +111,108 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
     for plan, out in recorded:
         again = replay.execute(plan)
         assert np.array_equal(np.asarray(again.token_ids), np.asarray(out.token_ids))
+
+
+def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
+    """Plan a workload the way the engine's loop does (with `overlap` a step's tokens are
+    filled in after the next step is planned; requests finish by length or a stop token, new
+    ones arrive), with the built-in scheduler (`steady`) or the same scheduler under another
+    class, which the planner does not trust to keep a decode batch (the general path)."""
+    from jaxllm.config import SchedulerConfig
+    from jaxllm.engine.planner import Planner
+    from jaxllm.kv_cache import KVCacheManager
+    from jaxllm.request import LlmRequest
+    from jaxllm.sampling import SamplingParams
+    from jaxllm.scheduler import make_scheduler
+    from jaxllm.scheduler.simple import SimpleScheduler
+
+    class GeneralScheduler(SimpleScheduler):
+        pass
+
+    kv = KVCacheManager(160, 4, 16, enable_block_reuse=True, max_num_sequences=6)
+    scheduler = make_scheduler(SchedulerConfig(), kv, 6, 64, True)
+    if not steady:
+        scheduler = GeneralScheduler(scheduler.capacity_scheduler, scheduler.micro_batch_scheduler)
+    planner = Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=6, max_num_tokens=64,
+                      min_token_bucket=16, max_blocks_per_seq=16, max_seq_len=64)
+    rng = np.random.default_rng(7)
+    shared = [int(t) for t in rng.integers(3, 200, 9)]
+    settings = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=5, seed=4),
+                dict(repetition_penalty=1.3)]
+    arrivals = {0: 4, 1: 1, 14: 2, 15: 1, 30: 3, 52: 1}
+    active: list = []
+    pending: list = []
+    records: list = []
+    decode_steps = 0
+    next_id = 0
+    for step in range(90):
+        for _ in range(arrivals.get(step, 0)):
+            prompt = (shared if next_id % 2 else []) + [int(t) for t in rng.integers(3, 200, int(rng.integers(2, 11)))]
+            params = SamplingParams(max_tokens=int(rng.integers(6, 30)), **settings[next_id % len(settings)])
+            request = LlmRequest(next_id, prompt, params.max_tokens, arrival_time=float(next_id),
+                                 sampling_params=params)
+            request.seed, request.end_ids = 1000 + next_id, (2,)  # as resolve_seed would, fixed
+            active.append(request)
+            next_id += 1
+        if not overlap:
+            active, pending = _read_back(kv, active, pending), []
+        candidates = [r for r in active if len(r.output_token_ids) < r.max_new_tokens]
+        output = planner.schedule(candidates) if candidates else None
+        entries = []
+        if output is not None:
+            decode_steps += output.kv_placement.decode is not None
+            plan = planner.build(output, pending or None)
+            entries = planner.commit(output)
+            records.append((plan, [(r.request_id, row, index) for r, row, index in entries],
+                            {r.request_id: kv.get_block_ids(r) for r in active}))
+        active, pending = _read_back(kv, active, pending), entries
+        kv.check_invariants()
+    assert not _read_back(kv, active, pending)
+    stats = kv.get_kv_cache_stats()
+    records.append((stats.reused_blocks, stats.alloc_total_blocks))
+    return records, decode_steps
+
+
+def _read_back(kv, active: list, pending: list) -> list:
+    """The "device": made-up tokens for a step's entries; finished requests are freed."""
+    from jaxllm.engine.planner import PLACEHOLDER_TOKEN
+
+    for request, row, index in pending:
+        if request.is_finished:
+            continue
+        token = 2 if (request.request_id * 31 + index) % 17 == 0 else 3 + (request.request_id * 7 + index) % 150
+        request.output_token_ids[index] = token
+        if token == 2 or index + 1 >= request.max_new_tokens:
+            del request.output_token_ids[index + 1:]
+            assert PLACEHOLDER_TOKEN not in request.output_token_ids
+            request.finish("stop")
+            kv.free_resources(request)
+    return [r for r in active if not r.is_finished]
+
+
+def test_steady_decode_steps_plan_what_the_general_path_plans():
+    """A decode batch that stays the same is planned from per-slot arrays (no scheduler
+    pass, blocks prepared per block boundary, sampling rows gathered); every step's plan,
+    token entries, block tables and prefix-cache counts equal the general path's."""
+    for overlap in (True, False):
+        steady, decode_steps = _drive_planner(steady=True, overlap=overlap)
+        general, general_decode_steps = _drive_planner(steady=False, overlap=overlap)
+        assert general_decode_steps == 0 and decode_steps > 20
+        _assert_same_records(steady, general)
+
+
+def _assert_same_records(steady: list, general: list) -> None:
+    assert len(steady) == len(general)
+    for i, (a, b) in enumerate(zip(steady[:-1], general[:-1])):
+        plan_a, plan_b = a[0], b[0]
+        for name in ("batch", "sampling"):
+            for f in fields(getattr(plan_a, name)):
+                x, y = getattr(getattr(plan_a, name), f.name), getattr(getattr(plan_b, name), f.name)
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and np.array_equal(x, y), (i, name, f.name)
+                else:
+                    assert x == y, (i, name, f.name)
+        assert np.array_equal(plan_a.feed_index, plan_b.feed_index), i
+        assert (plan_a.num_tokens, plan_a.num_context_tokens) == (plan_b.num_tokens, plan_b.num_context_tokens), i
+        assert a[1:] == b[1:], i
+    assert steady[-1] == general[-1]

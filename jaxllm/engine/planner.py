@@ -14,22 +14,39 @@ that will get a token carry a placeholder until the runner's output is read back
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Callable, Optional
 
 import numpy as np
 
-from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
+from jaxllm.batch_builder import build_decode_batch, build_step_batch, choose_token_bucket, token_buckets
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.lora.slots import NO_SLOT, LoraSlots
 from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
 from jaxllm.sampling.slots import SamplingSlots
 from jaxllm.scheduler import SchedulerOutput
+from jaxllm.scheduler.capacity import GuaranteedNoEvictScheduler, StaticBatchScheduler
+from jaxllm.scheduler.micro_batch import MicroBatchScheduler
+from jaxllm.scheduler.simple import SimpleScheduler
 from jaxllm.step_batch import StepBatch
 
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _GENERATION_TO_COMPLETE = LlmRequestState.GENERATION_TO_COMPLETE
+
+_output_token_ids = attrgetter("output_token_ids")
+_feed_row = attrgetter("feed_row")
+_last = itemgetter(-1)
+
+
+def _consume(iterator) -> None:
+    """Run an iterator of calls to its end in C (no Python bytecode per item)."""
+    deque(iterator, maxlen=0)
+
 
 PLACEHOLDER_TOKEN = -1
 """An output token sampled by a step still in flight (its value is on the device)."""
@@ -95,23 +112,49 @@ class Planner:
         # num_tokens -> the token bucket a step runs in (None: the smallest that holds them);
         # the engine sets it to run in a compiled bucket while the best fit compiles.
         self.choose_bucket: Optional[Callable[[int], int]] = None
+        # Per-slot arrays of the last decode-only step (see `schedule`).
+        self._decode: Optional[DecodeRows] = None
+        # Schedulers whose decision for a steady decode batch is that whole batch, in order:
+        # every started request keeps its place and nothing is paused.
+        self._steady_scheduler = (
+            type(scheduler) is SimpleScheduler and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
+            and type(scheduler.capacity_scheduler) in (GuaranteedNoEvictScheduler, StaticBatchScheduler))
 
     def token_buckets(self) -> list[int]:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
         return token_buckets(self.max_num_tokens, self.min_token_bucket)
 
     def schedule(self, candidates: list[LlmRequest]) -> Optional[SchedulerOutput]:
-        """Choose the step's requests and give them KV blocks; None when nothing runs."""
+        """Choose the step's requests and give them KV blocks; None when nothing runs.
+
+        Steady decode: when the candidates are exactly the generation requests of the
+        previous step (same requests, same order, none freed since) and the scheduler is
+        the built-in no-evict one, its decision is known (all of them, in that order) and
+        the KV blocks are prepared from per-slot arrays (`KVCacheManager.prepare_decode`).
+        Such requests change only by the committed steps (one token each) and by writing
+        sampled tokens over their placeholders; finishing, aborting or pausing one frees
+        its KV blocks, which ends the steady batch."""
+        kv = self.kv_cache_manager
+        decode = self._decode
+        if (decode is not None and not self.beam_search_active and kv.decode_rows_current(decode)
+                and candidates == decode.requests):
+            output = SchedulerOutput([], candidates, [], len(candidates))
+            kv.prepare_decode(output, decode)
+            return output
+        self._decode = None
         output = self.scheduler.schedule_request(candidates, set())
         for paused in output.paused_requests:
-            self.kv_cache_manager.free_resources(paused)
+            kv.free_resources(paused)
             if self.lora_slots is not None:
                 self.lora_slots.release(paused)
         if output.is_empty:
             return None
         if self.beam_search_active:
             self.expand_beams(output)
-        self.kv_cache_manager.prepare_resources(output)
+        kv.prepare_resources(output)
+        if (self._steady_scheduler and not self.beam_search_active and not output.context_requests
+                and not output.paused_requests):
+            self._decode = kv.decode_rows(output)
         return output
 
     @staticmethod
@@ -126,11 +169,15 @@ class Planner:
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""
+        placement = output.kv_placement
+        kv = self.kv_cache_manager
+        if (placement is not None and placement.decode is not None and not output.context_requests
+                and kv.placement_is_current(placement)):
+            return self._build_decode(output, placement.decode, in_flight)
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        bucket = (choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
-                  if self.choose_bucket is None else self.choose_bucket(num_tokens))
+        bucket = self._bucket(num_tokens)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
                                  max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq,
@@ -147,8 +194,6 @@ class Planner:
             feed = np.array([r.feed_row for r in gen], np.int32).reshape(num_gen)
             feed_index[num_ctx_tokens:num_tokens] = np.where(in_flight_rows, feed, -1)
         rows = output.all_requests()
-        kv = self.kv_cache_manager
-        placement = output.kv_placement
         slots = (placement.rows if kv.placement_is_current(placement) and len(placement.rows) == len(rows)
                  else kv.get_table_rows(rows))
         sampling = self.sampling_slots.build(rows, slots, self.max_batch_size, self.max_seq_len,
@@ -169,6 +214,43 @@ class Planner:
         """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
+    def _bucket(self, num_tokens: int) -> int:
+        return (choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+                if self.choose_bucket is None else self.choose_bucket(num_tokens))
+
+    def _build_decode(self, output: SchedulerOutput, decode: DecodeRows,
+                      in_flight: Optional[list[TokenEntry]]) -> StepPlan:
+        """`build` of a steady decode step, from the per-slot arrays `schedule` prepared."""
+        gen = output.generation_requests
+        n = len(gen)
+        bucket = self._bucket(n)
+        feed_index = np.full((bucket,), -1, np.int32)
+        if in_flight is not None and in_flight is decode.entries:
+            # The previous step was committed from these rows and is still in flight: every
+            # request's last token is its placeholder, sampled in the same row.
+            last_tokens = np.full(n, PLACEHOLDER_TOKEN, np.int32)
+            feed_index[:n] = np.arange(n, dtype=np.int32)
+        else:
+            last_tokens = np.fromiter(map(_last, map(_output_token_ids, gen)), np.int32, n)
+            in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
+            if in_flight_rows.any():
+                if not in_flight:
+                    raise ValueError("a generation request waits for a token of a step that is not in flight")
+                feed = np.fromiter(map(_feed_row, gen), np.int32, n)
+                feed_index[:n] = np.where(in_flight_rows, feed, -1)
+        batch = build_decode_batch(self.kv_cache_manager, decode.rows, decode.num_tokens, last_tokens, gen,
+                                   token_bucket=bucket, max_batch_size=self.max_batch_size,
+                                   max_blocks_per_seq=self.max_blocks_per_seq)
+        if self.lora_slots is not None:
+            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
+        slots = self.sampling_slots
+        if slots.all_plain(decode.rows):  # the rows were filled by the step that recorded `decode`
+            # The index of the token sampled now: the output length before this step's commit.
+            sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, self.max_batch_size)
+        else:
+            sampling = self._build_sampling(gen)
+        return StepPlan(batch, sampling, feed_index, n, 0)
+
     def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
         """Sampling tensors from every request's parameters (any setting)."""
         params = [r.sampling_params for r in rows]
@@ -182,7 +264,17 @@ class Planner:
     def commit(output: SchedulerOutput) -> list[TokenEntry]:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
         request that gets a token (generation, or a finished prompt) carries a placeholder."""
-        entries: list[TokenEntry] = []
+        placement = output.kv_placement
+        decode = None if placement is None else placement.decode
+        if decode is not None and not output.context_requests:
+            # A steady decode step: every request is generating and sits in the row it had in
+            # the step that started the batch, so its `feed_row` is already that row.
+            gen = output.generation_requests
+            entries = list(zip(gen, range(len(gen)), (decode.num_tokens - decode.orig_prompt_len).tolist()))
+            _consume(map(list.append, map(_output_token_ids, gen), repeat(PLACEHOLDER_TOKEN)))
+            decode.entries = entries
+            return entries
+        entries = []
         append = entries.append
         for row, request in enumerate(output.all_requests()):
             state = request.state

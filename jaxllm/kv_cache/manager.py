@@ -108,6 +108,25 @@ class StepPlacement:
     version: int  # the manager's free counter when recorded: a later free voids the rows
     rows: list[int]  # block-table row per scheduled request, context requests first
     generation_num_tokens: list[int]  # num_tokens of each generation request this step
+    # Set on a decode-only step prepared by `prepare_decode`: the same rows as arrays.
+    decode: Optional["DecodeRows"] = None
+
+
+@dataclass
+class DecodeRows:
+    """Per-slot arrays of a steady decode batch (the same generation requests, in the same
+    order, step after step), so that preparing a step is a few numpy operations instead of
+    a pass over the requests: block-table rows, prompt lengths, and the `num_tokens` at
+    which each sequence next needs a block or can index a full one."""
+
+    requests: list[LlmRequest]
+    version: int  # the manager's free counter when recorded (a free voids the rows)
+    rows: np.ndarray  # intp[n] block-table row of each request
+    orig_prompt_len: np.ndarray  # int64[n]
+    next_event: np.ndarray  # int64[n] `_Sequence.next_event` of each request
+    num_tokens: np.ndarray  # int64[n] num_tokens of each request in the last prepared step
+    # The token entries of the last step committed from these rows (the planner's record).
+    entries: Optional[list] = None
 
 
 class KVCacheManager:
@@ -377,13 +396,55 @@ class KVCacheManager:
             # num_tokens; the token fed this step is the last of these
             num_tokens = request.orig_prompt_len + len(request.output_token_ids)
             if num_tokens >= seq.next_event:  # once per block boundary
-                if num_tokens > len(seq.blocks) * tpb:
-                    self._grow(seq, -(-num_tokens // tpb))
-                if reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None:
-                    self._register_computed(seq, request, num_tokens - 1)
+                self._prepare_generation(seq, request, num_tokens)
             add_row(seq.row)
             add_num_tokens(num_tokens)
         scheduler_output.kv_placement = StepPlacement(self, self._version, rows, gen_num_tokens)
+
+    def _prepare_generation(self, seq: _Sequence, request: LlmRequest, num_tokens: int) -> None:
+        """A generation step at a block boundary: a new block, or a full block to index."""
+        tpb = self.tokens_per_block
+        if num_tokens > len(seq.blocks) * tpb:
+            self._grow(seq, -(-num_tokens // tpb))
+        if self.enable_block_reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None:
+            self._register_computed(seq, request, num_tokens - 1)
+
+    def decode_rows(self, scheduler_output: "SchedulerOutput") -> DecodeRows:
+        """The per-slot arrays of a generation-only step just prepared by
+        `prepare_resources`, for `prepare_decode` to prepare the next steps of the same
+        requests."""
+        requests = scheduler_output.generation_requests
+        placement = scheduler_output.kv_placement
+        seqs = [self._seqs[r.request_id] for r in requests]
+        n = len(seqs)
+        return DecodeRows(
+            requests=list(requests), version=self._version,
+            rows=np.array(placement.rows, np.intp).reshape(n),
+            orig_prompt_len=np.fromiter((r.orig_prompt_len for r in requests), np.int64, n),
+            next_event=np.fromiter((s.next_event for s in seqs), np.int64, n),
+            num_tokens=np.array(placement.generation_num_tokens, np.int64).reshape(n))
+
+    def decode_rows_current(self, decode: DecodeRows) -> bool:
+        """True if no sequence was freed since `decode` was recorded (its rows still hold
+        the same requests)."""
+        return decode.version == self._version
+
+    def prepare_decode(self, scheduler_output: "SchedulerOutput", decode: DecodeRows) -> None:
+        """`prepare_resources` for the next step of `decode.requests` (the generation
+        requests, no context requests), each of which got one token from the step before
+        (`decode.num_tokens` advances by one): only sequences at a block boundary are
+        visited. Records a placement carrying the arrays."""
+        num_tokens = decode.num_tokens + 1
+        due = np.flatnonzero(num_tokens >= decode.next_event)
+        if due.size:
+            seqs, requests, next_event = self._seqs, decode.requests, decode.next_event
+            for i in due.tolist():
+                request = requests[i]
+                seq = seqs[request.request_id]
+                self._prepare_generation(seq, request, int(num_tokens[i]))
+                next_event[i] = seq.next_event
+        decode.num_tokens = num_tokens
+        scheduler_output.kv_placement = StepPlacement(self, self._version, decode.rows, num_tokens, decode)
 
     def free_resources(self, request: LlmRequest) -> int:
         """Release the request's blocks (on finish, abort or pause). With reuse on, its

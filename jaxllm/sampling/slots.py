@@ -65,39 +65,36 @@ class SamplingSlots:
         if n and max(slots) >= len(self._owner):
             self._grow(max(slots) + 1)
         owner = self._owner
-        for i, (request, slot) in enumerate(zip(requests, slots)):
+        for request, slot in zip(requests, slots):
             if owner[slot] is not request:
                 self._fill(slot, request)
         idx = np.asarray(slots, dtype=np.intp).reshape(n)
-        if not self._plain[idx].all():
+        if not self.all_plain(idx):
             return general()
+        step = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)
+        return self.gather(idx, step, S, suppress_width=suppress_width)
+
+    def all_plain(self, slots: np.ndarray) -> bool:
+        """Whether every row in `slots` takes this path (no setting that needs `general`)."""
+        return bool(self._plain[slots].all())
+
+    def gather(self, slots: np.ndarray, step: np.ndarray, max_batch_size: int, *,
+               suppress_width: int = SUPPRESS_WIDTH) -> SamplingTensors:
+        """The tensors of plain rows already filled for their requests (`build` fills them;
+        a steady decode batch keeps its slots): row i is slot `slots[i]`, generating its
+        output token number `step[i]`."""
+        n = slots.shape[0]
+        S = max_batch_size
         scalars = np.empty((S, 7), np.float64)
-        np.take(self._values, idx, axis=0, out=scalars[:n])
+        np.take(self._values, slots, axis=0, out=scalars[:n])
         scalars[n:] = _NEUTRAL
         seed = np.zeros((S, 2), np.uint32)
-        np.take(self._seed, idx, axis=0, out=seed[:n])
-        step = np.zeros(S, np.int32)
-        step[:n] = [len(r.output_token_ids) for r in requests]
-        f32 = scalars.astype(np.float32)
-        sampled = scalars[:, 0] > 0
-        return SamplingTensors(
-            temperature=f32[:, 0].copy(),
-            top_k=scalars[:, 1].astype(np.int32),
-            top_p=f32[:, 2].copy(),
-            min_p=f32[:, 3].copy(),
-            repetition_penalty=f32[:, 4].copy(),
-            presence_penalty=f32[:, 5].copy(),
-            frequency_penalty=f32[:, 6].copy(),
-            seed=seed,
-            step=step,
-            suppress_ids=np.full((S, suppress_width), -1, np.int32),
-            history_ids=np.full((S, 1), -1, np.int32),
-            history_is_output=np.zeros((S, 1), np.bool_),
-            use_penalties=False,
-            num_top_logprobs=0,
-            any_random=bool(sampled.any()),
-            use_top_k_top_p=bool((sampled & ((scalars[:, 1] > 0) | (scalars[:, 2] < 1))).any()),
-        )
+        np.take(self._seed, slots, axis=0, out=seed[:n])
+        steps = np.zeros(S, np.int32)
+        steps[:n] = step
+        return SamplingTensors.from_columns(
+            scalars, seed, steps, np.full((S, suppress_width), -1, np.int32), np.full((S, 1), -1, np.int32),
+            np.zeros((S, 1), np.bool_), use_penalties=False, num_top_logprobs=0)
 
     def release(self, slot: Optional[int] = None) -> None:
         """Forget the owner of `slot` (every slot when None); the next step refills it."""

@@ -188,7 +188,19 @@ class SamplingTensors:
             history_ids = np.full((S, 1), -1, np.int32)
             history_is_output = np.zeros((S, 1), np.bool_)
 
+        return cls.from_columns(scalars, seed, step, suppress, history_ids, history_is_output,
+                                use_penalties=bool(penalty_rows),
+                                num_top_logprobs=MAX_LOGPROBS if want_logprobs else 0)
+
+    @classmethod
+    def from_columns(cls, scalars: np.ndarray, seed: np.ndarray, step: np.ndarray, suppress_ids: np.ndarray,
+                     history_ids: np.ndarray, history_is_output: np.ndarray, *, use_penalties: bool,
+                     num_top_logprobs: int) -> "SamplingTensors":
+        """The tensors from float64 `scalars[S, 7]` (temperature, top_k, top_p, min_p,
+        repetition, presence and frequency penalty: `SamplingParams._row.values` per row)
+        and the other arrays; the sampling switches are derived from the scalars."""
         f32 = scalars.astype(np.float32)
+        sampled = scalars[:, 0] > 0
         return cls(
             temperature=f32[:, 0].copy(),
             top_k=scalars[:, 1].astype(np.int32),
@@ -199,13 +211,13 @@ class SamplingTensors:
             frequency_penalty=f32[:, 6].copy(),
             seed=seed,
             step=step,
-            suppress_ids=suppress,
+            suppress_ids=suppress_ids,
             history_ids=history_ids,
             history_is_output=history_is_output,
-            use_penalties=bool(penalty_rows),
-            num_top_logprobs=MAX_LOGPROBS if want_logprobs else 0,
-            any_random=bool((scalars[:, 0] > 0).any()),
-            use_top_k_top_p=bool(((scalars[:, 0] > 0) & ((scalars[:, 1] > 0) | (scalars[:, 2] < 1))).any()),
+            use_penalties=use_penalties,
+            num_top_logprobs=num_top_logprobs,
+            any_random=bool(sampled.any()),
+            use_top_k_top_p=bool((sampled & ((scalars[:, 1] > 0) | (scalars[:, 2] < 1))).any()),
         )
 
 
