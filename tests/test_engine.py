@@ -161,3 +161,38 @@ def test_max_utilization_policy_completes_everything(moe_model):
 def test_token_budget_smaller_than_a_block_is_refused(moe_model):
     with pytest.raises(ValueError, match="max_num_tokens"):
         make_llm(moe_model[0], max_num_tokens=4)
+
+
+def test_steady_decode_path_changes_no_output(moe_llm, monkeypatch):
+    """Decode steps planned from per-slot arrays (and their tokens applied in one pass) give
+    the same tokens, finish and stop reasons as the general path: lengths, stop tokens, end
+    ids, seeded sampling, requests finishing at different steps."""
+    prompts = random_prompts(6, VOCAB, 3, 30, seed=11)
+    free_run = moe_llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True), use_tqdm=False)
+    params = []
+    for i, out in enumerate(free_run):
+        tokens = out.outputs[0].token_ids
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=14, stop_token_ids=[tokens[3 + i]], ignore_eos=True))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=5 + i, temperature=0.9, seed=i))
+        else:
+            params.append(SamplingParams(max_tokens=14, ignore_eos=True))
+    planner = moe_llm.engine.planner
+    kv = planner.kv_cache_manager
+    steady_steps = []
+    prepare_decode = kv.prepare_decode
+    monkeypatch.setattr(kv, "prepare_decode", lambda *a: steady_steps.append(1) or prepare_decode(*a))
+    results = []
+    for steady in (True, False):
+        planner.steady_decode = steady
+        try:
+            outs = moe_llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            planner.steady_decode = True
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                        for o in outs])
+        if steady:
+            assert len(steady_steps) > 5
+    assert results[0] == results[1]
+    assert {r[1] for r in results[0]} == {"stop", "length"}

@@ -24,8 +24,10 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,6 +56,7 @@ from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.lora import LoraAdapter, LoRARequest, LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import empty_slot, init_lora_weights, slot_update
+from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
@@ -113,6 +116,31 @@ class _PendingStep:
     logits_targets: Optional[StepLogitsTargets] = None
     context_logits: Any = None
     row_logits: Any = None
+    # A steady decode step (entry i is row i of `decode.requests`): the rows and the index in
+    # output_token_ids each row's token goes to, so reading back needs no pass over entries.
+    decode: Optional[DecodeRows] = None
+    decode_index: Optional[np.ndarray] = None
+
+
+_output_token_ids = attrgetter("output_token_ids")
+
+
+def _consume(iterator) -> None:
+    """Run an iterator of calls to its end in C (no Python bytecode per item)."""
+    deque(iterator, maxlen=0)
+
+
+def _stop_rows(requests: list[LlmRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: max_tokens, end ids (padded with -1, which no token equals) and whether
+    every token must be checked (stop token ids)."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+    width = max((len(r.end_ids) for r in requests), default=0)
+    end_ids = np.full((n, max(width, 1)), -1, np.int64)
+    for i, request in enumerate(requests):
+        end_ids[i, :len(request.end_ids)] = list(request.end_ids)
+    return (np.fromiter((p.max_tokens for p in params), np.int64, n), end_ids,
+            np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n))
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -256,6 +284,8 @@ class LLMEngine:
         # Active requests with logits outputs or post-processors (jaxllm.engine.logits_outputs).
         self._num_logits_requests = 0
         self._pending: Optional[_PendingStep] = None
+        # (decode rows, their stop arrays): built once per steady decode batch.
+        self._decode_stops: Optional[tuple] = None
         self._ids = itertools.count()
         self.iteration = 0
         self.iteration_stats: list[dict] = []
@@ -658,6 +688,9 @@ class LLMEngine:
                 entries = [e for e in entries if e[0].beam is None]
         for request, exc in processor_failures:  # the user's callable failed: that request only
             self._failed += self._fail([request], exc, "running its logits_processor")
+        decode = getattr(output.kv_placement, "decode", None)
+        if decode is not None and decode.entries is not entries:
+            decode = None
         stats = {
             "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
@@ -672,6 +705,8 @@ class LLMEngine:
             stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
         pending = _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
                                balancer.tables if balancer is not None else None, beam_entries or None)
+        if decode is not None:
+            pending.decode, pending.decode_index = decode, decode.num_tokens - decode.orig_prompt_len
         if targets is not None:
             pending.logits_targets = targets
             pending.context_logits = self.runner.last_context_logits if targets.context else None
@@ -712,6 +747,10 @@ class LLMEngine:
         logprobs = None
         if pending.wants_logprobs:
             logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        decode = pending.decode
+        if logprobs is None and decode is not None and self.kv_cache_manager.decode_rows_current(decode):
+            # No request of the step finished since it was dispatched (that frees KV blocks).
+            return self._apply_decode_tokens(decode, pending.decode_index, tokens)
         token_list = tokens.tolist()  # plain ints, converted once for the whole batch
         updates = []
         append = updates.append
@@ -789,6 +828,34 @@ class LLMEngine:
         if copies:
             self.runner.copy_blocks(copies)
         return []
+
+    def _apply_decode_tokens(self, decode: DecodeRows, index: np.ndarray, tokens: np.ndarray) -> list[RequestUpdate]:
+        """`_process` of a steady decode step without logprobs: the tokens are written in one
+        pass and only rows whose token may end the request (length, an end or stop token)
+        are checked one by one."""
+        requests = decode.requests
+        n = len(requests)
+        stops = self._decode_stops
+        if stops is None or stops[0] is not decode:
+            stops = self._decode_stops = (decode, *_stop_rows(requests))
+        _, max_tokens, end_ids, always_check = stops
+        row_tokens = tokens[:n]
+        check = np.flatnonzero(always_check | (index + 1 >= max_tokens)
+                               | (row_tokens[:, None] == end_ids).any(axis=1)).tolist()
+        token_list, index_list = row_tokens.tolist(), index.tolist()
+        _consume(map(list.__setitem__, map(_output_token_ids, requests), index_list, token_list))
+        updates: list = [RequestUpdate(r, [t]) for r, t in zip(requests, token_list)]
+        failed = False
+        for i in check:
+            request = requests[i]
+            try:
+                updates[i] = self._apply_token(request, index_list[i], token_list[i], i, None)
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates[i] = self._fail([request], exc, "applying a sampled token")
+                failed = True
+        if failed:
+            updates = [u for item in updates for u in (item if isinstance(item, list) else (item,))]
+        return updates
 
     def _apply_token(self, request: LlmRequest, index: int, token: int, row: int,
                      logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:

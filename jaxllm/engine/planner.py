@@ -114,9 +114,10 @@ class Planner:
         self.choose_bucket: Optional[Callable[[int], int]] = None
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
-        # Schedulers whose decision for a steady decode batch is that whole batch, in order:
-        # every started request keeps its place and nothing is paused.
-        self._steady_scheduler = (
+        # Steady decode steps skip the scheduler only with schedulers whose decision for such
+        # a batch is that whole batch, in order: every started request keeps its place and
+        # nothing is paused. Setting it False plans every step the general way.
+        self.steady_decode = (
             type(scheduler) is SimpleScheduler and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
             and type(scheduler.capacity_scheduler) in (GuaranteedNoEvictScheduler, StaticBatchScheduler))
 
@@ -136,8 +137,8 @@ class Planner:
         its KV blocks, which ends the steady batch."""
         kv = self.kv_cache_manager
         decode = self._decode
-        if (decode is not None and not self.beam_search_active and kv.decode_rows_current(decode)
-                and candidates == decode.requests):
+        if (decode is not None and self.steady_decode and not self.beam_search_active
+                and kv.decode_rows_current(decode) and candidates == decode.requests):
             output = SchedulerOutput([], candidates, [], len(candidates))
             kv.prepare_decode(output, decode)
             return output
@@ -152,7 +153,7 @@ class Planner:
         if self.beam_search_active:
             self.expand_beams(output)
         kv.prepare_resources(output)
-        if (self._steady_scheduler and not self.beam_search_active and not output.context_requests
+        if (self.steady_decode and not self.beam_search_active and not output.context_requests
                 and not output.paused_requests):
             self._decode = kv.decode_rows(output)
         return output
