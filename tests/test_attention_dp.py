@@ -189,7 +189,7 @@ def check_ragged_lowers_for_cuda() -> None:
 
 
 def check_engines(root: Path) -> None:
-    from jaxllm.config import MoeConfig
+    from jaxllm.config import KvCacheConfig, MoeConfig
     from jaxllm.engine.attention_dp import RankAssignment
     from jaxllm.models import materialize_preset
     from sharding.eplb.config import MoeLoadBalancerConfig
@@ -223,14 +223,33 @@ def check_engines(root: Path) -> None:
             placed.clear()
             tokens, logits, engine = run_engine(directory, tokenizer, tensor_parallel_size=n,
                                                 moe_expert_parallel_size=e, enable_attention_dp=True,
-                                                moe_config=MoeConfig(load_balancer=balancer, dispatch=mode))
+                                                moe_config=MoeConfig(load_balancer=balancer, dispatch=mode),
+                                                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512,
+                                                                              event_buffer_max_size=10_000))
             err = max(float(np.abs(logits[k] - base_logits[k]).max()) for k in base_logits)
             mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
                         for s in engine.iteration_stats)
             print(json.dumps(dict(kind="engine", arch=arch, n=n, e=e, mode=mode, redundant=redundant,
                                   same_tokens=tokens == base_tokens, num_tokens=sum(map(len, tokens.values())),
                                   same_keys=sorted(logits) == sorted(base_logits), err=err, ranks=placed,
-                                  mixed=mixed, kv_shape=list(engine.runner.kv_cache[0].k.shape))), flush=True)
+                                  mixed=mixed, kv_shape=list(engine.runner.kv_cache[0].k.shape),
+                                  events_match=kv_events_match_pools(engine))), flush=True)
+
+
+def kv_events_match_pools(engine) -> bool:
+    """Each rank's KV cache events, replayed, give exactly that rank's cached blocks."""
+    from tests.kv_event_replay import replay as _replay
+
+    events = engine.get_kv_cache_events()
+    ok = [e["data"] for e in events if e["data"]["type"] == "created"] == [
+        {"type": "created", "num_blocks_per_cache_level": [m.num_blocks]} for m in engine.kv_cache_manager.managers]
+    cached = 0
+    for rank, manager in enumerate(engine.kv_cache_manager.managers):
+        live: dict = {}
+        _replay([e for e in events if e["attention_dp_rank"] == rank and e["data"]["type"] != "created"], live)
+        ok = ok and live == manager.block_pool.cached_prefixes()
+        cached += len(live)
+    return ok and cached > 0
 
 
 def check_all(root: Path) -> None:
@@ -281,6 +300,7 @@ def test_attention_dp_engine_matches_single_device(dp_results):
         assert r["kv_shape"][0] == r["n"], f"{case}: one KV block pool per rank"
         assert sorted(r["ranks"]) == sorted(i % r["n"] for i in range(5)), f"{case}: placement {r['ranks']}"
         assert r["mixed"], case
+        assert r["events_match"], f"{case}: per-rank KV cache events differ from the ranks' block pools"
 
 
 def test_rank_assignment_balances_and_planner_numbers_rows_rank_major():
