@@ -35,8 +35,11 @@ BENCHMARKS = {
     "compile": "jaxllm.bench.compile_time",
     "lora": "jaxllm.bench.lora",
     "beam": "jaxllm.bench.beam",
+    "logits": "jaxllm.bench.logits",
 }
 BENCHMARK_HELP = {
+    "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "
+              "per kind, compiles after warm-up",
     "beam": "beam search (k beams sharing KV blocks, copy on write) next to n=k sampled sequences: tokens/s, "
             "peak KV blocks with and without sharing, block copies, compiles after warm-up",
     "lora": "LoRA serving cost: tokens/s with LoRA off, on for base-model requests, with resident adapters "
