@@ -115,7 +115,7 @@ class BucketCompiler:
 
     def _done(self, bucket: int, future: Future | None) -> None:
         ok = future is not None and not future.cancelled() and future.exception() is None
-        if future is not None and not ok and not future.cancelled():
+        if future is not None and not ok and not future.cancelled() and not self._closed:
             logger.warning("compiling token bucket %d ahead failed: %r", bucket, future.exception())
         with self._lock:
             self._in_flight.discard(bucket)
