@@ -4,21 +4,25 @@ Without a warm-up (`LLM.generate` on a fresh engine) every token bucket used to 
 first time a step needed it, on the step loop, one after another: on a CPU most of a first
 `generate` was compiling. Instead, a step whose best-fitting bucket (the smallest holding its
 tokens) is not compiled runs in the smallest *compiled* bucket that holds it, padded (the
-padding is masked, as in any bucket), and the best fit compiles on the runner's compile
-threads meanwhile; later steps use it once it is ready. A step waits for a compile only when
-no compiled bucket holds its tokens (the first step, or one larger than any before).
+padding is masked, as in any bucket). A step waits for a compile only when no compiled bucket
+holds its tokens (the first step, or one larger than any before).
 
-At most `max_in_flight` buckets compile at once (default one fewer than the compile threads,
-at least one), so that on a small CPU the steps keep a core. Programs compiled this way are
-the same programs, under the same persistent-cache keys, as a warm-up's.
+When the best fit is compiled is a rent-or-buy choice: padding costs a little on every step,
+compiling costs once, and on a CPU the compile takes the cores the steps run on. So a bucket
+compiles on the runner's compile threads once the steps that wanted it have spent as much wall
+time as a compile takes (the mean of those so far), or as soon as the engine is idle. At most
+`max_in_flight` buckets compile at once. Programs compiled this way are the same programs,
+under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a
+step's matmuls (not which tokens are valid), as batching with other requests does.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from jaxllm.batch_builder import choose_token_bucket
 
@@ -26,17 +30,26 @@ logger = logging.getLogger(__name__)
 
 
 class BucketCompiler:
+    # A gap between two steps longer than this is idle time, not time spent on a padded step.
+    MAX_STEP_SECONDS = 1.0
+
     def __init__(self, *, max_num_tokens: int, min_token_bucket: int,
-                 compile_bucket: Callable[[int], Future], max_in_flight: int = 1) -> None:
+                 compile_bucket: Callable[[int], Future], compile_seconds: Callable[[], float],
+                 max_in_flight: int = 1) -> None:
         """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
-        threads and returns its future."""
+        threads and returns its future; `compile_seconds()` is what one compile is expected to
+        take (the mean so far)."""
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
         self._compile_bucket = compile_bucket
+        self._compile_seconds = compile_seconds
         self.max_in_flight = max(1, max_in_flight)
         self._lock = threading.Lock()
         self._ready: list[int] = []  # compiled buckets, ascending
-        self._wanted: list[int] = []  # buckets asked for, not started yet (first asked, first started)
+        # Buckets steps wanted, with the wall time of those padded steps, until it pays a compile.
+        self._asked: dict[int, float] = {}
+        self._last_step: Optional[float] = None
+        self._wanted: list[int] = []  # buckets to compile, not started yet (first come, first started)
         self._in_flight: set[int] = set()
         self._closed = False
         self._failed: set[int] = set()  # compiled ahead with an error: the step compiles it (and reports)
@@ -59,6 +72,7 @@ class BucketCompiler:
             self._ready.sort()
         if bucket in self._wanted:
             self._wanted.remove(bucket)
+        self._asked.pop(bucket, None)
 
     def want(self, buckets: Any) -> None:
         """Compile `buckets` in the background, in this order (a background warm-up)."""
@@ -72,6 +86,9 @@ class BucketCompiler:
     def choose(self, num_tokens: int) -> int:
         """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
         best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        now = time.perf_counter()
+        step_seconds = 0.0 if self._last_step is None else min(now - self._last_step, self.MAX_STEP_SECONDS)
+        self._last_step = now
         with self._lock:
             ready = self._ready
             if best in ready or best in self._failed:
@@ -81,17 +98,32 @@ class BucketCompiler:
                 self._add_ready(best)
                 return best
             if best not in self._in_flight and best not in self._wanted:
-                self._wanted.append(best)
+                paid = self._asked.get(best, 0.0) + step_seconds
+                self._asked[best] = paid
+                if paid >= self._compile_seconds():
+                    del self._asked[best]
+                    self._wanted.append(best)
             to_start = self._take_startable()
             self.padded_steps += 1
         self._start(to_start)
         return fitting
+
+    def on_idle(self) -> None:
+        """The engine has nothing to run: compile every bucket steps asked for."""
+        with self._lock:
+            if not self._asked:
+                return
+            self._wanted.extend(b for b in self._asked if b not in self._wanted and b not in self._in_flight)
+            self._asked.clear()
+            to_start = self._take_startable()
+        self._start(to_start)
 
     def close(self) -> None:
         """Start no more compiles (the engine is closing)."""
         with self._lock:
             self._closed = True
             self._wanted.clear()
+            self._asked.clear()
 
     def _take_startable(self) -> list[int]:
         started = []

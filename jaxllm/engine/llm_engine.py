@@ -270,6 +270,7 @@ class LLMEngine:
             self.bucket_compiler = BucketCompiler(
                 max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
                 compile_bucket=lambda bucket: self.runner.compile_forward(*self._empty_batch(bucket), wait=False),
+                compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
                 max_in_flight=self.runner.compile_workers - 1)
             self.planner.choose_bucket = self.bucket_compiler.choose
         # Pausing moves generated tokens into the prompt, which needs them on the host.
@@ -614,6 +615,8 @@ class LLMEngine:
         self.timing.host_seconds += elapsed - self._wait_seconds
         self.timing.device_wait_seconds += self._wait_seconds
         self._wait_seconds = 0.0
+        if self.bucket_compiler is not None and not self.has_unfinished_requests():
+            self.bucket_compiler.on_idle()
         if dispatched is not None:
             dispatched.stats["iterLatencyMS"] = elapsed * 1e3
             dispatched.stats["numCompletedRequests"] = sum(u.finished for u in updates)
