@@ -330,8 +330,8 @@ def warm_up(engine, all_variants: bool = True, background: bool = False) -> None
     from tqdm.auto import tqdm
 
     buckets = engine.token_buckets()
-    desc = (f"compiling 1 of {len(buckets)} token buckets + sampler (the rest while serving)" if background
-            else f"compiling {len(buckets)} token buckets + sampler")
+    desc = (f"compiling 1 token buckets + sampler, {len(buckets) - 1} more while serving"
+            if background and len(buckets) > 1 else f"compiling {len(buckets)} token buckets + sampler")
     with tqdm(total=len(buckets) + 1, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
