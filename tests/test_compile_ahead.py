@@ -16,9 +16,6 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.sampling import SamplingParams
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# An executable read back from the persistent cache (another test in this process may have enabled
-# it and compiled the same program) replaces a backend compile: both count as getting a program.
-CACHE_READ_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 VOCAB = 384
 
 
@@ -31,15 +28,15 @@ def _run(engine: LLMEngine, requests: list) -> None:
 
 def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(tmp_path):
     model = make_hf_model("qwen3", tmp_path / "qwen3", vocab_size=VOCAB)
+    jax.clear_caches()  # an identical program compiled by an earlier test in this process is no compile
     engine = LLMEngine(EngineConfig(model=str(tmp_path / "qwen3"), dtype="float32", max_batch_size=4,
                                     max_num_tokens=64, max_seq_len=128, compile_cache=False,
                                     kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False)))
     assert engine.token_buckets() == [16, 32, 64]
     compiles = []
-    jax.clear_caches()  # an identical program compiled by an earlier test in this process is no compile
 
     def listener(event, duration, **kwargs):
-        if event in (COMPILE_EVENT, CACHE_READ_EVENT):
+        if event == COMPILE_EVENT:  # also recorded for a program read from the persistent cache
             compiles.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -69,7 +66,7 @@ def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(tmp_path):
         engine.close()
     # Only the buckets steps needed (32 never), each compiled once, and the greedy sampler.
     assert engine.runner.num_forward_variants == 2 and engine.runner.num_sampler_variants == 1
-    assert len(compiles) == 3, f"{len(compiles)} XLA compilations or cache reads for 3 programs: {compiles}"
+    assert len(compiles) == 3, f"{len(compiles)} XLA compilations for 3 programs"
 
 
 def test_compile_workers_must_be_positive():
