@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.bench.metrics import counting_compiles
+
 
 def _identity(logits, request_ids, mask):
     return logits
@@ -57,8 +59,6 @@ def main(argv=None) -> int:
     parser.add_argument("--report-json", default=None)
     args = parser.parse_args(argv)
 
-    import jax.monitoring
-
     from jaxllm import LLM, KvCacheConfig, SamplingParams
 
     llm = LLM(args.model, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
@@ -70,14 +70,7 @@ def main(argv=None) -> int:
         vocab = llm.executor.call_on_engine(lambda e: e.model_config.vocab_size)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(args.requests)]
-        compiles: list[str] = []
-
-        def listener(event, duration, **kwargs):
-            if event.endswith("backend_compile_duration"):
-                compiles.append(event)
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with counting_compiles() as compiles:
             for key in args.runs:
                 name, asks = RUNS[key]
                 plain = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -93,8 +86,6 @@ def main(argv=None) -> int:
                 results.append({"run": name, "output_tokens": tokens, "seconds": seconds,
                                 "tokens_per_second": tokens / seconds, "compiles_after_warmup": len(compiles) - before})
                 print(f"  {name}: {tokens / seconds:.1f} tok/s", flush=True)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
     finally:
         llm.shutdown()
     reference = results[0]["tokens_per_second"]

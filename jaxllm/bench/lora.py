@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.bench.metrics import counting_compiles
+
 _MODULES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
             "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
             "down": ("mlp", "down_proj")}
@@ -71,8 +73,6 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> None:
 
 
 def _run(name: str, args, prompts, adapters, enable_lora: bool) -> LoraRun:
-    import jax.monitoring
-
     from jaxllm import LLM, KvCacheConfig, SamplingParams
 
     llm = LLM(args.model, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
@@ -80,22 +80,13 @@ def _run(name: str, args, prompts, adapters, enable_lora: bool) -> LoraRun:
               max_lora_rank=args.rank, kv_cache_config=KvCacheConfig(tokens_per_block=16))
     try:
         llm.executor.call_on_engine(lambda e: e.warmup(all_variants=False), timeout=3600)
-        compiles: list[str] = []
-
-        def listener(event, duration, **kwargs):
-            if event.endswith("backend_compile_duration"):
-                compiles.append(event)
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with counting_compiles() as compiles:
             params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
             seconds = float("inf")
             for _ in range(args.repeat):  # the best of `repeat` passes (the machine may be shared)
                 started = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters if enable_lora else None)
                 seconds = min(seconds, time.perf_counter() - started)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         loads, evictions = llm.executor.call_on_engine(
             lambda e: (e.lora_slots.loads, e.lora_slots.evictions) if e.lora_slots is not None else (0, 0))
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)

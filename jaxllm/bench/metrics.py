@@ -8,11 +8,12 @@ Each latency gets mean, min, max and p50 / p90 / p95 / p99.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -141,3 +142,22 @@ def write_report(path: Union[str, Path], summary: dict[str, Any], config: Option
     if config is not None:
         report["config"] = config
     Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list[str]]:
+    """Collects one entry per XLA backend compile while the block runs (benchmarks report the
+    compiles that happened after warm-up; the engine should have none)."""
+    import jax.monitoring
+
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
