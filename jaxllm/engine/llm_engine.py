@@ -281,7 +281,7 @@ class LLMEngine:
         # that a step needs no pass over every request to know whether any does.
         self._num_needing_history = 0
         self._num_wanting_logprobs = 0
-        self._num_beam_search = 0  # active beam-search requests (their steps are not overlapped)
+        self._num_beam_search = 0  # active beam-search requests (each runs every other overlapped step)
         # Active requests with logits outputs or post-processors (jaxllm.engine.logits_outputs).
         self._num_logits_requests = 0
         self._pending: Optional[_PendingStep] = None
@@ -595,12 +595,11 @@ class LLMEngine:
             updates += self._process(self._pending)
             self._pending = None
             candidates = self._schedulable()
-        if (self._pending is not None and self._num_beam_search
-                and any(r.beam is not None for r in candidates)):
-            # The next beams are chosen on the host from this step's candidates: no overlap here.
-            updates += self._process(self._pending)
-            self._pending = None
-            candidates = self._schedulable()
+        if self._pending is not None and self._pending.beam_entries:
+            # A beam-search request's next beams are chosen on the host from the in-flight
+            # step's candidates, so it sits this step out; the other requests stay overlapped.
+            waiting = {id(entry[0].beam) for entry in self._pending.beam_entries}
+            candidates = [r for r in candidates if r.beam is None or id(r.beam) not in waiting]
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
