@@ -8,6 +8,7 @@ serves the whole module.
 from __future__ import annotations
 
 import gc
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +222,41 @@ def test_host_logits_processors_change_only_their_requests(llm, hf_model, prompt
     assert seen == [(results[2].request_id, other + banned_out[:i]) for i in range(len(banned_out))]
     # The engine serves on, and equal requests get equal tokens.
     assert run(llm, [short], [greedy()])[0].outputs[0].token_ids == baseline[0]
+
+
+def test_a_host_processor_does_not_hold_up_the_step_or_the_other_requests(llm, prompts, baseline):
+    """Dispatching a step with a processor row does not wait for the callable (it runs when the
+    device gets there), and the request with it sits out the next step instead of draining the
+    overlap pipeline: the plain request beside it keeps every step."""
+    short, mid = prompts["short"], prompts["mid"]
+
+    def drive(engine):
+        gate = threading.Event()
+        watchdog = threading.Timer(30, gate.set)  # only if dispatch wrongly waits on the callable
+
+        def slow(request_id, token_ids, logits):
+            gate.wait()
+            return logits
+
+        plain = engine.add_request(short, greedy())
+        held = engine.add_request(mid, greedy(logits_processor=slow))
+        watchdog.start()
+        try:
+            engine.step()  # the prompts' step, holding `slow`'s row
+            returned_first = not gate.is_set()
+        finally:
+            gate.set()
+            watchdog.cancel()
+        engine.step()  # dispatched while the prompts' step was in flight: the plain request only
+        plain_alone = [entry[0] for entry in engine._pending.entries] == [plain]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return returned_first, plain_alone, plain.output_token_ids, held.output_token_ids
+
+    returned_first, plain_alone, plain, held = llm.executor.call_on_engine(drive, timeout=300)
+    assert returned_first, "dispatch waited for the host logits processor"
+    assert plain_alone
+    assert plain == baseline[0] and len(held) == 5
 
 
 def test_batched_device_processor_changes_only_rows_that_select_it(llm, hf_model, prompts, baseline):

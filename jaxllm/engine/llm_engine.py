@@ -112,6 +112,13 @@ class _PendingStep:
     expert_counts: Any = None  # device array of the step's expert counts, when statistics are recorded
     slot_tables: Optional[dict] = None  # MoE layer -> slot table the step ran with (online balancer)
     beam_entries: Optional[list[TokenEntry]] = None  # rows of beam-search requests (processed apart)
+    # Host logits processors of this step (`jaxllm.engine.logits_processing`): their requests and
+    # rows, the future of those rows' sampler output (computed on the runner's processor
+    # thread), and the callables' failures, filled on that thread.
+    processor_requests: tuple = ()
+    processor_rows: tuple = ()
+    processed_output: Any = None
+    processor_failures: Optional[list] = None
     # Steps where some row asks for logits: who gets which rows, and the device arrays.
     logits_targets: Optional[StepLogitsTargets] = None
     context_logits: Any = None
@@ -589,17 +596,23 @@ class LLMEngine:
         started = time.perf_counter()
         updates: list[RequestUpdate] = []
         candidates = self._schedulable()
-        if (self._pending is not None and self._num_needing_history
-                and any(r.sampling_params.needs_history for r in candidates)):
-            # Penalties and bad-word lists need every previous token on the host: no overlap here.
-            updates += self._process(self._pending)
-            self._pending = None
-            candidates = self._schedulable()
-        if self._pending is not None and self._pending.beam_entries:
+        pending = self._pending
+        if pending is not None and (pending.beam_entries or pending.processor_requests):
             # A beam-search request's next beams are chosen on the host from the in-flight
-            # step's candidates, so it sits this step out; the other requests stay overlapped.
-            waiting = {id(entry[0].beam) for entry in self._pending.beam_entries}
-            candidates = [r for r in candidates if r.beam is None or id(r.beam) not in waiting]
+            # step's candidates, and a host logits processor reads every previous token: such a
+            # request sits this step out; the other requests stay overlapped.
+            waiting = {id(entry[0].beam) for entry in pending.beam_entries or ()}
+            held = {id(r) for r in pending.processor_requests}
+            candidates = [r for r in candidates
+                          if id(r) not in held and (r.beam is None or id(r.beam) not in waiting)]
+        if (pending is not None and self._num_needing_history
+                and any(r.sampling_params.needs_history for r in candidates)):
+            in_flight = {id(entry[0]) for entry in pending.entries}
+            if any(r.sampling_params.needs_history and id(r) in in_flight for r in candidates):
+                # Penalties and bad-word lists need every previous token on the host: no overlap here.
+                updates += self._process(pending)
+                self._pending = None
+                candidates = self._schedulable()
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
@@ -688,8 +701,6 @@ class LLMEngine:
             beam_entries = [e for e in entries if e[0].beam is not None]
             if beam_entries:
                 entries = [e for e in entries if e[0].beam is None]
-        for request, exc in processor_failures:  # the user's callable failed: that request only
-            self._failed += self._fail([request], exc, "running its logits_processor")
         decode = getattr(output.kv_placement, "decode", None)
         if decode is not None and decode.entries is not entries:
             decode = None
@@ -709,6 +720,11 @@ class LLMEngine:
                                balancer.tables if balancer is not None else None, beam_entries or None)
         if decode is not None:
             pending.decode, pending.decode_index = decode, decode.num_tokens - decode.orig_prompt_len
+        if targets is not None and targets.processors:
+            pending.processor_requests = tuple(request for request, _ in targets.processors)
+            pending.processor_rows = tuple(row for _, row in targets.processors)
+            pending.processed_output = self.runner.last_processed
+            pending.processor_failures = processor_failures
         if targets is not None:
             pending.logits_targets = targets
             pending.context_logits = self.runner.last_context_logits if targets.context else None
@@ -735,6 +751,19 @@ class LLMEngine:
         wait_start = time.perf_counter()
         tokens = np.asarray(out.token_ids)
         self._wait_seconds += time.perf_counter() - wait_start
+        failed_processors = []
+        processed = None
+        if pending.processed_output is not None:
+            try:
+                processed = pending.processed_output.result()
+            except Exception as exc:  # the processors' pass itself failed: its requests only
+                failed_processors += self._fail(list(pending.processor_requests), exc, "running logits processors")
+            else:
+                tokens = tokens.copy()
+                rows = list(pending.processor_rows)
+                tokens[rows] = np.asarray(processed.token_ids)[rows]
+        for request, exc in pending.processor_failures or ():  # the user's callable failed: that request only
+            failed_processors += self._fail([request], exc, "running its logits_processor")
         writer = self.expert_statistics
         if pending.expert_counts is not None:
             counts = np.asarray(pending.expert_counts)
@@ -749,12 +778,18 @@ class LLMEngine:
         logprobs = None
         if pending.wants_logprobs:
             logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+            if processed is not None:  # the processor rows' logprobs are those of their own pass
+                rows = list(pending.processor_rows)
+                logprobs = tuple(np.array(a) for a in logprobs)
+                for mine, theirs in zip(logprobs, (processed.logprobs, processed.top_ids, processed.top_logprobs)):
+                    mine[rows] = np.asarray(theirs)[rows]
         decode = pending.decode
-        if logprobs is None and decode is not None and self.kv_cache_manager.decode_rows_current(decode):
+        if (logprobs is None and decode is not None and not failed_processors
+                and self.kv_cache_manager.decode_rows_current(decode)):
             # No request of the step finished since it was dispatched (that frees KV blocks).
             return self._apply_decode_tokens(decode, pending.decode_index, tokens)
         token_list = tokens.tolist()  # plain ints, converted once for the whole batch
-        updates = []
+        updates = failed_processors
         append = updates.append
         for request, row, index in pending.entries:
             out = request.output_token_ids

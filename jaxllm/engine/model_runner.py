@@ -199,6 +199,9 @@ class ModelRunner:
         # gathers and scatters (one per row bucket) and the batched processors (one each).
         self._gather_jit = jax.jit(_gather_rows)
         self._scatter_jit = jax.jit(_scatter_rows)
+        # Host logits processors run on this thread, off the step's critical path.
+        self._processor_pool: Optional[ThreadPoolExecutor] = None
+        self.last_processed: Optional[Future] = None
         self._batched_jits = {name: jax.jit(functools.partial(apply_batched, fn=fn))
                               for name, fn in (batched_processors or {}).items()}
         self._logits_exes: dict[tuple, Any] = {}
@@ -332,6 +335,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the compile threads: queued compiles are dropped, one under way finishes."""
+        if self._processor_pool is not None:
+            self._processor_pool.shutdown(wait=True)
+            self._processor_pool = None
         with self._compile_lock:
             self._closed = True
             pool, self._compile_pool = self._compile_pool, None
@@ -414,21 +420,27 @@ class ModelRunner:
     def _apply_batched(self, logits: jax.Array, name: str, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
         return self._logits_program(("batched", name), self._batched_jits[name], (logits, ids, mask))
 
-    def _post_process(self, logits: jax.Array, plan: StepPlan,
-                      host_processor: Optional[Callable[[np.ndarray], np.ndarray]]) -> jax.Array:
-        """Gather the raw rows asked for, then run the batched and the host post-processors
-        (see `jaxllm.engine.logits_processing`); returns the logits the sampler reads."""
+    def _post_process(self, logits: jax.Array, plan: StepPlan) -> jax.Array:
+        """Gather the raw rows asked for, then run the batched post-processors (see
+        `jaxllm.engine.logits_processing`); returns the logits the sampler reads."""
         rows = plan.logits_rows
         if rows is not None:
             self.last_row_logits = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
         for name, ids, mask in plan.batched_processors:
             logits = self._apply_batched(logits, name, ids, mask)
-        rows = plan.processor_rows
-        if rows is not None and host_processor is not None:
-            gathered = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
-            processed = np.ascontiguousarray(host_processor(np.array(gathered)), np.float32)
-            logits = self._logits_program(("scatter", rows.shape[0]), self._scatter_jit, (logits, rows, processed))
         return logits
+
+    def _resample_processed(self, logits: jax.Array, rows: np.ndarray,
+                            host_processor: Callable[[np.ndarray], np.ndarray],
+                            sampling: tuple, layout: PackedLayout) -> SamplerOutput:
+        """On the processors' thread: the step's rows `rows` through the host processors, then
+        the step's sampler again over the rewritten logits (same program, settings and keys)."""
+        gathered = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
+        processed = np.ascontiguousarray(host_processor(np.array(gathered)), np.float32)
+        rewritten = self._logits_program(("scatter", rows.shape[0]), self._scatter_jit, (logits, rows, processed))
+        out = self._sample(rewritten, sampling, layout)
+        jax.block_until_ready(out.token_ids)
+        return out
 
     def execute(self, plan: StepPlan,
                 host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> SamplerOutput:
@@ -440,8 +452,10 @@ class ModelRunner:
         (pack allocates a new buffer per call, so the runtime may read it asynchronously).
         On a mesh of several devices the buffers are put on the mesh first (`put_on_mesh`).
         A plan whose rows ask for logits or post-processing runs the extra programs of
-        `jaxllm.engine.logits_outputs` (`host_processor(rows) -> rows` rewrites
-        `plan.processor_rows` on the host); a plain plan runs exactly the two programs."""
+        `jaxllm.engine.logits_outputs`; with `host_processor(rows) -> rows` for
+        `plan.processor_rows`, `last_processed` is then the future of those rows' sampler
+        output, computed on a worker thread (`jaxllm.engine.logits_processing`). A plain plan
+        runs exactly the two programs."""
         if plan.context_index is None:
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         else:  # another layout: the forward variant that also returns these tokens' logits
@@ -453,9 +467,16 @@ class ModelRunner:
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
         self.last_row_logits = None
         if plan.has_logits_work:
-            logits = self._post_process(logits, plan, host_processor)
+            logits = self._post_process(logits, plan)
         out = self._sample(logits, sampling_buffers, sampling_layout)
         self._last_tokens = out.token_ids
+        self.last_processed = None
+        if plan.processor_rows is not None and host_processor is not None:
+            if self._processor_pool is None:
+                self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-logits-processors")
+            self.last_processed = self._processor_pool.submit(
+                self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers,
+                sampling_layout)
         return out
 
     def write_lora_slot(self, slot: int, update: Any) -> None:
