@@ -107,6 +107,28 @@ def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
     assert llm.executor.call_on_engine(lambda engine: engine.runner._copy_jit._cache_size()) == 1
 
 
+def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(model_and_llm):
+    """With the overlap scheduler, the step dispatched while a beam request's step is in flight
+    runs the plain request alone (the beams are chosen on the host first); both finish."""
+    _, llm = model_and_llm
+    beam_prompt, plain_prompt = random_prompts(2, VOCAB, 6, 9, seed=13)
+
+    def drive(engine):
+        beam = engine.add_request(beam_prompt, SamplingParams(use_beam_search=True, n=2, max_tokens=4,
+                                                              ignore_eos=True))
+        plain = engine.add_request(plain_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        engine.step()  # both prompts
+        engine.step()  # dispatched while the prompts' step is in flight
+        second = [entry[0] for entry in engine._pending.entries + (engine._pending.beam_entries or [])]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return second == [plain], beam.is_finished and plain.is_finished
+
+    plain_alone, finished = llm.executor.call_on_engine(drive, timeout=300)
+    assert plain_alone
+    assert finished
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(n=2, temperature=0.8), "temperature"),
     (dict(n=2, top_p=0.9), "top_p"),
