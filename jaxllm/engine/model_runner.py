@@ -381,14 +381,6 @@ class ModelRunner:
         future.result()
         return None
 
-    def logits_spec(self) -> Optional[jax.ShapeDtypeStruct]:
-        """Shape, dtype and sharding of the forward's logits (what the sampler takes), from any
-        compiled forward; None before one is compiled."""
-        for exe in list(self._forward_exes.values()):
-            info = exe.out_info[1]
-            return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=info.sharding)
-        return None
-
     def _logits_program(self, key: tuple, jitted, args: tuple):
         """A small program over a step's logits, compiled once per key (name and shapes)."""
         if not self._single_device:

@@ -79,11 +79,6 @@ class BlockPool:
         """Blocks a new allocation can take: free plus evictable."""
         return len(self._free) + self._num_evictable
 
-    def evictable_blocks(self) -> list[int]:
-        """Evictable blocks in eviction order (for tests and inspection; O(n))."""
-        self._expire()
-        return [b for bucket in self._buckets for b in bucket]
-
     # ------------------------------------------------------------- ownership
     def allocate(self) -> int:
         """Take a block for exclusive use: a free one, else evict a cached one."""

@@ -103,11 +103,6 @@ def write_slot(lora: LoraTree, slot: int, update: LoraTree) -> LoraTree:
     return _write_jit()(lora, np.int32(slot), update)
 
 
-def write_compilations() -> int:
-    """How many variants of the slot write exist (one after warm-up, whatever is loaded)."""
-    return _write_jit()._cache_size()
-
-
 def empty_slot(config: ModelConfig, params: Params, max_rank: int, dtype: Any) -> LoraTree:
     """The update of a slot holding no adapter (zeros; warm-up compiles `write_slot` with it)."""
     return slot_update(LoraAdapter(None, 0, 0.0, {}), config, params, max_rank, dtype)
