@@ -465,7 +465,7 @@ class LLMEngine:
         admitted = validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
                                     tokenizer=self.tokenizer)
         self.resolve_lora(lora_request)
-        if getattr(params, "use_beam_search", False):
+        if params.use_beam_search:  # validate_request checked it is SamplingParams
             self._check_beam_search(params, len(admitted.prompt_token_ids))
         return admitted
 
