@@ -56,3 +56,42 @@ def test_default_block_q():
     assert default_block_q(64, 64) == 1
     assert default_block_q(1024, 64) == 16
     assert default_block_q(8192, 8) == 64
+
+
+def _random_step(rng, max_seqs, num_tokens, max_kv, tpb, decode_only):
+    """Random ragged step metadata: decode rows and prefill chunks over cached prefixes, some KV
+    lengths exactly at block boundaries."""
+    q_lens, kv_lens, left = [], [], num_tokens
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        q = 1 if decode_only or rng.random() < 0.5 else int(rng.integers(2, 13))
+        q = min(q, left)
+        if q == 0:
+            break
+        kv = int(rng.integers(q, max_kv + 1))
+        if rng.random() < 0.3:
+            kv = max(q, min(max_kv, tpb * int(rng.integers(1, max_kv // tpb + 1))))
+        q_lens.append(q)
+        kv_lens.append(kv)
+        left -= q
+    return q_lens, kv_lens
+
+
+@pytest.mark.parametrize("decode_only, block_q, items_per_step, window, cap", [
+    (True, None, 3, None, None),   # decode bucket (one token per tile), items split across iterations
+    (False, 4, 2, None, 4.0),      # mixed decode + prefill tiles, soft cap
+    (False, None, None, 5, None),  # mixed, sliding window
+])
+def test_work_list_random_steps_match_reference(decode_only, block_q, items_per_step, window, cap):
+    """Random steps of one compiled shape (GQA with 3 query heads per KV head) against the reference."""
+    max_seqs, num_tokens, tpb = 6, 24, 4
+    kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
+    tiled = jax.jit(lambda *a: ragged_paged_attention_tiled(*a, block_q=block_q, items_per_step=items_per_step,
+                                                             **kw))
+    reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))
+    rng = np.random.default_rng(11 + (block_q or 0) + (window or 0))
+    for _ in range(4):
+        q_lens, kv_lens = _random_step(rng, max_seqs, num_tokens, 64, tpb, decode_only)
+        args = _case(rng, q_lens, kv_lens, max_seqs, num_tokens, hq=6, hkv=2, d=8, tpb=tpb)
+        want, got = np.asarray(reference(*args)), np.asarray(tiled(*args))
+        assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max()), (q_lens, kv_lens)
+        assert np.all(got[sum(q_lens):] == 0)
