@@ -27,6 +27,7 @@ BENCHMARKS = {
     "host": "jaxllm.bench.host_overhead",
     "startup": "jaxllm.bench.startup",
     "kernels": "jaxllm.bench.kernels",
+    "xla-kernels": "jaxllm.bench.xla_kernels",
     "eplb": "jaxllm.bench.eplb",
     "ep": "jaxllm.bench.ep",
     "eplb-online": "jaxllm.bench.eplb_online",
@@ -55,6 +56,8 @@ BENCHMARK_HELP = {
     "startup": "seconds from starting `jaxllm serve` to healthy, with an empty and a populated compilation cache",
     "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
                "--smoke runs tiny shapes on CPU)",
+    "xla-kernels": "the plain-XLA attention and MoE kernels (the CPU backends) next to their references at a "
+                   "model's decode and prefill shapes: CPU ms per call, compile s",
     "eplb": "expert placement on a skewed (Zipf) routing workload: imbalance before and after greedy, "
             "hierarchical and balanced EPLB, on held-out iterations (host only)",
     "ep": "expert-parallel model step time per dispatch mode (all_to_all, allgather) and token bucket, next "
