@@ -97,7 +97,8 @@ def ragged_paged_attention_tiled(
     total_items = item_end[-1]
 
     # Queries as [NT, Hkv, bq * G, D]: the rows one KV head serves in a tile.
-    qt = q[jnp.clip(token, 0, num_tokens - 1)].astype(f32) * sm_scale  # [NT, bq, Hq, D]
+    qt = q[:, None] if bq == 1 else q[jnp.clip(token, 0, num_tokens - 1)]  # [NT, bq, Hq, D]
+    qt = qt.astype(f32) * sm_scale
     qt = qt.reshape(max_tiles, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     qt = qt.reshape(max_tiles, num_kv_heads, rows, head_dim)
     row_pos = jnp.repeat(position, group, axis=1)  # [NT, rows], row r = (token r // G, head r % G)
@@ -144,5 +145,7 @@ def ragged_paged_attention_tiled(
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
     out = out.reshape(max_tiles, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(max_tiles * bq, num_q_heads, head_dim).astype(q.dtype)
+    if bq == 1:  # tile t is token t; padding tokens saw no key, so they are zeros already
+        return out
     dest = jnp.where(token_valid, token, num_tokens).reshape(-1)
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")
