@@ -97,6 +97,14 @@ def make_slot_table(slot_to_expert: Sequence[int], num_experts: int,
     return SlotTable(**{k: jax.device_put(v, sharding) for k, v in arrays.items()})
 
 
+def make_stacked_slot_table(slot_to_expert: Sequence[Sequence[int]], num_experts: int,
+                            sharding: Optional[jax.sharding.Sharding] = None) -> SlotTable:
+    """The tables of a stack of slot layers as one `SlotTable` of [n, ...] arrays (row r: layer r
+    of the stack); a scan over the stack hands each layer its own [S] / [E, W] / [E] table."""
+    rows = [host_slot_table(t, num_experts) for t in slot_to_expert]
+    return SlotTable(**{k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in rows[0]})
+
+
 def resolve_assignments(num_experts: int, moe_layers: Sequence[int], ep_size: int,
                         assignments: Optional[Mapping[int, Sequence[int]]] = None,
                         num_slots: Optional[int] = None) -> dict[int, np.ndarray]:

@@ -15,6 +15,11 @@ layer replaces the rows of the slots whose expert changes:
 Programs are compiled per (buffer shape, m) with m from a short ladder (1, 2, 4, ...,
 slots per rank), so warming up every rung (`warm_up`) leaves nothing to compile while
 serving, whatever the placement.
+
+A stack of slot layers (`layer=l`: buffer [n, num_slots, ...], the layer axis unsplit, the
+slot axis split over the expert axis) is written the same way at row l of the stack, l
+being a traced argument of the program: one program per (stack shape, m) serves every
+layer of the stack, and the rest of the stack is left where it is (donated, in place).
 """
 
 from __future__ import annotations
@@ -38,11 +43,15 @@ def bucket_for(rows: int, slots_per_rank: int) -> int:
     return next(b for b in row_buckets(slots_per_rank) if b >= rows)
 
 
-def _row_groups(sharding: NamedSharding) -> int:
-    """How many pieces dimension 0 is split into (the EP size for a slot buffer)."""
-    axis = sharding.spec[0] if len(sharding.spec) else None
-    names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+def _row_groups(sharding: NamedSharding, axis: int = 0) -> int:
+    """How many pieces dimension `axis` is split into (the EP size for a slot axis)."""
+    name = sharding.spec[axis] if len(sharding.spec) > axis else None
+    names = () if name is None else ((name,) if isinstance(name, str) else tuple(name))
     return int(np.prod([sharding.mesh.shape[n] for n in names])) if names else 1
+
+
+def _spec_axis(spec: P, axis: int):
+    return spec[axis] if len(spec) > axis else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,20 +59,35 @@ def _writer(mesh: jax.sharding.Mesh, spec: P):
     def body(buffer, local_slots, rows):
         return buffer.at[local_slots].set(rows.astype(buffer.dtype), mode="drop")
 
-    index_spec = P(spec[0] if len(spec) else None)
+    index_spec = P(_spec_axis(spec, 0))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, index_spec, spec), out_specs=spec,
                                  check_vma=False), donate_argnums=(0,))
 
 
+@functools.lru_cache(maxsize=None)
+def _stacked_writer(mesh: jax.sharding.Mesh, spec: P):
+    """Row `layer` of a stack [n, S, ...]: the same per-rank write at a traced layer index."""
+    def body(buffer, layer, local_slots, rows):
+        return buffer.at[layer, local_slots].set(rows.astype(buffer.dtype), mode="drop")
+
+    row_spec = P(*tuple(spec)[1:])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P(_spec_axis(spec, 1)), row_spec),
+                                 out_specs=spec, check_vma=False), donate_argnums=(0,))
+
+
 def write_slot_rows(buffer: jax.Array, slots: np.ndarray, source: np.ndarray, experts: np.ndarray,
-                    rows_per_rank: Optional[int] = None) -> jax.Array:
+                    rows_per_rank: Optional[int] = None, layer: Optional[int] = None) -> jax.Array:
     """`buffer` with global slot `slots[i]` rewritten to `source[experts[i]]` (source: host [E, ...]),
-    in place (the buffer is donated; use the returned array). Each rank receives only its slots' rows."""
+    in place (the buffer is donated; use the returned array). Each rank receives only its slots' rows.
+    With `layer`, `buffer` is a stack of slot layers [n, S, ...] and only its row `layer` is written."""
     sharding = buffer.sharding
     if not isinstance(sharding, NamedSharding):
         raise ValueError(f"slot buffers must carry a NamedSharding, got {type(sharding).__name__}")
-    num_slots = buffer.shape[0]
-    groups = _row_groups(sharding)
+    slot_axis = 0 if layer is None else 1
+    if layer is not None and not 0 <= layer < buffer.shape[0]:
+        raise ValueError(f"layer {layer} is outside the stack of {buffer.shape[0]} slot layers")
+    num_slots = buffer.shape[slot_axis]
+    groups = _row_groups(sharding, slot_axis)
     per_rank = num_slots // groups
     slots, experts = np.asarray(slots, np.int64), np.asarray(experts, np.int64)
     rank = slots // per_rank
@@ -78,18 +102,27 @@ def write_slot_rows(buffer: jax.Array, slots: np.ndarray, source: np.ndarray, ex
         local[r, :mine.size] = slots[mine] - r * per_rank
         src[r, :mine.size] = experts[mine]
     src = src.reshape(-1)
+    row_shape = buffer.shape[slot_axis + 1:]
+    row_sharding = sharding if layer is None else NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
     def piece(index: tuple) -> np.ndarray:
         return np.ascontiguousarray(source[src[index[0]]][(slice(None),) + tuple(index[1:])])
 
-    rows = jax.make_array_from_callback((groups * m, *buffer.shape[1:]), sharding, piece)
-    local_slots = jax.device_put(local.reshape(-1), NamedSharding(sharding.mesh, P(sharding.spec[0])))
-    return _writer(sharding.mesh, sharding.spec)(buffer, local_slots, rows)
+    rows = jax.make_array_from_callback((groups * m, *row_shape), row_sharding, piece)
+    local_slots = jax.device_put(local.reshape(-1),
+                                 NamedSharding(sharding.mesh, P(_spec_axis(sharding.spec, slot_axis))))
+    if layer is None:
+        return _writer(sharding.mesh, sharding.spec)(buffer, local_slots, rows)
+    index = jax.device_put(np.int32(layer), NamedSharding(sharding.mesh, P()))
+    return _stacked_writer(sharding.mesh, sharding.spec)(buffer, index, local_slots, rows)
 
 
-def warm_up(buffer: jax.Array, source: np.ndarray) -> jax.Array:
-    """Run every row bucket once with nothing to write (compiles them; the buffer is unchanged)."""
-    per_rank = buffer.shape[0] // _row_groups(buffer.sharding)
+def warm_up(buffer: jax.Array, source: np.ndarray, stacked: bool = False) -> jax.Array:
+    """Run every row bucket once with nothing to write (compiles them; the buffer is unchanged).
+    `stacked`: `buffer` is a stack of slot layers (compiles the programs every layer shares)."""
+    slot_axis = 1 if stacked else 0
+    per_rank = buffer.shape[slot_axis] // _row_groups(buffer.sharding, slot_axis)
+    nothing = np.zeros((0,), np.int64)
     for m in row_buckets(per_rank):
-        buffer = write_slot_rows(buffer, np.zeros((0,), np.int64), source, np.zeros((0,), np.int64), rows_per_rank=m)
+        buffer = write_slot_rows(buffer, nothing, source, nothing, rows_per_rank=m, layer=0 if stacked else None)
     return buffer

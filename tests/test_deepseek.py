@@ -130,6 +130,38 @@ def test_prefill_logits_match_hf_absorbed_and_expanded(loaded, variant):
     assert rel_err(out["absorbed"], out["expanded"]) < 1e-5
 
 
+def test_layer_stacks_scan_over_a_latent_pool_and_the_per_layer_loop_matches_hf(loaded):
+    """scan_layers (the default): the dense prefix and the MoE layers are two stacks over one
+    latent page pool, and the lowered program does not grow with depth; scan_layers off (the
+    per-layer loop over per-layer caches) gives HF's logits too."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.models import forward, init_kv_cache, param_shapes
+    from tests.model_helpers import build_step_batch
+
+    m = loaded("q_lora")
+    assert m.params["layers"] == [{}] * 3 and len(m.params["layer_stacks"]) == 2
+    assert m.params["layer_stacks"][1]["moe"]["w_gate"].shape[0] == 2
+    pool = init_kv_cache(m.config, 8, 4, jnp.float32)
+    assert pool.latent.shape == (3 * 8, 4, 24)
+
+    def lines(num_layers: int) -> int:
+        config = replace(m.config, num_layers=num_layers)
+        cache = jax.eval_shape(lambda: init_kv_cache(config, 8, 4, jnp.float32))
+        batch = build_step_batch([SeqChunk([5, 6, 7], 0, [2, 0])], tokens_per_block=4, num_blocks=8,
+                                 token_bucket=8, max_seqs=2, max_blocks_per_seq=4)
+        lowered = jax.jit(forward, static_argnames="config").lower(param_shapes(config), cache, batch, config=config)
+        return len(lowered.as_text().splitlines())
+
+    assert lines(4) == lines(12)
+    loop = replace(m.config, scan_layers=False)
+    tokens = prompt(1, 13, m.config.vocab_size)
+    out, _ = PagedModel(load_params(m.dir, loop), loop).all_logits(
+        [SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 32, 8))])
+    assert rel_err(out, hf_logits(m.hf, tokens)) < TOL
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_chunked_prefill_and_greedy_decode_match_hf_teacher_forcing(loaded, variant):
     """Auto mode: chunks run expanded, single-token steps absorbed, over one latent cache."""
@@ -160,8 +192,9 @@ def test_correction_bias_changes_expert_selection_and_parity_holds(loaded):
     tokens = prompt(3, 13, m.config.vocab_size)
     with_bias = hf_logits(m.hf, tokens)
     params = load_params(m.dir, m.config)
-    for layer in range(1, m.config.num_layers):
-        params["layers"][layer]["moe"]["router_bias"] = params["layers"][layer]["moe"]["router_bias"] * 0
+    for tree in params["layer_stacks"] + params["layers"]:  # the MoE stack (scan_layers) or MoE layers
+        if "moe" in tree:
+            tree["moe"]["router_bias"] = tree["moe"]["router_bias"] * 0
     saved = {n: b.clone() for n, b in m.hf.named_buffers() if n.endswith("e_score_correction_bias")}
     try:
         for name, b in m.hf.named_buffers():
@@ -221,13 +254,14 @@ def test_router_correction_bias_stays_float32_in_a_bfloat16_model(loaded):
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.engine.load_balancer import moe_layer_params
     from jaxllm.models import param_shapes
 
     m = loaded("q_lora")
     params = load_params(m.dir, m.config, dtype="bfloat16")
-    bias = params["layers"][1]["moe"]["router_bias"]
-    assert bias.dtype == jnp.float32 and params["layers"][1]["attn"]["kv_a"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(bias), np.asarray(m.params["layers"][1]["moe"]["router_bias"]))
+    bias = moe_layer_params(params, 1)["router_bias"]  # the MoE layers' stack [n, E]
+    assert bias.dtype == jnp.float32 and params["layer_stacks"][1]["attn"]["kv_a"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bias), np.asarray(moe_layer_params(m.params, 1)["router_bias"]))
     shapes = param_shapes(m.config, "bfloat16")
     assert jax.tree_util.tree_map(lambda a: a.dtype, params) == jax.tree_util.tree_map(lambda a: a.dtype, shapes)
 

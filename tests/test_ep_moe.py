@@ -279,13 +279,14 @@ def check_models(root: Path) -> None:
             placement = ({layer: redundant_placement(NUM_EXPERTS, e, seed=layer) for layer in range(config.num_layers)
                           if config.is_moe_layer(layer)} if redundant else None)
             params = load_params(directory, config, mesh=mesh, slot_assignments=placement)
-            moe = next(layer["moe"] for layer in params["layers"] if "moe" in layer)
+            # The MoE slot layers' stack (scan_layers): slot buffers [n, S, ...]; the layer axis unsplit.
+            moe = next(tree["moe"] for tree in params["layer_stacks"] if "moe" in tree)
             out = run_script(config, params, mesh, EpMoeOptions(dispatch=mode))
             err = max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(out["logits"], base["logits"]))
             print(json.dumps(dict(kind="model", arch=arch, n=n, e=e, mode=mode, redundant=redundant, err=err,
                                   same_tokens=out["tokens"] == base["tokens"], counts=out["counts"],
-                                  dropped=out["dropped"], slot_axis=str(moe["w_gate"].sharding.spec[0]),
-                                  num_slots=int(moe["w_gate"].shape[0]))), flush=True)
+                                  dropped=out["dropped"], slot_axis=str(moe["w_gate"].sharding.spec[1]),
+                                  num_slots=int(moe["w_gate"].shape[1]))), flush=True)
 
 
 def check_all(root: Path) -> None:

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -102,6 +103,8 @@ def check_engine(root: Path) -> None:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
     balancer = engine.load_balancer
+    # The two MoE layers are one layer stack (scanned); the balancer writes rows of its buffers.
+    stacked = engine.runner.params["layers"][1:] == [{}, {}] and balancer.rows == {1: 0, 2: 1}
     rounds: list[dict] = []
     apply_round = balancer.apply_round
 
@@ -142,7 +145,7 @@ def check_engine(root: Path) -> None:
     tokens = [s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
               for s in engine.iteration_stats[:steps_on]]
     print(json.dumps(dict(
-        kind="engine", on={str(k): v for k, v in on.items()}, off={str(k): v for k, v in off.items()},
+        kind="engine", stacked=stacked, on={str(k): v for k, v in on.items()}, off={str(k): v for k, v in off.items()},
         steps=steps_on, compiles_after_warmup=len(compiles), rebalances=balancer.stats.rebalances,
         slots_rewritten=balancer.stats.slots_rewritten, worker_error=repr(balancer.worker.error),
         mixed=any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
@@ -163,6 +166,28 @@ def check_skew_change(root: Path) -> None:
     print(json.dumps(dict(kind="skew", **summarize(run, args), imbalance=run.imbalance)), flush=True)
 
 
+def check_program_size() -> None:
+    """Lowered lines of the TP 8 x EP 8 forward (experts as slots) at two depths, scanned and unrolled."""
+    import jax
+
+    from jaxllm.bench.compile_time import _sharded_params, model_config
+    from jaxllm.models import forward, init_kv_cache
+    from sharding.mesh import ParallelConfig, make_mesh
+    from tests.model_helpers import SeqChunk, build_step_batch
+
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=8))
+    batch = build_step_batch([SeqChunk([5, 6, 7], 0, [2, 0])], tokens_per_block=4, num_blocks=8, token_bucket=8,
+                             max_seqs=2, max_blocks_per_seq=4)
+    lines = {}
+    for scan in (True, False):
+        for layers in (3, 5):
+            config = model_config("qwen3_moe", layers, 64, scan, heads=8)
+            lowered = jax.jit(functools.partial(forward, config=config, mesh=mesh)).lower(
+                _sharded_params(config, mesh), init_kv_cache(config, 8, 4, "float32", mesh), batch)
+            lines[f"{'scan' if scan else 'loop'}{layers}"] = len(lowered.as_text().splitlines())
+    print(json.dumps(dict(kind="program_size", **lines)), flush=True)
+
+
 def check_all(root: Path) -> None:
     """Subprocess entry point (8 devices)."""
     import jax
@@ -170,6 +195,7 @@ def check_all(root: Path) -> None:
     assert len(jax.devices()) == 8
     check_engine(root)
     check_skew_change(root)
+    check_program_size()
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +220,15 @@ def test_tokens_identical_with_balancer_moving_slots_and_nothing_recompiles(onli
     assert last["rebalanceCount"] == r["rebalances"]
     counts = [s["rebalanceCount"] for s in r["lb_stats"]]
     assert counts == sorted(counts) and sum(bool(s["updatedLayers"]) for s in r["lb_stats"]) >= 6
+
+
+def test_slot_layers_run_as_one_scan_whatever_the_depth(online_results):
+    """The engine's two MoE slot layers are one stack (the balancer above rewrote rows of it), and
+    the expert-parallel program does not grow with depth, where the unrolled loop does."""
+    assert online_results["engine"]["stacked"]
+    r = online_results["program_size"]
+    assert r["scan3"] == r["scan5"], r
+    assert r["loop5"] > r["loop3"] + 500 and r["scan5"] < r["loop5"], r
 
 
 def test_statistics_recorded_while_balancing_feed_the_report(online_results):

@@ -118,21 +118,59 @@ def test_scan_equals_per_layer_loop(checkpoint):
     np.testing.assert_array_equal(stats.expert_counts, ref_stats.expert_counts)
 
 
-def test_slot_layers_stay_per_layer_beside_stacks(checkpoint):
-    """Experts stored as slots (an explicit placement) keep their layers apart and addressable
-    (`params["layers"][i]["moe"]`); the dense layer is still a stack, over the same page pool."""
+def test_slot_layers_stack_and_a_balancer_round_rewrites_one_layer_in_place(checkpoint):
+    """Experts stored as slots (12 slots over 8 experts) stack like other MoE layers: slot
+    buffers [3, 12, ...], tables [3, ...], the loop's tokens. A balancer round rewrites layer
+    2's row in place (the stack donated, the other rows untouched, the table row replaced)
+    compiling nothing after warm-up, and the next steps still give the loop's tokens."""
+    from jaxllm.bench.metrics import counting_compiles
+    from jaxllm.engine.load_balancer import OnlineLoadBalancer, moe_layer_params, slot_layer_row
+    from sharding.eplb.config import MoeLoadBalancerConfig
+    from sharding.eplb.online import PlacementUpdate
+    from sharding.mesh import ParallelConfig, make_mesh
+
     config, directory = checkpoint
-    placement = {i: np.roll(np.arange(8), i) for i in (1, 2, 3)}
+    placement = {i: np.concatenate([np.roll(np.arange(8), i), np.arange(4) + i]) for i in (1, 2, 3)}
     params = load_params(directory, config, slot_assignments=placement)
-    assert [sorted(layer) for layer in params["layers"][1:]] == [["attn", "attn_norm", "mlp_norm", "moe"]] * 3
-    assert "slots" in params["layers"][2]["moe"] and params["layers"][0] == {}
-    assert len(params["layer_stacks"]) == 1
+    assert params["layers"] == [{}] * 4 and len(params["layer_stacks"]) == 2
+    moe = params["layer_stacks"][1]["moe"]
+    assert moe["w_gate"].shape == (3, 12, 64, 32) and moe["slots"].slot_to_expert.shape == (3, 12)
+    assert moe_layer_params(params, 2) is moe and slot_layer_row(params, 2) == 1
     prompt = [3, 17, 99, 42, 7, 64, 11]
     loop_config = replace(config, scan_layers=False)
-    ref_tokens, ref_logits = _greedy(PagedModel(load_params(directory, loop_config), loop_config), prompt, 2)
+    ref_tokens, ref_logits = _greedy(PagedModel(load_params(directory, loop_config), loop_config), prompt, 4)
     tokens, logits = _greedy(PagedModel(params, config), prompt, 2)
-    assert tokens == ref_tokens
-    np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits), rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens[:3]
+    np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits[:3]), rtol=1e-5, atol=1e-5)
+
+    balancer = OnlineLoadBalancer(config=MoeLoadBalancerConfig(num_slots=12, layer_updates_per_iter=3),
+                                  params=params, moe_layers=[1, 2, 3], num_experts=8, ep_size=1,
+                                  mesh=make_mesh(ParallelConfig()))
+    try:
+        balancer.warm_up(params)
+        before = {n: np.asarray(params["layer_stacks"][1]["moe"][n]) for n in ("w_gate", "w_down")}
+        old = params["layer_stacks"][1]["moe"]["w_up"]
+        new = np.concatenate([np.arange(8)[::-1], [5, 5, 6, 7]]).astype(np.int32)
+        balancer.worker._pending[2] = PlacementUpdate(2, new, placement[2], 1.0, 0.5, 12)
+        with counting_compiles() as compiles:
+            assert balancer.apply_round(params) == [2]
+            moe = params["layer_stacks"][1]["moe"]
+            jax.block_until_ready(moe)
+        assert compiles == [], "a balancer round compiled a program after warm-up"
+        assert old.is_deleted(), "the stacked slot buffer was not donated"
+        np.testing.assert_array_equal(moe["slots"].slot_to_expert, np.stack([placement[1], new, placement[3]]))
+        for name, rows in before.items():
+            after = np.asarray(moe[name])
+            np.testing.assert_array_equal(after[[0, 2]], rows[[0, 2]])  # the other layers' rows untouched
+            changed = np.flatnonzero(new != placement[2])
+            np.testing.assert_array_equal(after[1][changed], balancer.pool.rows(2, name)[new[changed]])
+        model = PagedModel(params, config)
+        model.cache = model.empty_cache()
+        tokens, logits = _greedy(model, prompt, 4)
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits), rtol=1e-5, atol=1e-5)
+    finally:
+        balancer.close()
 
 
 def test_layouts_do_not_mix(checkpoint):

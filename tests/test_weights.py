@@ -127,6 +127,7 @@ def check_sharded_loading(root: Path) -> None:
 
     # Orbax: convert once, restore into TP 8 (KV heads replicated), TP 2, expert parallelism with
     # the default placement and with redundant slots, and attention DP's replicated attention.
+    from jaxllm.engine.load_balancer import moe_layer_params, slot_layer_row
     from sharding.attention_dp import attention_dp_rules
 
     converted = convert_checkpoint(directory, root / "converted")
@@ -144,10 +145,10 @@ def check_sharded_loading(root: Path) -> None:
             lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, expected))
         stacks = restored.get("layer_stacks") or []
         k = stacks[0]["attn"]["k"] if stacks else restored["layers"][0]["attn"]["k"]
-        layers = restored.get("layers") or []
-        moe = layers[1].get("moe", {}) if len(layers) > 1 and isinstance(layers[1], dict) else {}
+        moe = moe_layer_params(restored, 1)  # layer 1's own, or its stack's [n, slots, ...]
+        slot_axis = 0 if slot_layer_row(restored, 1) is None else 1
         print(json.dumps(dict(kind="orbax", tp=tp, ep=ep, dp=dp, same_values=same_values, same_shardings=same_shardings,
-                              slots=list(moe["w_gate"].shape)[:1] if "slots" in moe else None,
+                              slots=[moe["w_gate"].shape[slot_axis]] if "slots" in moe else None,
                               k_spec=str(k.sharding.spec), k_shape=list(k.shape[1:] if stacks else k.shape))),
               flush=True)
 

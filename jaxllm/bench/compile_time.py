@@ -7,20 +7,32 @@ size so the figures show the cost of the program's size, not of its matmuls. Eac
 `jax.jit(forward).lower(...)` (tracing + lowering to StableHLO) and `.compile()` (XLA) for
 one token bucket, with JAX's persistent compilation cache off, and counts the lowered
 program's lines. Run: `jaxllm bench compile --layers 4 30 61`.
+
+`--mla` times a DeepSeek-V3-shaped model instead (multi-head latent attention over a latent
+page pool, 3 dense layers then MoE layers with grouped routing and a shared expert, as
+DeepSeek-V3's 61 = 3 + 58); `--ep N` runs the step on N devices (8 fake CPU devices by
+default on a CPU host) with tensor parallelism N and expert parallelism N, the experts stored
+as slots (the layout the online load balancer rewrites): each MoE stack then scans
+expert-parallel slot layers. Both combine (`--mla --ep 8`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 
-def model_config(arch: str, num_layers: int, hidden: int, scan: bool):
+def model_config(arch: str, num_layers: int, hidden: int, scan: bool, heads: int = 4):
     from jaxllm.models import ModelConfig
 
-    heads, kv_heads, head_dim = 4, 2, max(hidden // 4, 8)
+    if arch == "deepseek_v3":
+        return deepseek_config(num_layers, hidden, scan, heads)
+    kv_heads, head_dim = 2, max(hidden // 4, 8)
     common = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=num_layers,
                   num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4,
                   rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False,
@@ -31,7 +43,46 @@ def model_config(arch: str, num_layers: int, hidden: int, scan: bool):
                        moe_intermediate_size=hidden, norm_topk_prob=True, mlp_only_layers=(0,), **common)
 
 
-def measure(config, *, tokens: int, max_seqs: int, num_blocks: int, tokens_per_block: int) -> dict:
+def deepseek_config(num_layers: int, hidden: int, scan: bool, heads: int):
+    """A small DeepSeek-V3-shaped model: MLA with q LoRA, 8 experts in 2 groups, a shared expert,
+    the first min(3, layers - 1) layers dense."""
+    from dataclasses import replace
+
+    from jaxllm.models import ModelConfig
+
+    hf = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=1024,
+              hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+              num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+              q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_rope_head_dim=16, qk_nope_head_dim=32,
+              v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+              first_k_dense_replace=min(3, num_layers - 1), routed_scaling_factor=2.5, norm_topk_prob=True,
+              max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              torch_dtype="float32")
+    return replace(ModelConfig.from_hf_config(hf), scan_layers=scan)
+
+
+def _sharded_params(config, mesh) -> Any:
+    """Parameter shapes with their shardings on `mesh`, the experts stored as slots (default
+    placement) with real slot tables, as `load_params` lays them out."""
+    import jax
+
+    from jaxllm.models.loader import _add_slot_tables, kv_replicas_for, rules_for, slot_assignments_for
+    from jaxllm.models.weights import build_params, declare_params, layer_stacks
+    from sharding.rules import named_sharding
+
+    rules = rules_for(config, mesh)
+    assignments = slot_assignments_for(config, mesh)
+    decls = declare_params(config, kv_replicas_for(config, mesh, rules), assignments)
+    params = build_params(((d.path, jax.ShapeDtypeStruct(d.shape, d.param_dtype(config.dtype),
+                                                         sharding=named_sharding(mesh, d.axes, rules)))
+                           for d in decls), config, layer_stacks(config))
+    _add_slot_tables(params, config, mesh, assignments)
+    return params
+
+
+def measure(config, *, tokens: int, max_seqs: int, num_blocks: int, tokens_per_block: int, mesh: Any = None) -> dict:
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -45,10 +96,15 @@ def measure(config, *, tokens: int, max_seqs: int, num_blocks: int, tokens_per_b
                       cu_q_lens=np.zeros(max_seqs + 1, np.int32), kv_lens=np.zeros(max_seqs, np.int32),
                       block_tables=np.zeros((max_seqs, max_blocks), np.int32), num_seqs=np.zeros(1, np.int32),
                       logits_indices=np.zeros(max_seqs, np.int32))
-    cache = jax.eval_shape(lambda: init_kv_cache(config, num_blocks, tokens_per_block, jnp.dtype(config.dtype)))
-    step = jax.jit(forward, static_argnames="config", donate_argnums=(1,))
+    if mesh is None:
+        cache = jax.eval_shape(lambda: init_kv_cache(config, num_blocks, tokens_per_block, jnp.dtype(config.dtype)))
+        params = param_shapes(config)
+    else:  # small: a real (sharded) cache keeps its sharding in the lowered program
+        cache = init_kv_cache(config, num_blocks, tokens_per_block, jnp.dtype(config.dtype), mesh)
+        params = _sharded_params(config, mesh)
+    step = jax.jit(functools.partial(forward, config=config, mesh=mesh), donate_argnums=(1,))
     start = time.perf_counter()
-    lowered = step.lower(param_shapes(config), cache, batch, config=config)
+    lowered = step.lower(params, cache, batch)
     traced = time.perf_counter() - start
     start = time.perf_counter()
     lowered.compile()
@@ -66,13 +122,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="token bucket of the compiled step")
     parser.add_argument("--max-seqs", type=int, default=8, help="sequence slots of the step")
     parser.add_argument("--modes", nargs="+", choices=["loop", "scan"], default=["loop", "scan"])
+    parser.add_argument("--mla", action="store_true",
+                        help="a DeepSeek-V3-shaped model (multi-head latent attention, 3 dense layers, then MoE)")
+    parser.add_argument("--ep", type=int, default=0, metavar="N",
+                        help="tensor and expert parallelism over N devices, experts stored as slots (on a CPU host "
+                             "with fewer devices the benchmark reruns itself with N fake CPU devices)")
     parser.add_argument("--json", action="store_true", help="also print one JSON line per measurement")
     args = parser.parse_args(argv)
+    arch = "deepseek_v3" if args.mla else args.arch
+    if args.ep and arch == "llama":
+        parser.error("--ep needs a MoE model (--arch qwen3_moe or --mla)")
 
     import jax
 
+    if args.ep and len(jax.devices()) < args.ep:
+        if jax.default_backend() != "cpu" or os.environ.get("_JAXLLM_BENCH_COMPILE_CHILD"):
+            print(f"jaxllm bench compile: {args.ep} devices needed, {len(jax.devices())} visible", file=sys.stderr)
+            return 2
+        env = dict(os.environ, _JAXLLM_BENCH_COMPILE_CHILD="1", JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                             f"--xla_force_host_platform_device_count={args.ep}".strip())
+        return subprocess.call([sys.executable, "-m", "jaxllm.bench.compile_time",
+                                *(argv if argv is not None else sys.argv[1:])], env=env)
+    mesh = None
+    if args.ep:
+        from sharding.mesh import ParallelConfig, make_mesh
+
+        mesh = make_mesh(ParallelConfig(tensor_parallel_size=args.ep, moe_expert_parallel_size=args.ep),
+                         jax.devices()[:args.ep])
+    heads = max(4, args.ep)
     jax.config.update("jax_enable_compilation_cache", False)
-    print(f"forward of {args.arch} (hidden {args.hidden}), bucket {args.tokens} tokens x {args.max_seqs} seqs, "
+    layout = f", TP {args.ep} x EP {args.ep} (experts as slots)" if args.ep else ""
+    print(f"forward of {arch} (hidden {args.hidden}){layout}, bucket {args.tokens} tokens x {args.max_seqs} seqs, "
           f"{jax.devices()[0].platform}, jax {jax.__version__}; seconds, persistent compilation cache off")
     header = f"{'layers':>6}  " + "  ".join(f"{m + ' trace':>11} {m + ' compile':>13} {m + ' total':>11} "
                                             f"{m + ' HLO lines':>15}" for m in args.modes)
@@ -82,11 +163,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for num_layers in args.layers:
         row = {}
         for mode in args.modes:
-            config = model_config(args.arch, num_layers, args.hidden, scan=mode == "scan")
+            config = model_config(arch, num_layers, args.hidden, scan=mode == "scan", heads=heads)
             row[mode] = measure(config, tokens=args.tokens, max_seqs=args.max_seqs, num_blocks=64,
-                                tokens_per_block=16)
+                                tokens_per_block=16, mesh=mesh)
             if args.json:
-                print(json.dumps(dict(layers=num_layers, mode=mode, arch=args.arch, **row[mode])), flush=True)
+                print(json.dumps(dict(layers=num_layers, mode=mode, arch=arch, ep=args.ep, **row[mode])), flush=True)
         line = f"{num_layers:>6}  " + "  ".join(
             f"{r['trace_s']:>11.2f} {r['compile_s']:>13.2f} {r['trace_s'] + r['compile_s']:>11.2f} "
             f"{r['hlo_lines']:>15d}" for r in row.values())

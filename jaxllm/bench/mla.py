@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         save_file(random_checkpoint(config, 0), str(directory / "model.safetensors"))
         params = load_params(directory, config)
     key = jax.random.PRNGKey(0)
-    cache = [MlaLayerCache(jax.random.normal(jax.random.fold_in(key, i), layer.latent.shape, layer.latent.dtype))
-             for i, layer in enumerate(init_kv_cache(config, num_blocks, tpb, config.dtype))]
+    empty = init_kv_cache(config, num_blocks, tpb, config.dtype)  # a page pool (scan_layers) or per-layer caches
+    random_latents = lambda i, c: MlaLayerCache(  # noqa: E731
+        jax.random.normal(jax.random.fold_in(key, i), c.latent.shape, c.latent.dtype))
+    cache = [random_latents(i, c) for i, c in enumerate(empty)] if isinstance(empty, list) else random_latents(0, empty)
     for context in contexts:
         batch = _decode_batch(args.batch, context, tpb, config.vocab_size)
         row = dict(context=context, batch=args.batch, backend=backend, platform=jax.default_backend())

@@ -8,7 +8,10 @@ Per step, around the model forward:
   whose expert changes are rewritten, in place (`sharding.slot_update`: donated buffers,
   each rank receiving its own rows from the host pool `sharding.expert_pool`), and the
   layer's slot table is replaced in the same parameter tree, so the next forward sees
-  table and weights together. Shapes never change: nothing recompiles;
+  table and weights together. Shapes never change: nothing recompiles. Slot layers
+  stored as a layer stack (the scanned layout: buffers [n, S, ...], tables [n, ...]) are
+  rewritten at the layer's row of the stack, by programs that take the row as an
+  argument (one compile serves every layer of the stack);
 - after it (`after_forward`): the step's expert counts are folded into the decayed load
   on the device (load = 0.95 load + counts; a layer just updated starts again from its
   new counts), and once per cycle of F steps a snapshot goes to the worker, unless it
@@ -38,7 +41,8 @@ from sharding.eplb.metrics import imbalance_ratio, rank_loads
 from sharding.eplb.online import PlacementWorker
 from sharding.expert_load import LOAD_DECAY, decay_expert_load
 from sharding.expert_pool import SLOT_WEIGHTS, ExpertWeightPool
-from sharding.slot_table import make_slot_table
+from jaxllm.models.weights import stacked_layer_rows
+from sharding.slot_table import SlotTable, make_slot_table
 from sharding.slot_update import warm_up, write_slot_rows
 
 # A layer is planned again only once its load holds this many steps of counts since its last
@@ -47,8 +51,25 @@ MIN_STEPS_BETWEEN_UPDATES = 8
 
 
 def moe_layer_params(params: Any, layer: int) -> dict:
-    """The MoE parameter dict of decoder layer `layer` (router, slot buffers, `slots` table)."""
-    return params["layers"][layer]["moe"]
+    """The MoE parameter dict holding decoder layer `layer`'s router, slot buffers and `slots`
+    table: its own, or its layer stack's (whose arrays hold the layer at `slot_layer_row`)."""
+    if params["layers"][layer]:
+        return params["layers"][layer]["moe"]
+    g, _ = stacked_layer_rows(params)[layer]
+    return params["layer_stacks"][g]["moe"]
+
+
+def slot_layer_row(params: Any, layer: int) -> Optional[int]:
+    """Layer `layer`'s row in its stack's arrays, or None when it is stored apart."""
+    return None if params["layers"][layer] else stacked_layer_rows(params)[layer][1]
+
+
+def _set_row(table: SlotTable, row: jax.Array, new: SlotTable) -> SlotTable:
+    return jax.tree.map(lambda a, n: a.at[row].set(n), table, new)
+
+
+# Row `row` of a stacked slot table replaced in place (row traced: one compile per table shape).
+_set_table_row = jax.jit(_set_row, donate_argnums=(0,))
 
 
 def slot_counts(expert_counts: np.ndarray, slot_to_expert: np.ndarray) -> np.ndarray:
@@ -92,12 +113,22 @@ class OnlineLoadBalancer:
         self.num_experts, self.ep_size = num_experts, ep_size
         self.layer_updates_per_iter = config.layer_updates_per_iter
         self.num_rounds = math.ceil(len(self.layers) / config.layer_updates_per_iter)
+        # Where each layer's slots live: its row in a layer stack's arrays, or None (stored apart).
+        self.rows: dict[int, Optional[int]] = {l: slot_layer_row(params, l) for l in self.layers}
+        host: dict[int, np.ndarray] = {}  # each (stacked) device array read back once
+
+        def on_host(array: jax.Array, row: Optional[int]) -> np.ndarray:
+            if id(array) not in host:
+                host[id(array)] = np.asarray(array)
+            return host[id(array)] if row is None else host[id(array)][row]
+
         self.tables: dict[int, np.ndarray] = {
-            l: np.asarray(moe_layer_params(params, l)["slots"].slot_to_expert) for l in self.layers}
+            l: on_host(moe_layer_params(params, l)["slots"].slot_to_expert, self.rows[l]) for l in self.layers}
         self.num_slots = int(next(iter(self.tables.values())).size)
         self.pool = ExpertWeightPool.from_slots(
-            {l: {n: moe_layer_params(params, l)[n] for n in SLOT_WEIGHTS} for l in self.layers},
-            self.tables, num_experts)
+            {l: {n: on_host(moe_layer_params(params, l)[n], self.rows[l]) for n in SLOT_WEIGHTS}
+             for l in self.layers}, self.tables, num_experts)
+        del host
         self._replicated = NamedSharding(mesh, P())
         self.load = jax.device_put(np.zeros((len(self.layers), num_experts), np.float32), self._replicated)
         self._no_reset = jax.device_put(np.zeros((len(self.layers),), bool), self._replicated)
@@ -119,11 +150,16 @@ class OnlineLoadBalancer:
         seen: set = set()
         for layer in self.layers:
             moe = moe_layer_params(params, layer)
+            stacked = self.rows[layer] is not None
             for name in SLOT_WEIGHTS:
                 key = (moe[name].shape, moe[name].dtype, moe[name].sharding)
                 if key not in seen:
                     seen.add(key)
-                    moe[name] = warm_up(moe[name], self.pool.rows(layer, name))
+                    moe[name] = warm_up(moe[name], self.pool.rows(layer, name), stacked=stacked)
+            key = ("slots",) + tuple(a.shape for a in jax.tree_util.tree_leaves(moe["slots"]))
+            if stacked and key not in seen:  # the table row write, rewriting row 0 with what it holds
+                seen.add(key)
+                moe["slots"] = self._write_table(moe["slots"], self.rows[layer], self.tables[layer])
         zero = jax.device_put(np.zeros((len(self.layers), self.num_experts), np.int32), self._replicated)
         self.load = self._decay(self.load, zero, self._no_reset)
         self.load = self._decay(self.load, zero, jax.device_put(np.ones((len(self.layers),), bool), self._replicated))
@@ -148,9 +184,10 @@ class OnlineLoadBalancer:
                 continue
             start = time.perf_counter()
             moe = moe_layer_params(params, layer)
+            row = self.rows[layer]
             for name in SLOT_WEIGHTS:
-                moe[name] = write_slot_rows(moe[name], changed, self.pool.rows(layer, name), new[changed])
-            moe["slots"] = make_slot_table(new, self.num_experts, self._replicated)
+                moe[name] = write_slot_rows(moe[name], changed, self.pool.rows(layer, name), new[changed], layer=row)
+            moe["slots"] = self._write_table(moe["slots"], row, new)
             self.stats.update_seconds.append(time.perf_counter() - start)
             self.tables = {**self.tables, layer: new}  # a new dict: steps in flight keep theirs
             row_bytes = self.pool.row_bytes(layer)
@@ -161,6 +198,14 @@ class OnlineLoadBalancer:
             self._reset[index] = True
             updated.append(layer)
         return updated
+
+    def _write_table(self, table: SlotTable, row: Optional[int], slot_to_expert: np.ndarray) -> SlotTable:
+        """The slot table with layer placement `slot_to_expert`: a new table for a layer stored
+        apart, row `row` rewritten in place for a stack's table."""
+        new = make_slot_table(slot_to_expert, self.num_experts, self._replicated)
+        if row is None:
+            return new
+        return _set_table_row(table, jax.device_put(np.int32(row), self._replicated), new)
 
     def after_forward(self, expert_counts: jax.Array) -> None:
         """Fold the step's counts int32 [L, E] (device) into the decayed load; hand the worker a

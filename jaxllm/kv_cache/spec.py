@@ -160,6 +160,18 @@ class MlaKvCacheSpec:
         zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
         return [MlaLayerCache(zeros()) for _ in range(self.num_layers)]
 
+    def init_pool(self, num_blocks: int, tokens_per_block: int,
+                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> MlaLayerCache:
+        """One zeroed latent cache for all layers, [num_layers * num_blocks, tokens_per_block,
+        latent_dim]: layer i owns pages [i * num_blocks, (i + 1) * num_blocks), as in
+        `MhaKvCacheSpec.init_pool` (the layer scan carries it and writes it in place)."""
+        shape = (self.num_layers * num_blocks, tokens_per_block, self.latent_dim)
+        dt = jnp.dtype(self.dtype)
+        if mesh is None:
+            return MlaLayerCache(jnp.zeros(shape, dt))
+        sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(MLA_CACHE_AXES, rules or ShardingRules()))
+        return MlaLayerCache(jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)())
+
     def write(self, cache: MlaLayerCache, entries: jax.Array, slot_mapping: jax.Array) -> MlaLayerCache:
         """Scatter this step's latents [T, latent_dim] into their slots; padding slots are dropped."""
         num_blocks, tokens_per_block, dim = cache.latent.shape

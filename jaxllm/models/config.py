@@ -140,9 +140,8 @@ class ModelConfig:
 
     @property
     def layer_scan(self) -> bool:
-        """Whether runs of identical layers run as lax.scan over stacked weights (`scan_layers`;
-        DeepSeek-V3's MLA layer loop, `jaxllm.models.deepseek`, does not scan yet)."""
-        return self.scan_layers and not self.is_mla
+        """Whether runs of identical layers run as lax.scan over stacked weights (`scan_layers`)."""
+        return self.scan_layers
 
     @property
     def is_mla(self) -> bool:

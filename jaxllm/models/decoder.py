@@ -3,7 +3,8 @@
 One implementation covers Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral: they differ only in
 flags of `ModelConfig` (q/k norm, q/k/v biases, sparse layers, RoPE scaling, window).
 DeepSeek-V3 (multi-head latent attention, grouped routing, shared experts) has its own
-layer loop in `jaxllm.models.deepseek`, entered from here.
+layer function in `jaxllm.models.deepseek`, entered from here and run by the same
+`run_layers` (stacks under scan over a latent page pool).
 Parameters are a plain pytree passed to the step as an argument; its layout, shapes and
 logical axes are declared once in `jaxllm.models.weights`.
 
@@ -20,10 +21,11 @@ and `layer_metadata` offsets the step's block tables and slot mapping by the lay
 which inside the scan is a traced value. The pool is the scan's carry and every KV write
 a scatter into it, which XLA performs in place (no copy of the cache per layer or step);
 the kernels take the pool as if it were one big layer cache and need no layer argument.
-Layers stored apart (`params["layers"][i]` non-empty: expert-parallel slot layers, whose
-slot buffers the load balancer rewrites one layer at a time) run unrolled between the
-stacks, over the same pool. With `scan_layers` off every layer runs unrolled over a
-per-layer list of caches, as before.
+Expert-parallel slot layers stack too (slot buffers [n, S, ...], slot tables [n, ...]; the
+load balancer rewrites one layer's row in place, see `jaxllm.models.weights`); each layer's
+expert counts are the scan's outputs. Layers stored apart (`params["layers"][i]` non-empty)
+run unrolled between the stacks, over the same pool. With `scan_layers` off every layer
+runs unrolled over a per-layer list of caches, as before.
 
 Tensor parallelism: given a `mesh`, the weights arrive sharded (see `sharding.rules`),
 XLA partitions the dense einsums from those shardings (q/k/v and gate/up split by
@@ -269,28 +271,52 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
 
         return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
-    stacks = stacks_of_params(config, params)
-    pooled = not isinstance(kv_cache, list)
-    if pooled:
-        if kv_cache.k.shape[1] % config.num_layers:
-            raise ValueError(f"a KV page pool of {kv_cache.k.shape[1]} pages does not split over "
-                             f"{config.num_layers} layers")
-    elif stacks:
-        raise ValueError("stacked layers (scan_layers) need the KV page pool of init_kv_cache with scan_layers")
-    elif len(kv_cache) != config.num_layers:
-        raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
+    pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn
     attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), x.dtype)
     num_tokens = batch.token_ids.shape[0]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
-    keys = _cache_keys(kv_cache)
     lora = params.get("lora")
     ctx = _LayerContext(config, AttentionMetadata.from_batch(batch), cos, sin, valid, attention_fn, write_fn,
-                        moe_fn, raw_moe_fn, mesh, moe_options,
-                        keys.shape[1] // config.num_layers if pooled else None, keys.shape[2], slot_moe_layer,
+                        moe_fn, raw_moe_fn, mesh, moe_options, pool_blocks, tokens_per_block, slot_moe_layer,
                         _lora_onehot(lora, batch, x.dtype))
+    return run_layers(params, kv_cache, x, config, lambda x, layer, cache, index: _decoder_layer(
+        x, layer, cache, index, ctx), lora=lora)
+
+
+def cache_geometry(config: ModelConfig, params: Params, kv_cache: Any) -> tuple[Optional[int], int]:
+    """(blocks per layer of a page pool, or None for per-layer caches; tokens per block), after
+    checking that the cache layout matches the parameters' (stacks need the pool)."""
+    stacks = stacks_of_params(config, params)
+    if isinstance(kv_cache, list):
+        if stacks:
+            raise ValueError("stacked layers (scan_layers) need the KV page pool of init_kv_cache with scan_layers")
+        if len(kv_cache) != config.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
+        pages = jax.tree_util.tree_leaves(kv_cache[0])[0]
+        return None, int(pages.shape[-2])
+    pages = jax.tree_util.tree_leaves(kv_cache)[0]  # MHA [Hkv, L * B, tpb, D]; MLA latent [L * B, tpb, D]
+    total = int(pages.shape[-3])
+    if total % config.num_layers:
+        raise ValueError(f"a KV page pool of {total} pages does not split over {config.num_layers} layers")
+    return total // config.num_layers, int(pages.shape[-2])
+
+
+LayerFn = Callable[[jax.Array, dict, Any, Union[jax.Array, int]],
+                   tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]]
+
+
+def run_layers(params: Params, kv_cache: KVCache, x: jax.Array, config: ModelConfig, layer_fn: LayerFn, *,
+               lora: Optional[dict] = None) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+    """Every decoder layer in order: each layer stack as one `lax.scan` (`_scan_stack`), layers
+    stored apart one by one. `layer_fn(x, layer_params, cache, index) -> (x, cache, expert
+    counts [E] or None, dropped rows [] or None)` is one layer of the model (index static
+    for a layer apart, traced in a scan); the cache is the page pool, or with per-layer
+    caches that layer's. Returns the residual, the cache and the MoE statistics."""
+    stacks = stacks_of_params(config, params)
+    pooled = not isinstance(kv_cache, list)
     stack_at = {s.start: (g, s) for g, s in enumerate(stacks)}
     new_cache: list = []
     counts, dropped = [], []
@@ -301,7 +327,7 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
             stacked = params["layer_stacks"][g]
             if lora is not None:
                 stacked = {**stacked, "lora": lora["layer_stacks"][g]}
-            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, stacked, kv_cache, stack, ctx)
+            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, stacked, kv_cache, stack, layer_fn)
             i = stack.stop
             if layer_counts is not None:
                 counts.append(layer_counts)
@@ -311,7 +337,7 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
         layer = params["layers"][i]
         if lora is not None:
             layer = {**layer, "lora": lora["layers"][i]}
-        x, cache, layer_counts, layer_dropped = _decoder_layer(x, layer, cache, i, ctx)
+        x, cache, layer_counts, layer_dropped = layer_fn(x, layer, cache, i)
         if pooled:
             kv_cache = cache
         else:
@@ -336,16 +362,16 @@ def _lora_onehot(lora: Optional[dict], batch: StepBatch, dtype: Any) -> Optional
     return jax.nn.one_hot(batch.lora_slots, num_slots, dtype=dtype)
 
 
-def _scan_stack(x: jax.Array, stacked: dict, pool: MhaLayerCache, stack: LayerStack, ctx: _LayerContext
-                ) -> tuple[jax.Array, MhaLayerCache, Optional[jax.Array], Optional[jax.Array]]:
+def _scan_stack(x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn
+                ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
     """The layers of one stack as one `lax.scan`: the residual and the whole page pool are the
     carry (each layer's KV write is an in-place scatter into the pool), the stacked weights and
-    the layer index the scanned inputs."""
+    the layer index the scanned inputs; the per-layer MoE statistics its outputs."""
 
     def body(carry, xs):
         x, pool = carry
         layer, index = xs
-        x, pool, counts, dropped = _decoder_layer(x, layer, pool, index, ctx)
+        x, pool, counts, dropped = layer_fn(x, layer, pool, index)
         return (x, pool), (counts, dropped)
 
     indices = jnp.arange(stack.start, stack.stop, dtype=jnp.int32)

@@ -14,6 +14,10 @@ What differs from the other decoders, and lives here:
 - the multi-token-prediction layers some checkpoints carry (`model.layers.{num_hidden_layers}...`)
   are skipped by the loader with a log line.
 
+Depth: the layers run through the decoder's `run_layers`, so with `scan_layers` the dense
+prefix and the MoE layers are two layer stacks, each one `lax.scan` over a latent page pool
+for all layers (`MlaKvCacheSpec.init_pool`): DeepSeek-V3's 61 layers trace as two scan bodies.
+
 Parallelism: attention heads (q_b / q, k_b, v_b, o) are split like MHA heads; the latent
 projections (q_a, kv_a, k_rope) and the latent cache are replicated; dense layers are
 tensor-parallel; shared experts are replicated on every rank; routed experts run through
@@ -224,15 +228,19 @@ def _backends(config: ModelConfig, attention_fn: AttentionFn, moe_fn: MoeFn, mes
             shard_kv_write(spec.write, mesh, rules, latent_spec, entry_spec), shard_moe(moe_fn, mesh, rules))
 
 
-def decode_layers(params: dict, kv_cache: list, batch: StepBatch, *, config: ModelConfig,
+def decode_layers(params: dict, kv_cache: Any, batch: StepBatch, *, config: ModelConfig,
                   attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-                  moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, list, Optional[MoeStepStats]]:
-    """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats."""
-    if len(kv_cache) != config.num_layers:
-        raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
+                  moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, Any, Optional[MoeStepStats]]:
+    """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats.
+
+    `kv_cache` is one latent page pool for all layers (`MlaKvCacheSpec.init_pool`; layer
+    stacks, including the dense prefix's, run as scans) or a per-layer list (`scan_layers` off)."""
+    from jaxllm.models.decoder import cache_geometry, layer_metadata, run_layers
+
+    pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     prec = matmul_precision(config)
-    mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh,
-                                                            kv_cache[0].latent.dtype)
+    cache_dtype = jax.tree_util.tree_leaves(kv_cache)[0].dtype
+    mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh, cache_dtype)
     md = AttentionMetadata.from_batch(batch)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), jnp.float32)
@@ -242,17 +250,18 @@ def decode_layers(params: dict, kv_cache: list, batch: StepBatch, *, config: Mod
     num_valid = batch.cu_q_lens[batch.num_seqs[0]]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < num_valid
     decode_only = num_valid == batch.num_seqs[0]
-    new_cache, counts, dropped = [], [], []
-    for i, (layer, cache) in enumerate(zip(params["layers"], kv_cache)):
+
+    def layer_fn(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
+                 ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
+        layer_md = md if pool_blocks is None else layer_metadata(md, index, pool_blocks, tokens_per_block,
+                                                                 config.num_layers)
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        h, cache = mla_attention(h, layer["attn"], cache, md, cos, sin, config=config, mha_fn=mha_fn,
+        h, cache = mla_attention(h, layer["attn"], cache, layer_md, cos, sin, config=config, mha_fn=mha_fn,
                                  latent_fn=latent_fn, write_fn=write_fn, decode_only=decode_only, precision=prec)
-        new_cache.append(cache)
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        if not config.is_moe_layer(i):
-            x = x + _mlp(h, layer["mlp"], prec)
-            continue
+        if "moe" not in layer:  # the dense prefix (first_k_dense_replace)
+            return x + _mlp(h, layer["mlp"], prec), cache, None, None
         if "slots" in layer["moe"]:
             from sharding.ep_moe import EpMoeOptions, ep_moe_block
             from jaxllm.models.loader import rules_for
@@ -263,14 +272,12 @@ def decode_layers(params: dict, kv_cache: list, batch: StepBatch, *, config: Mod
                 options=moe_options or EpMoeOptions(), valid=valid)
         else:
             if mesh is not None and expert_parallel_size(mesh) > 1:
-                raise ValueError(f"layer {i}: an expert-parallel mesh needs the experts loaded as slots "
+                raise ValueError(f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
                                  "(load_params with the same mesh)")
             y, ids = moe_block(h, layer["moe"], config=config, moe_fn=sharded_moe_fn, valid=valid)
             layer_counts, layer_dropped = count_experts(ids, config.num_experts, valid), jnp.zeros((), jnp.int32)
         if config.n_shared_experts:
             y = y + _mlp(h, layer["shared"], prec)
-        x = x + y
-        counts.append(layer_counts)
-        dropped.append(layer_dropped)
-    stats = MoeStepStats(jnp.stack(counts), jnp.stack(dropped)) if counts else None
-    return x, new_cache, stats
+        return x + y, cache, layer_counts, layer_dropped
+
+    return run_layers(params, kv_cache, x, config, layer_fn)

@@ -32,10 +32,10 @@ from tqdm.auto import tqdm
 from jaxllm.models.config import ModelConfig, numpy_dtype
 from jaxllm.models.weights import (Params, Source, StackedDecl, WeightDecl, build_params, declare_params,
                                    declare_weights, layer_stacks, read_parameter_view, read_stacked_view,
-                                   stack_declarations)
+                                   stack_declarations, stacked_layer_rows)
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, model_rules, named_sharding
-from sharding.slot_table import make_slot_table, resolve_assignments
+from sharding.slot_table import make_slot_table, make_stacked_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
@@ -230,13 +230,14 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
     if is_converted(model_dir):
         restored = restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules, slot_assignments=assignments)
-        _add_slot_tables(restored, config, mesh, assignments)
-        return stack_params(restored, config, mesh, rules, delete_layers=True)  # slot layers stay per layer
+        params = stack_params(restored, config, mesh, rules, delete_layers=True)
+        _add_slot_tables(params, config, mesh, assignments)
+        return params
     np_dtype = numpy_dtype(dtype or config.dtype)
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
     chosen_for = dict(zip((d.path for d in decls), _choose_alternatives(header, decls, config, model_dir)))
-    stacks = layer_stacks(config, tuple(assignments or ()))
+    stacks = layer_stacks(config)
     param_decls = stack_declarations(decls, stacks)
     total_bytes = sum(int(np.prod(s)) * _ITEMSIZE.get(header.dtype[n], 1) for n, s in header.shape.items())
     with ExitStack() as stack:
@@ -268,22 +269,35 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
 
 def _add_slot_tables(params: Params, config: ModelConfig, mesh: jax.sharding.Mesh,
                      assignments: Optional[dict[int, np.ndarray]]) -> None:
-    if assignments is not None:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        for layer, slot_to_expert in assignments.items():
+    """Each slot layer's `SlotTable`: in `layers[i]["moe"]` for a layer stored apart, else one
+    table of [n, ...] arrays in its stack's `moe` (row r: the stack's r-th layer)."""
+    if assignments is None:
+        return
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rows = stacked_layer_rows(params)
+    by_stack: dict[int, dict[int, np.ndarray]] = {}
+    for layer, slot_to_expert in assignments.items():
+        if layer in rows:
+            g, row = rows[layer]
+            by_stack.setdefault(g, {})[row] = slot_to_expert
+        else:
             params["layers"][layer]["moe"]["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
+    for g, tables in by_stack.items():
+        if sorted(tables) != list(range(len(tables))) or "moe" not in params["layer_stacks"][g]:
+            raise ValueError(f"layer stack {g} mixes slot layers with other layers")
+        params["layer_stacks"][g]["moe"]["slots"] = make_stacked_slot_table(
+            [tables[r] for r in range(len(tables))], config.num_experts, replicated)
 
 
 def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.sharding.Mesh] = None,
                  rules: Optional[ShardingRules] = None, *, delete_layers: bool = False) -> Params:
     """Per-layer parameters (the `scan_layers=False` layout) in `config`'s layer stacks, on
-    the devices; slot layers stay apart. Each stacked leaf is built on the devices; with
-    `delete_layers` its per-layer arrays are deleted before the next, so the extra memory is
-    one leaf's stack (`params` is unusable afterwards)."""
+    the devices (slot layers too; their slot tables, when present, stacked alike). Each stacked
+    leaf is built on the devices; with `delete_layers` its per-layer arrays are deleted before
+    the next, so the extra memory is one leaf's stack (`params` is unusable afterwards)."""
     if params.get("layer_stacks"):
         return params
-    unstacked = [i for i, layer in enumerate(params["layers"]) if "slots" in layer.get("moe", {})]
-    stacks = layer_stacks(config, unstacked)
+    stacks = layer_stacks(config)
     if not stacks:
         return params
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
@@ -292,7 +306,7 @@ def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.shardin
     by_path = {d.path: d for d in decls}
     layers = list(params["layers"])
     leaves = [(d.path, _lookup(params, d.path)) for d in decls
-              if d.path[0] != "layers" or d.path[1] in unstacked]
+              if d.path[0] != "layers"]
     for decl in stack_declarations([by_path[p] for p in by_path if p[0] == "layers"], stacks):
         if not isinstance(decl, StackedDecl):
             continue
@@ -303,8 +317,10 @@ def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.shardin
             for member in members:
                 member.delete()
     tree = build_params(leaves, config, stacks)
-    for i in unstacked:  # slot tables are not declared weights
-        tree["layers"][i]["moe"]["slots"] = layers[i]["moe"]["slots"]
+    for g, s in enumerate(stacks):  # slot tables are not declared weights
+        tables = [layers[i].get("moe", {}).get("slots") for i in range(s.start, s.stop)]
+        if all(t is not None for t in tables):
+            tree["layer_stacks"][g]["moe"]["slots"] = jax.tree.map(lambda *rows: jnp.stack(rows), *tables)
     return tree
 
 

@@ -32,9 +32,14 @@ step and its compile time does not grow with depth:
     layer_stacks[g]: the layer pytree above with every leaf [n, ...] (n layers of the run)
     layers[i]: {} for a layer that lives in a stack
 
-Layers kept apart (expert-parallel slot layers, whose slot buffers the balancer rewrites
-one layer at a time) stay in `layers[i]`; `layer_stacks(config, unstacked)` says which
-layers form which stack, statically, so the loader and the decoder agree.
+Expert-parallel slot layers stack like the others: their slot buffers become [n, S, ...]
+(the leading layer axis never sharded, the slot axis split over `expert`) and their slot
+tables [n, ...] (`layer_stacks[g]["moe"]["slots"]`, attached by the loader). The online
+balancer still rewrites one layer at a time, in place, through a donated update of row
+l of the stacked buffer with l a traced index (`sharding.slot_update`), so one compiled
+update serves every layer. `layer_stacks(config, unstacked)` says which layers form which
+stack, statically, so the loader and the decoder agree; `stacked_layer_rows(params)` where
+each stacked layer's row lives.
 
 Hkv' = Hkv * kv_replicas: with fewer KV heads than tensor-parallel ranks each KV head is
 stored `kv_replicas` times in a row (see `sharding.rules.kv_head_replicas`); attention
@@ -305,6 +310,21 @@ def stacks_of_params(config: ModelConfig, params: Params) -> tuple[LayerStack, .
     return stacks
 
 
+def stacked_layer_rows(params: Params) -> dict[int, tuple[int, int]]:
+    """Decoder layer -> (stack g, row) of every layer stored in `params["layer_stacks"]`. Stacks
+    are runs of consecutive layers in layer order, so the empty `layers[i]`, taken in order,
+    fill the stacks in order (each as many as its leading axis says)."""
+    sizes = [int(jax.tree_util.tree_leaves(tree)[0].shape[0]) for tree in params.get("layer_stacks", [])]
+    empty = [i for i, layer in enumerate(params["layers"]) if not layer]
+    if sum(sizes) != len(empty):
+        raise ValueError(f"params hold {len(empty)} stacked layers but stacks of sizes {sizes}")
+    rows, position = {}, iter(empty)
+    for g, size in enumerate(sizes):
+        for row in range(size):
+            rows[next(position)] = (g, row)
+    return rows
+
+
 def stack_declarations(decls: Sequence[WeightDecl], stacks: Sequence[LayerStack]) -> list[ParamDecl]:
     """`decls` with every layer parameter of a stack folded into one `StackedDecl` (in the place
     of the stack's first layer)."""
@@ -327,9 +347,8 @@ def stack_declarations(decls: Sequence[WeightDecl], stacks: Sequence[LayerStack]
 def declare_params(config: ModelConfig, kv_replicas: int = 1,
                    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> list[ParamDecl]:
     """The parameters as stored: `declare_weights` with the layer stacks folded in (slot layers
-    stay apart)."""
-    decls = declare_weights(config, kv_replicas, slot_assignments)
-    return stack_declarations(decls, layer_stacks(config, tuple(slot_assignments or ())))
+    too: their stacks hold [n, num_slots, ...] buffers)."""
+    return stack_declarations(declare_weights(config, kv_replicas, slot_assignments), layer_stacks(config))
 
 
 def build_params(items: Iterable[tuple[KeyPath, Any]], config: ModelConfig,
