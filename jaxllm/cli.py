@@ -328,13 +328,14 @@ def engine_banner(engine, model: str) -> str:
 
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets..."); with
-    `background`, only the largest bucket and the greedy sampler before returning (see
-    `LLMEngine.warmup`)."""
+    `background`, only the decode and the largest buckets and the greedy sampler before
+    returning (see `LLMEngine.warmup`)."""
     from tqdm.auto import tqdm
 
     buckets = engine.token_buckets()
-    desc = (f"compiling 1 token buckets + sampler, {len(buckets) - 1} more while serving"
-            if background and len(buckets) > 1 else f"compiling {len(buckets)} token buckets + sampler")
+    first = len({engine.decode_bucket(), buckets[-1]})
+    desc = (f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
+            if background and len(buckets) > first else f"compiling {len(buckets)} token buckets + sampler")
     with tqdm(total=len(buckets) + 1, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total

@@ -33,14 +33,25 @@ def _is_single_prompt(inputs) -> bool:
         isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs))
 
 
+WARMUP_MODES = ("background", "all", "none")
+
+
 class LLM:
-    """Loads a model and generates for batches of prompts with in-flight batching."""
+    """Loads a model and generates for batches of prompts with in-flight batching.
+
+    `warmup` says what compiles before the constructor returns: "background" (default) the
+    steps every run needs, the decode and the largest token bucket with the greedy sampler,
+    the rest when they pay for themselves or the engine is idle (`LLMEngine.warmup`); "all"
+    every bucket and sampler variant; "none" nothing (each program compiles when first needed).
+    """
 
     def __init__(self, model: str, tokenizer: Optional[str] = None, tensor_parallel_size: int = 1,
-                 dtype: str = "auto", **kwargs) -> None:
+                 dtype: str = "auto", warmup: str = "background", **kwargs) -> None:
         unknown = sorted(set(kwargs) - _ENGINE_FIELDS - set(EXECUTOR_FIELDS))
         if unknown:
             raise ValueError(f"unknown argument(s) for LLM: {', '.join(unknown)}")
+        if warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {warmup!r}")
         executor_kwargs = {k: kwargs.pop(k) for k in EXECUTOR_FIELDS if k in kwargs}
         executor_config = ExecutorConfig(**executor_kwargs)
         engine_config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype,
@@ -48,6 +59,13 @@ class LLM:
         self._executor = GenerationExecutor(engine_config, executor_config)
         self._owns_executor = True
         self.tokenizer = self._executor.tokenizer
+        if warmup != "none":
+            try:
+                self._executor.call_on_engine(
+                    lambda engine: engine.warmup(all_variants=True, background=warmup == "background"), timeout=None)
+            except BaseException:
+                self._executor.shutdown()
+                raise
 
     @classmethod
     def from_executor(cls, executor: GenerationExecutor) -> "LLM":

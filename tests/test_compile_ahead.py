@@ -1,6 +1,9 @@
 """Compiling on demand without a warm-up (jaxllm.engine.compile_ahead): a step whose best token
 bucket is not compiled runs padded in a compiled larger one while the best fit compiles in the
-background; only buckets steps need are compiled, none twice, and the tokens are HF's."""
+background; only buckets steps need are compiled, none twice, and the tokens are HF's. The
+background warm-up (`LLM(...)`'s default) compiles the decode and largest buckets, nothing more
+while the engine is busy, and the other buckets once it is idle. Compilations are counted, never
+timed."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import jax
 import pytest
 
 from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
+from jaxllm import LLM
 from jaxllm.config import KvCacheConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
@@ -19,6 +23,31 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 VOCAB = 384
 
 
+def _counting_compiles(compiles: list):
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:  # also recorded for a program read from the persistent cache
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return listener
+
+
+def _wait_for_compiles(engine: LLMEngine) -> None:
+    deadline = time.monotonic() + 600
+    while engine.runner.compiles_in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    return path, make_hf_model("qwen3", path, vocab_size=VOCAB)
+
+
+LIMITS = dict(dtype="float32", max_batch_size=4, max_num_tokens=64, max_seq_len=128,
+              kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False))
+
+
 def _run(engine: LLMEngine, requests: list) -> None:
     while engine.has_unfinished_requests():
         engine.step()
@@ -26,20 +55,13 @@ def _run(engine: LLMEngine, requests: list) -> None:
         assert request.is_finished
 
 
-def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(tmp_path):
-    model = make_hf_model("qwen3", tmp_path / "qwen3", vocab_size=VOCAB)
+def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(qwen3):
+    path, model = qwen3
     jax.clear_caches()  # an identical program compiled by an earlier test in this process is no compile
-    engine = LLMEngine(EngineConfig(model=str(tmp_path / "qwen3"), dtype="float32", max_batch_size=4,
-                                    max_num_tokens=64, max_seq_len=128, compile_cache=False,
-                                    kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False)))
+    engine = LLMEngine(EngineConfig(model=str(path), compile_cache=False, **LIMITS))
     assert engine.token_buckets() == [16, 32, 64]
     compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == COMPILE_EVENT:  # also recorded for a program read from the persistent cache
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    listener = _counting_compiles(compiles)
     try:
         # First step: 40 + 3 x 5 prompt tokens, bucket 64, compiled by the step itself. Then 4
         # decoding requests: best fit 16, not compiled, so they run in 64 while 16 compiles.
@@ -52,9 +74,7 @@ def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(tmp_path):
         for prompt, request in zip(prompts, requests):
             hf_teacher_forcing_check(model, prompt, request.output_token_ids)
 
-        deadline = time.monotonic() + 600
-        while engine.runner.compiles_in_flight and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for_compiles(engine)
         assert engine.bucket_compiler.ready == [16, 64]
         padded = engine.bucket_compiler.padded_steps
         later = engine.add_request(random_prompts(1, VOCAB, 3, 4, seed=3)[0], params)
@@ -67,6 +87,68 @@ def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(tmp_path):
     # Only the buckets steps needed (32 never), each compiled once, and the greedy sampler.
     assert engine.runner.num_forward_variants == 2 and engine.runner.num_sampler_variants == 1
     assert len(compiles) == 3, f"{len(compiles)} XLA compilations for 3 programs"
+
+
+def test_background_warm_up_compiles_the_decode_and_largest_buckets_and_the_rest_when_idle(qwen3):
+    path, model = qwen3
+    jax.clear_caches()
+    engine = LLMEngine(EngineConfig(model=str(path), compile_cache=False, **LIMITS))
+    compiles = []
+    listener = _counting_compiles(compiles)
+    try:
+        engine.warmup(background=True)
+        # Decode bucket (4 rows -> 16) and the largest (64), the greedy sampler; 32 left for idle time.
+        assert engine.decode_bucket() == 16
+        assert engine.bucket_compiler.ready == [16, 64] and engine.bucket_compiler.deferred == [32]
+        assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (2, 1)
+        assert engine.runner.compiles_in_flight == 0
+
+        # First step: 20 + 3 x 3 prompt tokens (best fit 32, runs padded in 64), then decoding
+        # steps of 4 tokens in 16. One request samples: its sampler variant compiles on its step.
+        prompts = [random_prompts(1, VOCAB, 20, 20, seed=4)[0]] + random_prompts(3, VOCAB, 3, 3, seed=5)
+        greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+        requests = [engine.add_request(p, greedy) for p in prompts[:3]]
+        requests.append(engine.add_request(prompts[3], SamplingParams(max_tokens=6, temperature=0.8, seed=1,
+                                                                      ignore_eos=True)))
+        busy_forwards, busy_in_flight = set(), set()
+        while engine.has_unfinished_requests():
+            busy_forwards.add(engine.runner.num_forward_variants)
+            busy_in_flight.add(engine.runner.compiles_in_flight)
+            engine.step()
+        assert busy_forwards == {2} and busy_in_flight == {0}  # nothing compiled while busy
+        assert engine.bucket_compiler.padded_steps == 1 and engine.runner.steps_per_bucket[64] == 1
+        assert engine.runner.num_sampler_variants == 2
+        for prompt, request in zip(prompts[:3], requests):
+            hf_teacher_forcing_check(model, prompt, request.output_token_ids)
+
+        _wait_for_compiles(engine)  # the last step found the engine idle: 32 compiled then
+        assert engine.bucket_compiler.ready == [16, 32, 64] and engine.bucket_compiler.deferred == []
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        engine.close()
+    assert engine.runner.num_forward_variants == 3
+    # 3 forwards, 2 samplers and the (empty) KV block copy, each compiled once.
+    assert len(compiles) == 6, f"{len(compiles)} XLA compilations for 6 programs"
+
+
+def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
+    path, _ = qwen3
+    with pytest.raises(ValueError, match="warmup"):
+        LLM(str(path), warmup="eager")
+    llm = LLM(str(path), **LIMITS)
+    try:
+        state = lambda e: (e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants)
+        assert llm.executor.call_on_engine(state) == ([16, 64], 2, 1)
+        # No request comes: after EngineCore.IDLE_SECONDS the engine compiles bucket 32. (Each
+        # look at the engine is a command that restarts the idle clock, so look rarely.)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(3)
+            if llm.executor.call_on_engine(lambda e: e.runner.compiles_in_flight == 0 and len(e.bucket_compiler.ready) == 3):
+                break
+        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 3, 1)
+    finally:
+        llm.shutdown()
 
 
 def test_compile_workers_must_be_positive():

@@ -9,8 +9,11 @@ with EOS ignored, so each request yields exactly its output length, and only tho
 are counted.
 
 Cold is the first call of a fresh engine, compilation included, with an empty compilation
-cache (the run points JAX's persistent cache at a new temporary directory): steps run in a
-compiled token bucket while better-fitting ones compile in the background
+cache (the run points JAX's persistent cache at a new temporary directory). `LLM(...)` compiles
+the decode and the largest token buckets before it returns (its default background warm-up), so
+the table also shows "build + cold": the engine build (weights, KV cache, those compiles) plus
+the first call, next to HF's model load plus its first call. During the cold call steps run in a
+compiled token bucket while better-fitting ones compile once they pay for themselves
 (`jaxllm.engine.compile_ahead`); warm is the same call again once everything is compiled
 (jaxllm warms up every bucket in between).
 Also reports the host time per engine step and its share of the step.
@@ -87,6 +90,9 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
     build_seconds = time.perf_counter() - build_start
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
     results = {}
+    build = llm.executor.call_on_engine(lambda e: dict(
+        compile_seconds=e.runner.compile_seconds, forwards=e.runner.num_forward_variants,
+        samplers=e.runner.num_sampler_variants, wait=e.runner.compile_wait_seconds))
     for phase in ("cold", "warm"):
         if phase == "warm":
             llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)  # every bucket compiled
@@ -99,23 +105,29 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
                                  host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
                                  host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
                                                                       1e-9))
-        if phase == "cold":
+        if phase == "cold":  # what compiled during the call itself (the build's compiles apart)
             results[phase].update(llm.executor.call_on_engine(lambda e: dict(
-                compile_seconds=e.runner.compile_seconds, compile_wait_seconds=e.runner.compile_wait_seconds,
-                forwards_compiled=e.runner.num_forward_variants,
+                compile_seconds=e.runner.compile_seconds - build["compile_seconds"],
+                compile_wait_seconds=e.runner.compile_wait_seconds - build["wait"],
+                forwards_compiled=e.runner.num_forward_variants - build["forwards"],
+                samplers_compiled=e.runner.num_sampler_variants - build["samplers"],
                 padded_steps=e.bucket_compiler.padded_steps if e.bucket_compiler is not None else 0)))
     results["build_seconds"] = build_seconds
+    results["build_compiles"] = build
     llm.shutdown()
     return results
 
 
 def _hf_model(model_dir: Path, args):
+    """(the HF model, seconds it took to load)."""
+    start = time.perf_counter()
     import torch
     import transformers
 
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    return model, time.perf_counter() - start
 
 
 def run_hf(model, prompts, out_lens, args) -> dict:
@@ -196,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             ours = run_jaxllm(model_dir, prompts, out_lens, args, compile_cache_dir)
         rows = {"jaxllm LLM.generate": ours}
         if not args.skip_hf:
-            model = _hf_model(model_dir, args)
+            model, hf_load_seconds = _hf_model(model_dir, args)
             rows["HF generate (static batch)"] = {phase: run_hf(model, prompts, out_lens, args)
                                                   for phase in ("cold", "warm")}
+            rows["HF generate (static batch)"]["build_seconds"] = hf_load_seconds
             if hf_continuous_batching_available(model) and not args.skip_hf_continuous:
                 rows["HF continuous batching"] = {phase: run_hf_continuous(model, prompts, out_lens, args)
                                                   for phase in ("cold", "warm")}
@@ -212,12 +225,25 @@ def main(argv: list[str] | None = None) -> int:
             r = phases[phase]
             ratio = f"{r['tok_per_s'] / static[phase]['tok_per_s']:.2f}x" if static else "-"
             print(f"{name:<28}{phase:<6}{r['seconds']:>9.2f}{r['tokens']:>12}{r['tok_per_s']:>9.1f}{ratio:>12}")
+    for name, phases in rows.items():  # build (or model load) + cold call, where measured
+        if "build_seconds" in phases:
+            total = phases["build_seconds"] + phases["cold"]["seconds"]
+            ratio = "-"
+            if static and "build_seconds" in static:
+                ratio = f"{(static['build_seconds'] + static['cold']['seconds']) / total:.2f}x"
+            tokens = phases["cold"]["tokens"]
+            print(f"{name:<28}{'build':<6}{phases['build_seconds']:>9.2f}{'':>12}{'':>9}{'':>12}")
+            print(f"{name:<28}{'b+cold':<6}{total:>9.2f}{tokens:>12}{tokens / total:>9.1f}{ratio:>12}")
     print("cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
-          "call again (x HF static: against HF static batching in the same run)")
-    cold = ours["cold"]
-    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s; cold call: steps waited {cold['compile_wait_seconds']:.1f} s "
-          f"for compiles ({cold['compile_seconds']:.1f} s compiling in all threads, {cold['forwards_compiled']} token "
-          f"buckets compiled by its end, {cold['padded_steps']} steps run in a larger compiled bucket meanwhile)")
+          "call again; build: LLM(...) (weights, KV cache, the warm-up's compiles) or HF from_pretrained; "
+          "b+cold: build + cold call (x HF static: against HF static batching in the same run; for b+cold "
+          "the ratio of total times)")
+    cold, built = ours["cold"], ours["build_compiles"]
+    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s ({built['forwards']} token buckets + "
+          f"{built['samplers']} sampler compiled, {built['compile_seconds']:.1f} s compiling); cold call: steps "
+          f"waited {cold['compile_wait_seconds']:.1f} s for compiles ({cold['compile_seconds']:.1f} s compiling in "
+          f"all threads, {cold['forwards_compiled']} more token buckets and {cold['samplers_compiled']} sampler "
+          f"variants compiled by its end, {cold['padded_steps']} steps run in a larger compiled bucket meanwhile)")
     print(f"load average (1 min) at start {load_start:.1f}, at end {os.getloadavg()[0]:.1f}")
     warm = ours["warm"]
     print(f"engine steps (warm): {warm['steps']}, host time per step: {warm['host_ms_per_step']:.2f} ms, "

@@ -10,7 +10,9 @@ holds its tokens (the first step, or one larger than any before).
 When the best fit is compiled is a rent-or-buy choice: padding costs a little on every step,
 compiling costs once, and on a CPU the compile takes the cores the steps run on. So a bucket
 compiles on the runner's compile threads once the steps that wanted it have spent as much wall
-time as a compile takes (the mean of those so far), or as soon as the engine is idle. At most
+time as a compile takes (the mean of those so far), or as soon as the engine is idle. That holds
+for a background warm-up's buckets too: it compiles the decode and the largest buckets first and
+`defer`s the others to the engine's idle time (or to the steps that pay for them). At most
 `max_in_flight` buckets compile at once. Programs compiled this way are the same programs,
 under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a
 step's matmuls (not which tokens are valid), as batching with other requests does.
@@ -50,6 +52,7 @@ class BucketCompiler:
         self._asked: dict[int, float] = {}
         self._last_step: Optional[float] = None
         self._wanted: list[int] = []  # buckets to compile, not started yet (first come, first started)
+        self._deferred: list[int] = []  # buckets to compile once the engine is idle (a background warm-up's)
         self._in_flight: set[int] = set()
         self._closed = False
         self._failed: set[int] = set()  # compiled ahead with an error: the step compiles it (and reports)
@@ -72,16 +75,23 @@ class BucketCompiler:
             self._ready.sort()
         if bucket in self._wanted:
             self._wanted.remove(bucket)
+        if bucket in self._deferred:
+            self._deferred.remove(bucket)
         self._asked.pop(bucket, None)
 
-    def want(self, buckets: Any) -> None:
-        """Compile `buckets` in the background, in this order (a background warm-up)."""
+    @property
+    def deferred(self) -> list[int]:
+        with self._lock:
+            return list(self._deferred)
+
+    def defer(self, buckets: Any) -> None:
+        """Compile `buckets` once the engine is idle, in this order, unless steps pay for one
+        first (a background warm-up's remaining buckets)."""
         with self._lock:
             for bucket in buckets:
-                if bucket not in self._ready and bucket not in self._in_flight and bucket not in self._wanted:
-                    self._wanted.append(bucket)
-            to_start = self._take_startable()
-        self._start(to_start)
+                if bucket not in self._ready and bucket not in self._in_flight and bucket not in self._wanted \
+                        and bucket not in self._deferred:
+                    self._deferred.append(bucket)
 
     def choose(self, num_tokens: int) -> int:
         """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
@@ -103,18 +113,23 @@ class BucketCompiler:
                 if paid >= self._compile_seconds():
                     del self._asked[best]
                     self._wanted.append(best)
+                    if best in self._deferred:
+                        self._deferred.remove(best)
             to_start = self._take_startable()
             self.padded_steps += 1
         self._start(to_start)
         return fitting
 
     def on_idle(self) -> None:
-        """The engine has nothing to run: compile every bucket steps asked for."""
+        """The engine has nothing to run: compile every bucket steps asked for, then the deferred ones."""
         with self._lock:
-            if not self._asked:
+            if not self._asked and not self._deferred:
                 return
-            self._wanted.extend(b for b in self._asked if b not in self._wanted and b not in self._in_flight)
+            for bucket in [*self._asked, *self._deferred]:
+                if bucket not in self._wanted and bucket not in self._in_flight:
+                    self._wanted.append(bucket)
             self._asked.clear()
+            self._deferred.clear()
             to_start = self._take_startable()
         self._start(to_start)
 
@@ -124,6 +139,7 @@ class BucketCompiler:
             self._closed = True
             self._wanted.clear()
             self._asked.clear()
+            self._deferred.clear()
 
     def _take_startable(self) -> list[int]:
         started = []

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jaxllm.batch_builder import build_step_batch, token_buckets
+from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
 from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
@@ -380,18 +380,19 @@ class LLMEngine:
         (`EngineConfig.compile_workers`); the samplers once the smallest bucket's forward gave
         the logits they take. Then each runs once.
 
-        `background`: return once the largest bucket (which holds any step) and the greedy
-        sampler are compiled; the other buckets and variants compile on the compile threads
-        while the engine serves (steps run padded in the largest bucket meanwhile, see
-        `jaxllm.engine.compile_ahead`; a request whose sampler variant is still compiling waits
-        for it). Needs `compile_ahead` (else everything compiles before returning)."""
+        `background`: return once the buckets of the common steps are compiled, the decode
+        bucket (the smallest holding `max_batch_size` tokens: every decoding step fits it) and
+        the largest (which holds any step), with the greedy sampler. Nothing else compiles
+        while the engine is busy unless it pays for itself: a step whose best bucket is not
+        compiled runs padded in a compiled one until its padding cost a compile (see
+        `jaxllm.engine.compile_ahead`), and another sampler variant compiles on the step of the
+        first request that needs it. The other buckets compile when the engine is idle
+        (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
         buckets = self.token_buckets()
         variants = SAMPLER_VARIANTS if all_variants else [dict()]
         total = len(buckets) + len(variants)
         if background and self.bucket_compiler is not None:
-            self._warm_up_in_background(buckets, variants)
-            if progress is not None:
-                progress(total, total)
+            self._warm_up_in_background(buckets, progress)
         else:
             self._warm_up_all(buckets, variants, progress, total)
         if self.load_balancer is not None:
@@ -436,23 +437,41 @@ class LLMEngine:
         for out in outputs:
             np.asarray(out.token_ids)
 
-    def _warm_up_in_background(self, buckets: list[int], variants: Any) -> None:
-        logits = self.runner.forward(*self._empty_batch(buckets[-1]), None)
+    def decode_bucket(self) -> int:
+        """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
+        return choose_token_bucket(self.config.max_batch_size, self.config.max_num_tokens,
+                                   self.config.min_token_bucket)
+
+    def _warm_up_in_background(self, buckets: list[int], progress: Optional[Callable[[int, int], None]]) -> None:
+        first = sorted({self.decode_bucket(), buckets[-1]})
+        # Both compile at once on the compile threads (on a CPU that is the build's cores, idle).
+        for future in [self.runner.compile_forward(*self._empty_batch(bucket), wait=False) for bucket in first]:
+            future.result()
+        for bucket in first:  # each runs once (empty batches write nothing)
+            logits = self.runner.forward(*self._empty_batch(bucket), None)
         self.runner.compile_batched_processors(logits)
         greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
         out = self.runner.sample(logits, greedy)
         self.runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
         np.asarray(out.token_ids)
-        self.bucket_compiler.mark_ready(buckets[-1:])
-        self.bucket_compiler.want(buckets[:-1])  # smallest first: decoding steps are the common ones
-        for flags in variants:
-            self.runner.compile_sampler(logits, SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags),
-                                        wait=False)
+        self.bucket_compiler.mark_ready(first)
+        self.bucket_compiler.defer([bucket for bucket in buckets if bucket not in first])
+        # Another sampler variant compiles on the step of the first request that needs it (in a
+        # fraction of a forward's compile time), not ahead: most runs never use most variants.
         if self.config.warmup_logits_outputs and self.admission_limits.logits_unsupported is None:
             self.runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
             for bucket in buckets:
                 for rows in token_buckets(bucket, self.config.min_token_bucket):
                     self.runner.compile_forward(*self._empty_batch(bucket), np.zeros(rows, np.int32), wait=False)
+        if progress is not None:
+            progress(len(first) + 1, len(first) + 1)
+
+    def on_idle(self) -> None:
+        """Nothing to run: compile, on the compile threads, the buckets steps asked for and
+        those a background warm-up left for idle time. Called after a run (`step`) and by the
+        engine's driver when no request arrived for a while."""
+        if self.bucket_compiler is not None:
+            self.bucket_compiler.on_idle()
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
@@ -628,7 +647,7 @@ class LLMEngine:
         self.timing.device_wait_seconds += self._wait_seconds
         self._wait_seconds = 0.0
         if self.bucket_compiler is not None and not self.has_unfinished_requests():
-            self.bucket_compiler.on_idle()
+            self.on_idle()
         if dispatched is not None:
             dispatched.stats["iterLatencyMS"] = elapsed * 1e3
             dispatched.stats["numCompletedRequests"] = sum(u.finished for u in updates)

@@ -78,6 +78,10 @@ def _logits_outputs(request: Any) -> Optional[dict]:
 class EngineCore:
     """Runs schedule -> step -> respond on a background thread."""
 
+    # Seconds without a request before the engine's idle work starts (a caller that builds an
+    # engine and submits at once finds the cores free).
+    IDLE_SECONDS = 2.0
+
     def __init__(self, engine: Any, sink: Callable[[Optional[list]], None],
                  on_stats: Optional[Callable[[dict], None]] = None, *, name: str = "jaxllm-engine") -> None:
         self.engine = engine
@@ -208,12 +212,29 @@ class EngineCore:
     def _drain(self, block: bool) -> list[tuple]:
         commands = []
         try:
-            commands.append(self._commands.get(block=block))
+            if block:
+                commands.append(self._wait_for_command())
+            else:
+                commands.append(self._commands.get_nowait())
             while True:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:
             pass
         return commands
+
+    def _wait_for_command(self) -> tuple:
+        """The next command; when none comes for `IDLE_SECONDS`, the engine's idle work
+        (`LLMEngine.on_idle`: programs a background warm-up left for idle time) starts first."""
+        try:
+            return self._commands.get(timeout=self.IDLE_SECONDS)
+        except queue.Empty:
+            on_idle = getattr(self.engine, "on_idle", None)
+            if on_idle is not None:
+                try:
+                    on_idle()
+                except Exception:  # idle work is optional: the engine serves on without it
+                    logger.warning("the engine's idle work failed", exc_info=True)
+            return self._commands.get()
 
     def _handle(self, command: tuple, events: list[tuple]) -> bool:
         kind = command[0]
