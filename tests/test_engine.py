@@ -196,3 +196,36 @@ def test_steady_decode_path_changes_no_output(moe_llm, monkeypatch):
             assert len(steady_steps) > 5
     assert results[0] == results[1]
     assert {r[1] for r in results[0]} == {"stop", "length"}
+
+
+def test_steady_decode_steps_report_plain_rows_batched(moe_llm):
+    """A steady decode step reports the rows whose token neither ends the request nor needs
+    checking as one batched value (`StepUpdates.decoded`); iterated, every step's updates
+    are token for token, finish for finish, those of the general path (which builds one
+    `RequestUpdate` per row)."""
+    prompts = random_prompts(5, VOCAB, 3, 20, seed=12)
+
+    def run(engine, steady: bool):
+        engine.planner.steady_decode = steady
+        try:
+            index = {}
+            for i, prompt in enumerate(prompts):
+                params = SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True,
+                                        stop_token_ids=[int(prompt[0])] if i == 2 else None)
+                index[engine.add_request(prompt, params).request_id] = i
+            steps, batched = [], 0
+            while engine.has_unfinished_requests():
+                updates = engine.step()
+                batched += sum(len(b.requests) for b in updates.decoded)
+                assert len(updates) == len(list(updates))
+                steps.append(sorted((index[u.request.request_id], tuple(u.new_token_ids), u.finished)
+                                    for u in updates))
+            return steps, batched
+        finally:
+            engine.planner.steady_decode = True
+
+    fast, batched = moe_llm.executor.call_on_engine(lambda engine: run(engine, True), timeout=300)
+    general, none = moe_llm.executor.call_on_engine(lambda engine: run(engine, False), timeout=300)
+    assert batched > 10 and none == 0
+    assert fast == general
+    assert sum(finished for step in fast for _, _, finished in step) == len(prompts)

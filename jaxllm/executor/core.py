@@ -4,7 +4,7 @@ Callers talk to it through a command queue and it answers through an event sink,
 nobody ever blocks the step loop. Each iteration drains commands (without waiting while
 there is work), calls `engine.step()` - which dispatches step N+1 before reading back
 step N, so the device always has the next step queued - and hands the token events of
-the step to the output side in one batch. The loop adds no device syncs of its own.
+the step to the output side in one batch (the plain decode rows of a step as one event). The loop adds no device syncs of its own.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
-from jaxllm.executor.output_processor import ADD, ERROR, TOKENS, OutputSpec, portable_error
+from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, OutputSpec, portable_error
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: Optional[BaseException] = None
+
+
+_request_id = attrgetter("request_id")
 
 
 def _logits_outputs(request: Any) -> Optional[dict]:
@@ -170,7 +174,11 @@ class EngineCore:
                     self.timing.step_seconds += time.perf_counter() - step_started
                     self.timing.iterations += 1
                     quiet = self._quiet
-                    for u in updates:
+                    for decoded in updates.decoded:
+                        # Plain decode rows: one event for all of them (the output side skips
+                        # the sequences nobody watches, like `quiet` here).
+                        events.append((DECODED, list(map(_request_id, decoded.requests)), decoded.token_ids))
+                    for u in updates.updates:
                         request = u.request
                         rid = request.request_id
                         if u.error is not None:  # the engine failed this request alone

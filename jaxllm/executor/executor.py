@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
-from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec
+from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec, event_slices
 from jaxllm.executor.postprocess import PostprocessWorkerPool
 from jaxllm.executor.request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
@@ -439,9 +439,10 @@ class GenerationExecutor:
         """Process a step's events a slice at a time, yielding the GIL in between, so that the
         engine thread - whose step result may arrive meanwhile - waits for at most one slice
         instead of a whole batch (or a whole switch interval)."""
-        for start in range(0, len(events), _SLICE):
-            self._apply(self._processor.process(events[start:start + _SLICE]))
-            if start + _SLICE < len(events):
+        slices = event_slices(events, _SLICE)
+        for i, part in enumerate(slices):
+            self._apply(self._processor.process(part))
+            if i + 1 < len(slices):
                 time.sleep(0)
 
     def _apply(self, deltas: list[Delta]) -> None:

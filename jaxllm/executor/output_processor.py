@@ -11,6 +11,11 @@ Events (from the engine thread, in order per engine request):
                                                   a beam-search beam's final event carries its score,
                                                   a final event the logits outputs asked for
   (ERROR, rid, exception)                         the engine refused or failed this sequence
+  (DECODED, rids, token_ids)                      one more token for each of many sequences (the
+                                                  plain rows of a decode step; none finishes);
+                                                  sequences nobody watches (no streaming, no stop
+                                                  strings) skip it: their final event carries all
+                                                  their tokens
 A sequence's final delta is produced only once the engine has released it (its last
 TOKENS event), so a finished result never still holds KV blocks.
 """
@@ -24,6 +29,7 @@ from typing import Any, Optional, Union
 from jaxllm.executor.detokenizer import IncrementalDetokenizer, find_stop_string, make_decoder
 
 ADD, TOKENS, ERROR = 0, 1, 2
+DECODED = 4  # (3 is the executor's FATAL)
 
 
 @dataclass
@@ -58,6 +64,33 @@ class Delta:
     logits_outputs: Optional[dict] = None
 
 
+def event_slices(events: list[tuple], size: int) -> list[list[tuple]]:
+    """`events` cut into slices of about `size` sequence updates each (a DECODED event counts
+    one per row and is itself cut), so that a slice takes about the same time to process."""
+    slices: list[list[tuple]] = []
+    current: list[tuple] = []
+    weight = 0
+    for event in events:
+        if event[0] == DECODED:
+            rids, tokens = event[1], event[2]
+            for start in range(0, len(rids), size):
+                part = (DECODED, rids[start:start + size], tokens[start:start + size])
+                current.append(part)
+                weight += len(part[1])
+                if weight >= size:
+                    slices.append(current)
+                    current, weight = [], 0
+            continue
+        current.append(event)
+        weight += 1
+        if weight >= size:
+            slices.append(current)
+            current, weight = [], 0
+    if current:
+        slices.append(current)
+    return slices
+
+
 def portable_error(exc: BaseException) -> BaseException:
     """The exception itself if it survives pickling, else a RuntimeError carrying its text."""
     try:
@@ -69,7 +102,7 @@ def portable_error(exc: BaseException) -> BaseException:
 
 class _Sequence:
     __slots__ = ("spec", "detok", "num_tokens", "cumulative", "stop_str", "emitted_chars",
-                 "hold_back", "pending_tokens", "pending_logprobs", "deferred_decode", "since_emit")
+                 "hold_back", "pending_tokens", "pending_logprobs", "deferred_decode", "since_emit", "quiet")
 
     def __init__(self, spec: OutputSpec, tokenizer: Any, decoder) -> None:
         self.spec = spec
@@ -87,6 +120,8 @@ class _Sequence:
         # Without streaming or stop strings nobody looks at partial text: decode once at the end.
         self.deferred_decode: list[int] = []
         self.since_emit = 0
+        # Nobody looks at its partial output: the engine thread sends its tokens with its last event.
+        self.quiet = not (spec.streaming or spec.stop)
 
     def take_text(self, final: bool) -> str:
         if self.detok is None:
@@ -122,6 +157,8 @@ class OutputProcessor:
                         delta.logits_outputs = event[7]
                     if delta is not None:
                         deltas.append(delta)
+                elif kind == DECODED:
+                    self._decoded(event[1], event[2], deltas)
                 elif kind == ADD:
                     self._seqs[rid] = _Sequence(event[2], self.tokenizer, self._decoder)
                 elif kind == ERROR:
@@ -131,6 +168,21 @@ class OutputProcessor:
                 self._seqs.pop(rid, None)
                 deltas.append(Delta(rid, error=portable_error(exc)))
         return deltas
+
+    def _decoded(self, rids: list[int], token_ids: list[int], deltas: list[Delta]) -> None:
+        """A DECODED event: one token for each watched sequence of `rids`."""
+        seqs = self._seqs
+        for rid, token in zip(rids, token_ids):
+            seq = seqs.get(rid)
+            if seq is None or seq.quiet:
+                continue
+            try:
+                delta = self._tokens(rid, [token], None, None, None)
+            except Exception as exc:  # a failure here concerns this sequence only
+                seqs.pop(rid, None)
+                delta = Delta(rid, error=portable_error(exc))
+            if delta is not None:
+                deltas.append(delta)
 
     def _tokens(self, rid: int, token_ids: list[int], logprobs: Optional[list],
                 finish_reason: Optional[str], stop_reason, score: Optional[float] = None) -> Optional[Delta]:

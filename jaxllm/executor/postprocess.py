@@ -22,7 +22,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
-from jaxllm.executor.output_processor import ADD, ERROR, TOKENS, Delta, OutputProcessor, portable_error
+from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, Delta, OutputProcessor, portable_error
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,20 @@ class PostprocessWorkerPool:
         with self._lock:
             for event in events:
                 kind, rid = event[0], event[1]
+                if kind == DECODED:  # split by owner: each worker gets its rows as one event
+                    parts: dict[int, tuple[list, list]] = {}
+                    owner = self._owner
+                    for rid, token in zip(event[1], event[2]):
+                        index = owner.get(rid)
+                        if index is not None:
+                            part = parts.get(index)
+                            if part is None:
+                                part = parts[index] = ([], [])
+                            part[0].append(rid)
+                            part[1].append(token)
+                    for index, (rids, tokens) in parts.items():
+                        batches.setdefault(index, []).append((DECODED, rids, tokens))
+                    continue
                 if kind == ADD:
                     index = self._pick_locked(rid)
                     if index is None:
