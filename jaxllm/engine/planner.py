@@ -14,9 +14,7 @@ that will get a token carry a placeholder until the runner's output is read back
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
-from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Callable, Optional
 
@@ -41,11 +39,6 @@ _GENERATION_TO_COMPLETE = LlmRequestState.GENERATION_TO_COMPLETE
 _output_token_ids = attrgetter("output_token_ids")
 _feed_row = attrgetter("feed_row")
 _last = itemgetter(-1)
-
-
-def _consume(iterator) -> None:
-    """Run an iterator of calls to its end in C (no Python bytecode per item)."""
-    deque(iterator, maxlen=0)
 
 
 PLACEHOLDER_TOKEN = -1
@@ -272,7 +265,8 @@ class Planner:
             # the step that started the batch, so its `feed_row` is already that row.
             gen = output.generation_requests
             entries = list(zip(gen, range(len(gen)), (decode.num_tokens - decode.orig_prompt_len).tolist()))
-            _consume(map(list.append, map(_output_token_ids, gen), repeat(PLACEHOLDER_TOKEN)))
+            for out in map(_output_token_ids, gen):
+                out.append(PLACEHOLDER_TOKEN)  # a plain loop: cheaper than map(list.append, ...)
             decode.entries = entries
             return entries
         entries = []

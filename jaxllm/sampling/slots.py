@@ -14,6 +14,7 @@ paths produce the same tensors.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -32,8 +33,12 @@ class SamplingSlots:
         self._values = np.tile(_NEUTRAL, (num_slots, 1))  # float64 [slots, 7], SamplingTensors columns
         self._seed = np.zeros((num_slots, 2), np.uint32)  # high, low word of the 64-bit seed
         self._plain = np.zeros(num_slots, np.bool_)
+        # Counts changes of the rows, so `gather` can reuse its last tensors for the same slots.
+        self._version = 0
+        self._last_gather: Optional[tuple] = None  # (slots array, S, width, version, tensors)
 
     def _grow(self, needed: int) -> None:
+        self._version += 1
         old = len(self._owner)
         size = max(needed, 2 * old)
         self._owner += [None] * (size - old)
@@ -47,6 +52,7 @@ class SamplingSlots:
         seed = request.seed if request.seed is not None else params.seed
         plain = (not row.has_penalties and not row.has_bad_words and not row.needs_history
                  and row.min_tokens == 0 and params.logprobs is None and not params.use_beam_search and (seed is not None or row.greedy))
+        self._version += 1
         self._owner[slot] = request
         self._values[slot] = row.values
         seed = 0 if seed is None else seed
@@ -85,19 +91,28 @@ class SamplingSlots:
         output token number `step[i]`."""
         n = slots.shape[0]
         S = max_batch_size
+        steps = np.zeros(S, np.int32)
+        steps[:n] = step
+        last = self._last_gather
+        if (last is not None and last[0] is slots and last[1] == S and last[2] == suppress_width
+                and last[3] == self._version):
+            # The same rows as the last call (a steady decode batch): only the step changed.
+            return replace(last[4], step=steps)
         scalars = np.empty((S, 7), np.float64)
         np.take(self._values, slots, axis=0, out=scalars[:n])
         scalars[n:] = _NEUTRAL
         seed = np.zeros((S, 2), np.uint32)
         np.take(self._seed, slots, axis=0, out=seed[:n])
-        steps = np.zeros(S, np.int32)
-        steps[:n] = step
-        return SamplingTensors.from_columns(
+        tensors = SamplingTensors.from_columns(
             scalars, seed, steps, np.full((S, suppress_width), -1, np.int32), np.full((S, 1), -1, np.int32),
             np.zeros((S, 1), np.bool_), use_penalties=False, num_top_logprobs=0)
+        # Its arrays are never written after this (a step's inputs are copied when packed).
+        self._last_gather = (slots, S, suppress_width, self._version, tensors)
+        return tensors
 
     def release(self, slot: Optional[int] = None) -> None:
         """Forget the owner of `slot` (every slot when None); the next step refills it."""
+        self._version += 1
         if slot is None:
             self._owner = [None] * len(self._owner)
         else:
