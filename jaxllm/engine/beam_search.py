@@ -23,9 +23,17 @@ step for step, so the same model gives the same beams and scores:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
+
+from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.request import LlmRequest, LlmRequestState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxllm.engine.llm_engine import LLMEngine, _PendingStep
+
+_COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 _NEG = -1.0e9  # Hugging Face's "impossible" score
 
@@ -137,3 +145,59 @@ def beam_id(request_id: int, beam: int) -> int:
     """Id of beam `beam` (>= 1) of a request in the KV cache manager: negative, so it never
     meets a request id."""
     return -1 - (request_id * 8 + beam)
+
+
+# ---------------------------------------------------------------------- the engine's beam step
+def advance_beams(engine: "LLMEngine", pending: "_PendingStep") -> list[RequestUpdate]:
+    """Choose each beam-search request's next beams from its rows' top candidates, fork
+    their KV blocks (copying shared partial blocks on the device), or finish it."""
+    out = pending.sampler_output
+    top_ids, top_logprobs = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    rows_of: dict[LlmRequest, list[int]] = {}
+    for request, row, _ in pending.beam_entries:
+        leader = request.beam.requests[0]
+        rows_of.setdefault(leader, []).append(row)
+    updates = []
+    for leader, rows in rows_of.items():
+        if leader.state is _COMPLETE:
+            continue
+        try:
+            updates += _advance_one(engine, leader, rows, top_ids, top_logprobs)
+        except Exception as exc:  # host bookkeeping of one request: fail it alone
+            updates += engine._fail([leader], exc, "choosing the next beams")
+    return updates
+
+
+def _advance_one(engine: "LLMEngine", leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
+                 top_logprobs: np.ndarray) -> list[RequestUpdate]:
+    run: BeamRun = leader.beam
+    search = run.search
+    parents = search.step(top_ids[rows], top_logprobs[rows])
+    if search.done:
+        results = search.results(run.num_returned)
+        best = results[0]
+        leader.output_token_ids[:] = best.token_ids
+        engine._finish(leader, best.finish_reason, None, len(best.token_ids))
+        return [RequestUpdate(leader, list(best.token_ids), finished=True, beam_outputs=results)]
+    kv = engine.kv_cache_manager
+    if len(run.requests) == 1:  # the prompt is done: the other beams start from it
+        beams = []
+        for j in range(1, search.beam_width):
+            beam = LlmRequest(request_id=beam_id(leader.request_id, j), prompt_token_ids=leader.prompt_token_ids,
+                              max_new_tokens=leader.max_new_tokens, priority=leader.priority,
+                              arrival_time=leader.arrival_time, sampling_params=leader.sampling_params,
+                              state=LlmRequestState.GENERATION_IN_PROGRESS)
+            beam.context_current_position = leader.prompt_len
+            beam.seed, beam.end_ids, beam.beam = leader.seed, leader.end_ids, run
+            beam.lora_adapter = leader.lora_adapter
+            beam.kv_cache_retention_config = leader.kv_cache_retention_config
+            beams.append(beam)
+        kv.add_beams(leader, beams)
+        run.requests.extend(beams)
+    cached = leader.prompt_len + search.num_generated - 1  # the newest token is fed next step
+    copies = kv.fork_beams(leader, [p for p, _ in parents], cached)
+    for beam, tokens in zip(run.requests, search.tokens):
+        beam.output_token_ids[:] = tokens
+    if copies:
+        engine.runner.copy_blocks(copies)
+    return []

@@ -26,7 +26,6 @@ import math
 import time
 from concurrent.futures import as_completed
 from dataclasses import dataclass, replace
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,18 +37,18 @@ from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, Ranke
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
 from jaxllm.engine.backends import resolve_backends
-from jaxllm.engine.beam_search import BeamRun, BeamSearch, beam_id
+from jaxllm.engine.beam_search import BeamRun, BeamSearch
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
-from jaxllm.engine.logits_outputs import (LogitsRecord, StepLogitsTargets, plan_step_logits, row_buckets,
-                                          store_step_logits)
+from jaxllm.engine.logits_outputs import (LogitsRecord, StepLogitsTargets, plan_step_logits, row_buckets)
 from jaxllm.engine.logits_processing import check_batched_processors, host_processor_hook
 from jaxllm.engine.model_runner import ModelRunner, plan_num_kv_blocks
 from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, TokenEntry
-from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
+from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
+from jaxllm.engine.token_readback import TokenReadback
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
 from jaxllm.kv_cache.retention import check_retention_config
@@ -60,9 +59,8 @@ from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
 from jaxllm.models.resolve import resolve_dtype
-from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest, LlmRequestState
-from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, check_stop, resolve_seed
+from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
@@ -113,22 +111,6 @@ class _PendingStep:
     # output_token_ids each row's token goes to, so reading back needs no pass over entries.
     decode: Optional[DecodeRows] = None
     decode_index: Optional[np.ndarray] = None
-
-
-_output_token_ids = attrgetter("output_token_ids")
-
-
-def _stop_rows(requests: list[LlmRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: max_tokens, end ids (padded with -1, which no token equals) and whether
-    every token must be checked (stop token ids)."""
-    n = len(requests)
-    params = [r.sampling_params for r in requests]
-    width = max((len(r.end_ids) for r in requests), default=0)
-    end_ids = np.full((n, max(width, 1)), -1, np.int64)
-    for i, request in enumerate(requests):
-        end_ids[i, :len(request.end_ids)] = list(request.end_ids)
-    return (np.fromiter((p.max_tokens for p in params), np.int64, n), end_ids,
-            np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n))
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -273,8 +255,7 @@ class LLMEngine:
         # Active requests with logits outputs or post-processors (jaxllm.engine.logits_outputs).
         self._num_logits_requests = 0
         self._pending: Optional[_PendingStep] = None
-        # (decode rows, their stop arrays): built once per steady decode batch.
-        self._decode_stops: Optional[tuple] = None
+        self.readback = TokenReadback(self)  # reads dispatched steps back (jaxllm.engine.token_readback)
         # Counts admissions and finishes: while it is unchanged and every request of a steady
         # decode step stays below max_tokens, the next step's candidates are that step's
         # requests (`_steady_candidates`), found without a pass over the active requests.
@@ -626,23 +607,23 @@ class LLMEngine:
             in_flight = {id(entry[0]) for entry in pending.entries}
             if any(r.sampling_params.needs_history and id(r) in in_flight for r in candidates):
                 # Penalties and bad-word lists need every previous token on the host: no overlap here.
-                updates += self._process(pending)
+                updates += self.readback.process(pending)
                 self._pending = None
                 candidates = self._schedulable()
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
         if self._pending is not None:
-            updates += self._process(self._pending)
+            updates += self.readback.process(self._pending)
         self._pending = dispatched
         self._steady_candidates = None
         if dispatched is not None and dispatched.decode is not None:
             decode = dispatched.decode
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
-            if bool((dispatched.decode_index + 1 < self._stops_of(decode)[1]).all()):
+            if bool((dispatched.decode_index + 1 < self.readback.stops_of(decode)[1]).all()):
                 self._steady_candidates = (decode.requests, self._active_changes)
         if self._pending is not None and not self.overlap:
-            updates += self._process(self._pending)
+            updates += self.readback.process(self._pending)
             self._pending = None
         elapsed = time.perf_counter() - started
         self.timing.steps += 1
@@ -767,180 +748,6 @@ class LLMEngine:
             except Exception:
                 culprits += single.all_requests()
         return culprits
-
-    def _process(self, pending: _PendingStep) -> StepUpdates:
-        out = pending.sampler_output
-        wait_start = time.perf_counter()
-        tokens = np.asarray(out.token_ids)
-        self._wait_seconds += time.perf_counter() - wait_start
-        failed_processors = []
-        processed = None
-        if pending.processed_output is not None:
-            try:
-                processed = pending.processed_output.result()
-            except Exception as exc:  # the processors' pass itself failed: its requests only
-                failed_processors += self._fail(list(pending.processor_requests), exc, "running logits processors")
-            else:
-                tokens = tokens.copy()
-                rows = list(pending.processor_rows)
-                tokens[rows] = np.asarray(processed.token_ids)[rows]
-        for request, exc in pending.processor_failures or ():  # the user's callable failed: that request only
-            failed_processors += self._fail([request], exc, "running its logits_processor")
-        writer = self.expert_statistics
-        if pending.expert_counts is not None:
-            counts = np.asarray(pending.expert_counts)
-            if self.load_balancer is not None:  # per slot: the placement changes while recording
-                counts = self.load_balancer.observe(counts, pending.slot_tables)
-            if writer is not None and writer.wants(pending.iteration):
-                writer.record(pending.iteration, counts)
-        if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
-            writer.save()
-        if pending.logits_targets is not None:
-            store_step_logits(pending.logits_targets, pending.context_logits, pending.row_logits, pending.entries)
-        logprobs = None
-        if pending.wants_logprobs:
-            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
-            if processed is not None:  # the processor rows' logprobs are those of their own pass
-                rows = list(pending.processor_rows)
-                logprobs = tuple(np.array(a) for a in logprobs)
-                for mine, theirs in zip(logprobs, (processed.logprobs, processed.top_ids, processed.top_logprobs)):
-                    mine[rows] = np.asarray(theirs)[rows]
-        decode = pending.decode
-        if (logprobs is None and decode is not None and not failed_processors
-                and self.kv_cache_manager.decode_rows_current(decode)):
-            # No request of the step finished since it was dispatched (that frees KV blocks).
-            return self._apply_decode_tokens(decode, pending.decode_index, tokens)
-        token_list = tokens.tolist()  # plain ints, converted once for the whole batch
-        updates = failed_processors
-        append = updates.append
-        for request, row, index in pending.entries:
-            out = request.output_token_ids
-            if request.state is _COMPLETE or index >= len(out):
-                continue
-            params = request.sampling_params
-            token = token_list[row]
-            n = index + 1
-            # The common case inline: no logprobs, and the token neither ends the request by
-            # length nor can stop it (check_stop decides every other case).
-            if (logprobs is None and n < params.max_tokens and token not in request.end_ids
-                    and not params.stop_token_ids):
-                out[index] = token
-                append(RequestUpdate(request, [token]))
-                continue
-            try:
-                append(self._apply_token(request, index, token, row, logprobs))
-            except Exception as exc:  # host bookkeeping of one request: fail it alone
-                updates += self._fail([request], exc, "applying a sampled token")
-        if pending.beam_entries:
-            updates += self._advance_beams(pending)
-        return StepUpdates(updates)
-
-    def _advance_beams(self, pending: _PendingStep) -> list[RequestUpdate]:
-        """Choose each beam-search request's next beams from its rows' top candidates, fork
-        their KV blocks (copying shared partial blocks on the device), or finish it."""
-        out = pending.sampler_output
-        top_ids, top_logprobs = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        rows_of: dict[LlmRequest, list[int]] = {}
-        for request, row, _ in pending.beam_entries:
-            leader = request.beam.requests[0]
-            rows_of.setdefault(leader, []).append(row)
-        updates = []
-        for leader, rows in rows_of.items():
-            if leader.state is _COMPLETE:
-                continue
-            try:
-                updates += self._advance_one(leader, rows, top_ids, top_logprobs)
-            except Exception as exc:  # host bookkeeping of one request: fail it alone
-                updates += self._fail([leader], exc, "choosing the next beams")
-        return updates
-
-    def _advance_one(self, leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
-                     top_logprobs: np.ndarray) -> list[RequestUpdate]:
-        run: BeamRun = leader.beam
-        search = run.search
-        parents = search.step(top_ids[rows], top_logprobs[rows])
-        if search.done:
-            results = search.results(run.num_returned)
-            best = results[0]
-            leader.output_token_ids[:] = best.token_ids
-            self._finish(leader, best.finish_reason, None, len(best.token_ids))
-            return [RequestUpdate(leader, list(best.token_ids), finished=True, beam_outputs=results)]
-        kv = self.kv_cache_manager
-        if len(run.requests) == 1:  # the prompt is done: the other beams start from it
-            beams = []
-            for j in range(1, search.beam_width):
-                beam = LlmRequest(request_id=beam_id(leader.request_id, j), prompt_token_ids=leader.prompt_token_ids,
-                                  max_new_tokens=leader.max_new_tokens, priority=leader.priority,
-                                  arrival_time=leader.arrival_time, sampling_params=leader.sampling_params,
-                                  state=LlmRequestState.GENERATION_IN_PROGRESS)
-                beam.context_current_position = leader.prompt_len
-                beam.seed, beam.end_ids, beam.beam = leader.seed, leader.end_ids, run
-                beam.lora_adapter = leader.lora_adapter
-                beam.kv_cache_retention_config = leader.kv_cache_retention_config
-                beams.append(beam)
-            kv.add_beams(leader, beams)
-            run.requests.extend(beams)
-        cached = leader.prompt_len + search.num_generated - 1  # the newest token is fed next step
-        copies = kv.fork_beams(leader, [p for p, _ in parents], cached)
-        for beam, tokens in zip(run.requests, search.tokens):
-            beam.output_token_ids[:] = tokens
-        if copies:
-            self.runner.copy_blocks(copies)
-        return []
-
-    def _apply_decode_tokens(self, decode: DecodeRows, index: np.ndarray, tokens: np.ndarray) -> StepUpdates:
-        """`_process` of a steady decode step without logprobs: the tokens are written in one
-        pass and only rows whose token may end the request (length, an end or stop token)
-        are checked one by one; the other rows are reported batched (`DecodeTokens`)."""
-        requests = decode.requests
-        n = len(requests)
-        _, max_tokens, end_ids, always_check = self._stops_of(decode)
-        row_tokens = tokens[:n]
-        checked = always_check | (index + 1 >= max_tokens) | (row_tokens[:, None] == end_ids).any(axis=1)
-        token_list, index_list = row_tokens.tolist(), index.tolist()
-        for out, i, token in zip(map(_output_token_ids, requests), index_list, token_list):
-            out[i] = token  # a plain loop: half the cost of map(list.__setitem__, ...)
-        check = np.flatnonzero(checked).tolist()
-        if not check:
-            return StepUpdates([], [DecodeTokens(requests, token_list)])
-        updates: list[RequestUpdate] = []
-        for i in check:
-            request = requests[i]
-            try:
-                updates.append(self._apply_token(request, index_list[i], token_list[i], i, None))
-            except Exception as exc:  # host bookkeeping of one request: fail it alone
-                updates += self._fail([request], exc, "applying a sampled token")
-        plain = np.flatnonzero(~checked).tolist()
-        return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
-                                                  list(map(token_list.__getitem__, plain)))])
-
-    def _stops_of(self, decode: DecodeRows) -> tuple:
-        """(decode, max_tokens, end ids, always check) of a steady decode batch, built once per batch."""
-        stops = self._decode_stops
-        if stops is None or stops[0] is not decode:
-            stops = self._decode_stops = (decode, *_stop_rows(decode.requests))
-        return stops
-
-    def _apply_token(self, request: LlmRequest, index: int, token: int, row: int,
-                     logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:
-        request.output_token_ids[index] = token
-        update = RequestUpdate(request, [token])
-        params = request.sampling_params
-        if params.logprobs is not None:
-            chosen_lp, top_ids, top_lps = logprobs
-            # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
-            # when it is not among them.
-            entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
-                     for rank in range(params.logprobs)}
-            if token not in entry:
-                entry[token] = Logprob(float(chosen_lp[row]))
-            update.new_logprobs.append(entry)
-            request.cumulative_logprob += float(chosen_lp[row])
-        reason, stop_reason = check_stop(params, request.output_token_ids, request.end_ids, num_outputs=index + 1)
-        if reason is not None:
-            self._finish(request, reason, stop_reason, index + 1)
-            update.finished = True
-        return update
 
     def _finish(self, request: LlmRequest, reason: str, stop_reason, num_outputs: int) -> None:
         del request.output_token_ids[num_outputs:]

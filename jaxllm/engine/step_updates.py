@@ -11,11 +11,13 @@ other caller iterates it and gets `RequestUpdate`s (made on demand for the batch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Union
 
-from jaxllm.engine.beam_search import BeamHypothesis
 from jaxllm.outputs import Logprob
 from jaxllm.request import LlmRequest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxllm.engine.beam_search import BeamHypothesis
 
 
 @dataclass(slots=True)

@@ -1,0 +1,178 @@
+"""Reading a dispatched step back: its sampled tokens into the requests, stops, updates.
+
+`TokenReadback.process` waits for a step's tokens, writes them over the placeholders the
+planner committed, checks stops (length, end ids, stop token ids) and reports what changed
+(`jaxllm.engine.step_updates`). A steady decode step writes every token in one pass and
+checks only the rows whose token may end their request; its other rows are reported
+batched. Beam-search rows go to `jaxllm.engine.beam_search.advance_beams`. Finishing and
+failing a request are the engine's (`LLMEngine._finish` / `_fail`: they free KV blocks and
+adapter slots), so this reads back on behalf of the engine it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from operator import attrgetter
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from jaxllm.engine.beam_search import advance_beams
+from jaxllm.engine.logits_outputs import store_step_logits
+from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
+from jaxllm.kv_cache.manager import DecodeRows
+from jaxllm.outputs import Logprob
+from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.sampling import check_stop
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxllm.engine.llm_engine import LLMEngine, _PendingStep
+
+_COMPLETE = LlmRequestState.GENERATION_COMPLETE
+_output_token_ids = attrgetter("output_token_ids")
+
+
+def _stop_rows(requests: list[LlmRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: max_tokens, end ids (padded with -1, which no token equals) and whether
+    every token must be checked (stop token ids)."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+    width = max((len(r.end_ids) for r in requests), default=0)
+    end_ids = np.full((n, max(width, 1)), -1, np.int64)
+    for i, request in enumerate(requests):
+        end_ids[i, :len(request.end_ids)] = list(request.end_ids)
+    return (np.fromiter((p.max_tokens for p in params), np.int64, n), end_ids,
+            np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n))
+
+
+class TokenReadback:
+    """Reads the engine's dispatched steps back (one at a time, on the engine's thread)."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+        # (decode rows, their stop arrays): built once per steady decode batch.
+        self._decode_stops: Optional[tuple] = None
+
+    def process(self, pending: "_PendingStep") -> StepUpdates:
+        """The updates of a dispatched step, once its tokens are on the host (waits for them)."""
+        engine = self.engine
+        out = pending.sampler_output
+        wait_start = time.perf_counter()
+        tokens = np.asarray(out.token_ids)
+        engine._wait_seconds += time.perf_counter() - wait_start
+        failed_processors = []
+        processed = None
+        if pending.processed_output is not None:
+            try:
+                processed = pending.processed_output.result()
+            except Exception as exc:  # the processors' pass itself failed: its requests only
+                failed_processors += engine._fail(list(pending.processor_requests), exc, "running logits processors")
+            else:
+                tokens = tokens.copy()
+                rows = list(pending.processor_rows)
+                tokens[rows] = np.asarray(processed.token_ids)[rows]
+        for request, exc in pending.processor_failures or ():  # the user's callable failed: that request only
+            failed_processors += engine._fail([request], exc, "running its logits_processor")
+        writer = engine.expert_statistics
+        if pending.expert_counts is not None:
+            counts = np.asarray(pending.expert_counts)
+            if engine.load_balancer is not None:  # per slot: the placement changes while recording
+                counts = engine.load_balancer.observe(counts, pending.slot_tables)
+            if writer is not None and writer.wants(pending.iteration):
+                writer.record(pending.iteration, counts)
+        if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
+            writer.save()
+        if pending.logits_targets is not None:
+            store_step_logits(pending.logits_targets, pending.context_logits, pending.row_logits, pending.entries)
+        logprobs = None
+        if pending.wants_logprobs:
+            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+            if processed is not None:  # the processor rows' logprobs are those of their own pass
+                rows = list(pending.processor_rows)
+                logprobs = tuple(np.array(a) for a in logprobs)
+                for mine, theirs in zip(logprobs, (processed.logprobs, processed.top_ids, processed.top_logprobs)):
+                    mine[rows] = np.asarray(theirs)[rows]
+        decode = pending.decode
+        if (logprobs is None and decode is not None and not failed_processors
+                and engine.kv_cache_manager.decode_rows_current(decode)):
+            # No request of the step finished since it was dispatched (that frees KV blocks).
+            return self.apply_decode_tokens(decode, pending.decode_index, tokens)
+        token_list = tokens.tolist()  # plain ints, converted once for the whole batch
+        updates = failed_processors
+        append = updates.append
+        for request, row, index in pending.entries:
+            out = request.output_token_ids
+            if request.state is _COMPLETE or index >= len(out):
+                continue
+            params = request.sampling_params
+            token = token_list[row]
+            n = index + 1
+            # The common case inline: no logprobs, and the token neither ends the request by
+            # length nor can stop it (check_stop decides every other case).
+            if (logprobs is None and n < params.max_tokens and token not in request.end_ids
+                    and not params.stop_token_ids):
+                out[index] = token
+                append(RequestUpdate(request, [token]))
+                continue
+            try:
+                append(self.apply_token(request, index, token, row, logprobs))
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates += engine._fail([request], exc, "applying a sampled token")
+        if pending.beam_entries:
+            updates += advance_beams(engine, pending)
+        return StepUpdates(updates)
+
+    def apply_decode_tokens(self, decode: DecodeRows, index: np.ndarray, tokens: np.ndarray) -> StepUpdates:
+        """`process` of a steady decode step without logprobs: the tokens are written in one
+        pass and only rows whose token may end the request (length, an end or stop token)
+        are checked one by one; the other rows are reported batched (`DecodeTokens`)."""
+        requests = decode.requests
+        n = len(requests)
+        _, max_tokens, end_ids, always_check = self.stops_of(decode)
+        row_tokens = tokens[:n]
+        checked = always_check | (index + 1 >= max_tokens) | (row_tokens[:, None] == end_ids).any(axis=1)
+        token_list, index_list = row_tokens.tolist(), index.tolist()
+        for out, i, token in zip(map(_output_token_ids, requests), index_list, token_list):
+            out[i] = token  # a plain loop: half the cost of map(list.__setitem__, ...)
+        check = np.flatnonzero(checked).tolist()
+        if not check:
+            return StepUpdates([], [DecodeTokens(requests, token_list)])
+        updates: list[RequestUpdate] = []
+        for i in check:
+            request = requests[i]
+            try:
+                updates.append(self.apply_token(request, index_list[i], token_list[i], i, None))
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates += self.engine._fail([request], exc, "applying a sampled token")
+        plain = np.flatnonzero(~checked).tolist()
+        return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
+                                                  list(map(token_list.__getitem__, plain)))])
+
+    def stops_of(self, decode: DecodeRows) -> tuple:
+        """(decode, max_tokens, end ids, always check) of a steady decode batch, built once per batch."""
+        stops = self._decode_stops
+        if stops is None or stops[0] is not decode:
+            stops = self._decode_stops = (decode, *_stop_rows(decode.requests))
+        return stops
+
+    def apply_token(self, request: LlmRequest, index: int, token: int, row: int,
+                    logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:
+        """Write one token (and its logprobs) and finish the request if it stops there."""
+        request.output_token_ids[index] = token
+        update = RequestUpdate(request, [token])
+        params = request.sampling_params
+        if params.logprobs is not None:
+            chosen_lp, top_ids, top_lps = logprobs
+            # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
+            # when it is not among them.
+            entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
+                     for rank in range(params.logprobs)}
+            if token not in entry:
+                entry[token] = Logprob(float(chosen_lp[row]))
+            update.new_logprobs.append(entry)
+            request.cumulative_logprob += float(chosen_lp[row])
+        reason, stop_reason = check_stop(params, request.output_token_ids, request.end_ids, num_outputs=index + 1)
+        if reason is not None:
+            self.engine._finish(request, reason, stop_reason, index + 1)
+            update.finished = True
+        return update
