@@ -89,7 +89,7 @@ class EngineTiming:
 @dataclass
 class _PendingStep:
     sampler_output: object
-    entries: list[TokenEntry]  # (request, row, index in output_token_ids)
+    entries: list[TokenEntry]  # (request, row, index in output_token_ids); DecodeEntries when steady
     wants_logprobs: bool
     stats: dict
     iteration: int = 0
@@ -722,7 +722,7 @@ class LLMEngine:
         pending = _PendingStep(sampler_output, entries, wants_logprobs, stats, iteration, expert_counts,
                                balancer.tables if balancer is not None else None, beam_entries or None)
         if decode is not None:
-            pending.decode, pending.decode_index = decode, decode.num_tokens - decode.orig_prompt_len
+            pending.decode, pending.decode_index = decode, entries.index
         if targets is not None and targets.processors:
             pending.processor_requests = tuple(request for request, _ in targets.processors)
             pending.processor_rows = tuple(row for _, row in targets.processors)

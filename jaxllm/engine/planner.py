@@ -48,6 +48,35 @@ PLACEHOLDER_TOKEN = -1
 TokenEntry = tuple[LlmRequest, int, int]
 
 
+class DecodeEntries:
+    """The token entries of a steady decode step: request i in row i gets output `index[i]`.
+
+    Kept as the batch's request list and index array; the tuples are built only when a
+    consumer iterates them (logits outputs, the general read-back, beam filtering), which
+    most steady steps never do. Iterates, indexes and measures like `list[TokenEntry]`."""
+
+    __slots__ = ("requests", "index", "_tuples")
+
+    def __init__(self, requests: list[LlmRequest], index: np.ndarray) -> None:
+        self.requests = requests
+        self.index = index  # int64[n] index in output_token_ids of each row's token
+        self._tuples: Optional[list[TokenEntry]] = None
+
+    def tuples(self) -> list[TokenEntry]:
+        if self._tuples is None:
+            self._tuples = list(zip(self.requests, range(len(self.requests)), self.index.tolist()))
+        return self._tuples
+
+    def __iter__(self):
+        return iter(self.tuples())
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i):
+        return self.tuples()[i]
+
+
 @dataclass
 class StepPlan:
     """The device inputs of one step, as plain host arrays.
@@ -255,16 +284,17 @@ class Planner:
             [r.end_ids for r in rows], self.max_batch_size, self.max_seq_len, seeds=[r.seed for r in rows])
 
     @staticmethod
-    def commit(output: SchedulerOutput) -> list[TokenEntry]:
+    def commit(output: SchedulerOutput) -> list[TokenEntry] | DecodeEntries:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
-        request that gets a token (generation, or a finished prompt) carries a placeholder."""
+        request that gets a token (generation, or a finished prompt) carries a placeholder.
+        Returns the step's token entries (`DecodeEntries` for a steady decode step)."""
         placement = output.kv_placement
         decode = None if placement is None else placement.decode
         if decode is not None and not output.context_requests:
             # A steady decode step: every request is generating and sits in the row it had in
             # the step that started the batch, so its `feed_row` is already that row.
             gen = output.generation_requests
-            entries = list(zip(gen, range(len(gen)), (decode.num_tokens - decode.orig_prompt_len).tolist()))
+            entries = DecodeEntries(gen, decode.num_tokens - decode.orig_prompt_len)
             for out in map(_output_token_ids, gen):
                 out.append(PLACEHOLDER_TOKEN)  # a plain loop: cheaper than map(list.append, ...)
             decode.entries = entries
