@@ -6,6 +6,7 @@ from dataclasses import fields
 
 import jax
 import numpy as np
+import pytest
 
 from jaxllm.engine.host_transfer import pack, unpack
 from jaxllm.request import LlmRequest
@@ -26,6 +27,18 @@ def test_pack_round_trips_every_bit_through_one_buffer():
         got = np.asarray(out[name])
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert got.tobytes() == want.tobytes(), name  # bit for bit (NaN, -0.0, denormals)
+    # The same layout again: the same layout object, a new buffer (the first one may still be
+    # read by the runtime), and the new values in it.
+    again = {name: (np.asarray(a) + 1).astype(a.dtype) if name != "mask" else ~a for name, a in tree.items()}
+    first = buffers[0].copy()
+    buffers_again, layout_again = pack(again)
+    assert layout_again is layout and buffers_again[0] is not buffers[0]
+    assert buffers[0].tobytes() == first.tobytes()
+    out = jax.jit(lambda b: unpack(b, layout))(buffers_again)
+    for name, want in again.items():
+        assert np.asarray(out[name]).tobytes() == want.tobytes(), name
+    with pytest.raises(TypeError, match="cannot pack a int64 input"):
+        pack({"ids": np.arange(3)})
 
 
 def _request(rid: int, params: SamplingParams, num_out: int, rng) -> LlmRequest:

@@ -12,7 +12,7 @@ sampler's static switches) is hashable and keys the compiled programs of `ModelR
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -28,22 +28,41 @@ class PackedLayout:
     leaves: tuple[tuple[str, int, tuple[int, ...]], ...]  # (dtype, offset in words, shape) per leaf
 
 
-def pack(tree: Any) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
-    """One int32 buffer holding every leaf of `tree` (32-bit dtypes and booleans)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    arrays = [np.asarray(leaf) for leaf in leaves]
+# (treedef, (dtype, shape) per leaf) -> (layout, which leaves are reinterpreted as int32 words or
+# None): the layouts a process packs are few (one per compiled program), so each is built once.
+_known_layouts: dict[tuple, tuple[PackedLayout, Optional[tuple[bool, ...]]]] = {}
+
+
+def _layout(treedef: Any, arrays: list[np.ndarray]) -> tuple[PackedLayout, Optional[tuple[bool, ...]]]:
     placement = []
+    views = []
     size = 0
     for a in arrays:
         if a.dtype.itemsize != 4 and a.dtype != _BOOL:
             raise TypeError(f"cannot pack a {a.dtype} input: step inputs are 32-bit numbers or booleans")
         placement.append((a.dtype.str, size, a.shape))
+        views.append(a.dtype.itemsize == 4 and a.dtype != _WORD)
         size += a.size
-    buffer = np.empty(size, _WORD)
-    for a, (_, offset, _) in zip(arrays, placement):
-        flat = a.reshape(-1)
-        buffer[offset:offset + flat.shape[0]] = flat if a.dtype == _BOOL else flat.view(_WORD)
-    return (buffer,), PackedLayout(treedef, (_WORD.str,), tuple(placement))
+    return PackedLayout(treedef, (_WORD.str,), tuple(placement)), (tuple(views) if any(views) else None)
+
+
+def pack(tree: Any) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
+    """One int32 buffer holding every leaf of `tree` (32-bit dtypes and booleans), newly
+    allocated per call (the runtime may read it after this returns). Every step packs its
+    inputs, so the per-leaf Python work is kept to a reshape: the layout is looked up, and
+    the copy is one `np.concatenate` (booleans cast to 0/1, other 32-bit dtypes as words)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    key = (treedef, *[(a.dtype, a.shape) for a in arrays])
+    known = _known_layouts.get(key)
+    if known is None:
+        known = _known_layouts.setdefault(key, _layout(treedef, arrays))
+    layout, views = known
+    flats = [a.reshape(-1) for a in arrays]
+    if views is not None:
+        flats = [flat.view(_WORD) if view else flat for flat, view in zip(flats, views)]
+    buffer = np.concatenate(flats, dtype=_WORD) if flats else np.empty(0, _WORD)
+    return (buffer,), layout
 
 
 def unpack(buffers: tuple[jax.Array, ...], layout: PackedLayout) -> Any:
