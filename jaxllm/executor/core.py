@@ -268,8 +268,7 @@ class EngineCore:
                     continue
                 if seq.deadline is not None:
                     heapq.heappush(self._deadlines, (seq.deadline, seq.rid))
-                if not (seq.spec.streaming or seq.spec.stop):
-                    # Nobody looks at its partial output: send its tokens once, when it ends.
+                if seq.spec.quiet:  # nobody looks at its partial output: its tokens go once, when it ends
                     self._quiet[seq.rid] = [] if seq.spec.return_logprobs else None
         elif kind == "abort":
             reason = command[2]

@@ -46,6 +46,12 @@ class OutputSpec:
     return_logprobs: bool = False
     stream_interval: int = 1
 
+    @property
+    def quiet(self) -> bool:
+        """Nobody looks at its partial output (no streaming, no stop strings): the engine thread
+        sends all its tokens with its last event."""
+        return not (self.streaming or self.stop)
+
 
 @dataclass
 class Delta:
@@ -120,8 +126,7 @@ class _Sequence:
         # Without streaming or stop strings nobody looks at partial text: decode once at the end.
         self.deferred_decode: list[int] = []
         self.since_emit = 0
-        # Nobody looks at its partial output: the engine thread sends its tokens with its last event.
-        self.quiet = not (spec.streaming or spec.stop)
+        self.quiet = spec.quiet
 
     def take_text(self, final: bool) -> str:
         if self.detok is None:
