@@ -336,7 +336,8 @@ def warm_up(engine, all_variants: bool = True, background: bool = False) -> None
     first = len({engine.decode_bucket(), buckets[-1]})
     desc = (f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
             if background and len(buckets) > first else f"compiling {len(buckets)} token buckets + sampler")
-    with tqdm(total=len(buckets) + 1, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
+    total = (first if background else len(buckets)) + 1
+    with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
