@@ -19,6 +19,7 @@ from jaxllm.sampling import (
     resolve_seed,
     sample,
 )
+from jaxllm.sampling.sampler import first_argmax
 
 sample_jit = jax.jit(sample)
 S = 8
@@ -229,6 +230,24 @@ def test_temperature_zero_is_bitexact_argmax():
     out = sample_jit(jnp.asarray(logits), _build(params))
     np.testing.assert_array_equal(np.asarray(out.token_ids), np.argmax(logits, axis=-1))
     assert int(out.token_ids[3]) == 10
+
+
+@pytest.mark.parametrize("vocab", [300, 512])
+def test_blocked_argmax_matches_argmax_with_ties(vocab):
+    """The blocked argmax (vocabularies of two blocks and more, with and without a tail) picks
+    numpy's index: the first one on ties within a block, across blocks and with the tail."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((8, vocab)).astype(np.float32)
+    x[0, [5, 200]] = 9.0  # tie across blocks
+    x[1, [130, 140]] = 9.0  # tie inside a block
+    x[2, [3, vocab - 2]] = 9.0  # tie of a block with the tail (or the last block)
+    x[3, vocab - 1] = 9.0  # the maximum in the last position
+    x[4] = -np.inf  # everything suppressed
+    x[5] = np.round(x[5])  # many ties
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    greedy = sample_jit(jnp.asarray(x), _build([SamplingParams(temperature=0.0)] * 8, S_=8))
+    np.testing.assert_array_equal(np.asarray(greedy.token_ids), np.argmax(x, axis=-1))
 
 
 def test_top_k_one_equals_greedy_on_device_path():
