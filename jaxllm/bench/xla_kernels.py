@@ -3,7 +3,9 @@ the shapes of a model's decode and prefill steps: CPU time per call and compile 
 
 Attention: the work-list kernel (`pallas_kernels/ragged_paged_attention/tiled_xla.py`) against
 the reference's per-token walk over KV blocks. MoE: the tiled grouped FFN against
-`jax.lax.ragged_dot`. Inputs are random: decode steps of `--batch` sequences with KV lengths
+`jax.lax.ragged_dot`. Greedy sampling's argmax: the sampler's blocked `first_argmax` against
+`jnp.argmax` (XLA:CPU's scalar (value, index) reduction) over `--batch` rows of the vocabulary.
+Inputs are random: decode steps of `--batch` sequences with KV lengths
 drawn from `--kv-len`, prefill steps of `--tokens` tokens split into prompts of `--prompt-len`.
 CPU time (process time over all threads) is reported, so figures hold on a busy machine better
 than wall time. Run: `jaxllm bench xla-kernels --model tiny-moe`.
@@ -22,6 +24,7 @@ SHAPES = {
     "tiny-moe": (4, 2, 32, 128, 64, 8, 2),
     "smollm2": (9, 3, 64, 576, 0, 0, 0),
 }
+VOCAB = {"tiny-moe": 453, "smollm2": 49152}
 
 
 @dataclass
@@ -103,6 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     import numpy as np
 
     from jaxllm.cli import HelpFormatter
+    import jax.numpy as jnp
+
+    from jaxllm.sampling.sampler import first_argmax
     from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -137,6 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for tokens in (args.batch, args.tokens):
             inputs = moe_inputs(rng, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k)
             rows += _run("moe ffn", f"{tokens} tok x top{top_k}", moe, inputs, args.iters, args.reps)
+    logits = (jnp.asarray(rng.standard_normal((args.batch, VOCAB[args.model]), np.float32)),)
+    rows += _run("argmax", f"{args.batch} x {VOCAB[args.model]}", {
+        "blocked (sampler)": first_argmax, "jnp.argmax": lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)},
+        logits, args.iters, args.reps)
 
     print(f"{args.model}: {hq} q / {hkv} kv heads, head_dim {d}, {args.tokens_per_block} tokens per block"
           + (f"; {experts} experts, hidden {hidden}, intermediate {inter}" if experts else ""))
