@@ -89,7 +89,7 @@ class FakeExecutor:
             if self.check_kv_contents:
                 self._run_fake_device(out, batch)
             sampled = [fake_token(r) for r in out.all_requests()]
-            for req, row, index in Planner.commit(out):  # the engine's own request update
+            for req, row, index in Planner.advance(out):  # the engine's own request update
                 req.output_token_ids[index] = sampled[row]
                 stop = self.stop_after.get(req.request_id)
                 if stop is not None and len(req.output_token_ids) >= stop:

@@ -61,7 +61,7 @@ def test_mixed_context_and_generation_step():
     assert b.num_tokens_padded == 8
 
     # next step: the rest of the prompt (a chunk starting mid-block) and one more token
-    for request, row, index in Planner.commit(out):  # what the engine does once the step ran
+    for request, row, index in Planner.advance(out):  # what the engine does once the step ran
         request.output_token_ids[index] = [0, 8][row]
     ctx.context_chunk_size = 2
     out2 = SchedulerOutput([ctx], [gen], [])

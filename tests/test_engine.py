@@ -229,3 +229,86 @@ def test_steady_decode_steps_report_plain_rows_batched(moe_llm):
     assert batched > 10 and none == 0
     assert fast == general
     assert sum(finished for step in fast for _, _, finished in step) == len(prompts)
+
+
+def test_token_log_changes_no_output(moe_llm, monkeypatch):
+    """Steady decode batches keep their tokens in a `DecodeTokenLog` (written into the
+    requests every few steps, for rows whose full block the KV cache indexes, and before any
+    other path reads the requests). With the log on and off, with and without overlap, every
+    step reports the same updates; an abort, a stop token, a request arriving mid-batch and
+    the log filling up change nothing; the final outputs, the KV cache's prefix index (a
+    follow-up prompt made of a finished output hits the same blocks) and its counters agree."""
+    from jaxllm.engine.token_log import DecodeTokenLog
+
+    calls = {"record": 0, "flush_rows": 0}
+    for name in calls:
+        original = getattr(DecodeTokenLog, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(self, *args)
+        monkeypatch.setattr(DecodeTokenLog, name, counted)
+    prompts = random_prompts(6, VOCAB, 3, 20, seed=21)
+    free_run = moe_llm.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    free_tokens = free_run[0].outputs[0].token_ids
+    # A token first sampled late: the first request stops there, several blocks in.
+    stop_token = free_tokens[next(i for i in range(6, 30) if free_tokens[i] not in free_tokens[:i])]
+
+    def run(engine, log: bool, overlap: bool, capacity: int = 64):
+        engine.token_log, engine.overlap = log, overlap
+        engine.planner.token_log_capacity = capacity  # 3: the log fills up every third step
+        kv = engine.kv_cache_manager
+        start = kv.get_kv_cache_stats()
+        try:
+            rids, steps, step = {}, [], 0
+            for i, prompt in enumerate(prompts[:5]):
+                params = SamplingParams(max_tokens=26 + 3 * i, ignore_eos=True,
+                                        stop_token_ids=[stop_token] if i == 0 else None)
+                rids[engine.add_request(prompt, params).request_id] = i
+            finished = {}
+            while engine.has_unfinished_requests():
+                if step == 21:
+                    aborted = next(r for r in engine.active.values() if rids[r.request_id] == 3)
+                    engine.abort_request(aborted.request_id)
+                    finished[3] = (list(aborted.output_token_ids), aborted.finish_reason)
+                if step == 24:
+                    rids[engine.add_request(prompts[5], SamplingParams(max_tokens=9, ignore_eos=True)).request_id] = 5
+                updates = engine.step()
+                kv.check_invariants()
+                # Blocks are indexed under their 8 read-back tokens, never a partial or unread one.
+                assert all(len(key) == 8 and -1 not in key for _, key, _ in kv.block_pool.cached_prefixes().values())
+                for u in updates:
+                    if u.finished:
+                        finished[rids[u.request.request_id]] = (list(u.request.output_token_ids),
+                                                                u.request.finish_reason)
+                steps.append(sorted((rids[u.request.request_id], tuple(u.new_token_ids), u.finished)
+                                    for u in updates))
+                step += 1
+            # Each whole sequence as a new prompt: the blocks its steps indexed are found.
+            follow = [engine.add_request(prompts[i] + finished[i][0], SamplingParams(max_tokens=1))
+                      for i in sorted(finished)]
+            while engine.has_unfinished_requests():
+                engine.step()
+            stats = kv.get_kv_cache_stats()
+            return (steps, sorted(finished.items()), [r.prepopulated_prompt_len for r in follow],
+                    stats.reused_blocks - start.reused_blocks, stats.alloc_total_blocks - start.alloc_total_blocks)
+        finally:
+            engine.token_log, engine.overlap = True, True
+            engine.planner.token_log_capacity = 64
+
+    # Every run then starts from the same cached blocks (these prompts' and outputs').
+    moe_llm.executor.call_on_engine(lambda engine: run(engine, False, True), timeout=300)
+    for overlap, capacity in ((True, 64), (False, 3)):
+        before = dict(calls)
+        logged = moe_llm.executor.call_on_engine(lambda engine: run(engine, True, overlap, capacity), timeout=300)
+        assert calls["record"] - before["record"] >= 5 and calls["flush_rows"] > before["flush_rows"]
+        during = dict(calls)
+        written = moe_llm.executor.call_on_engine(lambda engine: run(engine, False, overlap), timeout=300)
+        assert calls == during  # no log without it
+        assert logged == written, overlap
+        steps, finished, prefix_hits = logged[:3]
+        assert [reason for _, (_, reason) in finished] == ["stop", "length", "length", "cancelled", "length", "length"]
+        assert finished[0][1][0][-1] == stop_token and len(finished[0][1][0]) >= 7
+        # Every full block of every sequence (generated tokens included, all but the last
+        # token are in the cache) was indexed under its tokens.
+        assert prefix_hits == [(len(prompts[i]) + len(out) - 1) // 8 * 8 for i, (out, _) in finished]

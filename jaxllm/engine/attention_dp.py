@@ -145,6 +145,19 @@ class AttentionDpPlanner:
         return len(self.planners)
 
     @property
+    def defer_tokens(self) -> bool:
+        """Always False: attention-DP steps are committed here (`commit`), one placeholder per
+        token, so no rank keeps a steady batch's tokens in a `DecodeTokenLog`."""
+        return False
+
+    @defer_tokens.setter
+    def defer_tokens(self, value: bool) -> None:
+        pass  # the engine's setting does not apply (see the getter)
+
+    def materialize_tokens(self) -> None:
+        """Nothing to write: no rank keeps a token log (see `defer_tokens`)."""
+
+    @property
     def num_rows(self) -> int:
         """Sampler rows of a step: max_batch_size per rank."""
         return self.num_ranks * self.max_batch_size

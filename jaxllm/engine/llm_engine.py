@@ -261,6 +261,9 @@ class LLMEngine:
         # requests (`_steady_candidates`), found without a pass over the active requests.
         self._active_changes = 0
         self._steady_candidates: Optional[tuple[list[LlmRequest], int]] = None
+        # Steady decode batches keep their tokens in a `DecodeTokenLog` instead of writing
+        # them into every request each step (jaxllm.engine.token_log); False writes them.
+        self.token_log = True
         self._ids = itertools.count()
         self.iteration = 0
         self.iteration_stats: list[dict] = []
@@ -543,6 +546,7 @@ class LLMEngine:
         request = self.active.get(request_id)
         if request is None:
             return None
+        self.planner.materialize_tokens()
         self._finish(request, "cancelled", None, self._num_resolved(request))
         return request
 
@@ -558,6 +562,7 @@ class LLMEngine:
         """Finish requests with 'error' (their blocks are freed) and report why."""
         logger.error("step %s failed for request(s) %s: %r", where, [r.request_id for r in requests], exc)
         message = f"the engine failed this request while {where}: {type(exc).__name__}: {exc}"
+        self.planner.materialize_tokens()
         updates = []
         for request in requests:
             if request.is_finished:
@@ -583,6 +588,7 @@ class LLMEngine:
         steady = self._steady_candidates
         if steady is not None and steady[1] == self._active_changes:
             return steady[0]
+        self.planner.materialize_tokens()  # the lengths below must count every token
         return [r for r in self.active.values()
                 if len(r.output_token_ids) < r.sampling_params.max_tokens and r.state is not _COMPLETE]
 
@@ -620,7 +626,7 @@ class LLMEngine:
         if dispatched is not None and dispatched.decode is not None:
             decode = dispatched.decode
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
-            if bool((dispatched.decode_index + 1 < self.readback.stops_of(decode)[1]).all()):
+            if not self.readback.stops_of(decode, dispatched.decode_index).length_due(dispatched.decode_index):
                 self._steady_candidates = (decode.requests, self._active_changes)
         if self._pending is not None and not self.overlap:
             updates += self.readback.process(self._pending)
@@ -643,6 +649,10 @@ class LLMEngine:
         (collected in `self._failed`); the step runs for the others."""
         if not candidates:
             return None
+        # A steady batch keeps its tokens in a log unless a request needs them every step.
+        self.planner.defer_tokens = self.token_log and not (
+            self._num_logits_requests or self._num_wanting_logprobs or self._num_needing_history
+            or self._num_beam_search)
         try:
             output = self.planner.schedule(candidates)
             if output is None:
@@ -694,9 +704,8 @@ class LLMEngine:
         writer = self.expert_statistics
         wanted = balancer is not None or (writer is not None and writer.wants(iteration))
         expert_counts = self.runner.last_expert_counts if wanted else None
-        rows = output.all_requests()
         wants_logprobs = bool(self._num_wanting_logprobs) and any(
-            r.sampling_params.logprobs is not None for r in rows)
+            r.sampling_params.logprobs is not None for r in output.all_requests())
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
         beam_entries = None
@@ -710,7 +719,7 @@ class LLMEngine:
         stats = {
             "numNewActiveRequests": num_new,
             "inflightBatchingStats": {
-                "numScheduledRequests": len(rows),
+                "numScheduledRequests": output.batch_size,
                 "numContextRequests": len(output.context_requests),
                 "numGenRequests": len(output.generation_requests),
                 "numPausedRequests": len(output.paused_requests),
@@ -750,6 +759,7 @@ class LLMEngine:
         return culprits
 
     def _finish(self, request: LlmRequest, reason: str, stop_reason, num_outputs: int) -> None:
+        self.planner.materialize_tokens()
         del request.output_token_ids[num_outputs:]
         request.stop_reason = stop_reason
         request.finish(reason)

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxllm.batch_builder import build_decode_batch, build_step_batch, choose_token_bucket, token_buckets
+from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.lora.slots import NO_SLOT, LoraSlots
@@ -40,10 +41,6 @@ _output_token_ids = attrgetter("output_token_ids")
 _feed_row = attrgetter("feed_row")
 _last = itemgetter(-1)
 
-
-PLACEHOLDER_TOKEN = -1
-"""An output token sampled by a step still in flight (its value is on the device)."""
-
 # A request that gets a token from a step: (request, row in the step, index in output_token_ids).
 TokenEntry = tuple[LlmRequest, int, int]
 
@@ -55,11 +52,15 @@ class DecodeEntries:
     consumer iterates them (logits outputs, the general read-back, beam filtering), which
     most steady steps never do. Iterates, indexes and measures like `list[TokenEntry]`."""
 
-    __slots__ = ("requests", "index", "_tuples")
+    __slots__ = ("requests", "index", "log", "_tuples")
 
-    def __init__(self, requests: list[LlmRequest], index: np.ndarray) -> None:
+    def __init__(self, requests: list[LlmRequest], index: np.ndarray,
+                 log: Optional[DecodeTokenLog] = None) -> None:
         self.requests = requests
         self.index = index  # int64[n] index in output_token_ids of each row's token
+        # The batch's token log when the step was committed to it (no placeholders in the
+        # lists): its tokens go to the log while it is live, into the lists once it ended.
+        self.log = log
         self._tuples: Optional[list[TokenEntry]] = None
 
     def tuples(self) -> list[TokenEntry]:
@@ -136,6 +137,12 @@ class Planner:
         self.choose_bucket: Optional[Callable[[int], int]] = None
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
+        # Set by the engine: steady decode steps keep their tokens in a `DecodeTokenLog`, whose
+        # owner reads them back into it (off by default: a caller that writes tokens over
+        # placeholders itself needs them; the engine turns it off while a request needs its
+        # tokens on the host each step: logits outputs, logprobs, penalties, beams).
+        self.defer_tokens = False
+        self.token_log_capacity = 64  # steps a log holds before writing them into the requests
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
         # nothing is paused. Setting it False plans every step the general way.
@@ -162,8 +169,10 @@ class Planner:
         if (decode is not None and self.steady_decode and not self.beam_search_active
                 and kv.decode_rows_current(decode) and candidates == decode.requests):
             output = SchedulerOutput([], candidates, [], len(candidates))
-            kv.prepare_decode(output, decode)
+            log = decode.log
+            kv.prepare_decode(output, decode, None if log is None or not log.live else log.flush_rows)
             return output
+        self.materialize_tokens()
         self._decode = None
         output = self.scheduler.schedule_request(candidates, set())
         for paused in output.paused_requests:
@@ -189,6 +198,13 @@ class Planner:
             output.generation_requests = [b for r in gen for b in (
                 r.beam.requests if r.beam is not None and len(r.beam.requests) > 1 else (r,))]
 
+    def materialize_tokens(self) -> None:
+        """Write the steady batch's logged tokens into its requests (see `DecodeTokenLog`):
+        called before anything but the steady path reads or changes the requests."""
+        decode = self._decode
+        if decode is not None and decode.log is not None:
+            decode.log.materialize()
+
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""
@@ -197,6 +213,7 @@ class Planner:
         if (placement is not None and placement.decode is not None and not output.context_requests
                 and kv.placement_is_current(placement)):
             return self._build_decode(output, placement.decode, in_flight)
+        self.materialize_tokens()
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
@@ -253,7 +270,11 @@ class Planner:
             # request's last token is its placeholder, sampled in the same row.
             last_tokens = np.full(n, PLACEHOLDER_TOKEN, np.int32)
             feed_index[:n] = np.arange(n, dtype=np.int32)
+        elif decode.log is not None and decode.log.live and decode.log.count:
+            # Nothing in flight (no overlap): each row's last token is the log's newest step.
+            last_tokens = decode.log.last_tokens()
         else:
+            self.materialize_tokens()
             last_tokens = np.fromiter(map(_last, map(_output_token_ids, gen)), np.int32, n)
             in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
             if in_flight_rows.any():
@@ -271,6 +292,7 @@ class Planner:
             # The index of the token sampled now: the output length before this step's commit.
             sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, self.max_batch_size)
         else:
+            self.materialize_tokens()
             sampling = self._build_sampling(gen)
         return StepPlan(batch, sampling, feed_index, n, 0)
 
@@ -283,8 +305,7 @@ class Planner:
             [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
             [r.end_ids for r in rows], self.max_batch_size, self.max_seq_len, seeds=[r.seed for r in rows])
 
-    @staticmethod
-    def commit(output: SchedulerOutput) -> list[TokenEntry] | DecodeEntries:
+    def commit(self, output: SchedulerOutput) -> list[TokenEntry] | DecodeEntries:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
         request that gets a token (generation, or a finished prompt) carries a placeholder.
         Returns the step's token entries (`DecodeEntries` for a steady decode step)."""
@@ -294,11 +315,24 @@ class Planner:
             # A steady decode step: every request is generating and sits in the row it had in
             # the step that started the batch, so its `feed_row` is already that row.
             gen = output.generation_requests
-            entries = DecodeEntries(gen, decode.num_tokens - decode.orig_prompt_len)
-            for out in map(_output_token_ids, gen):
-                out.append(PLACEHOLDER_TOKEN)  # a plain loop: cheaper than map(list.append, ...)
+            log = decode.log
+            if log is None and self.defer_tokens:
+                log = decode.log = DecodeTokenLog(gen, self.token_log_capacity)
+            if log is not None and log.live:
+                log.commit()  # the lists get this step's token once the log is flushed
+            else:
+                log = None
+                for out in map(_output_token_ids, gen):
+                    out.append(PLACEHOLDER_TOKEN)  # a plain loop: cheaper than map(list.append, ...)
+            entries = DecodeEntries(gen, decode.num_tokens - decode.orig_prompt_len, log)
             decode.entries = entries
             return entries
+        self.materialize_tokens()
+        return self.advance(output)
+
+    @staticmethod
+    def advance(output: SchedulerOutput) -> list[TokenEntry]:
+        """`commit` of a general step: every scheduled request moves on by itself."""
         entries = []
         append = entries.append
         for row, request in enumerate(output.all_requests()):

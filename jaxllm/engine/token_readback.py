@@ -12,6 +12,7 @@ adapter slots), so this reads back on behalf of the engine it is given.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Optional
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from jaxllm.engine.beam_search import advance_beams
 from jaxllm.engine.logits_outputs import store_step_logits
+from jaxllm.engine.planner import DecodeEntries
 from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
 from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.outputs import Logprob
@@ -32,17 +34,55 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 _output_token_ids = attrgetter("output_token_ids")
 
 
-def _stop_rows(requests: list[LlmRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: max_tokens, end ids (padded with -1, which no token equals) and whether
-    every token must be checked (stop token ids)."""
-    n = len(requests)
-    params = [r.sampling_params for r in requests]
-    width = max((len(r.end_ids) for r in requests), default=0)
-    end_ids = np.full((n, max(width, 1)), -1, np.int64)
-    for i, request in enumerate(requests):
-        end_ids[i, :len(request.end_ids)] = list(request.end_ids)
-    return (np.fromiter((p.max_tokens for p in params), np.int64, n), end_ids,
-            np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n))
+@dataclass
+class BatchStops:
+    """How the rows of one steady decode batch can end, built once per batch so that a step
+    where no row can end costs a few numpy operations (`quiet`)."""
+
+    decode: DecodeRows
+    max_tokens: np.ndarray  # int64[n]
+    end_ids: np.ndarray  # int64[n, w] per row, padded with -1 (which no token equals)
+    always_check: np.ndarray  # bool[n] rows with stop token ids: every token is checked
+    any_always_check: bool
+    # The end ids of every row when all rows share them (() when none ends on an id), else None.
+    common_end_ids: Optional[tuple[int, ...]]
+    # Rows advance together (one token per step), so some row reaches max_tokens exactly when
+    # the first row's output index reaches this value.
+    length_due_at: int
+
+    @classmethod
+    def build(cls, decode: DecodeRows, index: np.ndarray) -> "BatchStops":
+        """`index`: each row's output index in one step of the batch."""
+        requests = decode.requests
+        n = len(requests)
+        params = [r.sampling_params for r in requests]
+        # ignore_eos: end ids end nothing.
+        ends = [() if p.ignore_eos else tuple(r.end_ids) for r, p in zip(requests, params)]
+        width = max(map(len, ends), default=0)
+        end_ids = np.full((n, max(width, 1)), -1, np.int64)
+        for i, row in enumerate(ends):
+            end_ids[i, :len(row)] = row
+        max_tokens = np.fromiter((p.max_tokens for p in params), np.int64, n)
+        common = ends[0] if n and all(row == ends[0] for row in ends) else None
+        margin = int((max_tokens - index - 1).min()) if n else 0
+        always_check = np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n)
+        return cls(decode, max_tokens, end_ids, always_check, bool(always_check.any()), common,
+                   (int(index[0]) if n else 0) + margin)
+
+    def length_due(self, index: np.ndarray) -> bool:
+        """Whether some row gets its last token (by max_tokens) at output `index`."""
+        return bool(index.shape[0]) and int(index[0]) >= self.length_due_at
+
+    def quiet(self, index: np.ndarray, row_tokens: np.ndarray) -> bool:
+        """True if no row can end on `row_tokens` (so none needs a check)."""
+        common = self.common_end_ids
+        return (common is not None and not self.any_always_check and not self.length_due(index)
+                and not any(end in row_tokens for end in common))
+
+    def rows_to_check(self, index: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
+        """bool[n]: rows whose token may end their request."""
+        return (self.always_check | (index + 1 >= self.max_tokens)
+                | (row_tokens[:, None] == self.end_ids).any(axis=1))
 
 
 class TokenReadback:
@@ -50,8 +90,8 @@ class TokenReadback:
 
     def __init__(self, engine: "LLMEngine") -> None:
         self.engine = engine
-        # (decode rows, their stop arrays): built once per steady decode batch.
-        self._decode_stops: Optional[tuple] = None
+        # Built once per steady decode batch.
+        self._decode_stops: Optional[BatchStops] = None
 
     def process(self, pending: "_PendingStep") -> StepUpdates:
         """The updates of a dispatched step, once its tokens are on the host (waits for them)."""
@@ -96,7 +136,9 @@ class TokenReadback:
         if (logprobs is None and decode is not None and not failed_processors
                 and engine.kv_cache_manager.decode_rows_current(decode)):
             # No request of the step finished since it was dispatched (that frees KV blocks).
-            return self.apply_decode_tokens(decode, pending.decode_index, tokens)
+            return self.apply_decode_tokens(decode, pending.entries, tokens)
+        if isinstance(pending.entries, DecodeEntries) and pending.entries.log is not None:
+            engine.planner.materialize_tokens()  # the loop below writes over the step's placeholders
         token_list = tokens.tolist()  # plain ints, converted once for the whole batch
         updates = failed_processors
         append = updates.append
@@ -122,21 +164,32 @@ class TokenReadback:
             updates += advance_beams(engine, pending)
         return StepUpdates(updates)
 
-    def apply_decode_tokens(self, decode: DecodeRows, index: np.ndarray, tokens: np.ndarray) -> StepUpdates:
-        """`process` of a steady decode step without logprobs: the tokens are written in one
-        pass and only rows whose token may end the request (length, an end or stop token)
-        are checked one by one; the other rows are reported batched (`DecodeTokens`)."""
+    def apply_decode_tokens(self, decode: DecodeRows, entries: DecodeEntries, tokens: np.ndarray) -> StepUpdates:
+        """`process` of a steady decode step without logprobs: the tokens go to the batch's
+        token log (or over the placeholders, once the log has ended) in one pass, and only
+        rows whose token may end the request (length, an end or stop token) are checked one
+        by one; the other rows are reported batched (`DecodeTokens`)."""
         requests = decode.requests
         n = len(requests)
-        _, max_tokens, end_ids, always_check = self.stops_of(decode)
+        index = entries.index
+        stops = self.stops_of(decode, index)
         row_tokens = tokens[:n]
-        checked = always_check | (index + 1 >= max_tokens) | (row_tokens[:, None] == end_ids).any(axis=1)
-        token_list, index_list = row_tokens.tolist(), index.tolist()
-        for out, i, token in zip(map(_output_token_ids, requests), index_list, token_list):
-            out[i] = token  # a plain loop: half the cost of map(list.__setitem__, ...)
+        token_list = row_tokens.tolist()
+        log = entries.log
+        if log is not None and log.live:
+            log.record(row_tokens)
+        else:
+            for out, i, token in zip(map(_output_token_ids, requests), index.tolist(), token_list):
+                out[i] = token  # a plain loop: half the cost of map(list.__setitem__, ...)
+        if stops.quiet(index, row_tokens):
+            return StepUpdates([], [DecodeTokens(requests, token_list)])
+        checked = stops.rows_to_check(index, row_tokens)
         check = np.flatnonzero(checked).tolist()
         if not check:
             return StepUpdates([], [DecodeTokens(requests, token_list)])
+        if log is not None:
+            log.materialize()  # the checked rows read, and may end, their requests' outputs
+        index_list = index.tolist()
         updates: list[RequestUpdate] = []
         for i in check:
             request = requests[i]
@@ -148,11 +201,12 @@ class TokenReadback:
         return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
                                                   list(map(token_list.__getitem__, plain)))])
 
-    def stops_of(self, decode: DecodeRows) -> tuple:
-        """(decode, max_tokens, end ids, always check) of a steady decode batch, built once per batch."""
+    def stops_of(self, decode: DecodeRows, index: np.ndarray) -> BatchStops:
+        """The stops of a steady decode batch, built once per batch (`index`: the output index
+        of each row in one of its steps)."""
         stops = self._decode_stops
-        if stops is None or stops[0] is not decode:
-            stops = self._decode_stops = (decode, *_stop_rows(decode.requests))
+        if stops is None or stops.decode is not decode:
+            stops = self._decode_stops = BatchStops.build(decode, index)
         return stops
 
     def apply_token(self, request: LlmRequest, index: int, token: int, row: int,

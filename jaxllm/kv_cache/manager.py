@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -127,6 +127,8 @@ class DecodeRows:
     num_tokens: np.ndarray  # int64[n] num_tokens of each request in the last prepared step
     # The token entries of the last step committed from these rows (the planner's record).
     entries: Optional[list] = None
+    # The planner's `DecodeTokenLog` of these rows (tokens not yet in the requests' lists).
+    log: Optional[Any] = None
 
 
 class KVCacheManager:
@@ -429,16 +431,22 @@ class KVCacheManager:
         the same requests)."""
         return decode.version == self._version
 
-    def prepare_decode(self, scheduler_output: "SchedulerOutput", decode: DecodeRows) -> None:
+    def prepare_decode(self, scheduler_output: "SchedulerOutput", decode: DecodeRows,
+                       flush_rows: Optional[Callable[[list[int]], None]] = None) -> None:
         """`prepare_resources` for the next step of `decode.requests` (the generation
         requests, no context requests), each of which got one token from the step before
         (`decode.num_tokens` advances by one): only sequences at a block boundary are
-        visited. Records a placement carrying the arrays."""
+        visited. Records a placement carrying the arrays. `flush_rows(rows)` brings the
+        visited rows' read-back tokens into their requests first (a block is indexed by its
+        tokens) when the caller keeps them elsewhere."""
         num_tokens = decode.num_tokens + 1
         due = np.flatnonzero(num_tokens >= decode.next_event)
         if due.size:
             seqs, requests, next_event = self._seqs, decode.requests, decode.next_event
-            for i in due.tolist():
+            due = due.tolist()
+            if flush_rows is not None:
+                flush_rows(due)
+            for i in due:
                 request = requests[i]
                 seq = seqs[request.request_id]
                 self._prepare_generation(seq, request, int(num_tokens[i]))
