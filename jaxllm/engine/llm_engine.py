@@ -41,6 +41,7 @@ from jaxllm.engine.beam_search import BeamRun, BeamSearch
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_outputs import (LogitsRecord, StepLogitsTargets, plan_step_logits, row_buckets)
@@ -123,8 +124,7 @@ def resolve_model_dir(model: str) -> Path:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if compile_cache_requested(config.compile_cache):
-            enable_compile_cache()  # before anything compiles
+        compile_cache_dir = enable_compile_cache() if compile_cache_requested(config.compile_cache) else None
         # Multi-host leader: the followers build this same engine from the config (None otherwise).
         session = open_session(config)
         model_dir = resolve_model_dir(config.model)
@@ -215,13 +215,18 @@ class LLMEngine:
         if online and is_multiprocess():
             raise ValueError("moe_config.load_balancer: online expert load balancing (layer_updates_per_iter > 0) "
                              "is not supported in multi-host runs: its slot writes run outside the mirrored step")
+        # Compiled forwards and samplers kept beside the compilation cache: a later process with
+        # this configuration loads them without tracing (jaxllm.engine.executable_store).
+        self.executable_store = (ExecutableStore.beside_compile_cache(compile_cache_dir, config)
+                                 if session is None and not is_multiprocess() else None)
         self.runner = ModelRunner(model_config=self.model_config, params=params, num_blocks=num_blocks,
                                   tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
                                   moe_fn=moe_fn, max_batch_size=self.num_sampler_rows, mesh=self.mesh,
                                   moe_options=moe_options, moe_stats=self.expert_statistics is not None or online,
                                   attention_dp=self.attention_dp,
                                   batched_processors=check_batched_processors(config.logits_post_processors),
-                                  compile_workers=config.compile_workers)
+                                  compile_workers=config.compile_workers,
+                                  executable_store=self.executable_store)
         if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
             self.runner.params["lora"] = init_lora_weights(self.model_config, self.runner.params, config.max_loras,
                                                            config.max_lora_rank, self.model_config.dtype)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.engine.executable_store import ExecutableStore, UnstableKey, describe, describe_arguments
 from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
@@ -167,12 +168,15 @@ class ModelRunner:
                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
                  attention_dp: bool = False,
                  batched_processors: Optional[dict[str, BatchedProcessor]] = None,
-                 compile_workers: Optional[int] = None) -> None:
+                 compile_workers: Optional[int] = None,
+                 executable_store: Optional[ExecutableStore] = None) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
         `batched_processors`: device-side logits post-processors by name
         (`jaxllm.engine.logits_processing`). `compile_workers`: threads compiling programs in
-        the background (default: one per CPU core, at most 8)."""
+        the background (default: one per CPU core, at most 8). `executable_store`: where the
+        model forwards and samplers are loaded from instead of traced and compiled, and saved to
+        once compiled (`jaxllm.engine.executable_store`)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -186,14 +190,23 @@ class ModelRunner:
             self.kv_cache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
         else:
             self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
-        self._forward_jit = jax.jit(
-            functools.partial(_forward_step, model_config=model_config, attention_fn=attention_fn,
-                              moe_fn=moe_fn, mesh=self.mesh, moe_options=moe_options, moe_stats=moe_stats,
-                              attention_dp_specs=param_partition_specs(params) if attention_dp else None),
-            static_argnames=("layout",),
-            donate_argnums=(1,),
-        )
+        forward_step = functools.partial(
+            _forward_step, model_config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=self.mesh,
+            moe_options=moe_options, moe_stats=moe_stats,
+            attention_dp_specs=param_partition_specs(params) if attention_dp else None)
+        self._forward_jit = jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,))
         self._sample_jit = jax.jit(_sample_step, static_argnames=("layout",))
+        # Stored programs: the key text of each program's function and static arguments (the
+        # layout and argument shapes are added per program); a program without one is not stored.
+        self._store = executable_store
+        self._store_keys: dict[str, str] = {}
+        if executable_store is not None:
+            for kind, fn, options in (("forward", forward_step, "static_argnames=layout donate_argnums=1"),
+                                      ("sampler", _sample_step, "static_argnames=layout")):
+                key = executable_store.entry_key(kind, fn, options)
+                if key is not None:
+                    self._store_keys[kind] = key
+        self.programs_loaded = 0  # programs loaded from the executable store (not traced or compiled)
         self._copy_jit = jax.jit(functools.partial(_copy_pages, num_blocks=num_blocks), donate_argnums=(0,))
         # Programs of steps where some row asks for logits or has a post-processor: row
         # gathers and scatters (one per row bucket) and the batched processors (one each).
@@ -217,7 +230,7 @@ class ModelRunner:
         self._closed = False  # no more background compiles (a step may still compile its own)
         self._queued: dict[tuple[str, PackedLayout], Future] = {}  # the compile threads' tasks
         self.compile_workers = compile_workers or default_compile_workers()
-        self.compile_seconds = 0.0  # summed over programs (several compile at once)
+        self.compile_seconds = 0.0  # summed over programs (several compile at once), loads included
         self.compile_wait_seconds = 0.0  # time steps spent waiting for a program to compile
         self._compile_lock = threading.Lock()
         self.steps_per_bucket: collections.Counter = collections.Counter()
@@ -270,12 +283,32 @@ class ModelRunner:
             self._compiling[(kind, layout)] = future
             return future, True
 
+    def _store_key(self, kind: str, abstract_args: tuple, layout: PackedLayout) -> Optional[str]:
+        """The executable store's key of this program, None when it is not stored."""
+        prefix = self._store_keys.get(kind)
+        if prefix is None:
+            return None
+        try:
+            return f"{prefix}\nlayout {describe(layout)}\narguments {describe_arguments(abstract_args)}"
+        except UnstableKey as exc:
+            logger.debug("a %s variant is not stored: %s", kind, exc)
+        except Exception as exc:  # the store is an optimization: never a reason for a step to fail
+            logger.warning("a %s variant is not stored: its key could not be built (%r)", kind, exc)
+        return None
+
     def _run_compile(self, kind: str, abstract_args: tuple, layout: PackedLayout, future: Future) -> None:
+        """Compile one program (or load it from the executable store, which skips tracing and
+        lowering too) and hand it to `future`; a compiled program is stored afterwards."""
         jitted, cache = ((self._forward_jit, self._forward_exes) if kind == "forward"
                          else (self._sample_jit, self._sampler_exes))
         start = time.perf_counter()
+        key = None
         try:
-            exe = jitted.lower(*abstract_args, layout=layout).compile()
+            key = self._store_key(kind, abstract_args, layout)
+            exe = self._store.load(key) if key is not None else None
+            loaded = exe is not None
+            if exe is None:
+                exe = jitted.lower(*abstract_args, layout=layout).compile()
         except BaseException as exc:
             with self._compile_lock:
                 self._compiling.pop((kind, layout), None)
@@ -283,13 +316,16 @@ class ModelRunner:
             future.set_exception(exc)
             return
         elapsed = time.perf_counter() - start
-        logger.debug("compiled a %s variant in %.2fs", kind, elapsed)
+        logger.debug("%s a %s variant in %.2fs", "loaded" if loaded else "compiled", kind, elapsed)
         with self._compile_lock:
             self.compile_seconds += elapsed
+            self.programs_loaded += loaded
             cache[layout] = exe
             self._compiling.pop((kind, layout), None)
             self._queued.pop((kind, layout), None)
         future.set_result(exe)
+        if key is not None and not loaded:
+            self._store.save(key, exe)
 
     def _start_compile(self, kind: str, args: tuple, layout: PackedLayout) -> Future:
         """Compile on the compile threads (see `_claim`); returns the compile's future."""
