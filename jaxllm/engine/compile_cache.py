@@ -20,6 +20,11 @@ only lower the thresholds below which JAX skips writing an entry (by default pro
 compiled in under a second are not kept, and a tiny model's are all that fast); the key
 itself is untouched.
 
+A hit here still costs tracing and lowering the program (the key is computed from the lowered
+program); the engine's forwards and samplers skip those too through the executable store kept
+in this directory's `executables` subdirectory (`jaxllm.engine.executable_store`), which the
+same switches turn off.
+
 The cache holds executable code: like JAX, treat the directory as trusted and keep it
 writable only by you. The setting is process-wide (JAX has one cache per process), so
 turning it off for one engine only means that engine does not turn it on.

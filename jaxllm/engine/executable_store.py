@@ -17,7 +17,8 @@ The key (`ExecutableStore.entry_key`) is a SHA-256 over the text of:
   * the process: jax, jaxlib and plugin versions, backend platform and version, every device's
     kind and id, the process count, the host CPU (`compile_cache.host_id`: CPU executables are
     native code), JAX's configuration values and the JAX_/XLA_/JAXLLM_ environment, and a hash
-    of the source of the packages that build the programs (jaxllm, pallas_kernels, sharding).
+    of the source of the packages that build the programs (jaxllm, pallas_kernels, sharding),
+    and the Python version.
 Anything the description cannot render stably (an object whose repr is an address) disables
 storing that program: it is never keyed by less than it depends on. The entry repeats the key
 text, and a load compares it, so a hash collision is a miss too.
@@ -25,7 +26,13 @@ text, and a load compares it, so a hash collision is a miss too.
 An entry is a checksum and a pickle (the key, the executable's devices, the serialized
 executable and its argument and result trees), written to a temporary file and renamed.
 A missing, unreadable, corrupt or foreign entry is a miss: logged, the program is traced and
-compiled as usual, and the entry rewritten. The checksum keeps a damaged file away from the
+compiled as usual, and the entry rewritten.
+
+Only executables this process compiled are stored, serialized before their first run: XLA:CPU
+cannot serialize an executable that ran, nor one that was itself deserialized (functions go
+missing in the copy). So a program that JAX's cache already held (say, from an older jaxllm
+whose programs were the same) is read from there and not stored; the folder fills again once
+the cache directory is cleared. The checksum keeps a damaged file away from the
 deserializer, which, like JAX's own cache, must only see trusted files: keep the directory
 writable only by you. Entries live in `<compilation cache dir>/executables`, so the same
 switches turn both off (`EngineConfig(compile_cache=False)`, `--no-compile-cache`,
@@ -231,6 +238,29 @@ def describe_engine_config(config: Any) -> str:
     return f"{type(config).__module__}.{type(config).__qualname__}{describe(fields)}"
 
 
+_thread = threading.local()
+_listening = threading.Lock()
+_listener_registered = False
+
+
+def _count_jax_cache_hit(event: str, **kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _thread.jax_cache_hits = getattr(_thread, "jax_cache_hits", 0) + 1
+
+
+def jax_cache_hits() -> int:
+    """Hits in JAX's persistent cache on this thread so far (JAX reports a hit on the thread
+    that compiles): an executable read from that cache cannot be serialized again (XLA:CPU
+    loses functions on a second serialization), so it is not stored."""
+    global _listener_registered
+    if not _listener_registered:
+        with _listening:
+            if not _listener_registered:
+                jax.monitoring.register_event_listener(_count_jax_cache_hit)
+                _listener_registered = True
+    return getattr(_thread, "jax_cache_hits", 0)
+
+
 @dataclasses.dataclass
 class StoreCounts:
     loaded: int = 0  # programs loaded from an entry
@@ -238,6 +268,7 @@ class StoreCounts:
     missing: int = 0  # lookups with no entry
     rejected: int = 0  # entries that could not be loaded (corrupt, foreign, incompatible)
     unkeyed: int = 0  # programs not stored: no stable key, or not serializable
+    from_jax_cache: int = 0  # programs not stored: read from JAX's cache, not compiled here
 
 
 class ExecutableStore:
@@ -278,6 +309,10 @@ class ExecutableStore:
 
     def path(self, key: str) -> Path:
         return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:40] + _SUFFIX)
+
+    def count_from_jax_cache(self) -> None:
+        """A program was read from JAX's persistent cache, so it is not stored (`jax_cache_hits`)."""
+        self._count("from_jax_cache")
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -321,9 +356,9 @@ class ExecutableStore:
         self._count("rejected")
         return None
 
-    def save(self, key: str, exe: jax.stages.Compiled) -> bool:
-        """Write `exe` under `key` (atomically: a temporary file renamed); False where it cannot
-        be serialized or written (logged; the program still runs)."""
+    def serialize(self, key: str, exe: jax.stages.Compiled) -> Optional[bytes]:
+        """The entry of `exe` under `key`, or None where it cannot be serialized (logged). Call it
+        before the executable first runs: XLA:CPU cannot serialize an executable that ran."""
         from jax.experimental.serialize_executable import serialize
 
         try:
@@ -334,13 +369,18 @@ class ExecutableStore:
         except Exception as exc:  # e.g. host callbacks or constants the serializer does not take
             logger.debug("program not stored: cannot serialize it (%s: %s)", type(exc).__name__, exc)
             self._count("unkeyed")
-            return False
+            return None
+        return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+    def write(self, key: str, entry: bytes) -> bool:
+        """Write an entry from `serialize` atomically (a temporary file renamed over the old
+        entry); False where it cannot be written (logged; the program still runs)."""
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+                f.write(entry)
             os.replace(tmp, path)
         except Exception as exc:
             logger.warning("could not store a compiled program in %s: %s", self.directory, exc)
@@ -351,3 +391,8 @@ class ExecutableStore:
             return False
         self._count("saved")
         return True
+
+    def save(self, key: str, exe: jax.stages.Compiled) -> bool:
+        """`serialize` then `write` (an executable that has not run yet)."""
+        entry = self.serialize(key, exe)
+        return entry is not None and self.write(key, entry)

@@ -7,6 +7,9 @@ A step runs two executables, dispatched back to back without a host sync:
   * the sampler over those logits, compiled once per sampler variant (the static switches
     of `SamplingTensors`). It holds no model, so its variants compile in a fraction of the
     forward's time and warm-up can compile all of them.
+With an executable store (`jaxllm.engine.executable_store`) both are loaded from disk when a
+previous process stored them, without tracing, lowering or compiling; each one compiled here is
+stored for the next process.
 Under the overlap scheduler a generation token may not be known on the host yet:
 `feed_index[t] >= 0` tells the forward to take token `t` from row `feed_index[t]` of the
 previous step's sampled tokens, which never leave the device.
@@ -29,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.executable_store import ExecutableStore, UnstableKey, describe, describe_arguments
+from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, describe, describe_arguments,
+                                            jax_cache_hits)
 from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
@@ -302,13 +306,19 @@ class ModelRunner:
         jitted, cache = ((self._forward_jit, self._forward_exes) if kind == "forward"
                          else (self._sample_jit, self._sampler_exes))
         start = time.perf_counter()
-        key = None
+        entry = None
         try:
             key = self._store_key(kind, abstract_args, layout)
             exe = self._store.load(key) if key is not None else None
             loaded = exe is not None
             if exe is None:
-                exe = jitted.lower(*abstract_args, layout=layout).compile()
+                lowered = jitted.lower(*abstract_args, layout=layout)
+                hits = jax_cache_hits() if key is not None else 0
+                exe = lowered.compile()
+                if key is not None and jax_cache_hits() > hits:  # read from JAX's cache: not storable
+                    self._store.count_from_jax_cache()
+                elif key is not None:  # serialized before anything runs it (XLA:CPU cannot after)
+                    entry = self._store.serialize(key, exe)
         except BaseException as exc:
             with self._compile_lock:
                 self._compiling.pop((kind, layout), None)
@@ -324,8 +334,8 @@ class ModelRunner:
             self._compiling.pop((kind, layout), None)
             self._queued.pop((kind, layout), None)
         future.set_result(exe)
-        if key is not None and not loaded:
-            self._store.save(key, exe)
+        if entry is not None:
+            self._store.write(key, entry)
 
     def _start_compile(self, kind: str, args: tuple, layout: PackedLayout) -> Future:
         """Compile on the compile threads (see `_claim`); returns the compile's future."""
