@@ -28,11 +28,12 @@ executable and its argument and result trees), written to a temporary file and r
 A missing, unreadable, corrupt or foreign entry is a miss: logged, the program is traced and
 compiled as usual, and the entry rewritten.
 
-Only executables this process compiled are stored, serialized before their first run: XLA:CPU
-cannot serialize an executable that ran, nor one that was itself deserialized (functions go
-missing in the copy). So a program that JAX's cache already held (say, from an older jaxllm
-whose programs were the same) is read from there and not stored; the folder fills again once
-the cache directory is cleared. The checksum keeps a damaged file away from the
+Only executables XLA compiled for this very lookup are stored, serialized before their first
+run (`compile_here`): XLA:CPU cannot serialize an executable that ran, nor one that was itself
+deserialized (functions go missing in the copy). So a program that JAX's persistent cache
+already held (say, from an older jaxllm whose programs were the same) or that this process
+already compiled for another engine is taken from JAX's cache and not stored; the folder fills
+again once the cache directory is cleared. The checksum keeps a damaged file away from the
 deserializer, which, like JAX's own cache, must only see trusted files: keep the directory
 writable only by you. Entries live in `<compilation cache dir>/executables`, so the same
 switches turn both off (`EngineConfig(compile_cache=False)`, `--no-compile-cache`,
@@ -240,25 +241,44 @@ def describe_engine_config(config: Any) -> str:
 
 _thread = threading.local()
 _listening = threading.Lock()
-_listener_registered = False
+_listeners_registered = False
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
-def _count_jax_cache_hit(event: str, **kwargs: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _thread.jax_cache_hits = getattr(_thread, "jax_cache_hits", 0) + 1
+def _on_compile(event: str, duration: float, **kwargs: Any) -> None:
+    if event == _COMPILE_EVENT:
+        _thread.compiles = getattr(_thread, "compiles", 0) + 1
 
 
-def jax_cache_hits() -> int:
-    """Hits in JAX's persistent cache on this thread so far (JAX reports a hit on the thread
-    that compiles): an executable read from that cache cannot be serialized again (XLA:CPU
-    loses functions on a second serialization), so it is not stored."""
-    global _listener_registered
-    if not _listener_registered:
+def _on_cache_hit(event: str, **kwargs: Any) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _thread.cache_hits = getattr(_thread, "cache_hits", 0) + 1
+
+
+def _compile_events() -> tuple[int, int]:
+    """(backend compiles, persistent-cache hits) JAX reported on this thread so far (it reports
+    both on the thread that compiles, a hit as a compile too)."""
+    global _listeners_registered
+    if not _listeners_registered:
         with _listening:
-            if not _listener_registered:
-                jax.monitoring.register_event_listener(_count_jax_cache_hit)
-                _listener_registered = True
-    return getattr(_thread, "jax_cache_hits", 0)
+            if not _listeners_registered:
+                jax.monitoring.register_event_duration_secs_listener(_on_compile)
+                jax.monitoring.register_event_listener(_on_cache_hit)
+                _listeners_registered = True
+    return getattr(_thread, "compiles", 0), getattr(_thread, "cache_hits", 0)
+
+
+def compile_here(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
+    """`lowered.compile()`, and whether XLA compiled it on this call. Otherwise it came from one
+    of JAX's caches: the persistent one (a deserialized executable) or the in-memory one (an
+    executable that may have run already). XLA:CPU cannot serialize either (functions go
+    missing in the copy), so only an executable compiled here may be stored, and only before
+    it first runs."""
+    compiles, hits = _compile_events()
+    exe = lowered.compile()
+    after_compiles, after_hits = _compile_events()
+    return exe, after_compiles > compiles and after_hits == hits
 
 
 @dataclasses.dataclass
@@ -268,7 +288,7 @@ class StoreCounts:
     missing: int = 0  # lookups with no entry
     rejected: int = 0  # entries that could not be loaded (corrupt, foreign, incompatible)
     unkeyed: int = 0  # programs not stored: no stable key, or not serializable
-    from_jax_cache: int = 0  # programs not stored: read from JAX's cache, not compiled here
+    from_jax_cache: int = 0  # programs not stored: from one of JAX's caches, not compiled here (`compile_here`)
 
 
 class ExecutableStore:
@@ -311,7 +331,7 @@ class ExecutableStore:
         return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:40] + _SUFFIX)
 
     def count_from_jax_cache(self) -> None:
-        """A program was read from JAX's persistent cache, so it is not stored (`jax_cache_hits`)."""
+        """A program came from one of JAX's caches, so it is not stored (`compile_here`)."""
         self._count("from_jax_cache")
 
     def _count(self, name: str) -> None:

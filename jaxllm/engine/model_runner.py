@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, describe, describe_arguments,
-                                            jax_cache_hits)
+from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, compile_here, describe,
+                                            describe_arguments)
 from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
@@ -312,10 +312,8 @@ class ModelRunner:
             exe = self._store.load(key) if key is not None else None
             loaded = exe is not None
             if exe is None:
-                lowered = jitted.lower(*abstract_args, layout=layout)
-                hits = jax_cache_hits() if key is not None else 0
-                exe = lowered.compile()
-                if key is not None and jax_cache_hits() > hits:  # read from JAX's cache: not storable
+                exe, compiled_here = compile_here(jitted.lower(*abstract_args, layout=layout))
+                if key is not None and not compiled_here:  # from one of JAX's caches: not storable
                     self._store.count_from_jax_cache()
                 elif key is not None:  # serialized before anything runs it (XLA:CPU cannot after)
                     entry = self._store.serialize(key, exe)
