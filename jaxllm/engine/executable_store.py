@@ -314,6 +314,9 @@ class ExecutableStore:
         except UnstableKey as exc:
             logger.info("compiled programs are not stored: %s", exc)
             return None
+        except Exception as exc:  # the store only saves time: never a reason for an engine not to start
+            logger.warning("compiled programs are not stored: %r", exc)
+            return None
         return cls(Path(compile_cache_dir) / "executables", context)
 
     def entry_key(self, *program: Any) -> Optional[str]:
