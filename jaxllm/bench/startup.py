@@ -2,7 +2,8 @@
 
 Starts `jaxllm serve` as a new process and polls `/health` until it answers 200, first
 with an empty compilation cache (a fresh directory in `JAX_COMPILATION_CACHE_DIR`) and
-then again with the cache that first start filled, which should compile nothing. The
+then again with the cache that first start filled, which should compile nothing (and, for the
+model forwards and samplers in its executable store, trace and lower nothing). The
 server's own stderr lines (model load, "compiling ...", "ready in X s") are kept, and the
 seconds it reports for loading and compiling are shown next to the total, so the table
 says what dominates a cold start. The model itself (downloads, dequantized GGUF) is
