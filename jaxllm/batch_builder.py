@@ -78,7 +78,7 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
                 and len(placement.generation_num_tokens) == n_gen)
     if prepared and placement.decode is not None and not n_ctx:
         return build_decode_batch(kv, placement.rows, placement.generation_num_tokens, generation_tokens, gen,
-                                  token_bucket=T, max_batch_size=S, max_blocks_per_seq=MB)
+                                  token_bucket=T, max_batch_size=S, max_blocks_per_seq=MB)[0]
     if prepared:
         rows_list, gen_num_tokens = placement.rows, placement.generation_num_tokens
     else:
@@ -154,10 +154,12 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
     return batch
 
 
-def _zero_batch(T: int, S: int, MB: int) -> StepBatch:
+def _zero_batch(T: int, S: int, MB: int, tail: int = 0) -> StepBatch:
     """A zeroed StepBatch whose fields are views of one allocation (new per call, so a
-    batch handed to the runtime is never overwritten by a later step)."""
-    buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S, dtype=np.int32)
+    batch handed to the runtime is never overwritten by a later step), in field order (the
+    order `jaxllm.engine.host_transfer.pack` lays them out), followed by `tail` more words
+    (`_buffer_of` gives the whole allocation)."""
+    buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S + tail, dtype=np.int32)
     o = 3 * T
     cu_q_lens, kv_lens = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1]
     o += 2 * S + 1
@@ -168,13 +170,23 @@ def _zero_batch(T: int, S: int, MB: int) -> StepBatch:
                      num_seqs=buf[o:o + 1], logits_indices=buf[o + 1:o + 1 + S])
 
 
+def _buffer_of(batch: StepBatch) -> np.ndarray:
+    """The allocation behind a `_zero_batch` batch (its fields, then the tail)."""
+    return batch.token_ids.base
+
+
 def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndarray,
                        tokens: Optional[np.ndarray], requests: Sequence[LlmRequest], *, token_bucket: int,
-                       max_batch_size: int, max_blocks_per_seq: int) -> StepBatch:
+                       max_batch_size: int, max_blocks_per_seq: int,
+                       feed_index: Optional[np.ndarray] = None) -> tuple[StepBatch, np.ndarray, np.ndarray]:
     """`build_step_batch` of a generation-only step from per-slot arrays (no pass over the
     requests): `rows[i]` is the block-table row of sequence i, `num_tokens[i]` its token
     count with this step's token, which `tokens[i]` holds (read from `requests` when None).
-    The blocks must be prepared (`kv.prepare_decode`)."""
+    The blocks must be prepared (`kv.prepare_decode`).
+
+    Returns (batch, feed index, packed): the step's `feed_index` (int32[T], a copy of
+    `feed_index`, -1 when None) sits right after the batch in one buffer, `packed`, which is
+    what `pack((batch, feed index))` would build, so the step's forward inputs need no copy."""
     n = rows.shape[0]
     T, S, MB = token_bucket, max_batch_size, max_blocks_per_seq
     if n > S:
@@ -186,7 +198,10 @@ def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndar
     width = table.shape[1]
     if width > MB and n and int(kv.row_num_blocks[rows].max()) > MB:
         raise ValueError(f"a sequence holds more than max_blocks_per_seq ({MB}) blocks")
-    batch = _zero_batch(T, S, MB)
+    batch = _zero_batch(T, S, MB, tail=T)
+    packed = _buffer_of(batch)
+    feed = packed[-T:]
+    feed[:] = -1 if feed_index is None else feed_index
     batch.token_ids[:n] = tokens if tokens is not None else [r.output_token_ids[-1] for r in requests]
     positions = batch.positions[:n]
     np.subtract(num_tokens, 1, out=positions)
@@ -204,4 +219,4 @@ def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndar
         batch.block_tables[:n, :w] = table[rows, :w]
     batch.num_seqs[0] = n
     batch.logits_indices[:n] = arange[:n]
-    return batch
+    return batch, feed, packed

@@ -312,3 +312,30 @@ def test_token_log_changes_no_output(moe_llm, monkeypatch):
         # Every full block of every sequence (generated tokens included, all but the last
         # token are in the cache) was indexed under its tokens.
         assert prefix_hits == [(len(prompts[i]) + len(out) - 1) // 8 * 8 for i, (out, _) in finished]
+
+
+def test_greedy_steps_take_the_forward_argmax_without_a_sampler(moe_llm, monkeypatch):
+    """A step whose rows all decode greedily with no processing takes each token from the
+    forward's argmax (the sampler's own function) and runs no sampler program. Its tokens
+    equal the sampler's, alone and beside a seeded sampled request (whose steps sample)."""
+    from dataclasses import replace
+
+    runner = moe_llm.engine.runner
+    sampled, execute = [], runner.execute
+    monkeypatch.setattr(runner, "_sample", lambda *a, _sample=runner._sample: sampled.append(1) or _sample(*a))
+    prompts = random_prompts(4, VOCAB, 3, 20, seed=31)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=5)
+
+    def run(params):
+        outs = moe_llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    fast = run(greedy)
+    assert not sampled
+    mixed = run([greedy, greedy, seeded, greedy])
+    assert sampled and [mixed[i] for i in (0, 1, 3)] == [fast[i] for i in (0, 1, 3)]
+    # Every step through the sampler instead.
+    monkeypatch.setattr(runner, "execute", lambda plan, **kw: execute(replace(plan, greedy_only=False), **kw))
+    assert run(greedy) == fast
+    assert run([greedy, greedy, seeded, greedy]) == mixed

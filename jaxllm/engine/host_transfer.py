@@ -65,6 +65,38 @@ def pack(tree: Any) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
     return (buffer,), layout
 
 
+class RepeatPacker:
+    """`pack` for a stream of trees that repeat most of their leaves: a steady decode batch's
+    sampling tensors differ from one step to the next in `step` only. When every leaf but a
+    few is the same object as in the last call, the last buffer is copied and only the new
+    leaves are written. The caller never writes a leaf after packing it (so the same object
+    holds the same values); a tree with other leaves is packed in full."""
+
+    def __init__(self, max_changed: int = 2) -> None:
+        self.max_changed = max_changed
+        self._last: Optional[tuple[list, Any, np.ndarray, PackedLayout]] = None  # leaves, treedef, buffer, layout
+
+    def pack(self, tree: Any) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        last = self._last
+        if last is not None and len(leaves) == len(last[0]) and treedef == last[1]:
+            changed = [i for i, (new, old) in enumerate(zip(leaves, last[0])) if new is not old]
+            layout = last[3]
+            if len(changed) <= self.max_changed and all(
+                    np.shape(leaves[i]) == layout.leaves[i][2] and np.asarray(leaves[i]).dtype.str == layout.leaves[i][0]
+                    for i in changed):
+                buffer = last[2].copy()
+                for i in changed:
+                    _, offset, _ = layout.leaves[i]
+                    flat = np.asarray(leaves[i]).reshape(-1)
+                    buffer[offset:offset + flat.size] = flat if flat.dtype == _BOOL or flat.dtype == _WORD else flat.view(_WORD)
+                self._last = (leaves, treedef, buffer, layout)
+                return (buffer,), layout
+        (buffer,), layout = pack(tree)
+        self._last = (leaves, treedef, buffer, layout)
+        return (buffer,), layout
+
+
 def unpack(buffers: tuple[jax.Array, ...], layout: PackedLayout) -> Any:
     (buffer,) = buffers
     leaves = []

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, compile_here, describe,
                                             describe_arguments)
-from jaxllm.engine.host_transfer import PackedLayout, pack, put_on_mesh, unpack
+from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
 from jaxllm.lora.weights import write_slot
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
@@ -45,6 +45,7 @@ from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_
 from sharding.ep_moe import EpMoeOptions
 from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
+from jaxllm.sampling.sampler import first_argmax
 from jaxllm.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,21 @@ def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: Packe
                   attention_dp_specs: Any = None):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
-    and the context logits [E, V] of the packed tokens `context_index` when the inputs carry
-    one (the variant for steps where a request asks for its prompt's logits) else None).
+    the context logits [E, V] of the packed tokens `context_index` when the inputs carry
+    one (the variant for steps where a request asks for its prompt's logits) else None,
+    and each row's greedy token int32 [S], the sampler's own argmax, so that a step whose
+    rows all decode greedily with no processing needs no sampler program).
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
     the batch then has a leading rank axis and the logits are [ranks * S, V]."""
+    kv_cache, logits, counts, context = _model_step(
+        params, kv_cache, inputs, prev_tokens, layout=layout, model_config=model_config, attention_fn=attention_fn,
+        moe_fn=moe_fn, mesh=mesh, moe_options=moe_options, moe_stats=moe_stats, attention_dp_specs=attention_dp_specs)
+    return kv_cache, logits, counts, context, first_argmax(logits)
+
+
+def _model_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
+                model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh,
+                moe_options: Optional[EpMoeOptions], moe_stats: bool, attention_dp_specs: Any):
     unpacked = unpack(inputs, layout)
     batch, feed_index = unpacked[0], unpacked[1]
     context_index = unpacked[2] if len(unpacked) > 2 else None
@@ -240,10 +252,15 @@ class ModelRunner:
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
         self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
+        self._last_greedy: jax.Array | None = None  # greedy tokens of the last forward (see `_forward_step`)
         # Expert counts [num_moe_layers, num_experts] of the last executed step (device array;
         # None unless the runner was built with moe_stats=True).
         self.last_expert_counts: jax.Array | None = None
         self.last_enqueue_time = 0.0  # time.perf_counter() when the last forward was handed to the runtime
+        # The layout of plans built already packed (`StepPlan.packed_forward`), per batch shape.
+        self._packed_layouts: dict[tuple, PackedLayout] = {}
+        # Sampling tensors of a steady batch repeat every array but `step` (SamplingSlots.gather).
+        self._sampling_packer = RepeatPacker()
 
     @property
     def num_forward_variants(self) -> int:
@@ -492,11 +509,23 @@ class ModelRunner:
         `plan.processor_rows`, `last_processed` is then the future of those rows' sampler
         output, computed on a worker thread (`jaxllm.engine.logits_processing`). A plain plan
         runs exactly the two programs."""
-        if plan.context_index is None:
+        if plan.packed_forward is not None and plan.context_index is None:
+            batch_buffers, batch_layout = (plan.packed_forward,), self._packed_layout(plan)
+        elif plan.context_index is None:
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         else:  # another layout: the forward variant that also returns these tokens' logits
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index, plan.context_index))
-        sampling_buffers, sampling_layout = pack(plan.sampling)
+        if plan.greedy_only and not plan.has_logits_work:
+            # Every row decodes greedily with no processing: the forward's argmax is the token.
+            if not self._single_device:
+                batch_buffers = put_on_mesh(batch_buffers, self._replicated)
+            self._forward(batch_buffers, batch_layout, self._last_tokens)
+            self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1
+            self.last_row_logits = self.last_processed = None
+            out = SamplerOutput(token_ids=self._last_greedy, logprobs=None, top_ids=None, top_logprobs=None)
+            self._last_tokens = out.token_ids
+            return out
+        sampling_buffers, sampling_layout = self._sampling_packer.pack(plan.sampling)
         if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
@@ -514,6 +543,19 @@ class ModelRunner:
                 self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers,
                 sampling_layout)
         return out
+
+    def _packed_layout(self, plan: StepPlan) -> PackedLayout:
+        """The layout of `plan.packed_forward`: `pack`'s for the batch's shapes, found with
+        `pack` once per shape (which also checks that the buffer is what `pack` builds)."""
+        batch = plan.batch
+        key = (batch.token_ids.shape, batch.block_tables.shape, batch.logits_indices.shape)
+        layout = self._packed_layouts.get(key)
+        if layout is None:
+            (buffer,), layout = pack((batch, plan.feed_index))
+            if not np.array_equal(buffer, plan.packed_forward):
+                raise RuntimeError("a plan's packed forward inputs differ from its batch and feed index")
+            self._packed_layouts[key] = layout
+        return layout
 
     def write_lora_slot(self, slot: int, update: Any) -> None:
         """Replace LoRA slot `slot` of `params["lora"]` by `update` (host arrays of one slot; see
@@ -539,7 +581,7 @@ class ModelRunner:
         exe = self._compile("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
         args = (self.params, self.kv_cache, inputs, prev)
         self.last_enqueue_time = time.perf_counter()
-        self.kv_cache, logits, self.last_expert_counts, self.last_context_logits = exe(*args)
+        self.kv_cache, logits, self.last_expert_counts, self.last_context_logits, self._last_greedy = exe(*args)
         return logits
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:

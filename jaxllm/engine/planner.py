@@ -97,6 +97,12 @@ class StepPlan:
     logits_rows: Optional[np.ndarray] = None  # int32[R] rows whose raw logits come back
     processor_rows: Optional[np.ndarray] = None  # int32[R] rows rewritten by host processors
     batched_processors: tuple = ()  # (name, request ids int32[S], mask bool[S]) per device processor
+    # (batch, feed_index) already laid out as `host_transfer.pack` packs them, when the plan
+    # was built in that buffer (a steady decode step; its fields are views of it).
+    packed_forward: Optional[np.ndarray] = None
+    # Every row decodes greedily with no penalties, suppression or logprobs: the runner takes
+    # each row's token from the forward's argmax and runs no sampler.
+    greedy_only: bool = False
 
     @property
     def has_logits_work(self) -> bool:
@@ -238,7 +244,8 @@ class Planner:
                  else kv.get_table_rows(rows))
         sampling = self.sampling_slots.build(rows, slots, self.max_batch_size, self.max_seq_len,
                                              lambda: self._build_sampling(rows))
-        return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens)
+        greedy_only = self.sampling_slots.last_build_plain and not sampling.any_random
+        return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens, greedy_only=greedy_only)
 
     def _lora_token_slots(self, output: SchedulerOutput, batch: StepBatch) -> np.ndarray:
         """int32[T]: each token's adapter slot (-1: none, and for padding)."""
@@ -264,11 +271,12 @@ class Planner:
         gen = output.generation_requests
         n = len(gen)
         bucket = self._bucket(n)
-        feed_index = np.full((bucket,), -1, np.int32)
+        feed_index = None  # all -1
         if in_flight is not None and in_flight is decode.entries:
             # The previous step was committed from these rows and is still in flight: every
             # request's last token is its placeholder, sampled in the same row.
             last_tokens = np.full(n, PLACEHOLDER_TOKEN, np.int32)
+            feed_index = np.full((bucket,), -1, np.int32)
             feed_index[:n] = np.arange(n, dtype=np.int32)
         elif decode.log is not None and decode.log.live and decode.log.count:
             # Nothing in flight (no overlap): each row's last token is the log's newest step.
@@ -281,20 +289,24 @@ class Planner:
                 if not in_flight:
                     raise ValueError("a generation request waits for a token of a step that is not in flight")
                 feed = np.fromiter(map(_feed_row, gen), np.int32, n)
+                feed_index = np.full((bucket,), -1, np.int32)
                 feed_index[:n] = np.where(in_flight_rows, feed, -1)
-        batch = build_decode_batch(self.kv_cache_manager, decode.rows, decode.num_tokens, last_tokens, gen,
-                                   token_bucket=bucket, max_batch_size=self.max_batch_size,
-                                   max_blocks_per_seq=self.max_blocks_per_seq)
+        batch, feed_index, packed = build_decode_batch(
+            self.kv_cache_manager, decode.rows, decode.num_tokens, last_tokens, gen, token_bucket=bucket,
+            max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq, feed_index=feed_index)
         if self.lora_slots is not None:
             batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
+            packed = None  # the adapter slots are an input of their own
         slots = self.sampling_slots
-        if slots.all_plain(decode.rows):  # the rows were filled by the step that recorded `decode`
+        plain = slots.all_plain(decode.rows)
+        if plain:  # the rows were filled by the step that recorded `decode`
             # The index of the token sampled now: the output length before this step's commit.
             sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, self.max_batch_size)
         else:
             self.materialize_tokens()
             sampling = self._build_sampling(gen)
-        return StepPlan(batch, sampling, feed_index, n, 0)
+        return StepPlan(batch, sampling, feed_index, n, 0, packed_forward=packed,
+                        greedy_only=plain and not sampling.any_random)
 
     def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
         """Sampling tensors from every request's parameters (any setting)."""

@@ -49,6 +49,7 @@ class BatchStops:
     # Rows advance together (one token per step), so some row reaches max_tokens exactly when
     # the first row's output index reaches this value.
     length_due_at: int
+    request_ids: list[int]  # of the rows, in order
 
     @classmethod
     def build(cls, decode: DecodeRows, index: np.ndarray) -> "BatchStops":
@@ -67,7 +68,7 @@ class BatchStops:
         margin = int((max_tokens - index - 1).min()) if n else 0
         always_check = np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n)
         return cls(decode, max_tokens, end_ids, always_check, bool(always_check.any()), common,
-                   (int(index[0]) if n else 0) + margin)
+                   (int(index[0]) if n else 0) + margin, [r.request_id for r in requests])
 
     def length_due(self, index: np.ndarray) -> bool:
         """Whether some row gets its last token (by max_tokens) at output `index`."""
@@ -182,11 +183,11 @@ class TokenReadback:
             for out, i, token in zip(map(_output_token_ids, requests), index.tolist(), token_list):
                 out[i] = token  # a plain loop: half the cost of map(list.__setitem__, ...)
         if stops.quiet(index, row_tokens):
-            return StepUpdates([], [DecodeTokens(requests, token_list)])
+            return StepUpdates([], [DecodeTokens(requests, token_list, stops.request_ids)])
         checked = stops.rows_to_check(index, row_tokens)
         check = np.flatnonzero(checked).tolist()
         if not check:
-            return StepUpdates([], [DecodeTokens(requests, token_list)])
+            return StepUpdates([], [DecodeTokens(requests, token_list, stops.request_ids)])
         if log is not None:
             log.materialize()  # the checked rows read, and may end, their requests' outputs
         index_list = index.tolist()
@@ -199,7 +200,8 @@ class TokenReadback:
                 updates += self.engine._fail([request], exc, "applying a sampled token")
         plain = np.flatnonzero(~checked).tolist()
         return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
-                                                  list(map(token_list.__getitem__, plain)))])
+                                                  list(map(token_list.__getitem__, plain)),
+                                                  list(map(stops.request_ids.__getitem__, plain)))])
 
     def stops_of(self, decode: DecodeRows, index: np.ndarray) -> BatchStops:
         """The stops of a steady decode batch, built once per batch (`index`: the output index

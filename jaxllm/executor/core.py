@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any, Callable, Optional
 
 from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, OutputSpec, portable_error
@@ -68,7 +67,6 @@ class _Call:
     error: Optional[BaseException] = None
 
 
-_request_id = attrgetter("request_id")
 
 
 def _logits_outputs(request: Any) -> Optional[dict]:
@@ -177,7 +175,7 @@ class EngineCore:
                     for decoded in updates.decoded:
                         # Plain decode rows: one event for all of them (the output side skips
                         # the sequences nobody watches, like `quiet` here).
-                        events.append((DECODED, list(map(_request_id, decoded.requests)), decoded.token_ids))
+                        events.append((DECODED, decoded.request_ids, decoded.token_ids))
                     for u in updates.updates:
                         request = u.request
                         rid = request.request_id

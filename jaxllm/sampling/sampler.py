@@ -25,6 +25,9 @@ _ARGMAX_BLOCK = 128  # values per block of `first_argmax`  # pinned so that seed
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplerOutput:
+    """A step's tokens. The three logprob fields are None for a step whose tokens came from
+    the forward's argmax without a sampler run (`StepPlan.greedy_only`: no row wants them)."""
+
     token_ids: jax.Array  # int32[S] sampled token per row
     logprobs: jax.Array  # f32[S] log-softmax of the raw logits at token_ids
     top_ids: jax.Array  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)

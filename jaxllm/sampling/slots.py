@@ -36,6 +36,7 @@ class SamplingSlots:
         # Counts changes of the rows, so `gather` can reuse its last tensors for the same slots.
         self._version = 0
         self._last_gather: Optional[tuple] = None  # (slots array, S, width, version, tensors)
+        self.last_build_plain = False  # whether the last `build` took this path (every row plain)
 
     def _grow(self, needed: int) -> None:
         self._version += 1
@@ -75,7 +76,8 @@ class SamplingSlots:
             if owner[slot] is not request:
                 self._fill(slot, request)
         idx = np.asarray(slots, dtype=np.intp).reshape(n)
-        if not self.all_plain(idx):
+        self.last_build_plain = self.all_plain(idx)
+        if not self.last_build_plain:
             return general()
         step = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)
         return self.gather(idx, step, S, suppress_width=suppress_width)
