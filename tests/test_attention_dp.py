@@ -42,11 +42,12 @@ def capture_logits(engine) -> dict:
     """From now on, the logits row each sampled token came from, keyed (request id, output index)."""
     captured: dict = {}
     last = {}
-    sample, dispatch = engine.runner._sample, engine._dispatch
+    forward, dispatch = engine.runner._forward, engine._dispatch
 
-    def record_sample(logits, inputs, layout):
+    def record_forward(*args):
+        logits = forward(*args)  # what the sampler (or the greedy argmax) reads
         last["logits"] = np.asarray(logits)
-        return sample(logits, inputs, layout)
+        return logits
 
     def record_dispatch(candidates):
         pending = dispatch(candidates)
@@ -55,7 +56,7 @@ def capture_logits(engine) -> dict:
                 captured[(request.request_id, index)] = last["logits"][row]
         return pending
 
-    engine.runner._sample = record_sample
+    engine.runner._forward = record_forward
     engine._dispatch = record_dispatch
     return captured
 

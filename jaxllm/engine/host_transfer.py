@@ -27,6 +27,14 @@ class PackedLayout:
     dtypes: tuple[str, ...]  # the packed buffers' dtypes (one 32-bit word buffer)
     leaves: tuple[tuple[str, int, tuple[int, ...]], ...]  # (dtype, offset in words, shape) per leaf
 
+    def __hash__(self) -> int:
+        # Computed once: a layout keys the runner's compiled programs, looked up every step.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.treedef, self.dtypes, self.leaves))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
 
 # (treedef, (dtype, shape) per leaf) -> (layout, which leaves are reinterpreted as int32 words or
 # None): the layouts a process packs are few (one per compiled program), so each is built once.

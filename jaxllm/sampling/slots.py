@@ -14,7 +14,7 @@ paths produce the same tensors.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -99,7 +99,9 @@ class SamplingSlots:
         if (last is not None and last[0] is slots and last[1] == S and last[2] == suppress_width
                 and last[3] == self._version):
             # The same rows as the last call (a steady decode batch): only the step changed.
-            return replace(last[4], step=steps)
+            tensors = copy.copy(last[4])  # cheaper than dataclasses.replace, which re-runs __init__
+            tensors.step = steps
+            return tensors
         scalars = np.empty((S, 7), np.float64)
         np.take(self._values, slots, axis=0, out=scalars[:n])
         scalars[n:] = _NEUTRAL
