@@ -15,7 +15,8 @@ the table also shows "build + cold": the engine build (weights, KV cache, those 
 the first call, next to HF's model load plus its first call. During the cold call steps run in a
 compiled token bucket while better-fitting ones compile once they pay for themselves
 (`jaxllm.engine.compile_ahead`); warm is the same call again once everything is compiled
-(jaxllm warms up every bucket in between).
+(jaxllm warms up every bucket in between), `--warm-runs` times for every engine, and the
+table shows the median run (all warm runs are listed below it).
 Also reports the host time per engine step and its share of the step.
 
     jaxllm bench engine --model tiny-moe --num-requests 64 --input-len 8 192 --output-len 8 96
@@ -75,6 +76,12 @@ def _result(seconds: float, tokens: int, **extra) -> dict:
     return dict(seconds=seconds, tokens=tokens, tok_per_s=tokens / seconds, **extra)
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The median of repeated runs (by time), carrying every run's seconds."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "all_seconds": [r["seconds"] for r in runs]}
+
+
 def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str) -> dict:
     """{'cold': first generate of a fresh engine with an empty compilation cache, 'warm': again}."""
     import jax
@@ -93,18 +100,24 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
     build = llm.executor.call_on_engine(lambda e: dict(
         compile_seconds=e.runner.compile_seconds, forwards=e.runner.num_forward_variants,
         samplers=e.runner.num_sampler_variants, wait=e.runner.compile_wait_seconds))
-    for phase in ("cold", "warm"):
-        if phase == "warm":
+    warm_runs = []
+    for phase in ("cold",) + ("warm",) * args.warm_runs:
+        if phase == "warm" and not warm_runs:
             llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)  # every bucket compiled
         llm.executor.call_on_engine(lambda engine: engine.reset_timing())
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         timing = llm.executor.call_on_engine(lambda engine: engine.timing)
-        results[phase] = _result(elapsed, sum(len(o.outputs[0].token_ids) for o in outs), steps=timing.steps,
-                                 host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
-                                 host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
-                                                                      1e-9))
+        result = _result(elapsed, sum(len(o.outputs[0].token_ids) for o in outs), steps=timing.steps,
+                         host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
+                         host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
+                                                              1e-9))
+        if phase == "warm":
+            warm_runs.append(result)
+            results["warm"] = _median_run(warm_runs)
+        else:
+            results[phase] = result
         if phase == "cold":  # what compiled during the call itself (the build's compiles apart)
             results[phase].update(llm.executor.call_on_engine(lambda e: dict(
                 compile_seconds=e.runner.compile_seconds - build["compile_seconds"],
@@ -191,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--warm-runs", type=int, default=3,
+                        help="warm calls per engine; the table shows the median")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true", help="skip HF continuous batching")
     parser.add_argument("--report-json", default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.warm_runs < 1:
+        parser.error("--warm-runs must be at least 1")
     load_start = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory() as work:
@@ -209,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = {"jaxllm LLM.generate": ours}
         if not args.skip_hf:
             model, hf_load_seconds = _hf_model(model_dir, args)
-            rows["HF generate (static batch)"] = {phase: run_hf(model, prompts, out_lens, args)
-                                                  for phase in ("cold", "warm")}
+            rows["HF generate (static batch)"] = {
+                "cold": run_hf(model, prompts, out_lens, args),
+                "warm": _median_run([run_hf(model, prompts, out_lens, args) for _ in range(args.warm_runs)])}
             rows["HF generate (static batch)"]["build_seconds"] = hf_load_seconds
             if hf_continuous_batching_available(model) and not args.skip_hf_continuous:
-                rows["HF continuous batching"] = {phase: run_hf_continuous(model, prompts, out_lens, args)
-                                                  for phase in ("cold", "warm")}
+                rows["HF continuous batching"] = {
+                    "cold": run_hf_continuous(model, prompts, out_lens, args),
+                    "warm": _median_run([run_hf_continuous(model, prompts, out_lens, args)
+                                         for _ in range(args.warm_runs)])}
 
     print(f"\nmodel={args.model} requests={args.num_requests} input={args.input_len} output={args.output_len} "
           f"dtype={args.dtype}")
@@ -234,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             tokens = phases["cold"]["tokens"]
             print(f"{name:<28}{'build':<6}{phases['build_seconds']:>9.2f}{'':>12}{'':>9}{'':>12}")
             print(f"{name:<28}{'b+cold':<6}{total:>9.2f}{tokens:>12}{tokens / total:>9.1f}{ratio:>12}")
+    for name, phases in rows.items():
+        print(f"{name} warm runs (s): " + ", ".join(f"{t:.2f}" for t in phases["warm"]["all_seconds"]))
     print("cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
-          "call again; build: LLM(...) (weights, KV cache, the warm-up's compiles) or HF from_pretrained; "
+          f"call again, median of {args.warm_runs}; build: LLM(...) (weights, KV cache, the warm-up's compiles) or HF from_pretrained; "
           "b+cold: build + cold call (x HF static: against HF static batching in the same run; for b+cold "
           "the ratio of total times)")
     cold, built = ours["cold"], ours["build_compiles"]
