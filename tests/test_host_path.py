@@ -96,3 +96,35 @@ def test_slots_give_the_general_tensors_across_steps_and_slot_reuse():
         plain_steps += plain
         special_steps += not plain
     assert plain_steps > 10 and special_steps > 10  # both paths were exercised
+
+
+def test_token_log_writes_tokens_in_step_order_and_owes_in_flight_placeholders():
+    """A `DecodeTokenLog` keeps steps' tokens out of the requests until flushed: a row's own
+    flush, a full log and `materialize` each leave every list equal to its tokens so far
+    (materialize adding one placeholder per committed step not yet recorded)."""
+    from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
+
+    with pytest.raises(ValueError, match="capacity"):
+        DecodeTokenLog([], capacity=0)
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=20)
+    requests = [_request(i, params, 2, rng) for i in range(3)]
+    expected = [list(r.output_token_ids) for r in requests]
+    log = DecodeTokenLog(requests, capacity=2)
+    for step in range(5):
+        log.commit()
+        tokens = np.arange(3, dtype=np.int32) * 100 + step
+        log.record(tokens)
+        for row, token in enumerate(tokens.tolist()):
+            expected[row].append(token)
+        if step == 2:
+            log.flush_rows([1])  # a row whose block is indexed: its list is current now
+            assert requests[1].output_token_ids == expected[1]
+    with pytest.raises(RuntimeError, match="more steps than were committed"):
+        log.record(np.zeros(3, np.int32))
+    log.commit()  # a step in flight
+    log.materialize()
+    assert [r.output_token_ids for r in requests] == [e + [PLACEHOLDER_TOKEN] for e in expected]
+    assert not log.live
+    log.materialize()  # ended: nothing more
+    assert [len(r.output_token_ids) for r in requests] == [len(e) + 1 for e in expected]

@@ -3,10 +3,12 @@
 A step runs two executables, dispatched back to back without a host sync:
   * the model forward over a packed `StepBatch`, compiled once per token bucket; it
     returns the float32 logits of each sequence's last token [max_batch_size, vocab] and
-    updates the donated KV cache in place;
+    each one's greedy token, and updates the donated KV cache in place;
   * the sampler over those logits, compiled once per sampler variant (the static switches
     of `SamplingTensors`). It holds no model, so its variants compile in a fraction of the
-    forward's time and warm-up can compile all of them.
+    forward's time and warm-up can compile all of them. A step whose rows all decode
+    greedily with no processing (`StepPlan.greedy_only`) skips it: the forward's greedy
+    tokens are its tokens.
 With an executable store (`jaxllm.engine.executable_store`) both are loaded from disk when a
 previous process stored them, without tracing, lowering or compiling; each one compiled here is
 stored for the next process.
@@ -508,29 +510,26 @@ class ModelRunner:
         `jaxllm.engine.logits_outputs`; with `host_processor(rows) -> rows` for
         `plan.processor_rows`, `last_processed` is then the future of those rows' sampler
         output, computed on a worker thread (`jaxllm.engine.logits_processing`). A plain plan
-        runs exactly the two programs."""
+        runs exactly the two programs, a greedy-only one the forward alone."""
         if plan.packed_forward is not None and plan.context_index is None:
             batch_buffers, batch_layout = (plan.packed_forward,), self._packed_layout(plan)
         elif plan.context_index is None:
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         else:  # another layout: the forward variant that also returns these tokens' logits
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index, plan.context_index))
-        if plan.greedy_only and not plan.has_logits_work:
-            # Every row decodes greedily with no processing: the forward's argmax is the token.
-            if not self._single_device:
-                batch_buffers = put_on_mesh(batch_buffers, self._replicated)
-            self._forward(batch_buffers, batch_layout, self._last_tokens)
-            self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1
-            self.last_row_logits = self.last_processed = None
-            out = SamplerOutput(token_ids=self._last_greedy, logprobs=None, top_ids=None, top_logprobs=None)
-            self._last_tokens = out.token_ids
-            return out
-        sampling_buffers, sampling_layout = self._sampling_packer.pack(plan.sampling)
+        # Every row decodes greedily with no processing: the forward's argmax is the token.
+        greedy = plan.greedy_only and not plan.has_logits_work
+        sampling_buffers, sampling_layout = (None, None) if greedy else self._sampling_packer.pack(plan.sampling)
         if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
         self.last_row_logits = None
+        if greedy:
+            self.last_processed = None
+            out = SamplerOutput(token_ids=self._last_greedy, logprobs=None, top_ids=None, top_logprobs=None)
+            self._last_tokens = out.token_ids
+            return out
         if plan.has_logits_work:
             logits = self._post_process(logits, plan)
         out = self._sample(logits, sampling_buffers, sampling_layout)

@@ -43,11 +43,7 @@ class DecodeTokens:
     token_ids: list[int]
     # The requests' ids, in the same order (kept per steady batch, so reporting a step needs
     # no pass over its requests); never written by a consumer.
-    request_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.request_ids and self.requests:
-            self.request_ids = [r.request_id for r in self.requests]
+    request_ids: list[int]
 
     def updates(self) -> Iterator[RequestUpdate]:
         return map(_plain_update, self.requests, self.token_ids)
