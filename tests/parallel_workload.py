@@ -19,7 +19,7 @@ def small_engine(directory: Path, tokenizer: Path, **engine_args):
 
 
 def record_plans(engine) -> list:
-    """From now on, every plan the engine's runner executes is kept with its sampler output."""
+    """From now on, every plan the engine's runner executes is kept with its `StepOutput`."""
     recorded: list = []
     execute = engine.runner.execute
 

@@ -41,23 +41,29 @@ ENGINE_CASES = [
 def capture_logits(engine) -> dict:
     """From now on, the logits row each sampled token came from, keyed (request id, output index)."""
     captured: dict = {}
-    last = {}
-    forward, dispatch = engine.runner._forward, engine._dispatch
+    last: dict = {}
+    by_step: dict = {}  # id of a step's sampled tokens -> the logits its forward produced
+    run_forward, execute, process = engine.runner.run_forward, engine.runner.execute, engine.readback.process
 
     def record_forward(*args):
-        logits = forward(*args)  # what the sampler (or the greedy argmax) reads
-        last["logits"] = np.asarray(logits)
-        return logits
+        out = run_forward(*args)
+        last["logits"] = np.asarray(out[0])  # what the sampler (or the greedy argmax) reads
+        return out
 
-    def record_dispatch(candidates):
-        pending = dispatch(candidates)
-        if pending is not None:
-            for request, row, index in pending.entries:
-                captured[(request.request_id, index)] = last["logits"][row]
-        return pending
+    def record_execute(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        by_step[id(result.sampled.token_ids)] = last["logits"]
+        return result
 
-    engine.runner._forward = record_forward
-    engine._dispatch = record_dispatch
+    def record_process(pending):
+        logits = by_step.pop(id(pending.sampler_output.token_ids), None)
+        for request, row, index in pending.entries if logits is not None else ():
+            captured[(request.request_id, index)] = logits[row]
+        return process(pending)
+
+    engine.runner.run_forward = record_forward
+    engine.runner.execute = record_execute
+    engine.readback.process = record_process
     return captured
 
 

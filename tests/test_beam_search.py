@@ -78,7 +78,7 @@ def test_beam_search_matches_hf_with_inflight_plain_requests(model_and_llm):
     stats = llm.executor.call_on_engine(lambda engine: (engine.kv_cache_manager.check_invariants(),
                                                         kv.get_kv_cache_stats())[1])
     assert stats.used_num_blocks == 0
-    assert llm.executor.call_on_engine(lambda engine: engine._num_beam_search) == 0
+    assert llm.executor.call_on_engine(lambda engine: engine.requests.num_beam_search) == 0
 
 
 def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
@@ -104,7 +104,7 @@ def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
                         engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks)[1])
     assert used == 0
     # The copy-on-write page copy has one compiled shape, however many blocks a fork copies.
-    assert llm.executor.call_on_engine(lambda engine: engine.runner._copy_jit._cache_size()) == 1
+    assert llm.executor.call_on_engine(lambda engine: engine.runner.num_copy_programs) == 1
 
 
 def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(model_and_llm):
@@ -119,7 +119,7 @@ def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(mo
         plain = engine.add_request(plain_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         engine.step()  # both prompts
         engine.step()  # dispatched while the prompts' step is in flight
-        second = [entry[0] for entry in engine._pending.entries + (engine._pending.beam_entries or [])]
+        second = [entry[0] for entry in engine.pending_step.entries + (engine.pending_step.beam_entries or [])]
         while engine.has_unfinished_requests():
             engine.step()
         return second == [plain], beam.is_finished and plain.is_finished

@@ -53,7 +53,7 @@ for overrides in json.loads(sys.argv[2]):
     engine = LLMEngine(EngineConfig(model=sys.argv[1], **{**limits, **overrides}))
     tokens = None
     if compile_only:
-        engine.runner.compile_forward(*engine._empty_batch(16))
+        engine.runner.compile_forward(*engine.planner.empty_step(16))
     else:
         engine.warmup(all_variants=False)
         request = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))

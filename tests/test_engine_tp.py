@@ -75,7 +75,7 @@ def replay(directory: Path, recorded: list, tp: int, backend: str) -> bool:
     runner = ModelRunner(model_config=config, params=load_params(directory, config, mesh=mesh),
                          num_blocks=num_blocks, tokens_per_block=8, kv_dtype=config.dtype,
                          attention_fn=attention_fn, moe_fn=moe_fn, max_batch_size=4, mesh=mesh)
-    return all(np.array_equal(np.asarray(runner.execute(plan).token_ids), np.asarray(out.token_ids))
+    return all(np.array_equal(np.asarray(runner.execute(plan).sampled.token_ids), np.asarray(out.sampled.token_ids))
                for plan, out in steps)
 
 

@@ -53,7 +53,7 @@ def prompts():
 
 def _compiled(engine) -> tuple[int, int]:
     """Compiled model forwards (plain and context-logits variants) and logits programs."""
-    return engine.runner.num_forward_variants, len(engine.runner._logits_exes)
+    return engine.runner.num_forward_variants, engine.runner.num_logits_programs
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:
@@ -149,7 +149,7 @@ def test_asking_request_costs_the_others_no_device_memory(llm, prompts):
     for steps where a row asks adds exactly its E x vocab float32 output; nothing is left on
     the device once the request is done."""
     def snapshot(engine):
-        exes = dict(engine.runner._forward_exes)
+        exes = engine.runner.programs.executables("forward")
         return {k: (v, v.memory_analysis()) for k, v in exes.items()}
 
     run(llm, [prompts["short"], prompts["long"]], [greedy(), greedy()])
@@ -248,7 +248,7 @@ def test_a_host_processor_does_not_hold_up_the_step_or_the_other_requests(llm, p
             gate.set()
             watchdog.cancel()
         engine.step()  # dispatched while the prompts' step was in flight: the plain request only
-        plain_alone = [entry[0] for entry in engine._pending.entries] == [plain]
+        plain_alone = [entry[0] for entry in engine.pending_step.entries] == [plain]
         while engine.has_unfinished_requests():
             engine.step()
         return returned_first, plain_alone, plain.output_token_ids, held.output_token_ids

@@ -50,7 +50,7 @@ def leader_engines(root: Path) -> int:
         # Each process reads only its own devices' shards of the checkpoint.
         read = loaded_bytes(root / "qwen3_moe", engine) if name == "tp4" else None
         outputs = run_staggered_requests(engine)
-        stats = engine.runner.channel_stats
+        stats = engine.step_runner.channel_stats
         mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
                     for s in engine.iteration_stats)
         engine.close()

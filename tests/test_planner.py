@@ -110,7 +110,7 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
                          moe_fn=engine.runner.moe_fn, max_batch_size=4)
     for plan, out in recorded:
         again = replay.execute(plan)
-        assert np.array_equal(np.asarray(again.token_ids), np.asarray(out.token_ids))
+        assert np.array_equal(np.asarray(again.sampled.token_ids), np.asarray(out.sampled.token_ids))
 
 
 def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:

@@ -35,20 +35,12 @@ class BeamRow:
 
 
 def _compile_count(engine) -> int:
-    return engine.runner.num_compiled_variants + engine.runner._copy_jit._cache_size()
+    return engine.runner.num_compiled_variants + engine.runner.num_copy_programs
 
 
 def run_row(engine, prompts: list[list[int]], params, width: int, mode: str) -> BeamRow:
     kv = engine.kv_cache_manager
-    copies = 0
-    copy_blocks = engine.runner.copy_blocks
-
-    def counting(pairs):
-        nonlocal copies
-        copies += len(pairs)
-        copy_blocks(pairs)
-
-    engine.runner.copy_blocks = counting
+    copied_before = engine.runner.blocks_copied
     compiled = _compile_count(engine)
     for i, prompt in enumerate(prompts):
         if mode == "beam":
@@ -64,7 +56,7 @@ def run_row(engine, prompts: list[list[int]], params, width: int, mode: str) -> 
         peak = max(peak, kv.get_kv_cache_stats().used_num_blocks)
         peak_unshared = max(peak_unshared, sum(len(s.blocks) for s in kv._seqs.values()))
     seconds = time.perf_counter() - started
-    engine.runner.copy_blocks = copy_blocks
+    copies = engine.runner.blocks_copied - copied_before
     kv.check_invariants()
     tokens = len(prompts) * width * params.max_tokens
     return BeamRow(mode, width, len(prompts), seconds, tokens / seconds, steps, peak, peak_unshared, copies,

@@ -71,7 +71,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict:
         engine.step()
     for _ in range(3):  # steady decode before timing
         engine.step()
-    stats = getattr(engine.runner, "channel_stats", None)
+    stats = getattr(engine.step_runner, "channel_stats", None)
     step_ms, send_ms, encode_ms, sizes = [], [], [], []
     for _ in range(args.steps):
         before = (stats.messages, stats.bytes, stats.send_seconds, stats.encode_seconds) if stats else None

@@ -19,13 +19,14 @@ rank, statistics are summed over the ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
-from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, StepPlan, TokenEntry
+from jaxllm.engine.planner import (PLACEHOLDER_TOKEN, BuiltStep, Planner, PlannerOptions, StepPlan, TokenEntry,
+                                   build_isolating_failures)
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.stats import KvCacheStats
 from jaxllm.request import LlmRequest
@@ -144,18 +145,9 @@ class AttentionDpPlanner:
     def num_ranks(self) -> int:
         return len(self.planners)
 
-    @property
-    def defer_tokens(self) -> bool:
-        """Always False: attention-DP steps are committed here (`commit`), one placeholder per
-        token, so no rank keeps a steady batch's tokens in a `DecodeTokenLog`."""
-        return False
-
-    @defer_tokens.setter
-    def defer_tokens(self, value: bool) -> None:
-        pass  # the engine's setting does not apply (see the getter)
-
     def materialize_tokens(self) -> None:
-        """Nothing to write: no rank keeps a token log (see `defer_tokens`)."""
+        """Nothing to write: attention-DP steps are committed here (`commit`), one placeholder
+        per token, so no rank keeps a steady batch's tokens in a `DecodeTokenLog`."""
 
     @property
     def num_rows(self) -> int:
@@ -172,11 +164,14 @@ class AttentionDpPlanner:
             per_rank[self.assignment.place(request)].append(request)
         return per_rank
 
-    def schedule(self, candidates: list[LlmRequest]) -> Optional[RankedSchedulerOutput]:
-        """Place new requests on ranks, then schedule every rank; None when nothing runs."""
+    def schedule(self, candidates: list[LlmRequest],
+                 options: PlannerOptions = PlannerOptions()) -> Optional[RankedSchedulerOutput]:
+        """Place new requests on ranks, then schedule every rank; None when nothing runs.
+        No rank keeps a token log (`options.defer_tokens` does not apply: see `commit`)."""
+        options = replace(options, defer_tokens=False)
         outputs = []
         for planner, mine in zip(self.planners, self._split(candidates)):
-            out = planner.schedule(mine) if mine else None
+            out = planner.schedule(mine, options) if mine else None
             outputs.append(out if out is not None else SchedulerOutput())
         if all(o.is_empty for o in outputs):
             return None
@@ -205,6 +200,10 @@ class AttentionDpPlanner:
             build_step_batch(SchedulerOutput(), planner.kv_cache_manager, token_bucket=bucket,
                              max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
             for planner in self.planners])
+
+    def empty_step(self, bucket: int):
+        """An all-padding step of a token bucket and its feed index (for compiling ahead of traffic)."""
+        return self.empty_batch(bucket), np.full((self.num_ranks, bucket), -1, np.int32)
 
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step: every rank's batch in one common token bucket."""
@@ -235,6 +234,10 @@ class AttentionDpPlanner:
         num_tokens = sum(counts)
         num_ctx_tokens = sum(p.num_context_tokens for p in parts)
         return StepPlan(stack_batches(batches), sampling, feed_index, num_tokens, num_ctx_tokens)
+
+    def build_step(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> BuiltStep:
+        """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
+        return build_isolating_failures(self, output, in_flight)
 
     def commit(self, output: SchedulerOutput) -> list[TokenEntry]:
         """Advance the scheduled requests (as `Planner.commit`), with rank-major sampler rows."""

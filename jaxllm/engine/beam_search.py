@@ -23,7 +23,7 @@ step for step, so the same model gives the same beams and scores:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 
@@ -31,7 +31,8 @@ from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.request import LlmRequest, LlmRequestState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxllm.engine.llm_engine import LLMEngine, _PendingStep
+    from jaxllm.engine.requests import RequestTable
+    from jaxllm.engine.step_output import PendingStep
 
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
@@ -148,9 +149,11 @@ def beam_id(request_id: int, beam: int) -> int:
 
 
 # ---------------------------------------------------------------------- the engine's beam step
-def advance_beams(engine: "LLMEngine", pending: "_PendingStep") -> list[RequestUpdate]:
+def advance_beams(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list[tuple[int, int]]], None],
+                  pending: "PendingStep") -> list[RequestUpdate]:
     """Choose each beam-search request's next beams from its rows' top candidates, fork
-    their KV blocks (copying shared partial blocks on the device), or finish it."""
+    their KV blocks in `kv` (copying shared partial blocks on the device with
+    `copy_blocks`), or finish it in `requests`."""
     out = pending.sampler_output
     top_ids, top_logprobs = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
     rows_of: dict[LlmRequest, list[int]] = {}
@@ -162,13 +165,14 @@ def advance_beams(engine: "LLMEngine", pending: "_PendingStep") -> list[RequestU
         if leader.state is _COMPLETE:
             continue
         try:
-            updates += _advance_one(engine, leader, rows, top_ids, top_logprobs)
+            updates += _advance_one(requests, kv, copy_blocks, leader, rows, top_ids, top_logprobs)
         except Exception as exc:  # host bookkeeping of one request: fail it alone
-            updates += engine._fail([leader], exc, "choosing the next beams")
+            updates += requests.fail([leader], exc, "choosing the next beams")
     return updates
 
 
-def _advance_one(engine: "LLMEngine", leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
+def _advance_one(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list[tuple[int, int]]], None],
+                 leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
                  top_logprobs: np.ndarray) -> list[RequestUpdate]:
     run: BeamRun = leader.beam
     search = run.search
@@ -177,9 +181,8 @@ def _advance_one(engine: "LLMEngine", leader: LlmRequest, rows: list[int], top_i
         results = search.results(run.num_returned)
         best = results[0]
         leader.output_token_ids[:] = best.token_ids
-        engine._finish(leader, best.finish_reason, None, len(best.token_ids))
+        requests.finish(leader, best.finish_reason, None, len(best.token_ids))
         return [RequestUpdate(leader, list(best.token_ids), finished=True, beam_outputs=results)]
-    kv = engine.kv_cache_manager
     if len(run.requests) == 1:  # the prompt is done: the other beams start from it
         beams = []
         for j in range(1, search.beam_width):
@@ -199,5 +202,5 @@ def _advance_one(engine: "LLMEngine", leader: LlmRequest, rows: list[int], top_i
     for beam, tokens in zip(run.requests, search.tokens):
         beam.output_token_ids[:] = tokens
     if copies:
-        engine.runner.copy_blocks(copies)
+        copy_blocks(copies)
     return []

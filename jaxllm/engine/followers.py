@@ -3,9 +3,9 @@
 The leader (process 0) is the only process with requests: it owns the queue, the scheduler and
 the KV block manager, and the executor, the server and the benchmarks run there. Building an
 `LLMEngine` on the leader opens a *session*: the engine's config is published in the
-coordination service's key-value store and every follower builds the same engine from it
-(each loading only the weight shards of its own devices), keeps only its `ModelRunner`, and
-then mirrors the leader's runner: each call that runs a device program (`execute(plan)`, and
+coordination service's key-value store and every follower builds the same runner from it
+(`jaxllm.engine.builder.build_runner`, each loading only the weight shards of its own
+devices; no scheduler, no KV block manager), and then mirrors the leader's runner: each call that runs a device program (`execute(plan)`, and
 the warm-up's `forward` / `sample`) is sent to the followers before the leader makes it, and
 they make the same call, so every process launches the same programs in the same order and
 their collectives meet. Compilations are announced too, so followers compile while the leader does. Sampled tokens are read back on the leader only (they are replicated,
@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 import jax
 
+from jaxllm.engine.builder import build_runner
 from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
+from jaxllm.engine.step_output import StepOutput
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -64,9 +66,17 @@ class ChannelStats:
     send_seconds: float = 0.0  # handing them to the channel (kv: one store write; collective: the broadcast)
 
 
+def device_leaves(out: Any) -> list:
+    """The device arrays of a runner call's result, which later calls may refer to."""
+    if isinstance(out, StepOutput):
+        return out.device_arrays()
+    return jax.tree_util.tree_leaves(out)
+
+
 class MirroredRunner:
-    """The leader's runner: sends every device-program call to the followers, then makes it.
-    Everything else (compiling, attributes) is the wrapped runner's own."""
+    """The leader's runner for launching programs: sends every device-program call to the
+    followers, then makes it on the wrapped runner. The engine reads state (parameters,
+    compile counts) from the wrapped runner itself (`runner`)."""
 
     def __init__(self, runner: Any, channel: Any) -> None:
         self._runner = runner
@@ -77,9 +87,6 @@ class MirroredRunner:
         self._send_lock = threading.Lock()  # close() may come from another thread than the steps
         if hasattr(channel, "wait_for"):
             channel.wait_for = lambda: [leaf for leaves in list(self._latest.values()) for leaf in leaves]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
 
     @property
     def runner(self) -> Any:
@@ -112,7 +119,7 @@ class MirroredRunner:
             raise RuntimeError("the multi-host session is closed")
         self._send(("call", method, tuple(self._reference(a) for a in args)))
         out = getattr(self._runner, method)(*args)
-        self._latest[method] = jax.tree_util.tree_leaves(out)
+        self._latest[method] = device_leaves(out)
         return out
 
     def execute(self, plan):
@@ -134,6 +141,17 @@ class MirroredRunner:
     def compile_sampler(self, logits, sampling, *, wait: bool = True):
         self._send(("compile", "compile_sampler", (self._reference(logits), sampling)))
         return self._runner.compile_sampler(logits, sampling, wait=wait)
+
+    # Programs the followers never run (logits outputs, beam search and LoRA are refused in
+    # multi-host runs): the leader's own runner compiles them.
+    def compile_batched_processors(self, logits):
+        return self._runner.compile_batched_processors(logits)
+
+    def compile_logits_programs(self, logits, row_buckets):
+        return self._runner.compile_logits_programs(logits, row_buckets)
+
+    def copy_blocks(self, pairs):
+        return self._runner.copy_blocks(pairs)
 
     def close(self) -> None:
         """End the session: the followers drop their runner and wait for the next engine."""
@@ -226,15 +244,13 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
                 future.result()
             compiling.clear()
             out = getattr(runner, method)(*args)
-            latest[method] = jax.tree_util.tree_leaves(out)
+            latest[method] = device_leaves(out)
             calls += 1
 
 
 def run_follower() -> int:
-    """A follower's whole life: build each engine the leader opens and mirror its runner, until
-    the leader exits. Returns the process exit code."""
-    from jaxllm.engine.llm_engine import LLMEngine
-
+    """A follower's whole life: build the runner of each engine the leader opens and mirror the
+    leader's runner, until the leader exits. Returns the process exit code."""
     if multihost.is_leader():
         raise ValueError("process 0 is the leader: it runs the engine, not a follower loop")
     client = multihost.kv_client()
@@ -247,8 +263,7 @@ def run_follower() -> int:
                 break
             _, config = decode(payload)
             logger.info("process %d: building the engine of session %d (%s)", pid, session, config.model)
-            runner = LLMEngine(config).runner  # the scheduler and KV block manager are dropped here
-            gc.collect()
+            runner = build_runner(config).runner
             channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
             calls = follow(runner, channel, client)
             logger.info("process %d: session %d ended after %d steps", pid, session, calls)

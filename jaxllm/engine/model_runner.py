@@ -9,9 +9,10 @@ A step runs two executables, dispatched back to back without a host sync:
     forward's time and warm-up can compile all of them. A step whose rows all decode
     greedily with no processing (`StepPlan.greedy_only`) skips it: the forward's greedy
     tokens are its tokens.
-With an executable store (`jaxllm.engine.executable_store`) both are loaded from disk when a
-previous process stored them, without tracing, lowering or compiling; each one compiled here is
-stored for the next process.
+Their executables live in a `ProgramCache` (`jaxllm.engine.program_cache`: compile threads,
+and the executable store that loads them without tracing when an earlier process stored them).
+`execute` returns what a step produced as a `StepOutput` (`jaxllm.engine.step_output`); the
+runner keeps nothing of a step but the sampled tokens the next step may feed from.
 Under the overlap scheduler a generation token may not be known on the host yet:
 `feed_index[t] >= 0` tells the forward to take token `t` from row `feed_index[t]` of the
 previous step's sampled tokens, which never leave the device.
@@ -22,9 +23,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
-import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -34,13 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, compile_here, describe,
-                                            describe_arguments)
+from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
 from jaxllm.engine.planner import StepPlan
+from jaxllm.engine.program_cache import ProgramCache
+from jaxllm.engine.step_output import StepOutput
 from jaxllm.lora.weights import write_slot
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
-from jaxllm.models import ModelConfig, forward, init_kv_cache, kv_cache_bytes_per_token
+from jaxllm.models import ModelConfig, forward, init_kv_cache
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
 from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
@@ -136,47 +135,6 @@ def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutpu
     return sample(logits, unpack(inputs, layout))
 
 
-def default_compile_workers() -> int:
-    """Threads that compile programs at once: one per CPU core, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
-                       max_tokens: int | None, free_memory_fraction: float,
-                       max_batch_size: int, max_seq_len: int, mesh: jax.sharding.Mesh | None = None) -> int:
-    """Blocks in the pool: the smaller of `max_tokens` and the memory-fraction budget.
-
-    On accelerators the budget is `fraction` of the device memory still free after the
-    weights are loaded, on the device of the mesh with the least free memory (every
-    device holds its share of every block, so the tightest one decides). Hosts report no
-    such figure, so there the pool holds every sequence at full length, capped by a share
-    of the host's available memory.
-    """
-    mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
-    bytes_per_block = kv_cache_bytes_per_token(model_config, dtype, mesh) * tokens_per_block
-    limits = []
-    if max_tokens is not None:
-        limits.append(math.ceil(max_tokens / tokens_per_block))
-    # This process's devices (another host's cannot be asked; `multihost.agree_min` then takes
-    # the smallest pool any host can hold).
-    stats = [d.memory_stats() or {} for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    if all("bytes_limit" in s for s in stats):
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        limits.append(int(free * free_memory_fraction) // bytes_per_block)
-    else:
-        limits.append(math.ceil(max_batch_size * max_seq_len / tokens_per_block))
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            limits.append(int(available * free_memory_fraction * 0.5) // bytes_per_block)
-        except (ValueError, OSError):
-            pass
-    num_blocks = min(limits)
-    if num_blocks < 1:
-        raise ValueError("the KV cache budget does not hold a single block; raise "
-                         "kv_cache_config.max_tokens or free_gpu_memory_fraction")
-    return num_blocks
-
-
 class ModelRunner:
     """Owns the parameters and the KV cache and runs steps; never reads anything back."""
 
@@ -212,53 +170,35 @@ class ModelRunner:
             _forward_step, model_config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=self.mesh,
             moe_options=moe_options, moe_stats=moe_stats,
             attention_dp_specs=param_partition_specs(params) if attention_dp else None)
-        self._forward_jit = jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,))
-        self._sample_jit = jax.jit(_sample_step, static_argnames=("layout",))
         # Stored programs: the key text of each program's function and static arguments (the
         # layout and argument shapes are added per program); a program without one is not stored.
-        self._store = executable_store
-        self._store_keys: dict[str, str] = {}
+        store_keys = {}
         if executable_store is not None:
             for kind, fn, options in (("forward", forward_step, "static_argnames=layout donate_argnums=1"),
                                       ("sampler", _sample_step, "static_argnames=layout")):
                 key = executable_store.entry_key(kind, fn, options)
                 if key is not None:
-                    self._store_keys[kind] = key
-        self.programs_loaded = 0  # programs loaded from the executable store (not traced or compiled)
+                    store_keys[kind] = key
+        self.programs = ProgramCache(
+            {"forward": jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,)),
+             "sampler": jax.jit(_sample_step, static_argnames=("layout",))},
+            replicated=self._replicated, compile_workers=compile_workers, store=executable_store,
+            store_keys=store_keys)
         self._copy_jit = jax.jit(functools.partial(_copy_pages, num_blocks=num_blocks), donate_argnums=(0,))
+        self.blocks_copied = 0  # KV blocks copied by `copy_blocks` (beam forks)
         # Programs of steps where some row asks for logits or has a post-processor: row
         # gathers and scatters (one per row bucket) and the batched processors (one each).
         self._gather_jit = jax.jit(_gather_rows)
         self._scatter_jit = jax.jit(_scatter_rows)
         # Host logits processors run on this thread, off the step's critical path.
         self._processor_pool: Optional[ThreadPoolExecutor] = None
-        self.last_processed: Optional[Future] = None
         self._batched_jits = {name: jax.jit(functools.partial(apply_batched, fn=fn))
                               for name, fn in (batched_processors or {}).items()}
         self._logits_exes: dict[tuple, Any] = {}
-        # Context logits [E, V] and gathered raw logits rows [R, V] of the last executed step
-        # (device arrays; None when that step had none).
-        self.last_context_logits: jax.Array | None = None
-        self.last_row_logits: jax.Array | None = None
-        self._forward_exes: dict[PackedLayout, Any] = {}
-        self._sampler_exes: dict[PackedLayout, Any] = {}
-        # Compiles under way, by program: a second request for one waits for it (nothing compiles twice).
-        self._compiling: dict[tuple[str, PackedLayout], Future] = {}
-        self._compile_pool: Optional[ThreadPoolExecutor] = None
-        self._closed = False  # no more background compiles (a step may still compile its own)
-        self._queued: dict[tuple[str, PackedLayout], Future] = {}  # the compile threads' tasks
-        self.compile_workers = compile_workers or default_compile_workers()
-        self.compile_seconds = 0.0  # summed over programs (several compile at once), loads included
-        self.compile_wait_seconds = 0.0  # time steps spent waiting for a program to compile
-        self._compile_lock = threading.Lock()
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
-        self._last_tokens: jax.Array | None = None  # sampled tokens of the last executed step
-        self._last_greedy: jax.Array | None = None  # greedy tokens of the last forward (see `_forward_step`)
-        # Expert counts [num_moe_layers, num_experts] of the last executed step (device array;
-        # None unless the runner was built with moe_stats=True).
-        self.last_expert_counts: jax.Array | None = None
-        self.last_enqueue_time = 0.0  # time.perf_counter() when the last forward was handed to the runtime
+        # Sampled tokens of the step executed before: a plan's `feed_index` reads from them.
+        self._fed_tokens: jax.Array | None = None
         # The layout of plans built already packed (`StepPlan.packed_forward`), per batch shape.
         self._packed_layouts: dict[tuple, PackedLayout] = {}
         # Sampling tensors of a steady batch repeat every array but `step` (SamplingSlots.gather).
@@ -267,152 +207,54 @@ class ModelRunner:
     @property
     def num_forward_variants(self) -> int:
         """Compiled model forwards (one per token bucket seen)."""
-        return len(self._forward_exes)
+        return self.programs.num_variants("forward")
 
     @property
     def num_sampler_variants(self) -> int:
         """Compiled samplers (one per combination of the sampler's static switches seen)."""
-        return len(self._sampler_exes)
+        return self.programs.num_variants("sampler")
 
     @property
     def num_compiled_variants(self) -> int:
-        return len(self._forward_exes) + len(self._sampler_exes)
+        return self.num_forward_variants + self.num_sampler_variants
 
-    def _abstract(self, args: tuple) -> tuple:
-        """`args` as shapes, dtypes and shardings only: a program is lowered from these, never
-        from live buffers (the KV cache and LoRA slots are donated by the steps meanwhile).
-        Host buffers are lowered as what they become on the mesh: replicated device arrays."""
-        def spec(leaf: Any) -> Any:
-            if isinstance(leaf, np.ndarray):
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated)
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    @property
+    def num_logits_programs(self) -> int:
+        """Compiled row gathers, scatters and batched processors (steps with logits work)."""
+        return len(self._logits_exes)
 
-        return jax.tree_util.tree_map(spec, args)
+    @property
+    def num_copy_programs(self) -> int:
+        """Compiled shapes of the KV block copy (one: pairs are padded to `MAX_BLOCK_COPIES`)."""
+        return self._copy_jit._cache_size()
 
-    def _claim(self, kind: str, layout: PackedLayout) -> tuple[Future, bool]:
-        """The compile of program `kind` ("forward" or "sampler") for `layout`: (its future, True
-        when the caller must run it). A compiled program gives a done future, one under way its
-        own future; nothing compiles twice."""
-        cache = self._forward_exes if kind == "forward" else self._sampler_exes
-        with self._compile_lock:
-            future = self._compiling.get((kind, layout))
-            if future is not None:
-                return future, False
-            future = Future()
-            exe = cache.get(layout)
-            if exe is not None:
-                future.set_result(exe)
-                return future, False
-            self._compiling[(kind, layout)] = future
-            return future, True
+    @property
+    def compile_seconds(self) -> float:
+        return self.programs.compile_seconds
 
-    def _store_key(self, kind: str, abstract_args: tuple, layout: PackedLayout) -> Optional[str]:
-        """The executable store's key of this program, None when it is not stored."""
-        prefix = self._store_keys.get(kind)
-        if prefix is None:
-            return None
-        try:
-            return f"{prefix}\nlayout {describe(layout)}\narguments {describe_arguments(abstract_args)}"
-        except UnstableKey as exc:
-            logger.debug("a %s variant is not stored: %s", kind, exc)
-        except Exception as exc:  # the store is an optimization: never a reason for a step to fail
-            logger.warning("a %s variant is not stored: its key could not be built (%r)", kind, exc)
-        return None
+    @property
+    def compile_wait_seconds(self) -> float:
+        return self.programs.compile_wait_seconds
 
-    def _run_compile(self, kind: str, abstract_args: tuple, layout: PackedLayout, future: Future) -> None:
-        """Compile one program (or load it from the executable store, which skips tracing and
-        lowering too) and hand it to `future`; a compiled program is stored afterwards."""
-        jitted, cache = ((self._forward_jit, self._forward_exes) if kind == "forward"
-                         else (self._sample_jit, self._sampler_exes))
-        start = time.perf_counter()
-        entry = None
-        try:
-            key = self._store_key(kind, abstract_args, layout)
-            exe = self._store.load(key) if key is not None else None
-            loaded = exe is not None
-            if exe is None:
-                exe, compiled_here = compile_here(jitted.lower(*abstract_args, layout=layout))
-                if key is not None and not compiled_here:  # from one of JAX's caches: not storable
-                    self._store.count_from_jax_cache()
-                elif key is not None:  # serialized before anything runs it (XLA:CPU cannot after)
-                    entry = self._store.serialize(key, exe)
-        except BaseException as exc:
-            with self._compile_lock:
-                self._compiling.pop((kind, layout), None)
-                self._queued.pop((kind, layout), None)
-            future.set_exception(exc)
-            return
-        elapsed = time.perf_counter() - start
-        logger.debug("%s a %s variant in %.2fs", "loaded" if loaded else "compiled", kind, elapsed)
-        with self._compile_lock:
-            self.compile_seconds += elapsed
-            self.programs_loaded += loaded
-            cache[layout] = exe
-            self._compiling.pop((kind, layout), None)
-            self._queued.pop((kind, layout), None)
-        future.set_result(exe)
-        if entry is not None:
-            self._store.write(key, entry)
+    @property
+    def compile_workers(self) -> int:
+        return self.programs.compile_workers
 
-    def _start_compile(self, kind: str, args: tuple, layout: PackedLayout) -> Future:
-        """Compile on the compile threads (see `_claim`); returns the compile's future."""
-        future, mine = self._claim(kind, layout)
-        if mine:
-            with self._compile_lock:
-                if self._closed:
-                    self._compiling.pop((kind, layout), None)
-                    future.set_exception(RuntimeError("the model runner is closed"))
-                    return future
-                if self._compile_pool is None:
-                    self._compile_pool = ThreadPoolExecutor(self.compile_workers,
-                                                            thread_name_prefix="jaxllm-compile")
-                pool = self._compile_pool
-            self._queued[(kind, layout)] = pool.submit(self._run_compile, kind, self._abstract(args), layout, future)
-        return future
-
-    def _compile(self, kind: str, args: tuple, layout: PackedLayout) -> Any:
-        """The executable for `layout`. A program not compiled yet is compiled in this thread
-        (never queued behind background compiles); one under way elsewhere is waited for."""
-        cache = self._forward_exes if kind == "forward" else self._sampler_exes
-        exe = cache.get(layout)
-        if exe is not None:
-            return exe
-        start = time.perf_counter()
-        future, mine = self._claim(kind, layout)
-        if not mine:  # queued on the compile threads but not started: compile it here, now
-            with self._compile_lock:
-                task = self._queued.pop((kind, layout), None)
-            mine = task is not None and task.cancel()
-        if mine:
-            self._run_compile(kind, self._abstract(args), layout, future)
-        exe = future.result()
-        with self._compile_lock:
-            self.compile_wait_seconds += time.perf_counter() - start
-        return exe
+    @property
+    def programs_loaded(self) -> int:
+        return self.programs.programs_loaded
 
     @property
     def compiles_in_flight(self) -> int:
         """Programs being compiled (or queued for it) on the compile threads."""
-        with self._compile_lock:
-            return len(self._compiling)
+        return self.programs.compiles_in_flight
 
     def close(self) -> None:
         """Stop the compile threads: queued compiles are dropped, one under way finishes."""
         if self._processor_pool is not None:
             self._processor_pool.shutdown(wait=True)
             self._processor_pool = None
-        with self._compile_lock:
-            self._closed = True
-            pool, self._compile_pool = self._compile_pool, None
-            queued, self._queued = self._queued, {}
-        for key, task in queued.items():
-            if task.cancel():
-                with self._compile_lock:
-                    future = self._compiling.pop(key, None)
-                if future is not None:
-                    future.set_exception(RuntimeError("the model runner was closed before this program compiled"))
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self.programs.close()
 
     def _to_device(self, tree: Any) -> tuple[tuple[jax.Array, ...], PackedLayout]:
         """Host inputs packed into one flat buffer per dtype, replicated over the mesh."""
@@ -428,7 +270,7 @@ class ModelRunner:
         twice)."""
         tree = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
         inputs, layout = pack(tree)
-        future = self._start_compile("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
+        future = self.programs.start("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
         if not wait:
             return future
         future.result()
@@ -438,7 +280,7 @@ class ModelRunner:
         """Compile, without running, the sampler of `sampling`'s static switches over `logits`
         (an array or a `jax.ShapeDtypeStruct` with its sharding); `wait` as in `compile_forward`."""
         inputs, layout = pack(sampling)
-        future = self._start_compile("sampler", (logits, inputs), layout)
+        future = self.programs.start("sampler", (logits, inputs), layout)
         if not wait:
             return future
         future.result()
@@ -452,9 +294,8 @@ class ModelRunner:
         if exe is None:
             start = time.perf_counter()
             exe = jitted.lower(*args).compile()
-            with self._compile_lock:
-                self.compile_seconds += time.perf_counter() - start
-                exe = self._logits_exes.setdefault(key, exe)
+            self.programs.add_compile_seconds(time.perf_counter() - start)
+            exe = self._logits_exes.setdefault(key, exe)
         return exe(*args)
 
     def compile_logits_programs(self, logits: jax.Array, row_buckets: list[int]) -> None:
@@ -475,15 +316,16 @@ class ModelRunner:
     def _apply_batched(self, logits: jax.Array, name: str, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
         return self._logits_program(("batched", name), self._batched_jits[name], (logits, ids, mask))
 
-    def _post_process(self, logits: jax.Array, plan: StepPlan) -> jax.Array:
+    def _post_process(self, logits: jax.Array, plan: StepPlan) -> tuple[jax.Array, Optional[jax.Array]]:
         """Gather the raw rows asked for, then run the batched post-processors (see
-        `jaxllm.engine.logits_processing`); returns the logits the sampler reads."""
-        rows = plan.logits_rows
+        `jaxllm.engine.logits_processing`); returns (the logits the sampler reads, the raw rows
+        or None)."""
+        rows, row_logits = plan.logits_rows, None
         if rows is not None:
-            self.last_row_logits = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
+            row_logits = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
         for name, ids, mask in plan.batched_processors:
             logits = self._apply_batched(logits, name, ids, mask)
-        return logits
+        return logits, row_logits
 
     def _resample_processed(self, logits: jax.Array, rows: np.ndarray,
                             host_processor: Callable[[np.ndarray], np.ndarray],
@@ -498,9 +340,9 @@ class ModelRunner:
         return out
 
     def execute(self, plan: StepPlan,
-                host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> SamplerOutput:
-        """Dispatch one planned step (forward, then sampling); returns the sampler output as
-        device arrays without waiting for them. Tokens the plan feeds from the previous step
+                host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> StepOutput:
+        """Dispatch one planned step (forward, then sampling); returns its `StepOutput`, device
+        arrays not waited for. Tokens the plan feeds from the previous step
         (`plan.feed_index`) come from the last step this runner executed. The host inputs of
         each program are one flat buffer, handed to the compiled program as a numpy array: its
         C++ call path moves it to the mesh far cheaper than a `jax.device_put` from Python
@@ -508,7 +350,7 @@ class ModelRunner:
         On a mesh of several devices the buffers are put on the mesh first (`put_on_mesh`).
         A plan whose rows ask for logits or post-processing runs the extra programs of
         `jaxllm.engine.logits_outputs`; with `host_processor(rows) -> rows` for
-        `plan.processor_rows`, `last_processed` is then the future of those rows' sampler
+        `plan.processor_rows`, `StepOutput.processed` is the future of those rows' sampler
         output, computed on a worker thread (`jaxllm.engine.logits_processing`). A plain plan
         runs exactly the two programs, a greedy-only one the forward alone."""
         if plan.packed_forward is not None and plan.context_index is None:
@@ -522,26 +364,27 @@ class ModelRunner:
         sampling_buffers, sampling_layout = (None, None) if greedy else self._sampling_packer.pack(plan.sampling)
         if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
-        logits = self._forward(batch_buffers, batch_layout, self._last_tokens)
+        enqueue_time = time.perf_counter()
+        logits, expert_counts, context_logits, greedy_tokens = self.run_forward(
+            batch_buffers, batch_layout, self._fed_tokens)
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
-        self.last_row_logits = None
         if greedy:
-            self.last_processed = None
-            out = SamplerOutput(token_ids=self._last_greedy, logprobs=None, top_ids=None, top_logprobs=None)
-            self._last_tokens = out.token_ids
-            return out
+            sampled = SamplerOutput(token_ids=greedy_tokens, logprobs=None, top_ids=None, top_logprobs=None)
+            self._fed_tokens = sampled.token_ids
+            return StepOutput(sampled, expert_counts, context_logits, None, None, enqueue_time)
+        row_logits = None
         if plan.has_logits_work:
-            logits = self._post_process(logits, plan)
-        out = self._sample(logits, sampling_buffers, sampling_layout)
-        self._last_tokens = out.token_ids
-        self.last_processed = None
+            logits, row_logits = self._post_process(logits, plan)
+        sampled = self._sample(logits, sampling_buffers, sampling_layout)
+        self._fed_tokens = sampled.token_ids
+        processed = None
         if plan.processor_rows is not None and host_processor is not None:
             if self._processor_pool is None:
                 self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-logits-processors")
-            self.last_processed = self._processor_pool.submit(
+            processed = self._processor_pool.submit(
                 self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers,
                 sampling_layout)
-        return out
+        return StepOutput(sampled, expert_counts, context_logits, row_logits, processed, enqueue_time)
 
     def _packed_layout(self, plan: StepPlan) -> PackedLayout:
         """The layout of `plan.packed_forward`: `pack`'s for the batch's shapes, found with
@@ -565,6 +408,7 @@ class ModelRunner:
         """Copy whole KV blocks (source, destination) in place, before the next step reads
         them (a beam fork's copy on write). One compiled shape: pairs are padded to
         `MAX_BLOCK_COPIES` (more are copied in several calls)."""
+        self.blocks_copied += len(pairs)
         for start in range(0, max(len(pairs), 1), MAX_BLOCK_COPIES):
             chunk = pairs[start:start + MAX_BLOCK_COPIES]
             src = np.zeros(MAX_BLOCK_COPIES, np.int32)
@@ -574,23 +418,23 @@ class ModelRunner:
             src, dst = put_on_mesh((src, dst), self._replicated)
             self.kv_cache = self._copy_jit(self.kv_cache, src, dst)
 
-    def _forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> jax.Array:
+    def run_forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> tuple:
+        """The forward program: (logits, expert counts, context logits, greedy tokens)."""
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
-        exe = self._compile("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
-        args = (self.params, self.kv_cache, inputs, prev)
-        self.last_enqueue_time = time.perf_counter()
-        self.kv_cache, logits, self.last_expert_counts, self.last_context_logits, self._last_greedy = exe(*args)
-        return logits
+        exe = self.programs.get("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
+        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = exe(self.params, self.kv_cache,
+                                                                                 inputs, prev)
+        return logits, expert_counts, context_logits, greedy_tokens
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:
         args = (logits, inputs)
-        return self._compile("sampler", args, layout)(*args)
+        return self.programs.get("sampler", args, layout)(*args)
 
     def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:
         """Only the model forward: float32 logits [max_batch_size, vocab] on the device."""
         inputs, layout = self._to_device((batch, feed_index))
-        return self._forward(inputs, layout, prev_tokens)
+        return self.run_forward(inputs, layout, prev_tokens)[0]
 
     def sample(self, logits: jax.Array, sampling: SamplingTensors) -> SamplerOutput:
         """Only the sampler, over logits [max_batch_size, vocab]."""

@@ -6,9 +6,10 @@ send to its followers in a multi-host run; `ModelRunner.execute(plan)` runs it o
 The planner never touches a device (it imports no backend and allocates no device memory),
 so it can be run, timed and tested alone.
 
-One step is planned in three calls, so the engine can isolate failures between them:
-`schedule` (scheduling decision + KV blocks), `build` (the plan; reads requests, changes
-none) and `commit` (moves the scheduled requests forward: prompt chunks advance, requests
+One step is planned in three calls, so failures can be isolated between them: `schedule`
+(scheduling decision + KV blocks, under the step's `PlannerOptions`), `build` (the plan;
+reads requests, changes none; `build_step` finds and leaves out the requests that make it
+fail) and `commit` (moves the scheduled requests forward: prompt chunks advance, requests
 that will get a token carry a placeholder until the runner's output is read back).
 """
 
@@ -110,6 +111,65 @@ class StepPlan:
                 or bool(self.batched_processors))
 
 
+@dataclass(frozen=True)
+class PlannerOptions:
+    """How the engine wants one step planned (given to `schedule`, kept for that step)."""
+
+    # A beam-search request is active: its generation steps run one row per beam (`expand_beams`).
+    beam_search: bool = False
+    # Steady decode steps keep their tokens in a `DecodeTokenLog`, whose owner reads them back
+    # into it (off for a caller that writes tokens over placeholders itself, and while a
+    # request needs its tokens on the host each step: logits outputs, logprobs, penalties, beams).
+    defer_tokens: bool = False
+    # num_tokens -> the token bucket a step runs in (None: the smallest that holds them); set to
+    # run in a compiled bucket while the best fit compiles (`jaxllm.engine.compile_ahead`).
+    choose_bucket: Optional[Callable[[int], int]] = None
+
+
+@dataclass
+class BuiltStep:
+    """`build_step`'s result: the plan (None when nothing could be planned), the scheduler
+    output it plans, and the requests left out with the exception each group raised."""
+
+    plan: Optional[StepPlan]
+    output: SchedulerOutput
+    failures: list[tuple[list[LlmRequest], Exception]] = field(default_factory=list)
+
+
+def build_isolating_failures(planner, output: SchedulerOutput,
+                             in_flight: Optional[list[TokenEntry]]) -> BuiltStep:
+    """`planner.build(output, in_flight)`; when it raises, the requests whose plan cannot be
+    built even alone are left out (all of them when none fails alone) and the others planned."""
+    try:
+        return BuiltStep(planner.build(output, in_flight), output)
+    except Exception as exc:
+        culprits = _culprits(planner, output, in_flight) or output.all_requests()
+        failures = [(culprits, exc)]
+    failed = set(culprits)
+    output = SchedulerOutput([r for r in output.context_requests if r not in failed],
+                             [r for r in output.generation_requests if r not in failed],
+                             output.paused_requests, output.num_fitting_requests)
+    if output.is_empty:
+        return BuiltStep(None, output, failures)
+    try:
+        return BuiltStep(planner.build(output, in_flight), output, failures)
+    except Exception as exc:
+        return BuiltStep(None, output, failures + [(output.all_requests(), exc)])
+
+
+def _culprits(planner, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> list[LlmRequest]:
+    """The requests of a step whose plan cannot be built even alone."""
+    alone = [SchedulerOutput([r], []) for r in output.context_requests]
+    alone += [SchedulerOutput([], [r]) for r in output.generation_requests]
+    culprits = []
+    for single in alone:
+        try:
+            planner.build(single, in_flight)
+        except Exception:
+            culprits += single.all_requests()
+    return culprits
+
+
 @dataclass
 class PlannedStep:
     """A plan with the host bookkeeping the engine needs once its tokens are back."""
@@ -135,19 +195,9 @@ class Planner:
         self.max_seq_len = max_seq_len
         # Sampling settings per KV slot, gathered each step instead of re-read from each request.
         self.sampling_slots = SamplingSlots(kv_cache_manager.block_table.shape[0])
-        # Set by the engine while a beam-search request is active: its generation steps run
-        # one row per beam (`expand_beams`).
-        self.beam_search_active = False
-        # num_tokens -> the token bucket a step runs in (None: the smallest that holds them);
-        # the engine sets it to run in a compiled bucket while the best fit compiles.
-        self.choose_bucket: Optional[Callable[[int], int]] = None
+        self._options = PlannerOptions()  # of the step being planned (see `schedule`)
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
-        # Set by the engine: steady decode steps keep their tokens in a `DecodeTokenLog`, whose
-        # owner reads them back into it (off by default: a caller that writes tokens over
-        # placeholders itself needs them; the engine turns it off while a request needs its
-        # tokens on the host each step: logits outputs, logprobs, penalties, beams).
-        self.defer_tokens = False
         self.token_log_capacity = 64  # steps a log holds before writing them into the requests
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
@@ -160,8 +210,10 @@ class Planner:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
         return token_buckets(self.max_num_tokens, self.min_token_bucket)
 
-    def schedule(self, candidates: list[LlmRequest]) -> Optional[SchedulerOutput]:
+    def schedule(self, candidates: list[LlmRequest],
+                 options: PlannerOptions = PlannerOptions()) -> Optional[SchedulerOutput]:
         """Choose the step's requests and give them KV blocks; None when nothing runs.
+        `options` hold for this step's `build` and `commit` too.
 
         Steady decode: when the candidates are exactly the generation requests of the
         previous step (same requests, same order, none freed since) and the scheduler is
@@ -170,9 +222,10 @@ class Planner:
         Such requests change only by the committed steps (one token each) and by writing
         sampled tokens over their placeholders; finishing, aborting or pausing one frees
         its KV blocks, which ends the steady batch."""
+        self._options = options
         kv = self.kv_cache_manager
         decode = self._decode
-        if (decode is not None and self.steady_decode and not self.beam_search_active
+        if (decode is not None and self.steady_decode and not options.beam_search
                 and kv.decode_rows_current(decode) and candidates == decode.requests):
             output = SchedulerOutput([], candidates, [], len(candidates))
             log = decode.log
@@ -187,10 +240,10 @@ class Planner:
                 self.lora_slots.release(paused)
         if output.is_empty:
             return None
-        if self.beam_search_active:
+        if options.beam_search:
             self.expand_beams(output)
         kv.prepare_resources(output)
-        if (self.steady_decode and not self.beam_search_active and not output.context_requests
+        if (self.steady_decode and not options.beam_search and not output.context_requests
                 and not output.paused_requests):
             self._decode = kv.decode_rows(output)
         return output
@@ -257,13 +310,23 @@ class Planner:
             slots[:int(counts.sum())] = np.repeat(per_seq, counts)
         return slots
 
+    def build_step(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> BuiltStep:
+        """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
+        return build_isolating_failures(self, output, in_flight)
+
+    def empty_step(self, bucket: int) -> tuple[StepBatch, np.ndarray]:
+        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of traffic)."""
+        batch = build_step_batch(SchedulerOutput([], [], []), self.kv_cache_manager, token_bucket=bucket,
+                                 max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        return replace(batch, lora_slots=self.empty_lora_slots(bucket)), np.full((bucket,), -1, np.int32)
+
     def empty_lora_slots(self, bucket: int) -> Optional[np.ndarray]:
         """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
     def _bucket(self, num_tokens: int) -> int:
         return (choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
-                if self.choose_bucket is None else self.choose_bucket(num_tokens))
+                if self._options.choose_bucket is None else self._options.choose_bucket(num_tokens))
 
     def _build_decode(self, output: SchedulerOutput, decode: DecodeRows,
                       in_flight: Optional[list[TokenEntry]]) -> StepPlan:
@@ -328,7 +391,7 @@ class Planner:
             # the step that started the batch, so its `feed_row` is already that row.
             gen = output.generation_requests
             log = decode.log
-            if log is None and self.defer_tokens:
+            if log is None and self._options.defer_tokens:
                 log = decode.log = DecodeTokenLog(gen, self.token_log_capacity)
             if log is not None and log.live:
                 log.commit()  # the lists get this step's token once the log is flushed

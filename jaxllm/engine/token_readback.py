@@ -5,8 +5,8 @@ planner committed, checks stops (length, end ids, stop token ids) and reports wh
 (`jaxllm.engine.step_updates`). A steady decode step writes every token in one pass and
 checks only the rows whose token may end their request; its other rows are reported
 batched. Beam-search rows go to `jaxllm.engine.beam_search.advance_beams`. Finishing and
-failing a request are the engine's (`LLMEngine._finish` / `_fail`: they free KV blocks and
-adapter slots), so this reads back on behalf of the engine it is given.
+failing a request are the request table's (`finish` / `fail`: they free KV blocks and
+adapter slots: `jaxllm.engine.requests.RequestTable`), so this reads back into that table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -28,7 +28,8 @@ from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import check_stop
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxllm.engine.llm_engine import LLMEngine, _PendingStep
+    from jaxllm.engine.requests import RequestTable
+    from jaxllm.engine.step_output import PendingStep
 
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 _output_token_ids = attrgetter("output_token_ids")
@@ -89,36 +90,53 @@ class BatchStops:
 class TokenReadback:
     """Reads the engine's dispatched steps back (one at a time, on the engine's thread)."""
 
-    def __init__(self, engine: "LLMEngine") -> None:
-        self.engine = engine
+    def __init__(self, *, requests: "RequestTable", kv_cache_manager: Any, planner: Any,
+                 copy_blocks: Callable[[list[tuple[int, int]]], None], expert_statistics: Any = None,
+                 load_balancer: Any = None) -> None:
+        """`requests`: where requests are finished and failed; `copy_blocks`: the runner's KV
+        block copy (beam forks); `expert_statistics` / `load_balancer`: where a step's expert
+        counts go."""
+        self.requests = requests
+        self.kv_cache_manager = kv_cache_manager
+        self.planner = planner
+        self.copy_blocks = copy_blocks
+        self.expert_statistics = expert_statistics
+        self.load_balancer = load_balancer
         # Built once per steady decode batch.
         self._decode_stops: Optional[BatchStops] = None
+        self._wait_seconds = 0.0  # waiting for tokens since `take_wait_seconds`
 
-    def process(self, pending: "_PendingStep") -> StepUpdates:
+    def take_wait_seconds(self) -> float:
+        """Seconds spent waiting for the device since the previous call."""
+        seconds, self._wait_seconds = self._wait_seconds, 0.0
+        return seconds
+
+    def process(self, pending: "PendingStep") -> StepUpdates:
         """The updates of a dispatched step, once its tokens are on the host (waits for them)."""
-        engine = self.engine
+        requests = self.requests
         out = pending.sampler_output
         wait_start = time.perf_counter()
         tokens = np.asarray(out.token_ids)
-        engine._wait_seconds += time.perf_counter() - wait_start
+        self._wait_seconds += time.perf_counter() - wait_start
         failed_processors = []
         processed = None
         if pending.processed_output is not None:
             try:
                 processed = pending.processed_output.result()
             except Exception as exc:  # the processors' pass itself failed: its requests only
-                failed_processors += engine._fail(list(pending.processor_requests), exc, "running logits processors")
+                failed_processors += requests.fail(list(pending.processor_requests), exc,
+                                                   "running logits processors")
             else:
                 tokens = tokens.copy()
                 rows = list(pending.processor_rows)
                 tokens[rows] = np.asarray(processed.token_ids)[rows]
         for request, exc in pending.processor_failures or ():  # the user's callable failed: that request only
-            failed_processors += engine._fail([request], exc, "running its logits_processor")
-        writer = engine.expert_statistics
+            failed_processors += requests.fail([request], exc, "running its logits_processor")
+        writer = self.expert_statistics
         if pending.expert_counts is not None:
             counts = np.asarray(pending.expert_counts)
-            if engine.load_balancer is not None:  # per slot: the placement changes while recording
-                counts = engine.load_balancer.observe(counts, pending.slot_tables)
+            if self.load_balancer is not None:  # per slot: the placement changes while recording
+                counts = self.load_balancer.observe(counts, pending.slot_tables)
             if writer is not None and writer.wants(pending.iteration):
                 writer.record(pending.iteration, counts)
         if writer is not None and not writer.saved and pending.iteration + 1 >= writer.iter_stop:
@@ -135,11 +153,11 @@ class TokenReadback:
                     mine[rows] = np.asarray(theirs)[rows]
         decode = pending.decode
         if (logprobs is None and decode is not None and not failed_processors
-                and engine.kv_cache_manager.decode_rows_current(decode)):
+                and self.kv_cache_manager.decode_rows_current(decode)):
             # No request of the step finished since it was dispatched (that frees KV blocks).
             return self.apply_decode_tokens(decode, pending.entries, tokens)
         if isinstance(pending.entries, DecodeEntries) and pending.entries.log is not None:
-            engine.planner.materialize_tokens()  # the loop below writes over the step's placeholders
+            self.planner.materialize_tokens()  # the loop below writes over the step's placeholders
         token_list = tokens.tolist()  # plain ints, converted once for the whole batch
         updates = failed_processors
         append = updates.append
@@ -160,9 +178,9 @@ class TokenReadback:
             try:
                 append(self.apply_token(request, index, token, row, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
-                updates += engine._fail([request], exc, "applying a sampled token")
+                updates += requests.fail([request], exc, "applying a sampled token")
         if pending.beam_entries:
-            updates += advance_beams(engine, pending)
+            updates += advance_beams(requests, self.kv_cache_manager, self.copy_blocks, pending)
         return StepUpdates(updates)
 
     def apply_decode_tokens(self, decode: DecodeRows, entries: DecodeEntries, tokens: np.ndarray) -> StepUpdates:
@@ -197,7 +215,7 @@ class TokenReadback:
             try:
                 updates.append(self.apply_token(request, index_list[i], token_list[i], i, None))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
-                updates += self.engine._fail([request], exc, "applying a sampled token")
+                updates += self.requests.fail([request], exc, "applying a sampled token")
         plain = np.flatnonzero(~checked).tolist()
         return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
                                                   list(map(token_list.__getitem__, plain)),
@@ -229,6 +247,6 @@ class TokenReadback:
             request.cumulative_logprob += float(chosen_lp[row])
         reason, stop_reason = check_stop(params, request.output_token_ids, request.end_ids, num_outputs=index + 1)
         if reason is not None:
-            self.engine._finish(request, reason, stop_reason, index + 1)
+            self.requests.finish(request, reason, stop_reason, index + 1)
             update.finished = True
         return update

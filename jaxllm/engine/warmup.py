@@ -1,0 +1,115 @@
+"""Compiling before serving: which programs compile when, so that requests seldom wait.
+
+`ProgramWarmup.run` compiles what a request can reach before the engine serves: the model
+forward of every token bucket and the sampler of every variant of its static switches (or,
+in the background mode, only the programs of the common steps, leaving the rest to idle time
+and to the rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from
+all-padding steps (`Planner.empty_step`), which write nothing to the KV cache.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import as_completed
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jaxllm.batch_builder import choose_token_bucket, token_buckets
+from jaxllm.engine.compile_ahead import BucketCompiler
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.logits_outputs import row_buckets
+from jaxllm.sampling import SAMPLER_VARIANTS, SamplingTensors
+
+Progress = Optional[Callable[[int, int], None]]
+
+
+class ProgramWarmup:
+    """Compiles an engine's programs ahead of its first steps."""
+
+    def __init__(self, *, runner: Any, planner: Any, config: EngineConfig, num_sampler_rows: int,
+                 max_seq_len: int, bucket_compiler: Optional[BucketCompiler], logits_outputs: bool,
+                 attention_dp: bool) -> None:
+        """`runner`: where programs compile and run (the mirrored runner on a multi-host
+        leader); `logits_outputs`: whether requests may ask for logits (their programs are
+        then compiled too, with `EngineConfig.warmup_logits_outputs`)."""
+        self.runner = runner
+        self.planner = planner
+        self.config = config
+        self.num_sampler_rows = num_sampler_rows
+        self.max_seq_len = max_seq_len
+        self.bucket_compiler = bucket_compiler
+        self.logits_outputs = logits_outputs and config.warmup_logits_outputs
+        self.attention_dp = attention_dp
+
+    def decode_bucket(self) -> int:
+        """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
+        return choose_token_bucket(self.config.max_batch_size, self.config.max_num_tokens,
+                                   self.config.min_token_bucket)
+
+    def run(self, all_variants: bool = True, progress: Progress = None, background: bool = False) -> None:
+        """Compile (see `LLMEngine.warmup`); `progress(done, total)` after each compiled piece."""
+        buckets = self.planner.token_buckets()
+        variants = SAMPLER_VARIANTS if all_variants else [dict()]
+        if background and self.bucket_compiler is not None:
+            self._in_background(buckets, progress)
+        else:
+            self._all(buckets, variants, progress, len(buckets) + len(variants))
+
+    def _all(self, buckets: list[int], variants: Any, progress: Progress, total: int) -> None:
+        runner = self.runner
+        batches = [self.planner.empty_step(bucket) for bucket in buckets]
+        samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags) for flags in variants]
+        pending = [runner.compile_forward(*batch, wait=False) for batch in batches[1:]]
+        logits = runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
+        runner.compile_batched_processors(logits)
+        done = 1
+        if progress is not None:
+            progress(done, total)
+        if self.logits_outputs:
+            # The context-logits variant of every bucket, for every size of its extra output.
+            variants_of_logits = [runner.compile_forward(*batch, np.zeros(rows, np.int32), wait=False)
+                                  for batch in batches for rows in token_buckets(batch[0].token_ids.shape[-1],
+                                                                                 self.config.min_token_bucket)]
+            pending += variants_of_logits
+            runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+            total += len(variants_of_logits)
+        pending += [runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
+        for future in as_completed(pending):
+            future.result()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        if self.bucket_compiler is not None:
+            self.bucket_compiler.mark_ready(buckets)
+        for batch in batches[1:]:
+            logits = runner.forward(*batch, None)
+        outputs = [runner.sample(logits, sampling) for sampling in samplings]
+        if not self.attention_dp:
+            runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
+        for out in outputs:
+            np.asarray(out.token_ids)
+
+    def _in_background(self, buckets: list[int], progress: Progress) -> None:
+        runner = self.runner
+        first = sorted({self.decode_bucket(), buckets[-1]})
+        # Both compile at once on the compile threads (on a CPU that is the build's cores, idle).
+        for future in [runner.compile_forward(*self.planner.empty_step(bucket), wait=False) for bucket in first]:
+            future.result()
+        for bucket in first:  # each runs once (empty batches write nothing)
+            logits = runner.forward(*self.planner.empty_step(bucket), None)
+        runner.compile_batched_processors(logits)
+        greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
+        out = runner.sample(logits, greedy)
+        runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
+        np.asarray(out.token_ids)
+        self.bucket_compiler.mark_ready(first)
+        self.bucket_compiler.defer([bucket for bucket in buckets if bucket not in first])
+        # Another sampler variant compiles on the step of the first request that needs it (in a
+        # fraction of a forward's compile time), not ahead: most runs never use most variants.
+        if self.logits_outputs:
+            runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+            for bucket in buckets:
+                for rows in token_buckets(bucket, self.config.min_token_bucket):
+                    runner.compile_forward(*self.planner.empty_step(bucket), np.zeros(rows, np.int32), wait=False)
+        if progress is not None:
+            progress(len(first) + 1, len(first) + 1)
