@@ -79,6 +79,11 @@ class BlockPool:
         """Blocks a new allocation can take: free plus evictable."""
         return len(self._free) + self._num_evictable
 
+    @property
+    def num_pending_expiries(self) -> int:
+        """Entries in the heap of retention-duration expiries, stale ones included."""
+        return len(self._expiring)
+
     # ------------------------------------------------------------- ownership
     def allocate(self) -> int:
         """Take a block for exclusive use: a free one, else evict a cached one."""

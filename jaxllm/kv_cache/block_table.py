@@ -1,4 +1,5 @@
-"""Block-table rows: the block ids of every live sequence in one persistent int32 array.
+"""Block-table rows: the block ids of every live sequence in one persistent int32 array,
+and the rows of a prepared step (`StepPlacement`).
 
 A row per sequence, `width` (= max_blocks_per_seq) entries wide, unused entries 0, plus
 the number of blocks in each row, so the batch builder gathers the rows of a whole step
@@ -8,7 +9,27 @@ sequences are live than rows exist, both arrays are replaced by ones twice as ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxllm.kv_cache.manager import KVCacheManager
+    from jaxllm.kv_cache.steady_decode import DecodeRows
+
+
+@dataclass
+class StepPlacement:
+    """Where the sequences of a prepared step live, recorded by `prepare_resources` on the
+    SchedulerOutput so the batch builder does not look every request up again."""
+
+    manager: KVCacheManager
+    version: int  # the manager's free counter when recorded: a later free voids the rows
+    rows: list[int]  # block-table row per scheduled request, context requests first
+    generation_num_tokens: list[int]  # num_tokens of each generation request this step
+    # Set on a decode-only step prepared by `prepare_decode`: the same rows as arrays.
+    decode: DecodeRows | None = None
 
 
 class BlockTable:

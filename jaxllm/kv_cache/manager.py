@@ -13,14 +13,11 @@ what the scheduler reserves is exactly what allocation can take:
 * to completion a request needs `ceil((prompt_len + max_new_tokens) / tokens_per_block)`
   blocks in total; `get_needed_resource_to_completion` returns what is still missing.
 
-Prefix reuse (`enable_block_reuse`, `jaxllm.kv_cache.prefix_reuse`): when a request is
-first added (`add_sequence`, done by the capacity scheduler at admission, before chunk
-sizes are chosen) the longest chain of cached full prompt blocks becomes the start of its
-block table and `context_current_position` jumps past those tokens. A full prompt block
-enters the prefix index in `prepare_resources` of the step that computes it, so a request
-admitted in the next step can already reuse it. A block holding generated tokens is
-indexed once all its tokens are known on the host, i.e. not including the token fed in
-the current step (which an overlapped engine may not have read back yet).
+Prefix reuse (`enable_block_reuse`, `jaxllm.kv_cache.prefix_reuse`): `add_sequence`
+(done by the capacity scheduler at admission, before chunk sizes are chosen) claims the
+cached prefix of the prompt; `prepare_resources` indexes the prompt blocks its step
+computes, and generated blocks once all their tokens are known on the host (not the token
+fed this step, which an overlapped engine may not have read back yet).
 
 Beam search (`request.beam_width > 1`, `jaxllm.kv_cache.sequence`): `add_beams` adds the
 beams of a request whose prompt is computed, and `fork_beams` gives each beam its parent's
@@ -31,18 +28,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxllm.kv_cache.block_pool import BlockPool
-from jaxllm.kv_cache.block_table import BlockTable
+from jaxllm.kv_cache.block_table import BlockTable, StepPlacement
 from jaxllm.kv_cache.events import KvEventRecorder
 from jaxllm.kv_cache.invariants import check_manager_invariants
-from jaxllm.kv_cache.prefix_reuse import PrefixReuse
+from jaxllm.kv_cache.prefix_reuse import PrefixReuse, num_computed_tokens
 from jaxllm.kv_cache.sequence import BeamGroup, KvSequence, blocks_to_completion
-from jaxllm.kv_cache.stats import KvCacheStats
+from jaxllm.kv_cache.stats import AllocationCounts, KvCacheStats
 from jaxllm.kv_cache.steady_decode import DecodeRows
 from jaxllm.request import LlmRequest, LlmRequestState
 
@@ -51,19 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
-
-
-@dataclass
-class StepPlacement:
-    """Where the sequences of a prepared step live, recorded by `prepare_resources` on the
-    SchedulerOutput so the batch builder does not look every request up again."""
-
-    manager: KVCacheManager
-    version: int  # the manager's free counter when recorded: a later free voids the rows
-    rows: list[int]  # block-table row per scheduled request, context requests first
-    generation_num_tokens: list[int]  # num_tokens of each generation request this step
-    # Set on a decode-only step prepared by `prepare_decode`: the same rows as arrays.
-    decode: DecodeRows | None = None
 
 
 class KVCacheManager:
@@ -96,11 +79,7 @@ class KVCacheManager:
         self._prefix = PrefixReuse(self._pool, tokens_per_block, max_blocks_per_seq)
         self._seqs: dict[int, KvSequence] = {}
         self._table = BlockTable(max(1, max_num_sequences), max_blocks_per_seq)
-        # cumulative statistics
-        self._alloc_total = 0
-        self._alloc_new = 0
-        self._reused = 0
-        self._missed = 0
+        self._counts = AllocationCounts()
         # Sum over live sequences of get_needed_resource_to_completion (kept incrementally).
         self._reserved = 0
         self._version = 0  # counts frees, so a recorded StepPlacement can tell it is stale
@@ -244,10 +223,10 @@ class KVCacheManager:
             reused_tokens = k * self.tokens_per_block
             request.context_current_position = reused_tokens
             request.prepopulated_prompt_len = reused_tokens
-            self._reused += k
-            self._alloc_total += k
+            self._counts.reused += k
+            self._counts.alloc_total += k
             self._reserved -= k
-        self._missed += num_prompt_blocks - len(matched)
+        self._counts.missed += num_prompt_blocks - len(matched)
         self._refresh_next_event(seq)
         return len(matched) * self.tokens_per_block
 
@@ -381,7 +360,7 @@ class KVCacheManager:
 
     def _free_sequence(self, seq: KvSequence, request: LlmRequest) -> int:
         if self.enable_block_reuse:
-            computed = self._num_computed_tokens(request)
+            computed = num_computed_tokens(request)
             if self._prefix.withdraw_uncomputed(seq, computed):
                 self._refresh_next_event(seq)
             if request.beam_width > 1 or request.request_id < 0:  # generated beam blocks stay unindexed
@@ -425,8 +404,8 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id}: {len(parents)} parents for its beams")
         before = group.distinct_blocks()
         copies = group.fork(self._pool, parents, num_cached_tokens, self.tokens_per_block)
-        self._alloc_new += len(copies)
-        self._alloc_total += len(copies)
+        self._counts.alloc_new += len(copies)
+        self._counts.alloc_total += len(copies)
         for seq in group.seqs:
             self._table.assign_row(seq.row, seq.blocks)
             self._refresh_next_event(seq)
@@ -468,19 +447,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- stats
     def get_kv_cache_stats(self) -> KvCacheStats:
-        lookups = self._reused + self._missed
-        free = self._pool.num_available
-        return KvCacheStats(
-            max_num_blocks=self._pool.num_blocks,
-            free_num_blocks=free,
-            used_num_blocks=self._pool.num_blocks - free,
-            tokens_per_block=self.tokens_per_block,
-            alloc_total_blocks=self._alloc_total,
-            alloc_new_blocks=self._alloc_new,
-            reused_blocks=self._reused,
-            missed_blocks=self._missed,
-            cache_hit_rate=(self._reused / lookups) if lookups else 0.0,
-        )
+        return self._counts.stats(self._pool.num_blocks, self._pool.num_available, self.tokens_per_block)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if free + owned + cached != pool, a block is lost or in two
@@ -493,14 +460,7 @@ class KVCacheManager:
         extra = num_blocks - have
         if extra <= 0:
             return 0
-        if num_blocks > self.max_blocks_per_seq:
-            raise ValueError(
-                f"request {seq.request.request_id} needs {num_blocks} blocks, more than "
-                f"max_blocks_per_seq={self.max_blocks_per_seq}")
-        if num_blocks > seq.total_blocks:
-            raise RuntimeError(
-                f"request {seq.request.request_id} outgrew prompt_len + max_new_tokens "
-                f"({seq.total_blocks} blocks); finish it once it reaches max_new_tokens")
+        seq.check_growth(num_blocks, self.max_blocks_per_seq)
         pool = self._pool
         if extra > pool.num_available:
             raise RuntimeError(
@@ -514,8 +474,8 @@ class KVCacheManager:
             new = pool.allocate_many(extra)
             seq.blocks.extend(new)
             self._table.extend_row(seq.row, have, new)
-        self._alloc_new += extra
-        self._alloc_total += extra
+        self._counts.alloc_new += extra
+        self._counts.alloc_total += extra
         self._reserved -= extra
         self._refresh_next_event(seq)
         return extra
@@ -528,18 +488,6 @@ class KVCacheManager:
         if self._prefix.register_computed(seq, request, num_computed):
             self._refresh_next_event(seq)
 
-    def _num_computed_tokens(self, request: LlmRequest) -> int:
-        """Tokens whose KV the finished steps have written (works for finished requests,
-        which may have stopped in the middle of their prompt)."""
-        position = request.context_current_position
-        if position < len(request.prompt_token_ids):
-            return position
-        # Prompt done: every token but the last sampled one (not fed back yet) is in.
-        return max(position, request.num_tokens - 1)
-
     def _num_shared_prefix_blocks(self, request: LlmRequest) -> int:
-        """Prefix blocks a new request would share with live sequences at no pool cost
-        (cached-but-unowned matches still cost a block: they leave the evictable set)."""
-        if not self.enable_block_reuse:
-            return 0
-        return self._prefix.num_shared(request)
+        """Prefix blocks a new request would share with live sequences (`PrefixReuse.num_shared`)."""
+        return self._prefix.num_shared(request) if self.enable_block_reuse else 0

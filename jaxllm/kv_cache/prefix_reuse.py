@@ -25,6 +25,16 @@ def prefix_root(request: LlmRequest) -> int:
     return ROOT_NODE if adapter is None else -adapter.lora_int_id
 
 
+def num_computed_tokens(request: LlmRequest) -> int:
+    """Tokens whose KV the finished steps have written (works for finished requests,
+    which may have stopped in the middle of their prompt)."""
+    position = request.context_current_position
+    if position < len(request.prompt_token_ids):
+        return position
+    # Prompt done: every token but the last sampled one (not fed back yet) is in.
+    return max(position, request.num_tokens - 1)
+
+
 class PrefixReuse:
     """Matches prompts against the pool's prefix index and indexes computed blocks."""
 

@@ -50,6 +50,17 @@ class KvSequence:
     def num_registered(self) -> int:
         return len(self.nodes)
 
+    def check_growth(self, num_blocks: int, max_blocks_per_seq: int) -> None:
+        """Raise unless the sequence may hold `num_blocks` blocks."""
+        if num_blocks > max_blocks_per_seq:
+            raise ValueError(
+                f"request {self.request.request_id} needs {num_blocks} blocks, more than "
+                f"max_blocks_per_seq={max_blocks_per_seq}")
+        if num_blocks > self.total_blocks:
+            raise RuntimeError(
+                f"request {self.request.request_id} outgrew prompt_len + max_new_tokens "
+                f"({self.total_blocks} blocks); finish it once it reaches max_new_tokens")
+
     def refresh_next_event(self, tokens_per_block: int, index_blocks: bool) -> None:
         """Recompute `next_event` after the blocks or their indexed prefix changed
         (`index_blocks`: full blocks enter the prefix index, which beams' never do)."""
