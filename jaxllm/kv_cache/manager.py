@@ -52,9 +52,10 @@ _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 class KVCacheManager:
     """Allocates KV blocks to requests and keeps their block tables.
 
-    Block tables live in one persistent int32 array (a row per live sequence, width
-    `max_blocks_per_seq`, unused entries 0) so the batch builder can gather the rows of a
-    whole step in one numpy operation.
+    Composes the physical blocks (`BlockPool`), the block-table rows (`BlockTable`: one
+    persistent int32 array the batch builder gathers a whole step's rows from), one
+    `KvSequence` per request or beam (`BeamGroup` for beam search), prefix reuse
+    (`PrefixReuse`) and the arrays of steady decode steps (`DecodeRows`).
     """
 
     def __init__(
@@ -124,6 +125,12 @@ class KVCacheManager:
     def row_num_blocks(self) -> np.ndarray:
         """Blocks held by the sequence in each row of `block_table`."""
         return self._table.num_blocks
+
+    @property
+    def num_unshared_blocks(self) -> int:
+        """Blocks the live sequences would hold without sharing (each its own copy of every
+        block its table lists)."""
+        return sum(len(seq.blocks) for seq in self._seqs.values())
 
     def live_requests(self) -> dict[int, LlmRequest]:
         """Every request and beam holding KV state, by request id (a new dict, for tests
@@ -227,7 +234,7 @@ class KVCacheManager:
             self._counts.alloc_total += k
             self._reserved -= k
         self._counts.missed += num_prompt_blocks - len(matched)
-        self._refresh_next_event(seq)
+        seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
         return len(matched) * self.tokens_per_block
 
     def allocate_for_step(self, request: LlmRequest) -> int:
@@ -304,8 +311,9 @@ class KVCacheManager:
         tpb = self.tokens_per_block
         if num_tokens > len(seq.blocks) * tpb:
             self._grow(seq, -(-num_tokens // tpb))
-        if self.enable_block_reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None:
-            self._register_computed(seq, request, num_tokens - 1)
+        if (self.enable_block_reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None
+                and self._prefix.register_computed(seq, request, num_tokens - 1)):
+            seq.refresh_next_event(tpb, self.enable_block_reuse)
 
     # -------------------------------------------------------- steady decode
     def decode_rows(self, scheduler_output: SchedulerOutput) -> DecodeRows:
@@ -331,15 +339,8 @@ class KVCacheManager:
         visited. Records a placement carrying the arrays. `flush_rows(rows)` brings the
         visited rows' read-back tokens into their requests first (a block is indexed by its
         tokens) when the caller keeps them elsewhere."""
-        num_tokens = decode.advance(self._prepare_due_generation, flush_rows)
+        num_tokens = decode.advance(self._seqs, self._prepare_generation, flush_rows)
         scheduler_output.kv_placement = StepPlacement(self, self._version, decode.rows, num_tokens, decode)
-
-    def _prepare_due_generation(self, request: LlmRequest, num_tokens: int) -> int:
-        """`_prepare_generation` of a steady decode slot at a block boundary; returns the
-        sequence's new `next_event`."""
-        seq = self._seqs[request.request_id]
-        self._prepare_generation(seq, request, num_tokens)
-        return seq.next_event
 
     # ------------------------------------------------------------- freeing
     def free_resources(self, request: LlmRequest) -> int:
@@ -362,7 +363,7 @@ class KVCacheManager:
         if self.enable_block_reuse:
             computed = num_computed_tokens(request)
             if self._prefix.withdraw_uncomputed(seq, computed):
-                self._refresh_next_event(seq)
+                seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
             if request.beam_width > 1 or request.request_id < 0:  # generated beam blocks stay unindexed
                 computed = min(computed, len(request.prompt_token_ids))
             self._register_computed(seq, request, computed)
@@ -408,7 +409,7 @@ class KVCacheManager:
         self._counts.alloc_total += len(copies)
         for seq in group.seqs:
             self._table.assign_row(seq.row, seq.blocks)
-            self._refresh_next_event(seq)
+            seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
         self._reserved += before - group.distinct_blocks()
         return copies
 
@@ -477,16 +478,13 @@ class KVCacheManager:
         self._counts.alloc_new += extra
         self._counts.alloc_total += extra
         self._reserved -= extra
-        self._refresh_next_event(seq)
-        return extra
-
-    def _refresh_next_event(self, seq: KvSequence) -> None:
         seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
+        return extra
 
     def _register_computed(self, seq: KvSequence, request: LlmRequest, num_computed: int) -> None:
         """Index the sequence's full blocks among its first `num_computed` tokens."""
         if self._prefix.register_computed(seq, request, num_computed):
-            self._refresh_next_event(seq)
+            seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
 
     def _num_shared_prefix_blocks(self, request: LlmRequest) -> int:
         """Prefix blocks a new request would share with live sequences (`PrefixReuse.num_shared`)."""

@@ -7,13 +7,16 @@ instead of a pass over the requests: only the sequences at a block boundary are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxllm.request import LlmRequest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxllm.kv_cache.sequence import KvSequence
 
 
 @dataclass
@@ -45,13 +48,14 @@ class DecodeRows:
             next_event=np.fromiter(next_events, np.int64, n),
             num_tokens=np.array(num_tokens, np.int64).reshape(n))
 
-    def advance(self, prepare: Callable[[LlmRequest, int], int],
+    def advance(self, seqs: Mapping[int, KvSequence], prepare: Callable[[KvSequence, LlmRequest, int], None],
                 flush_rows: Callable[[list[int]], None] | None = None) -> np.ndarray:
         """Move every slot one token on (each got one token from the step before) and
-        return the new `num_tokens`. `prepare(request, num_tokens)` is called for the slots
-        at a block boundary and returns their new `next_event`; `flush_rows(slots)` first
-        brings those slots' read-back tokens into their requests (a block is indexed by its
-        tokens) when the caller keeps them elsewhere."""
+        return the new `num_tokens`. `prepare(seq, request, num_tokens)` is called for the
+        slots at a block boundary (`seqs`: the sequences by request id) and updates their
+        `next_event`; `flush_rows(slots)` first brings those slots' read-back tokens into
+        their requests (a block is indexed by its tokens) when the caller keeps them
+        elsewhere."""
         num_tokens = self.num_tokens + 1
         due = np.flatnonzero(num_tokens >= self.next_event)
         if due.size:
@@ -60,6 +64,9 @@ class DecodeRows:
             if flush_rows is not None:
                 flush_rows(due)
             for i in due:
-                next_event[i] = prepare(requests[i], int(num_tokens[i]))
+                request = requests[i]
+                seq = seqs[request.request_id]
+                prepare(seq, request, int(num_tokens[i]))
+                next_event[i] = seq.next_event
         self.num_tokens = num_tokens
         return num_tokens
