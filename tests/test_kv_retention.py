@@ -138,7 +138,7 @@ def test_expired_duration_reverts_to_the_default_priority(elapsed, high_survives
     for rid in range(10, 30):  # reused and released again (restarting the duration) many times
         clock.now += 0.01
         _serve(kv, LlmRequest(rid, high_prompt, 1))
-    assert len(kv.block_pool._expiring) <= 2 * kv.num_blocks  # stale expiries do not pile up
+    assert kv.block_pool.num_pending_expiries <= 2 * kv.num_blocks  # stale expiries do not pile up
     _serve(kv, LlmRequest(2, mid_prompt, 1, kv_cache_retention_config=_retain(50)))
     buffer.get()
     clock.now += elapsed

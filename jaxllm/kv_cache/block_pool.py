@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from jaxllm.kv_cache.events import KvEventRecorder
 from jaxllm.kv_cache.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
@@ -37,7 +37,7 @@ ROOT_NODE = 0
 class BlockPool:
     """Reference counts, the free list, the evictable cache and the prefix index."""
 
-    def __init__(self, num_blocks: int, *, events: Optional[KvEventRecorder] = None,
+    def __init__(self, num_blocks: int, *, events: KvEventRecorder | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -50,11 +50,11 @@ class BlockPool:
         self._nonempty = 0  # bit p set <=> bucket p holds a block
         self._num_evictable = 0
         self.priority: list[int] = [DEFAULT_RETENTION_PRIORITY] * num_blocks
-        self._duration: list[Optional[float]] = [None] * num_blocks  # seconds at priority after release
+        self._duration: list[float | None] = [None] * num_blocks  # seconds at priority after release
         self._expiry: list[float] = [0.0] * num_blocks  # when a released block's priority lapses (0: never)
         self._expiring: list[tuple[float, int]] = []  # heap of (expiry, block); stale entries skipped
         self._clock = clock
-        self._key_of: list[Optional[BlockKey]] = [None] * num_blocks
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._node_of: list[int] = [ROOT_NODE] * num_blocks
         self._block_of_key: dict[BlockKey, int] = {}
         self._next_node = ROOT_NODE + 1
@@ -78,6 +78,11 @@ class BlockPool:
     def num_available(self) -> int:
         """Blocks a new allocation can take: free plus evictable."""
         return len(self._free) + self._num_evictable
+
+    @property
+    def num_pending_expiries(self) -> int:
+        """Entries in the heap of retention-duration expiries, stale ones included."""
+        return len(self._expiring)
 
     # ------------------------------------------------------------- ownership
     def allocate(self) -> int:
@@ -198,7 +203,7 @@ class BlockPool:
             self._free.append(block)
         return True
 
-    def set_retention(self, block: int, priority: int, duration: Optional[float]) -> None:
+    def set_retention(self, block: int, priority: int, duration: float | None) -> None:
         """Give an owned, indexed block a new retention priority (and duration after release);
         reported as an `updated` event when the priority changes."""
         if self.ref_count[block] <= 0 or self._key_of[block] is None:
@@ -211,7 +216,7 @@ class BlockPool:
                 self.events.priority_updated(self._node_of[block], old, priority)
 
     # ---------------------------------------------------------- prefix index
-    def lookup(self, parent_node: int, tokens: tuple[int, ...]) -> Optional[int]:
+    def lookup(self, parent_node: int, tokens: tuple[int, ...]) -> int | None:
         """The cached block holding `tokens` right after the prefix `parent_node`, if any."""
         return self._block_of_key.get((parent_node, tokens))
 
@@ -219,7 +224,7 @@ class BlockPool:
         return self._node_of[block]
 
     def register(self, block: int, parent_node: int, tokens: tuple[int, ...],
-                 priority: int = DEFAULT_RETENTION_PRIORITY, duration: Optional[float] = None) -> int:
+                 priority: int = DEFAULT_RETENTION_PRIORITY, duration: float | None = None) -> int:
         """Record that `block` now holds the computed full block `tokens` after
         `parent_node`. Returns the node id that identifies this prefix.
 
@@ -243,8 +248,8 @@ class BlockPool:
         return node
 
     def register_chain(self, blocks: list[int], parent_node: int, token_blocks: list[tuple[int, ...]],
-                       retentions: Optional[list[tuple[int, Optional[float]]]] = None,
-                       lora_id: Optional[int] = None) -> list[int]:
+                       retentions: list[tuple[int, float | None]] | None = None,
+                       lora_id: int | None = None) -> list[int]:
         """`register` consecutive blocks of one sequence after `parent_node`; returns their
         nodes. Each run of newly indexed blocks is reported as one `stored` event."""
         nodes = []

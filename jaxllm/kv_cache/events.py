@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 class KvCacheEventBuffer:
@@ -51,7 +51,7 @@ class KvCacheEventBuffer:
         self._next_id = 0
         self.num_dropped = 0
 
-    def record(self, kind: str, payload: tuple, rank: Optional[int] = None) -> None:
+    def record(self, kind: str, payload: tuple, rank: int | None = None) -> None:
         """Append one event (engine thread): `kind` and its fields, serialized by `get`."""
         with self._cond:
             if len(self._events) == self.max_size:
@@ -60,7 +60,7 @@ class KvCacheEventBuffer:
             self._next_id += 1
             self._cond.notify_all()
 
-    def get(self, timeout: Optional[float] = None) -> list[dict]:
+    def get(self, timeout: float | None = None) -> list[dict]:
         """Every buffered event, oldest first, emptying the buffer; waits up to `timeout`
         seconds for one when there is none (None or 0: do not wait)."""
         with self._cond:
@@ -73,7 +73,7 @@ class KvCacheEventBuffer:
     def __len__(self) -> int:
         return len(self._events)
 
-    def _serialize(self, event_id: int, kind: str, payload: tuple, rank: Optional[int]) -> dict:
+    def _serialize(self, event_id: int, kind: str, payload: tuple, rank: int | None) -> dict:
         if kind == "stored":
             parent_hash, blocks, lora_id = payload
             data = {"type": "stored", "parent_hash": parent_hash, "blocks": [
@@ -100,15 +100,15 @@ class KvEventRecorder:
 
     __slots__ = ("buffer", "rank")
 
-    def __init__(self, buffer: KvCacheEventBuffer, rank: Optional[int] = None) -> None:
+    def __init__(self, buffer: KvCacheEventBuffer, rank: int | None = None) -> None:
         self.buffer = buffer
         self.rank = rank
 
     def created(self, num_blocks: int) -> None:
         self.buffer.record("created", (num_blocks,), self.rank)
 
-    def stored(self, parent_hash: Optional[int], blocks: list[tuple[int, tuple[int, ...], int]],
-               lora_id: Optional[int] = None) -> None:
+    def stored(self, parent_hash: int | None, blocks: list[tuple[int, tuple[int, ...], int]],
+               lora_id: int | None = None) -> None:
         """`blocks`: (block_hash, token ids, priority) of consecutive newly cached blocks."""
         self.buffer.record("stored", (parent_hash, blocks, lora_id), self.rank)
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 MIN_RETENTION_PRIORITY = 0
 MAX_RETENTION_PRIORITY = 100
 DEFAULT_RETENTION_PRIORITY = 35
 
-Duration = Union[None, int, float, datetime.timedelta]
+Duration = None | int | float | datetime.timedelta
 
 
 def _check_priority(name: str, value: Any) -> int:
@@ -35,7 +36,7 @@ def _check_priority(name: str, value: Any) -> int:
     return value
 
 
-def _duration_seconds(name: str, value: Duration) -> Optional[float]:
+def _duration_seconds(name: str, value: Duration) -> float | None:
     """Milliseconds (int/float) or a `datetime.timedelta` -> seconds; None stays None."""
     if value is None:
         return None
@@ -57,7 +58,7 @@ class TokenRangeRetentionConfig:
     back to the default priority (None: they keep it until evicted)."""
 
     token_start: int
-    token_end: Optional[int] = None
+    token_end: int | None = None
     priority: int = DEFAULT_RETENTION_PRIORITY
     duration_ms: Duration = None
 
@@ -74,7 +75,7 @@ class TokenRangeRetentionConfig:
         object.__setattr__(self, "_seconds", _duration_seconds("duration_ms", self.duration_ms))
 
     @property
-    def duration_seconds(self) -> Optional[float]:
+    def duration_seconds(self) -> float | None:
         return self._seconds  # type: ignore[attr-defined]
 
 
@@ -90,7 +91,7 @@ class KvCacheRetentionConfig:
     token_range_retention_priorities: Sequence[TokenRangeRetentionConfig] = ()
     decode_retention_priority: int = DEFAULT_RETENTION_PRIORITY
     decode_duration_ms: Duration = None
-    max_tokens: Optional[int] = field(default=None, repr=False)
+    max_tokens: int | None = field(default=None, repr=False)
 
     TokenRangeRetentionConfig = TokenRangeRetentionConfig  # the reference's nested name
     kMinRetentionPriority = MIN_RETENTION_PRIORITY
@@ -128,10 +129,10 @@ class KvCacheRetentionConfig:
         object.__setattr__(self, "_decode_seconds", _duration_seconds("decode_duration_ms", self.decode_duration_ms))
 
     @property
-    def decode_duration_seconds(self) -> Optional[float]:
+    def decode_duration_seconds(self) -> float | None:
         return self._decode_seconds  # type: ignore[attr-defined]
 
-    def prompt_block_retention(self, block_index: int, tokens_per_block: int) -> tuple[Optional[int], Optional[float]]:
+    def prompt_block_retention(self, block_index: int, tokens_per_block: int) -> tuple[int | None, float | None]:
         """(priority, duration in seconds) of prompt block `block_index`, from the range holding
         its first token; (None, None) when no range covers it (the block keeps what it has)."""
         first = block_index * tokens_per_block
@@ -142,13 +143,13 @@ class KvCacheRetentionConfig:
                 return r.priority, r.duration_seconds
         return None, None
 
-    def per_block_priorities(self, tokens_per_block: int, seq_len: int) -> list[Optional[int]]:
+    def per_block_priorities(self, tokens_per_block: int, seq_len: int) -> list[int | None]:
         """Priority of each block of a `seq_len`-token prompt (None: not covered)."""
         return [self.prompt_block_retention(i, tokens_per_block)[0]
                 for i in range(-(-seq_len // tokens_per_block))]
 
     def block_retention(self, block_index: int, tokens_per_block: int,
-                        prompt_len: int) -> tuple[Optional[int], Optional[float]]:
+                        prompt_len: int) -> tuple[int | None, float | None]:
         """(priority, seconds) for block `block_index` of a sequence whose prompt has
         `prompt_len` tokens: a prompt block by its range, a generated block by the decode
         settings. Priority None means "not set by this request"."""
@@ -157,7 +158,7 @@ class KvCacheRetentionConfig:
         return self.decode_retention_priority, self.decode_duration_seconds
 
 
-def check_retention_config(value: Any) -> Optional[KvCacheRetentionConfig]:
+def check_retention_config(value: Any) -> KvCacheRetentionConfig | None:
     """Admission check of the `kv_cache_retention_config` argument (None is allowed)."""
     if value is None or isinstance(value, KvCacheRetentionConfig):
         return value
@@ -165,7 +166,7 @@ def check_retention_config(value: Any) -> Optional[KvCacheRetentionConfig]:
                      f"got {type(value).__name__}")
 
 
-def retention_configs_per_prompt(value: Any, num_prompts: int) -> list[Optional[KvCacheRetentionConfig]]:
+def retention_configs_per_prompt(value: Any, num_prompts: int) -> list[KvCacheRetentionConfig | None]:
     """`kv_cache_retention_config` of a batch call: one config (or None) for every prompt, or a
     list with one entry per prompt."""
     if isinstance(value, (list, tuple)):

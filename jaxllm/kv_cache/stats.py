@@ -30,3 +30,28 @@ class KvCacheStats:
             "missedBlocks": self.missed_blocks,
             "cacheHitRate": self.cache_hit_rate,
         }
+
+
+@dataclass
+class AllocationCounts:
+    """Cumulative block counts of a KV cache manager, the counting side of `KvCacheStats`."""
+
+    alloc_total: int = 0  # blocks handed to sequences, new or reused
+    alloc_new: int = 0  # of those, freshly taken from the pool
+    reused: int = 0  # of those, found in the prefix cache
+    missed: int = 0  # prompt blocks looked up in the prefix cache and not found
+
+    def stats(self, num_blocks: int, num_available: int, tokens_per_block: int) -> KvCacheStats:
+        """The statistics of a pool of `num_blocks` of which `num_available` are free or evictable."""
+        lookups = self.reused + self.missed
+        return KvCacheStats(
+            max_num_blocks=num_blocks,
+            free_num_blocks=num_available,
+            used_num_blocks=num_blocks - num_available,
+            tokens_per_block=tokens_per_block,
+            alloc_total_blocks=self.alloc_total,
+            alloc_new_blocks=self.alloc_new,
+            reused_blocks=self.reused,
+            missed_blocks=self.missed,
+            cache_hit_rate=(self.reused / lookups) if lookups else 0.0,
+        )
