@@ -49,7 +49,7 @@ def pytest_unconfigure(config) -> None:
 
 @pytest.fixture(autouse=True)
 def _isolated_logging():
-    """Tests that run the CLI in-process get its logging setup (`jaxllm.cli.quiet_logs`: the
+    """Tests that run the CLI in-process get its logging setup (`jaxllm.cli.startup.quiet_logs`: the
     `jaxllm` logger stops propagating, the root logger gets a stderr handler bound to that
     test's captured output); undo it so later tests' `caplog` sees jaxllm's records."""
     root, ours = logging.getLogger(), logging.getLogger("jaxllm")

@@ -8,14 +8,16 @@ import json
 
 import pytest
 
-from jaxllm.cli import BENCHMARK_HELP, build_parser, engine_kwargs, main
+from jaxllm.cli import build_parser, main
+from jaxllm.cli.args import engine_kwargs
+from jaxllm.cli.bench import BENCHMARK_HELP
 
 SMALL = ["--model", "tiny-moe", "--max-num-tokens", "16", "--max-seq-len", "128", "--max-batch-size", "2",
          "--kv-cache-max-tokens", "512", "--tokens-per-block", "8"]
 
 
 def test_help_shows_defaults_and_the_aliases_users_know(capsys):
-    from jaxllm.server.cli import build_parser as serve_parser
+    from jaxllm.cli.serve import build_parser as serve_parser
 
     for argv in (["chat", "--help"], ["generate", "--help"]):
         with pytest.raises(SystemExit) as exit_info:
@@ -79,7 +81,7 @@ def test_model_loading_failure_is_one_line_and_exit_code_2(capsys, monkeypatch, 
 
 
 def test_serve_model_loading_failure_is_one_line(capsys):
-    from jaxllm.server.cli import main as serve_main
+    from jaxllm.cli.serve import main as serve_main
 
     assert serve_main(["--model", "/nonexistent/dir/model.gguf"]) == 2
     err = capsys.readouterr().err

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.cli import build_parser, engine_kwargs
+from jaxllm.cli import build_parser
+from jaxllm.cli.args import engine_kwargs
 from jaxllm.engine.compile_cache import compile_cache_requested
 from jaxllm.models import materialize_preset
 

@@ -102,7 +102,8 @@ def test_engine_expert_parallel_with_generated_placement(tmp_path):
 def test_parallel_flags_and_placement_from_config_yaml(tmp_path):
     import pytest
 
-    from jaxllm.cli import build_parser, engine_kwargs
+    from jaxllm.cli import build_parser
+    from jaxllm.cli.args import engine_kwargs
     from jaxllm.engine.config import EngineConfig
     from sharding.eplb.config import MoeLoadBalancerConfig, save_eplb_config
 

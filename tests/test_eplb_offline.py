@@ -291,7 +291,7 @@ def test_example_scripts_run(hand_stats, tmp_path):
 
 def test_bench_eplb_prints_the_table(capsys):
     from jaxllm.bench.eplb import main
-    from jaxllm.cli import BENCHMARKS
+    from jaxllm.cli.bench import BENCHMARKS
 
     assert BENCHMARKS["eplb"] == "jaxllm.bench.eplb"
     assert main(["--iters", "8", "--layers", "1", "--experts", "16", "--ep-size", "4",

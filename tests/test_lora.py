@@ -163,7 +163,7 @@ def test_server_selects_adapters_by_model_name(lora_setup):
     import httpx
 
     from jaxllm.server.app import ServerConfig, build_app
-    from jaxllm.server.cli import parse_lora_modules
+    from jaxllm.cli.serve import parse_lora_modules
     from server_helpers import LiveServer
 
     root, base, peft_models, requests, llm = lora_setup

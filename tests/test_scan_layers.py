@@ -184,7 +184,8 @@ def test_layouts_do_not_mix(checkpoint):
 
 
 def test_scan_layers_switch_reaches_the_engine_config():
-    from jaxllm.cli import build_parser, engine_kwargs
+    from jaxllm.cli import build_parser
+    from jaxllm.cli.args import engine_kwargs
     from jaxllm.engine.config import EngineConfig
 
     assert EngineConfig(model="tiny-moe").scan_layers

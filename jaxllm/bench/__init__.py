@@ -1,1 +1,1 @@
-"""Benchmarks, each runnable as `jaxllm bench NAME` (see jaxllm.cli.BENCHMARKS)."""
+"""Benchmarks, each runnable as `jaxllm bench NAME` (see jaxllm.cli.bench.BENCHMARKS)."""

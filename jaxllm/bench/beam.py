@@ -75,7 +75,7 @@ def format_table(rows: list[BeamRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
     from jaxllm.config import KvCacheConfig
     from jaxllm.engine.config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine

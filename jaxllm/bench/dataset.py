@@ -166,7 +166,7 @@ def dataset_from_args(args: argparse.Namespace, tokenizer=None, max_seq_len: Opt
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="python -m jaxllm.bench.dataset", description="Write a synthetic dataset.",
                                      formatter_class=HelpFormatter)

@@ -190,7 +190,7 @@ def run_hf_continuous(model, prompts, out_lens, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="jaxllm bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="tiny-moe",

@@ -155,7 +155,7 @@ def format_table(rows: list[HostStepTiming]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="jaxllm bench host", formatter_class=HelpFormatter,

@@ -409,7 +409,7 @@ def _header() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
     from pallas_kernels.triton_backend import filter_triton_deprecation
 
     parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0],

@@ -18,7 +18,7 @@ from jaxllm.bench.throughput import add_engine_args, build_engine, engine_host_t
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="jaxllm bench latency", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)

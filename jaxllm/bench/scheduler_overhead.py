@@ -175,7 +175,7 @@ def format_table(rows: list[StepTiming]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="jaxllm bench scheduler", formatter_class=HelpFormatter,

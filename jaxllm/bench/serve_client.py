@@ -129,7 +129,7 @@ async def _served_model(url: str, api_key: Optional[str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="jaxllm bench serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)

@@ -101,7 +101,7 @@ def format_table(rows: list[StartupTiming]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="jaxllm bench startup", formatter_class=HelpFormatter,

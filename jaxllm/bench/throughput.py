@@ -154,9 +154,9 @@ def run_engine(engine, requests: Sequence[BenchRequest], *, concurrency: Optiona
 
 # ---------------------------------------------------------------------------- engine setup
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from jaxllm.cli import _add_engine_args
+    from jaxllm.cli.args import add_engine_args as add_shared_engine_args
 
-    _add_engine_args(parser)
+    add_shared_engine_args(parser)
     parser.add_argument("--num-postprocess-workers", type=int, default=0)
     parser.add_argument("--no-warmup", action="store_true", help="do not compile every token bucket first")
     parser.add_argument("--enable-block-reuse", action="store_true",
@@ -165,7 +165,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace):
-    from jaxllm.cli import engine_kwargs
+    from jaxllm.cli.args import engine_kwargs
     from jaxllm.engine.config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
@@ -237,7 +237,7 @@ def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: ar
 
 
 def build_parser(prog: str = "jaxllm bench throughput") -> argparse.ArgumentParser:
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_engine_args(parser)

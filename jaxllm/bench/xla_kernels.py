@@ -105,7 +105,7 @@ def moe_inputs(rng, *, tokens: int, hidden: int, inter: int, experts: int, top_k
 def main(argv: Optional[list[str]] = None) -> int:
     import numpy as np
 
-    from jaxllm.cli import HelpFormatter
+    from jaxllm.cli.args import HelpFormatter
     import jax.numpy as jnp
 
     from jaxllm.sampling.sampler import first_argmax

@@ -1,4 +1,7 @@
-"""`jaxllm serve`: start the OpenAI-compatible server on one model."""
+"""`jaxllm serve`: start the OpenAI-compatible server on one model.
+
+The server (fastapi, uvicorn) is imported only once the flags are parsed, so the other
+commands never load it."""
 
 from __future__ import annotations
 
@@ -7,20 +10,26 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
 
-from jaxllm.cli import (DEFAULT_MODEL, LOAD_ERRORS, _add_distributed_args, _add_engine_args, _HelpFormatter,
-                        engine_kwargs, join_distributed, run_follower_command)
+from jaxllm.cli.args import (
+    DEFAULT_MODEL,
+    LOAD_ERRORS,
+    HelpFormatter,
+    add_distributed_args,
+    add_engine_args,
+    engine_kwargs,
+)
+from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, start_executor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm serve", formatter_class=_HelpFormatter,
+    parser = argparse.ArgumentParser(prog="jaxllm serve", formatter_class=HelpFormatter,
                                      description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
                                                  "/v1/models, /health, /metrics in Prometheus format, "
                                                  "/v1/iteration_stats).")
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
-    _add_engine_args(parser, DEFAULT_MODEL)
-    _add_distributed_args(parser)
+    add_engine_args(parser, DEFAULT_MODEL)
+    add_distributed_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port")
     parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
@@ -48,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_lora_modules(specs: Optional[list[str]]) -> dict:
+def parse_lora_modules(specs: list[str] | None) -> dict:
     """`--lora-modules name=path ...` (vLLM's form) -> {name: LoRARequest}, ids 1, 2, ... in order."""
     from jaxllm.lora import LoRARequest
 
@@ -63,14 +72,13 @@ def parse_lora_modules(specs: Optional[list[str]]) -> dict:
     return modules
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     if args.model_pos:
         args.model = args.model_pos
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from jaxllm.cli import resolve_model_arg, start_executor
     from jaxllm.server.app import ServerConfig, build_app
     from jaxllm.server.lifecycle import serve
     from sharding import multihost
@@ -110,7 +118,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     if code and multihost.is_multiprocess():
         multihost.exit_now(code)  # a failed run: no final barrier with processes that may be gone
     return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Start-up shared by the commands that run a model: progress and status lines on stderr,
+--model resolution, joining a multi-host run (or following its leader), the engine banner,
+compile progress and the executor, ready to serve or generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from jaxllm.cli.args import distributed_config, engine_kwargs
+
+
+# ----------------------------------------------------------------------------- terminal output
+def status(message: str) -> None:
+    """One progress or status line on stderr (stdout is for generated text)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def quiet_logs(level: str = "warning") -> None:
+    """jaxllm's own messages as plain lines on stderr; other libraries only from `level` up."""
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    jax_logger = logging.getLogger("jaxllm")
+    jax_logger.handlers[:] = [handler]
+    jax_logger.setLevel(logging.INFO)
+    jax_logger.propagate = False
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+# ----------------------------------------------------------------------------- model and multi-host
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    """Materialize --model (download, convert, Hub snapshot) with progress on stderr; returns a directory."""
+    from jaxllm.models.resolve import resolve_model
+
+    started = time.perf_counter()
+    path = resolve_model(args.model, revision=getattr(args, "revision", None), log=status)
+    if str(path) != args.model:
+        status(f"model {args.model}: {path} ({time.perf_counter() - started:.1f} s)")
+    return str(path)
+
+
+def join_distributed(args: argparse.Namespace) -> bool:
+    """Join the multi-process run the flags or the environment describe, if any. Returns True
+    when this process is a follower (it then runs `run_follower` instead of the command)."""
+    from sharding import multihost
+
+    config = distributed_config(args)
+    if not multihost.requested(config):
+        return False
+    multihost.initialize(config)
+    return not multihost.is_leader()
+
+
+def run_follower_command(args: argparse.Namespace) -> int:
+    """A follower: fetch the model here too when one is named (so the leader's paths exist), then
+    build and mirror each engine the leader opens until it exits."""
+    from jaxllm.engine.followers import run_follower
+
+    if getattr(args, "model", None):
+        resolve_model_arg(args)
+    return run_follower()
+
+
+# ----------------------------------------------------------------------------- engine
+def engine_banner(engine, model: str) -> str:
+    """What the engine runs on and what it holds, in a few lines."""
+    import jax
+
+    from jaxllm.models import kv_cache_bytes_per_token
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    cfg = engine.model_config
+    kv = engine.kv_cache_manager
+    tpb = kv.tokens_per_block
+    kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
+    ec = engine.config
+    return "\n".join([
+        f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
+        f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
+        f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
+        f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)}",
+        f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
+        f"max_seq_len={engine.max_seq_len}",
+    ])
+
+
+def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
+    """Compile every step shape with a progress bar ("compiling N token buckets..."); with
+    `background`, only the decode and the largest buckets and the greedy sampler before
+    returning (see `LLMEngine.warmup`)."""
+    from tqdm.auto import tqdm
+
+    buckets = engine.token_buckets()
+    first = len({engine.decode_bucket(), buckets[-1]})
+    desc = (f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
+            if background and len(buckets) > first else f"compiling {len(buckets)} token buckets + sampler")
+    total = (first if background else len(buckets)) + 1
+    with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        engine.warmup(all_variants=all_variants, progress=progress, background=background)
+
+
+def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
+                   background_warmup: bool = False,
+                   executor_kwargs: dict | None = None, started: float | None = None,
+                   kwargs: dict | None = None):
+    """Build the executor on `model_dir`, print the banner, compile, print "ready in X s".
+
+    `kwargs`: EngineConfig arguments (default: `engine_kwargs(args)`)."""
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
+
+    started = time.perf_counter() if started is None else started
+    kwargs = engine_kwargs(args) if kwargs is None else kwargs
+    executor = GenerationExecutor(EngineConfig(model=model_dir, **kwargs), ExecutorConfig(**(executor_kwargs or {})))
+    try:
+        status(executor.call_on_engine(lambda engine: engine_banner(engine, args.model), timeout=None))
+        if warmup:
+            executor.call_on_engine(lambda engine: warm_up(engine, all_variants, background_warmup), timeout=None)
+    except BaseException:
+        executor.shutdown()
+        raise
+    status(f"ready in {time.perf_counter() - started:.1f} s")
+    return executor
