@@ -29,16 +29,15 @@ from typing import Any, Callable, Mapping, Optional
 from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time, check_sequence_index,
                                      validate_request)
-from jaxllm.engine.beam_search import BeamRun, BeamSearch
 from jaxllm.engine.builder import build_engine, resolve_model_dir
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
-from jaxllm.engine.logits_outputs import LogitsRecord, plan_step_logits
+from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
-from jaxllm.engine.requests import RequestTable
-from jaxllm.engine.step_output import EngineTiming, PendingStep
+from jaxllm.engine.requests import RequestTable, new_request
+from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
 from jaxllm.engine.warmup import ProgramWarmup
@@ -46,7 +45,7 @@ from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.lora import LoraAdapter, LoRARequest
 from jaxllm.lora.weights import empty_slot, slot_update
 from jaxllm.request import LlmRequest, LlmRequestState
-from jaxllm.sampling import SamplingParams, resolve_seed
+from jaxllm.sampling import SamplingParams
 
 __all__ = ["EngineTiming", "LLMEngine", "resolve_model_dir"]
 
@@ -232,27 +231,9 @@ class LLMEngine:
             raise ValueError(f"request_id must be an int, got {type(request_id).__name__}")
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id} is already in use by an unfinished request")
-        request = LlmRequest(
-            request_id=request_id, prompt_token_ids=admitted.prompt_token_ids,
-            max_new_tokens=params.max_tokens, priority=admitted.priority,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            sampling_params=params)
-        request.seed = resolve_seed(params, sequence_index)
-        request.end_ids = admitted.end_ids
-        request.lora_adapter = adapter
-        request.kv_cache_retention_config = retention
-        if params.use_beam_search:
-            if request_id < 0:
-                raise ValueError(f"request_id must be >= 0 for beam search, got {request_id}")
-            request.beam_width = params.beam_width
-            end_ids = frozenset(() if params.ignore_eos else admitted.end_ids)
-            request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, end_ids,
-                                              float(params.length_penalty), params.early_stopping),
-                                   [request], params.n)
-        if (params.wants_context_logits or params.return_generation_logits or params.logits_processor is not None
-                or params.logits_post_processor_name is not None):
-            request.logits_record = LogitsRecord(list(admitted.prompt_token_ids))
-            request.reuse_prefix = not params.wants_context_logits  # cached blocks have no logits
+        request = new_request(request_id, admitted, params, sequence_index=sequence_index, lora_adapter=adapter,
+                              arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                              retention=retention)
         self.requests.add(request)
         return request
 
@@ -414,16 +395,7 @@ class LLMEngine:
         decode = getattr(output.kv_placement, "decode", None)
         if decode is not None and decode.entries is not entries:
             decode = None
-        stats = {
-            "numNewActiveRequests": num_new,
-            "inflightBatchingStats": {
-                "numScheduledRequests": output.batch_size,
-                "numContextRequests": len(output.context_requests),
-                "numGenRequests": len(output.generation_requests),
-                "numPausedRequests": len(output.paused_requests),
-                "numCtxTokens": plan.num_context_tokens,
-            },
-        }
+        stats = step_stats(output, plan.num_context_tokens, num_new)
         if balancer is not None:
             stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
         pending = PendingStep(result.sampled, entries, wants_logprobs, stats, iteration,

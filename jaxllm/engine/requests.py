@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Optional
 
+from jaxllm.engine.admission import AdmittedRequest
+from jaxllm.engine.beam_search import BeamRun, BeamSearch
+from jaxllm.engine.logits_outputs import LogitsRecord
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.engine.token_log import PLACEHOLDER_TOKEN
 from jaxllm.request import LlmRequest
+from jaxllm.sampling import SamplingParams, resolve_seed
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,32 @@ class _Needs:
     logprobs: int
     beam_search: int
     logits: int
+
+
+def new_request(request_id: int, admitted: AdmittedRequest, params: SamplingParams, *, arrival_time: float,
+                sequence_index: int, lora_adapter: Any, retention: Any) -> LlmRequest:
+    """The `LlmRequest` of an admitted prompt, with what its sampling settings ask for: its
+    seed, a beam search, a record of its logits."""
+    request = LlmRequest(request_id=request_id, prompt_token_ids=admitted.prompt_token_ids,
+                         max_new_tokens=params.max_tokens, priority=admitted.priority, arrival_time=arrival_time,
+                         sampling_params=params)
+    request.seed = resolve_seed(params, sequence_index)
+    request.end_ids = admitted.end_ids
+    request.lora_adapter = lora_adapter
+    request.kv_cache_retention_config = retention
+    if params.use_beam_search:
+        if request_id < 0:
+            raise ValueError(f"request_id must be >= 0 for beam search, got {request_id}")
+        request.beam_width = params.beam_width
+        end_ids = frozenset(() if params.ignore_eos else admitted.end_ids)
+        request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, end_ids,
+                                          float(params.length_penalty), params.early_stopping),
+                               [request], params.n)
+    if (params.wants_context_logits or params.return_generation_logits or params.logits_processor is not None
+            or params.logits_post_processor_name is not None):
+        request.logits_record = LogitsRecord(list(admitted.prompt_token_ids))
+        request.reuse_prefix = not params.wants_context_logits  # cached blocks have no logits
+    return request
 
 
 def _needs(request: LlmRequest) -> _Needs:

@@ -83,3 +83,17 @@ class PendingStep:
     # output_token_ids each row's token goes to, so reading back needs no pass over entries.
     decode: Optional[DecodeRows] = None
     decode_index: Optional[np.ndarray] = None
+
+
+def step_stats(output: Any, num_context_tokens: int, num_new: int) -> dict:
+    """The iteration statistics of a dispatched step (TensorRT-LLM's names)."""
+    return {
+        "numNewActiveRequests": num_new,
+        "inflightBatchingStats": {
+            "numScheduledRequests": output.batch_size,
+            "numContextRequests": len(output.context_requests),
+            "numGenRequests": len(output.generation_requests),
+            "numPausedRequests": len(output.paused_requests),
+            "numCtxTokens": num_context_tokens,
+        },
+    }
