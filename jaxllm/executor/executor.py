@@ -1,10 +1,9 @@
 """`GenerationExecutor`: asynchronous request submission over the engine (TensorRT-LLM's executor).
 
 Three parts, as in vLLM V1's split of client, core and output processor:
-  * the caller side (`submit`, `abort_request`, ...) validates input - the one place a
-    request is checked: the engine thread admits what it was handed without checking it
-    again - fans a prompt out into its n sequences and queues them; it never waits on the
-    engine;
+  * the caller side (`submit`, `abort_request`, ...) validates input (the one check a
+    request gets: the engine thread admits what it is handed without checking it again),
+    fans a prompt out into its n sequences and queues them; it never waits on the engine;
   * `EngineCore`, a background thread that alone owns the `LLMEngine` and steps it;
   * the output side, a thread that turns token events into text deltas (in-process, or
     routed to `num_postprocess_workers` processes) and hands them to `GenerationResult`s.
