@@ -9,28 +9,18 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Optional, Sequence, Union
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.engine.config import EngineConfig
-from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor, per_prompt_loras
-from jaxllm.lora.request import LoRARequest
+from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor
+from jaxllm.executor.inputs import PromptInput, is_single_prompt, normalize_inputs
 from jaxllm.executor.result import GenerationResult
-from jaxllm.kv_cache.retention import KvCacheRetentionConfig, retention_configs_per_prompt
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
 
-PromptInput = Union[str, Sequence[int]]
-
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
-
-
-def _is_single_prompt(inputs) -> bool:
-    """A str, a list of int token ids, or a 1-D numpy array of them (a 2-D array is a batch)."""
-    if isinstance(inputs, np.ndarray):
-        return inputs.ndim == 1
-    return isinstance(inputs, str) or (
-        isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs))
 
 
 WARMUP_MODES = ("background", "all", "none")
@@ -94,24 +84,6 @@ class LLM:
                 raise RuntimeError(f"the LLM failed and is shut down: {error!r}") from error
             raise RuntimeError("the LLM is shut down")
 
-    # ----------------------------------------------------------------- inputs
-    def _normalize(self, inputs, sampling_params) -> tuple[list[PromptInput], list[SamplingParams]]:
-        if not _is_single_prompt(inputs) and not isinstance(inputs, (list, tuple, np.ndarray)):
-            raise ValueError(f"inputs must be a prompt (str or token ids) or a list of prompts, "
-                             f"got {type(inputs).__name__}")
-        prompts = [inputs] if _is_single_prompt(inputs) else list(inputs)
-        if not prompts:
-            raise ValueError("inputs is empty: pass a prompt or a list of prompts")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        return prompts, params
-
     # ----------------------------------------------------------------- generate
     def generate(self, inputs, sampling_params=None, use_tqdm: bool = True,
                  lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None, *,
@@ -124,13 +96,8 @@ class LLM:
         `KvCacheRetentionConfig` for every prompt, or a list with one per prompt.
         """
         self._check_open()
-        single = _is_single_prompt(inputs)
-        prompts, params = self._normalize(inputs, sampling_params)
-        loras = per_prompt_loras(lora_request, len(prompts))
-        retention = retention_configs_per_prompt(kv_cache_retention_config, len(prompts))
-        results = self._executor.submit_many([
-            self._executor.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
-            for p, sp, lr, r in zip(prompts, params, loras, retention)])
+        batch = normalize_inputs(inputs, sampling_params, lora_request, kv_cache_retention_config)
+        results = self._executor.submit_batch(batch)
         outputs = []
         try:
             with tqdm(total=len(results), desc="generate", unit="req",
@@ -142,7 +109,7 @@ class LLM:
             for result in results:  # e.g. KeyboardInterrupt: do not leave the batch running
                 result.abort()
             raise
-        return outputs[0] if single else outputs
+        return outputs[0] if batch.single else outputs
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, *, priority: float = 0.0,
@@ -152,7 +119,7 @@ class LLM:
         `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
         priorities of its cached KV blocks."""
         self._check_open()
-        if not _is_single_prompt(inputs):
+        if not is_single_prompt(inputs):
             raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
         return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout,
                                              lora_request=lora_request,

@@ -16,7 +16,8 @@ from jaxllm.config import KvCacheConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
-from jaxllm.server.app import ServerConfig, build_app
+from jaxllm.server.app import build_app
+from jaxllm.server.config import ServerConfig
 from server_helpers import LiveServer, live_threads as _threads
 
 ENGINE_ARGS = ["--model", "tiny-moe", "--max-batch-size", "8", "--max-num-tokens", "16", "--max-seq-len", "128",

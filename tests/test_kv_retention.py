@@ -296,7 +296,8 @@ def test_engine_same_tokens_with_retention_and_events_match_the_pool(llm):
 def test_server_takes_a_retention_config_and_serves_events(llm):
     import httpx
 
-    from jaxllm.server.app import ServerConfig, build_app
+    from jaxllm.server.app import build_app
+    from jaxllm.server.config import ServerConfig
     from server_helpers import LiveServer
 
     server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny", api_key="k")))

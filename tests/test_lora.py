@@ -162,8 +162,9 @@ def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_p
 def test_server_selects_adapters_by_model_name(lora_setup):
     import httpx
 
-    from jaxllm.server.app import ServerConfig, build_app
     from jaxllm.cli.serve import parse_lora_modules
+    from jaxllm.server.app import build_app
+    from jaxllm.server.config import ServerConfig
     from server_helpers import LiveServer
 
     root, base, peft_models, requests, llm = lora_setup

@@ -13,7 +13,8 @@ from jaxllm.config import KvCacheConfig  # noqa: E402
 from jaxllm.engine.config import EngineConfig  # noqa: E402
 from jaxllm.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxllm.executor.executor import GenerationExecutor  # noqa: E402
-from jaxllm.server.app import ServerConfig, build_app  # noqa: E402
+from jaxllm.server.app import build_app  # noqa: E402
+from jaxllm.server.config import ServerConfig  # noqa: E402
 
 MODEL = "tiny-moe"
 

@@ -15,7 +15,8 @@ from jaxllm.config import KvCacheConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
-from jaxllm.server.app import ServerConfig, build_app
+from jaxllm.server.app import build_app
+from jaxllm.server.config import ServerConfig
 from server_helpers import LiveServer, assert_no_thread_left, live_threads as _threads, wait_idle
 
 MODEL = "tiny-moe"

@@ -29,7 +29,8 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
-from jaxllm.server.app import ServerConfig, build_app
+from jaxllm.server.app import build_app
+from jaxllm.server.config import ServerConfig
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
 from server_helpers import LiveServer as _ServedApp, assert_no_thread_left, free_port as _free_port, wait_idle
 from server_helpers import live_threads as _threads
@@ -522,13 +523,13 @@ def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, c
         oracle = _oracle_logprobs(prefix)
         best = np.argsort(-oracle)[:3]
         chosen = int(best[0])  # greedy
-        assert out.logprobs.tokens[i] == server._token_str(chosen)
+        assert out.logprobs.tokens[i] == server.token_text(chosen)
         assert out.logprobs.token_logprobs[i] == pytest.approx(oracle[chosen], abs=2e-3)
-        assert server._token_str(chosen) in top, "the greedy token must be among the top logprobs"
+        assert server.token_text(chosen) in top, "the greedy token must be among the top logprobs"
         for t in best:
             # Tokens that decode to the same text share a key holding the likelier one's value.
-            same_text = [u for u in range(len(oracle)) if server._token_str(u) == server._token_str(int(t))]
-            assert top[server._token_str(int(t))] == pytest.approx(max(oracle[u] for u in same_text), abs=2e-3)
+            same_text = [u for u in range(len(oracle)) if server.token_text(u) == server.token_text(int(t))]
+            assert top[server.token_text(int(t))] == pytest.approx(max(oracle[u] for u in same_text), abs=2e-3)
         assert len(top) <= 3
         prefix.append(chosen)
     assert len(out.logprobs.top_logprobs) == 3
@@ -540,7 +541,7 @@ def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, c
         oracle = _oracle_logprobs(prefix)
         best = [int(t) for t in np.argsort(-oracle)[:3]]
         assert len(entry.top_logprobs) == 3
-        assert [e.token for e in entry.top_logprobs] == [server._token_str(t) for t in best]
+        assert [e.token for e in entry.top_logprobs] == [server.token_text(t) for t in best]
         assert [e.logprob for e in entry.top_logprobs] == pytest.approx([oracle[t] for t in best], abs=2e-3)
         assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(oracle[best[0]],
                                                                                              abs=2e-3)
@@ -563,7 +564,7 @@ def test_completion_prompt_logprobs_match_the_model(live, http):
         assert set(entry) == {str(t) for t in best} | {str(prompt[i])}
         for t, value in entry.items():
             assert value["logprob"] == pytest.approx(oracle[int(t)], abs=2e-3)
-            assert value["decoded_token"] == server._token_str(int(t))
+            assert value["decoded_token"] == server.token_text(int(t))
         assert [entry[str(t)]["rank"] for t in best] == [1, 2]
     _assert_still_serving(live, http)
 

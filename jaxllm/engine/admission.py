@@ -3,9 +3,13 @@
 Everything the step relies on (token ids inside the vocabulary and int32, at most
 `SUPPRESS_WIDTH` ids banned per step, lengths within `max_seq_len` and the KV cache, a
 numeric priority, strict types) is checked here, once, with a ValueError naming the
-field. The engine's `add_request` calls `validate_request`, and the executor and the
-server call it (through `LLMEngine.validate_request`) before queueing, so a request that
-passes can never fail a step; the engine's step-level fault isolation is only a backstop.
+field, so a request that passes can never fail a step; the engine's step-level fault
+isolation is only a backstop. The limits are fixed when the engine is built, so any thread
+may check: a request enters through the executor, which calls `validate_request` (through
+`LLMEngine.validate_request`) at submission and hands the `AdmittedRequest` to the engine
+thread, whose `add_request` trusts it. Called without one (the engine used directly),
+`add_request` checks the request itself. What only the engine thread can know (a request
+id already in use) is checked there, in `add_request`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import (SUPPRESS_WIDTH, SamplingParams, is_finite_number, resolve_end_ids)
+from jaxllm.sampling import SUPPRESS_WIDTH, SamplingParams, is_finite_number, resolve_end_ids
 from jaxllm.sampling.params import is_integer
 
 

@@ -197,7 +197,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0,
                          lora_request: Any = None) -> AdmittedRequest:
         """Admission checks (ValueError naming the field); safe to call from any thread, and
-        what the executor and the server call before queueing a request."""
+        what the executor calls when a request is submitted."""
         admitted = validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
                                     tokenizer=self.tokenizer)
         self.resolve_lora(lora_request)
@@ -215,12 +215,13 @@ class LLMEngine:
                     *, request_id: Optional[int] = None, priority: float = 0.0,
                     arrival_time: Optional[float] = None, sequence_index: int = 0,
                     lora_request: Optional[LoRARequest] = None,
-                    kv_cache_retention_config: Any = None) -> LlmRequest:
+                    kv_cache_retention_config: Any = None, admitted: Optional[AdmittedRequest] = None) -> LlmRequest:
         """Admit a request (ValueError naming the field if it breaks a limit). `lora_request`:
         the LoRA adapter it runs with (the engine needs enable_lora); `kv_cache_retention_config`:
         retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
-        admitted = self.validate_request(prompt_token_ids, params, priority=priority)
+        if admitted is None:  # else the caller ran validate_request (the executor does, at submission)
+            admitted = self.validate_request(prompt_token_ids, params, priority=priority)
         retention = check_retention_config(kv_cache_retention_config)
         adapter = self.resolve_lora(lora_request)
         sequence_index = check_sequence_index(sequence_index)

@@ -41,6 +41,9 @@ class SequenceRequest:
     # Beam search: ids of outputs 1..n-1 (this request gives output 0); they get their
     # tokens from this request's final update and finish with it.
     beam_siblings: tuple[int, ...] = ()
+    # What admission made of the request (`jaxllm.engine.admission.AdmittedRequest`), checked
+    # by the executor at submission; the engine admits it without checking it again.
+    admitted: Any = None
 
 
 @dataclass
@@ -250,6 +253,8 @@ class EngineCore:
                 extra = {} if seq.lora_request is None else {"lora_request": seq.lora_request}
                 if seq.kv_cache_retention_config is not None:
                     extra["kv_cache_retention_config"] = seq.kv_cache_retention_config
+                if seq.admitted is not None:
+                    extra["admitted"] = seq.admitted
                 events += [(ADD, sibling, seq.spec) for sibling in seq.beam_siblings]
                 try:
                     self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,

@@ -1,8 +1,9 @@
 """`GenerationExecutor`: asynchronous request submission over the engine (TensorRT-LLM's executor).
 
 Three parts, as in vLLM V1's split of client, core and output processor:
-  * the caller side (`submit`, `abort_request`, ...) validates input, fans a prompt out
-    into its n sequences and queues them - it never waits on the engine;
+  * the caller side (`submit`, `abort_request`, ...) validates input (the one check a
+    request gets: the engine thread admits what it is handed without checking it again),
+    fans a prompt out into its n sequences and queues them; it never waits on the engine;
   * `EngineCore`, a background thread that alone owns the `LLMEngine` and steps it;
   * the output side, a thread that turns token events into text deltas (in-process, or
     routed to `num_postprocess_workers` processes) and hands them to `GenerationResult`s.
@@ -30,21 +31,21 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxllm.engine.admission import AdmittedRequest
 from jaxllm.engine.config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
+from jaxllm.executor.inputs import PromptBatch, PromptInput, normalize_inputs
 from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec, event_slices
 from jaxllm.executor.postprocess import PostprocessWorkerPool
 from jaxllm.executor.request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
-from jaxllm.kv_cache.retention import KvCacheRetentionConfig, retention_configs_per_prompt
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
 from sharding.multihost import on_peer_failure
 
 logger = logging.getLogger(__name__)
-
-PromptInput = Union[str, Sequence[int]]
 
 _live_executors: "weakref.WeakSet[GenerationExecutor]" = weakref.WeakSet()
 
@@ -71,18 +72,6 @@ class ExecutorConfig:
 
 
 EXECUTOR_FIELDS = ("num_postprocess_workers", "stream_interval")
-
-
-def per_prompt_loras(lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]],
-                     num_prompts: int) -> list[Optional[LoRARequest]]:
-    """One adapter (or None) for every prompt: one given for all, or a list of one per prompt."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    if isinstance(lora_request, (list, tuple)):
-        if len(lora_request) != num_prompts:
-            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
-        return list(lora_request)
-    raise ValueError(f"lora_request must be a jaxllm.LoRARequest or a list of them, got {type(lora_request).__name__}")
 
 
 _SLICE = 32  # events processed between two GIL releases on the output thread
@@ -193,6 +182,11 @@ class GenerationExecutor:
     def max_seq_len(self) -> int:
         return self._engine.max_seq_len
 
+    @property
+    def tokenizer_lock(self) -> threading.Lock:
+        """Held around every use of `tokenizer` (HF fast tokenizers must not run concurrently)."""
+        return self._encode_lock
+
     # ------------------------------------------------------------------ input
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):
@@ -221,35 +215,35 @@ class GenerationExecutor:
             return GenerationRequest(prompt, params, streaming, **kwargs)
         raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
 
-    def validate(self, request: GenerationRequest) -> None:
-        """Everything that can be checked without the engine thread (ValueError naming the field)."""
+    def validate(self, request: GenerationRequest) -> AdmittedRequest:
+        """Check a request against every limit (ValueError naming the field): the one check a
+        request gets. The engine's admission (`LLMEngine.validate_request`) is called from
+        here, and the engine thread trusts the `AdmittedRequest` it returns."""
         params = request.sampling_params
         if request.streaming and request.num_sequences > params.n:
             raise ValueError("best_of: streaming is not supported when best_of > n")
         if isinstance(params.bad, (str, list, tuple)) and params.bad:
-            with self._encode_lock:  # the engine's check counts the tokenized bad words
+            with self._encode_lock:  # admission counts the tokenized bad words
                 params.setup(self.tokenizer)
         extra = {} if request.lora_request is None else {"lora_request": request.lora_request}
-        self._engine.validate_request(request.prompt_token_ids, params, priority=request.priority, **extra)
-        kv = getattr(self._engine, "kv_cache_manager", None)
-        if kv is not None:
-            blocks = kv.blocks_for_tokens(len(request.prompt_token_ids) + params.max_tokens)
-            limit = min(kv.max_blocks_per_seq, kv.get_max_resource_count())
-            if blocks > limit:
-                raise ValueError(
-                    f"max_tokens: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                    f"needs {blocks} KV blocks but a sequence can hold at most {limit}")
+        return self._engine.validate_request(request.prompt_token_ids, params, priority=request.priority, **extra)
 
-    def _sequence_params(self, params: SamplingParams, num_seqs: int) -> list[SamplingParams]:
+    def _sequence_params(self, params: SamplingParams, num_seqs: int, request_id: int) -> list[SamplingParams]:
+        """The sampling params of each engine request of a (possibly n > 1) request. A copy
+        has its bad words tokenized here, as the engine thread does not check it again."""
         if num_seqs == 1 and params.n == 1 and (params.best_of or 1) == 1:
-            return [params]
-        ranked = num_seqs > params.n  # best_of: ranking needs each sequence's cumulative logprob
+            seqs = [params]
+        else:
+            ranked = num_seqs > params.n  # best_of: ranking needs each sequence's cumulative logprob
+            seqs = [replace(params, n=1, best_of=None,
+                            seed=None if params.seed is None else resolve_seed(params, i),
+                            logprobs=params.logprobs if params.logprobs is not None or not ranked else 0)
+                    for i in range(num_seqs)]
         out = []
-        for i in range(num_seqs):
-            p = replace(params, n=1, best_of=None,
-                        seed=None if params.seed is None else resolve_seed(params, i),
-                        logprobs=params.logprobs if params.logprobs is not None or not ranked else 0)
-            if p.bad:
+        for p in seqs:
+            if p.logits_processor is not None:  # they see the id the caller knows
+                p = replace(p, logits_processor=_with_request_id(p.logits_processors, request_id))
+            if p is not params and p.bad:
                 with self._encode_lock:
                     p.setup(self.tokenizer)
             out.append(p)
@@ -266,10 +260,9 @@ class GenerationExecutor:
         All are validated first: a ValueError queues none of them.
         """
         self._check_open()
-        for request in requests:
-            self.validate(request)
+        admitted = [self.validate(request) for request in requests]
         results, seqs = [], []
-        for request in requests:
+        for request, checked in zip(requests, admitted, strict=True):
             request.id = next(self._cids)
             result = GenerationResult(request, self)
             params = request.sampling_params
@@ -285,16 +278,12 @@ class GenerationExecutor:
                                                 priority=request.priority, arrival_time=request.arrival_time,
                                                 deadline=deadline, lora_request=request.lora_request,
                                                 kv_cache_retention_config=request.kv_cache_retention_config,
-                                                beam_siblings=tuple(rids[1:])))
-                result._rids = rids
-                result._open_children = len(rids)
+                                                beam_siblings=tuple(rids[1:]), admitted=checked))
+                result.attach(rids)
                 results.append(result)
                 seqs.extend(children)
                 continue
-            for seq_params in self._sequence_params(params, request.num_sequences):
-                if seq_params.logits_processor is not None:  # they see the id the caller knows
-                    seq_params = replace(seq_params, logits_processor=_with_request_id(
-                        seq_params.logits_processors, request.id))
+            for seq_params in self._sequence_params(params, request.num_sequences, request.id):
                 spec = OutputSpec(
                     prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,
                     detokenize=params.detokenize, skip_special_tokens=params.skip_special_tokens,
@@ -304,15 +293,15 @@ class GenerationExecutor:
                 children.append(SequenceRequest(next(self._rids), request.prompt_token_ids, seq_params, spec,
                                                 priority=request.priority, arrival_time=request.arrival_time,
                                                 deadline=deadline, lora_request=request.lora_request,
-                                                kv_cache_retention_config=request.kv_cache_retention_config))
-            result._rids = [c.rid for c in children]
-            result._open_children = len(children)
+                                                kv_cache_retention_config=request.kv_cache_retention_config,
+                                                admitted=checked))
+            result.attach([c.rid for c in children])
             results.append(result)
             seqs.extend(children)
         with self._lock:
             for result in results:
                 self._results[result.request_id] = result
-                for index, rid in enumerate(result._rids):
+                for index, rid in enumerate(result.engine_request_ids):
                     self._children[rid] = (result, index)
         try:
             self._core.add(seqs)
@@ -335,6 +324,13 @@ class GenerationExecutor:
                                              lora_request=lora_request,
                                              kv_cache_retention_config=kv_cache_retention_config))
 
+    def submit_batch(self, batch: PromptBatch) -> list[GenerationResult]:
+        """Queue a normalised batch (`jaxllm.executor.inputs`); a ValueError queues none of it."""
+        return self.submit_many([
+            self.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
+            for p, sp, lr, r in zip(batch.prompts, batch.sampling_params, batch.lora_requests,
+                                    batch.retention_configs, strict=True)])
+
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
@@ -343,27 +339,15 @@ class GenerationExecutor:
 
         Every prompt is validated before any is queued.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
-            isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, int) for t in prompts))
-        batch = [prompts] if single else list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params] * len(batch)
-        loras = per_prompt_loras(lora_request, len(batch))
-        retention = retention_configs_per_prompt(kv_cache_retention_config, len(batch))
-        results = self.submit_many([self.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
-                                    for p, sp, lr, r in zip(batch, params, loras, retention)])
-        outputs = [r.result() for r in results]
-        return outputs[0] if single else outputs
+        batch = normalize_inputs(prompts, sampling_params, lora_request, kv_cache_retention_config)
+        outputs = [r.result() for r in self.submit_batch(batch)]
+        return outputs[0] if batch.single else outputs
 
     def abort_request(self, request_id: int) -> None:
         """Cancel a request by id: it finishes with 'cancelled' and its blocks are freed. Unknown ids are ignored."""
         result = self._results.get(request_id)
         if result is not None:
-            self._core.abort(list(result._rids), "cancelled")
+            self._core.abort(list(result.engine_request_ids), "cancelled")
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -463,23 +447,22 @@ class GenerationExecutor:
                     stops.append(delta.rid)
                 if delta.finish_reason is not None:
                     del self._children[delta.rid]
-                    result._open_children -= 1
-                    if result._open_children == 0:
+                    if result.child_finished():
                         self._results.pop(result.request_id, None)
                 grouped.setdefault(result, []).append((index, delta))
         wakeups: dict = {}
         for result, items in grouped.items():
-            result._push(items, wakeups)
+            result.push(items, wakeups)
         wake(wakeups)
         for result, error in failed:
-            self._core.abort(list(result._rids), "cancelled")
-            result._fail(error)
+            self._core.abort(list(result.engine_request_ids), "cancelled")
+            result.fail(error)
         if stops:
             self._core.abort(stops, "stop")
 
     def _forget_locked(self, result: GenerationResult) -> None:
         self._results.pop(result.request_id, None)
-        for rid in result._rids:
+        for rid in result.engine_request_ids:
             self._children.pop(rid, None)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -488,7 +471,7 @@ class GenerationExecutor:
             self._results.clear()
             self._children.clear()
         for result in results:
-            result._fail(error)
+            result.fail(error)
 
     def _on_fatal(self, error: BaseException) -> None:
         if self._error is None:

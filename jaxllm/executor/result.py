@@ -12,14 +12,17 @@ import asyncio
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Optional
+from typing import AsyncIterator, Iterator, Optional, Protocol
 
 from jaxllm.executor.output_processor import Delta
 from jaxllm.executor.request import GenerationRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 
-if TYPE_CHECKING:
-    from jaxllm.executor.executor import GenerationExecutor
+
+class RequestAborter(Protocol):
+    """What a result needs of its executor: a way to cancel its request."""
+
+    def abort_request(self, request_id: int) -> None: ...
 
 
 def _set_done(future: asyncio.Future) -> None:
@@ -48,9 +51,9 @@ def wake(wakeups: Wakeups) -> None:
 class GenerationResult:
     """A future for one request's `RequestOutput`, and a stream of its updates."""
 
-    def __init__(self, request: GenerationRequest, executor: Optional["GenerationExecutor"] = None) -> None:
+    def __init__(self, request: GenerationRequest, aborter: Optional[RequestAborter] = None) -> None:
         self.request = request
-        self._executor = executor
+        self._aborter = aborter
         params = request.sampling_params
         self._num_seqs = request.num_sequences
         self._n = params.n
@@ -71,8 +74,9 @@ class GenerationResult:
         self._consumer_lock = threading.Lock()
         self.finished_at: Optional[float] = None
         self.first_token_at: Optional[float] = None  # time.monotonic() of the first generated token
-        # Set by the executor: the engine request ids of the sequences, and how many are running.
-        self._rids: list[int] = []
+        # Set by the executor (`attach`): the engine request ids of the sequences, and how many
+        # of them the executor still routes deltas to (guarded by the executor's lock).
+        self._rids: tuple[int, ...] = ()
         self._open_children = 0
 
     # ------------------------------------------------------------------ fields
@@ -101,8 +105,24 @@ class GenerationResult:
     def finished(self) -> bool:
         return self._finished
 
+    # ------------------------------------------------------------------ executor bookkeeping
+    def attach(self, engine_request_ids: list[int]) -> None:
+        """Record the engine requests this result gathers (one per sequence, or the one beam
+        search request and its siblings' ids)."""
+        self._rids = tuple(engine_request_ids)
+        self._open_children = len(self._rids)
+
+    @property
+    def engine_request_ids(self) -> tuple[int, ...]:
+        return self._rids
+
+    def child_finished(self) -> bool:
+        """One engine request finished; True when it was the last one still open."""
+        self._open_children -= 1
+        return self._open_children == 0
+
     # ------------------------------------------------------------------ producer side
-    def _push(self, items: list[tuple[int, Delta]], wakeups: Optional[Wakeups] = None) -> None:
+    def push(self, items: list[tuple[int, Delta]], wakeups: Optional[Wakeups] = None) -> None:
         """Add deltas. With `wakeups`, async waiters are collected there instead of woken one by one."""
         with self._cond:
             if self.first_token_at is None and any(d.token_ids for _, d in items):
@@ -111,7 +131,8 @@ class GenerationResult:
             self._open_seqs -= sum(1 for _, d in items if d.finish_reason is not None)
             self._notify_locked(wakeups)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """The request failed: waiters get `error` (ignored once every sequence has ended)."""
         with self._cond:
             if self._error is None and self._open_seqs > 0:
                 self._error = error
@@ -287,8 +308,8 @@ class GenerationResult:
 
     def abort(self) -> None:
         """Stop generating; the result finishes with 'cancelled' and keeps what it has."""
-        if self._executor is not None and not self._finished:
-            self._executor.abort_request(self.request_id)
+        if self._aborter is not None and not self._finished:
+            self._aborter.abort_request(self.request_id)
 
     def __repr__(self) -> str:
         return (f"GenerationResult(request_id={self.request_id}, finished={self._finished}, "

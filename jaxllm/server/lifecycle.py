@@ -25,7 +25,7 @@ from typing import Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxllm.server.app import OpenAIServer
+from jaxllm.server.serving import OpenAIServer
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,160 @@
+"""POST /v1/chat/completions: a conversation rendered with the chat template, `n` choices,
+as JSON or server-sent events.
+
+Logprobs come in the chat form: exactly `top_logprobs` entries per token, best first, which
+include the chosen token when it is among the most likely. Client-supplied chat templates
+are refused unless the server trusts them (`ServerConfig.trust_request_chat_template`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from jaxllm.executor.result import GenerationResult
+from jaxllm.outputs import CompletionOutput
+from jaxllm.server.errors import APIError, bad_request, error_body
+from jaxllm.server.protocol import ChatCompletionRequest
+from jaxllm.server.serving import OpenAIServer, ranked_logprobs
+from jaxllm.server.streaming import SSE_DONE, SSE_HEADERS, DisconnectAwareStreamingResponse, has_news, sse, usage
+
+logger = logging.getLogger(__name__)
+
+
+class ChatRoute:
+    """The /v1/chat/completions handler over a server."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    async def __call__(self, request: Request) -> Response:
+        server = self.server
+        server.check_admission()
+        body, results = await server.off_loop(self._prepare, await server.read_body(request))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return DisconnectAwareStreamingResponse(
+                self._stream(results[0], body, request_id), media_type="text/event-stream",
+                headers=SSE_HEADERS, on_close=lambda: server.close_stream(results))
+        out = (await server.gather(request, results))[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                             "model": body.model, "choices": choices, "usage": usage([out])})
+
+    def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, list[GenerationResult]]:
+        """Parse, render the template, tokenize and submit (on the API thread pool)."""
+        server = self.server
+        body = server.parse(ChatCompletionRequest, raw)
+        lora_request = server.check_model(body.model)
+        try:
+            body.check_stream_options()
+            body.to_sampling_params(body.requested_max_tokens() or 1)
+            retention = body.retention_config()
+            template = body.requested_chat_template()
+        except ValueError as exc:
+            raise bad_request(exc, "messages") from None
+        if template is not None and not server.config.trust_request_chat_template:
+            raise APIError(400, "chat_template: request-supplied chat templates are refused; start the "
+                                "server with --trust-request-chat-template to allow them", "chat_template")
+        try:
+            prompt = self._apply_chat_template(body, template)
+        except ValueError as exc:
+            raise bad_request(exc, "messages") from None
+        ids = server.encode(prompt, add_special_tokens=False, field="messages") if prompt else []
+        if not ids:
+            raise APIError(400, "messages: the rendered conversation is empty", "messages")
+        results = server.submit_all(
+            [ids], lambda n: server.sampling_params_for(body, body.requested_max_tokens(), n), body.stream,
+            texts=[prompt], field="messages", lora_request=lora_request, kv_cache_retention_config=retention)
+        return body, results
+
+    def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None) -> str:
+        tokenizer = self.server.tokenizer
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
+        messages = [m.as_template_dict() for m in body.messages]
+        try:
+            rendered = tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=body.add_generation_prompt, **body.template_variables())
+        except Exception as exc:  # template errors are caused by the messages
+            raise ValueError(f"messages: the chat template failed: {exc}") from None
+        if not isinstance(rendered, str):
+            raise ValueError("messages: the chat template did not render to text")
+        try:
+            rendered.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("messages: the chat template rendered invalid Unicode") from None
+        return rendered
+
+    async def _stream(self, result: GenerationResult, body: ChatCompletionRequest,
+                      request_id: str) -> AsyncIterator[str]:
+        server = self.server
+        created = int(time.time())
+        model = body.model
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list[dict]) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": choices})
+
+        final = None
+        ended: set[int] = set()
+        failed = False
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(body.n)])
+            async for out in result:
+                choices = []
+                for c in out.outputs:
+                    if not has_news(c, c.index, ended, body.logprobs):
+                        continue
+                    choices.append({"index": c.index, "delta": {"content": c.text_diff} if c.text_diff else {},
+                                    "logprobs": self._logprobs(c, diff=True) if body.logprobs else None,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if out.finished:
+                    final = out
+                if choices:
+                    yield chunk(choices)
+            if include_usage and final is not None and not server.aborted_by_shutdown([result]):
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": usage([final])})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("stream %s failed: %r", request_id, exc)
+            failed = True
+            yield sse(error_body(500, f"{type(exc).__name__}: {exc}", None, "server_error"))
+        finally:
+            server.abort_unfinished([result])
+        if server.release([result]) and not failed:
+            yield sse(error_body(503, "the server is shutting down: the request was aborted", None,
+                                 "service_unavailable"))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, c: CompletionOutput, diff: bool = False) -> dict | None:
+        """The chat form of a choice's logprobs (of its new tokens with `diff`)."""
+        ids = c.token_ids_diff if diff else c.token_ids
+        lps = c.logprobs_diff if diff else c.logprobs
+        if lps is None:
+            return None
+        content = []
+        for token, entry in zip(ids, lps, strict=False):
+            chosen = entry.get(token)
+            item = self._token(token, chosen.logprob if chosen is not None else None)
+            item["top_logprobs"] = [self._token(t, lp.logprob) for t, lp in ranked_logprobs(entry)]
+            content.append(item)
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float | None) -> dict:
+        text = self.server.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
