@@ -1,0 +1,5 @@
+"""stub"""
+
+
+def run(ctx):
+    pass
