@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -75,9 +76,8 @@ def attention_plan(dry_run: bool) -> list[tuple[AttentionShape, Batch]]:
     if dry_run:
         gqa = AttentionShape("tiny GQA", 4, 2, 64)
         mla = AttentionShape("tiny MLA", 4, 1, 80, value_dim=64, sm_scale_dim=48)
-        batches = [Batch("decode", (1, 1, 1), (17, 40, 1)), Batch("mixed", (9, 1, 1), (29, 33, 5)),
-                   Batch("long prefill", (48,), (48,))]
-        return [(gqa, b) for b in batches] + [(mla, batches[0]), (mla, batches[1])]
+        mixed, decode = Batch("mixed", (9, 1, 1), (29, 33, 5)), Batch("decode", (1, 1, 1), (17, 40, 1))
+        return [(gqa, mixed), (mla, mixed), (gqa, decode)]
     llama = AttentionShape("Llama-3-8B", 32, 8, 128)
     qwen = AttentionShape("Qwen3-30B-A3B", 32, 4, 128)
     mla = AttentionShape("DeepSeek-V3", 128, 1, 576, value_dim=512, sm_scale_dim=192)
@@ -100,6 +100,25 @@ def moe_plan(dry_run: bool) -> list[tuple[MoeShape, int]]:
 
 
 # ----------------------------------------------------------------------------- inputs
+
+HOST_LIMIT = 1 << 22  # arrays up to this many elements are drawn by numpy (no compile), larger ones on device
+
+
+def normal(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
+    """bf16 standard normal * scale: numpy for small arrays (the dry run compiles nothing), else on device."""
+    if math.prod(shape) <= HOST_LIMIT:
+        return jnp.asarray((np.random.default_rng(seed).standard_normal(shape, np.float32) * scale)
+                           .astype(jnp.bfloat16))
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.bfloat16) * jnp.asarray(scale, jnp.bfloat16)
+
+
+def poison_pages(cache: jax.Array, unused: np.ndarray) -> jax.Array:
+    """NaN in every page of `cache` [Hkv, num_blocks, tpb, D] that `unused` marks."""
+    if cache.size <= HOST_LIMIT:
+        host = np.array(cache)
+        host[:, unused] = np.nan
+        return jnp.asarray(host)
+    return jnp.where(jnp.asarray(unused)[None, :, None, None], jnp.asarray(jnp.nan, cache.dtype), cache)
 
 
 def attention_inputs(shape: AttentionShape, batch: Batch, tpb: int, seed: int) -> dict:
@@ -126,18 +145,10 @@ def attention_inputs(shape: AttentionShape, batch: Batch, tpb: int, seed: int) -
     kv_lens[:n] = batch.kv_lens
     num_tokens = int(cu[n]) + pad_tokens
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-
-    @jax.jit
-    def generate(key, unused):
-        k1, k2, k3 = jax.random.split(key, 3)
-        cache_shape = (hkv, num_blocks, tpb, d)
-        k = jax.random.normal(k1, cache_shape, jnp.bfloat16)
-        v = jax.random.normal(k2, cache_shape, jnp.bfloat16)
-        poison = unused[None, :, None, None]
-        q = jax.random.normal(k3, (num_tokens, hq, d), jnp.bfloat16)
-        return q, k, v, jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
-
-    q, k_ref, v_ref, k_kernel, v_kernel = generate(jax.random.PRNGKey(seed), jnp.asarray(unused))
+    cache_shape = (hkv, num_blocks, tpb, d)
+    k_ref, v_ref = normal(seed, cache_shape), normal(seed + 1, cache_shape)
+    q = normal(seed + 2, (num_tokens, hq, d))
+    k_kernel, v_kernel = poison_pages(k_ref, unused), poison_pages(v_ref, unused)
     meta = tuple(jnp.asarray(a) for a in (kv_lens, tables, cu, np.array([n], np.int32)))
     return dict(q=q, k_ref=k_ref, v_ref=v_ref, k_kernel=k_kernel, v_kernel=v_kernel, meta=meta, valid=int(cu[n]))
 
@@ -145,26 +156,23 @@ def attention_inputs(shape: AttentionShape, batch: Batch, tpb: int, seed: int) -
 def moe_inputs(shape: MoeShape, num_tokens: int, seed: int, pad: int = 5) -> dict:
     """Sorted-path args (rows + `pad` padding rows) and fused-path args (+ 2 tokens routed nowhere)."""
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
-
-    @jax.jit
-    def generate(key):
-        keys = jax.random.split(key, 5)
-        scores = jax.random.uniform(keys[0], (num_tokens, e))
-        top = jnp.argsort(scores, axis=1)[:, :k].astype(jnp.int32)
-        routing = jax.nn.softmax(jnp.take_along_axis(scores, top, axis=1), axis=1)
-        ids = top.reshape(-1)
-        order = jnp.argsort(ids, stable=True)
-        sizes = jnp.zeros((e,), jnp.int32).at[ids].add(1)
-        tokens = jax.random.normal(keys[1], (num_tokens + 2, h), jnp.bfloat16)
-        x_sorted = jnp.concatenate([tokens[order // k], jnp.zeros((pad, h), jnp.bfloat16) + 7.0])
-        w_gate = jax.random.normal(keys[2], (e, h, i), jnp.bfloat16) * jnp.bfloat16(h ** -0.5)
-        w_up = jax.random.normal(keys[3], (e, h, i), jnp.bfloat16) * jnp.bfloat16(h ** -0.5)
-        w_down = jax.random.normal(keys[4], (e, i, h), jnp.bfloat16) * jnp.bfloat16(i ** -0.5)
-        expert_ids = jnp.concatenate([top, jnp.full((2, k), e, jnp.int32)])
-        weights = jnp.concatenate([routing, jnp.ones((2, k), routing.dtype)])
-        return x_sorted, sizes, (w_gate, w_up, w_down), tokens, expert_ids, weights, order
-
-    x_sorted, sizes, w, tokens, expert_ids, weights, order = generate(jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
+    scores = rng.uniform(size=(num_tokens, e))
+    top = np.argsort(scores, axis=1)[:, :k].astype(np.int32)
+    routing = np.take_along_axis(scores, top, axis=1)
+    routing = (np.exp(routing) / np.exp(routing).sum(axis=1, keepdims=True)).astype(np.float32)
+    ids = top.reshape(-1)
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    sizes = np.bincount(ids, minlength=e).astype(np.int32)
+    tokens = normal(seed, (num_tokens + 2, h))
+    rows = jnp.asarray(np.concatenate([order // k, np.zeros(pad, np.int32)]))
+    x_sorted = jnp.where((jnp.arange(rows.shape[0]) < order.shape[0])[:, None], jnp.take(tokens, rows, axis=0),
+                         jnp.asarray(7.0, jnp.bfloat16))  # padding rows: non-zero input, zero output
+    w = (normal(seed + 1, (e, h, i), h ** -0.5), normal(seed + 2, (e, h, i), h ** -0.5),
+         normal(seed + 3, (e, i, h), i ** -0.5))
+    expert_ids = jnp.asarray(np.concatenate([top, np.full((2, k), e, np.int32)]))
+    weights = jnp.asarray(np.concatenate([routing, np.ones((2, k), np.float32)]))
+    sizes, order = jnp.asarray(sizes), jnp.asarray(order)
     return dict(sorted=(x_sorted, sizes, *w), fused=(tokens, expert_ids, weights, *w), order=order,
                 rows=num_tokens * k, num_tokens=num_tokens)
 

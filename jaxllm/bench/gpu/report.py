@@ -25,6 +25,7 @@ sections still run). Nothing else reads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
 SCHEMA = "jaxllm.bench.gpu/report"
 SCHEMA_VERSION = 1
@@ -154,6 +155,16 @@ class SectionContext:
     def check_time(self, what: str = "") -> None:
         if self.time_left() <= 0:
             raise OutOfTime(f"section time share used up{' before ' + what if what else ''}")
+
+    @contextlib.contextmanager
+    def share(self, fraction: float) -> Iterator[None]:
+        """Within the block the deadline is `fraction` of the time left (later parts keep the rest)."""
+        saved = self.deadline
+        self.deadline = min(saved, time.monotonic() + fraction * max(0.0, self.time_left()))
+        try:
+            yield
+        finally:
+            self.deadline = saved
 
     def table(self, title: str, columns: Sequence[str]) -> Table:
         table = Table(title, tuple(columns), printer=self.printer)
