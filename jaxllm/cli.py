@@ -33,6 +33,7 @@ BENCHMARKS = {
     "eplb-online": "jaxllm.bench.eplb_online",
     "multihost": "jaxllm.bench.multihost",
     "mla": "jaxllm.bench.mla",
+    "gpu": "jaxllm.bench.gpu",
     "compile": "jaxllm.bench.compile_time",
     "lora": "jaxllm.bench.lora",
     "beam": "jaxllm.bench.beam",
@@ -66,6 +67,8 @@ BENCHMARK_HELP = {
                    "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
     "multihost": "per-step cost of sending the step plan to the other processes of a multi-host run (bytes, "
                  "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
+    "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
+           "numerics against CPU (--dry-run: CPU rehearsal)",
     "mla": "DeepSeek-V3-shaped decode tokens/s with absorbed vs expanded latent attention; latent vs full KV "
            "bytes per token",
     "compile": "trace + compile time of the model forward at several depths: layers under lax.scan next to "

@@ -33,13 +33,13 @@ from pallas_kernels import mosaic_gpu_interpret
 from pallas_kernels.moe_grouped_gemm import moe_fused_ffn, moe_grouped_ffn, moe_grouped_ffn_reference
 from pallas_kernels.moe_grouped_gemm import mosaic_gpu as moe_mosaic
 from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
+from pallas_kernels.ragged_paged_attention import mosaic_gpu as attention_mosaic
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
     ragged_paged_latent_attention,
     ragged_paged_latent_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention import mosaic_gpu as attention_mosaic
 
 BF16_TOL = 2e-2
 DENSE_REFERENCE_FLOPS = 2e13  # above this the MoE reference is the tiled XLA FFN (ragged_dot densifies on GPU)
