@@ -100,6 +100,22 @@ class Printer:
             self.stream.flush()
 
 
+class GatedPrinter:
+    """A section's view of the printer: once the section is abandoned (`close`), what its
+    thread still prints is dropped instead of landing in the next section's output."""
+
+    def __init__(self, printer: Printer) -> None:
+        self.printer = printer
+        self.open = True
+
+    def line(self, text: str = "") -> None:
+        if self.open:
+            self.printer.line(text)
+
+    def close(self) -> None:
+        self.open = False
+
+
 @dataclass
 class Table:
     """A markdown table whose rows are printed as they are added and kept as JSON rows."""
@@ -107,7 +123,7 @@ class Table:
     title: str
     columns: tuple[str, ...]
     rows: list[dict[str, Any]] = field(default_factory=list)
-    printer: Optional[Printer] = None
+    printer: Optional[Any] = None  # Printer or GatedPrinter
 
     def header_lines(self) -> list[str]:
         return [f"#### {self.title}", "", "| " + " | ".join(self.columns) + " |",
@@ -144,7 +160,7 @@ class SectionContext:
         self.options = options
         self.deadline = deadline
         self.shared = shared  # results later sections read (the environment's ceilings)
-        self.printer = printer
+        self.printer = GatedPrinter(printer)
         self.data: dict[str, Any] = {}
         self.tables: list[Table] = []
         self.notes: list[str] = []
@@ -213,21 +229,20 @@ def _injected(key: str) -> bool:
     return key in {k.strip() for k in os.environ.get(FAIL_ENV, "").split(",") if k.strip()}
 
 
-def _run_body(section: Section, ctx: SectionContext, result: SectionResult) -> None:
-    """The worker thread: one `try` around the whole section."""
+def _run_body(section: Section, ctx: SectionContext, outcome: dict[str, Any]) -> None:
+    """The worker thread: one `try` around the whole section; the outcome is read by the
+    main thread only if it is still waiting (an abandoned section's late outcome is ignored)."""
     try:
         if _injected(section.key):
             raise InjectedFailure(f"{FAIL_ENV} asked section {section.key!r} to fail")
         section.run(ctx)
-        result.status = "ok"
+        outcome.update(status="ok")
     except OutOfTime as e:
-        result.status, result.reason = "timeout", str(e)
+        outcome.update(status="timeout", reason=str(e))
     except SectionSkipped as e:
-        result.status, result.reason = "skipped", str(e)
+        outcome.update(status="skipped", reason=str(e))
     except BaseException as e:  # noqa: BLE001 - recorded, and the next section runs
-        result.status = "failed"
-        result.error = f"{type(e).__name__}: {e}"
-        result.traceback = traceback.format_exc()
+        outcome.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
 def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: float, started: float,
@@ -252,16 +267,25 @@ def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: flo
             printer.line("")
             continue
         ctx = SectionContext(section.key, options, now + share, shared, printer)
-        worker = threading.Thread(target=_run_body, args=(section, ctx, result), daemon=True,
+        outcome: dict[str, Any] = {}
+        worker = threading.Thread(target=_run_body, args=(section, ctx, outcome), daemon=True,
                                   name=f"jaxllm-bench-gpu-{section.key}")
         worker.start()
         worker.join(timeout=max(0.0, min(now + share + JOIN_GRACE_S, end) - time.monotonic()))
         result.seconds = time.monotonic() - now
-        result.data, result.tables, result.notes = ctx.data, list(ctx.tables), list(ctx.notes)
-        if worker.is_alive():
+        if worker.is_alive():  # abandoned: keep a snapshot of what it produced so far
+            ctx.printer.close()
             stuck = True
             result.status = "timeout"
             result.reason = f"still running {share:.0f} s into its share; abandoned"
+            result.data = dict(ctx.data)
+            result.tables = [Table(t.title, t.columns, list(t.rows)) for t in list(ctx.tables)]
+        else:
+            result.status = outcome.get("status", "failed")
+            result.reason = outcome.get("reason", "")
+            result.error, result.traceback = outcome.get("error"), outcome.get("traceback")
+            result.data, result.tables = ctx.data, list(ctx.tables)
+        result.notes = list(ctx.notes)
         printer.line("")
         line = f"status: {result.status}"
         if result.reason:
