@@ -62,12 +62,14 @@ def _rows(section: dict) -> list[dict]:
 
 def test_dry_run_covers_every_section_without_the_server(tmp_path):
     out = tmp_path / "report"
-    proc, _ = _run_command(tmp_path, ["--dry-run", "--out", str(out), "--budget-s", "90"])
+    proc, _ = _run_command(tmp_path, ["--dry-run", "--out", str(out), "--budget-s", "100"])
     report = _load(out)
     sections = report["sections"]
     assert report["dry_run"] is True
     assert all(s["status"] != "failed" for s in sections.values()), {k: s["error"] for k, s in sections.items()}
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 0 when every section ran to the end (or was skipped); a loaded machine may time some out.
+    complete = all(s["status"] in ("ok", "skipped") for s in sections.values())
+    assert proc.returncode == (0 if complete else 1), proc.stderr[-3000:]
     for module in SERVER_MODULES:  # the blockers were on the path: nothing imported the server
         assert f"{module} is not installed here" not in proc.stderr
     # The markdown is printed as it goes, and the file says it is a dry run.
@@ -79,10 +81,10 @@ def test_dry_run_covers_every_section_without_the_server(tmp_path):
     assert env["data"]["auto_backends"] == {"attention": "xla", "moe": "xla"}
     ran = {k: s for k, s in sections.items() if s["status"] in ("ok", "timeout")}
     assert "kernels" in ran and "engine" in ran  # a loaded machine may cut some short, never skip them all
-    if "kernels" in ran:
-        checked = [r for r in _rows(ran["kernels"]) if r.get("passed") is not None]
-        assert checked and all(r["passed"] and r["rel_err"] < r["tol"] for r in checked)
-        assert any(r.get("note", "").startswith("skipped: tokamax") for r in _rows(ran["kernels"]))
+    checked = [r for r in _rows(sections["kernels"]) if r.get("passed") is not None]
+    assert all(r["passed"] and r["rel_err"] < r["tol"] for r in checked)
+    if sections["kernels"]["status"] == "ok":
+        assert checked and any(r.get("note", "").startswith("skipped: tokamax") for r in _rows(sections["kernels"]))
     if sections["speed"]["status"] == "ok":
         assert all(r["ms"] is None or r["ms"] > 0 for r in _rows(sections["speed"]))
         assert any(r.get("model_ms") for r in _rows(sections["speed"]))
@@ -144,9 +146,9 @@ def test_runner_statuses_time_shares_and_abandoned_threads(tmp_path, capsys):
         ctx.table("late", ("a",))
         time.sleep(30)
 
-    sections = [Section("ok", "Ok", 1, ok), Section("boom", "Boom", 1, boom), Section("skip", "Skip", 1, skipped),
-                Section("coop", "Coop", 1, cooperative), Section("hang", "Hang", 1, hangs),
-                Section("after", "After", 1, ok)]
+    sections = [Section("ok", "Ok", 1, 1, ok), Section("boom", "Boom", 1, 1, boom),
+                Section("skip", "Skip", 1, 1, skipped), Section("coop", "Coop", 1, 1, cooperative),
+                Section("hang", "Hang", 1, 1, hangs), Section("after", "After", 1, 1, ok)]
     start = time.monotonic()
     results, stuck = run_sections(sections, RunOptions(True, True, tmp_path), budget_s=8.0, started=start,
                                   printer=Printer())

@@ -39,11 +39,11 @@ from jaxllm.bench.gpu.report import (  # noqa: E402
 )
 
 SECTIONS = (
-    Section("env", "Environment", 1.0, environment.run),
-    Section("kernels", "Kernel correctness on the device", 3.0, kernel_checks.run),
-    Section("speed", "Kernel speed", 3.0, kernel_speed.run),
-    Section("engine", "Engine end to end", 5.0, engine_run.run),
-    Section("numerics", "Numerics against CPU", 1.5, numerics.run),
+    Section("env", "Environment", 1.0, 0.5, environment.run),
+    Section("kernels", "Kernel correctness on the device", 3.0, 3.0, kernel_checks.run),
+    Section("speed", "Kernel speed", 3.0, 2.0, kernel_speed.run),
+    Section("engine", "Engine end to end", 5.0, 3.0, engine_run.run),
+    Section("numerics", "Numerics against CPU", 1.5, 2.5, numerics.run),
 )
 DEFAULT_BUDGET_S = 420.0
 DRY_RUN_BUDGET_S = 120.0

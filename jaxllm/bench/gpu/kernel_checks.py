@@ -76,8 +76,8 @@ def attention_plan(dry_run: bool) -> list[tuple[AttentionShape, Batch]]:
     if dry_run:
         gqa = AttentionShape("tiny GQA", 4, 2, 64)
         mla = AttentionShape("tiny MLA", 4, 1, 80, value_dim=64, sm_scale_dim=48)
-        mixed, decode = Batch("mixed", (9, 1, 1), (29, 33, 5)), Batch("decode", (1, 1, 1), (17, 40, 1))
-        return [(gqa, mixed), (mla, mixed), (gqa, decode)]
+        mixed = Batch("mixed: 9 prefill after 20 cached + 2 decode", (9, 1, 1), (29, 33, 5))
+        return [(gqa, mixed), (mla, mixed)]
     llama = AttentionShape("Llama-3-8B", 32, 8, 128)
     qwen = AttentionShape("Qwen3-30B-A3B", 32, 4, 128)
     mla = AttentionShape("DeepSeek-V3", 128, 1, 576, value_dim=512, sm_scale_dim=192)

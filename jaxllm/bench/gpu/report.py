@@ -199,7 +199,11 @@ class Section:
     key: str
     title: str
     weight: float  # share of the budget, relative to the other sections
+    dry_weight: float  # the same in a dry run (interpret-mode compiles dominate there)
     run: Callable[[SectionContext], None]
+
+    def share_weight(self, dry_run: bool) -> float:
+        return self.dry_weight if dry_run else self.weight
 
 
 @dataclass
@@ -255,8 +259,9 @@ def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: flo
     stuck = False
     for i, section in enumerate(sections):
         now = time.monotonic()
-        weights = sum(s.weight for s in sections[i:])
-        share = max(0.0, (end - now) * section.weight / weights) if weights > 0 else 0.0
+        weights = sum(s.share_weight(options.dry_run) for s in sections[i:])
+        weight = section.share_weight(options.dry_run)
+        share = max(0.0, (end - now) * weight / weights) if weights > 0 else 0.0
         result = SectionResult(section.key, section.title, time_share_s=share)
         results.append(result)
         printer.line(f"## {i + 1}. {section.title}")
