@@ -98,17 +98,17 @@ def test_dry_run_covers_every_section_without_the_server(tmp_path):
 
 def test_injected_failure_is_recorded_and_the_budget_holds(tmp_path):
     out = tmp_path / "report"
-    budget = 8.0
+    budget = 12.0
     proc, elapsed = _run_command(tmp_path, ["--dry-run", "--out", str(out), "--budget-s", str(budget)],
-                                 env_extra={FAIL_ENV: "env"})
+                                 env_extra={FAIL_ENV: "kernels"})
     assert elapsed < budget + 6.0, f"took {elapsed:.1f}s for a {budget}s budget"  # + interpreter start-up
     assert proc.returncode == 1
     sections = _load(out)["sections"]
-    env = sections["env"]
-    assert env["status"] == "failed" and "InjectedFailure" in env["error"]
-    assert "Traceback" in env["traceback"] and "InjectedFailure" in env["traceback"]
-    assert sections["kernels"]["status"] == "timeout"  # the next section still ran, cut by the budget
-    assert all(sections[k]["status"] in ("timeout", "skipped") for k in ("speed", "engine", "numerics"))
+    kernels = sections["kernels"]
+    assert kernels["status"] == "failed" and "InjectedFailure" in kernels["error"]
+    assert "Traceback" in kernels["traceback"] and "InjectedFailure" in kernels["traceback"]
+    assert sections["speed"]["status"] in ("timeout", "ok")  # the next section still ran, cut by the budget
+    assert all(sections[k]["status"] in ("timeout", "skipped") for k in ("engine", "numerics"))
 
 
 def test_unknown_section_is_refused(tmp_path):

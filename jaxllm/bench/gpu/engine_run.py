@@ -22,6 +22,7 @@ Models on a GPU: Llama-3-8B with 4 layers, Qwen3-30B-A3B with 4 layers, DeepSeek
 
 from __future__ import annotations
 
+import functools
 import gc
 import tempfile
 import time
@@ -179,32 +180,38 @@ def run_model(ctx: SectionContext, model: EngineModel, p: EnginePlan, work: Path
     write_s = time.perf_counter() - start
     for backend in p.backends:
         ctx.check_time(f"{model.name} with {backend}")
-        engine, facts = build_engine(model_dir, backend, p)
-        try:
-            ctx.data.setdefault("builds", []).append(dict(model=model.name, backend=backend, write_s=write_s, **facts))
-            label = (f"{model.name}, {backend} backends (attention {facts['attention_backend']}, "
-                     f"MoE {facts['moe_backend']})")
-            ctx.table(f"{label}: build", BUILD_COLUMNS).add(
-                load_s=facts["load_s"], warmup_s=facts["warmup_s"], buckets=" ".join(map(str, facts["token_buckets"])),
-                programs=facts["programs"], mean_compile_s=facts["mean_compile_s"],
-                ready_at_s=" ".join(map(str, facts["ready_at_s"])), weights_gb=_gb(facts["weight_bytes"]),
-                kv_cache_gb=_gb(facts["kv_cache_bytes"]),
-                in_use_after_build_gb=_gb(facts["memory_after_build"]["bytes_in_use"]))
-            runs: Table = ctx.table(f"{label}: runs ({p.input_len} in / {p.output_len} out tokens, greedy)",
-                                    RUN_COLUMNS)
-            for concurrency in p.concurrencies:
-                ctx.check_time(f"{model.name} {backend} concurrency {concurrency}")
-                row = measure(engine, concurrency, p, seed=concurrency)
-                ctx.data.setdefault("runs", []).append(dict(model=model.name, backend=backend, **row))
-                runs.add(concurrency=concurrency, output_tok_s=row["output_tok_s"], ttft_ms_p50=row["ttft_ms_p50"],
-                         ttft_ms_p90=row["ttft_ms_p90"], itl_ms_p50=row["itl_ms_p50"], itl_ms_p90=row["itl_ms_p90"],
-                         host_ms_per_step=row["host_ms_per_step"], idle_ms_per_step=row["idle_ms_per_step"],
-                         compiles=row["compiles_during_run"], peak_gb=_gb(row["memory"]["peak_bytes_in_use"]),
-                         weights_plus_kv_gb=_gb(facts["weight_bytes"] + facts["kv_cache_bytes"]))
-        finally:
-            engine.close()
-            del engine
-            gc.collect()
+        ctx.run_case(f"{model.name} with {backend}", functools.partial(run_backend, ctx, model, backend, p,
+                                                                        model_dir, write_s))
+
+
+def run_backend(ctx: SectionContext, model: EngineModel, backend: str, p: EnginePlan, model_dir: Path,
+                write_s: float) -> None:
+    engine, facts = build_engine(model_dir, backend, p)
+    try:
+        ctx.data.setdefault("builds", []).append(dict(model=model.name, backend=backend, write_s=write_s, **facts))
+        label = (f"{model.name}, {backend} backends (attention {facts['attention_backend']}, "
+                 f"MoE {facts['moe_backend']})")
+        ctx.table(f"{label}: build", BUILD_COLUMNS).add(
+            load_s=facts["load_s"], warmup_s=facts["warmup_s"], buckets=" ".join(map(str, facts["token_buckets"])),
+            programs=facts["programs"], mean_compile_s=facts["mean_compile_s"],
+            ready_at_s=" ".join(map(str, facts["ready_at_s"])), weights_gb=_gb(facts["weight_bytes"]),
+            kv_cache_gb=_gb(facts["kv_cache_bytes"]),
+            in_use_after_build_gb=_gb(facts["memory_after_build"]["bytes_in_use"]))
+        runs: Table = ctx.table(f"{label}: runs ({p.input_len} in / {p.output_len} out tokens, greedy)",
+                                RUN_COLUMNS)
+        for concurrency in p.concurrencies:
+            ctx.check_time(f"{model.name} {backend} concurrency {concurrency}")
+            row = measure(engine, concurrency, p, seed=concurrency)
+            ctx.data.setdefault("runs", []).append(dict(model=model.name, backend=backend, **row))
+            runs.add(concurrency=concurrency, output_tok_s=row["output_tok_s"], ttft_ms_p50=row["ttft_ms_p50"],
+                     ttft_ms_p90=row["ttft_ms_p90"], itl_ms_p50=row["itl_ms_p50"], itl_ms_p90=row["itl_ms_p90"],
+                     host_ms_per_step=row["host_ms_per_step"], idle_ms_per_step=row["idle_ms_per_step"],
+                     compiles=row["compiles_during_run"], peak_gb=_gb(row["memory"]["peak_bytes_in_use"]),
+                     weights_plus_kv_gb=_gb(facts["weight_bytes"] + facts["kv_cache_bytes"]))
+    finally:
+        engine.close()
+        del engine
+        gc.collect()  # the next engine's KV budget counts on this one's buffers being freed
 
 
 def run(ctx: SectionContext) -> None:

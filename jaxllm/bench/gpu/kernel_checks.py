@@ -314,16 +314,21 @@ def run(ctx: SectionContext) -> None:
     failures: list[str] = []
     attention, moe = attention_plan(ctx.options.dry_run), moe_plan(ctx.options.dry_run)
     # Interleave the families so a short share still covers each.
-    plan: list[Callable[[], None]] = []
+    plan: list[tuple[str, Callable[[], None]]] = []
     for i in range(max(len(attention), len(moe))):
         if i < len(attention):
-            plan.append(functools.partial(check_attention, ctx, table, failures, *attention[i], tpb, interpret))
+            shape, batch = attention[i]
+            plan.append((f"attention {shape.model} {batch.name}",
+                         functools.partial(check_attention, ctx, table, failures, shape, batch, tpb, interpret)))
         if i < len(moe):
-            plan.append(functools.partial(check_moe, ctx, table, failures, *moe[i], interpret))
+            shape, tokens = moe[i]
+            plan.append((f"moe {shape.model} {tokens} tokens",
+                         functools.partial(check_moe, ctx, table, failures, shape, tokens, interpret)))
     ctx.data["cases_planned"] = len(plan)
-    for step in plan:
+    for name, step in plan:
         ctx.check_time("the next case")
-        step()
+        if not ctx.run_case(name, step):
+            failures.append(f"{name}: raised (see case_errors)")
     ctx.data["failures"] = failures
     if failures:
         raise ChecksFailed(f"{len(failures)} kernel case(s) outside tolerance: " + "; ".join(failures[:5]))

@@ -20,6 +20,7 @@ rather than datasheet numbers, so `model_ms / ms` is the share of the modelled i
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from dataclasses import dataclass
 from typing import Callable
@@ -169,12 +170,14 @@ def run(ctx: SectionContext) -> None:
     with ctx.share(0.45):  # the rest for MoE
         for batch, context in p.attention:
             ctx.check_time("the next attention case")
-            attention_speed(ctx, attention, s, ceil, p.attention_shape, batch, context)
+            ctx.run_case(f"attention batch {batch} context {context}", functools.partial(
+                attention_speed, ctx, attention, s, ceil, p.attention_shape, batch, context))
     moe = ctx.table("MoE grouped FFN (bf16)", ("model", "tokens", "impl", "ms", "tflops", "pct_matmul", "gb_s",
                                                "model_ms", "pct_of_model", "rel_err", "note"))
     for shape in p.moe_shapes:
         for tokens in p.moe_tokens:
             ctx.check_time("the next MoE case")
-            moe_speed(ctx, moe, s, ceil, shape, tokens)
+            ctx.run_case(f"moe {shape.name} {tokens} tokens",
+                         functools.partial(moe_speed, ctx, moe, s, ceil, shape, tokens))
     failed = [r for r in s.rows if r.note.startswith("failed")]
     ctx.data["failed_runs"] = [f"{r.kernel} {r.case} {r.impl}: {r.note}" for r in failed]

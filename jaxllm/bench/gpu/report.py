@@ -182,6 +182,20 @@ class SectionContext:
         finally:
             self.deadline = saved
 
+    def run_case(self, name: str, fn: Callable[[], Any]) -> bool:
+        """Runs one case; an exception (other than running out of time) is noted with its
+        traceback in `data["case_errors"]` and the section goes on with the next case."""
+        try:
+            fn()
+            return True
+        except (OutOfTime, SectionSkipped):
+            raise
+        except Exception as e:  # noqa: BLE001 - one case's failure (e.g. out of memory) is not the section's
+            self.data.setdefault("case_errors", []).append(
+                {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+            self.note(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            return False
+
     def table(self, title: str, columns: Sequence[str]) -> Table:
         table = Table(title, tuple(columns), printer=self.printer)
         self.tables.append(table)
