@@ -30,15 +30,20 @@ SERVER_MODULES = ("fastapi", "uvicorn", "pydantic")
 
 
 def _run_command(tmp_path: Path, args: list[str], env_extra: dict[str, str] | None = None,
-                 timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+                 timeout: float = 240, compile_cache: bool = True) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m jaxllm.bench.gpu` from the checkout (PYTHONPATH, no install), with fastapi,
-    uvicorn and pydantic made unimportable (modules on the path that raise ImportError)."""
+    uvicorn and pydantic made unimportable (modules on the path that raise ImportError).
+    `compile_cache=False`: without the test session's compilation cache (conftest), so
+    compiles take their real time."""
     blockers = tmp_path / "blockers"
     blockers.mkdir(exist_ok=True)
     for name in SERVER_MODULES:
         (blockers / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here (test)')\n")
     env = dict(os.environ)
     env.pop(FAIL_ENV, None)
+    if not compile_cache:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env["JAXLLM_COMPILE_CACHE"] = "0"
     env.update(PYTHONPATH=os.pathsep.join([str(blockers), str(ROOT)]), JAX_PLATFORMS="cpu", **(env_extra or {}))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "jaxllm.bench.gpu", *args], cwd=tmp_path, env=env,
@@ -100,7 +105,7 @@ def test_injected_failure_is_recorded_and_the_budget_holds(tmp_path):
     out = tmp_path / "report"
     budget = 12.0
     proc, elapsed = _run_command(tmp_path, ["--dry-run", "--out", str(out), "--budget-s", str(budget)],
-                                 env_extra={FAIL_ENV: "kernels"})
+                                 env_extra={FAIL_ENV: "kernels"}, compile_cache=False)
     assert elapsed < budget + 6.0, f"took {elapsed:.1f}s for a {budget}s budget"  # + interpreter start-up
     assert proc.returncode == 1
     sections = _load(out)["sections"]
