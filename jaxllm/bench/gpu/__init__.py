@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the whole command ends within this many seconds (default {DEFAULT_BUDGET_S:.0f}; "
                              f"{DRY_RUN_BUDGET_S:.0f} with --dry-run)")
     parser.add_argument("--sections", default=",".join(s.key for s in SECTIONS),
-                        help="comma-separated sections to run, in this order: " + ", ".join(s.key for s in SECTIONS))
+                        help="comma-separated sections to run (they run in this order whatever the order given): "
+                             + ", ".join(s.key for s in SECTIONS))
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: every section at tiny shapes, kernels in interpret mode (timings meaningless)")
     return parser
