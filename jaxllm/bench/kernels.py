@@ -114,7 +114,7 @@ def _rel_err(out: jax.Array, ref: jax.Array) -> float:
     return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
-def _record(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str, fn: Callable[..., Any],
+def record_timing(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str, fn: Callable[..., Any],
             args: tuple, nbytes: float, flops: float, ref_out: Optional[jax.Array] = None,
             note: str = "") -> Optional[jax.Array]:
     """Times `fn(*args)` and appends a row; a failure becomes a row, not a crash."""
@@ -227,12 +227,12 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
         peer_fn = jax.jit(lambda q, k, v, bt, lens: paged_attention(
             q * jnp.asarray(sm_scale, q.dtype), k, v, bt, lens, k_splits=k_splits,
             pages_per_compute_block=ppcb, interpret=s.interpret))
-        ref_out = _record(s, ceil, "paged_attention", case.name, "jax.pallas.ops.gpu.paged_attention", peer_fn,
+        ref_out = record_timing(s, ceil, "paged_attention", case.name, "jax.pallas.ops.gpu.paged_attention", peer_fn,
                           (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
                            inputs["kv_lens"]), nbytes, flops, note=f"k_splits={k_splits} pages/block={ppcb}")
     else:
         peer_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))
-        ref_out = _record(s, ceil, "paged_attention", case.name, "xla reference", peer_fn, args, nbytes, flops)
+        ref_out = record_timing(s, ceil, "paged_attention", case.name, "xla reference", peer_fn, args, nbytes, flops)
 
     shape_args = (args[0].shape[0], len(case.q_lens), case.num_q_heads, case.num_kv_heads, case.head_dim,
                   inputs["block_tables"].shape[1] * tpb, jnp.dtype(dtype).itemsize)
@@ -248,14 +248,14 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
         launches = plan_launches(*shape_args, tiling=tiling)
         note = "; ".join(f"block_m={la.tiling.block_m} block_k={la.tiling.block_k} splits<={la.tiling.num_kv_splits}"
                          for la in launches)
-        _record(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
+        record_timing(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
     if _on_hopper(s):
         from pallas_kernels.ragged_paged_attention.mosaic_gpu import default_num_kv_splits, ragged_paged_attention_mosaic
 
         fn = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=sm_scale))
         splits = default_num_kv_splits(args[0].shape[0], len(case.q_lens), case.num_kv_heads,
                                        inputs["block_tables"].shape[1] * tpb, tpb)
-        _record(s, ceil, "ragged_paged_attention", case.name, "mosaic", fn, args, nbytes, flops, ref_out,
+        record_timing(s, ceil, "ragged_paged_attention", case.name, "mosaic", fn, args, nbytes, flops, ref_out,
                 f"TMA pages + wgmma, splits={splits}")
     del inputs, args
 
@@ -273,7 +273,7 @@ class MoeCase:
     inter: int
 
 
-def _moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+def moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Random top-k routing (distinct experts per token), generated on device by one jitted
     function: (rows sorted by expert, group sizes, weights) for `moe_grouped_ffn` and
     (tokens, expert ids, routing weights, weights) for `moe_fused_ffn`."""
@@ -304,7 +304,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
     from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
 
     dtype = jnp.bfloat16
-    args, fused_args = _moe_inputs(case, dtype, s.seed)
+    args, fused_args = moe_inputs(case, dtype, s.seed)
     rows = case.num_tokens * case.top_k
     active = int(np.count_nonzero(np.asarray(jax.device_get(args[1]))))
     item = jnp.dtype(dtype).itemsize
@@ -315,7 +315,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
 
     ref_out = None
     if rows <= s.max_ragged_dot_rows:
-        ref_out = _record(s, ceil, "ragged_dot", name, "jax.lax.ragged_dot x3", jax.jit(moe_grouped_ffn_reference),
+        ref_out = record_timing(s, ceil, "ragged_dot", name, "jax.lax.ragged_dot x3", jax.jit(moe_grouped_ffn_reference),
                           args, nbytes, flops, note=f"active experts {active}/{case.num_experts}")
     else:
         s.rows.append(Row("ragged_dot", name, "jax.lax.ragged_dot x3",
@@ -325,25 +325,25 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
     fn = jax.jit(functools.partial(moe_grouped_ffn, interpret=s.interpret))
     note = (f"block_m={tiling.gate_up.block_m} block_n={tiling.gate_up.block_n}/{tiling.down.block_n} "
             f"split_k={tiling.down.num_k_splits} active experts {active}/{case.num_experts}")
-    _record(s, ceil, "moe_grouped_ffn", name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    record_timing(s, ceil, "moe_grouped_ffn", name, "pallas", fn, args, nbytes, flops, ref_out, note)
     # The engine's path: token gather and routing-weighted combine inside the kernels.
     fused_ref = None
     if rows <= s.max_ragged_dot_rows:
-        fused_ref = _record(s, ceil, "moe_fused_ffn", name, "ragged_dot x3 + sort/unsort/combine",
+        fused_ref = record_timing(s, ceil, "moe_fused_ffn", name, "ragged_dot x3 + sort/unsort/combine",
                             jax.jit(moe_fused_ffn_reference), fused_args, nbytes, flops)
     fn = jax.jit(functools.partial(moe_fused_ffn, interpret=s.interpret))
-    _record(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
+    record_timing(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
     if _on_hopper(s):
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling as mosaic_tiling
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu import moe_grouped_ffn_mosaic
 
         t = mosaic_tiling(rows, case.num_experts, case.hidden, case.inter)
-        _record(s, ceil, "moe_grouped_ffn", name, "mosaic", jax.jit(moe_grouped_ffn_mosaic), args, nbytes, flops,
+        record_timing(s, ceil, "moe_grouped_ffn", name, "mosaic", jax.jit(moe_grouped_ffn_mosaic), args, nbytes, flops,
                 ref_out, f"TMA + wgmma block_m={t.gate_up.block_m} n={t.gate_up.block_n}/{t.down.block_n}")
     if not s.interpret and importlib.util.find_spec("tokamax") is not None:
         from jaxllm.engine.backends import tokamax_moe
 
-        _record(s, ceil, "moe_grouped_ffn", name, "tokamax ragged_dot x3", jax.jit(tokamax_moe()), args, nbytes,
+        record_timing(s, ceil, "moe_grouped_ffn", name, "tokamax ragged_dot x3", jax.jit(tokamax_moe()), args, nbytes,
                 flops, ref_out)
     del args, fused_args
 

@@ -29,7 +29,8 @@ BENCHMARKS = {
     "gpu": "jaxllm.bench.gpu",
 }
 BENCHMARK_HELP = {
-    "gpu": "benchmarks on a GPU (jaxllm bench gpu --help lists what it runs)",
+    "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
+           "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "
               "per kind, compiles after warm-up",
     "beam": "beam search (k beams sharing KV blocks, copy on write) next to n=k sampled sequences: tokens/s, "
