@@ -57,3 +57,17 @@ def _isolated_logging():
     yield
     root.handlers[:], root.level = saved[0], saved[1]
     ours.handlers[:], ours.level, ours.propagate = saved[2], saved[3], saved[4]
+
+
+def tiny_engine(model: str = "tiny-moe", *, max_kv_tokens: int = 2048, **limits):
+    """An `LLMEngine` on a tiny preset with small limits: 8 rows, one 16-token bucket, 128-token
+    sequences, 8-token KV blocks and a 2048-token pool (override any of them; `max_kv_tokens`
+    sizes the pool). Context chunks come in whole KV blocks, so a full batch of 8 decoding
+    requests still leaves room for a chunk of a waiting prompt."""
+    from jaxllm.config import KvCacheConfig
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    fields = dict(max_batch_size=8, max_num_tokens=16, max_seq_len=128,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=max_kv_tokens))
+    return LLMEngine(EngineConfig(model=model, **{**fields, **limits}))

@@ -12,13 +12,11 @@ import pytest
 from jaxllm.bench import latency, serve_client, throughput
 from jaxllm.bench.dataset import BenchRequest, load_dataset, save_dataset, synthetic_dataset
 from jaxllm.bench.metrics import RequestRecord, distribution, format_table, summarize
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
 from jaxllm.server.config import ServerConfig
 from server_helpers import LiveServer, live_threads as _threads
+from conftest import tiny_engine
 
 ENGINE_ARGS = ["--model", "tiny-moe", "--max-batch-size", "8", "--max-num-tokens", "16", "--max-seq-len", "128",
                "--tokens-per-block", "8", "--kv-cache-max-tokens", "2048", "--no-progress"]
@@ -26,8 +24,7 @@ ENGINE_ARGS = ["--model", "tiny-moe", "--max-batch-size", "8", "--max-num-tokens
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="tiny-moe", max_batch_size=8, max_num_tokens=16, max_seq_len=128,
-                                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048)))
+    return tiny_engine()
 
 
 @pytest.fixture

@@ -11,14 +11,12 @@ import time
 
 import pytest
 
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor, GenerationRequest
 from jaxllm.executor.detokenizer import IncrementalDetokenizer, find_stop_string, make_decoder
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from server_helpers import assert_no_thread_left, live_threads
+from conftest import tiny_engine
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "héllo wörld 你好"]
 STAT_KEYS = {"timestamp", "iter", "iterLatencyMS", "numNewActiveRequests", "numActiveRequests", "numQueuedRequests",
@@ -32,8 +30,7 @@ def engine():
     # One token bucket (16) and three sampler variants (greedy, sampled, sampled + logprobs) keep
     # compilation to a few programs. Context chunks come in whole KV blocks (8 tokens), so a full
     # batch of 8 decoding requests still leaves room for a chunk of a waiting prompt.
-    return LLMEngine(EngineConfig(model="tiny-moe", max_batch_size=8, max_num_tokens=16, max_seq_len=256,
-                                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=4096)))
+    return tiny_engine(max_seq_len=256, max_kv_tokens=4096)
 
 
 def _assert_engine_clean(engine) -> None:
@@ -402,7 +399,7 @@ def test_killed_postprocess_worker_fails_its_sequences_and_leaks_nothing(make_ex
     results = [ex.generate_async(p, params, streaming=True) for p in PROMPTS]
     for r in results:
         next(iter(r))  # every sequence is running and has produced output
-    victim, survivor = ex._pool.pids
+    victim, survivor = ex.postprocess_pids
     os.kill(victim, signal.SIGKILL)
     failed, finished = [], []
     for r in results:

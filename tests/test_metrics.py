@@ -9,12 +9,10 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from jaxllm.config import KvCacheConfig  # noqa: E402
-from jaxllm.engine.config import EngineConfig  # noqa: E402
-from jaxllm.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxllm.executor.executor import GenerationExecutor  # noqa: E402
 from jaxllm.server.app import build_app  # noqa: E402
 from jaxllm.server.config import ServerConfig  # noqa: E402
+from conftest import tiny_engine  # noqa: E402
 
 MODEL = "tiny-moe"
 
@@ -25,8 +23,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_prometheus_metrics_count_requests_tokens_and_latencies():
-    engine = LLMEngine(EngineConfig(model=MODEL, max_batch_size=4, max_num_tokens=16, max_seq_len=64,
-                                    kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512)))
+    engine = tiny_engine(MODEL, max_batch_size=4, max_seq_len=64, max_kv_tokens=512)
     executor = GenerationExecutor(engine)
     with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
         before = _samples(client.get("/metrics").text)

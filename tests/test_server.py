@@ -11,13 +11,11 @@ import httpx
 import openai
 import pytest
 
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
 from jaxllm.server.config import ServerConfig
 from server_helpers import LiveServer, assert_no_thread_left, live_threads as _threads, wait_idle
+from conftest import tiny_engine
 
 MODEL = "tiny-moe"
 API_KEY = "test-key"
@@ -27,8 +25,7 @@ MAX_BODY = 64 * 1024
 @pytest.fixture(scope="module")
 def engine():
     # Context chunks come in whole KV blocks: 8 decoding requests still leave room for one.
-    return LLMEngine(EngineConfig(model=MODEL, max_batch_size=8, max_num_tokens=16, max_seq_len=128,
-                                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048)))
+    return tiny_engine(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,6 @@ import numpy as np
 import openai
 import pytest
 
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
@@ -34,6 +31,7 @@ from jaxllm.server.config import ServerConfig
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
 from server_helpers import LiveServer as _ServedApp, assert_no_thread_left, free_port as _free_port, wait_idle
 from server_helpers import live_threads as _threads
+from conftest import tiny_engine
 
 MODEL = "tiny-moe"
 MAX_BODY = 1024 * 1024
@@ -53,8 +51,7 @@ def LiveServer(app, shutdown_timeout: float = 5.0) -> _ServedApp:
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=MODEL, max_batch_size=8, max_num_tokens=16, max_seq_len=MAX_SEQ_LEN,
-                                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048)))
+    return tiny_engine(MODEL, max_seq_len=MAX_SEQ_LEN)
 
 
 def _reset_engine(engine) -> None:

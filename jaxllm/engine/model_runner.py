@@ -196,6 +196,7 @@ class ModelRunner:
                               for name, fn in (batched_processors or {}).items()}
         self._logits_exes: dict[tuple, Any] = {}
         self.steps_per_bucket: collections.Counter = collections.Counter()
+        self.sampler_runs = 0  # sampler programs run (a greedy-only step runs none)
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
         # Sampled tokens of the step executed before: a plan's `feed_index` reads from them.
         self._fed_tokens: jax.Array | None = None
@@ -429,6 +430,7 @@ class ModelRunner:
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:
         args = (logits, inputs)
+        self.sampler_runs += 1
         return self.programs.get("sampler", args, layout)(*args)
 
     def forward(self, batch: StepBatch, feed_index: np.ndarray, prev_tokens: jax.Array | None) -> jax.Array:

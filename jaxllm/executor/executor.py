@@ -162,6 +162,11 @@ class GenerationExecutor:
 
     # ------------------------------------------------------------------ properties
     @property
+    def postprocess_pids(self) -> list[int]:
+        """Process ids of the postprocess workers (empty without them)."""
+        return [] if self._pool is None else list(self._pool.pids)
+
+    @property
     def engine(self) -> Any:
         """The engine. Only the executor's engine thread may call it; see `call_on_engine`."""
         return self._engine

@@ -138,7 +138,7 @@ def materialize_gguf(gguf_path: Path, log: Callable[[str], None] = logger.info) 
     return _convert_into_cache(gguf_path, cache_root() / "gguf" / f"{gguf_path.stem}-{digest}", source, log)
 
 
-def _installed_gguf(spec: WheelModel) -> Optional[Path]:
+def installed_gguf(spec: WheelModel) -> Optional[Path]:
     """The GGUF file of an installed copy of the wheel, without importing it."""
     from importlib import metadata
 
@@ -179,7 +179,7 @@ def materialize_downloadable(name: str, log: Callable[[str], None] = logger.info
     source = {"model": name, "requirement": spec.requirement, "version": _CONVERSION_VERSION}
     if _is_current(target, source):
         return target
-    installed = _installed_gguf(spec)
+    installed = installed_gguf(spec)
     if installed is not None:
         return _convert_into_cache(installed, target, source, log)
     wheel = _download_wheel(spec, cache_root() / "downloads" / name, log)
