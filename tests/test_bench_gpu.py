@@ -123,7 +123,8 @@ def test_unknown_section_is_refused(tmp_path):
 
 
 def test_registered_as_jaxllm_bench_gpu():
-    from jaxllm.cli import BENCHMARKS, main
+    from jaxllm.cli import main
+    from jaxllm.cli.bench import BENCHMARKS
 
     assert BENCHMARKS["gpu"] == "jaxllm.bench.gpu"
     with pytest.raises(SystemExit) as exit_info:
