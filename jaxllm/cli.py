@@ -568,7 +568,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return int(eplb_main(argv[1:]) or 0)
     if argv and argv[0] == "convert":
-        from jaxllm.models.orbax_io import main as convert_main
+        from jaxllm.models.convert import main as convert_main
 
         return int(convert_main(argv[1:]) or 0)
     if argv and argv[0] == "serve":

@@ -64,7 +64,7 @@ def host_id() -> str:
 
 def default_compile_cache_dir() -> Path:
     """$JAXLLM_CACHE_DIR/xla/<host>, else ~/.cache/jaxllm/xla/<host>."""
-    from jaxllm.models.resolve import cache_root
+    from jaxllm.models.cache_dir import cache_root
 
     return cache_root() / "xla" / host_id()
 

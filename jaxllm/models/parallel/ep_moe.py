@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +62,7 @@ class EpMoeOptions:
     """Static choices of the expert-parallel MoE layer (part of the compiled step)."""
 
     dispatch: str = "auto"  # "all_to_all", "allgather", or "auto": by the step's token bucket
-    capacity_factor: Optional[float] = None  # None: dropless all_to_all
+    capacity_factor: float | None = None  # None: dropless all_to_all
     # "auto" uses allgather for buckets of at most this many tokens, all_to_all above. Measured on
     # 8 XLA:CPU devices (EP 8, 64 experts, top-8; `jaxllm bench ep`), allgather was as fast or
     # faster than the dropless all_to_all at every bucket from 16 to 4096 tokens (the dropless
@@ -87,7 +86,7 @@ class EpMoeOptions:
 
 
 def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int,
-                 capacity_factor: Optional[float]) -> int:
+                 capacity_factor: float | None) -> int:
     """Rows each rank may send to one destination in one step."""
     dropless = tokens_per_rank * min(top_k, slots_per_rank)
     if capacity_factor is None:
@@ -205,7 +204,7 @@ def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, m
 
 def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh,
                  rules: ShardingRules, options: EpMoeOptions = EpMoeOptions(),
-                 valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One MoE layer over slot weights: (output [T, H], expert counts int32[E], dropped rows int32[]).
 
     p: router [H, E], w_gate / w_up [S, H, I], w_down [S, I, H] (split as `rules` say),
