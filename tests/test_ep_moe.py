@@ -247,7 +247,7 @@ def check_layers() -> None:
 
 def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_rank: int, factor) -> int:
     """Rows over capacity, counted directly: identity placement, so slot == expert."""
-    from jaxllm.models.parallel.ep_moe import a2a_capacity
+    from sharding.ep_dispatch import a2a_capacity
 
     tokens, top_k = ids.shape
     padded = -(-tokens // ep) * ep

@@ -33,14 +33,13 @@ a psum over `tensor` after the combine. The output leaves the shard_map split ov
   implement the collective (the engine refuses this mode on CPU) and it is reported slow
   on GPU (openxla/xla #46982), so it is an option, never the default.
   `EpMoeOptions(ragged_emulation=True)` runs the same code with the collective emulated by
-  a dense all_to_all (`emulated_ragged_all_to_all`), which is how CPU tests check it; the
+  a dense all_to_all (`sharding.ep_dispatch.emulated_ragged_all_to_all`), which is how CPU tests check it; the
   CUDA lowering of the real collective is checked from CPU with `lowering_platforms`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -49,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route_layer
+from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules, logical_to_physical
@@ -85,15 +85,6 @@ class EpMoeOptions:
         return "allgather" if num_tokens <= self.allgather_max_tokens else "all_to_all"
 
 
-def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int,
-                 capacity_factor: float | None) -> int:
-    """Rows each rank may send to one destination in one step."""
-    dropless = tokens_per_rank * min(top_k, slots_per_rank)
-    if capacity_factor is None:
-        return dropless
-    return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_rank * top_k / ep_size)))
-
-
 def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor,
                      ep: int, moe_tp: int):
     tokens, top_k = slots.shape
@@ -123,20 +114,6 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     if moe_tp > 1:
         out = jax.lax.psum(out, TENSOR_AXIS)
     return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
-    """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a dense all_to_all:
-    every slice is padded to the operand's length on the wire."""
-    n = input_offsets.shape[0]
-    length = operand.shape[0]
-    idx = jnp.arange(length, dtype=jnp.int32)
-    blocks = operand[jnp.clip(input_offsets[:, None] + idx[None, :], 0, length - 1)]  # [n, length, ...]
-    recv = jax.lax.all_to_all(blocks.reshape((n * length,) + operand.shape[1:]), axis_name, 0, 0, tiled=True)
-    starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender writes here
-    pos = jnp.where(idx[None, :] < recv_sizes[:, None], starts[:, None] + idx[None, :], output.shape[0])
-    return output.at[pos.reshape(-1)].set(recv, mode="drop")
 
 
 def _ragged_all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int,
