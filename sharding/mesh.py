@@ -5,7 +5,7 @@ ask whether that dimension is in use: an unused dimension is an axis of size 1.
 
     attn_dp  data parallelism over groups of devices (reserved: size 1). Attention data
              parallelism over the N devices (`enable_attention_dp`) needs no axis of its
-             own: its ranks are the expert x tensor devices (`sharding.attention_dp`)
+             own: its ranks are the expert x tensor devices (`sharding.dp_ranks`)
     expert   expert parallelism: MoE slots spread over E ranks
     tensor   MoE tensor parallelism: each expert's FFN columns split over T ranks
 

@@ -10,7 +10,7 @@ rules, not of the model code.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -116,3 +116,12 @@ def model_rules(*, tensor_parallel_size: int, num_heads: int, num_kv_heads: int,
     both = (EXPERT_AXIS, TENSOR_AXIS)
     return ShardingRules(heads=both, kv_heads=both, mlp=both, experts=EXPERT_AXIS, moe_mlp=TENSOR_AXIS,
                          vocab=both if vocab_size % tp == 0 else None)
+
+
+def param_partition_specs(params: Any) -> Any:
+    """The PartitionSpec tree of loaded (concrete) parameters, for shard_map's in_specs."""
+    def spec(a: jax.Array) -> PartitionSpec:
+        sharding = getattr(a, "sharding", None)
+        return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+    return jax.tree.map(spec, params)

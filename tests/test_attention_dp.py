@@ -1,7 +1,7 @@
 """Attention data parallelism on 8 fake CPU devices (one subprocess, see tests/multidevice.py).
 
 - Layer level (one small compile per layout): the attention-DP MoE layer
-  (`sharding.attention_dp.dp_moe_layer`, tokens already split over the N devices, padding
+  (`jaxllm.models.parallel.attention_dp.dp_moe_layer`, tokens already split over the N devices, padding
   rows on every rank) for every (N, E, T) with N in {2, 4, 8}, each dispatch mode (the
   ragged_all_to_all one through `emulated_ragged_all_to_all`), with a
   placement holding redundant slots, against the plain single-device MoE layer on the same
@@ -87,10 +87,12 @@ def check_layers() -> None:
 
     from jaxllm.models import ModelConfig
     from jaxllm.models.moe import moe_block
+    from jaxllm.models.parallel.attention_dp import dp_moe_layer
+    from jaxllm.models.parallel.ep_moe import EpMoeOptions
+    from jaxllm.models.partitioning import attention_dp_rules
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from sharding import ParallelConfig, make_mesh
-    from sharding.attention_dp import RANK_SPEC, attention_dp_rules, dp_moe_layer
-    from sharding.ep_moe import EpMoeOptions
+    from sharding.dp_ranks import RANK_SPEC
     from sharding.rules import named_sharding
     from sharding.slot_table import default_assignment, make_slot_table
     from tests.test_ep_moe import hf_config, redundant_placement
@@ -155,10 +157,12 @@ def check_ragged_lowers_for_cuda() -> None:
     from jax.sharding import PartitionSpec as P
 
     from jaxllm.models import ModelConfig
+    from jaxllm.models.parallel.attention_dp import dp_moe_layer
+    from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
+    from jaxllm.models.partitioning import attention_dp_rules
     from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
     from sharding import ParallelConfig, make_mesh
-    from sharding.attention_dp import RANK_SPEC, attention_dp_rules, dp_moe_layer
-    from sharding.ep_moe import EpMoeOptions, ep_moe_block
+    from sharding.dp_ranks import RANK_SPEC
     from sharding.rules import named_sharding
     from sharding.slot_table import default_assignment, make_slot_table
     from tests.test_ep_moe import hf_config
@@ -312,12 +316,16 @@ def test_attention_dp_engine_matches_single_device(dp_results):
 
 def test_rank_assignment_balances_and_planner_numbers_rows_rank_major():
     from jaxllm import SamplingParams
-    from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
+    from jaxllm.config import SchedulerConfig
+    from jaxllm.engine.attention_dp import (
+        AttentionDpPlanner,
+        RankAssignment,
+        RankedKvCaches,
+    )
     from jaxllm.engine.planner import Planner
     from jaxllm.kv_cache import KVCacheManager
     from jaxllm.request import LlmRequest
     from jaxllm.scheduler import make_scheduler
-    from jaxllm.config import SchedulerConfig
 
     assignment = RankAssignment(2)
     planners = []

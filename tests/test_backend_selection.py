@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.engine import backends
 from jaxllm.engine.config import EngineConfig
+from jaxllm.models import backends
+from jaxllm.models.attention import mosaic_or_triton_attention
 
 
 @pytest.mark.parametrize("capability,flavour", [
@@ -57,7 +58,7 @@ def test_mosaic_moe_falls_back_to_triton_for_float32(dtype, kernel):
 
 def test_mosaic_attention_falls_back_to_triton_for_float32():
     s = jax.ShapeDtypeStruct
-    fn = backends.mosaic_or_triton_attention(interpret=False)
+    fn = mosaic_or_triton_attention(interpret=False)
     for dtype, mosaic in ((jnp.bfloat16, True), (jnp.float32, False)):
         specs = (s((16, 8, 64), dtype), s((2, 64, 16, 64), dtype), s((2, 64, 16, 64), dtype), s((4,), jnp.int32),
                  s((4, 8), jnp.int32), s((5,), jnp.int32), s((1,), jnp.int32))

@@ -16,7 +16,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxllm.kv_cache.spec import MhaKvCacheSpec, MlaKvCacheSpec  # noqa: E402
-from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params  # noqa: E402
+from jaxllm.models import (  # noqa: E402
+    ModelConfig,
+    kv_cache_bytes_per_token,
+    load_model_config,
+    load_params,
+)
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
 
 TOL = 1e-4
@@ -240,7 +245,7 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(loaded, tmp_p
     tensors[f"model.layers.{n}.eh_proj.weight"] = np.ones((h, 2 * h), np.float32)
     tensors[f"model.layers.{n}.enorm.weight"] = np.ones((h,), np.float32)
     save_file(tensors, str(directory / "model.safetensors"))
-    with caplog.at_level(logging.INFO, logger="jaxllm.models.deepseek"):
+    with caplog.at_level(logging.INFO, logger="jaxllm.models.deepseek_weights"):
         params = load_params(directory, m.config)
     assert "skipping 2 multi-token-prediction tensors (layers 3)" in caplog.text
     assert len(params["layers"]) == n
@@ -295,7 +300,7 @@ def test_latent_cache_bytes_per_token_for_deepseek_v3():
 def test_grouped_routing_keeps_experts_within_the_best_groups():
     import jax.numpy as jnp
 
-    from jaxllm.models.deepseek import route_grouped_sigmoid
+    from jaxllm.models.moe import route_grouped_sigmoid
 
     config = ModelConfig.from_hf_config(DEEPSEEK_V3)
     logits = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
@@ -435,9 +440,13 @@ def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_token
 def test_pallas_backend_pairs_the_latent_kernel_with_the_mha_one():
     """The engine's Pallas attention backend hands MLA the latent kernel (interpret mode here),
     which agrees with the reference backend's latent attention on the cache pytree."""
-    from jaxllm.engine.backends import resolve_backends
     from jaxllm.kv_cache.spec import MlaLayerCache
-    from jaxllm.models.attention import AttentionMetadata, latent_attention_of, reference_attention
+    from jaxllm.models.attention import (
+        AttentionMetadata,
+        latent_attention_of,
+        reference_attention,
+    )
+    from jaxllm.models.backends import resolve_backends
 
     q, latent, kv_lens, tables, cu, num_seqs = _latent_case(
         1, [6, 1, 1], [11, 9, 3], heads=4, dim=24, tpb=4, num_blocks=16, max_blocks=4, num_tokens=16, num_seq_slots=4)

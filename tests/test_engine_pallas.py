@@ -30,7 +30,7 @@ def test_pallas_moe_layer_uses_the_fused_kernel_under_a_mesh(monkeypatch):
     import numpy as np
 
     import pallas_kernels.moe_grouped_gemm as moe_kernels
-    from jaxllm.engine.backends import resolve_backends
+    from jaxllm.models.backends import resolve_backends
     from jaxllm.models.moe import grouped_expert_ffn
     from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn_reference
     from sharding.kernels import shard_moe

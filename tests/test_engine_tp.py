@@ -63,9 +63,9 @@ def replay(directory: Path, recorded: list, tp: int, backend: str) -> bool:
     device-independent, so the sampled tokens must be the same."""
     import numpy as np
 
-    from jaxllm.engine.backends import resolve_backends
     from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.models import load_model_config, load_params
+    from jaxllm.models.backends import resolve_backends
     from sharding import ParallelConfig, make_mesh
 
     *steps, num_blocks = recorded

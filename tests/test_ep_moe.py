@@ -83,8 +83,8 @@ def run_script(config, params, mesh, moe_options):
     expert counts, per-step dropped rows, the positions each step processed per sequence)."""
     import jax
 
-    from jaxllm.engine.backends import resolve_backends
     from jaxllm.models import init_kv_cache
+    from jaxllm.models.backends import resolve_backends
     from jaxllm.models.decoder import forward_with_moe_stats
     from tests.model_helpers import SeqChunk, build_step_batch
 
@@ -131,9 +131,9 @@ def check_layers() -> None:
 
     from jaxllm.models import ModelConfig
     from jaxllm.models.moe import moe_block
+    from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from sharding import ParallelConfig, make_mesh
-    from sharding.ep_moe import EpMoeOptions, ep_moe_block
     from sharding.rules import model_rules, named_sharding
     from sharding.slot_table import default_assignment, make_slot_table
 
@@ -179,7 +179,7 @@ def check_layers() -> None:
                                   counts_sum=int(np.asarray(counts).sum()))), flush=True)
     # The other MoE backends under EP: the Pallas kernel (interpret mode) and the ragged_dot reference,
     # on N = 8, E = 4, T = 2 with redundant slots.
-    from jaxllm.engine.backends import resolve_backends
+    from jaxllm.models.backends import resolve_backends
     from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
 
     _, _, _, pallas_fn = resolve_backends("pallas", "pallas")
@@ -247,7 +247,7 @@ def check_layers() -> None:
 
 def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_rank: int, factor) -> int:
     """Rows over capacity, counted directly: identity placement, so slot == expert."""
-    from sharding.ep_moe import a2a_capacity
+    from sharding.ep_dispatch import a2a_capacity
 
     tokens, top_k = ids.shape
     padded = -(-tokens // ep) * ep
@@ -263,8 +263,8 @@ def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_ra
 
 def check_models(root: Path) -> None:
     from jaxllm.models import load_model_config, load_params
+    from jaxllm.models.parallel.ep_moe import EpMoeOptions
     from sharding import ParallelConfig, make_mesh
-    from sharding.ep_moe import EpMoeOptions
 
     for arch in ARCHS:
         directory = write_checkpoint(arch, root / arch)
@@ -408,7 +408,12 @@ def test_parallel_config_derives_moe_sizes_like_trtllm():
 def test_slot_table_and_replica_choice():
     import jax.numpy as jnp
 
-    from sharding.slot_table import check_assignment, choose_slots, default_assignment, make_slot_table
+    from sharding.slot_table import (
+        check_assignment,
+        choose_slots,
+        default_assignment,
+        make_slot_table,
+    )
 
     assert default_assignment(8, 8, 4).tolist() == list(range(8))
     assert default_assignment(4, 8, 2).tolist() == [0, 1, 2, 3, 2, 3, 0, 1]  # (r*E//ep + j) % E

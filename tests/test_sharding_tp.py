@@ -75,8 +75,8 @@ def run_script(config, params, mesh, backend: str) -> tuple[list, list]:
     import jax
     import numpy as np
 
-    from jaxllm.engine.backends import resolve_backends
     from jaxllm.models import forward, init_kv_cache
+    from jaxllm.models.backends import resolve_backends
     from tests.model_helpers import SeqChunk, build_step_batch
 
     _, _, attention_fn, moe_fn = resolve_backends(backend, backend)

@@ -80,7 +80,7 @@ def check_sharded_loading(root: Path) -> None:
     import tracemalloc
 
     from jaxllm.models import load_model_config
-    from jaxllm.models.orbax_io import convert_checkpoint
+    from jaxllm.models.convert import convert_checkpoint
     from sharding import ParallelConfig, make_mesh
 
     assert len(jax.devices()) == 8
@@ -128,7 +128,7 @@ def check_sharded_loading(root: Path) -> None:
     # Orbax: convert once, restore into TP 8 (KV heads replicated), TP 2, expert parallelism with
     # the default placement and with redundant slots, and attention DP's replicated attention.
     from jaxllm.engine.load_balancer import moe_layer_params, slot_layer_row
-    from sharding.attention_dp import attention_dp_rules
+    from jaxllm.models.partitioning import attention_dp_rules
 
     converted = convert_checkpoint(directory, root / "converted")
     redundant = {1: [3, 1, 0, 2, 0, 1]}  # the 4 experts in 6 slots over 2 ranks

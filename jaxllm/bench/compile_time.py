@@ -66,7 +66,8 @@ def _sharded_params(config, mesh) -> Any:
     placement) with real slot tables, as `load_params` lays them out."""
     import jax
 
-    from jaxllm.models.loader import _add_slot_tables, kv_replicas_for, rules_for, slot_assignments_for
+    from jaxllm.models.loader import _add_slot_tables, slot_assignments_for
+    from jaxllm.models.partitioning import kv_replicas_for, rules_for
     from jaxllm.models.weights import build_params, declare_params, layer_stacks
     from sharding.rules import named_sharding
 

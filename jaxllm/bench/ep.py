@@ -97,12 +97,14 @@ def _time_variant(directory: Path, config, buckets: list[int], iters: int, *, de
                   attention_dp: bool = False) -> dict[int, float]:
     import jax
 
-    from jaxllm.engine.backends import resolve_backends
+    from jaxllm.models.backends import resolve_backends
     from jaxllm.models import forward, init_kv_cache, load_params
     from sharding import ParallelConfig, make_mesh
-    from sharding.attention_dp import (attention_dp_rules, forward_attention_dp, init_dp_kv_cache,
-                                       param_partition_specs, stack_batches)
-    from sharding.ep_moe import EpMoeOptions
+    from jaxllm.models.kv_cache_spec import init_dp_kv_cache
+    from jaxllm.models.parallel.attention_dp import forward_attention_dp, stack_batches
+    from jaxllm.models.parallel.ep_moe import EpMoeOptions
+    from jaxllm.models.partitioning import attention_dp_rules
+    from sharding.rules import param_partition_specs
 
     mesh = None if devices == 1 else make_mesh(ParallelConfig(tensor_parallel_size=devices,
                                                               moe_expert_parallel_size=ep))

@@ -1,7 +1,7 @@
 """The online expert load balancer following a change of skew (`jaxllm bench eplb-online`).
 
 The EP issue's skewed workload, run through the real expert-parallel MoE layers on an EP
-mesh: L MoE layers (`sharding.ep_moe.ep_moe_block`, slot buffers split over the ranks),
+mesh: L MoE layers (`jaxllm.models.parallel.ep_moe.ep_moe_block`, slot buffers split over the ranks),
 each step a fresh batch of T random activations per layer whose router carries a bias
 that makes expert popularity Zipf (s=1.2) over the E experts, in a different expert order
 per layer (one input feature is held at 1 and its router row is the bias; the other
@@ -88,9 +88,9 @@ class SkewedMoeWorkload:
     def __init__(self, args: argparse.Namespace, mesh: Any) -> None:
         import jax
 
-        from jaxllm.engine.backends import resolve_backends
         from jaxllm.models import ModelConfig
-        from jaxllm.models.loader import rules_for
+        from jaxllm.models.backends import resolve_backends
+        from jaxllm.models.partitioning import rules_for
         from sharding.rules import named_sharding
         from sharding.slot_table import default_assignment, make_slot_table
 
@@ -136,7 +136,7 @@ class SkewedMoeWorkload:
         import jax.numpy as jnp
 
         from jaxllm.models.moe import route
-        from sharding.ep_moe import EpMoeOptions, ep_moe_block
+        from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
         from sharding.slot_table import choose_slots
 
         config, mesh, rules = self.config, self.mesh, self.rules
@@ -171,7 +171,11 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
     """One run of `args.steps` steps with the hot set switched at `args.steps // 2`."""
     import jax
 
-    from jaxllm.engine.load_balancer import OnlineLoadBalancer, moe_layer_params, slot_counts
+    from jaxllm.engine.load_balancer import (
+        OnlineLoadBalancer,
+        moe_layer_params,
+        slot_counts,
+    )
     from sharding.eplb.config import MoeLoadBalancerConfig
     from sharding.expert_pool import SLOT_WEIGHTS
     from sharding.mesh import ParallelConfig, make_mesh

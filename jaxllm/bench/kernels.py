@@ -142,7 +142,7 @@ def record_timing(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str
 
 def _on_hopper(s: Settings) -> bool:
     """The Mosaic GPU kernels (sm_90a) run: a Hopper GPU, not interpret mode."""
-    from jaxllm.engine.backends import gpu_kernel_flavour
+    from jaxllm.models.backends import gpu_kernel_flavour
 
     return not s.interpret and gpu_kernel_flavour(jax.devices()[0]) == "mosaic"
 
@@ -341,7 +341,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         record_timing(s, ceil, "moe_grouped_ffn", name, "mosaic", jax.jit(moe_grouped_ffn_mosaic), args, nbytes, flops,
                 ref_out, f"TMA + wgmma block_m={t.gate_up.block_m} n={t.gate_up.block_n}/{t.down.block_n}")
     if not s.interpret and importlib.util.find_spec("tokamax") is not None:
-        from jaxllm.engine.backends import tokamax_moe
+        from jaxllm.models.backends import tokamax_moe
 
         record_timing(s, ceil, "moe_grouped_ffn", name, "tokamax ragged_dot x3", jax.jit(tokamax_moe()), args, nbytes,
                 flops, ref_out)

@@ -61,7 +61,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import jax
 
     from jaxllm.models import load_model_config
-    from jaxllm.models.orbax_io import checkpoint_bytes, convert_checkpoint
+    from jaxllm.models.convert import convert_checkpoint
+    from jaxllm.models.orbax_io import checkpoint_bytes
     from jaxllm.models.weights import num_params
     from sharding import ParallelConfig, make_mesh
 

@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     import jax
     from safetensors.numpy import save_file
 
-    from jaxllm.engine.backends import resolve_backends
     from jaxllm.kv_cache.spec import MlaLayerCache
     from jaxllm.models import ModelConfig, forward, init_kv_cache, load_params
+    from jaxllm.models.backends import resolve_backends
     from jaxllm.models.weights import random_checkpoint
 
     hf = hf_config(args)

@@ -22,7 +22,7 @@ from jaxllm.cli.startup import join_distributed, quiet_logs, run_follower_comman
 SUBCOMMAND_MODULES = {
     "bench": "jaxllm.cli.bench",
     "eplb": "sharding.eplb.cli",
-    "convert": "jaxllm.models.orbax_io",
+    "convert": "jaxllm.models.convert",
     "serve": "jaxllm.cli.serve",
     "worker": "jaxllm.cli.worker",
 }

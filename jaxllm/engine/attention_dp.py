@@ -1,7 +1,7 @@
 """The host half of attention data parallelism: one scheduler and KV block pool per rank.
 
 With `enable_attention_dp` every attention-DP rank (device) serves its own requests from its
-own KV cache (see `sharding.attention_dp` for the device side). As in TensorRT-LLM, each
+own KV cache (see `jaxllm.models.parallel.attention_dp` for the device side). As in TensorRT-LLM, each
 rank has its own `max_batch_size` and `max_num_tokens` and its own block pool; a request
 is placed on one rank when it is first scheduled and stays there (its KV blocks live
 there). New requests go to the rank with the fewest requests placed on it, then the
@@ -29,10 +29,10 @@ from jaxllm.engine.planner import (PLACEHOLDER_TOKEN, BuiltStep, Planner, Planne
                                    build_isolating_failures)
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.stats import KvCacheStats
+from jaxllm.models.parallel.attention_dp import stack_batches
 from jaxllm.request import LlmRequest
 from jaxllm.sampling import SamplingTensors
 from jaxllm.scheduler import SchedulerOutput
-from sharding.attention_dp import stack_batches
 
 
 class RankAssignment:

@@ -18,7 +18,6 @@ from typing import Any, Optional, Union
 import jax
 
 from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
-from jaxllm.engine.backends import resolve_backends
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.config import EngineConfig
@@ -34,12 +33,13 @@ from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
 from jaxllm.models.config import numpy_dtype
+from jaxllm.models.backends import resolve_backends
+from jaxllm.models.parallel.ep_moe import EpMoeOptions
+from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
-from sharding.attention_dp import attention_dp_rules
-from sharding.ep_moe import EpMoeOptions
 from sharding.eplb.statistics import ExpertStatisticsWriter
 from sharding.mesh import expert_parallel_size
 from sharding.multihost import agree_min, is_multiprocess
@@ -113,7 +113,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     model_dir = resolve_model_dir(config.model)
     dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
     # Layer stacks under lax.scan; attention data parallelism keeps per-layer caches (its
-    # per-rank cache layout, sharding.attention_dp) and so the per-layer loop.
+    # per-rank cache layout, jaxllm.models.parallel.attention_dp) and so the per-layer loop.
     model_config = replace(load_model_config(model_dir, dtype=dtype),
                            scan_layers=config.scan_layers and not config.enable_attention_dp)
     kv_dtype = numpy_dtype(model_config.dtype)

@@ -42,8 +42,10 @@ from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models import ModelConfig, forward, init_kv_cache
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
-from sharding.attention_dp import forward_attention_dp, init_dp_kv_cache, param_partition_specs
-from sharding.ep_moe import EpMoeOptions
+from jaxllm.models.kv_cache_spec import init_dp_kv_cache
+from jaxllm.models.parallel.attention_dp import forward_attention_dp
+from jaxllm.models.parallel.ep_moe import EpMoeOptions
+from sharding.rules import param_partition_specs
 from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.sampling.sampler import first_argmax

@@ -76,7 +76,7 @@ class MhaKvCacheSpec:
         """One zeroed cache for all layers, each [num_kv_heads, num_layers * num_blocks,
         tokens_per_block, head_dim]: layer i owns pages [i * num_blocks, (i + 1) * num_blocks).
         Attention and the KV write see one layer through its page and slot offset
-        (`jaxllm.models.decoder.layer_metadata`), so a scan over layers carries this one
+        (`jaxllm.models.layer_runner.layer_metadata`), so a scan over layers carries this one
         buffer and updates it in place, and the kernels need no layer argument."""
         zeros = self._zeros((self.num_kv_heads, self.num_layers * num_blocks, tokens_per_block, self.head_dim),
                             mesh, rules)

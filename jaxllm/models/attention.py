@@ -115,11 +115,26 @@ def pallas_latent_attention(interpret: bool) -> Callable:
     return pallas_latent_attention
 
 
+def mosaic_or_triton_attention(interpret: bool) -> Callable:
+    """The Mosaic GPU attention kernel where it takes the problem, else the Triton one."""
+    from pallas_kernels.ragged_paged_attention import mosaic_gpu, ragged_paged_attention
+
+    def attention(q, k_cache, v_cache, *metadata, sm_scale, sliding_window=None):
+        num_kv_heads, _, tokens_per_block, head_dim = k_cache.shape
+        if mosaic_gpu.supports(q.dtype, q.shape[1], num_kv_heads, head_dim, tokens_per_block):
+            kernel = mosaic_gpu.ragged_paged_attention_mosaic
+        else:
+            kernel = ragged_paged_attention
+        return kernel(q, k_cache, v_cache, *metadata, sm_scale=sm_scale, sliding_window=sliding_window,
+                      interpret=interpret)
+
+    attention.__name__ = "ragged_paged_attention_mosaic"
+    return attention
+
+
 def mosaic_attention(interpret: bool) -> AttentionFn:
     """The Mosaic GPU (Hopper) kernel, falling back to the Triton one per call for problems
-    it does not take (see `jaxllm.engine.backends`)."""
-    from jaxllm.engine.backends import mosaic_or_triton_attention
-
+    it does not take (see `jaxllm.models.backends`)."""
     attention = _mha(mosaic_or_triton_attention(interpret))
     attention.latent = pallas_latent_attention(interpret)  # MLA's latent cache: the Triton latent kernel
     return attention

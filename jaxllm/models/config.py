@@ -17,6 +17,8 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
+from jaxllm.models.deepseek_config import deepseek_config_fields
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -306,8 +308,6 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
                    moe_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
     elif model_type == "deepseek_v3":
-        from jaxllm.models.deepseek import deepseek_config_fields
-
         moe = deepseek_config_fields(hf, arch)
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if hf.get(key) and model_type != "deepseek_v3":

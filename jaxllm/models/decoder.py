@@ -4,12 +4,13 @@ One implementation covers Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral: they diffe
 flags of `ModelConfig` (q/k norm, q/k/v biases, sparse layers, RoPE scaling, window).
 DeepSeek-V3 (multi-head latent attention, grouped routing, shared experts) has its own
 layer function in `jaxllm.models.deepseek`, entered from here and run by the same
-`run_layers` (stacks under scan over a latent page pool).
+`run_layers` of `jaxllm.models.layer_runner` (stacks under scan over a latent page pool).
 Parameters are a plain pytree passed to the step as an argument; its layout, shapes and
 logical axes are declared once in `jaxllm.models.weights`.
 
 Attention and the grouped expert FFN are passed in as functions so kernel backends plug
-in without touching the model; the KV cache is built by a `KvCacheSpec` (`kv_cache_spec`),
+in without touching the model; the KV cache is built by a `KvCacheSpec`
+(`jaxllm.models.kv_cache_spec`),
 written through the spec and read only by the attention backend.
 
 Depth (`ModelConfig.scan_layers`, on by default): runs of consecutive layers of one kind
@@ -17,7 +18,7 @@ are stored stacked (`weights.layer_stacks`) and each run is one `lax.scan`, so t
 and compiled program, and its compile time, do not grow with depth (dense-then-MoE models
 have two stacks). The KV cache is then one page pool for all layers
 (`MhaKvCacheSpec.init_pool`): layer i owns pages [i * num_blocks, (i + 1) * num_blocks),
-and `layer_metadata` offsets the step's block tables and slot mapping by the layer index,
+and `layer_runner.layer_metadata` offsets the step's block tables and slot mapping by the layer index,
 which inside the scan is a traced value. The pool is the scan's carry and every KV write
 a scatter into it, which XLA performs in place (no copy of the cache per layer or step);
 the kernels take the pool as if it were one big layer cache and need no layer argument.
@@ -34,7 +35,7 @@ cannot partition, run under shard_map (`sharding.kernels`): attention and the KV
 per device on its heads, the expert FFN on its columns with a psum.
 
 Expert parallelism: when a MoE layer's experts are stored as slots (its params carry a
-`slots` table; see `sharding.slot_table`), the layer runs `sharding.ep_moe.ep_moe_block`:
+`slots` table; see `sharding.slot_table`), the layer runs `jaxllm.models.parallel.ep_moe.ep_moe_block`:
 tokens dispatched to the EP rank owning each chosen slot and combined back, as
 `moe_options` says. `forward_with_moe_stats` also returns the step's per-layer expert
 counts (`sharding.expert_load.MoeStepStats`); the plain forward drops them, and XLA removes
@@ -43,69 +44,32 @@ the unused counting from its compiled program.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache
+from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
+from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
+from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
+from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
+from jaxllm.models.partitioning import rules_for
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from jaxllm.models.weights import LayerStack, Params, stacks_of_params
+from jaxllm.models.weights import Params
 from jaxllm.step_batch import StepBatch
 from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
 from sharding.expert_load import MoeStepStats, count_experts
 from sharding.kernels import shard_attention, shard_kv_write, shard_moe
-from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
-from sharding.rules import ShardingRules, kv_head_replicas, logical_to_physical
+from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh
+from sharding.rules import logical_to_physical
 
-if TYPE_CHECKING:  # sharding.ep_moe imports the MoE layer pieces of this package
-    from sharding.ep_moe import EpMoeOptions
-
-# Per-layer caches (scan_layers off), or one page pool for all layers (`MhaKvCacheSpec.init_pool`).
-KVCache = Union[list[MhaLayerCache], MhaLayerCache]
 _REFERENCE_ATTENTION = reference_attention()
-
-
-def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> KvCacheSpec:
-    """The cache layout of `config`'s attention: a latent cache for MLA (DeepSeek-V3), else MHA/GQA."""
-    if config.is_mla:
-        from jaxllm.models.mla import mla_cache_spec
-
-        return mla_cache_spec(config, str(numpy_dtype(dtype or config.dtype)))
-    return MhaKvCacheSpec(config.num_layers, config.num_kv_heads * kv_replicas, config.head_dim,
-                          str(numpy_dtype(dtype or config.dtype)))
-
-
-def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
-                  mesh: Optional[jax.sharding.Mesh] = None) -> KVCache:
-    """A zeroed cache of `num_blocks` pages per layer (sharded by KV head over `mesh`, when
-    given): one page pool for all layers when the layers run as scans (`config.layer_scan`),
-    else one cache per layer."""
-    replicas = 1 if mesh is None or config.is_mla else kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
-    rules = None if mesh is None else _rules(config, mesh)
-    spec = kv_cache_spec(config, dtype, replicas)
-    if config.layer_scan:
-        return spec.init_pool(num_blocks, tokens_per_block, mesh, rules)
-    return spec.init(num_blocks, tokens_per_block, mesh, rules)
-
-
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: Optional[jax.sharding.Mesh] = None) -> int:
-    """Bytes of cache one token occupies across all layers on one device."""
-    if mesh is None or config.is_mla:
-        return kv_cache_spec(config, dtype).bytes_per_token()
-    tp = tensor_parallel_size(mesh)
-    return kv_cache_spec(config, dtype, kv_head_replicas(config.num_kv_heads, tp)).bytes_per_token(tp)
-
-
-def _rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
-    from jaxllm.models.loader import rules_for
-
-    return rules_for(config, mesh)
 
 
 def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax.lax.Precision]) -> jax.Array:
@@ -171,23 +135,12 @@ def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn,
     spec = kv_cache_spec(config, keys.dtype, keys.shape[0] // config.num_kv_heads)
     if mesh is None:
         return attention_fn, spec.write, moe_fn
-    rules = _rules(config, mesh)
+    rules = rules_for(config, mesh)
     cache_spec = spec.partition_spec(rules)
     entry_spec = logical_to_physical(("tokens", "kv_heads", "head_dim"), rules)
     return (shard_attention(attention_fn, mesh, rules, cache_spec),
             shard_kv_write(spec.write, mesh, rules, cache_spec, (entry_spec, entry_spec)),
             shard_moe(moe_fn, mesh, rules))
-
-
-def layer_metadata(md: AttentionMetadata, layer: jax.Array | int, blocks_per_layer: int, tokens_per_block: int,
-                   num_layers: int) -> AttentionMetadata:
-    """The step's metadata as layer `layer` of a page pool sees it (see `MhaKvCacheSpec.init_pool`):
-    its pages are offset by `layer * blocks_per_layer`; padding slots (== blocks_per_layer *
-    tokens_per_block) stay past the end of the whole pool, so the write still drops them."""
-    layer_slots = blocks_per_layer * tokens_per_block
-    slots = jnp.where(md.slot_mapping < layer_slots, md.slot_mapping + layer * layer_slots, num_layers * layer_slots)
-    return replace(md, slot_mapping=slots.astype(jnp.int32),
-                   block_tables=(md.block_tables + layer * blocks_per_layer).astype(jnp.int32))
 
 
 def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
@@ -196,8 +149,8 @@ def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config
                   mesh: Optional[jax.sharding.Mesh] = None,
                   moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
     """Embedding and all decoder layers: the residual stream [T, H] (before the final norm)."""
-    x, new_cache, _ = _decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                     moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    x, new_cache, _ = decode_layers_with_moe_stats(params, kv_cache, batch, config=config, attention_fn=attention_fn,
+                                                   moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     return x, new_cache
 
 
@@ -241,11 +194,9 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
         y, counts, dropped = ctx.slot_moe_layer(h, layer["moe"], ctx.valid)
         return x + y, cache, counts, dropped
     if "moe" in layer and "slots" in layer["moe"]:
-        from sharding.ep_moe import EpMoeOptions, ep_moe_block
-
         ep_mesh = ctx.mesh if ctx.mesh is not None else make_mesh(ParallelConfig())
         y, counts, dropped = ep_moe_block(
-            h, layer["moe"], config=config, moe_fn=ctx.raw_moe_fn, mesh=ep_mesh, rules=_rules(config, ep_mesh),
+            h, layer["moe"], config=config, moe_fn=ctx.raw_moe_fn, mesh=ep_mesh, rules=rules_for(config, ep_mesh),
             options=ctx.moe_options or EpMoeOptions(), valid=ctx.valid)
         return x + y, cache, counts, dropped
     if "moe" in layer:
@@ -257,18 +208,17 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
     return x + _mlp(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
 
 
-def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                   attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-                   moe_options: Optional[EpMoeOptions], slot_moe_layer: Optional[Callable] = None
-                   ) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
-    """The layers. `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when
-    given, runs the MoE layers stored as slots instead of `ep_moe_block` (attention data
-    parallelism runs the whole decoder per device, see `sharding.attention_dp`)."""
+def decode_layers_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
+                                 attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
+                                 moe_options: Optional[EpMoeOptions], slot_moe_layer: Optional[Callable] = None
+                                 ) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+    """`decode_layers` plus the step's MoE statistics (None for a dense model).
+    `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
+    MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
+    whole decoder per device, see `jaxllm.models.parallel.attention_dp`)."""
     if config.is_mla:
         if slot_moe_layer is not None:
             raise ValueError("attention data parallelism does not support multi-head latent attention models yet")
-        from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
-
         return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
@@ -286,70 +236,6 @@ def _decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, confi
         x, layer, cache, index, ctx), lora=lora)
 
 
-def cache_geometry(config: ModelConfig, params: Params, kv_cache: Any) -> tuple[Optional[int], int]:
-    """(blocks per layer of a page pool, or None for per-layer caches; tokens per block), after
-    checking that the cache layout matches the parameters' (stacks need the pool)."""
-    stacks = stacks_of_params(config, params)
-    if isinstance(kv_cache, list):
-        if stacks:
-            raise ValueError("stacked layers (scan_layers) need the KV page pool of init_kv_cache with scan_layers")
-        if len(kv_cache) != config.num_layers:
-            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {config.num_layers}")
-        pages = jax.tree_util.tree_leaves(kv_cache[0])[0]
-        return None, int(pages.shape[-2])
-    pages = jax.tree_util.tree_leaves(kv_cache)[0]  # MHA [Hkv, L * B, tpb, D]; MLA latent [L * B, tpb, D]
-    total = int(pages.shape[-3])
-    if total % config.num_layers:
-        raise ValueError(f"a KV page pool of {total} pages does not split over {config.num_layers} layers")
-    return total // config.num_layers, int(pages.shape[-2])
-
-
-LayerFn = Callable[[jax.Array, dict, Any, Union[jax.Array, int]],
-                   tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]]
-
-
-def run_layers(params: Params, kv_cache: KVCache, x: jax.Array, config: ModelConfig, layer_fn: LayerFn, *,
-               lora: Optional[dict] = None) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
-    """Every decoder layer in order: each layer stack as one `lax.scan` (`_scan_stack`), layers
-    stored apart one by one. `layer_fn(x, layer_params, cache, index) -> (x, cache, expert
-    counts [E] or None, dropped rows [] or None)` is one layer of the model (index static
-    for a layer apart, traced in a scan); the cache is the page pool, or with per-layer
-    caches that layer's. Returns the residual, the cache and the MoE statistics."""
-    stacks = stacks_of_params(config, params)
-    pooled = not isinstance(kv_cache, list)
-    stack_at = {s.start: (g, s) for g, s in enumerate(stacks)}
-    new_cache: list = []
-    counts, dropped = [], []
-    i = 0
-    while i < config.num_layers:
-        if i in stack_at:
-            g, stack = stack_at[i]
-            stacked = params["layer_stacks"][g]
-            if lora is not None:
-                stacked = {**stacked, "lora": lora["layer_stacks"][g]}
-            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, stacked, kv_cache, stack, layer_fn)
-            i = stack.stop
-            if layer_counts is not None:
-                counts.append(layer_counts)
-                dropped.append(layer_dropped)
-            continue
-        cache = kv_cache if pooled else kv_cache[i]
-        layer = params["layers"][i]
-        if lora is not None:
-            layer = {**layer, "lora": lora["layers"][i]}
-        x, cache, layer_counts, layer_dropped = layer_fn(x, layer, cache, i)
-        if pooled:
-            kv_cache = cache
-        else:
-            new_cache.append(cache)
-        if layer_counts is not None:
-            counts.append(layer_counts[None])
-            dropped.append(layer_dropped[None])
-        i += 1
-    stats = MoeStepStats(jnp.concatenate(counts), jnp.concatenate(dropped)) if counts else None
-    return x, (kv_cache if pooled else new_cache), stats
-
-
 def _lora_onehot(lora: Optional[dict], batch: StepBatch, dtype: Any) -> Optional[jax.Array]:
     """[T, slots] one-hot of each token's LoRA slot (`batch.lora_slots`, -1 = none), or None
     when the parameters carry no LoRA slots (the step is then the plain model)."""
@@ -360,23 +246,6 @@ def _lora_onehot(lora: Optional[dict], batch: StepBatch, dtype: Any) -> Optional
     leaves = [w for s in lora["layer_stacks"] for w in jax.tree_util.tree_leaves(s)]
     num_slots = leaves[0].shape[1] if leaves else jax.tree_util.tree_leaves(lora["layers"])[0].shape[0]
     return jax.nn.one_hot(batch.lora_slots, num_slots, dtype=dtype)
-
-
-def _scan_stack(x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn
-                ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
-    """The layers of one stack as one `lax.scan`: the residual and the whole page pool are the
-    carry (each layer's KV write is an in-place scatter into the pool), the stacked weights and
-    the layer index the scanned inputs; the per-layer MoE statistics its outputs."""
-
-    def body(carry, xs):
-        x, pool = carry
-        layer, index = xs
-        x, pool, counts, dropped = layer_fn(x, layer, pool, index)
-        return (x, pool), (counts, dropped)
-
-    indices = jnp.arange(stack.start, stack.stop, dtype=jnp.int32)
-    (x, pool), (counts, dropped) = jax.lax.scan(body, (x, pool), (stacked, indices))
-    return x, pool, counts, dropped  # per-layer counts [n, E] and dropped rows [n] (None for dense)
 
 
 def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> jax.Array:
@@ -407,8 +276,9 @@ def forward_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, 
     over the whole batch (padding excluded) and rows dropped by a capacity-limited dispatch."""
     if not config.num_experts:
         raise ValueError(f"{config.architecture} has no MoE layers to collect statistics from")
-    residual, kv_cache, stats = _decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                               moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    residual, kv_cache, stats = decode_layers_with_moe_stats(params, kv_cache, batch, config=config,
+                                                             attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
+                                                             moe_options=moe_options)
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache, stats
 
 
@@ -422,7 +292,7 @@ def forward_with_rows(params: Params, kv_cache: KVCache, batch: StepBatch, rows:
     also the step's MoE statistics, else None."""
     kwargs = dict(config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     if moe_stats:
-        residual, kv_cache, stats = _decode_layers(params, kv_cache, batch, **kwargs)
+        residual, kv_cache, stats = decode_layers_with_moe_stats(params, kv_cache, batch, **kwargs)
     else:
         (residual, kv_cache), stats = decode_layers(params, kv_cache, batch, **kwargs), None
     return (compute_logits(params, residual[batch.logits_indices], config),

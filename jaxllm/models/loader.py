@@ -30,11 +30,25 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.models.config import ModelConfig, numpy_dtype
-from jaxllm.models.weights import (Params, Source, StackedDecl, WeightDecl, build_params, declare_params,
-                                   declare_weights, layer_stacks, read_parameter_view, read_stacked_view,
-                                   stack_declarations, stacked_layer_rows)
-from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh, tensor_parallel_size
-from sharding.rules import ShardingRules, kv_head_replicas, model_rules, named_sharding
+from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
+from jaxllm.models.orbax_io import is_converted, restore_converted
+from jaxllm.models.partitioning import kv_replicas_for, rules_for
+from jaxllm.models.weight_layout import Source
+from jaxllm.models.weights import (
+    Params,
+    StackedDecl,
+    WeightDecl,
+    build_params,
+    declare_params,
+    declare_weights,
+    layer_stacks,
+    read_parameter_view,
+    read_stacked_view,
+    stack_declarations,
+    stacked_layer_rows,
+)
+from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh
+from sharding.rules import ShardingRules, named_sharding
 from sharding.slot_table import make_slot_table, make_stacked_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -70,15 +84,6 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise ValueError(f"no *.safetensors checkpoint in {model_dir}")
 
 
-
-def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
-    """The default sharding rules of `config` on `mesh` (checks the split sizes divide)."""
-    return model_rules(tensor_parallel_size=tensor_parallel_size(mesh), num_heads=config.num_heads,
-                       num_kv_heads=config.num_kv_heads, intermediate_size=config.intermediate_size,
-                       moe_intermediate_size=config.moe_intermediate_size, vocab_size=config.vocab_size,
-                       expert_parallel_size=expert_parallel_size(mesh))
-
-
 def slot_assignments_for(config: ModelConfig, mesh: jax.sharding.Mesh,
                          slot_assignments: Optional[dict[int, Sequence[int]]] = None,
                          num_slots: Optional[int] = None) -> Optional[dict[int, np.ndarray]]:
@@ -93,14 +98,6 @@ def slot_assignments_for(config: ModelConfig, mesh: jax.sharding.Mesh,
         return None
     moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
     return resolve_assignments(config.num_experts, moe_layers, ep, slot_assignments, num_slots)
-
-
-def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> int:
-    """Copies of each KV head in the k/v weights: none when `rules` keep the KV heads whole
-    (attention data parallelism), else as tensor parallelism over the mesh needs."""
-    if rules is not None and rules.kv_heads is None:
-        return 1
-    return kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
 
 
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> Params:
@@ -135,8 +132,6 @@ def _choose_alternatives(header: _Header, decls: list[WeightDecl], config: Model
     and dtypes from the headers alone (before any tensor data is read)."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
     if config.model_type == "deepseek_v3":
-        from jaxllm.models.deepseek import log_skipped_mtp, mtp_tensor_names
-
         mtp = mtp_tensor_names(config, [n for n in header.shape if n not in known])
         if mtp:
             log_skipped_mtp(mtp)
@@ -223,8 +218,6 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
     (see `jaxllm.models.weights`), each device piece stacked on the host from the layers' boxes.
     `slice_hook(name, slices, array)` sees every read from the files (for measurements).
     """
-    from jaxllm.models.orbax_io import is_converted, restore_converted
-
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kv_cache.spec import MhaLayerCache, MlaKvCacheSpec, MlaLayerCache
+from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, latent_attention_of
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.numerics import rms_norm
@@ -135,10 +135,6 @@ def mla_attention(x: jax.Array, p: dict, cache: MlaLayerCache, md: AttentionMeta
         out = jax.lax.cond(decode_only, absorbed, expanded)
     y = jnp.einsum("tnv,nvh->th", out.astype(x.dtype), p["o"], precision=precision)
     return y, cache
-
-
-def mla_cache_spec(config: ModelConfig, dtype: str) -> MlaKvCacheSpec:
-    return MlaKvCacheSpec(config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
 
 
 def latent_backend(attention_fn: AttentionFn) -> Callable:

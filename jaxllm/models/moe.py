@@ -3,7 +3,7 @@
 The pieces stay separate so they can be rearranged: `route_topk` gives each token its
 top-k ids and weights; `grouped_expert_ffn` takes ids as they should address the
 stacked weights (an expert-parallel layout maps ExpertIds to SlotIds in between, see
-`sharding.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
+`jaxllm.models.parallel.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
 grouped GEMM backend; `expert_rows_ffn` and `combine` are its two halves, which the
 expert-parallel layer runs on different devices. A backend whose `moe_fn` carries a
 `fused` attribute (`fused(x, ids, weights, w_gate, w_up, w_down) -> [T, H]`, the Pallas
@@ -92,13 +92,29 @@ def route(x: jax.Array, router: jax.Array, config: ModelConfig) -> tuple[jax.Arr
     return route_topk(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
 
 
+def route_grouped_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, config: ModelConfig
+                          ) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's `noaux_tc` routing: (weights float32 [T, k], expert ids int32 [T, k])."""
+    scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
+    choice = scores + correction_bias.astype(jnp.float32)[None, :]
+    num_tokens, num_experts = choice.shape
+    groups = config.n_group
+    group_scores = jax.lax.top_k(choice.reshape(num_tokens, groups, num_experts // groups), 2)[0].sum(-1)
+    _, best_groups = jax.lax.top_k(group_scores, config.topk_group)
+    group_mask = jnp.zeros((num_tokens, groups), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
+    expert_mask = jnp.repeat(group_mask, num_experts // groups, axis=1)
+    _, ids = jax.lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
+
+
 def route_layer(x: jax.Array, p: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The router of a MoE layer's params `p`: softmax top-k, or DeepSeek-V3's grouped sigmoid
-    routing with its correction bias (`jaxllm.models.deepseek`), whose router runs in float32."""
+    routing with its correction bias (`route_grouped_sigmoid`), whose router runs in float32."""
     if config.scoring_func != "sigmoid":
         return route(x, p["router"], config)
-    from jaxllm.models.deepseek import route_grouped_sigmoid
-
     router_logits = jnp.einsum("th,he->te", x.astype(jnp.float32), p["router"].astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST)
     return route_grouped_sigmoid(router_logits, p["router_bias"], config)

@@ -1,7 +1,7 @@
 """A converted checkpoint format (orbax) that restores straight into the target sharding.
 
-`convert_checkpoint` reads a Hugging Face directory once (layout changes, stacking of
-experts, dtype cast) and writes the parameter pytree with orbax-checkpoint next to the
+`jaxllm.models.convert.convert_checkpoint` reads a Hugging Face directory once (layout changes, stacking of
+experts, dtype cast) and `write_converted` writes the parameter pytree with orbax-checkpoint next to the
 config and tokenizer files. Restoring reads each device's shard directly from the
 tensorstore files into its sharding, with none of the per-tensor transforms: the fast
 path for restarting a large model. The stored KV heads are never replicated; when the
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelConfig, load_model_config, numpy_dtype
+from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.partitioning import kv_replicas_for
 from jaxllm.models.weights import Params, build_tree, declare_weights
 from sharding.rules import ShardingRules, named_sharding
 
@@ -42,20 +42,11 @@ def is_converted(model_dir: str | Path) -> bool:
     return (Path(model_dir) / _MARKER).is_file()
 
 
-def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: Optional[str] = None) -> Path:
-    """Write `model_dir`'s weights (cast to `dtype`, default the config's) as an orbax checkpoint."""
+def write_converted(params: Params, model_dir: Path, output_dir: Path, dtype: str) -> Path:
+    """Write `params` (per layer) as an orbax checkpoint in `output_dir`, with `model_dir`'s
+    config and tokenizer files and the marker that `is_converted` looks for."""
     import orbax.checkpoint as ocp
 
-    from jaxllm.models.loader import load_params
-
-    model_dir, output_dir = Path(model_dir), Path(output_dir).absolute()
-    if is_converted(model_dir):
-        raise ValueError(f"{model_dir} is already a converted checkpoint")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise ValueError(f"output directory {output_dir} exists and is not empty")
-    # Stored per layer (the format does not depend on scan_layers); restoring stacks them.
-    config = replace(load_model_config(model_dir, dtype), scan_layers=False)
-    params = load_params(model_dir, config)
     output_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(output_dir / _PARAMS_DIR, params)
@@ -63,7 +54,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: Opt
     for name in _SIDE_FILES:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, output_dir / name)
-    (output_dir / _MARKER).write_text(json.dumps({"version": _FORMAT_VERSION, "dtype": config.dtype}))
+    (output_dir / _MARKER).write_text(json.dumps({"version": _FORMAT_VERSION, "dtype": dtype}))
     return output_dir
 
 
@@ -74,8 +65,6 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
     `slot_assignments` (MoE layer -> expert of each slot, as `load_params` resolves them)
     stores those layers' experts as slots, gathered on the devices from the expert stack."""
     import orbax.checkpoint as ocp
-
-    from jaxllm.models.loader import kv_replicas_for
 
     model_dir = Path(model_dir).absolute()
     marker = json.loads((model_dir / _MARKER).read_text())
@@ -135,29 +124,4 @@ def checkpoint_bytes(model_dir: str | Path) -> int:
     return int(sum(p.stat().st_size for p in Path(model_dir).rglob("*") if p.is_file()))
 
 
-__all__ = ["checkpoint_bytes", "convert_checkpoint", "is_converted", "restore_converted"]
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`jaxllm convert --model DIR --output DIR [--dtype D]`."""
-    import argparse
-    import sys
-    import time
-
-    parser = argparse.ArgumentParser(prog="jaxllm convert",
-                                     description="Write a Hugging Face safetensors checkpoint as an orbax checkpoint "
-                                                 "that restores straight into any tensor-parallel sharding.")
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
-    parser.add_argument("--output", required=True, help="new directory for the converted model")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="cast the weights (default: the checkpoint's dtype)")
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    try:
-        out = convert_checkpoint(args.model, args.output, args.dtype)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"jaxllm convert: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"converted {args.model} -> {out} ({checkpoint_bytes(out) / 2**20:.1f} MiB, "
-          f"{time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return 0
+__all__ = ["checkpoint_bytes", "is_converted", "restore_converted", "write_converted"]

@@ -16,7 +16,7 @@ Parameter layout (the decoder's pytree):
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
     layers[i]: attn_norm [H], mlp_norm [H],
       (DeepSeek-V3: attn is multi-head latent attention, moe adds router_bias [E] and the
-       layer has shared experts; see `jaxllm.models.deepseek.declare_mla_attention`)
+       layer has shared experts; see `jaxllm.models.deepseek_weights`)
       attn: q [H, Hq, D], k [H, Hkv', D], v [H, Hkv', D], o [Hq, D, H]
             (+ q_bias [Hq, D], k_bias / v_bias [Hkv', D] with attention_bias;
                o_bias [H] with o_proj_bias; q_norm / k_norm [D] with qk_norm)
@@ -56,39 +56,14 @@ import jax
 import numpy as np
 
 from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
+from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
 KeyPath = tuple  # e.g. ("layers", 3, "attn", "q")
 Params = dict[str, Any]
 # Reads the box `slices` of a checkpoint tensor: (name, slices) -> numpy array.
 SliceReader = Callable[[str, tuple[slice, ...]], np.ndarray]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a checkpoint tensor becomes (one part of) a parameter.
-
-    The stored tensor is viewed with shape `view` (a reshape that only splits
-    dimensions, e.g. [Hq*D, H] -> [Hq, D, H]); parameter axis j is view axis `perm[j]`,
-    starting at `offset[perm[j]]` (fused tensors hold two parameters side by side);
-    entries along view axis `repeat_axis` appear `repeat` times in a row.
-    """
-
-    view: tuple[int, ...]
-    perm: tuple[int, ...]
-    offset: tuple[int, ...] = ()
-    repeat_axis: Optional[int] = None
-    repeat: int = 1
-
-
-@dataclass(frozen=True)
-class Source:
-    """One checkpoint tensor that fills a parameter, or part `part` of its first axis."""
-
-    name: str
-    shape: tuple[int, ...]  # as stored in the checkpoint
-    layout: Layout
-    part: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -160,8 +135,6 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
         add(("layers", layer, "attn_norm"), (h,), ("embed",),
             single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))), "norm")
         if c.is_mla:
-            from jaxllm.models.deepseek import declare_mla_attention
-
             declare_mla_attention(add, c, layer)
         else:
             for proj, heads, axis, reps in (("q", hq, "heads", 1), ("k", hkv, "kv_heads", kv_replicas),
@@ -188,8 +161,6 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
         if c.is_moe_layer(layer):
             _declare_experts(add, c, layer, (slot_assignments or {}).get(layer))
             if c.model_type == "deepseek_v3":
-                from jaxllm.models.deepseek import declare_moe_extras
-
                 declare_moe_extras(add, c, layer)
         else:
             inter, mlp = c.intermediate_size, ("layers", layer, "mlp")

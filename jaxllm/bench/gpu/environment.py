@@ -18,7 +18,7 @@ import jax.extend
 
 from jaxllm.bench.gpu.report import SectionContext
 from jaxllm.bench.kernels import Ceilings, measure_ceilings
-from jaxllm.engine.backends import gpu_kernel_flavour, resolve_backends
+from jaxllm.models.backends import gpu_kernel_flavour, resolve_backends
 
 
 def _dist_version(name: str) -> Optional[str]:

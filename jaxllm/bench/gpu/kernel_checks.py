@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.bench.gpu.report import ChecksFailed, SectionContext, Table
-from jaxllm.engine.backends import gpu_kernel_flavour, tokamax_moe
+from jaxllm.models.backends import gpu_kernel_flavour, tokamax_moe
 from pallas_kernels import mosaic_gpu_interpret
 from pallas_kernels.moe_grouped_gemm import moe_fused_ffn, moe_grouped_ffn, moe_grouped_ffn_reference
 from pallas_kernels.moe_grouped_gemm import mosaic_gpu as moe_mosaic

@@ -13,9 +13,12 @@ runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three project
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
+
+from jaxllm.models.attention import mosaic_attention, pallas_attention, xla_attention
 
 KERNEL_FLAVOURS = ("triton", "mosaic")
 
@@ -36,23 +39,6 @@ def _flavour(backend: str, on_gpu: bool) -> str:
     if backend in KERNEL_FLAVOURS:
         return backend
     return gpu_kernel_flavour(jax.devices()[0]) if on_gpu else "triton"
-
-
-def mosaic_or_triton_attention(interpret: bool) -> Callable:
-    """The Mosaic GPU attention kernel where it takes the problem, else the Triton one."""
-    from pallas_kernels.ragged_paged_attention import mosaic_gpu, ragged_paged_attention
-
-    def attention(q, k_cache, v_cache, *metadata, sm_scale, sliding_window=None):
-        num_kv_heads, _, tokens_per_block, head_dim = k_cache.shape
-        if mosaic_gpu.supports(q.dtype, q.shape[1], num_kv_heads, head_dim, tokens_per_block):
-            kernel = mosaic_gpu.ragged_paged_attention_mosaic
-        else:
-            kernel = ragged_paged_attention
-        return kernel(q, k_cache, v_cache, *metadata, sm_scale=sm_scale, sliding_window=sliding_window,
-                      interpret=interpret)
-
-    attention.__name__ = "ragged_paged_attention_mosaic"
-    return attention
 
 
 def mosaic_or_triton_moe(interpret: bool) -> Callable:
@@ -90,13 +76,11 @@ def tokamax_moe() -> Callable:
     return moe
 
 
-def resolve_backends(attention_backend: Optional[str], moe_backend: Optional[str]) -> tuple[str, str, Callable, Callable]:
+def resolve_backends(attention_backend: str | None, moe_backend: str | None) -> tuple[str, str, Callable, Callable]:
     on_gpu = default_platform() in ("gpu", "cuda", "rocm")
     attention_backend = attention_backend or ("pallas" if on_gpu else "xla")
     moe_backend = moe_backend or ("pallas" if on_gpu else "xla")
     # Attention backends take (q, layer cache, AttentionMetadata); see jaxllm.models.attention.
-    from jaxllm.models.attention import mosaic_attention, pallas_attention, xla_attention
-
     if attention_backend == "xla":
         attention_fn = xla_attention()
     elif _flavour(attention_backend, on_gpu) == "mosaic":

@@ -33,16 +33,14 @@ a psum over `tensor` after the combine. The output leaves the shard_map split ov
   implement the collective (the engine refuses this mode on CPU) and it is reported slow
   on GPU (openxla/xla #46982), so it is an option, never the default.
   `EpMoeOptions(ragged_emulation=True)` runs the same code with the collective emulated by
-  a dense all_to_all (`emulated_ragged_all_to_all`), which is how CPU tests check it; the
+  a dense all_to_all (`sharding.ep_dispatch.emulated_ragged_all_to_all`), which is how CPU tests check it; the
   CUDA lowering of the real collective is checked from CPU with `lowering_platforms`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route_layer
+from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules, logical_to_physical
@@ -63,7 +62,7 @@ class EpMoeOptions:
     """Static choices of the expert-parallel MoE layer (part of the compiled step)."""
 
     dispatch: str = "auto"  # "all_to_all", "allgather", or "auto": by the step's token bucket
-    capacity_factor: Optional[float] = None  # None: dropless all_to_all
+    capacity_factor: float | None = None  # None: dropless all_to_all
     # "auto" uses allgather for buckets of at most this many tokens, all_to_all above. Measured on
     # 8 XLA:CPU devices (EP 8, 64 experts, top-8; `jaxllm bench ep`), allgather was as fast or
     # faster than the dropless all_to_all at every bucket from 16 to 4096 tokens (the dropless
@@ -84,15 +83,6 @@ class EpMoeOptions:
         if self.dispatch != "auto":
             return self.dispatch
         return "allgather" if num_tokens <= self.allgather_max_tokens else "all_to_all"
-
-
-def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int,
-                 capacity_factor: Optional[float]) -> int:
-    """Rows each rank may send to one destination in one step."""
-    dropless = tokens_per_rank * min(top_k, slots_per_rank)
-    if capacity_factor is None:
-        return dropless
-    return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_rank * top_k / ep_size)))
 
 
 def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor,
@@ -124,20 +114,6 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     if moe_tp > 1:
         out = jax.lax.psum(out, TENSOR_AXIS)
     return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
-    """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a dense all_to_all:
-    every slice is padded to the operand's length on the wire."""
-    n = input_offsets.shape[0]
-    length = operand.shape[0]
-    idx = jnp.arange(length, dtype=jnp.int32)
-    blocks = operand[jnp.clip(input_offsets[:, None] + idx[None, :], 0, length - 1)]  # [n, length, ...]
-    recv = jax.lax.all_to_all(blocks.reshape((n * length,) + operand.shape[1:]), axis_name, 0, 0, tiled=True)
-    starts = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender writes here
-    pos = jnp.where(idx[None, :] < recv_sizes[:, None], starts[:, None] + idx[None, :], output.shape[0])
-    return output.at[pos.reshape(-1)].set(recv, mode="drop")
 
 
 def _ragged_all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int,
@@ -205,7 +181,7 @@ def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, m
 
 def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh,
                  rules: ShardingRules, options: EpMoeOptions = EpMoeOptions(),
-                 valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One MoE layer over slot weights: (output [T, H], expert counts int32[E], dropped rows int32[]).
 
     p: router [H, E], w_gate / w_up [S, H, I], w_down [S, I, H] (split as `rules` say),

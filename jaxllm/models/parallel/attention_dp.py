@@ -16,18 +16,20 @@ Layout (SPMD, one program for all ranks):
   the devices on its leading axis: device d holds rank d's block pool, every KV head.
 - Attention, dense and embedding weights are replicated (no head or column split), the
   experts are stored as slots split over `expert` with their FFN columns over `tensor`,
-  as under plain expert parallelism (`attention_dp_rules`).
+  as under plain expert parallelism (`jaxllm.models.partitioning.attention_dp_rules`).
 - The whole decoder runs under one `shard_map` (`forward_attention_dp`): each device
   runs the single-device layers on its own batch, and each MoE layer
   (`dp_moe_layer`) starts from tokens that are already split over the devices. The T
   devices of an expert group first gather their tokens (all_gather over `tensor`, so the
   group holds the same rows, as the MoE tensor split needs), route them, dispatch them
-  over `expert` exactly as `sharding.ep_moe` does (all_to_all, allgather + local slots
+  over `expert` exactly as `jaxllm.models.parallel.ep_moe` does (all_to_all, allgather + local slots
   + reduce-scatter, or ragged_all_to_all), and a reduce-scatter over `tensor` both sums the column partials and
   hands every device back its own tokens. No device ever holds the global token batch.
 - Replica choice stays the global round robin of `sharding.slot_table.choose_slots`: the
   per-expert row counts of the earlier ranks (one all_gather of int32[E] per layer) offset
   each rank's occurrences. Expert counts for statistics are those counts summed.
+- The ranks and their partition spec are `sharding.dp_ranks`; each rank's block pool is
+  `jaxllm.models.kv_cache_spec.init_dp_kv_cache`.
 - Logits come back [D * S_rank, V] in rank-major rows: sampler row d * S_rank + i is
   sequence i of rank d, and the overlap scheduler's feed index names those global rows.
 """
@@ -35,7 +37,8 @@ Layout (SPMD, one program for all ranks):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,44 +47,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
 from jaxllm.models.moe import MoeFn, route
+from jaxllm.models.parallel.ep_moe import EpMoeOptions, dispatch_body
 from jaxllm.step_batch import StepBatch
-from sharding.ep_moe import EpMoeOptions, dispatch_body
+from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
-from sharding.rules import ShardingRules
 from sharding.slot_table import SlotTable, choose_slots
-
-DP_AXES = (EXPERT_AXIS, TENSOR_AXIS)
-"""The mesh axes whose devices are the attention-DP ranks (rank = expert index * T + tensor index)."""
-RANK_SPEC = P(DP_AXES)
-
-
-def attention_dp_size(mesh: jax.sharding.Mesh) -> int:
-    return int(mesh.shape[EXPERT_AXIS]) * int(mesh.shape[TENSOR_AXIS])
-
-
-def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
-    """Weights under attention DP: everything but the experts replicated; slots over
-    `expert`, each expert's FFN columns over `tensor`."""
-    moe_tp = int(mesh.shape[TENSOR_AXIS])
-    if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
-        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
-                         f"{config.moe_intermediate_size}")
-    return ShardingRules(heads=None, kv_heads=None, mlp=None, vocab=None,
-                         experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
-                         moe_mlp=TENSOR_AXIS if moe_tp > 1 else None)
-
-
-def init_dp_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
-                     mesh: jax.sharding.Mesh) -> list[MhaLayerCache]:
-    """Per-layer zeroed caches [D, Hkv, num_blocks, tokens_per_block, head_dim]: one block pool
-    of `num_blocks` per rank, on that rank's device."""
-    shape = (attention_dp_size(mesh), config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
-    dt = jnp.dtype(numpy_dtype(dtype))
-    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, RANK_SPEC))
-    return [MhaLayerCache(zeros(), zeros()) for _ in range(config.num_layers)]
 
 
 def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig, moe_fn: MoeFn,
@@ -111,23 +85,12 @@ def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig
     return out.astype(h.dtype), counts, dropped[0]
 
 
-def param_partition_specs(params: Any) -> Any:
-    """The PartitionSpec tree of loaded (concrete) parameters, for shard_map's in_specs."""
-    def spec(a: jax.Array) -> P:
-        sharding = getattr(a, "sharding", None)
-        return sharding.spec if isinstance(sharding, NamedSharding) else P()
-
-    return jax.tree.map(spec, params)
-
-
 def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: StepBatch, *, config: ModelConfig,
                          attention_fn: Callable, moe_fn: MoeFn, mesh: jax.sharding.Mesh, param_specs: Any,
-                         moe_options: Optional[EpMoeOptions] = None
-                         ) -> tuple[jax.Array, list[MhaLayerCache], Optional[MoeStepStats]]:
+                         moe_options: EpMoeOptions | None = None
+                         ) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
     [D * S_rank, V] (rank-major rows), the updated caches, and the MoE statistics."""
-    from jaxllm.models.decoder import _decode_layers, compute_logits
-
     options = moe_options or EpMoeOptions()
     ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
     num_ranks, tokens_per_rank = batch.token_ids.shape
@@ -138,9 +101,9 @@ def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: Step
     def body(params_, cache_, batch_):
         local = jax.tree.map(lambda a: a[0], batch_)
         cache_local = jax.tree.map(lambda a: a[0], cache_)
-        x, new_cache, stats = _decode_layers(params_, cache_local, local, config=config, attention_fn=attention_fn,
-                                             moe_fn=moe_fn, mesh=None, moe_options=options,
-                                             slot_moe_layer=moe_layer)
+        x, new_cache, stats = decode_layers_with_moe_stats(
+            params_, cache_local, local, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=None,
+            moe_options=options, slot_moe_layer=moe_layer)
         logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
         counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
         dropped = stats.dropped_rows if stats is not None else jnp.zeros((0,), jnp.int32)

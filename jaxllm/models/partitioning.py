@@ -1,0 +1,38 @@
+"""A model's default sharding rules on a mesh: which logical axes of its weights and caches
+split over which mesh axes (`sharding.rules` maps them), checked against the model's sizes."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxllm.models.config import ModelConfig
+from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS, expert_parallel_size, tensor_parallel_size
+from sharding.rules import ShardingRules, kv_head_replicas, model_rules
+
+
+def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
+    """The default sharding rules of `config` on `mesh` (checks the split sizes divide)."""
+    return model_rules(tensor_parallel_size=tensor_parallel_size(mesh), num_heads=config.num_heads,
+                       num_kv_heads=config.num_kv_heads, intermediate_size=config.intermediate_size,
+                       moe_intermediate_size=config.moe_intermediate_size, vocab_size=config.vocab_size,
+                       expert_parallel_size=expert_parallel_size(mesh))
+
+
+def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None) -> int:
+    """Copies of each KV head in the k/v weights: none when `rules` keep the KV heads whole
+    (attention data parallelism), else as tensor parallelism over the mesh needs."""
+    if rules is not None and rules.kv_heads is None:
+        return 1
+    return kv_head_replicas(config.num_kv_heads, tensor_parallel_size(mesh))
+
+
+def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
+    """Weights under attention DP: everything but the experts replicated; slots over
+    `expert`, each expert's FFN columns over `tensor`."""
+    moe_tp = int(mesh.shape[TENSOR_AXIS])
+    if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
+        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
+                         f"{config.moe_intermediate_size}")
+    return ShardingRules(heads=None, kv_heads=None, mlp=None, vocab=None,
+                         experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
+                         moe_mlp=TENSOR_AXIS if moe_tp > 1 else None)
