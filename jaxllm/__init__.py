@@ -1,6 +1,6 @@
 """jaxllm: an LLM inference engine in JAX and Pallas."""
 
-from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig
+from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LoRARequest":
-        from jaxllm.lora.request import LoRARequest
+        from jaxllm.lora.lora_request import LoRARequest
 
         return LoRARequest
     if name in ("KvCacheRetentionConfig", "TokenRangeRetentionConfig"):

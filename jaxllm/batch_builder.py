@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler.output import SchedulerOutput
 from jaxllm.step_batch import StepBatch
 

@@ -11,12 +11,12 @@ from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, GenerationExecutor
 from jaxllm.executor.inputs import PromptInput, is_single_prompt, normalize_inputs
 from jaxllm.executor.result import GenerationResult
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def small_engine(directory: Path, tokenizer: Path, **engine_args):
     from jaxllm import KvCacheConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     engine_args.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=8, max_tokens=512))

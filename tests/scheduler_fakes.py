@@ -19,7 +19,7 @@ import numpy as np
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
 from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler import RequestScheduler, SchedulerOutput
 
 

@@ -200,10 +200,10 @@ def check_ragged_lowers_for_cuda() -> None:
 
 
 def check_engines(root: Path) -> None:
-    from jaxllm.config import KvCacheConfig, MoeConfig
-    from jaxllm.engine.attention_dp import RankAssignment
+    from jaxllm.llm_args import KvCacheConfig, MoeConfig
+    from jaxllm.engine.ranked_planner import RankAssignment
     from jaxllm.models import materialize_preset
-    from sharding.eplb.config import MoeLoadBalancerConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from tests.test_ep_moe import redundant_placement, write_checkpoint
 
     tokenizer = materialize_preset("tiny-moe")
@@ -289,8 +289,8 @@ def test_dp_moe_layer_matches_single_device_for_every_layout(dp_results):
 
 
 def test_ragged_all_to_all_lowers_for_cuda_and_is_refused_on_cpu(dp_results):
-    from jaxllm.config import MoeConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.llm_args import MoeConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     (r,) = [r for r in dp_results if r["kind"] == "ragged_lowering"]
@@ -316,15 +316,15 @@ def test_attention_dp_engine_matches_single_device(dp_results):
 
 def test_rank_assignment_balances_and_planner_numbers_rows_rank_major():
     from jaxllm import SamplingParams
-    from jaxllm.config import SchedulerConfig
-    from jaxllm.engine.attention_dp import (
+    from jaxllm.llm_args import SchedulerConfig
+    from jaxllm.engine.ranked_planner import (
         AttentionDpPlanner,
         RankAssignment,
         RankedKvCaches,
     )
     from jaxllm.engine.planner import Planner
     from jaxllm.kv_cache import KVCacheManager
-    from jaxllm.request import LlmRequest
+    from jaxllm.llm_request import LlmRequest
     from jaxllm.scheduler import make_scheduler
 
     assignment = RankAssignment(2)

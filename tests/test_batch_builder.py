@@ -8,7 +8,7 @@ import pytest
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket, token_buckets
 from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler import SchedulerOutput
 
 

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 
 VOCAB = 384
 SCORE_TOL = 1e-4  # absolute, on scores of about -1 to -20 computed in float32 by both sides

@@ -11,10 +11,10 @@ import pytest
 
 from jaxllm.bench import latency, serve_client, throughput
 from jaxllm.bench.dataset import BenchRequest, load_dataset, save_dataset, synthetic_dataset
-from jaxllm.bench.metrics import RequestRecord, distribution, format_table, summarize
+from jaxllm.bench.request_metrics import RequestRecord, distribution, format_table, summarize
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
-from jaxllm.server.config import ServerConfig
+from jaxllm.server.server_config import ServerConfig
 from server_helpers import LiveServer, live_threads as _threads
 from conftest import tiny_engine
 

@@ -14,8 +14,8 @@ import pytest
 
 from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
+from jaxllm.llm_args import KvCacheConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.sampling import SamplingParams
 

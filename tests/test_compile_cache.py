@@ -42,8 +42,8 @@ def on_event(event, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(on_duration)
 jax.monitoring.register_event_listener(on_event)
 from dataclasses import asdict
-from jaxllm.config import KvCacheConfig
-from jaxllm.engine.config import EngineConfig
+from jaxllm.llm_args import KvCacheConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.sampling import SamplingParams
 for overrides in json.loads(sys.argv[2]):

@@ -23,8 +23,8 @@ def check_all(root: Path) -> None:
     """Subprocess entry point (8 devices)."""
     import jax
 
-    from jaxllm.config import MoeConfig
-    from sharding.eplb.config import MoeLoadBalancerConfig
+    from jaxllm.llm_args import MoeConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from tests.test_deepseek import _engine_outputs, staggered_prompts
     from tests.parallel_workload import small_engine
 

@@ -46,7 +46,7 @@ def check_all(root: Path) -> None:
     import jax
     import numpy as np
 
-    from jaxllm.config import MoeConfig
+    from jaxllm.llm_args import MoeConfig
     from jaxllm.models import materialize_preset
     from sharding.eplb.cli import generate_config_main, report_main
     from sharding.eplb.statistics import load_expert_statistics
@@ -104,8 +104,8 @@ def test_parallel_flags_and_placement_from_config_yaml(tmp_path):
 
     from jaxllm.cli import build_parser
     from jaxllm.cli.args import engine_kwargs
-    from jaxllm.engine.config import EngineConfig
-    from sharding.eplb.config import MoeLoadBalancerConfig, save_eplb_config
+    from jaxllm.engine.engine_config import EngineConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig, save_eplb_config
 
     placement = tmp_path / "eplb.yaml"
     save_eplb_config(MoeLoadBalancerConfig(num_slots=16, initial_global_assignments={1: list(range(8)) * 2}), placement)

@@ -22,7 +22,7 @@ from sharding.eplb import (ALGORITHMS, ExpertStatisticsWriter, MoeLoadBalancerCo
                            load_eplb_config, load_expert_statistics, placement_from_counts, rebalance_experts,
                            replicate_by_load, write_expert_statistics)
 from sharding.eplb.cli import main as eplb_main
-from sharding.eplb.metrics import load_statistics, rank_loads, slot_loads
+from sharding.eplb.load_metrics import load_statistics, rank_loads, slot_loads
 
 REPO = Path(__file__).resolve().parents[1]
 

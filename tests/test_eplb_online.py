@@ -76,13 +76,13 @@ def check_engine(root: Path) -> None:
     import jax.monitoring
 
     from jaxllm import KvCacheConfig
-    from jaxllm.config import MoeConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.llm_args import MoeConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.engine.load_balancer import moe_layer_params
     from jaxllm.models import materialize_preset
     from sharding.eplb.cli import report_main
-    from sharding.eplb.config import MoeLoadBalancerConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from sharding.eplb.statistics import load_expert_statistics
     from sharding.expert_pool import SLOT_WEIGHTS
     from tests.test_ep_moe import write_checkpoint
@@ -281,7 +281,7 @@ def test_hungarian_assignment_is_optimal():
 
 def test_mapping_keeps_rank_loads_and_moves_fewer_slots():
     from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
-    from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
+    from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
     from sharding.eplb.placement import greedy_placement
 
     rng = np.random.default_rng(1)
@@ -355,7 +355,7 @@ def test_slot_counts_follow_round_robin_replica_choice():
 
 
 def test_online_config_fields():
-    from sharding.eplb.config import MoeLoadBalancerConfig, load_eplb_config
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig, load_eplb_config
 
     config = load_eplb_config({"num_slots": 16, "layer_updates_per_iter": 2, "min_imbalance_gain": 0.05,
                                "placement_algorithm": "greedy", "minimize_moves": False})

@@ -9,7 +9,7 @@ import functools
 import numpy as np
 import pytest
 
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, describe, describe_engine_config,
                                             environment_description)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.host_transfer import pack, unpack
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.sampling import SamplingParams, SamplingTensors, resolve_seed
 from jaxllm.sampling.slots import SamplingSlots
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler import SchedulerOutput, SimpleScheduler, GuaranteedNoEvictScheduler, MicroBatchScheduler
 from scheduler_fakes import FakeExecutor, make_requests
 

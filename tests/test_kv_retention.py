@@ -13,7 +13,7 @@ import pytest
 from jaxllm import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from jaxllm.kv_cache import KVCacheManager, KvCacheEventBuffer, KvEventRecorder
 from jaxllm.lora import LoraAdapter, LoRARequest
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, MicroBatchScheduler, \
     SchedulerOutput, SimpleScheduler
 from kv_event_replay import replay as _replay
@@ -297,7 +297,7 @@ def test_server_takes_a_retention_config_and_serves_events(llm):
     import httpx
 
     from jaxllm.server.app import build_app
-    from jaxllm.server.config import ServerConfig
+    from jaxllm.server.server_config import ServerConfig
     from server_helpers import LiveServer
 
     server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny", api_key="k")))

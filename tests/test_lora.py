@@ -164,7 +164,7 @@ def test_server_selects_adapters_by_model_name(lora_setup):
 
     from jaxllm.cli.serve import parse_lora_modules
     from jaxllm.server.app import build_app
-    from jaxllm.server.config import ServerConfig
+    from jaxllm.server.server_config import ServerConfig
     from server_helpers import LiveServer
 
     root, base, peft_models, requests, llm = lora_setup
@@ -199,10 +199,10 @@ def test_adapter_slots_are_a_scheduling_resource(policy):
     """One slot, two adapters: the second adapter's request waits (the base request behind it
     runs) until the first adapter's request ends; its slot is then rewritten. Base and adapter
     requests on one prompt never share prefix KV blocks."""
-    from jaxllm.config import SchedulerConfig
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.kv_cache import KVCacheManager
     from jaxllm.lora import LoraAdapter, LoraSlots
-    from jaxllm.request import LlmRequest
+    from jaxllm.llm_request import LlmRequest
     from jaxllm.scheduler import make_scheduler
 
     kv = KVCacheManager(64, 4, 16, enable_block_reuse=True)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from jaxllm.executor.executor import GenerationExecutor  # noqa: E402
 from jaxllm.server.app import build_app  # noqa: E402
-from jaxllm.server.config import ServerConfig  # noqa: E402
+from jaxllm.server.server_config import ServerConfig  # noqa: E402
 from conftest import tiny_engine  # noqa: E402
 
 MODEL = "tiny-moe"

@@ -43,10 +43,10 @@ def assert_same(a, b, where="message"):
 def planned_steps() -> list:
     """The plans of a small run on the host planner: greedy, sampled, penalised and logprob rows,
     chunked prefill then decode."""
-    from jaxllm.config import SchedulerConfig
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner
     from jaxllm.kv_cache import KVCacheManager
-    from jaxllm.request import LlmRequest
+    from jaxllm.llm_request import LlmRequest
     from jaxllm.sampling import SamplingParams
     from jaxllm.scheduler import make_scheduler
 
@@ -76,7 +76,7 @@ def planned_steps() -> list:
 
 
 def test_every_message_round_trips():
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.followers import LatestOutput
 
     plans = planned_steps()
@@ -131,8 +131,8 @@ class Outside:
 
 def test_refuses_what_is_not_a_plain_message():
     for name in ("builtins:print", "os:system", "subprocess:Popen", "jaxllm.engine.followers:follow",
-                 "jaxllm.engine.plan_channel:MessageError", "jaxllm.engine.config:missing",
-                 "jaxllm.engine.config:EngineConfig.__post_init__"):
+                 "jaxllm.engine.plan_channel:MessageError", "jaxllm.engine.engine_config:missing",
+                 "jaxllm.engine.engine_config:EngineConfig.__post_init__"):
         for tag, rest in (("dataclass", {"fields": {}}), ("enum", {"value": 1}), ("namedtuple", {"items": []})):
             with pytest.raises(MessageError, match="may not refer|does not exist|is not a"):
                 decode(payload_with({tag: name, **rest}))

@@ -19,10 +19,10 @@ def plan_without_devices() -> dict:
     """Subprocess entry point: plan a workload with host-made tokens, never starting a backend."""
     from jax._src import xla_bridge
 
-    from jaxllm.config import SchedulerConfig
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, StepPlan
     from jaxllm.kv_cache import KVCacheManager
-    from jaxllm.request import LlmRequest
+    from jaxllm.llm_request import LlmRequest
     from jaxllm.sampling import SamplingParams
     from jaxllm.scheduler import make_scheduler
 
@@ -74,7 +74,7 @@ def test_planner_runs_without_devices():
 
 def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
     from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.models import materialize_preset
@@ -118,10 +118,10 @@ def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
     filled in after the next step is planned; requests finish by length or a stop token, new
     ones arrive), with the built-in scheduler (`steady`) or the same scheduler under another
     class, which the planner does not trust to keep a decode batch (the general path)."""
-    from jaxllm.config import SchedulerConfig
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.engine.planner import Planner
     from jaxllm.kv_cache import KVCacheManager
-    from jaxllm.request import LlmRequest
+    from jaxllm.llm_request import LlmRequest
     from jaxllm.sampling import SamplingParams
     from jaxllm.scheduler import make_scheduler
     from jaxllm.scheduler.simple import SimpleScheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 
 
 def test_states_are_ordered_for_schedulability():

@@ -123,9 +123,9 @@ def test_slot_layers_stack_and_a_balancer_round_rewrites_one_layer_in_place(chec
     buffers [3, 12, ...], tables [3, ...], the loop's tokens. A balancer round rewrites layer
     2's row in place (the stack donated, the other rows untouched, the table row replaced)
     compiling nothing after warm-up, and the next steps still give the loop's tokens."""
-    from jaxllm.bench.metrics import counting_compiles
+    from jaxllm.bench.request_metrics import counting_compiles
     from jaxllm.engine.load_balancer import OnlineLoadBalancer, moe_layer_params, slot_layer_row
-    from sharding.eplb.config import MoeLoadBalancerConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from sharding.eplb.online import PlacementUpdate
     from sharding.mesh import ParallelConfig, make_mesh
 
@@ -186,7 +186,7 @@ def test_layouts_do_not_mix(checkpoint):
 def test_scan_layers_switch_reaches_the_engine_config():
     from jaxllm.cli import build_parser
     from jaxllm.cli.args import engine_kwargs
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
 
     assert EngineConfig(model="tiny-moe").scan_layers
     assert "scan_layers" not in engine_kwargs(build_parser().parse_args(["generate"]))

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from jaxllm.config import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
+from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.scheduler import (CapacityScheduler, ContextChunkingConfig, GuaranteedNoEvictScheduler,
                               MaxUtilizationScheduler, MicroBatchScheduler, RequestScheduler,
                               SchedulerOutput, SimpleScheduler, StaticBatchScheduler,

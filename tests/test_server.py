@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
-from jaxllm.server.config import ServerConfig
+from jaxllm.server.server_config import ServerConfig
 from server_helpers import LiveServer, assert_no_thread_left, live_threads as _threads, wait_idle
 from conftest import tiny_engine
 

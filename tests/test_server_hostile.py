@@ -27,7 +27,7 @@ from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.app import build_app
-from jaxllm.server.config import ServerConfig
+from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
 from server_helpers import LiveServer as _ServedApp, assert_no_thread_left, free_port as _free_port, wait_idle
 from server_helpers import live_threads as _threads

@@ -76,8 +76,8 @@ def format_table(rows: list[BeamRow]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
-    from jaxllm.config import KvCacheConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.llm_args import KvCacheConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.sampling import SamplingParams
 

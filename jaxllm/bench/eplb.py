@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
+from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
 from sharding.eplb.placement import ALGORITHMS, placement_from_counts
 from sharding.eplb.statistics import write_expert_statistics
 from sharding.slot_table import default_assignment

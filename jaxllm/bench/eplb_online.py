@@ -162,7 +162,7 @@ class SkewedMoeWorkload:
 
 
 def _imbalance(loads: np.ndarray) -> np.ndarray:
-    from sharding.eplb.metrics import imbalance_ratio
+    from sharding.eplb.load_metrics import imbalance_ratio
 
     return imbalance_ratio(np.asarray(loads, dtype=np.float64))
 
@@ -176,7 +176,7 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
         moe_layer_params,
         slot_counts,
     )
-    from sharding.eplb.config import MoeLoadBalancerConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from sharding.expert_pool import SLOT_WEIGHTS
     from sharding.mesh import ParallelConfig, make_mesh
 

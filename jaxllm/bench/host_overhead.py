@@ -90,7 +90,7 @@ def measure(*, model: str, running: int, steps: int, overlap: bool, prompt_len: 
     import numpy as np
 
     from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     tpb = 32

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from jaxllm.bench.dataset import add_dataset_args, dataset_from_args
-from jaxllm.bench.metrics import format_table, summarize, write_report
+from jaxllm.bench.request_metrics import format_table, summarize, write_report
 from jaxllm.bench.throughput import add_engine_args, build_engine, engine_host_timing, run_executor
 
 

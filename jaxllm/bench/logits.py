@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.bench.metrics import counting_compiles
+from jaxllm.bench.request_metrics import counting_compiles
 
 
 def _identity(logits, request_ids, mask):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.bench.metrics import counting_compiles
+from jaxllm.bench.request_metrics import counting_compiles
 
 _MODULES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
             "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),

@@ -53,7 +53,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict:
     import numpy as np
 
     from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     n = args.running

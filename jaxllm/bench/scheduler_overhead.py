@@ -31,11 +31,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from jaxllm.config import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
+from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.engine.planner import Planner
 from jaxllm.kv_cache import KVCacheManager, KvCacheEventBuffer, KvEventRecorder
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import make_scheduler
 

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 from jaxllm.bench.dataset import BenchRequest, add_dataset_args, dataset_from_args
-from jaxllm.bench.metrics import RequestRecord, format_table, summarize, write_report
+from jaxllm.bench.request_metrics import RequestRecord, format_table, summarize, write_report
 
 LOADS = ("all", "concurrency", "poisson")
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 from jaxllm.bench.dataset import BenchRequest, add_dataset_args, dataset_from_args
-from jaxllm.bench.metrics import RequestRecord, format_table, summarize, write_report
+from jaxllm.bench.request_metrics import RequestRecord, format_table, summarize, write_report
 
 BACKENDS = ("executor", "llm", "engine")
 
@@ -166,7 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(args: argparse.Namespace):
     from jaxllm.cli.args import engine_kwargs
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     kwargs = engine_kwargs(args)

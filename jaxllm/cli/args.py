@@ -147,8 +147,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the flags, then the --config file on top."""
     from dataclasses import fields
 
-    from jaxllm.config import KvCacheConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.llm_args import KvCacheConfig
+    from jaxllm.engine.engine_config import EngineConfig
 
     kv = dict(tokens_per_block=args.tokens_per_block, max_tokens=args.kv_cache_max_tokens,
               free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9))

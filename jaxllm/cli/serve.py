@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from jaxllm.server.app import build_app
-    from jaxllm.server.config import ServerConfig
+    from jaxllm.server.server_config import ServerConfig
     from jaxllm.server.lifecycle import serve
     from sharding import multihost
 

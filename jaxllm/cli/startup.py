@@ -120,7 +120,7 @@ def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = T
     """Build the executor on `model_dir`, print the banner, compile, print "ready in X s".
 
     `kwargs`: EngineConfig arguments (default: `engine_kwargs(args)`)."""
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
 
     started = time.perf_counter() if started is None else started

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import numpy as np
 
 from jaxllm.engine.step_updates import RequestUpdate
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxllm.engine.requests import RequestTable

@@ -17,10 +17,10 @@ from typing import Any, Optional, Union
 
 import jax
 
-from jaxllm.engine.attention_dp import AttentionDpPlanner, RankAssignment, RankedKvCaches
+from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_processing import check_batched_processors
@@ -32,7 +32,7 @@ from jaxllm.lora import LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
-from jaxllm.models.config import numpy_dtype
+from jaxllm.models.model_config import numpy_dtype
 from jaxllm.models.backends import resolve_backends
 from jaxllm.models.parallel.ep_moe import EpMoeOptions
 from jaxllm.models.partitioning import attention_dp_rules
@@ -220,7 +220,7 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
                        max_blocks_per_seq=device.max_blocks_per_seq, max_seq_len=device.max_seq_len,
                        lora_slots=lora_slots)
 
-    if config.enable_attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.attention_dp)
+    if config.enable_attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.ranked_planner)
         assignment = RankAssignment(device.num_ranks)
         planner = AttentionDpPlanner([rank_planner(rank) for rank in range(device.num_ranks)], assignment)
         kv_cache_manager = RankedKvCaches([p.kv_cache_manager for p in planner.planners], assignment)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from jaxllm.config import CapacitySchedulerPolicy
-from jaxllm.engine.config import EngineConfig
-from jaxllm.models.config import ModelConfig
+from jaxllm.llm_args import CapacitySchedulerPolicy
+from jaxllm.engine.engine_config import EngineConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.sampling import SamplingParams
 
 

@@ -26,12 +26,12 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
-from jaxllm.config import CapacitySchedulerPolicy
+from jaxllm.llm_args import CapacitySchedulerPolicy
 from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time, check_sequence_index,
                                      validate_request)
 from jaxllm.engine.builder import build_engine, resolve_model_dir
 from jaxllm.engine.compile_ahead import BucketCompiler
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
@@ -44,7 +44,7 @@ from jaxllm.engine.warmup import ProgramWarmup
 from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.lora import LoraAdapter, LoRARequest
 from jaxllm.lora.weights import empty_slot, slot_update
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingParams
 
 __all__ = ["EngineTiming", "LLMEngine", "resolve_model_dir"]

@@ -35,9 +35,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharding.eplb.config import MoeLoadBalancerConfig
+from sharding.eplb.eplb_config import MoeLoadBalancerConfig
 from sharding.eplb.mapping import moved_slots
-from sharding.eplb.metrics import imbalance_ratio, rank_loads
+from sharding.eplb.load_metrics import imbalance_ratio, rank_loads
 from sharding.eplb.online import PlacementWorker
 from sharding.expert_load import LOAD_DECAY, decay_expert_load
 from sharding.expert_pool import SLOT_WEIGHTS, ExpertWeightPool

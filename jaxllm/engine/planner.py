@@ -26,7 +26,7 @@ from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.lora.slots import NO_SLOT, LoraSlots
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
 from jaxllm.sampling.slots import SamplingSlots
 from jaxllm.scheduler import SchedulerOutput

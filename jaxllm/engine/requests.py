@@ -20,7 +20,7 @@ from jaxllm.engine.beam_search import BeamRun, BeamSearch
 from jaxllm.engine.logits_outputs import LogitsRecord
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.engine.token_log import PLACEHOLDER_TOKEN
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.sampling import SamplingParams, resolve_seed
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Union
 
 from jaxllm.outputs import Logprob
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxllm.engine.beam_search import BeamHypothesis

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 
 PLACEHOLDER_TOKEN = -1
 """An output token sampled by a step still in flight (its value is on the device)."""

@@ -24,7 +24,7 @@ from jaxllm.engine.planner import DecodeEntries
 from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
 from jaxllm.kv_cache.manager import DecodeRows
 from jaxllm.outputs import Logprob
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import check_stop
 
 if TYPE_CHECKING:  # pragma: no cover

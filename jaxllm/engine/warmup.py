@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxllm.batch_builder import choose_token_bucket, token_buckets
 from jaxllm.engine.compile_ahead import BucketCompiler
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.logits_outputs import row_buckets
 from jaxllm.sampling import SAMPLER_VARIANTS, SamplingTensors
 

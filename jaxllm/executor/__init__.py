@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return getattr(executor, name)
     if name == "GenerationRequest":
-        from jaxllm.executor.request import GenerationRequest
+        from jaxllm.executor.generation_request import GenerationRequest
 
         return GenerationRequest
     if name == "GenerationResult":

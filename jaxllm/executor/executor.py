@@ -32,15 +32,15 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from jaxllm.engine.admission import AdmittedRequest
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
 from jaxllm.executor.inputs import PromptBatch, PromptInput, normalize_inputs
 from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec, event_slices
 from jaxllm.executor.postprocess import PostprocessWorkerPool
-from jaxllm.executor.request import GenerationRequest
+from jaxllm.executor.generation_request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
 from sharding.multihost import on_peer_failure

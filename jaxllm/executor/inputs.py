@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, retention_configs_per_prompt
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.sampling import SamplingParams
 
 PromptInput = str | Sequence[int]

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Iterator, Optional, Protocol
 
 from jaxllm.executor.output_processor import Delta
-from jaxllm.executor.request import GenerationRequest
+from jaxllm.executor.generation_request import GenerationRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 
 

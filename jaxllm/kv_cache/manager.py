@@ -40,7 +40,7 @@ from jaxllm.kv_cache.prefix_reuse import PrefixReuse, num_computed_tokens
 from jaxllm.kv_cache.sequence import BeamGroup, KvSequence, blocks_to_completion
 from jaxllm.kv_cache.stats import AllocationCounts, KvCacheStats
 from jaxllm.kv_cache.steady_decode import DecodeRows
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxllm.scheduler.output import SchedulerOutput

@@ -14,7 +14,7 @@ from __future__ import annotations
 from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
 from jaxllm.kv_cache.retention import DEFAULT_RETENTION_PRIORITY
 from jaxllm.kv_cache.sequence import KvSequence
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 
 
 def prefix_root(request: LlmRequest) -> int:

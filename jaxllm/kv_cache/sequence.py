@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxllm.kv_cache.block_pool import BlockPool
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 
 
 def blocks_to_completion(request: LlmRequest, tokens_per_block: int) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxllm.kv_cache.sequence import KvSequence

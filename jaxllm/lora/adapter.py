@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.lora.request import LoRARequest
-from jaxllm.models.config import ModelConfig
+from jaxllm.lora.lora_request import LoRARequest
+from jaxllm.models.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -6,8 +6,8 @@ import collections
 import threading
 
 from jaxllm.lora.adapter import LoraAdapter, load_adapter
-from jaxllm.lora.request import LoRARequest
-from jaxllm.models.config import ModelConfig
+from jaxllm.lora.lora_request import LoRARequest
+from jaxllm.models.model_config import ModelConfig
 
 
 class AdapterCache:

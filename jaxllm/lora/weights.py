@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.lora.adapter import LoraAdapter, layer_targets, target_dims
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.weights import Params, stacks_of_params
 
 LoraTree = dict[str, Any]  # {"layer_stacks": [{target: {"a", "b"}}], "layers": [{target: {"a", "b"}} or {}]}

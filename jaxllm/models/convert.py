@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from jaxllm.models.config import load_model_config
+from jaxllm.models.model_config import load_model_config
 from jaxllm.models.loader import load_params
 from jaxllm.models.orbax_io import checkpoint_bytes, is_converted, write_converted
 

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention

@@ -1,6 +1,6 @@
 """DeepSeek-V3's config.json fields (`DeepseekV3ForCausalLM`): multi-head latent attention and
 grouped sigmoid routing, with transformers' defaults for the keys a config leaves out.
-Read by `jaxllm.models.config.load_model_config`; kept apart from the DeepSeek layers so
+Read by `jaxllm.models.model_config.load_model_config`; kept apart from the DeepSeek layers so
 the config sits below every model module."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.weight_layout import Layout, Source
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache, MlaKvCacheSpec
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.partitioning import rules_for
 from sharding.dp_ranks import RANK_SPEC, attention_dp_size
 from sharding.mesh import tensor_parallel_size

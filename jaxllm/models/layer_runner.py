@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.attention import AttentionMetadata
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.kv_cache_spec import KVCache
 from jaxllm.models.weights import LayerStack, Params, stacks_of_params
 from sharding.expert_load import MoeStepStats

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, latent_attention_of
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.numerics import rms_norm
 from jaxllm.models.rope import yarn_softmax_scale
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 
 MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 

@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 
 
 def matmul_precision(config: ModelConfig) -> Optional[jax.lax.Precision]:

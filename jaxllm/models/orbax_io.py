@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.partitioning import kv_replicas_for
 from jaxllm.models.weights import Params, build_tree, declare_weights
 from sharding.rules import ShardingRules, named_sharding

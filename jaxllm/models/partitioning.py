@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS, expert_parallel_size, tensor_parallel_size
 from sharding.rules import ShardingRules, kv_head_replicas, model_rules
 

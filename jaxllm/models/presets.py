@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxllm.models.cache_dir import cache_root
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.weights import random_checkpoint
 
 # Bump when anything a preset writes changes, so stale cached copies are rebuilt.

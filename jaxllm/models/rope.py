@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -55,7 +55,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Seque
 import jax
 import numpy as np
 
-from jaxllm.models.config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from operator import attrgetter
 from typing import Iterable, Optional
 
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.scheduler.output import SchedulerOutput
 
 RequestList = list[LlmRequest]

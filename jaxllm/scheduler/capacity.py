@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest, LlmRequestState
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.scheduler.base import CapacityScheduler, RequestList, order_by_priority
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT

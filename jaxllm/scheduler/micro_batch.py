@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from jaxllm.config import ContextChunkingPolicy, _coerce_enum
-from jaxllm.request import LlmRequestState
+from jaxllm.llm_args import ContextChunkingPolicy, _coerce_enum
+from jaxllm.llm_request import LlmRequestState
 from jaxllm.scheduler.base import RequestList
 
 _CONTEXT_INIT = LlmRequestState.CONTEXT_INIT

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxllm.config import CapacitySchedulerPolicy, SchedulerConfig
+from jaxllm.llm_args import CapacitySchedulerPolicy, SchedulerConfig
 from jaxllm.kv_cache import KVCacheManager
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.scheduler.base import CapacityScheduler, RequestList, RequestScheduler
 from jaxllm.scheduler.capacity import (GuaranteedNoEvictScheduler, MaxUtilizationScheduler,
                                        StaticBatchScheduler)

@@ -21,10 +21,10 @@ import jaxllm
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.server.chat import ChatRoute
 from jaxllm.server.completions import CompletionsRoute
-from jaxllm.server.config import ServerConfig
+from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.errors import APIError, error_response
 from jaxllm.server.guard import BodyTooLarge, GuardMiddleware
-from jaxllm.server.metrics import PROMETHEUS_CONTENT_TYPE
+from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
 from jaxllm.server.serving import OpenAIServer
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
 
     @app.get("/metrics")
     def metrics() -> Response:  # sync: runs on a worker thread, as it waits for the engine between steps
-        """Prometheus text format (jaxllm.server.metrics)."""
+        """Prometheus text format (jaxllm.server.server_metrics)."""
         return Response(server.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/iteration_stats")

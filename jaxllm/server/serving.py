@@ -27,13 +27,13 @@ from pydantic import BaseModel, ValidationError
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
-from jaxllm.server.config import ServerConfig
+from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.errors import APIError, bad_request, param_of, validation_error
 from jaxllm.server.guard import BodyTooLarge, parse_json_body
-from jaxllm.server.metrics import ServerMetrics
+from jaxllm.server.server_metrics import ServerMetrics
 from jaxllm.server.streaming import wait_for_disconnect
 
 

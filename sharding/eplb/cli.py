@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from sharding.eplb.config import MoeLoadBalancerConfig, load_eplb_config, save_eplb_config
+from sharding.eplb.eplb_config import MoeLoadBalancerConfig, load_eplb_config, save_eplb_config
 from sharding.eplb.placement import ALGORITHMS, DEFAULT_ALGORITHM, placement_from_counts
 from sharding.eplb.report import format_report, layer_statistics, plot_heatmaps
 from sharding.eplb.statistics import load_expert_statistics

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
+from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
 from sharding.eplb.placement import refine_placement
 
 

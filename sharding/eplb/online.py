@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
-from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
+from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
 from sharding.eplb.placement import ALGORITHMS, compute_placement
 
 # An incremental placement may be this much more imbalanced (predicted ratio) than the fresh one.

@@ -354,7 +354,7 @@ def _balanced_layers(counts: np.ndarray, num_slots: int, ep_size: int, decay: fl
 
 def choose_decay(counts: np.ndarray, num_slots: int, ep_size: int, **options) -> float:
     """The decay whose placement, fitted on the first 3/4 of the iterations, balances the last 1/4 best."""
-    from sharding.eplb.metrics import imbalance_ratio, rank_loads, slot_loads
+    from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
 
     cut = counts.shape[0] * 3 // 4
     if cut < 4 or counts.shape[0] - cut < 2:

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sharding.eplb.config import MoeLoadBalancerConfig
-from sharding.eplb.metrics import STAT_COLUMNS, load_statistics, rank_loads, slot_loads
+from sharding.eplb.eplb_config import MoeLoadBalancerConfig
+from sharding.eplb.load_metrics import STAT_COLUMNS, load_statistics, rank_loads, slot_loads
 from sharding.eplb.statistics import ExpertStatistics
 
 

@@ -5,7 +5,7 @@ For each model and backend one `LLMEngine` is built (weights from a random-weigh
 directory, `random_models`), warmed up (every token bucket compiled, greedy sampler), and
 driven on this thread (`jaxllm.bench.throughput.run_engine`: requests admitted up to the
 concurrency, EOS ignored, greedy) at each concurrency with one request per slot. Reported:
-output tokens/s, TTFT and inter-token latency (`jaxllm.bench.metrics.summarize`), host
+output tokens/s, TTFT and inter-token latency (`jaxllm.bench.request_metrics.summarize`), host
 ms per step and device idle between steps (`jaxllm.bench.host_overhead.DeviceWatcher`:
 time from one step's device work ending to the next forward being enqueued), compiles
 during the timed runs, warm-up time with the time each compiled piece became ready
@@ -37,7 +37,7 @@ from jaxllm.bench.dataset import BenchRequest
 from jaxllm.bench.gpu.random_models import write_model_dir
 from jaxllm.bench.gpu.report import SectionContext, Table
 from jaxllm.bench.host_overhead import DeviceWatcher
-from jaxllm.bench.metrics import counting_compiles, summarize
+from jaxllm.bench.request_metrics import counting_compiles, summarize
 from jaxllm.bench.throughput import run_engine
 
 
@@ -114,7 +114,7 @@ def _requests(count: int, input_len: int, output_len: int, vocab: int, seed: int
 def build_engine(model_dir: Path, backend: str, p: EnginePlan) -> tuple[Any, dict[str, Any]]:
     """(the warmed-up engine, build facts: seconds, compile times, bytes)."""
     from jaxllm import KvCacheConfig
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     max_batch = max(p.concurrencies)

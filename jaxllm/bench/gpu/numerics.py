@@ -40,7 +40,7 @@ HF_CONFIG: dict[str, Any] = {
 def greedy_tokens(model_dir: Path, backend: str) -> list[list[int]]:
     """Each prompt's greedy continuation of MAX_TOKENS tokens, float32, on `backend`."""
     from jaxllm import KvCacheConfig, SamplingParams
-    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
     previous = jax.config.jax_default_matmul_precision

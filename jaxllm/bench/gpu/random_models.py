@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.presets import materialize_preset
 from jaxllm.models.weights import declare_weights, random_checkpoint
 

@@ -11,7 +11,7 @@ Layout (SPMD, one program for all ranks):
 - The step's inputs carry a leading rank axis split over the devices: every `StepBatch`
   field is [D, ...] (tokens [D, T_rank], sequences [D, S_rank]), the same token bucket on
   every rank (the largest any rank needs this step). Built on the host by
-  `jaxllm.engine.attention_dp`; the step plan stays plain numpy.
+  `jaxllm.engine.ranked_planner`; the step plan stays plain numpy.
 - The KV cache of each layer is [D, Hkv, blocks, tokens_per_block, head_dim] split over
   the devices on its leading axis: device d holds rank d's block pool, every KV head.
 - Attention, dense and embedding weights are replicated (no head or column split), the
@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
 from jaxllm.models.moe import MoeFn, route
 from jaxllm.models.parallel.ep_moe import EpMoeOptions, dispatch_body

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.models.config import ModelConfig
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route_layer
 from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts

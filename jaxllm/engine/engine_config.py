@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from jaxllm.config import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
+from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from sharding.mesh import ParallelConfig
 
 ATTENTION_BACKENDS = ("xla", "pallas", "triton", "mosaic")  # pallas: mosaic on Hopper, triton elsewhere

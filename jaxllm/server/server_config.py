@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 

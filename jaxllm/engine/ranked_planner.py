@@ -30,7 +30,7 @@ from jaxllm.engine.planner import (PLACEHOLDER_TOKEN, BuiltStep, Planner, Planne
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.stats import KvCacheStats
 from jaxllm.models.parallel.attention_dp import stack_batches
-from jaxllm.request import LlmRequest
+from jaxllm.llm_request import LlmRequest
 from jaxllm.sampling import SamplingTensors
 from jaxllm.scheduler import SchedulerOutput
 

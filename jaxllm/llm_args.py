@@ -76,7 +76,7 @@ class MoeConfig:
     """How MoE layers run under expert parallelism.
 
     `load_balancer` is the expert placement loaded at start: a `MoeLoadBalancerConfig`
-    (`sharding.eplb.config`), its fields as a dict, or the path of the YAML that
+    (`sharding.eplb.eplb_config`), its fields as a dict, or the path of the YAML that
     `jaxllm eplb generate-config` writes; with `layer_updates_per_iter > 0` the online
     balancer keeps rebalancing it while serving (`jaxllm.engine.load_balancer`). `dispatch` picks how tokens reach the ranks that
     hold their experts ("auto": by the step's token bucket); `capacity_factor` opts into
@@ -89,7 +89,7 @@ class MoeConfig:
 
     def __post_init__(self) -> None:
         if self.load_balancer is not None:
-            from sharding.eplb.config import load_eplb_config
+            from sharding.eplb.eplb_config import load_eplb_config
 
             self.load_balancer = load_eplb_config(self.load_balancer)
         if self.dispatch not in MOE_DISPATCH_MODES:

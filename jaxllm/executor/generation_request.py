@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, check_retention_config
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.sampling.params import _show
 
