@@ -24,9 +24,29 @@ def free_port() -> int:
 def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", "tiny-moe", "--port", str(port),
-           "--max-batch-size", "2", "--max-num-tokens", "16", "--max-seq-len", "128",
-           "--kv-cache-max-tokens", "512", "--tokens-per-block", "8", "--no-warmup", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm",
+        "serve",
+        "--model",
+        "tiny-moe",
+        "--port",
+        str(port),
+        "--max-batch-size",
+        "2",
+        "--max-num-tokens",
+        "16",
+        "--max-seq-len",
+        "128",
+        "--kv-cache-max-tokens",
+        "512",
+        "--tokens-per-block",
+        "8",
+        "--no-warmup",
+        "--log-level",
+        "warning",
+    ]
     server = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
         deadline = time.monotonic() + 300
@@ -42,10 +62,17 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise SystemExit("server not ready within 300 s")
             time.sleep(0.5)
-        body = json.dumps({"model": "tiny-moe", "messages": [{"role": "user", "content": "Hello!"}],
-                           "max_tokens": 8, "ignore_eos": True}).encode()
-        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "tiny-moe",
+                "messages": [{"role": "user", "content": "Hello!"}],
+                "max_tokens": 8,
+                "ignore_eos": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=300) as response:
             reply = json.loads(response.read())
         choice = reply["choices"][0]

@@ -4,8 +4,17 @@ from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "KvCacheConfig", "KvCacheRetentionConfig", "MoeConfig",
-           "SchedulerConfig", "TokenRangeRetentionConfig", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "SamplingParams",
+    "KvCacheConfig",
+    "KvCacheRetentionConfig",
+    "MoeConfig",
+    "SchedulerConfig",
+    "TokenRangeRetentionConfig",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

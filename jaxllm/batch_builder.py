@@ -9,7 +9,8 @@ cache manager's per-slot arrays without a pass over the requests.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -46,9 +47,15 @@ def choose_token_bucket(num_tokens: int, max_num_tokens: int, min_bucket: int = 
     return min(bucket, max_num_tokens)
 
 
-def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucket: int,
-                     max_batch_size: int, max_blocks_per_seq: int,
-                     generation_tokens: Optional[np.ndarray] = None) -> StepBatch:
+def build_step_batch(
+    output: SchedulerOutput,
+    kv: KVCacheManager,
+    *,
+    token_bucket: int,
+    max_batch_size: int,
+    max_blocks_per_seq: int,
+    generation_tokens: Optional[np.ndarray] = None,
+) -> StepBatch:
     """Pack the scheduled requests (context chunks first, then generation tokens) into a
     `StepBatch` of numpy int32 arrays (views of one buffer allocated per call, so nothing
     is overwritten by later steps). Blocks must already be allocated: call
@@ -74,11 +81,22 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
     chunks = [r.context_chunk_size for r in ctx]
     ctx_starts = [r.context_current_position for r in ctx]
     placement = output.kv_placement
-    prepared = (kv.placement_is_current(placement) and len(placement.rows) == n
-                and len(placement.generation_num_tokens) == n_gen)
+    prepared = (
+        kv.placement_is_current(placement)
+        and len(placement.rows) == n
+        and len(placement.generation_num_tokens) == n_gen
+    )
     if prepared and placement.decode is not None and not n_ctx:
-        return build_decode_batch(kv, placement.rows, placement.generation_num_tokens, generation_tokens, gen,
-                                  token_bucket=T, max_batch_size=S, max_blocks_per_seq=MB)[0]
+        return build_decode_batch(
+            kv,
+            placement.rows,
+            placement.generation_num_tokens,
+            generation_tokens,
+            gen,
+            token_bucket=T,
+            max_batch_size=S,
+            max_blocks_per_seq=MB,
+        )[0]
     if prepared:
         rows_list, gen_num_tokens = placement.rows, placement.generation_num_tokens
     else:
@@ -97,14 +115,14 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
     num_seqs, logits_indices = batch.num_seqs, batch.logits_indices
 
     if n_ctx:
-        np.cumsum(q_lens, out=cu_q_lens[1:n + 1])
+        np.cumsum(q_lens, out=cu_q_lens[1 : n + 1])
         total = int(cu_q_lens[n])
     else:  # generation only: one token per sequence
-        cu_q_lens[:n + 1] = np.arange(n + 1, dtype=np.int32)
+        cu_q_lens[: n + 1] = np.arange(n + 1, dtype=np.int32)
         total = n
     if total > T:
         raise ValueError(f"{total} scheduled tokens exceed the token bucket ({T})")
-    cu_q_lens[n + 1:] = total
+    cu_q_lens[n + 1 :] = total
     live_kv_lens = kv_lens[:n]
     np.add(starts_a, q_lens, out=live_kv_lens)
     if n_ctx and not q_lens[:n_ctx].all():
@@ -117,14 +135,16 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
         held_tokens = kv.row_num_blocks[rows] * tpb
         if (live_kv_lens > held_tokens).any():
             ids = [(ctx + gen)[i].request_id for i in np.flatnonzero(live_kv_lens > held_tokens)]
-            raise RuntimeError(f"requests {ids} hold too few KV blocks for this step; "
-                               "call kv.prepare_resources(output) before building the batch")
+            raise RuntimeError(
+                f"requests {ids} hold too few KV blocks for this step; "
+                "call kv.prepare_resources(output) before building the batch"
+            )
         if width > MB and n and int(held_tokens.max()) > MB * tpb:
             raise ValueError(f"a sequence holds more than max_blocks_per_seq ({MB}) blocks")
 
     n_ctx_tokens = total - n_gen
     if n_ctx:
-        pieces = [r.prompt_array()[p:p + c] for r, p, c in zip(ctx, ctx_starts, chunks)]
+        pieces = [r.prompt_array()[p : p + c] for r, p, c in zip(ctx, ctx_starts, chunks)]
         ctx_tokens = np.concatenate(pieces)
         if ctx_tokens.shape[0] != n_ctx_tokens:
             raise ValueError("a context chunk runs past the end of its prompt")
@@ -138,8 +158,9 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
         positions[:total] = starts_a
         token_rows = rows
     if n_gen:
-        token_ids[n_ctx_tokens:total] = (generation_tokens if generation_tokens is not None
-                                         else [r.output_token_ids[-1] for r in gen])
+        token_ids[n_ctx_tokens:total] = (
+            generation_tokens if generation_tokens is not None else [r.output_token_ids[-1] for r in gen]
+        )
     block_index, offset_in_block = np.divmod(positions[:total], tpb)
     np.add(table[token_rows, block_index] * tpb, offset_in_block, out=slot_mapping[:total])
     slot_mapping[total:] = kv.num_kv_slots
@@ -150,7 +171,7 @@ def build_step_batch(output: SchedulerOutput, kv: KVCacheManager, *, token_bucke
         w = min(width, MB)
         block_tables[:n, :w] = table[rows, :w]
     num_seqs[0] = n
-    np.subtract(cu_q_lens[1:n + 1], 1, out=logits_indices[:n])
+    np.subtract(cu_q_lens[1 : n + 1], 1, out=logits_indices[:n])
     return batch
 
 
@@ -161,13 +182,20 @@ def _zero_batch(T: int, S: int, MB: int, tail: int = 0) -> StepBatch:
     (`_buffer_of` gives the whole allocation)."""
     buf = np.zeros(3 * T + (S + 1) + S + S * MB + 1 + S + tail, dtype=np.int32)
     o = 3 * T
-    cu_q_lens, kv_lens = buf[o:o + S + 1], buf[o + S + 1:o + 2 * S + 1]
+    cu_q_lens, kv_lens = buf[o : o + S + 1], buf[o + S + 1 : o + 2 * S + 1]
     o += 2 * S + 1
-    block_tables = buf[o:o + S * MB].reshape(S, MB)
+    block_tables = buf[o : o + S * MB].reshape(S, MB)
     o += S * MB
-    return StepBatch(token_ids=buf[:T], positions=buf[T:2 * T], slot_mapping=buf[2 * T:3 * T],
-                     cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
-                     num_seqs=buf[o:o + 1], logits_indices=buf[o + 1:o + 1 + S])
+    return StepBatch(
+        token_ids=buf[:T],
+        positions=buf[T : 2 * T],
+        slot_mapping=buf[2 * T : 3 * T],
+        cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        num_seqs=buf[o : o + 1],
+        logits_indices=buf[o + 1 : o + 1 + S],
+    )
 
 
 def _buffer_of(batch: StepBatch) -> np.ndarray:
@@ -175,10 +203,18 @@ def _buffer_of(batch: StepBatch) -> np.ndarray:
     return batch.token_ids.base
 
 
-def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndarray,
-                       tokens: Optional[np.ndarray], requests: Sequence[LlmRequest], *, token_bucket: int,
-                       max_batch_size: int, max_blocks_per_seq: int,
-                       feed_index: Optional[np.ndarray] = None) -> tuple[StepBatch, np.ndarray, np.ndarray]:
+def build_decode_batch(
+    kv: KVCacheManager,
+    rows: np.ndarray,
+    num_tokens: np.ndarray,
+    tokens: Optional[np.ndarray],
+    requests: Sequence[LlmRequest],
+    *,
+    token_bucket: int,
+    max_batch_size: int,
+    max_blocks_per_seq: int,
+    feed_index: Optional[np.ndarray] = None,
+) -> tuple[StepBatch, np.ndarray, np.ndarray]:
     """`build_step_batch` of a generation-only step from per-slot arrays (no pass over the
     requests): `rows[i]` is the block-table row of sequence i, `num_tokens[i]` its token
     count with this step's token, which `tokens[i]` holds (read from `requests` when None).
@@ -209,8 +245,8 @@ def build_decode_batch(kv: KVCacheManager, rows: np.ndarray, num_tokens: np.ndar
     np.add(table[rows, block_index] * tpb, offset_in_block, out=batch.slot_mapping[:n])
     batch.slot_mapping[n:] = kv.num_kv_slots
     arange = np.arange(n + 1, dtype=np.int32)
-    batch.cu_q_lens[:n + 1] = arange
-    batch.cu_q_lens[n + 1:] = n
+    batch.cu_q_lens[: n + 1] = arange
+    batch.cu_q_lens[n + 1 :] = n
     batch.kv_lens[:n] = num_tokens
     if width == MB:
         np.take(table, rows, axis=0, out=batch.block_tables[:n], mode="clip")

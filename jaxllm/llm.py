@@ -6,8 +6,9 @@ thread, `generate` submits every prompt and waits, `generate_async` returns at o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -35,8 +36,15 @@ class LLM:
     every bucket and sampler variant; "none" nothing (each program compiles when first needed).
     """
 
-    def __init__(self, model: str, tokenizer: Optional[str] = None, tensor_parallel_size: int = 1,
-                 dtype: str = "auto", warmup: str = "background", **kwargs) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Optional[str] = None,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        warmup: str = "background",
+        **kwargs,
+    ) -> None:
         unknown = sorted(set(kwargs) - _ENGINE_FIELDS - set(EXECUTOR_FIELDS))
         if unknown:
             raise ValueError(f"unknown argument(s) for LLM: {', '.join(unknown)}")
@@ -44,21 +52,23 @@ class LLM:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {warmup!r}")
         executor_kwargs = {k: kwargs.pop(k) for k in EXECUTOR_FIELDS if k in kwargs}
         executor_config = ExecutorConfig(**executor_kwargs)
-        engine_config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype,
-                                     tensor_parallel_size=tensor_parallel_size, **kwargs)
+        engine_config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size, **kwargs
+        )
         self._executor = GenerationExecutor(engine_config, executor_config)
         self._owns_executor = True
         self.tokenizer = self._executor.tokenizer
         if warmup != "none":
             try:
                 self._executor.call_on_engine(
-                    lambda engine: engine.warmup(all_variants=True, background=warmup == "background"), timeout=None)
+                    lambda engine: engine.warmup(all_variants=True, background=warmup == "background"), timeout=None
+                )
             except BaseException:
                 self._executor.shutdown()
                 raise
 
     @classmethod
-    def from_executor(cls, executor: GenerationExecutor) -> "LLM":
+    def from_executor(cls, executor: GenerationExecutor) -> LLM:
         """An `LLM` over an existing executor (e.g. one that also serves HTTP). An explicit
         shutdown() ends the executor; merely dropping the `LLM` does not."""
         llm = cls.__new__(cls)
@@ -85,9 +95,15 @@ class LLM:
             raise RuntimeError("the LLM is shut down")
 
     # ----------------------------------------------------------------- generate
-    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True,
-                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None, *,
-                 kv_cache_retention_config=None) -> Union[RequestOutput, list[RequestOutput]]:
+    def generate(
+        self,
+        inputs,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+        *,
+        kv_cache_retention_config=None,
+    ) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate for one prompt (returns one output) or a list (returns a list, same order).
         `lora_request`: the LoRA adapter of every prompt, or a list with one (or None) per prompt.
 
@@ -100,8 +116,7 @@ class LLM:
         results = self._executor.submit_batch(batch)
         outputs = []
         try:
-            with tqdm(total=len(results), desc="generate", unit="req",
-                      disable=not use_tqdm or len(results) < 2) as bar:
+            with tqdm(total=len(results), desc="generate", unit="req", disable=not use_tqdm or len(results) < 2) as bar:
                 for result in results:
                     outputs.append(result.result())
                     bar.update(1)
@@ -111,19 +126,32 @@ class LLM:
             raise
         return outputs[0] if batch.single else outputs
 
-    def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None) -> GenerationResult:
+    def generate_async(
+        self,
+        inputs: PromptInput,
+        sampling_params: Optional[SamplingParams] = None,
+        streaming: bool = False,
+        *,
+        priority: float = 0.0,
+        timeout: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
+        kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
+    ) -> GenerationResult:
         """Submit one prompt and return its `GenerationResult` at once (stream it, or await it);
         `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
         priorities of its cached KV blocks."""
         self._check_open()
         if not is_single_prompt(inputs):
             raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
-        return self._executor.generate_async(inputs, sampling_params, streaming, priority=priority, timeout=timeout,
-                                             lora_request=lora_request,
-                                             kv_cache_retention_config=kv_cache_retention_config)
+        return self._executor.generate_async(
+            inputs,
+            sampling_params,
+            streaming,
+            priority=priority,
+            timeout=timeout,
+            lora_request=lora_request,
+            kv_cache_retention_config=kv_cache_retention_config,
+        )
 
     def get_stats(self, timeout: Optional[float] = 2.0) -> list[dict]:
         """Iteration stats since the previous call, waiting up to `timeout` seconds for one."""
@@ -142,7 +170,7 @@ class LLM:
         if self._executor is not None:
             self._executor.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -39,9 +39,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         self.capacity_scheduler_policy = _coerce_enum(
-            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy")
+            CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"
+        )
         self.context_chunking_policy = _coerce_enum(
-            ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy")
+            ContextChunkingPolicy, self.context_chunking_policy, "context_chunking_policy"
+        )
 
 
 @dataclass
@@ -60,12 +62,15 @@ class KvCacheConfig:
         if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
             raise ValueError(f"max_tokens must be at least tokens_per_block, got {self.max_tokens}")
         if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
+            raise ValueError(f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        if (
+            isinstance(self.event_buffer_max_size, bool)
+            or not isinstance(self.event_buffer_max_size, int)
+            or self.event_buffer_max_size < 0
+        ):
             raise ValueError(
-                f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
-        if (isinstance(self.event_buffer_max_size, bool) or not isinstance(self.event_buffer_max_size, int)
-                or self.event_buffer_max_size < 0):
-            raise ValueError(f"event_buffer_max_size must be an int >= 0 (0: no KV cache events), "
-                             f"got {self.event_buffer_max_size!r}")
+                f"event_buffer_max_size must be an int >= 0 (0: no KV cache events), got {self.event_buffer_max_size!r}"
+            )
 
 
 MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")  # the last: not on XLA:CPU
@@ -78,8 +83,8 @@ class MoeConfig:
     `load_balancer` is the expert placement loaded at start: a `MoeLoadBalancerConfig`
     (`sharding.eplb.eplb_config`), its fields as a dict, or the path of the YAML that
     `jaxllm eplb generate-config` writes; with `layer_updates_per_iter > 0` the online
-    balancer keeps rebalancing it while serving (`jaxllm.engine.load_balancer`). `dispatch` picks how tokens reach the ranks that
-    hold their experts ("auto": by the step's token bucket); `capacity_factor` opts into
+    balancer keeps rebalancing it while serving (`jaxllm.engine.load_balancer`). `dispatch` picks
+    how tokens reach the ranks that hold their experts ("auto": by the step's token bucket); `capacity_factor` opts into
     a capacity-limited all_to_all that drops (and counts) overflow rows.
     """
 

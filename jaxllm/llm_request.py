@@ -92,8 +92,7 @@ class LlmRequest:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
         if self.max_new_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.orig_prompt_len = len(self.prompt_token_ids)
         self.orig_max_new_tokens = self.max_new_tokens
 
@@ -142,8 +141,9 @@ class LlmRequest:
 
     @property
     def is_generation_phase(self) -> bool:
-        return (self.state == LlmRequestState.GENERATION_IN_PROGRESS
-                or self.state == LlmRequestState.GENERATION_TO_COMPLETE)
+        return (
+            self.state == LlmRequestState.GENERATION_IN_PROGRESS or self.state == LlmRequestState.GENERATION_TO_COMPLETE
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -172,8 +172,8 @@ class LlmRequest:
         moved = plen - self.orig_prompt_len
         out = self.output_token_ids
         if start >= plen:
-            return out[moved + start - plen: moved + end - plen]
-        return prompt[start:] + out[moved: moved + end - plen]
+            return out[moved + start - plen : moved + end - plen]
+        return prompt[start:] + out[moved : moved + end - plen]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -198,7 +198,8 @@ class LlmRequest:
         if position > len(self.prompt_token_ids):
             raise ValueError(
                 f"request {self.request_id}: chunk of {self.context_chunk_size} at position "
-                f"{self.context_current_position} runs past the prompt ({len(self.prompt_token_ids)})")
+                f"{self.context_current_position} runs past the prompt ({len(self.prompt_token_ids)})"
+            )
         self.context_current_position = position
         self.context_chunk_size = 0
         return position == len(self.prompt_token_ids)
@@ -211,7 +212,8 @@ class LlmRequest:
                 raise ValueError(
                     f"request {self.request_id}: token added before the prompt was complete "
                     f"({self.context_current_position}/{len(self.prompt_token_ids)}); "
-                    "call move_to_next_context_chunk() first")
+                    "call move_to_next_context_chunk() first"
+                )
             self.state = LlmRequestState.GENERATION_IN_PROGRESS
         elif state == LlmRequestState.GENERATION_COMPLETE or state == LlmRequestState.UNKNOWN:
             raise ValueError(f"request {self.request_id}: cannot add a token in state {state.name}")

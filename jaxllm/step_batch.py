@@ -41,6 +41,10 @@ class StepBatch:
     def num_tokens_padded(self) -> int:
         return int(self.token_ids.shape[0])
 
-    def as_device(self) -> "StepBatch":
-        return StepBatch(**{f.name: None if getattr(self, f.name) is None else jax.numpy.asarray(getattr(self, f.name))
-                            for f in fields(self)})
+    def as_device(self) -> StepBatch:
+        return StepBatch(
+            **{
+                f.name: None if getattr(self, f.name) is None else jax.numpy.asarray(getattr(self, f.name))
+                for f in fields(self)
+            }
+        )

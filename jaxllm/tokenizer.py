@@ -38,10 +38,14 @@ def load_tokenizer(path: str | Path):
     directory = Path(path)
     declared = _declared_class(directory) if directory.is_dir() else None
     try:
-        if declared in GENERIC_TOKENIZER_CLASSES and (directory / "tokenizer.json").is_file() \
-                and hasattr(transformers, declared):
-            return getattr(transformers, declared).from_pretrained(str(path), trust_remote_code=False,
-                                                                   local_files_only=True)
+        if (
+            declared in GENERIC_TOKENIZER_CLASSES
+            and (directory / "tokenizer.json").is_file()
+            and hasattr(transformers, declared)
+        ):
+            return getattr(transformers, declared).from_pretrained(
+                str(path), trust_remote_code=False, local_files_only=True
+            )
         return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc

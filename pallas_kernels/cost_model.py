@@ -18,8 +18,9 @@ Numbers are models, not measurements; `jaxllm bench kernels` measures on a GPU.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -124,12 +125,16 @@ def moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2, fused: bool =
             out_bytes = rows * h * itemsize
         flops = 2.0 * working * t.block_m * t.block_n * (-(-kk // t.num_k_splits)) * num_weights
         useful = 2.0 * rows * h * i * num_weights
-        note = (f"block_m={t.block_m} block_n={t.block_n} split_k={t.num_k_splits} warps={t.num_warps} "
-                f"active experts {int((sizes > 0).sum())}/{e}")
+        note = (
+            f"block_m={t.block_m} block_n={t.block_n} split_k={t.num_k_splits} warps={t.num_warps} "
+            f"active experts {int((sizes > 0).sum())}/{e}"
+        )
         costs.append(LaunchCost(name, case, grid, working, weight_bytes + act_bytes + out_bytes, flops, useful, note))
     if not fused:  # x_sorted gather, unsort scatter and the f32 combine, each an XLA pass over the rows
         glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize
-        costs.append(LaunchCost("moe_xla_glue", case, (), 0, glue, 0.0, 0.0, "sorted-rows path: gather, scatter, combine"))
+        costs.append(
+            LaunchCost("moe_xla_glue", case, (), 0, glue, 0.0, 0.0, "sorted-rows path: gather, scatter, combine")
+        )
     return costs
 
 
@@ -165,23 +170,30 @@ class AttentionBatch:
 
 
 def decode_batch(batch: int, context: int, max_kv_len: int = 8192) -> AttentionBatch:
-    return AttentionBatch(f"decode B={batch} ctx={context}", (1,) * batch, (context,) * batch, batch, batch,
-                          max_kv_len)
+    return AttentionBatch(f"decode B={batch} ctx={context}", (1,) * batch, (context,) * batch, batch, batch, max_kv_len)
 
 
-def mixed_batch(chunk: int, num_decode: int, context: int, num_tokens: int, num_seq_slots: int,
-                max_kv_len: int = 8192) -> AttentionBatch:
-    return AttentionBatch(f"mixed {chunk} prefill + {num_decode} decode ctx={context} (T={num_tokens})",
-                          (chunk,) + (1,) * num_decode, (chunk,) + (context,) * num_decode, num_tokens,
-                          num_seq_slots, max_kv_len)
+def mixed_batch(
+    chunk: int, num_decode: int, context: int, num_tokens: int, num_seq_slots: int, max_kv_len: int = 8192
+) -> AttentionBatch:
+    return AttentionBatch(
+        f"mixed {chunk} prefill + {num_decode} decode ctx={context} (T={num_tokens})",
+        (chunk,) + (1,) * num_decode,
+        (chunk,) + (context,) * num_decode,
+        num_tokens,
+        num_seq_slots,
+        max_kv_len,
+    )
 
 
 def default_attention_batches() -> list[AttentionBatch]:
     """The attention steps every kernel's cost model is reported at: decode at four batch
     sizes, a mixed bucket, a long prefill."""
-    return [*(decode_batch(batch, 4096) for batch in (1, 16, 64, 256)),
-            mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64),
-            AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192)]
+    return [
+        *(decode_batch(batch, 4096) for batch in (1, 16, 64, 256)),
+        mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64),
+        AttentionBatch("prefill 2048", (2048,), (2048,), 2048, 8, 8192),
+    ]
 
 
 MOE_TOKEN_COUNTS = (1, 4, 16, 64, 256, 2048)
@@ -192,8 +204,8 @@ def step_metadata(batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray, int]:
     """(cu_q_lens int32[S + 1], kv_lens int32[S], live sequences) of `batch`, as a step passes them."""
     n = len(batch.q_lens)
     cu = np.zeros(batch.num_seq_slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(batch.q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(batch.q_lens)
+    cu[n + 1 :] = cu[n]
     kv = np.zeros(batch.num_seq_slots, np.int32)
     kv[:n] = batch.kv_lens
     return cu, kv, n
@@ -201,12 +213,17 @@ def step_metadata(batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray, int]:
 
 def useful_attention_flops(shape: AttentionShape, q_lens, kv_lens) -> float:
     """QK and PV FLOPs of causal attention over the sequences' real keys (no padding, no masked keys)."""
-    return 4.0 * shape.num_q_heads * shape.head_dim * sum(
-        q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(q_lens, kv_lens))
+    return (
+        4.0
+        * shape.num_q_heads
+        * shape.head_dim
+        * sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(q_lens, kv_lens))
+    )
 
 
-def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2,
-                    tokens_per_block: int = 16) -> list[LaunchCost]:
+def attention_costs(
+    shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2, tokens_per_block: int = 16
+) -> list[LaunchCost]:
     """Every launch of one attention layer for `batch` (see `kernel.plan_launches`)."""
     from pallas_kernels.ragged_paged_attention import schedule
     from pallas_kernels.ragged_paged_attention.kernel import _next_pow2, plan_launches
@@ -221,11 +238,22 @@ def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int 
     for launch in launches:
         t = launch.tiling
         block_q = t.block_m // group_pow2
-        build = jax.jit(functools.partial(
-            schedule.query_tile_schedule, num_tokens=batch.num_tokens, block_q=block_q,
-            tokens_per_block=tokens_per_block, sliding_window=None, max_kv_len=batch.max_kv_len,
-            max_q_len=launch.max_q_len, min_q_len=launch.min_q_len, include_padding=launch.include_padding,
-            num_tiles=launch.num_tiles, num_splits=t.num_kv_splits, block_k=t.block_k))
+        build = jax.jit(
+            functools.partial(
+                schedule.query_tile_schedule,
+                num_tokens=batch.num_tokens,
+                block_q=block_q,
+                tokens_per_block=tokens_per_block,
+                sliding_window=None,
+                max_kv_len=batch.max_kv_len,
+                max_q_len=launch.max_q_len,
+                min_q_len=launch.min_q_len,
+                include_padding=launch.include_padding,
+                num_tiles=launch.num_tiles,
+                num_splits=t.num_kv_splits,
+                block_k=t.block_k,
+            )
+        )
         tiles = np.asarray(build(jnp.asarray(cu), jnp.asarray(kv), jnp.asarray([n], jnp.int32)))
         working = kv_bytes = q_bytes = flops = 0.0
         out_rows = 0
@@ -249,13 +277,28 @@ def attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int 
         if t.num_kv_splits > 1:  # f32 partials (acc, max, denom) written, read back by the merge
             out_bytes += 2 * t.num_kv_splits * out_rows * (d + 2) * 4
         kind = "decode launch" if launch.max_q_len is not None else ("prefill launch" if len(launches) > 1 else "")
-        note = (f"{kind + ' ' if kind else ''}block_m={t.block_m} ({group} of {group_pow2} rows per token) "
-                f"block_k={t.block_k} splits<={t.num_kv_splits}")
-        covered = [(q, kv_) for q, kv_ in zip(batch.q_lens, batch.kv_lens)
-                   if q >= launch.min_q_len and (launch.max_q_len is None or q <= launch.max_q_len)]
+        note = (
+            f"{kind + ' ' if kind else ''}block_m={t.block_m} ({group} of {group_pow2} rows per token) "
+            f"block_k={t.block_k} splits<={t.num_kv_splits}"
+        )
+        covered = [
+            (q, kv_)
+            for q, kv_ in zip(batch.q_lens, batch.kv_lens)
+            if q >= launch.min_q_len and (launch.max_q_len is None or q <= launch.max_q_len)
+        ]
         useful = useful_attention_flops(shape, *zip(*covered)) if covered else 0.0
-        costs.append(LaunchCost("ragged_paged_attention", case, (launch.num_tiles, hkv, t.num_kv_splits),
-                                int(working), kv_bytes + q_bytes + out_bytes, flops, useful, note))
+        costs.append(
+            LaunchCost(
+                "ragged_paged_attention",
+                case,
+                (launch.num_tiles, hkv, t.num_kv_splits),
+                int(working),
+                kv_bytes + q_bytes + out_bytes,
+                flops,
+                useful,
+                note,
+            )
+        )
     return costs
 
 
@@ -275,15 +318,19 @@ def default_cases() -> list[LaunchCost]:
 
 
 def format_table(costs: Sequence[LaunchCost], gpus: Sequence[GpuSpec]) -> str:
-    head = (f"{'kernel':<24} {'case':<56} {'grid':<16} {'programs':>8} {'working':>8} {'MB':>9} {'GFLOP':>8} "
-            f"{'useful%':>7} " + " ".join(f"{g.name + ' us':>9} {g.name + ' SM-lim':>11}" for g in gpus) + "  note")
+    head = (
+        f"{'kernel':<24} {'case':<56} {'grid':<16} {'programs':>8} {'working':>8} {'MB':>9} {'GFLOP':>8} "
+        f"{'useful%':>7} " + " ".join(f"{g.name + ' us':>9} {g.name + ' SM-lim':>11}" for g in gpus) + "  note"
+    )
     lines = [head]
     for c in costs:
         useful = f"{100 * c.useful_flops / c.flops:.0f}" if c.flops and c.useful_flops else "-"
         grid = "x".join(str(x) for x in c.grid) if c.grid else "xla"
         times = " ".join(f"{c.roofline_s(g) * 1e6:>9.1f} {c.sm_limited_s(g) * 1e6:>11.1f}" for g in gpus)
-        lines.append(f"{c.kernel:<24} {c.case:<56} {grid:<16} {c.programs:>8} {c.working:>8} {c.bytes / 1e6:>9.2f} "
-                     f"{c.flops / 1e9:>8.2f} {useful:>7} {times}  {c.note}")
+        lines.append(
+            f"{c.kernel:<24} {c.case:<56} {grid:<16} {c.programs:>8} {c.working:>8} {c.bytes / 1e6:>9.2f} "
+            f"{c.flops / 1e9:>8.2f} {useful:>7} {times}  {c.note}"
+        )
     return "\n".join(lines)
 
 

@@ -18,9 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cost_model import (ATTENTION_MODELS, MOE_MODELS, MOE_TOKEN_COUNTS, AttentionBatch, AttentionShape,
-                                      LaunchCost, MoeShape, default_attention_batches, routed_group_sizes,
-                                      step_metadata, useful_attention_flops)
+from pallas_kernels.cost_model import (
+    ATTENTION_MODELS,
+    MOE_MODELS,
+    MOE_TOKEN_COUNTS,
+    AttentionBatch,
+    AttentionShape,
+    LaunchCost,
+    MoeShape,
+    default_attention_batches,
+    routed_group_sizes,
+    step_metadata,
+    useful_attention_flops,
+)
 
 
 def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
@@ -37,18 +47,32 @@ def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> lis
     sched = np.asarray(build(jnp.asarray(sizes)))
     num_active = int((sched[:, schedule.ACTIVE] > 0).sum())
     costs = []
-    for name, t, n, kk, num_weights in (("moe_gate_up_mosaic", tiling.gate_up, i, h, 2),
-                                        ("moe_down_mosaic", tiling.down, h, i, 1)):
+    for name, t, n, kk, num_weights in (
+        ("moe_gate_up_mosaic", tiling.gate_up, i, h, 2),
+        ("moe_down_mosaic", tiling.down, h, i, 1),
+    ):
         col_tiles = n // t.block_n
         working = num_active * col_tiles
         weight_bytes = working * kk * t.block_n * num_weights * itemsize
         act_bytes = num_active * block_m * kk * itemsize  # whole tiles (L2 serves the column tiles)
         out_bytes = rows * n * itemsize
         flops = 2.0 * working * block_m * t.block_n * kk * num_weights
-        note = (f"block_m={block_m} block_n={t.block_n} block_k={t.block_k} stages={t.max_concurrent_steps} "
-                f"active experts {int((sizes > 0).sum())}/{e}")
-        costs.append(LaunchCost(name, case, (col_tiles, sched.shape[0]), working, weight_bytes + act_bytes + out_bytes,
-                                flops, 2.0 * rows * h * i * num_weights, note))
+        note = (
+            f"block_m={block_m} block_n={t.block_n} block_k={t.block_k} stages={t.max_concurrent_steps} "
+            f"active experts {int((sizes > 0).sum())}/{e}"
+        )
+        costs.append(
+            LaunchCost(
+                name,
+                case,
+                (col_tiles, sched.shape[0]),
+                working,
+                weight_bytes + act_bytes + out_bytes,
+                flops,
+                2.0 * rows * h * i * num_weights,
+                note,
+            )
+        )
     glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize
     if rows % block_m:
         glue += 2 * rows * h * itemsize  # x padded to whole tiles
@@ -56,8 +80,9 @@ def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> lis
     return costs
 
 
-def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2,
-                           tokens_per_block: int = 16) -> list[LaunchCost]:
+def mosaic_attention_costs(
+    shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2, tokens_per_block: int = 16
+) -> list[LaunchCost]:
     from pallas_kernels.ragged_paged_attention import schedule
     from pallas_kernels.ragged_paged_attention.mosaic_gpu import _ROWS, _next_pow2, default_num_kv_splits
 
@@ -65,8 +90,15 @@ def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsiz
     group_pow2 = _next_pow2(hq // hkv)
     cu, kv, n = step_metadata(batch)
     splits = default_num_kv_splits(batch.num_tokens, batch.num_seq_slots, hkv, batch.max_kv_len, tpb)
-    build = jax.jit(functools.partial(schedule.query_tile_schedule, num_tokens=batch.num_tokens,
-                                      block_q=_ROWS // group_pow2, tokens_per_block=tpb, sliding_window=None))
+    build = jax.jit(
+        functools.partial(
+            schedule.query_tile_schedule,
+            num_tokens=batch.num_tokens,
+            block_q=_ROWS // group_pow2,
+            tokens_per_block=tpb,
+            sliding_window=None,
+        )
+    )
     tiles = np.asarray(build(jnp.asarray(cu), jnp.asarray(kv), jnp.asarray([n], jnp.int32)))
     working = kv_bytes = q_bytes = flops = 0.0
     for row in tiles:
@@ -88,9 +120,19 @@ def mosaic_attention_costs(shape: AttentionShape, batch: AttentionBatch, itemsiz
     useful = useful_attention_flops(shape, batch.q_lens, batch.kv_lens)
     case = f"{shape.name} {batch.name}"
     note = f"64-row tiles ({hq // hkv} of {group_pow2} rows per token) page={tpb} splits={splits}"
-    return [LaunchCost("ragged_paged_attn_mosaic", case, (tiles.shape[0], hkv, splits), int(working),
-                       kv_bytes + q_bytes + out_bytes, flops, useful, note),
-            LaunchCost("attn_mosaic_xla_glue", case, (), 0, glue, 0.0, 0.0, "q head-major and back")]
+    return [
+        LaunchCost(
+            "ragged_paged_attn_mosaic",
+            case,
+            (tiles.shape[0], hkv, splits),
+            int(working),
+            kv_bytes + q_bytes + out_bytes,
+            flops,
+            useful,
+            note,
+        ),
+        LaunchCost("attn_mosaic_xla_glue", case, (), 0, glue, 0.0, 0.0, "q head-major and back"),
+    ]
 
 
 def default_cases() -> list[LaunchCost]:

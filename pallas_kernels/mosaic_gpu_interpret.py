@@ -88,13 +88,16 @@ def _transposing_wgmma(original):
         info = gpu_callbacks.interpret_utils.GPULoggingInfo(
             device_id=int(kwargs["device_id"]),
             grid_point_coords=tuple(int(x) for x in kwargs["grid_point_coords"]),
-            thread_id=int(kwargs["thread_id"]), source_info=kwargs.get("source_info"))
+            thread_id=int(kwargs["thread_id"]),
+            source_info=kwargs.get("source_info"),
+        )
 
         def read(key, transforms, perms):
             key = gpu_callbacks.HostAllocationKey.from_array(key)
             transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(transforms))
-            value, _, _ = memory.get_buffer_content(key, gpu_callbacks.interpret_utils.to_range(transforms),
-                                                    thread, logging_info=info)
+            value, _, _ = memory.get_buffer_content(
+                key, gpu_callbacks.interpret_utils.to_range(transforms), thread, logging_info=info
+            )
             for perm in perms:
                 value = np.transpose(value, perm)
             return value
@@ -103,10 +106,12 @@ def _transposing_wgmma(original):
         b = read(kwargs["b_allocation_key_as_array"], b_transforms, b_perms)
         acc_key = gpu_callbacks.HostAllocationKey.from_array(kwargs["acc_allocation_key_as_array"])
         acc_range = gpu_callbacks.interpret_utils.to_range(
-            jax.tree.map(int, gpu_callbacks._remove_noop_transforms(kwargs["acc_transforms"])))
+            jax.tree.map(int, gpu_callbacks._remove_noop_transforms(kwargs["acc_transforms"]))
+        )
         acc, _, _ = memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
-        memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=kwargs["acc_dtype"]),
-                                    thread, logging_info=info)
+        memory.store_buffer_content(
+            acc_key, acc_range, acc + np.matmul(a, b, dtype=kwargs["acc_dtype"]), thread, logging_info=info
+        )
         return kwargs["token"]
 
     wgmma.transposing = True

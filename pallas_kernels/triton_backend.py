@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 from jax.experimental.pallas import triton as pltriton
@@ -56,7 +56,10 @@ def cuda_lowering_target(device_kind: str = "NVIDIA H100 80GB HBM3", num_sms: in
     From jax 0.11 the Triton lowering asks the device for its compute capability and, with
     no GPU present, wants an abstract one named by an abstract mesh; jax 0.10 needs none.
     """
-    mesh = jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind=device_kind, num_cores=num_sms, platform="gpu"))
+    mesh = jax.sharding.AbstractMesh(
+        (1,),
+        ("lowering",),
+        abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_sms, platform="gpu"),
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         yield

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 
-def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int,
-                 capacity_factor: float | None) -> int:
+def a2a_capacity(
+    tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size: int, capacity_factor: float | None
+) -> int:
     """Rows each rank may send to one destination in one step."""
     dropless = tokens_per_rank * min(top_k, slots_per_rank)
     if capacity_factor is None:
@@ -19,8 +20,7 @@ def a2a_capacity(tokens_per_rank: int, top_k: int, slots_per_rank: int, ep_size:
     return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_rank * top_k / ep_size)))
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from a dense all_to_all:
     every slice is padded to the operand's length on the wire."""
     n = input_offsets.shape[0]

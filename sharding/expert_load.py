@@ -38,8 +38,9 @@ def count_experts(ids: jax.Array, num_experts: int, valid: Optional[jax.Array] =
     return jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def decay_expert_load(load: jax.Array, counts: jax.Array, decay: float = LOAD_DECAY,
-                      reset_layers: Optional[jax.Array] = None) -> jax.Array:
+def decay_expert_load(
+    load: jax.Array, counts: jax.Array, decay: float = LOAD_DECAY, reset_layers: Optional[jax.Array] = None
+) -> jax.Array:
     """float32 load [L, E] after one step: decay * load + counts; rows where `reset_layers`
     (bool [L]) is set start again from this step's counts."""
     kept = decay * load.astype(jnp.float32)

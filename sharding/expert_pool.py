@@ -13,8 +13,8 @@ and of the model: any MoE layer stored as slots qualifies. Arrays are plain nump
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import jax
 import numpy as np
@@ -31,8 +31,9 @@ class ExpertWeightPool:
     weights: dict[int, dict[str, np.ndarray]]
 
     @classmethod
-    def from_slots(cls, layers: Mapping[int, Mapping[str, jax.Array]], tables: Mapping[int, np.ndarray],
-                   num_experts: int) -> "ExpertWeightPool":
+    def from_slots(
+        cls, layers: Mapping[int, Mapping[str, jax.Array]], tables: Mapping[int, np.ndarray], num_experts: int
+    ) -> ExpertWeightPool:
         """Gather each expert's rows from the first slot holding it (layers: MoE layer -> {name: slot buffer})."""
         weights: dict[int, dict[str, np.ndarray]] = {}
         for layer, buffers in layers.items():
@@ -40,8 +41,7 @@ class ExpertWeightPool:
             experts, first = np.unique(table, return_index=True)
             if experts.size != num_experts:
                 raise ValueError(f"layer {layer}: the slots hold {experts.size} of the {num_experts} experts")
-            weights[layer] = {name: np.ascontiguousarray(np.asarray(buffer)[first])
-                              for name, buffer in buffers.items()}
+            weights[layer] = {name: np.ascontiguousarray(np.asarray(buffer)[first]) for name, buffer in buffers.items()}
         return cls(weights)
 
     def rows(self, layer: int, name: str) -> np.ndarray:

@@ -16,7 +16,8 @@ Pallas) is wrapped the same way.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -24,8 +25,7 @@ from jax.sharding import PartitionSpec as P
 from sharding.rules import ShardingRules, logical_to_physical
 
 
-def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules,
-                    cache_spec: Any) -> Callable:
+def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any) -> Callable:
     """`attention_fn(q, cache, metadata, **static)` run per device on its heads.
 
     `cache_spec` is the layer cache pytree of PartitionSpecs (`KvCacheSpec.partition_spec`).
@@ -34,19 +34,22 @@ def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: Shar
 
     def sharded(q: jax.Array, cache: Any, metadata: Any, **static: Any) -> jax.Array:
         body = lambda q_, cache_, md_: attention_fn(q_, cache_, md_, **static)  # noqa: E731
-        return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, cache_spec, P()), out_specs=q_spec,
-                             check_vma=False)(q, cache, metadata)
+        return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, cache_spec, P()), out_specs=q_spec, check_vma=False)(
+            q, cache, metadata
+        )
 
     return sharded
 
 
-def shard_kv_write(write_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any,
-                   entry_spec: Any) -> Callable:
+def shard_kv_write(
+    write_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any, entry_spec: Any
+) -> Callable:
     """`write_fn(cache, entries, slot_mapping)` run per device on its own part of the cache."""
 
     def sharded(cache: Any, entries: Any, slot_mapping: jax.Array) -> Any:
-        return jax.shard_map(write_fn, mesh=mesh, in_specs=(cache_spec, entry_spec, P()), out_specs=cache_spec,
-                             check_vma=False)(cache, entries, slot_mapping)
+        return jax.shard_map(
+            write_fn, mesh=mesh, in_specs=(cache_spec, entry_spec, P()), out_specs=cache_spec, check_vma=False
+        )(cache, entries, slot_mapping)
 
     return sharded
 
@@ -63,18 +66,25 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
         return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
 
     def sharded(x, group_sizes, w_gate, w_up, w_down):
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
-                             check_vma=False)(x, group_sizes, w_gate, w_up, w_down)
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(), up_spec, up_spec, down_spec), out_specs=P(), check_vma=False
+        )(x, group_sizes, w_gate, w_up, w_down)
 
     fused = getattr(moe_fn, "fused", None)
     if fused is not None:  # the kernel that gathers rows and combines (jaxllm.models.moe), split the same way
+
         def fused_body(x, ids, weights, w_gate, w_up, w_down):
             y = fused(x, ids, weights, w_gate, w_up, w_down)
             return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
 
         def fused_sharded(x, ids, weights, w_gate, w_up, w_down):
-            return jax.shard_map(fused_body, mesh=mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec),
-                                 out_specs=P(), check_vma=False)(x, ids, weights, w_gate, w_up, w_down)
+            return jax.shard_map(
+                fused_body,
+                mesh=mesh,
+                in_specs=(P(), P(), P(), up_spec, up_spec, down_spec),
+                out_specs=P(),
+                check_vma=False,
+            )(x, ids, weights, w_gate, w_up, w_down)
 
         sharded.fused = fused_sharded
     return sharded

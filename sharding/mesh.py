@@ -17,8 +17,9 @@ expert-column parallelism. With E = 1 (the default) the mesh is (1, 1, N): plain
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -64,8 +65,10 @@ class ParallelConfig:
                 raise ValueError(f"moe_expert_parallel_size={ep} must divide tensor_parallel_size={n}")
             mtp = n // ep
         if ep * mtp != n:
-            raise ValueError(f"moe_expert_parallel_size * moe_tensor_parallel_size must equal tensor_parallel_size: "
-                             f"{ep} * {mtp} != {n}")
+            raise ValueError(
+                f"moe_expert_parallel_size * moe_tensor_parallel_size must equal tensor_parallel_size: "
+                f"{ep} * {mtp} != {n}"
+            )
         if not isinstance(self.enable_attention_dp, bool):
             raise ValueError(f"enable_attention_dp must be a bool, got {self.enable_attention_dp!r}")
         object.__setattr__(self, "moe_expert_parallel_size", ep)
@@ -89,12 +92,14 @@ def make_mesh(parallel: ParallelConfig, devices: Optional[Sequence[jax.Device]] 
     """A mesh over the first `parallel.num_devices` devices with the axes of `MESH_AXES`."""
     available = list(jax.devices() if devices is None else devices)
     if parallel.num_devices > len(available):
-        raise ValueError(f"the parallel configuration needs {parallel.num_devices} devices "
-                         f"(tensor_parallel_size={parallel.tensor_parallel_size}); {len(available)} available")
+        raise ValueError(
+            f"the parallel configuration needs {parallel.num_devices} devices "
+            f"(tensor_parallel_size={parallel.tensor_parallel_size}); {len(available)} available"
+        )
     from sharding.multihost import check_mesh_devices
 
-    check_mesh_devices(available[:parallel.num_devices])
-    grid = np.asarray(available[:parallel.num_devices], dtype=object).reshape(parallel.mesh_shape)
+    check_mesh_devices(available[: parallel.num_devices])
+    grid = np.asarray(available[: parallel.num_devices], dtype=object).reshape(parallel.mesh_shape)
     return jax.sharding.Mesh(grid, MESH_AXES)
 
 

@@ -25,8 +25,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 
@@ -64,8 +65,10 @@ class DistributedConfig:
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ValueError(f"process_id {self.process_id} is not below num_processes {self.num_processes}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
-            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval}) must be positive and below "
-                             f"heartbeat_timeout ({self.heartbeat_timeout})")
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval}) must be positive and below "
+                f"heartbeat_timeout ({self.heartbeat_timeout})"
+            )
 
     @property
     def explicit(self) -> bool:
@@ -91,7 +94,7 @@ def _int(value: Optional[str]) -> int:
 
 
 _state_lock = threading.Lock()
-_monitor: Optional["Heartbeats"] = None
+_monitor: Optional[Heartbeats] = None
 
 
 def initialize(config: DistributedConfig = DistributedConfig()) -> None:
@@ -102,17 +105,27 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
             return
         # Cross-process collectives of the CPU backend (must precede its creation; GPUs use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        options = dict(initialization_timeout=config.initialization_timeout,
-                       shutdown_timeout_seconds=config.shutdown_timeout,
-                       # JAX's own detection ends the process abruptly; ours (shorter) fails requests first.
-                       heartbeat_timeout_seconds=max(100, int(config.heartbeat_timeout * 4)))
+        options = dict(
+            initialization_timeout=config.initialization_timeout,
+            shutdown_timeout_seconds=config.shutdown_timeout,
+            # JAX's own detection ends the process abruptly; ours (shorter) fails requests first.
+            heartbeat_timeout_seconds=max(100, int(config.heartbeat_timeout * 4)),
+        )
         accepted = inspect.signature(jax.distributed.initialize).parameters  # the options vary across versions
         jax.distributed.initialize(
-            config.coordinator_address, config.num_processes, config.process_id,
+            config.coordinator_address,
+            config.num_processes,
+            config.process_id,
             local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
-            **{k: v for k, v in options.items() if k in accepted})
-        logger.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
-                    jax.process_count(), jax.local_device_count(), jax.device_count())
+            **{k: v for k, v in options.items() if k in accepted},
+        )
+        logger.info(
+            "jax.distributed: process %d of %d, %d local / %d global devices",
+            jax.process_index(),
+            jax.process_count(),
+            jax.local_device_count(),
+            jax.device_count(),
+        )
         _monitor = Heartbeats(config)
         _monitor.start()
         if jax.process_index() == 0:
@@ -151,8 +164,7 @@ def agree_min(name: str, value: int, timeout: float = 300.0) -> int:
     _agreements[name] = count + 1
     key = f"{KEY_PREFIX}/agree/{name}/{count}"
     client.key_value_set(f"{key}/{jax.process_index()}", str(int(value)))
-    values = [int(client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000)))
-              for p in range(jax.process_count())]
+    values = [int(client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000))) for p in range(jax.process_count())]
     return min(values)
 
 
@@ -164,9 +176,11 @@ def check_mesh_devices(devices) -> None:
     used = {d.process_index for d in devices}
     idle = sorted(set(range(jax.process_count())) - used)
     if idle or len(devices) != jax.device_count():
-        raise ValueError(f"a multi-process run must use every device: the parallel configuration uses "
-                         f"{len(devices)} of the {jax.device_count()} devices of {jax.process_count()} processes "
-                         f"(set tensor_parallel_size to {jax.device_count()})")
+        raise ValueError(
+            f"a multi-process run must use every device: the parallel configuration uses "
+            f"{len(devices)} of the {jax.device_count()} devices of {jax.process_count()} processes "
+            f"(set tensor_parallel_size to {jax.device_count()})"
+        )
 
 
 # ----------------------------------------------------------------------------- liveness
@@ -233,9 +247,11 @@ class Heartbeats(threading.Thread):
             except Exception as exc:  # the coordination service is gone: so is the leader
                 if self._stop.is_set():
                     return
-                message = (f"process {self.process_id}: lost the coordination service of process 0 "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                           "the leader died")
+                message = (
+                    f"process {self.process_id}: lost the coordination service of process 0 "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                    "the leader died"
+                )
             if message is not None:
                 self.failed = message
                 report_failure(message)
@@ -254,8 +270,10 @@ class Heartbeats(threading.Thread):
                 self._seen[peer] = (value, now)
             elif now - since > self.config.heartbeat_timeout:
                 role = "follower" if peer else "leader"
-                return (f"process {peer} ({role}) sent no heartbeat for {now - since:.0f} s: it died or hung; "
-                        f"process {self.process_id} stops")
+                return (
+                    f"process {peer} ({role}) sent no heartbeat for {now - since:.0f} s: it died or hung; "
+                    f"process {self.process_id} stops"
+                )
         return None
 
 

@@ -9,8 +9,9 @@ rules, not of the model code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -81,13 +82,22 @@ def kv_head_replicas(num_kv_heads: int, tensor_parallel_size: int) -> int:
         return 1
     if tensor_parallel_size % num_kv_heads == 0:
         return tensor_parallel_size // num_kv_heads
-    raise ValueError(f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tensor_parallel_size}: "
-                     "one must divide the other")
+    raise ValueError(
+        f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tensor_parallel_size}: one must divide the other"
+    )
 
 
-def model_rules(*, tensor_parallel_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                moe_intermediate_size: int, vocab_size: int, expert_parallel_size: int = 1,
-                num_slots: int = 0) -> ShardingRules:
+def model_rules(
+    *,
+    tensor_parallel_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    moe_intermediate_size: int,
+    vocab_size: int,
+    expert_parallel_size: int = 1,
+    num_slots: int = 0,
+) -> ShardingRules:
     """Default rules for a decoder, after checking that the split dimensions divide evenly.
 
     `tensor_parallel_size` is the attention/dense TP size N. The vocabulary is split when
@@ -101,25 +111,36 @@ def model_rules(*, tensor_parallel_size: int, num_heads: int, num_kv_heads: int,
     if ep < 1 or tp % ep:
         raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp}")
     moe_tp = tp // ep
-    problems = [f"{name}={size}" for name, size in (
-        ("num_attention_heads", num_heads), ("intermediate_size", intermediate_size)) if size and size % tp]
+    problems = [
+        f"{name}={size}"
+        for name, size in (("num_attention_heads", num_heads), ("intermediate_size", intermediate_size))
+        if size and size % tp
+    ]
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}")
     if moe_intermediate_size and moe_intermediate_size % moe_tp:
-        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
-                         f"{moe_intermediate_size}")
+        raise ValueError(
+            f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size={moe_intermediate_size}"
+        )
     if ep > 1 and num_slots % ep:
         raise ValueError(f"moe_expert_parallel_size={ep} must divide the number of expert slots ({num_slots})")
     kv_head_replicas(num_kv_heads, tp)
     if ep == 1:
         return ShardingRules(vocab=TENSOR_AXIS if vocab_size % tp == 0 else None)
     both = (EXPERT_AXIS, TENSOR_AXIS)
-    return ShardingRules(heads=both, kv_heads=both, mlp=both, experts=EXPERT_AXIS, moe_mlp=TENSOR_AXIS,
-                         vocab=both if vocab_size % tp == 0 else None)
+    return ShardingRules(
+        heads=both,
+        kv_heads=both,
+        mlp=both,
+        experts=EXPERT_AXIS,
+        moe_mlp=TENSOR_AXIS,
+        vocab=both if vocab_size % tp == 0 else None,
+    )
 
 
 def param_partition_specs(params: Any) -> Any:
     """The PartitionSpec tree of loaded (concrete) parameters, for shard_map's in_specs."""
+
     def spec(a: jax.Array) -> PartitionSpec:
         sharding = getattr(a, "sharding", None)
         return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()

@@ -19,8 +19,9 @@ weights, so outputs do not depend on the placement.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,9 @@ def default_assignment(num_experts: int, num_slots: int, ep_size: int) -> np.nda
     (with num_slots == num_experts this is slot s -> expert s)."""
     check_slot_count(num_experts, num_slots, ep_size)
     per_rank = num_slots // ep_size
-    return np.asarray([(r * num_experts // ep_size + j) % num_experts
-                       for r in range(ep_size) for j in range(per_rank)], np.int32)
+    return np.asarray(
+        [(r * num_experts // ep_size + j) % num_experts for r in range(ep_size) for j in range(per_rank)], np.int32
+    )
 
 
 def check_slot_count(num_experts: int, num_slots: int, ep_size: int) -> None:
@@ -91,42 +93,56 @@ def host_slot_table(slot_to_expert: Sequence[int], num_experts: int) -> dict[str
     return dict(slot_to_expert=slots, expert_slots=expert_slots, replica_counts=counts)
 
 
-def make_slot_table(slot_to_expert: Sequence[int], num_experts: int,
-                    sharding: Optional[jax.sharding.Sharding] = None) -> SlotTable:
+def make_slot_table(
+    slot_to_expert: Sequence[int], num_experts: int, sharding: Optional[jax.sharding.Sharding] = None
+) -> SlotTable:
     arrays = host_slot_table(slot_to_expert, num_experts)
     return SlotTable(**{k: jax.device_put(v, sharding) for k, v in arrays.items()})
 
 
-def make_stacked_slot_table(slot_to_expert: Sequence[Sequence[int]], num_experts: int,
-                            sharding: Optional[jax.sharding.Sharding] = None) -> SlotTable:
+def make_stacked_slot_table(
+    slot_to_expert: Sequence[Sequence[int]], num_experts: int, sharding: Optional[jax.sharding.Sharding] = None
+) -> SlotTable:
     """The tables of a stack of slot layers as one `SlotTable` of [n, ...] arrays (row r: layer r
     of the stack); a scan over the stack hands each layer its own [S] / [E, W] / [E] table."""
     rows = [host_slot_table(t, num_experts) for t in slot_to_expert]
     return SlotTable(**{k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in rows[0]})
 
 
-def resolve_assignments(num_experts: int, moe_layers: Sequence[int], ep_size: int,
-                        assignments: Optional[Mapping[int, Sequence[int]]] = None,
-                        num_slots: Optional[int] = None) -> dict[int, np.ndarray]:
+def resolve_assignments(
+    num_experts: int,
+    moe_layers: Sequence[int],
+    ep_size: int,
+    assignments: Optional[Mapping[int, Sequence[int]]] = None,
+    num_slots: Optional[int] = None,
+) -> dict[int, np.ndarray]:
     """Slot -> expert of every MoE layer: the given ones (checked), the default placement for
     the rest (with the same slot count). Layers that are not MoE layers are refused."""
     given = {int(k): v for k, v in (assignments or {}).items()}
     unknown = sorted(set(given) - set(moe_layers))
     if unknown:
-        raise ValueError(f"the expert placement names layers {unknown}, which are not MoE layers of the model "
-                         f"(MoE layers: {list(moe_layers)})")
+        raise ValueError(
+            f"the expert placement names layers {unknown}, which are not MoE layers of the model "
+            f"(MoE layers: {list(moe_layers)})"
+        )
     sizes = {len(v) for v in given.values()}
     if num_slots is None:
         num_slots = sizes.pop() if len(sizes) == 1 else num_experts
     if sizes - {num_slots}:
         raise ValueError(f"every layer of the placement needs num_slots={num_slots} slots")
-    return {layer: (check_assignment(given[layer], num_experts, ep_size, where=f"layer {layer}")
-                    if layer in given else default_assignment(num_experts, num_slots, ep_size))
-            for layer in moe_layers}
+    return {
+        layer: (
+            check_assignment(given[layer], num_experts, ep_size, where=f"layer {layer}")
+            if layer in given
+            else default_assignment(num_experts, num_slots, ep_size)
+        )
+        for layer in moe_layers
+    }
 
 
-def choose_slots(ids: jax.Array, table: SlotTable, valid: Optional[jax.Array] = None,
-                 occurrence_offset: Optional[jax.Array] = None) -> jax.Array:
+def choose_slots(
+    ids: jax.Array, table: SlotTable, valid: Optional[jax.Array] = None, occurrence_offset: Optional[jax.Array] = None
+) -> jax.Array:
     """SlotId of every (token, k) choice, int32[T, k]; rows of invalid tokens get `num_slots`.
 
     The n-th valid row routed to expert e (token-major order) takes replica n mod c_e.

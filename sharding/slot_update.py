@@ -30,7 +30,8 @@ from typing import Optional
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def row_buckets(slots_per_rank: int) -> list[int]:
@@ -54,29 +55,42 @@ def _spec_axis(spec: P, axis: int):
     return spec[axis] if len(spec) > axis else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _writer(mesh: jax.sharding.Mesh, spec: P):
     def body(buffer, local_slots, rows):
         return buffer.at[local_slots].set(rows.astype(buffer.dtype), mode="drop")
 
     index_spec = P(_spec_axis(spec, 0))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, index_spec, spec), out_specs=spec,
-                                 check_vma=False), donate_argnums=(0,))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, index_spec, spec), out_specs=spec, check_vma=False),
+        donate_argnums=(0,),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stacked_writer(mesh: jax.sharding.Mesh, spec: P):
     """Row `layer` of a stack [n, S, ...]: the same per-rank write at a traced layer index."""
+
     def body(buffer, layer, local_slots, rows):
         return buffer.at[layer, local_slots].set(rows.astype(buffer.dtype), mode="drop")
 
     row_spec = P(*tuple(spec)[1:])
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P(_spec_axis(spec, 1)), row_spec),
-                                 out_specs=spec, check_vma=False), donate_argnums=(0,))
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(spec, P(), P(_spec_axis(spec, 1)), row_spec), out_specs=spec, check_vma=False
+        ),
+        donate_argnums=(0,),
+    )
 
 
-def write_slot_rows(buffer: jax.Array, slots: np.ndarray, source: np.ndarray, experts: np.ndarray,
-                    rows_per_rank: Optional[int] = None, layer: Optional[int] = None) -> jax.Array:
+def write_slot_rows(
+    buffer: jax.Array,
+    slots: np.ndarray,
+    source: np.ndarray,
+    experts: np.ndarray,
+    rows_per_rank: Optional[int] = None,
+    layer: Optional[int] = None,
+) -> jax.Array:
     """`buffer` with global slot `slots[i]` rewritten to `source[experts[i]]` (source: host [E, ...]),
     in place (the buffer is donated; use the returned array). Each rank receives only its slots' rows.
     With `layer`, `buffer` is a stack of slot layers [n, S, ...] and only its row `layer` is written."""
@@ -99,18 +113,19 @@ def write_slot_rows(buffer: jax.Array, slots: np.ndarray, source: np.ndarray, ex
     src = np.zeros((groups, m), np.int64)
     for r in range(groups):
         mine = np.flatnonzero(rank == r)
-        local[r, :mine.size] = slots[mine] - r * per_rank
-        src[r, :mine.size] = experts[mine]
+        local[r, : mine.size] = slots[mine] - r * per_rank
+        src[r, : mine.size] = experts[mine]
     src = src.reshape(-1)
-    row_shape = buffer.shape[slot_axis + 1:]
+    row_shape = buffer.shape[slot_axis + 1 :]
     row_sharding = sharding if layer is None else NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
     def piece(index: tuple) -> np.ndarray:
         return np.ascontiguousarray(source[src[index[0]]][(slice(None),) + tuple(index[1:])])
 
     rows = jax.make_array_from_callback((groups * m, *row_shape), row_sharding, piece)
-    local_slots = jax.device_put(local.reshape(-1),
-                                 NamedSharding(sharding.mesh, P(_spec_axis(sharding.spec, slot_axis))))
+    local_slots = jax.device_put(
+        local.reshape(-1), NamedSharding(sharding.mesh, P(_spec_axis(sharding.spec, slot_axis)))
+    )
     if layer is None:
         return _writer(sharding.mesh, sharding.spec)(buffer, local_slots, rows)
     index = jax.device_put(np.int32(layer), NamedSharding(sharding.mesh, P()))

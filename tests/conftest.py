@@ -64,10 +64,14 @@ def tiny_engine(model: str = "tiny-moe", *, max_kv_tokens: int = 2048, **limits)
     sequences, 8-token KV blocks and a 2048-token pool (override any of them; `max_kv_tokens`
     sizes the pool). Context chunks come in whole KV blocks, so a full batch of 8 decoding
     requests still leaves room for a chunk of a waiting prompt."""
-    from jaxllm.llm_args import KvCacheConfig
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.llm_args import KvCacheConfig
 
-    fields = dict(max_batch_size=8, max_num_tokens=16, max_seq_len=128,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=max_kv_tokens))
+    fields = dict(
+        max_batch_size=8,
+        max_num_tokens=16,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=max_kv_tokens),
+    )
     return LLMEngine(EngineConfig(model=model, **{**fields, **limits}))

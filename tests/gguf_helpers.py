@@ -35,23 +35,49 @@ def hf_config(arch: str, vocab_size: int, **overrides):
 def _hf_config(arch: str, vocab_size: int):
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0,
-                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=96)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, num_key_value_heads=1, intermediate_size=96)
     if arch == "qwen3":
-        return transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, num_key_value_heads=2,
-                                        head_dim=32, intermediate_size=96)
+        return transformers.Qwen3Config(
+            **{**common, "tie_word_embeddings": True}, num_key_value_heads=2, head_dim=32, intermediate_size=96
+        )
     if arch == "mixtral":
-        return transformers.MixtralConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=64,
-                                          num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
     if arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, intermediate_size=96,
-                                           moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     raise ValueError(arch)
 
 
@@ -65,9 +91,12 @@ def make_tiny_hf(arch: str, path: Path, seed: int = 0, **config_overrides):
     preset = materialize_preset("tiny-moe")
     tokenizer = json.loads((preset / "tokenizer.json").read_text())
     vocab = len(tokenizer["model"]["vocab"]) + sum(
-        1 for t in tokenizer["added_tokens"] if t["content"] not in tokenizer["model"]["vocab"])
+        1 for t in tokenizer["added_tokens"] if t["content"] not in tokenizer["model"]["vocab"]
+    )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, vocab, **config_overrides), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(arch, vocab, **config_overrides), dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -132,8 +161,9 @@ def _state_dict(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32",
-               k_quants: tuple[str, ...] = (), seed: int = 0) -> Path:
+def write_gguf(
+    model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32", k_quants: tuple[str, ...] = (), seed: int = 0
+) -> Path:
     """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`.
 
     With `k_quants` (e.g. ("Q4_K", "Q6_K")) the 2-D weights whose rows are a multiple of 256
@@ -156,8 +186,9 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
-                              else float(cfg.rope_theta))
+    writer.add_rope_freq_base(
+        float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None) else float(cfg.rope_theta)
+    )
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
@@ -205,8 +236,9 @@ def write_gguf(model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32"
         if k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
             k_quant = gguf.GGMLQuantizationType[k_quants[k_quant_turn % len(k_quants)]]
             k_quant_turn += 1
-            writer.add_tensor(f"{gguf_name}.{suffix}", random_k_quant_blocks(k_quant, value.shape, rng),
-                              raw_dtype=k_quant)
+            writer.add_tensor(
+                f"{gguf_name}.{suffix}", random_k_quant_blocks(k_quant, value.shape, rng), raw_dtype=k_quant
+            )
         elif value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(f"{gguf_name}.{suffix}", value)
         elif quant == gguf.GGMLQuantizationType.F16:

@@ -17,15 +17,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_on_cpu_devices(module: str, function: str, workdir: Path, *, num_devices: int = 8,
-                       timeout: float = 900, unset_env: tuple[str, ...] = ()) -> list[dict]:
+def run_on_cpu_devices(
+    module: str,
+    function: str,
+    workdir: Path,
+    *,
+    num_devices: int = 8,
+    timeout: float = 900,
+    unset_env: tuple[str, ...] = (),
+) -> list[dict]:
     """Run `tests.<module>.<function>(workdir)` on `num_devices` CPU devices; returns its JSON lines."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
     for name in unset_env:
         env.pop(name, None)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.{module} import {function}; "
-            f"from pathlib import Path; {function}(Path({str(workdir)!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.{module} import {function}; "
+        f"from pathlib import Path; {function}(Path({str(workdir)!r}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

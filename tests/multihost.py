@@ -16,16 +16,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def process_env(num_devices: int = 2) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "EXPERT_STATISTIC_ITER_RANGE"):
         env.pop(name, None)
     return env
 
 
 def distributed_flags(port: int, num_processes: int, process_id: int, heartbeat_timeout: float = 5.0) -> list[str]:
-    return ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
-            "--process-id", str(process_id), "--heartbeat-timeout", str(heartbeat_timeout)]
+    return [
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(num_processes),
+        "--process-id",
+        str(process_id),
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+    ]
 
 
 class ProcessGroup:
@@ -41,18 +53,33 @@ class ProcessGroup:
         log = self.logdir / f"{name}.log"
         self.logs.append(log)
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, cwd=ROOT, env=process_env(num_devices), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=process_env(num_devices),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
-    def start_function(self, module: str, function: str, process_id: int, num_processes: int, workdir: Path,
-                       heartbeat_timeout: float = 5.0) -> subprocess.Popen:
+    def start_function(
+        self,
+        module: str,
+        function: str,
+        process_id: int,
+        num_processes: int,
+        workdir: Path,
+        heartbeat_timeout: float = 5.0,
+    ) -> subprocess.Popen:
         """`tests.<module>.<function>(workdir)` in process `process_id` of the run."""
-        code = ("import sys; from pathlib import Path; from sharding import multihost; "
-                f"multihost.initialize(multihost.DistributedConfig('127.0.0.1:{self.port}', {num_processes}, "
-                f"{process_id}, heartbeat_timeout={heartbeat_timeout})); "
-                f"from tests.{module} import {function}; sys.exit({function}(Path({str(workdir)!r})) or 0)")
+        code = (
+            "import sys; from pathlib import Path; from sharding import multihost; "
+            f"multihost.initialize(multihost.DistributedConfig('127.0.0.1:{self.port}', {num_processes}, "
+            f"{process_id}, heartbeat_timeout={heartbeat_timeout})); "
+            f"from tests.{module} import {function}; sys.exit({function}(Path({str(workdir)!r})) or 0)"
+        )
         return self.start([sys.executable, "-c", code], f"{function}-{process_id}")
 
     def log(self, index: int) -> str:
@@ -62,7 +89,9 @@ class ProcessGroup:
         try:
             return proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"process {proc.args[:3]} still runs after {timeout} s; logs:\n" + self.all_logs())
+            raise AssertionError(
+                f"process {proc.args[:3]} still runs after {timeout} s; logs:\n" + self.all_logs()
+            ) from None
 
     def all_logs(self) -> str:
         return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in self.logs)

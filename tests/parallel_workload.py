@@ -13,9 +13,17 @@ def small_engine(directory: Path, tokenizer: Path, **engine_args):
     from jaxllm.engine.llm_engine import LLMEngine
 
     engine_args.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=8, max_tokens=512))
-    return LLMEngine(EngineConfig(
-        model=str(directory), tokenizer=str(tokenizer), dtype="float32", max_batch_size=4, max_num_tokens=32,
-        max_seq_len=96, **engine_args))
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            tokenizer=str(tokenizer),
+            dtype="float32",
+            max_batch_size=4,
+            max_num_tokens=32,
+            max_seq_len=96,
+            **engine_args,
+        )
+    )
 
 
 def record_plans(engine) -> list:

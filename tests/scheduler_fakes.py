@@ -11,8 +11,9 @@ paused-and-recomputed request produces the same output as an uninterrupted one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -73,17 +74,21 @@ class FakeExecutor:
         out = self.scheduler.schedule_request(self.active, self.inflight_request_ids)
         record = StepRecord(
             step=len(self.history),
-            context=[(r.request_id, r.context_current_position, r.context_chunk_size)
-                     for r in out.context_requests],
+            context=[(r.request_id, r.context_current_position, r.context_chunk_size) for r in out.context_requests],
             generation=[r.request_id for r in out.generation_requests],
             paused=[r.request_id for r in out.paused_requests],
-            finished=[])
+            finished=[],
+        )
         self.kv.prepare_resources(out)
         if out.batch_size:
             bucket = choose_token_bucket(out.num_tokens, self.max_num_tokens)
-            batch = build_step_batch(out, self.kv, token_bucket=bucket,
-                                     max_batch_size=self.max_batch_size,
-                                     max_blocks_per_seq=self.kv.max_blocks_per_seq)
+            batch = build_step_batch(
+                out,
+                self.kv,
+                token_bucket=bucket,
+                max_batch_size=self.max_batch_size,
+                max_blocks_per_seq=self.kv.max_blocks_per_seq,
+            )
             if self.on_batch is not None:
                 self.on_batch(out, batch)
             if self.check_kv_contents:
@@ -113,8 +118,7 @@ class FakeExecutor:
             if not self.active:
                 return
             self.step()
-        raise AssertionError(f"requests still active after {max_steps} steps: "
-                             f"{[r.request_id for r in self.active]}")
+        raise AssertionError(f"requests still active after {max_steps} steps: {[r.request_id for r in self.active]}")
 
     # -------------------------------------------------------------- checks
     def _run_fake_device(self, out: SchedulerOutput, batch) -> None:
@@ -144,13 +148,18 @@ class FakeExecutor:
             read = self.device_kv[batch.block_tables[s][pos // tpb] * tpb + pos % tpb]
             if not np.array_equal(read, expected):
                 raise AssertionError(
-                    f"request {req.request_id}: KV cache reads back {read.tolist()} "
-                    f"instead of {expected.tolist()}")
+                    f"request {req.request_id}: KV cache reads back {read.tolist()} instead of {expected.tolist()}"
+                )
 
 
-def make_requests(prompt_lens: list[int], max_new_tokens: int | list[int], *, start_id: int = 1,
-                  token_base: Optional[int] = None, priorities: Optional[list[float]] = None
-                  ) -> list[LlmRequest]:
+def make_requests(
+    prompt_lens: list[int],
+    max_new_tokens: int | list[int],
+    *,
+    start_id: int = 1,
+    token_base: Optional[int] = None,
+    priorities: Optional[list[float]] = None,
+) -> list[LlmRequest]:
     """Requests with distinct prompts (unless token_base makes them share tokens) and
     strictly increasing arrival times in list order."""
     reqs = []
@@ -158,7 +167,13 @@ def make_requests(prompt_lens: list[int], max_new_tokens: int | list[int], *, st
         rid = start_id + i
         base = rid * 1000 if token_base is None else token_base
         mnt = max_new_tokens[i] if isinstance(max_new_tokens, list) else max_new_tokens
-        reqs.append(LlmRequest(rid, list(range(base, base + plen)), mnt,
-                               priority=0.0 if priorities is None else priorities[i],
-                               arrival_time=float(i)))
+        reqs.append(
+            LlmRequest(
+                rid,
+                list(range(base, base + plen)),
+                mnt,
+                priority=0.0 if priorities is None else priorities[i],
+                arrival_time=float(i),
+            )
+        )
     return reqs

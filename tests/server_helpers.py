@@ -45,18 +45,30 @@ def free_port() -> int:
 class LiveServer:
     """The app served as `jaxllm serve` serves it; stop() ends it and joins its thread."""
 
-    def __init__(self, app, *, shutdown_timeout: float = 5.0, header_timeout: float = 10.0,
-                 exit_when_engine_dies: bool = True) -> None:
+    def __init__(
+        self, app, *, shutdown_timeout: float = 5.0, header_timeout: float = 10.0, exit_when_engine_dies: bool = True
+    ) -> None:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = make_config(app, "127.0.0.1", self.port, shutdown_timeout=shutdown_timeout, log_level="warning",
-                             timeout_keep_alive=5, header_timeout=header_timeout, configure_logging=False)
+        config = make_config(
+            app,
+            "127.0.0.1",
+            self.port,
+            shutdown_timeout=shutdown_timeout,
+            log_level="warning",
+            timeout_keep_alive=5,
+            header_timeout=header_timeout,
+            configure_logging=False,
+        )
         # uvicorn's dictConfig would close handlers made earlier in the run, absl's among them, and
         # absl's closes its stream: pytest's capture buffer when it was made under capture.
         # Without the managed server's exit on a dead engine, the app's own answers to it stay observable.
-        self.server = (ManagedServer(config, app.state.server, shutdown_timeout) if exit_when_engine_dies
-                       else uvicorn.Server(config))
+        self.server = (
+            ManagedServer(config, app.state.server, shutdown_timeout)
+            if exit_when_engine_dies
+            else uvicorn.Server(config)
+        )
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -94,14 +94,16 @@ def check_layers() -> None:
     from sharding import ParallelConfig, make_mesh
     from sharding.dp_ranks import RANK_SPEC
     from sharding.rules import named_sharding
-    from sharding.slot_table import default_assignment, make_slot_table
+    from sharding.slot_table import make_slot_table
     from tests.test_ep_moe import hf_config, redundant_placement
 
     config = ModelConfig.from_hf_config(hf_config("qwen3_moe"))
     rng = np.random.default_rng(3)
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    experts = {name: rng.standard_normal(shape).astype(np.float32) * 0.3 for name, shape in
-               (("w_gate", (E, H, I)), ("w_up", (E, H, I)), ("w_down", (E, I, H)))}
+    experts = {
+        name: rng.standard_normal(shape).astype(np.float32) * 0.3
+        for name, shape in (("w_gate", (E, H, I)), ("w_up", (E, H, I)), ("w_down", (E, I, H)))
+    }
     router = rng.standard_normal((H, E)).astype(np.float32)
     tokens_per_rank = 6
     # One single-device reference over the tokens of 8 ranks (the layer is per token, so each
@@ -110,7 +112,8 @@ def check_layers() -> None:
     # Rank r has tokens_per_rank - (r % 3) live tokens, the rest padding.
     valid_all = np.arange(tokens_per_rank)[None, :] < (tokens_per_rank - np.arange(8) % 3)[:, None]
     want_all, ids_all = jax.jit(functools.partial(moe_block, config=config, moe_fn=moe_grouped_ffn_tiled))(
-        jnp.asarray(x_all.reshape(-1, H)), jax.tree.map(jnp.asarray, dict(router=router, **experts)))
+        jnp.asarray(x_all.reshape(-1, H)), jax.tree.map(jnp.asarray, dict(router=router, **experts))
+    )
     want_all = np.asarray(want_all).reshape(8, tokens_per_rank, H)
     ids_all = np.asarray(ids_all).reshape(8, tokens_per_rank, -1)
     for n, e, t in LAYOUTS:
@@ -122,29 +125,68 @@ def check_layers() -> None:
         # A placement with redundant slots (replicas on different ranks); both dispatch modes in
         # one program per layout (the default placement is covered by the engine cases).
         slots = redundant_placement(E, e)
-        p = {name: jax.device_put(w[np.asarray(slots)], named_sharding(
-            mesh, ("experts", "embed", "moe_mlp") if name != "w_down" else ("experts", "moe_mlp", "embed"), rules))
-             for name, w in experts.items()}
+        p = {
+            name: jax.device_put(
+                w[np.asarray(slots)],
+                named_sharding(
+                    mesh,
+                    ("experts", "embed", "moe_mlp") if name != "w_down" else ("experts", "moe_mlp", "embed"),
+                    rules,
+                ),
+            )
+            for name, w in experts.items()
+        }
         p["router"] = router
         p["slots"] = make_slot_table(slots, E)
-        layers = [functools.partial(dp_moe_layer, config=config, moe_fn=moe_grouped_ffn_tiled,
-                                    options=EpMoeOptions(dispatch=mode, ragged_emulation=True), ep=e, moe_tp=t,
-                                    global_tokens=n * tokens_per_rank) for mode in MODES]
+        layers = [
+            functools.partial(
+                dp_moe_layer,
+                config=config,
+                moe_fn=moe_grouped_ffn_tiled,
+                options=EpMoeOptions(dispatch=mode, ragged_emulation=True),
+                ep=e,
+                moe_tp=t,
+                global_tokens=n * tokens_per_rank,
+            )
+            for mode in MODES
+        ]
 
         def body(x_, valid_, p_):
             outs = [layer(x_[0], p_, valid_[0]) for layer in layers]
             return tuple((y[None], counts, dropped[None]) for y, counts, dropped in outs)
 
-        in_p = dict({name: p[name].sharding.spec for name in ("w_gate", "w_up", "w_down")}, router=P(),
-                    slots=jax.tree.map(lambda _: P(), p["slots"]))
-        results = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(RANK_SPEC, RANK_SPEC, in_p),
-                                        out_specs=tuple((RANK_SPEC, P(), P()) for _ in MODES),
-                                        check_vma=False))(x, valid, p)
+        in_p = dict(
+            {name: p[name].sharding.spec for name in ("w_gate", "w_up", "w_down")},
+            router=P(),
+            slots=jax.tree.map(lambda _: P(), p["slots"]),
+        )
+        results = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(RANK_SPEC, RANK_SPEC, in_p),
+                out_specs=tuple((RANK_SPEC, P(), P()) for _ in MODES),
+                check_vma=False,
+            )
+        )(x, valid, p)
         for mode, (y, counts, dropped) in zip(MODES, results):
             err = float(np.abs(np.asarray(y)[valid] - np.asarray(want)).max())
-            print(json.dumps(dict(kind="layer", n=n, e=e, t=t, mode=mode, slots=len(slots), err=err,
-                                  counts_ok=np.asarray(counts).tolist() == want_counts.tolist(),
-                                  dropped=int(np.asarray(dropped).max()))), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        kind="layer",
+                        n=n,
+                        e=e,
+                        t=t,
+                        mode=mode,
+                        slots=len(slots),
+                        err=err,
+                        counts_ok=np.asarray(counts).tolist() == want_counts.tolist(),
+                        dropped=int(np.asarray(dropped).max()),
+                    )
+                ),
+                flush=True,
+            )
 
 
 def check_ragged_lowers_for_cuda() -> None:
@@ -172,36 +214,61 @@ def check_ragged_lowers_for_cuda() -> None:
     mesh = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=4))
     rules = attention_dp_rules(config, mesh)
     slots = np.asarray(default_assignment(E, E, 4))
-    p = {name: jax.device_put(jnp.zeros(shape, jnp.float32), named_sharding(mesh, axes, rules)) for name, shape, axes in
-         (("w_gate", (E, H, I), ("experts", "embed", "moe_mlp")), ("w_up", (E, H, I), ("experts", "embed", "moe_mlp")),
-          ("w_down", (E, I, H), ("experts", "moe_mlp", "embed")))}
+    p = {
+        name: jax.device_put(jnp.zeros(shape, jnp.float32), named_sharding(mesh, axes, rules))
+        for name, shape, axes in (
+            ("w_gate", (E, H, I), ("experts", "embed", "moe_mlp")),
+            ("w_up", (E, H, I), ("experts", "embed", "moe_mlp")),
+            ("w_down", (E, I, H), ("experts", "moe_mlp", "embed")),
+        )
+    }
     p["router"] = jnp.zeros((H, E), jnp.float32)
     p["slots"] = make_slot_table(slots, E)
     options = EpMoeOptions(dispatch="ragged_all_to_all")
     x = jnp.zeros((16, H), jnp.float32)
-    plain = jax.jit(functools.partial(ep_moe_block, config=config, moe_fn=moe_grouped_ffn_reference, mesh=mesh,
-                                      rules=rules, options=options))
-    layer = functools.partial(dp_moe_layer, config=config, moe_fn=moe_grouped_ffn_reference, options=options, ep=4,
-                              moe_tp=2, global_tokens=16)
-    in_p = dict({name: p[name].sharding.spec for name in ("w_gate", "w_up", "w_down")}, router=P(),
-                slots=jax.tree.map(lambda _: P(), p["slots"]))
-    dp = jax.jit(jax.shard_map(lambda x_, v_, p_: layer(x_[0], p_, v_[0])[0][None], mesh=mesh,
-                               in_specs=(RANK_SPEC, RANK_SPEC, in_p), out_specs=RANK_SPEC, check_vma=False))
+    plain = jax.jit(
+        functools.partial(
+            ep_moe_block, config=config, moe_fn=moe_grouped_ffn_reference, mesh=mesh, rules=rules, options=options
+        )
+    )
+    layer = functools.partial(
+        dp_moe_layer, config=config, moe_fn=moe_grouped_ffn_reference, options=options, ep=4, moe_tp=2, global_tokens=16
+    )
+    in_p = dict(
+        {name: p[name].sharding.spec for name in ("w_gate", "w_up", "w_down")},
+        router=P(),
+        slots=jax.tree.map(lambda _: P(), p["slots"]),
+    )
+    dp = jax.jit(
+        jax.shard_map(
+            lambda x_, v_, p_: layer(x_[0], p_, v_[0])[0][None],
+            mesh=mesh,
+            in_specs=(RANK_SPEC, RANK_SPEC, in_p),
+            out_specs=RANK_SPEC,
+            check_vma=False,
+        )
+    )
     dp_args = (jnp.zeros((8, 2, H), jnp.float32), jnp.ones((8, 2), bool), p)
-    texts = [plain.trace(x, p).lower(lowering_platforms=("cuda",)).as_text(),
-             dp.trace(*dp_args).lower(lowering_platforms=("cuda",)).as_text()]
+    texts = [
+        plain.trace(x, p).lower(lowering_platforms=("cuda",)).as_text(),
+        dp.trace(*dp_args).lower(lowering_platforms=("cuda",)).as_text(),
+    ]
     try:
         plain(x, p)
         cpu_error = ""
     except Exception as exc:  # noqa: BLE001 - the message is the result
         cpu_error = str(exc)
-    print(json.dumps(dict(kind="ragged_lowering", cuda_ok=["ragged_all_to_all" in t for t in texts],
-                          cpu_error=cpu_error[:300])), flush=True)
+    print(
+        json.dumps(
+            dict(kind="ragged_lowering", cuda_ok=["ragged_all_to_all" in t for t in texts], cpu_error=cpu_error[:300])
+        ),
+        flush=True,
+    )
 
 
 def check_engines(root: Path) -> None:
-    from jaxllm.llm_args import KvCacheConfig, MoeConfig
     from jaxllm.engine.ranked_planner import RankAssignment
+    from jaxllm.llm_args import KvCacheConfig, MoeConfig
     from jaxllm.models import materialize_preset
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from tests.test_ep_moe import redundant_placement, write_checkpoint
@@ -229,22 +296,45 @@ def check_engines(root: Path) -> None:
             balancer = None
             if redundant:
                 slots = redundant_placement(num_experts, e, seed=n)
-                balancer = MoeLoadBalancerConfig(num_slots=len(slots),
-                                                 initial_global_assignments={layer: slots for layer in moe_layers})
+                balancer = MoeLoadBalancerConfig(
+                    num_slots=len(slots), initial_global_assignments={layer: slots for layer in moe_layers}
+                )
             placed.clear()
-            tokens, logits, engine = run_engine(directory, tokenizer, tensor_parallel_size=n,
-                                                moe_expert_parallel_size=e, enable_attention_dp=True,
-                                                moe_config=MoeConfig(load_balancer=balancer, dispatch=mode),
-                                                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512,
-                                                                              event_buffer_max_size=10_000))
+            tokens, logits, engine = run_engine(
+                directory,
+                tokenizer,
+                tensor_parallel_size=n,
+                moe_expert_parallel_size=e,
+                enable_attention_dp=True,
+                moe_config=MoeConfig(load_balancer=balancer, dispatch=mode),
+                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512, event_buffer_max_size=10_000),
+            )
             err = max(float(np.abs(logits[k] - base_logits[k]).max()) for k in base_logits)
-            mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-                        for s in engine.iteration_stats)
-            print(json.dumps(dict(kind="engine", arch=arch, n=n, e=e, mode=mode, redundant=redundant,
-                                  same_tokens=tokens == base_tokens, num_tokens=sum(map(len, tokens.values())),
-                                  same_keys=sorted(logits) == sorted(base_logits), err=err, ranks=placed,
-                                  mixed=mixed, kv_shape=list(engine.runner.kv_cache[0].k.shape),
-                                  events_match=kv_events_match_pools(engine))), flush=True)
+            mixed = any(
+                s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+                for s in engine.iteration_stats
+            )
+            print(
+                json.dumps(
+                    dict(
+                        kind="engine",
+                        arch=arch,
+                        n=n,
+                        e=e,
+                        mode=mode,
+                        redundant=redundant,
+                        same_tokens=tokens == base_tokens,
+                        num_tokens=sum(map(len, tokens.values())),
+                        same_keys=sorted(logits) == sorted(base_logits),
+                        err=err,
+                        ranks=placed,
+                        mixed=mixed,
+                        kv_shape=list(engine.runner.kv_cache[0].k.shape),
+                        events_match=kv_events_match_pools(engine),
+                    )
+                ),
+                flush=True,
+            )
 
 
 def kv_events_match_pools(engine) -> bool:
@@ -253,7 +343,8 @@ def kv_events_match_pools(engine) -> bool:
 
     events = engine.get_kv_cache_events()
     ok = [e["data"] for e in events if e["data"]["type"] == "created"] == [
-        {"type": "created", "num_blocks_per_cache_level": [m.num_blocks]} for m in engine.kv_cache_manager.managers]
+        {"type": "created", "num_blocks_per_cache_level": [m.num_blocks]} for m in engine.kv_cache_manager.managers
+    ]
     cached = 0
     for rank, manager in enumerate(engine.kv_cache_manager.managers):
         live: dict = {}
@@ -289,9 +380,9 @@ def test_dp_moe_layer_matches_single_device_for_every_layout(dp_results):
 
 
 def test_ragged_all_to_all_lowers_for_cuda_and_is_refused_on_cpu(dp_results):
-    from jaxllm.llm_args import MoeConfig
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.llm_args import MoeConfig
 
     (r,) = [r for r in dp_results if r["kind"] == "ragged_lowering"]
     assert r["cuda_ok"] == [True, True], "the ragged_all_to_all dispatch does not lower for CUDA"
@@ -316,14 +407,14 @@ def test_attention_dp_engine_matches_single_device(dp_results):
 
 def test_rank_assignment_balances_and_planner_numbers_rows_rank_major():
     from jaxllm import SamplingParams
-    from jaxllm.llm_args import SchedulerConfig
+    from jaxllm.engine.planner import Planner
     from jaxllm.engine.ranked_planner import (
         AttentionDpPlanner,
         RankAssignment,
         RankedKvCaches,
     )
-    from jaxllm.engine.planner import Planner
     from jaxllm.kv_cache import KVCacheManager
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.llm_request import LlmRequest
     from jaxllm.scheduler import make_scheduler
 
@@ -331,13 +422,28 @@ def test_rank_assignment_balances_and_planner_numbers_rows_rank_major():
     planners = []
     for _ in range(2):
         kv = KVCacheManager(16, 4, 8, max_num_sequences=2)
-        planners.append(Planner(scheduler=make_scheduler(SchedulerConfig(), kv, 2, 16, True), kv_cache_manager=kv,
-                                max_batch_size=2, max_num_tokens=16, min_token_bucket=8, max_blocks_per_seq=8,
-                                max_seq_len=32))
+        planners.append(
+            Planner(
+                scheduler=make_scheduler(SchedulerConfig(), kv, 2, 16, True),
+                kv_cache_manager=kv,
+                max_batch_size=2,
+                max_num_tokens=16,
+                min_token_bucket=8,
+                max_blocks_per_seq=8,
+                max_seq_len=32,
+            )
+        )
     planner = AttentionDpPlanner(planners, assignment)
     kv = RankedKvCaches([p.kv_cache_manager for p in planners], assignment)
-    requests = [LlmRequest(request_id=i, prompt_token_ids=list(range(3, 3 + n)), max_new_tokens=4,
-                           sampling_params=SamplingParams(max_tokens=4)) for i, n in enumerate((10, 3, 5))]
+    requests = [
+        LlmRequest(
+            request_id=i,
+            prompt_token_ids=list(range(3, 3 + n)),
+            max_new_tokens=4,
+            sampling_params=SamplingParams(max_tokens=4),
+        )
+        for i, n in enumerate((10, 3, 5))
+    ]
     output = planner.schedule(requests)
     assert [assignment.rank_of[r.request_id] for r in requests] == [0, 1, 1]  # fewest requests, then tokens
     plan = planner.build(output)

@@ -15,14 +15,17 @@ from jaxllm.models import backends
 from jaxllm.models.attention import mosaic_or_triton_attention
 
 
-@pytest.mark.parametrize("capability,flavour", [
-    ("9.0", "mosaic"),  # H100 / H200 (sm_90a: TMA + wgmma)
-    ("8.0", "triton"),  # A100
-    ("8.9", "triton"),  # L4 / Ada
-    ("10.0", "triton"),  # B200: no wgmma
-    ("12.0", "triton"),
-    (None, "triton"),  # a device that reports none
-])
+@pytest.mark.parametrize(
+    "capability,flavour",
+    [
+        ("9.0", "mosaic"),  # H100 / H200 (sm_90a: TMA + wgmma)
+        ("8.0", "triton"),  # A100
+        ("8.9", "triton"),  # L4 / Ada
+        ("10.0", "triton"),  # B200: no wgmma
+        ("12.0", "triton"),
+        (None, "triton"),  # a device that reports none
+    ],
+)
 def test_gpu_kernel_flavour_by_compute_capability(capability, flavour):
     assert backends.gpu_kernel_flavour(SimpleNamespace(compute_capability=capability)) == flavour
 
@@ -48,10 +51,19 @@ def test_tokamax_backend_without_tokamax_is_a_clear_error():
 def test_mosaic_moe_falls_back_to_triton_for_float32(dtype, kernel):
     # float32 is not a Mosaic GPU (wgmma bf16/f16) problem: the Triton kernels run it.
     s = jax.ShapeDtypeStruct
-    specs = (s((64, 256), dtype), s((8,), jnp.int32), s((8, 256, 128), dtype), s((8, 256, 128), dtype),
-             s((8, 128, 256), dtype))
-    text = jax.jit(backends.mosaic_or_triton_moe(interpret=False)).trace(*specs).lower(
-        lowering_platforms=("cuda",)).as_text()
+    specs = (
+        s((64, 256), dtype),
+        s((8,), jnp.int32),
+        s((8, 256, 128), dtype),
+        s((8, 256, 128), dtype),
+        s((8, 128, 256), dtype),
+    )
+    text = (
+        jax.jit(backends.mosaic_or_triton_moe(interpret=False))
+        .trace(*specs)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert ("custom_call @mosaic_gpu" in text) == (kernel == "mosaic_gpu")
     assert ("triton" in text) == (kernel == "triton")
 
@@ -60,7 +72,14 @@ def test_mosaic_attention_falls_back_to_triton_for_float32():
     s = jax.ShapeDtypeStruct
     fn = mosaic_or_triton_attention(interpret=False)
     for dtype, mosaic in ((jnp.bfloat16, True), (jnp.float32, False)):
-        specs = (s((16, 8, 64), dtype), s((2, 64, 16, 64), dtype), s((2, 64, 16, 64), dtype), s((4,), jnp.int32),
-                 s((4, 8), jnp.int32), s((5,), jnp.int32), s((1,), jnp.int32))
+        specs = (
+            s((16, 8, 64), dtype),
+            s((2, 64, 16, 64), dtype),
+            s((2, 64, 16, 64), dtype),
+            s((4,), jnp.int32),
+            s((4, 8), jnp.int32),
+            s((5,), jnp.int32),
+            s((1,), jnp.int32),
+        )
         text = jax.jit(lambda *a: fn(*a, sm_scale=0.125)).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         assert ("custom_call @mosaic_gpu" in text) == mosaic

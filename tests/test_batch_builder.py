@@ -55,8 +55,16 @@ def test_mixed_context_and_generation_step():
     assert b.block_tables.tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert b.num_seqs.tolist() == [2]
     assert b.logits_indices.tolist() == [3, 4, 0]
-    for name in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens",
-                 "block_tables", "num_seqs", "logits_indices"):
+    for name in (
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "cu_q_lens",
+        "kv_lens",
+        "block_tables",
+        "num_seqs",
+        "logits_indices",
+    ):
         assert getattr(b, name).dtype == np.int32, name
     assert b.num_tokens_padded == 8
 
@@ -94,14 +102,12 @@ def test_errors_name_the_problem():
         build_step_batch(out, kv, token_bucket=8, max_batch_size=1, max_blocks_per_seq=4)
     ctx.context_chunk_size = 0
     with pytest.raises(ValueError, match="empty chunk"):
-        build_step_batch(SchedulerOutput([ctx], [], []), kv, token_bucket=8, max_batch_size=2,
-                         max_blocks_per_seq=4)
+        build_step_batch(SchedulerOutput([ctx], [], []), kv, token_bucket=8, max_batch_size=2, max_blocks_per_seq=4)
     late = LlmRequest(3, [1] * 9, 2)
     kv.add_sequence(late)
     late.context_chunk_size = 9
     with pytest.raises(RuntimeError, match="prepare_resources"):
-        build_step_batch(SchedulerOutput([late], [], []), kv, token_bucket=16, max_batch_size=2,
-                         max_blocks_per_seq=4)
+        build_step_batch(SchedulerOutput([late], [], []), kv, token_bucket=16, max_batch_size=2, max_blocks_per_seq=4)
 
 
 def test_recorded_placement_matches_lookup_and_goes_stale_on_free():
@@ -110,8 +116,16 @@ def test_recorded_placement_matches_lookup_and_goes_stale_on_free():
     fast = build_step_batch(out, kv, token_bucket=8, max_batch_size=3, max_blocks_per_seq=4)
     fresh = SchedulerOutput(out.context_requests, out.generation_requests, [])  # nothing recorded
     slow = build_step_batch(fresh, kv, token_bucket=8, max_batch_size=3, max_blocks_per_seq=4)
-    for name in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "block_tables",
-                 "num_seqs", "logits_indices"):
+    for name in (
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "cu_q_lens",
+        "kv_lens",
+        "block_tables",
+        "num_seqs",
+        "logits_indices",
+    ):
         assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
     kv.free_resources(gen)  # a free after prepare_resources voids the recorded rows
     assert not kv.placement_is_current(out.kv_placement)

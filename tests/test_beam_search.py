@@ -3,13 +3,13 @@ with plain requests in the same batches, plus the KV manager's beam forks and th
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.llm_request import LlmRequest, LlmRequestState
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 
 VOCAB = 384
 SCORE_TOL = 1e-4  # absolute, on scores of about -1 to -20 computed in float32 by both sides
@@ -20,8 +20,13 @@ def model_and_llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_beam")
     model = make_hf_model("qwen3", path, VOCAB)
     # 4-token blocks: prompts end inside a block, so forks copy partial blocks.
-    llm = LLM(str(path), max_batch_size=16, max_num_tokens=64, max_seq_len=128,
-              kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024))
+    llm = LLM(
+        str(path),
+        max_batch_size=16,
+        max_num_tokens=64,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+    )
     yield model, llm
     llm.shutdown()
 
@@ -30,15 +35,24 @@ def _hf_beams(model, prompt, params: SamplingParams):
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, num_beams=params.beam_width,
-                             do_sample=False, num_return_sequences=params.n, length_penalty=params.length_penalty,
-                             early_stopping=params.early_stopping, eos_token_id=params.end_id, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=params.max_tokens,
+            num_beams=params.beam_width,
+            do_sample=False,
+            num_return_sequences=params.n,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            eos_token_id=params.end_id,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     beams = []
     for i in range(params.n):
-        tokens = out.sequences[i, len(prompt):].tolist()
+        tokens = out.sequences[i, len(prompt) :].tolist()
         if params.end_id in tokens:  # HF pads after the end token
-            tokens = tokens[:tokens.index(params.end_id) + 1]
+            tokens = tokens[: tokens.index(params.end_id) + 1]
         beams.append((tokens, float(out.sequences_scores[i])))
     return beams
 
@@ -51,12 +65,14 @@ def test_beam_search_matches_hf_with_inflight_plain_requests(model_and_llm):
     with torch.no_grad():  # an end id the model actually produces, so hypotheses finish early
         greedy = model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
     end = int(greedy[0, len(prompts[0]) + 2])
-    beam = [SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=8, end_id=end),
-            SamplingParams(use_beam_search=True, n=2, max_tokens=6, length_penalty=0.5, early_stopping=True,
-                           end_id=end),
-            SamplingParams(use_beam_search=True, n=3, best_of=4, max_tokens=7, length_penalty=2.0,
-                           early_stopping="never", end_id=end),
-            SamplingParams(use_beam_search=True, n=1, best_of=2, max_tokens=9, end_id=end)]
+    beam = [
+        SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=8, end_id=end),
+        SamplingParams(use_beam_search=True, n=2, max_tokens=6, length_penalty=0.5, early_stopping=True, end_id=end),
+        SamplingParams(
+            use_beam_search=True, n=3, best_of=4, max_tokens=7, length_penalty=2.0, early_stopping="never", end_id=end
+        ),
+        SamplingParams(use_beam_search=True, n=1, best_of=2, max_tokens=9, end_id=end),
+    ]
     plain = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
     # All in one batch: beams of different widths run next to plain generation.
     outs = llm.generate(prompts, beam + plain, use_tqdm=False)
@@ -75,8 +91,9 @@ def test_beam_search_matches_hf_with_inflight_plain_requests(model_and_llm):
         hf_teacher_forcing_check(model, prompt, out.outputs[0].token_ids)
         assert out.outputs[0].cumulative_logprob is None
     kv = llm.executor.call_on_engine(lambda engine: engine.kv_cache_manager)
-    stats = llm.executor.call_on_engine(lambda engine: (engine.kv_cache_manager.check_invariants(),
-                                                        kv.get_kv_cache_stats())[1])
+    stats = llm.executor.call_on_engine(
+        lambda engine: (engine.kv_cache_manager.check_invariants(), kv.get_kv_cache_stats())[1]
+    )
     assert stats.used_num_blocks == 0
     assert llm.executor.call_on_engine(lambda engine: engine.requests.num_beam_search) == 0
 
@@ -91,17 +108,24 @@ def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
     assert updates[0].outputs[0].cumulative_logprob >= updates[0].outputs[1].cumulative_logprob
     # ignore_eos: an end id the best beam starts with changes nothing.
     first = updates[0].outputs[0].token_ids[0]
-    again = llm.generate(prompt, SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=6, ignore_eos=True,
-                                                end_id=first), use_tqdm=False)
+    again = llm.generate(
+        prompt,
+        SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=6, ignore_eos=True, end_id=first),
+        use_tqdm=False,
+    )
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in updates[0].outputs]
-    result = llm.generate_async(prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=100,
-                                                       ignore_eos=True))
+    result = llm.generate_async(
+        prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=100, ignore_eos=True)
+    )
     llm.executor.abort_request(result.request_id)
     final = result.result(timeout=60)
     assert [o.finish_reason for o in final.outputs] == ["cancelled", "cancelled"]
     used = llm.executor.call_on_engine(
-        lambda engine: (engine.kv_cache_manager.check_invariants(),
-                        engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks)[1])
+        lambda engine: (
+            engine.kv_cache_manager.check_invariants(),
+            engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks,
+        )[1]
+    )
     assert used == 0
     # The copy-on-write page copy has one compiled shape, however many blocks a fork copies.
     assert llm.executor.call_on_engine(lambda engine: engine.runner.num_copy_programs) == 1
@@ -114,8 +138,7 @@ def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(mo
     beam_prompt, plain_prompt = random_prompts(2, VOCAB, 6, 9, seed=13)
 
     def drive(engine):
-        beam = engine.add_request(beam_prompt, SamplingParams(use_beam_search=True, n=2, max_tokens=4,
-                                                              ignore_eos=True))
+        beam = engine.add_request(beam_prompt, SamplingParams(use_beam_search=True, n=2, max_tokens=4, ignore_eos=True))
         plain = engine.add_request(plain_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         engine.step()  # both prompts
         engine.step()  # dispatched while the prompts' step is in flight
@@ -129,15 +152,18 @@ def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(mo
     assert finished
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(n=2, temperature=0.8), "temperature"),
-    (dict(n=2, top_p=0.9), "top_p"),
-    (dict(n=9), "beam width"),
-    (dict(n=2, logprobs=2), "logprobs"),
-    (dict(n=2, repetition_penalty=1.2), "repetition_penalty"),
-    (dict(n=2, stop=["x"]), "stop"),
-    (dict(n=2, early_stopping="sometimes"), "early_stopping"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n=2, temperature=0.8), "temperature"),
+        (dict(n=2, top_p=0.9), "top_p"),
+        (dict(n=9), "beam width"),
+        (dict(n=2, logprobs=2), "logprobs"),
+        (dict(n=2, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(n=2, stop=["x"]), "stop"),
+        (dict(n=2, early_stopping="sometimes"), "early_stopping"),
+    ],
+)
 def test_invalid_beam_search_combinations(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(use_beam_search=True, **kwargs)
@@ -157,8 +183,12 @@ def _beam_request(rid, prompt_len, max_new, width):
 
 
 def _generation_beam(rid, leader):
-    beam = LlmRequest(request_id=rid, prompt_token_ids=leader.prompt_token_ids, max_new_tokens=leader.max_new_tokens,
-                      state=LlmRequestState.GENERATION_IN_PROGRESS)
+    beam = LlmRequest(
+        request_id=rid,
+        prompt_token_ids=leader.prompt_token_ids,
+        max_new_tokens=leader.max_new_tokens,
+        state=LlmRequestState.GENERATION_IN_PROGRESS,
+    )
     beam.context_current_position = leader.prompt_len
     return beam
 

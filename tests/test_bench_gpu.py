@@ -29,8 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER_MODULES = ("fastapi", "uvicorn", "pydantic")
 
 
-def _run_command(tmp_path: Path, args: list[str], env_extra: dict[str, str] | None = None,
-                 timeout: float = 240, compile_cache: bool = True) -> tuple[subprocess.CompletedProcess, float]:
+def _run_command(
+    tmp_path: Path,
+    args: list[str],
+    env_extra: dict[str, str] | None = None,
+    timeout: float = 240,
+    compile_cache: bool = True,
+) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m jaxllm.bench.gpu` from the checkout (PYTHONPATH, no install), with fastapi,
     uvicorn and pydantic made unimportable (modules on the path that raise ImportError).
     `compile_cache=False`: without the test session's compilation cache (conftest), so
@@ -46,8 +51,14 @@ def _run_command(tmp_path: Path, args: list[str], env_extra: dict[str, str] | No
         env["JAXLLM_COMPILE_CACHE"] = "0"
     env.update(PYTHONPATH=os.pathsep.join([str(blockers), str(ROOT)]), JAX_PLATFORMS="cpu", **(env_extra or {}))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "jaxllm.bench.gpu", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllm.bench.gpu", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - start
 
 
@@ -104,8 +115,12 @@ def test_dry_run_covers_every_section_without_the_server(tmp_path):
 def test_injected_failure_is_recorded_and_the_budget_holds(tmp_path):
     out = tmp_path / "report"
     budget = 12.0
-    proc, elapsed = _run_command(tmp_path, ["--dry-run", "--out", str(out), "--budget-s", str(budget)],
-                                 env_extra={FAIL_ENV: "kernels"}, compile_cache=False)
+    proc, elapsed = _run_command(
+        tmp_path,
+        ["--dry-run", "--out", str(out), "--budget-s", str(budget)],
+        env_extra={FAIL_ENV: "kernels"},
+        compile_cache=False,
+    )
     assert elapsed < budget + 6.0, f"took {elapsed:.1f}s for a {budget}s budget"  # + interpreter start-up
     assert proc.returncode == 1
     sections = _load(out)["sections"]
@@ -152,12 +167,18 @@ def test_runner_statuses_time_shares_and_abandoned_threads(tmp_path, capsys):
         ctx.table("late", ("a",))
         time.sleep(30)
 
-    sections = [Section("ok", "Ok", 1, 1, ok), Section("boom", "Boom", 1, 1, boom),
-                Section("skip", "Skip", 1, 1, skipped), Section("coop", "Coop", 1, 1, cooperative),
-                Section("hang", "Hang", 1, 1, hangs), Section("after", "After", 1, 1, ok)]
+    sections = [
+        Section("ok", "Ok", 1, 1, ok),
+        Section("boom", "Boom", 1, 1, boom),
+        Section("skip", "Skip", 1, 1, skipped),
+        Section("coop", "Coop", 1, 1, cooperative),
+        Section("hang", "Hang", 1, 1, hangs),
+        Section("after", "After", 1, 1, ok),
+    ]
     start = time.monotonic()
-    results, stuck = run_sections(sections, RunOptions(True, True, tmp_path), budget_s=8.0, started=start,
-                                  printer=Printer())
+    results, stuck = run_sections(
+        sections, RunOptions(True, True, tmp_path), budget_s=8.0, started=start, printer=Printer()
+    )
     elapsed = time.monotonic() - start
     by_key = {r.key: r for r in results}
     assert elapsed < 8.0 and stuck

@@ -15,11 +15,26 @@ from jaxllm.bench.request_metrics import RequestRecord, distribution, format_tab
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
 from jaxllm.server.server_config import ServerConfig
-from server_helpers import LiveServer, live_threads as _threads
-from conftest import tiny_engine
 
-ENGINE_ARGS = ["--model", "tiny-moe", "--max-batch-size", "8", "--max-num-tokens", "16", "--max-seq-len", "128",
-               "--tokens-per-block", "8", "--kv-cache-max-tokens", "2048", "--no-progress"]
+from conftest import tiny_engine
+from server_helpers import LiveServer
+from server_helpers import live_threads as _threads
+
+ENGINE_ARGS = [
+    "--model",
+    "tiny-moe",
+    "--max-batch-size",
+    "8",
+    "--max-num-tokens",
+    "16",
+    "--max-seq-len",
+    "128",
+    "--tokens-per-block",
+    "8",
+    "--kv-cache-max-tokens",
+    "2048",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +52,9 @@ def reuse_engine(engine, monkeypatch):
 
 # ---------------------------------------------------------------------------- datasets
 def test_synthetic_dataset_follows_the_distributions(tmp_path):
-    reqs = synthetic_dataset(400, input_mean=40, input_stdev=8, output_mean=20, output_stdev=4, vocab_size=300,
-                             exclude_ids=[0, 1, 2], seed=1)
+    reqs = synthetic_dataset(
+        400, input_mean=40, input_stdev=8, output_mean=20, output_stdev=4, vocab_size=300, exclude_ids=[0, 1, 2], seed=1
+    )
     ins = np.array([len(r.input_ids) for r in reqs])
     outs = np.array([r.output_tokens for r in reqs])
     assert abs(ins.mean() - 40) < 2 and abs(ins.std() - 8) < 2
@@ -54,19 +70,23 @@ def test_synthetic_dataset_follows_the_distributions(tmp_path):
     save_dataset(path, reqs[:10] + [BenchRequest(task_id="text", output_tokens=4, prompt="hello")])
     loaded = load_dataset(path)
     assert [r.to_json() for r in loaded] == [r.to_json() for r in reqs[:10]] + [
-        {"task_id": "text", "prompt": "hello", "output_tokens": 4}]
+        {"task_id": "text", "prompt": "hello", "output_tokens": 4}
+    ]
     assert len(load_dataset(path, num_requests=3)) == 3
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"task_id": 1, "input_ids": [1, 2]}', "output_tokens"),
-    ('{"task_id": 1, "input_ids": [1, 2], "prompt": "x", "output_tokens": 3}', "exactly one"),
-    ('{"task_id": 1, "input_ids": [], "output_tokens": 3}', "input_ids"),
-    ('{"task_id": 1, "prompt": "x", "output_tokens": 0}', "output_tokens"),
-    ('{"task_id": 1, "prompt": "x", "output_tokens": 3, "extra": 1}', "unknown"),
-    ('[1, 2]', "JSON object"),
-    ('{not json', "line"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"task_id": 1, "input_ids": [1, 2]}', "output_tokens"),
+        ('{"task_id": 1, "input_ids": [1, 2], "prompt": "x", "output_tokens": 3}', "exactly one"),
+        ('{"task_id": 1, "input_ids": [], "output_tokens": 3}', "input_ids"),
+        ('{"task_id": 1, "prompt": "x", "output_tokens": 0}', "output_tokens"),
+        ('{"task_id": 1, "prompt": "x", "output_tokens": 3, "extra": 1}', "unknown"),
+        ('[1, 2]', "JSON object"),
+        ('{not json', "line"),
+    ],
+)
 def test_bad_dataset_lines_are_named(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"task_id": 0, "prompt": "ok", "output_tokens": 2}\n' + line + "\n")
@@ -77,10 +97,12 @@ def test_bad_dataset_lines_are_named(tmp_path, line, message):
 
 # ---------------------------------------------------------------------------- metrics
 def test_metrics_follow_the_reference_formulas():
-    a = RequestRecord(input_tokens=10, start=0.0, output_tokens=5, first_token=0.1, end=0.5,
-                      chunk_times=[0.1, 0.2, 0.3, 0.4, 0.5])
-    b = RequestRecord(input_tokens=20, start=0.2, output_tokens=3, first_token=0.4, end=1.0,
-                      chunk_times=[0.4, 0.6, 1.0])
+    a = RequestRecord(
+        input_tokens=10, start=0.0, output_tokens=5, first_token=0.1, end=0.5, chunk_times=[0.1, 0.2, 0.3, 0.4, 0.5]
+    )
+    b = RequestRecord(
+        input_tokens=20, start=0.2, output_tokens=3, first_token=0.4, end=1.0, chunk_times=[0.4, 0.6, 1.0]
+    )
     failed = RequestRecord(input_tokens=5, start=0.1, error="boom")
     s = summarize([a, b, failed], slo_ttft_ms=150)
     assert s["num_completed"] == 2 and s["num_failed"] == 1
@@ -104,12 +126,24 @@ def test_metrics_follow_the_reference_formulas():
 # ---------------------------------------------------------------------------- CLIs
 def test_throughput_cli_runs_every_backend(reuse_engine, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
-    save_dataset(data, synthetic_dataset(12, input_mean=12, input_stdev=4, output_mean=6, output_stdev=2,
-                                         vocab_size=400, exclude_ids=[0, 1, 2], seed=3))
+    save_dataset(
+        data,
+        synthetic_dataset(
+            12,
+            input_mean=12,
+            input_stdev=4,
+            output_mean=6,
+            output_stdev=2,
+            vocab_size=400,
+            exclude_ids=[0, 1, 2],
+            seed=3,
+        ),
+    )
     expected = sum(r.output_tokens for r in load_dataset(data))
     report = tmp_path / "report.json"
-    rc = throughput.main(ENGINE_ARGS + ["--dataset", str(data), "--backend", "all", "--concurrency", "6",
-                                        "--report-json", str(report)])
+    rc = throughput.main(
+        ENGINE_ARGS + ["--dataset", str(data), "--backend", "all", "--concurrency", "6", "--report-json", str(report)]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "throughput: executor" in out and "throughput: llm" in out and "throughput: engine" in out
@@ -122,15 +156,43 @@ def test_throughput_cli_runs_every_backend(reuse_engine, tmp_path, capsys):
         assert runs[name]["ttft_ms"]["p50"] is not None and runs[name]["tpot_ms"]["p99"] is not None
     assert runs["executor"]["itl_ms"]["p90"] is not None
     # synthetic data with the length options
-    rc = throughput.main(ENGINE_ARGS + ["--num-requests", "4", "--input-mean", "10", "--output-mean", "5",
-                                        "--dist", "constant", "--save-dataset", str(tmp_path / "syn.jsonl")])
+    rc = throughput.main(
+        ENGINE_ARGS
+        + [
+            "--num-requests",
+            "4",
+            "--input-mean",
+            "10",
+            "--output-mean",
+            "5",
+            "--dist",
+            "constant",
+            "--save-dataset",
+            str(tmp_path / "syn.jsonl"),
+        ]
+    )
     assert rc == 0 and len(load_dataset(tmp_path / "syn.jsonl")) == 4
 
 
 def test_latency_cli(reuse_engine, tmp_path, capsys):
     report = tmp_path / "latency.json"
-    rc = latency.main(ENGINE_ARGS + ["--num-requests", "3", "--input-mean", "8", "--output-mean", "6",
-                                     "--dist", "constant", "--warmup-requests", "1", "--report-json", str(report)])
+    rc = latency.main(
+        ENGINE_ARGS
+        + [
+            "--num-requests",
+            "3",
+            "--input-mean",
+            "8",
+            "--output-mean",
+            "6",
+            "--dist",
+            "constant",
+            "--warmup-requests",
+            "1",
+            "--report-json",
+            str(report),
+        ]
+    )
     assert rc == 0
     summary = json.loads(report.read_text())
     assert summary["num_completed"] == 3 and summary["total_output_tokens"] == 18
@@ -143,13 +205,22 @@ def test_serving_client_load_shapes(engine, tmp_path, capsys):
     executor = GenerationExecutor(engine)
     server = LiveServer(build_app(executor, ServerConfig(served_model_name="tiny-moe")))
     try:
-        requests = synthetic_dataset(10, input_mean=10, input_stdev=3, output_mean=5, output_stdev=2,
-                                     vocab_size=400, exclude_ids=[0, 1, 2], seed=4)
+        requests = synthetic_dataset(
+            10,
+            input_mean=10,
+            input_stdev=3,
+            output_mean=5,
+            output_stdev=2,
+            vocab_size=400,
+            exclude_ids=[0, 1, 2],
+            seed=4,
+        )
         expected = sum(r.output_tokens for r in requests)
         for load, kwargs in (("all", {}), ("concurrency", {"concurrency": 3}), ("poisson", {"request_rate": 40.0})):
             started = time.perf_counter()
-            records, wall = asyncio.run(serve_client.run_load(server.url, "tiny-moe", requests, load=load,
-                                                              progress=False, **kwargs))
+            records, wall = asyncio.run(
+                serve_client.run_load(server.url, "tiny-moe", requests, load=load, progress=False, **kwargs)
+            )
             assert all(r.ok for r in records), [r.error for r in records]
             assert sum(r.output_tokens for r in records) == expected
             assert [r.input_tokens for r in records] == [len(r.input_ids) for r in requests]
@@ -161,8 +232,21 @@ def test_serving_client_load_shapes(engine, tmp_path, capsys):
         data = tmp_path / "data.jsonl"
         save_dataset(data, requests)
         report = tmp_path / "serve.json"
-        rc = serve_client.main(["--url", server.url, "--dataset", str(data), "--load", "concurrency",
-                                "--concurrency", "4", "--no-progress", "--report-json", str(report)])
+        rc = serve_client.main(
+            [
+                "--url",
+                server.url,
+                "--dataset",
+                str(data),
+                "--load",
+                "concurrency",
+                "--concurrency",
+                "4",
+                "--no-progress",
+                "--report-json",
+                str(report),
+            ]
+        )
         assert rc == 0
         assert json.loads(report.read_text())["total_output_tokens"] == expected
         assert "serving: concurrency 4" in capsys.readouterr().out

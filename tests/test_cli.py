@@ -12,8 +12,20 @@ from jaxllm.cli import build_parser, main
 from jaxllm.cli.args import engine_kwargs
 from jaxllm.cli.bench import BENCHMARK_HELP
 
-SMALL = ["--model", "tiny-moe", "--max-num-tokens", "16", "--max-seq-len", "128", "--max-batch-size", "2",
-         "--kv-cache-max-tokens", "512", "--tokens-per-block", "8"]
+SMALL = [
+    "--model",
+    "tiny-moe",
+    "--max-num-tokens",
+    "16",
+    "--max-seq-len",
+    "128",
+    "--max-batch-size",
+    "2",
+    "--kv-cache-max-tokens",
+    "512",
+    "--tokens-per-block",
+    "8",
+]
 
 
 def test_help_shows_defaults_and_the_aliases_users_know(capsys):
@@ -25,8 +37,16 @@ def test_help_shows_defaults_and_the_aliases_users_know(capsys):
         assert exit_info.value.code == 0
         text = capsys.readouterr().out
         assert "(default: smollm2)" in text and "(default: auto)" in text
-        for alias in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
-                      "--kv_cache_free_gpu_memory_fraction", "--extra_llm_api_options", "--tokenizer", "--revision"):
+        for alias in (
+            "--max-model-len",
+            "--max-num-seqs",
+            "--max-num-batched-tokens",
+            "--gpu-memory-utilization",
+            "--kv_cache_free_gpu_memory_fraction",
+            "--extra_llm_api_options",
+            "--tokenizer",
+            "--revision",
+        ):
             assert alias in text, alias
     serve_help = serve_parser().format_help()
     assert "(default: 8000)" in serve_help and "--max-model-len" in serve_help
@@ -42,8 +62,19 @@ def test_bench_help_describes_every_benchmark(capsys):
 
 
 def test_aliases_and_config_file(tmp_path):
-    args = build_parser().parse_args(["generate", "--max-model-len", "300", "--max-num-seqs", "3",
-                                      "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--max-model-len",
+            "300",
+            "--max-num-seqs",
+            "3",
+            "--max-num-batched-tokens",
+            "64",
+            "--gpu-memory-utilization",
+            "0.5",
+        ]
+    )
     kwargs = engine_kwargs(args)
     assert (kwargs["max_seq_len"], kwargs["max_batch_size"], kwargs["max_num_tokens"]) == (300, 3, 64)
     assert kwargs["kv_cache_config"].free_gpu_memory_fraction == 0.5
@@ -51,8 +82,10 @@ def test_aliases_and_config_file(tmp_path):
     assert engine_kwargs(args)["kv_cache_config"].free_gpu_memory_fraction == 0.25
 
     config = tmp_path / "llm.yaml"
-    config.write_text("max_batch_size: 7\nkv_cache_config:\n  enable_block_reuse: false\n  tokens_per_block: 16\n"
-                      "scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n")
+    config.write_text(
+        "max_batch_size: 7\nkv_cache_config:\n  enable_block_reuse: false\n  tokens_per_block: 16\n"
+        "scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n"
+    )
     args = build_parser().parse_args(["chat", "--max-num-seqs", "3", "--config", str(config)])
     kwargs = engine_kwargs(args)
     assert kwargs["max_batch_size"] == 7  # the file overrides the flags, as --extra_llm_api_options does
@@ -65,11 +98,14 @@ def test_aliases_and_config_file(tmp_path):
         engine_kwargs(args)
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--model", "/nonexistent/model.gguf"],
-    ["chat", "--model", "not-a-model", "hi"],
-    ["chat", "--model", "some-org/absent-model", "hi"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--model", "/nonexistent/model.gguf"],
+        ["chat", "--model", "not-a-model", "hi"],
+        ["chat", "--model", "some-org/absent-model", "hi"],
+    ],
+)
 def test_model_loading_failure_is_one_line_and_exit_code_2(capsys, monkeypatch, tmp_path, argv):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -95,14 +131,22 @@ def test_chat_and_generate_end_to_end(capsys, monkeypatch):
     assert main(["chat", *SMALL, "--max-tokens", "6", "Hello there"]) == 0
     captured = capsys.readouterr()
     answer = captured.out.rstrip("\n")
-    for expected in ("jaxllm: tiny-moe (Qwen3MoeForCausalLM", "device    cpu x", "dtype=float32", "blocks x 8 tokens",
-                     "max_batch_size=2 max_num_tokens=16 max_seq_len=128", "compiling 1 token buckets", "ready in"):
+    for expected in (
+        "jaxllm: tiny-moe (Qwen3MoeForCausalLM",
+        "device    cpu x",
+        "dtype=float32",
+        "blocks x 8 tokens",
+        "max_batch_size=2 max_num_tokens=16 max_seq_len=128",
+        "compiling 1 token buckets",
+        "ready in",
+    ):
         assert expected in captured.err, expected
 
     # The same conversation through plain `generate` on the chat-templated text gives the same greedy answer.
     tokenizer = load_tokenizer(materialize_preset("tiny-moe"))
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
-                                              add_generation_prompt=True)
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], tokenize=False, add_generation_prompt=True
+    )
     assert main(["generate", *SMALL, "--max-tokens", "6", "--json", "--prompt", templated]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["text"] == answer and len(record["token_ids"]) == 6

@@ -12,12 +12,13 @@ import time
 import jax
 import pytest
 
-from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM
-from jaxllm.llm_args import KvCacheConfig
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.llm_args import KvCacheConfig
 from jaxllm.sampling import SamplingParams
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 VOCAB = 384
@@ -44,8 +45,13 @@ def qwen3(tmp_path_factory):
     return path, make_hf_model("qwen3", path, vocab_size=VOCAB)
 
 
-LIMITS = dict(dtype="float32", max_batch_size=4, max_num_tokens=64, max_seq_len=128,
-              kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False))
+LIMITS = dict(
+    dtype="float32",
+    max_batch_size=4,
+    max_num_tokens=64,
+    max_seq_len=128,
+    kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False),
+)
 
 
 def _run(engine: LLMEngine, requests: list) -> None:
@@ -109,8 +115,9 @@ def test_background_warm_up_compiles_the_decode_and_largest_buckets_and_the_rest
         prompts = [random_prompts(1, VOCAB, 20, 20, seed=4)[0]] + random_prompts(3, VOCAB, 3, 3, seed=5)
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         requests = [engine.add_request(p, greedy) for p in prompts[:3]]
-        requests.append(engine.add_request(prompts[3], SamplingParams(max_tokens=6, temperature=0.8, seed=1,
-                                                                      ignore_eos=True)))
+        requests.append(
+            engine.add_request(prompts[3], SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True))
+        )
         busy_forwards, busy_in_flight = set(), set()
         while engine.has_unfinished_requests():
             busy_forwards.add(engine.runner.num_forward_variants)
@@ -138,14 +145,19 @@ def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
         LLM(str(path), warmup="eager")
     llm = LLM(str(path), **LIMITS)
     try:
-        state = lambda e: (e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants)
+
+        def state(e):
+            return e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants
+
         assert llm.executor.call_on_engine(state) == ([16, 64], 2, 1)
         # No request comes: after EngineCore.IDLE_SECONDS the engine compiles bucket 32. (Each
         # look at the engine is a command that restarts the idle clock, so look rarely.)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             time.sleep(3)
-            if llm.executor.call_on_engine(lambda e: e.runner.compiles_in_flight == 0 and len(e.bucket_compiler.ready) == 3):
+            if llm.executor.call_on_engine(
+                lambda e: e.runner.compiles_in_flight == 0 and len(e.bucket_compiler.ready) == 3
+            ):
                 break
         assert llm.executor.call_on_engine(state) == ([16, 32, 64], 3, 1)
     finally:

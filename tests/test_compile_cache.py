@@ -75,12 +75,25 @@ TP2 = dict(tensor_parallel_size=2)
 
 def run_engine_process(model_dir: Path, cache_root: Path, engines: list[dict], **env_overrides: str) -> list[dict]:
     """One new process (two CPU devices) building `engines` in turn; their reports."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXLLM_COMPILE_CACHE"))}
-    env.update(JAXLLM_CACHE_DIR=str(cache_root), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", **env_overrides)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, str(model_dir), json.dumps(engines)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAXLLM_COMPILE_CACHE"))
+    }
+    env.update(
+        JAXLLM_CACHE_DIR=str(cache_root),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        **env_overrides,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_RUN, str(model_dir), json.dumps(engines)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
 
@@ -106,8 +119,9 @@ def test_a_second_process_with_the_same_engine_compiles_and_traces_nothing(popul
     stored = list((cache_dir / "executables").iterdir())
     assert len(stored) == sum(run["store"]["saved"] for run in first)
 
-    second = run_engine_process(model_dir, root, [{}, TP2, dict(max_num_tokens=32, compile_only=True),
-                                                  dict(seed=1, compile_only=True)])
+    second = run_engine_process(
+        model_dir, root, [{}, TP2, dict(max_num_tokens=32, compile_only=True), dict(seed=1, compile_only=True)]
+    )
     for before, after in zip(first, second[:2]):
         assert after["compiles"] == 0, after
         assert after["traced"] == 0 and after["lowered"] == 0, after  # stored programs: loaded, not traced
@@ -138,7 +152,7 @@ def test_a_damaged_stored_program_is_compiled_again(populated, tmp_path):
         data = bytearray(path.read_bytes())
         if i % 3 == 0:
             data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data[:len(data) // (2 if i % 3 == 1 else 1)] if i % 3 != 2 else b""))
+        path.write_bytes(bytes(data[: len(data) // (2 if i % 3 == 1 else 1)] if i % 3 != 2 else b""))
     damaged, again = run_engine_process(model_dir, tmp_path / "cache", [{}, {}])
     assert damaged["loaded"] == 0 and damaged["store"]["rejected"] == first[0]["store"]["saved"], damaged
     assert damaged["traced"] > 0 and damaged["tokens"] == first[0]["tokens"]

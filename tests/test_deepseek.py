@@ -4,7 +4,6 @@ routing with the correction bias, shared experts, against Hugging Face transform
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -26,20 +25,55 @@ from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_er
 
 TOL = 1e-4
 
-BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-            num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
-            v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256)
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
-        "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+BASE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=12,
+    v_head_dim=10,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=256,
+)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+    "rope_theta": 10000.0,
+}
 VARIANTS = {
     "q_lora": BASE,
     "plain_q_yarn": dict(BASE, q_lora_rank=None, n_shared_experts=2, norm_topk_prob=False, rope_parameters=YARN),
 }
 # The engine's model: 8 heads and 16 experts, for tensor and expert parallelism over 8 devices.
-ENGINE = dict(BASE, num_hidden_layers=2, vocab_size=256, hidden_size=64, num_attention_heads=8, kv_lora_rank=32, qk_rope_head_dim=16,
-              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=32,
-              intermediate_size=128)
+ENGINE = dict(
+    BASE,
+    num_hidden_layers=2,
+    vocab_size=256,
+    hidden_size=64,
+    num_attention_heads=8,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    q_lora_rank=32,
+    intermediate_size=128,
+)
 
 
 def build_hf(kwargs: dict, seed: int = 0, bias_scale: float = 0.2):
@@ -110,9 +144,20 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
 def test_config_reads_mla_routing_and_yarn(loaded):
     c = loaded("q_lora").config
     assert (c.architecture, c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
-        "DeepseekV3ForCausalLM", 16, 24, 12, 8, 10)
+        "DeepseekV3ForCausalLM",
+        16,
+        24,
+        12,
+        8,
+        10,
+    )
     assert (c.n_group, c.topk_group, c.routed_scaling_factor, c.n_shared_experts, c.scoring_func) == (
-        4, 2, 2.5, 1, "sigmoid")
+        4,
+        2,
+        2.5,
+        1,
+        "sigmoid",
+    )
     assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True] and c.rope_interleave
     assert c.rope_scaling is None and c.norm_topk_prob
     y = loaded("plain_q_yarn").config
@@ -130,7 +175,8 @@ def test_prefill_logits_match_hf_absorbed_and_expanded(loaded, variant):
     out = {}
     for mode in ("absorbed", "expanded"):
         out[mode], _ = PagedModel(m.params, replace(m.config, mla_attention=mode)).all_logits(
-            [SeqChunk(tokens, 0, table)])
+            [SeqChunk(tokens, 0, table)]
+        )
         assert rel_err(out[mode], ref) < TOL, mode
     assert rel_err(out["absorbed"], out["expanded"]) < 1e-5
 
@@ -154,8 +200,14 @@ def test_layer_stacks_scan_over_a_latent_pool_and_the_per_layer_loop_matches_hf(
     def lines(num_layers: int) -> int:
         config = replace(m.config, num_layers=num_layers)
         cache = jax.eval_shape(lambda: init_kv_cache(config, 8, 4, jnp.float32))
-        batch = build_step_batch([SeqChunk([5, 6, 7], 0, [2, 0])], tokens_per_block=4, num_blocks=8,
-                                 token_bucket=8, max_seqs=2, max_blocks_per_seq=4)
+        batch = build_step_batch(
+            [SeqChunk([5, 6, 7], 0, [2, 0])],
+            tokens_per_block=4,
+            num_blocks=8,
+            token_bucket=8,
+            max_seqs=2,
+            max_blocks_per_seq=4,
+        )
         lowered = jax.jit(forward, static_argnames="config").lower(param_shapes(config), cache, batch, config=config)
         return len(lowered.as_text().splitlines())
 
@@ -163,7 +215,8 @@ def test_layer_stacks_scan_over_a_latent_pool_and_the_per_layer_loop_matches_hf(
     loop = replace(m.config, scan_layers=False)
     tokens = prompt(1, 13, m.config.vocab_size)
     out, _ = PagedModel(load_params(m.dir, loop), loop).all_logits(
-        [SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 32, 8))])
+        [SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 32, 8))]
+    )
     assert rel_err(out, hf_logits(m.hf, tokens)) < TOL
 
 
@@ -183,7 +236,7 @@ def test_chunked_prefill_and_greedy_decode_match_hf_teacher_forcing(loaded, vari
         logits, runner.cache = runner.step([SeqChunk(seq[-1:], len(seq) - 1, table)])
     ref = hf_logits(m.hf, seq)
     scale = np.abs(ref).max()
-    assert len(set(seq[len(tokens):])) > 1, "greedy output is one repeated token"
+    assert len(set(seq[len(tokens) :])) > 1, "greedy output is one repeated token"
     for j, pos in enumerate(range(len(tokens) - 1, len(seq) - 1)):
         chosen = seq[pos + 1]
         assert ref[pos, chosen] >= ref[pos].max() - TOL * scale, f"step {j}: token {chosen} is not HF's argmax"
@@ -273,16 +326,52 @@ def test_router_correction_bias_stays_float32_in_a_bfloat16_model(loaded):
 
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3, without its fp8 quantization_config).
 DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
-    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, ep_size=1,
-    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
-    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu",
-    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False,
-    torch_dtype="bfloat16", attention_bias=False, bos_token_id=0, eos_token_id=1,
-    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                  "original_max_position_embeddings": 4096, "type": "yarn"})
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_nextn_predict_layers=1,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    ep_size=1,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="noaux_tc",
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    moe_layer_freq=1,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    hidden_act="silu",
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    attention_bias=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    rope_scaling={
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+)
 
 
 def test_latent_cache_bytes_per_token_for_deepseek_v3():
@@ -357,8 +446,9 @@ def test_engine_in_flight_batching_matches_one_request_at_a_time_and_hf(tmp_path
     arrivals = staggered_prompts(ENGINE["vocab_size"])
     batched = _engine_outputs(engine, arrivals, max_tokens=7)
     stats = engine.iteration_stats
-    assert any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-               for s in stats), "no step mixed prefill and decode"
+    assert any(
+        s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"] for s in stats
+    ), "no step mixed prefill and decode"
     assert engine.kv_cache_manager.get_kv_cache_stats().reused_blocks > 0
     prompts = [p for step in sorted(arrivals) for p in arrivals[step]]
     alone = {}
@@ -378,21 +468,32 @@ def test_engine_in_flight_batching_matches_one_request_at_a_time_and_hf(tmp_path
 # The latent variant of the ragged paged attention kernel
 
 
-def _latent_case(seed: int, q_lens: list[int], kv_lens: list[int], *, heads: int, dim: int, tpb: int,
-                 num_blocks: int, max_blocks: int, num_tokens: int, num_seq_slots: int):
+def _latent_case(
+    seed: int,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    heads: int,
+    dim: int,
+    tpb: int,
+    num_blocks: int,
+    max_blocks: int,
+    num_tokens: int,
+    num_seq_slots: int,
+):
     rng = np.random.default_rng(seed)
     tables = np.zeros((num_seq_slots, max_blocks), np.int32)
     free = rng.permutation(num_blocks)
     used = 0
     for s, kv in enumerate(kv_lens):
         n = -(-kv // tpb)
-        tables[s, :n] = free[used:used + n]
+        tables[s, :n] = free[used : used + n]
         used += n
     cu = np.zeros(num_seq_slots + 1, np.int32)
-    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1 :] = cu[len(q_lens)]
     lens = np.zeros(num_seq_slots, np.int32)
-    lens[:len(kv_lens)] = kv_lens
+    lens[: len(kv_lens)] = kv_lens
     q = rng.standard_normal((num_tokens, heads, dim), dtype=np.float32)
     latent = rng.standard_normal((num_blocks, tpb, dim), dtype=np.float32)
     return q, latent, lens, tables, cu, np.array([len(q_lens)], np.int32)
@@ -408,12 +509,23 @@ def test_latent_attention_kernel_matches_reference_in_interpret_mode(splits):
         ragged_paged_latent_attention_reference,
     )
 
-    args = _latent_case(0, [9, 13, 1, 1], [30, 13, 7, 22], heads=4, dim=24, tpb=4, num_blocks=40, max_blocks=10,
-                        num_tokens=32, num_seq_slots=6)
+    args = _latent_case(
+        0,
+        [9, 13, 1, 1],
+        [30, 13, 7, 22],
+        heads=4,
+        dim=24,
+        tpb=4,
+        num_blocks=40,
+        max_blocks=10,
+        num_tokens=32,
+        num_seq_slots=6,
+    )
     total = 24
     ref = np.asarray(ragged_paged_latent_attention_reference(*args, sm_scale=0.2, value_dim=16))
-    out = ragged_paged_latent_attention(*args, sm_scale=0.2, value_dim=16, interpret=True,
-                                        tiling=AttentionTiling(16, 16, splits, 4, 2))
+    out = ragged_paged_latent_attention(
+        *args, sm_scale=0.2, value_dim=16, interpret=True, tiling=AttentionTiling(16, 16, splits, 4, 2)
+    )
     assert out.shape == (32, 4, 16)
     assert rel_err(np.asarray(out)[:total], ref[:total]) < 1e-5
     assert not np.asarray(out)[total:].any()
@@ -430,9 +542,15 @@ def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_token
     from pallas_kernels.ragged_paged_attention import ragged_paged_latent_attention
 
     s = jax.ShapeDtypeStruct
-    specs = (s((num_tokens, 16, 576), jnp.bfloat16), s((4096, 32, 576), jnp.bfloat16), s((num_seq_slots,), jnp.int32),
-             s((num_seq_slots, 128), jnp.int32), s((num_seq_slots + 1,), jnp.int32), s((1,), jnp.int32))
-    fn = functools.partial(ragged_paged_latent_attention, sm_scale=192 ** -0.5, value_dim=512)
+    specs = (
+        s((num_tokens, 16, 576), jnp.bfloat16),
+        s((4096, 32, 576), jnp.bfloat16),
+        s((num_seq_slots,), jnp.int32),
+        s((num_seq_slots, 128), jnp.int32),
+        s((num_seq_slots + 1,), jnp.int32),
+        s((1,), jnp.int32),
+    )
+    fn = functools.partial(ragged_paged_latent_attention, sm_scale=192**-0.5, value_dim=512)
     text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, "no Triton kernel in the lowering"
 
@@ -449,7 +567,8 @@ def test_pallas_backend_pairs_the_latent_kernel_with_the_mha_one():
     from jaxllm.models.backends import resolve_backends
 
     q, latent, kv_lens, tables, cu, num_seqs = _latent_case(
-        1, [6, 1, 1], [11, 9, 3], heads=4, dim=24, tpb=4, num_blocks=16, max_blocks=4, num_tokens=16, num_seq_slots=4)
+        1, [6, 1, 1], [11, 9, 3], heads=4, dim=24, tpb=4, num_blocks=16, max_blocks=4, num_tokens=16, num_seq_slots=4
+    )
     md = AttentionMetadata(np.zeros(16, np.int32), kv_lens, tables, cu, num_seqs)
     _, _, pallas_fn, _ = resolve_backends("pallas", "xla")
     assert pallas_fn.latent.__name__ == "pallas_latent_attention"

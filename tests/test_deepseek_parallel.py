@@ -25,8 +25,8 @@ def check_all(root: Path) -> None:
 
     from jaxllm.llm_args import MoeConfig
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
-    from tests.test_deepseek import _engine_outputs, staggered_prompts
     from tests.parallel_workload import small_engine
+    from tests.test_deepseek import _engine_outputs, staggered_prompts
 
     assert len(jax.devices()) == 8
     directory = root / "ds"
@@ -46,10 +46,14 @@ def check_all(root: Path) -> None:
 
     print(json.dumps(dict(kind="base", tokens=run()[0])), flush=True)
     for n, e, mode, num_slots in CASES:
-        balancer = MoeLoadBalancerConfig(num_slots=num_slots, layer_updates_per_iter=1, min_imbalance_gain=-1.0,
-                                         minimize_moves=False)
-        tokens, rebalances = run(tensor_parallel_size=n, moe_expert_parallel_size=e,
-                                 moe_config=MoeConfig(load_balancer=balancer, dispatch=mode))
+        balancer = MoeLoadBalancerConfig(
+            num_slots=num_slots, layer_updates_per_iter=1, min_imbalance_gain=-1.0, minimize_moves=False
+        )
+        tokens, rebalances = run(
+            tensor_parallel_size=n,
+            moe_expert_parallel_size=e,
+            moe_config=MoeConfig(load_balancer=balancer, dispatch=mode),
+        )
         print(json.dumps(dict(kind="ep", n=n, e=e, mode=mode, tokens=tokens, rebalances=rebalances)), flush=True)
 
 
@@ -58,8 +62,9 @@ def test_deepseek_tensor_and_expert_parallel_match_single_device(tmp_path):
     from tests.test_deepseek import ENGINE, write_checkpoint
 
     write_checkpoint(tmp_path / "ds", ENGINE, seed=3, tokenizer=True)
-    results = run_on_cpu_devices("test_deepseek_parallel", "check_all", tmp_path,
-                                 unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
+    results = run_on_cpu_devices(
+        "test_deepseek_parallel", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",)
+    )
     base = next(r for r in results if r["kind"] == "base")
     assert len(base["tokens"]) == 5 and all(len(t) == MAX_TOKENS for t in base["tokens"].values())
     eps = [r for r in results if r["kind"] == "ep"]

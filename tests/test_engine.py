@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams, SchedulerConfig
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 
 VOCAB = 384
 
@@ -19,8 +20,12 @@ def moe_model(tmp_path_factory):
 
 
 def make_llm(path, **overrides) -> LLM:
-    kwargs = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=256,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048))
+    kwargs = dict(
+        max_batch_size=8,
+        max_num_tokens=64,
+        max_seq_len=256,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),
+    )
     kwargs.update(overrides)
     return LLM(str(path), **kwargs)
 
@@ -74,8 +79,9 @@ def test_prefix_reuse_gives_same_outputs(moe_model):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = {}
     for reuse in (True, False):
-        llm = make_llm(path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024,
-                                                           enable_block_reuse=reuse))
+        llm = make_llm(
+            path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024, enable_block_reuse=reuse)
+        )
         first = llm.generate(prompts[0], params, use_tqdm=False)
         rest = llm.generate(prompts[1:], params, use_tqdm=False)
         outs[reuse] = [o.outputs[0].token_ids for o in [first, *rest]]
@@ -89,20 +95,26 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(moe_llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = moe_llm.generate(prompt, params, use_tqdm=False).outputs[0].token_ids
     others = random_prompts(5, VOCAB, 3, 30, seed=7)
-    mixed = moe_llm.generate(others[:3] + [prompt] + others[3:],
-                             [SamplingParams(max_tokens=9, temperature=0.7, seed=i) for i in range(3)]
-                             + [params] + [SamplingParams(max_tokens=5)] * 2, use_tqdm=False)
+    mixed = moe_llm.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_tokens=9, temperature=0.7, seed=i) for i in range(3)]
+        + [params]
+        + [SamplingParams(max_tokens=5)] * 2,
+        use_tqdm=False,
+    )
     assert mixed[3].outputs[0].token_ids == alone
-    other_seed = moe_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99,
-                                                         ignore_eos=True), use_tqdm=False)
+    other_seed = moe_llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True), use_tqdm=False
+    )
     assert other_seed.outputs[0].token_ids != alone
 
 
 def test_top_k_one_equals_greedy(moe_llm):
     prompts = random_prompts(3, VOCAB, 5, 20, seed=8)
     greedy = moe_llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-    top1 = moe_llm.generate(prompts, SamplingParams(max_tokens=10, top_k=1, temperature=1.0, seed=5,
-                                                    ignore_eos=True), use_tqdm=False)
+    top1 = moe_llm.generate(
+        prompts, SamplingParams(max_tokens=10, top_k=1, temperature=1.0, seed=5, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
@@ -116,22 +128,26 @@ def test_logprobs_and_stop_token_ids(moe_llm):
         assert entry[token].logprob <= 0.0
         assert entry[token].logprob >= max(lp.logprob for lp in entry.values()) - 1e-5  # greedy = top-1
     stop_at = completion.token_ids[2]
-    stopped = moe_llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop_at], ignore_eos=True),
-                               use_tqdm=False).outputs[0]
-    assert stopped.token_ids == completion.token_ids[:completion.token_ids.index(stop_at) + 1]
+    stopped = moe_llm.generate(
+        prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop_at], ignore_eos=True), use_tqdm=False
+    ).outputs[0]
+    assert stopped.token_ids == completion.token_ids[: completion.token_ids.index(stop_at) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(inputs=[[]]), "empty"),
-    (dict(inputs=[[5, VOCAB + 3]]), "vocabulary"),
-    (dict(inputs=[list(range(3, 300))]), "max_seq_len"),
-    (dict(params=dict(temperature=-0.5)), "temperature"),
-    (dict(params=dict(top_p=1.5)), "top_p"),
-    (dict(params=dict(top_p=0.0)), "top_p"),
-    (dict(params=dict(max_tokens=0)), "max_tokens"),
-    (dict(params=dict(bogus_field=1)), "bogus_field"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(inputs=[[]]), "empty"),
+        (dict(inputs=[[5, VOCAB + 3]]), "vocabulary"),
+        (dict(inputs=[list(range(3, 300))]), "max_seq_len"),
+        (dict(params=dict(temperature=-0.5)), "temperature"),
+        (dict(params=dict(top_p=1.5)), "top_p"),
+        (dict(params=dict(top_p=0.0)), "top_p"),
+        (dict(params=dict(max_tokens=0)), "max_tokens"),
+        (dict(params=dict(bogus_field=1)), "bogus_field"),
+    ],
+)
 def test_bad_input_raises_value_error_and_engine_keeps_serving(moe_llm, bad, field):
     with pytest.raises(ValueError, match=field):
         params = SamplingParams.from_kwargs(**bad.get("params", {"max_tokens": 4}))
@@ -150,8 +166,11 @@ def test_max_utilization_policy_completes_everything(moe_model):
     path, _ = moe_model
     prompts = random_prompts(12, VOCAB, 10, 40, seed=11)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm = make_llm(path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=200),
-                   scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"))
+    llm = make_llm(
+        path,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=200),
+        scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"),
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     reference = make_llm(path).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
@@ -190,8 +209,7 @@ def test_steady_decode_path_changes_no_output(moe_llm, monkeypatch):
             outs = moe_llm.generate(prompts, params, use_tqdm=False)
         finally:
             planner.steady_decode = True
-        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
-                        for o in outs])
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs])
         if steady:
             assert len(steady_steps) > 5
     assert results[0] == results[1]
@@ -210,16 +228,16 @@ def test_steady_decode_steps_report_plain_rows_batched(moe_llm):
         try:
             index = {}
             for i, prompt in enumerate(prompts):
-                params = SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True,
-                                        stop_token_ids=[int(prompt[0])] if i == 2 else None)
+                params = SamplingParams(
+                    max_tokens=6 + 2 * i, ignore_eos=True, stop_token_ids=[int(prompt[0])] if i == 2 else None
+                )
                 index[engine.add_request(prompt, params).request_id] = i
             steps, batched = [], 0
             while engine.has_unfinished_requests():
                 updates = engine.step()
                 batched += sum(len(b.requests) for b in updates.decoded)
                 assert len(updates) == len(list(updates))
-                steps.append(sorted((index[u.request.request_id], tuple(u.new_token_ids), u.finished)
-                                    for u in updates))
+                steps.append(sorted((index[u.request.request_id], tuple(u.new_token_ids), u.finished) for u in updates))
             return steps, batched
         finally:
             engine.planner.steady_decode = True
@@ -247,6 +265,7 @@ def test_token_log_changes_no_output(moe_llm, monkeypatch):
         def counted(self, *args, _original=original, _name=name):
             calls[_name] += 1
             return _original(self, *args)
+
         monkeypatch.setattr(DecodeTokenLog, name, counted)
     prompts = random_prompts(6, VOCAB, 3, 20, seed=21)
     free_run = moe_llm.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
@@ -262,8 +281,9 @@ def test_token_log_changes_no_output(moe_llm, monkeypatch):
         try:
             rids, steps, step = {}, [], 0
             for i, prompt in enumerate(prompts[:5]):
-                params = SamplingParams(max_tokens=26 + 3 * i, ignore_eos=True,
-                                        stop_token_ids=[stop_token] if i == 0 else None)
+                params = SamplingParams(
+                    max_tokens=26 + 3 * i, ignore_eos=True, stop_token_ids=[stop_token] if i == 0 else None
+                )
                 rids[engine.add_request(prompt, params).request_id] = i
             finished = {}
             while engine.has_unfinished_requests():
@@ -279,19 +299,26 @@ def test_token_log_changes_no_output(moe_llm, monkeypatch):
                 assert all(len(key) == 8 and -1 not in key for _, key, _ in kv.block_pool.cached_prefixes().values())
                 for u in updates:
                     if u.finished:
-                        finished[rids[u.request.request_id]] = (list(u.request.output_token_ids),
-                                                                u.request.finish_reason)
-                steps.append(sorted((rids[u.request.request_id], tuple(u.new_token_ids), u.finished)
-                                    for u in updates))
+                        finished[rids[u.request.request_id]] = (
+                            list(u.request.output_token_ids),
+                            u.request.finish_reason,
+                        )
+                steps.append(sorted((rids[u.request.request_id], tuple(u.new_token_ids), u.finished) for u in updates))
                 step += 1
             # Each whole sequence as a new prompt: the blocks its steps indexed are found.
-            follow = [engine.add_request(prompts[i] + finished[i][0], SamplingParams(max_tokens=1))
-                      for i in sorted(finished)]
+            follow = [
+                engine.add_request(prompts[i] + finished[i][0], SamplingParams(max_tokens=1)) for i in sorted(finished)
+            ]
             while engine.has_unfinished_requests():
                 engine.step()
             stats = kv.get_kv_cache_stats()
-            return (steps, sorted(finished.items()), [r.prepopulated_prompt_len for r in follow],
-                    stats.reused_blocks - start.reused_blocks, stats.alloc_total_blocks - start.alloc_total_blocks)
+            return (
+                steps,
+                sorted(finished.items()),
+                [r.prepopulated_prompt_len for r in follow],
+                stats.reused_blocks - start.reused_blocks,
+                stats.alloc_total_blocks - start.alloc_total_blocks,
+            )
         finally:
             engine.token_log, engine.overlap = True, True
             engine.planner.token_log_capacity = 64

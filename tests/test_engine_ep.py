@@ -30,12 +30,20 @@ def run_engine(directory: Path, tokenizer: Path, **engine_args) -> dict:
     engine = small_engine(directory, tokenizer, **engine_args)
     outputs = run_staggered_requests(engine)
     engine.close_statistics()
-    tokens_per_step = [s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
-                       for s in engine.iteration_stats]
-    mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-                for s in engine.iteration_stats)
-    return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, mixed=mixed, tokens_per_step=tokens_per_step,
-                reused=engine.kv_cache_manager.get_kv_cache_stats().reused_blocks)
+    tokens_per_step = [
+        s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
+        for s in engine.iteration_stats
+    ]
+    mixed = any(
+        s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+        for s in engine.iteration_stats
+    )
+    return dict(
+        tokens={str(k): v for k, v in sorted(outputs.items())},
+        mixed=mixed,
+        tokens_per_step=tokens_per_step,
+        reused=engine.kv_cache_manager.get_kv_cache_stats().reused_blocks,
+    )
 
 
 def check_all(root: Path) -> None:
@@ -62,20 +70,45 @@ def check_all(root: Path) -> None:
     del os.environ["EXPERT_STATISTIC_ITER_RANGE"], os.environ["EXPERT_STATISTIC_PATH"]
     stats = load_expert_statistics(stats_dir)
     top_k = stats.num_experts_per_token
-    sums_ok = all(int(stats.counts[i, layer].sum()) == top_k * base["tokens_per_step"][it]
-                  for i, it in enumerate(stats.iters) for layer in range(len(stats.layers)))
+    sums_ok = all(
+        int(stats.counts[i, layer].sum()) == top_k * base["tokens_per_step"][it]
+        for i, it in enumerate(stats.iters)
+        for layer in range(len(stats.layers))
+    )
     report = io.StringIO()
     with redirect_stdout(report):
         report_main(["--expert_statistic_path", str(stats_dir), "--ep_size", "8"])
     yaml_path = root / "eplb.yaml"
-    generate_config_main(["--expert_statistic_path", str(stats_dir), "--ep_size", "8", "--num_slots", str(NUM_SLOTS),
-                          "--output_path", str(yaml_path)])
-    print(json.dumps(dict(kind="base", stats_iters=stats.iters, stats_layers=stats.layers, sums_ok=sums_ok,
-                          report=report.getvalue(), **base)), flush=True)
+    generate_config_main(
+        [
+            "--expert_statistic_path",
+            str(stats_dir),
+            "--ep_size",
+            "8",
+            "--num_slots",
+            str(NUM_SLOTS),
+            "--output_path",
+            str(yaml_path),
+        ]
+    )
+    print(
+        json.dumps(
+            dict(
+                kind="base",
+                stats_iters=stats.iters,
+                stats_layers=stats.layers,
+                sums_ok=sums_ok,
+                report=report.getvalue(),
+                **base,
+            )
+        ),
+        flush=True,
+    )
     for n, e, mode, placed in CASES:
         moe_config = MoeConfig(load_balancer=str(yaml_path) if placed else None, dispatch=mode)
-        result = run_engine(directory, tokenizer, tensor_parallel_size=n, moe_expert_parallel_size=e,
-                            moe_config=moe_config)
+        result = run_engine(
+            directory, tokenizer, tensor_parallel_size=n, moe_expert_parallel_size=e, moe_config=moe_config
+        )
         print(json.dumps(dict(kind="ep", n=n, e=e, mode=mode, placed=placed, **result)), flush=True)
     del np
 
@@ -111,8 +144,9 @@ def test_parallel_flags_and_placement_from_config_yaml(tmp_path):
     save_eplb_config(MoeLoadBalancerConfig(num_slots=16, initial_global_assignments={1: list(range(8)) * 2}), placement)
     llm_yaml = tmp_path / "llm.yaml"
     llm_yaml.write_text(f"moe_config:\n  load_balancer: {placement}\n  dispatch: allgather\n")
-    args = build_parser().parse_args(["generate", "--prompt", "hi", "--tp-size", "8", "--ep-size", "4",
-                                      "--config", str(llm_yaml)])
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "hi", "--tp-size", "8", "--ep-size", "4", "--config", str(llm_yaml)]
+    )
     config = EngineConfig(model="m", **engine_kwargs(args))
     assert config.parallel_config().mesh_shape == (1, 4, 2)
     assert config.moe_config.dispatch == "allgather"

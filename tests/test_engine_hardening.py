@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from engine_helpers import make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
 from jaxllm.engine import planner
 from jaxllm.sampling import MAX_LOGPROBS, SUPPRESS_WIDTH, SamplingTensors
+
+from engine_helpers import make_hf_model, random_prompts
 
 VOCAB = 384
 BIG = 2**40
@@ -31,8 +32,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = LLM(str(model_dir), max_batch_size=8, max_num_tokens=64, max_seq_len=256,
-              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048))
+    llm = LLM(
+        str(model_dir),
+        max_batch_size=8,
+        max_num_tokens=64,
+        max_seq_len=256,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),
+    )
     llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)
     yield llm
     llm.shutdown()
@@ -195,8 +201,9 @@ def test_accepted_inputs_are_normalised(llm, canary_tokens):
     validate([5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=ids, ignore_eos=True))
     with pytest.raises(ValueError, match="stop_token_ids"):
         validate([5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=ids))
-    out = llm.generate(CANARY, SamplingParams(max_tokens=6, ignore_eos=True, min_tokens=6,
-                                              stop_token_ids=ids), use_tqdm=False).outputs[0]
+    out = llm.generate(
+        CANARY, SamplingParams(max_tokens=6, ignore_eos=True, min_tokens=6, stop_token_ids=ids), use_tqdm=False
+    ).outputs[0]
     assert len(out.token_ids) == 6 and not set(out.token_ids) & set(ids)
     assert_engine_healthy(llm, canary_tokens)
 
@@ -217,19 +224,32 @@ def test_no_compilation_after_warmup(llm, canary_tokens):
     rng = np.random.default_rng(0)
     prompts = random_prompts(12, VOCAB, 1, 150, seed=31) + [list(range(3, 23)), list(range(3, 100))]
     features = [
-        dict(), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=5, seed=2),
-        dict(temperature=1.0, top_p=0.7, seed=3), dict(temperature=0.9, min_p=0.1, seed=4),
-        dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.5, temperature=0.7),
-        dict(logprobs=3), dict(logprobs=0, temperature=1.0, top_k=3, top_p=0.9), dict(bad_token_ids=[5, 6, 7]),
-        dict(bad=["hello world"], min_tokens=3, stop_token_ids=[9]), dict(n=2, temperature=1.0, seed=5),
-        dict(n=2, best_of=3, temperature=1.0), dict(logprobs=MAX_LOGPROBS, repetition_penalty=1.1),
+        dict(),
+        dict(temperature=0.8, seed=1),
+        dict(temperature=1.0, top_k=5, seed=2),
+        dict(temperature=1.0, top_p=0.7, seed=3),
+        dict(temperature=0.9, min_p=0.1, seed=4),
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=0.5, frequency_penalty=0.5, temperature=0.7),
+        dict(logprobs=3),
+        dict(logprobs=0, temperature=1.0, top_k=3, top_p=0.9),
+        dict(bad_token_ids=[5, 6, 7]),
+        dict(bad=["hello world"], min_tokens=3, stop_token_ids=[9]),
+        dict(n=2, temperature=1.0, seed=5),
+        dict(n=2, best_of=3, temperature=1.0),
+        dict(logprobs=MAX_LOGPROBS, repetition_penalty=1.1),
     ]
     params = [SamplingParams(max_tokens=int(rng.integers(2, 12)), **f) for f in features]
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        streamed = list(llm.generate_async(list(range(200, 225)),  # 25 new tokens alone: the 32 bucket
-                                           SamplingParams(max_tokens=5, temperature=0.5, seed=9), streaming=True))
+        streamed = list(
+            llm.generate_async(
+                list(range(200, 225)),  # 25 new tokens alone: the 32 bucket
+                SamplingParams(max_tokens=5, temperature=0.5, seed=9),
+                streaming=True,
+            )
+        )
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert all(o.outputs[0].token_ids for o in outs) and streamed

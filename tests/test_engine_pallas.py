@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine_helpers import make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
+
+from engine_helpers import make_hf_model, random_prompts
 
 VOCAB = 256
 
@@ -14,9 +15,15 @@ def test_pallas_backends_match_xla_backends(tmp_path):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     tokens = {}
     for backend in ("xla", "pallas"):
-        llm = LLM(str(tmp_path), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
-                  attention_backend=backend, moe_backend=backend,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512))
+        llm = LLM(
+            str(tmp_path),
+            max_batch_size=4,
+            max_num_tokens=32,
+            max_seq_len=128,
+            attention_backend=backend,
+            moe_backend=backend,
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
+        )
         assert llm.engine.attention_backend == backend and llm.engine.moe_backend == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["pallas"] == tokens["xla"]
@@ -25,7 +32,6 @@ def test_pallas_backends_match_xla_backends(tmp_path):
 def test_pallas_moe_layer_uses_the_fused_kernel_under_a_mesh(monkeypatch):
     """The engine's MoE layer (on a one-device mesh, as the engine runs it) takes the kernel that
     gathers rows and combines in place, and matches the sorted-rows XLA reference path."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 

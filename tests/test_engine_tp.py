@@ -20,19 +20,24 @@ def run_engine(directory: Path, tokenizer: Path, tp: int, backend: str, recorded
     every executed plan is appended to it, then the KV pool's size in blocks."""
     import jax
 
-    engine = small_engine(directory, tokenizer, attention_backend=backend, moe_backend=backend,
-                          tensor_parallel_size=tp)
+    engine = small_engine(directory, tokenizer, attention_backend=backend, moe_backend=backend, tensor_parallel_size=tp)
     plans = record_plans(engine)
     outputs = run_staggered_requests(engine)
     stats = engine.kv_cache_manager.get_kv_cache_stats()
-    chunked = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-                  for s in engine.iteration_stats)
+    chunked = any(
+        s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+        for s in engine.iteration_stats
+    )
     if recorded is not None:
         recorded.extend(plans)
         recorded.append(engine.kv_cache_manager.num_blocks)
     keys = jax.tree_util.tree_leaves(engine.runner.kv_cache)[0]  # the page pool's keys (or layer 0's)
-    return dict(tokens={str(k): v for k, v in sorted(outputs.items())}, reused=stats.reused_blocks, mixed=chunked,
-                kv_heads_per_device=int(keys.addressable_shards[0].data.shape[0]))
+    return dict(
+        tokens={str(k): v for k, v in sorted(outputs.items())},
+        reused=stats.reused_blocks,
+        mixed=chunked,
+        kv_heads_per_device=int(keys.addressable_shards[0].data.shape[0]),
+    )
 
 
 def check_all(root: Path) -> None:
@@ -72,11 +77,21 @@ def replay(directory: Path, recorded: list, tp: int, backend: str) -> bool:
     config = load_model_config(directory, "float32")
     mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
     _, _, attention_fn, moe_fn = resolve_backends(backend, backend)
-    runner = ModelRunner(model_config=config, params=load_params(directory, config, mesh=mesh),
-                         num_blocks=num_blocks, tokens_per_block=8, kv_dtype=config.dtype,
-                         attention_fn=attention_fn, moe_fn=moe_fn, max_batch_size=4, mesh=mesh)
-    return all(np.array_equal(np.asarray(runner.execute(plan).sampled.token_ids), np.asarray(out.sampled.token_ids))
-               for plan, out in steps)
+    runner = ModelRunner(
+        model_config=config,
+        params=load_params(directory, config, mesh=mesh),
+        num_blocks=num_blocks,
+        tokens_per_block=8,
+        kv_dtype=config.dtype,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        max_batch_size=4,
+        mesh=mesh,
+    )
+    return all(
+        np.array_equal(np.asarray(runner.execute(plan).sampled.token_ids), np.asarray(out.sampled.token_ids))
+        for plan, out in steps
+    )
 
 
 def write_checkpoint_vocab(arch: str, directory: Path) -> None:

@@ -36,11 +36,28 @@ from tests.multidevice import run_on_cpu_devices
 NUM_EXPERTS, TOP_K = 8, 2
 
 ARCHS = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_key_value_heads=2, num_experts=NUM_EXPERTS,
-                                                num_experts_per_tok=TOP_K, moe_intermediate_size=16,
-                                                decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True)),
-    "mixtral": ("MixtralForCausalLM", dict(num_key_value_heads=8, num_local_experts=NUM_EXPERTS,
-                                           num_experts_per_tok=TOP_K, intermediate_size=16, sliding_window=6)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=16,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(
+            num_key_value_heads=8,
+            num_local_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            intermediate_size=16,
+            sliding_window=6,
+        ),
+    ),
 }
 # Every (N, E, T) with E * T == N, N in {2, 4, 8}.
 LAYOUTS = [(n, e, n // e) for n in (2, 4, 8) for e in (1, 2, 4, 8) if n % e == 0 and e <= n]
@@ -90,8 +107,17 @@ def run_script(config, params, mesh, moe_options):
 
     _, _, attention_fn, moe_fn = resolve_backends("xla", "xla")
     tpb, num_blocks = 4, 16
-    step = jax.jit(functools.partial(forward_with_moe_stats, config=config, attention_fn=attention_fn,
-                                     moe_fn=moe_fn, mesh=mesh, moe_options=moe_options), donate_argnums=(1,))
+    step = jax.jit(
+        functools.partial(
+            forward_with_moe_stats,
+            config=config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            moe_options=moe_options,
+        ),
+        donate_argnums=(1,),
+    )
     cache = init_kv_cache(config, num_blocks, tpb, config.dtype, mesh=mesh)
     rng = np.random.default_rng(7)
     a = [int(t) for t in rng.integers(0, config.vocab_size, 11)]
@@ -101,13 +127,14 @@ def run_script(config, params, mesh, moe_options):
 
     def run(chunks):
         nonlocal cache
-        batch = build_step_batch(chunks, tokens_per_block=tpb, num_blocks=num_blocks, token_bucket=16, max_seqs=2,
-                                 max_blocks_per_seq=5)
+        batch = build_step_batch(
+            chunks, tokens_per_block=tpb, num_blocks=num_blocks, token_bucket=16, max_seqs=2, max_blocks_per_seq=5
+        )
         logits, cache, stats = step(params, cache, batch)
         counts.append(np.asarray(stats.expert_counts).tolist())
         dropped.append(np.asarray(stats.dropped_rows).tolist())
         spans.append([(c.start, c.start + len(c.tokens)) for c in chunks])
-        logits = np.asarray(logits)[:len(chunks)]
+        logits = np.asarray(logits)[: len(chunks)]
         all_logits.append(logits)
         return logits
 
@@ -120,8 +147,7 @@ def run_script(config, params, mesh, moe_options):
         seq_a.append(nxt[0])
         seq_b.append(nxt[1])
         logits = run([SeqChunk([nxt[0]], len(seq_a) - 1, table_a), SeqChunk([nxt[1]], len(seq_b) - 1, table_b)])
-    return dict(logits=all_logits, tokens=tokens, counts=counts, dropped=dropped, spans=spans,
-                sequences=[seq_a, seq_b])
+    return dict(logits=all_logits, tokens=tokens, counts=counts, dropped=dropped, spans=spans, sequences=[seq_a, seq_b])
 
 
 def check_layers() -> None:
@@ -143,40 +169,83 @@ def check_layers() -> None:
     num_tokens = 24  # not a multiple of 16: exercises padding to the EP size
     x = rng.standard_normal((num_tokens, h), np.float32)
     router = rng.standard_normal((h, NUM_EXPERTS), np.float32)
-    experts = {name: rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]) for name, shape in
-               (("w_gate", (NUM_EXPERTS, h, inter)), ("w_up", (NUM_EXPERTS, h, inter)),
-                ("w_down", (NUM_EXPERTS, inter, h)))}
+    experts = {
+        name: rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
+        for name, shape in (
+            ("w_gate", (NUM_EXPERTS, h, inter)),
+            ("w_up", (NUM_EXPERTS, h, inter)),
+            ("w_down", (NUM_EXPERTS, inter, h)),
+        )
+    }
     valid = np.arange(num_tokens) < num_tokens - 3  # trailing padding tokens
     plain = {"router": router, **experts}
     ref, _ = jax.jit(functools.partial(moe_block, config=config, moe_fn=moe_grouped_ffn_tiled))(
-        x, plain, valid=jnp.asarray(valid))
+        x, plain, valid=jnp.asarray(valid)
+    )
     ref = np.asarray(ref)
     for n, e, t in LAYOUTS:
         mesh = make_mesh(ParallelConfig(tensor_parallel_size=n, moe_expert_parallel_size=e))
-        rules = model_rules(tensor_parallel_size=n, num_heads=8, num_kv_heads=2, intermediate_size=64,
-                            moe_intermediate_size=inter, vocab_size=128, expert_parallel_size=e)
+        rules = model_rules(
+            tensor_parallel_size=n,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=64,
+            moe_intermediate_size=inter,
+            vocab_size=128,
+            expert_parallel_size=e,
+        )
         # One compile per layout: both placements x both dispatch modes in one program.
         variants, inputs = [], []
         for redundant in (False, True):
-            assignment = (redundant_placement(NUM_EXPERTS, e) if redundant
-                          else default_assignment(NUM_EXPERTS, NUM_EXPERTS, e))
+            assignment = (
+                redundant_placement(NUM_EXPERTS, e) if redundant else default_assignment(NUM_EXPERTS, NUM_EXPERTS, e)
+            )
             p = {"router": router, "slots": make_slot_table(assignment, NUM_EXPERTS)}
-            for name, axes in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
-                               ("w_down", ("experts", "moe_mlp", "embed"))):
+            for name, axes in (
+                ("w_gate", ("experts", "embed", "moe_mlp")),
+                ("w_up", ("experts", "embed", "moe_mlp")),
+                ("w_down", ("experts", "moe_mlp", "embed")),
+            ):
                 p[name] = jax.device_put(experts[name][np.asarray(assignment)], named_sharding(mesh, axes, rules))
             inputs.append(p)
             variants += [(redundant, len(assignment), mode) for mode in MODES]
 
         def all_variants(x, ps, valid):
-            return [ep_moe_block(x, p, config=config, moe_fn=moe_grouped_ffn_tiled, mesh=mesh, rules=rules,
-                                 options=EpMoeOptions(dispatch=mode), valid=valid) for p in ps for mode in MODES]
+            return [
+                ep_moe_block(
+                    x,
+                    p,
+                    config=config,
+                    moe_fn=moe_grouped_ffn_tiled,
+                    mesh=mesh,
+                    rules=rules,
+                    options=EpMoeOptions(dispatch=mode),
+                    valid=valid,
+                )
+                for p in ps
+                for mode in MODES
+            ]
 
         outs = jax.jit(all_variants)(x, inputs, jnp.asarray(valid))
         for (redundant, num_slots, mode), (out, counts, dropped) in zip(variants, outs):
             err = float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
-            print(json.dumps(dict(kind="layer", n=n, e=e, t=t, mode=mode, redundant=redundant, err=err,
-                                  dropped=int(dropped), slots=num_slots,
-                                  counts_sum=int(np.asarray(counts).sum()))), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        kind="layer",
+                        n=n,
+                        e=e,
+                        t=t,
+                        mode=mode,
+                        redundant=redundant,
+                        err=err,
+                        dropped=int(dropped),
+                        slots=num_slots,
+                        counts_sum=int(np.asarray(counts).sum()),
+                    )
+                ),
+                flush=True,
+            )
     # The other MoE backends under EP: the Pallas kernel (interpret mode) and the ragged_dot reference,
     # on N = 8, E = 4, T = 2 with redundant slots.
     from jaxllm.models.backends import resolve_backends
@@ -184,18 +253,41 @@ def check_layers() -> None:
 
     _, _, _, pallas_fn = resolve_backends("pallas", "pallas")
     mesh4 = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=4))
-    rules4 = model_rules(tensor_parallel_size=8, num_heads=8, num_kv_heads=2, intermediate_size=64,
-                         moe_intermediate_size=inter, vocab_size=128, expert_parallel_size=4)
+    rules4 = model_rules(
+        tensor_parallel_size=8,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=64,
+        moe_intermediate_size=inter,
+        vocab_size=128,
+        expert_parallel_size=4,
+    )
     assignment = redundant_placement(NUM_EXPERTS, 4)
     p4 = {"router": router, "slots": make_slot_table(assignment, NUM_EXPERTS)}
-    for name, axes in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
-                       ("w_down", ("experts", "moe_mlp", "embed"))):
+    for name, axes in (
+        ("w_gate", ("experts", "embed", "moe_mlp")),
+        ("w_up", ("experts", "embed", "moe_mlp")),
+        ("w_down", ("experts", "moe_mlp", "embed")),
+    ):
         p4[name] = jax.device_put(experts[name][np.asarray(assignment)], named_sharding(mesh4, axes, rules4))
-    backends = [("pallas", pallas_fn, mode) for mode in MODES] + [("reference", moe_grouped_ffn_reference, mode)
-                                                                   for mode in MODES]
-    outs = jax.jit(lambda x, p, valid: [ep_moe_block(
-        x, p, config=config, moe_fn=fn, mesh=mesh4, rules=rules4, options=EpMoeOptions(dispatch=mode), valid=valid)
-        for _, fn, mode in backends])(x, p4, jnp.asarray(valid))
+    backends = [("pallas", pallas_fn, mode) for mode in MODES] + [
+        ("reference", moe_grouped_ffn_reference, mode) for mode in MODES
+    ]
+    outs = jax.jit(
+        lambda x, p, valid: [
+            ep_moe_block(
+                x,
+                p,
+                config=config,
+                moe_fn=fn,
+                mesh=mesh4,
+                rules=rules4,
+                options=EpMoeOptions(dispatch=mode),
+                valid=valid,
+            )
+            for _, fn, mode in backends
+        ]
+    )(x, p4, jnp.asarray(valid))
     for (name, _, mode), (out, _, _) in zip(backends, outs):
         err = float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
         print(json.dumps(dict(kind="backend", backend=name, mode=mode, err=err)), flush=True)
@@ -206,31 +298,56 @@ def check_layers() -> None:
     assignment = default_assignment(NUM_EXPERTS, NUM_EXPERTS, 8)
     p = {"router": skewed["router"], "slots": make_slot_table(assignment, NUM_EXPERTS), **experts}
     skew_ref, ids = jax.jit(functools.partial(moe_block, config=config, moe_fn=moe_grouped_ffn_tiled))(
-        x, skewed, valid=jnp.asarray(valid))
+        x, skewed, valid=jnp.asarray(valid)
+    )
     factors = (0.25, None)
-    outs = jax.jit(lambda x, p, valid: [ep_moe_block(
-        x, p, config=config, moe_fn=moe_grouped_ffn_tiled, mesh=mesh, rules=rules,
-        options=EpMoeOptions(dispatch="all_to_all", capacity_factor=factor), valid=valid) for factor in factors])(
-        x, p, jnp.asarray(valid))
+    outs = jax.jit(
+        lambda x, p, valid: [
+            ep_moe_block(
+                x,
+                p,
+                config=config,
+                moe_fn=moe_grouped_ffn_tiled,
+                mesh=mesh,
+                rules=rules,
+                options=EpMoeOptions(dispatch="all_to_all", capacity_factor=factor),
+                valid=valid,
+            )
+            for factor in factors
+        ]
+    )(x, p, jnp.asarray(valid))
     for factor, (out, _, dropped) in zip(factors, outs):
         expected = _expected_drops(np.asarray(ids), valid, ep=8, slots_per_rank=1, factor=factor)
         err = float(np.abs(np.asarray(out) - np.asarray(skew_ref)).max() / np.abs(np.asarray(skew_ref)).max())
-        print(json.dumps(dict(kind="capacity", factor=factor, dropped=int(dropped), expected=expected, err=err)),
-              flush=True)
-
+        print(
+            json.dumps(dict(kind="capacity", factor=factor, dropped=int(dropped), expected=expected, err=err)),
+            flush=True,
+        )
 
     # A new placement is new values in the same arrays: the slot weights are rewritten from the
     # experts into donated buffers (same shape and sharding; whether XLA reuses the very memory
     # is its choice) and the table replaced; the compiled layer is reused, its output unchanged.
     from sharding.slot_table import write_slots
 
-    layer = jax.jit(lambda x, p, valid: ep_moe_block(
-        x, p, config=config, moe_fn=moe_grouped_ffn_tiled, mesh=mesh, rules=rules,
-        options=EpMoeOptions(dispatch="all_to_all"), valid=valid)[0])
+    layer = jax.jit(
+        lambda x, p, valid: ep_moe_block(
+            x,
+            p,
+            config=config,
+            moe_fn=moe_grouped_ffn_tiled,
+            mesh=mesh,
+            rules=rules,
+            options=EpMoeOptions(dispatch="all_to_all"),
+            valid=valid,
+        )[0]
+    )
     first, second = redundant_placement(NUM_EXPERTS, 8, seed=0), redundant_placement(NUM_EXPERTS, 8, seed=3)
     p = {"router": router, "slots": make_slot_table(first, NUM_EXPERTS)}
-    for name, axes in (("w_gate", ("experts", "embed", "moe_mlp")), ("w_up", ("experts", "embed", "moe_mlp")),
-                       ("w_down", ("experts", "moe_mlp", "embed"))):
+    for name, axes in (
+        ("w_gate", ("experts", "embed", "moe_mlp")),
+        ("w_up", ("experts", "embed", "moe_mlp")),
+        ("w_down", ("experts", "moe_mlp", "embed")),
+    ):
         p[name] = jax.device_put(experts[name][np.asarray(first)], named_sharding(mesh, axes, rules))
     outs = [np.asarray(layer(x, p, jnp.asarray(valid)))]
     in_place = True
@@ -241,8 +358,12 @@ def check_layers() -> None:
     p["slots"] = make_slot_table(second, NUM_EXPERTS)
     outs.append(np.asarray(layer(x, p, jnp.asarray(valid))))
     err = max(float(np.abs(out - ref).max() / np.abs(ref).max()) for out in outs)
-    print(json.dumps(dict(kind="replace", compiles=layer._cache_size(), err=err, in_place=in_place,
-                          changed=first != second)), flush=True)
+    print(
+        json.dumps(
+            dict(kind="replace", compiles=layer._cache_size(), err=err, in_place=in_place, changed=first != second)
+        ),
+        flush=True,
+    )
 
 
 def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_rank: int, factor) -> int:
@@ -255,8 +376,12 @@ def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_ra
     cap = a2a_capacity(per_rank, top_k, slots_per_rank, ep, factor)
     dropped = 0
     for rank in range(ep):
-        rows = [int(ids[t, k]) // slots_per_rank for t in range(rank * per_rank, min((rank + 1) * per_rank, tokens))
-                if valid[t] for k in range(top_k)]
+        rows = [
+            int(ids[t, k]) // slots_per_rank
+            for t in range(rank * per_rank, min((rank + 1) * per_rank, tokens))
+            if valid[t]
+            for k in range(top_k)
+        ]
         dropped += sum(max(0, rows.count(d) - cap) for d in range(ep))
     return dropped
 
@@ -270,23 +395,56 @@ def check_models(root: Path) -> None:
         directory = write_checkpoint(arch, root / arch)
         config = load_model_config(directory)
         base = run_script(config, load_params(directory, config), None, None)
-        print(json.dumps(dict(kind="base", arch=arch, counts=base["counts"], spans=base["spans"],
-                              sequences=base["sequences"], std=float(np.std(base["logits"][0])))), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    kind="base",
+                    arch=arch,
+                    counts=base["counts"],
+                    spans=base["spans"],
+                    sequences=base["sequences"],
+                    std=float(np.std(base["logits"][0])),
+                )
+            ),
+            flush=True,
+        )
         for case_arch, n, e, mode, redundant in MODEL_CASES:
             if case_arch != arch:
                 continue
             mesh = make_mesh(ParallelConfig(tensor_parallel_size=n, moe_expert_parallel_size=e))
-            placement = ({layer: redundant_placement(NUM_EXPERTS, e, seed=layer) for layer in range(config.num_layers)
-                          if config.is_moe_layer(layer)} if redundant else None)
+            placement = (
+                {
+                    layer: redundant_placement(NUM_EXPERTS, e, seed=layer)
+                    for layer in range(config.num_layers)
+                    if config.is_moe_layer(layer)
+                }
+                if redundant
+                else None
+            )
             params = load_params(directory, config, mesh=mesh, slot_assignments=placement)
             # The MoE slot layers' stack (scan_layers): slot buffers [n, S, ...]; the layer axis unsplit.
             moe = next(tree["moe"] for tree in params["layer_stacks"] if "moe" in tree)
             out = run_script(config, params, mesh, EpMoeOptions(dispatch=mode))
             err = max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(out["logits"], base["logits"]))
-            print(json.dumps(dict(kind="model", arch=arch, n=n, e=e, mode=mode, redundant=redundant, err=err,
-                                  same_tokens=out["tokens"] == base["tokens"], counts=out["counts"],
-                                  dropped=out["dropped"], slot_axis=str(moe["w_gate"].sharding.spec[1]),
-                                  num_slots=int(moe["w_gate"].shape[1]))), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        kind="model",
+                        arch=arch,
+                        n=n,
+                        e=e,
+                        mode=mode,
+                        redundant=redundant,
+                        err=err,
+                        same_tokens=out["tokens"] == base["tokens"],
+                        counts=out["counts"],
+                        dropped=out["dropped"],
+                        slot_axis=str(moe["w_gate"].sharding.spec[1]),
+                        num_slots=int(moe["w_gate"].shape[1]),
+                    )
+                ),
+                flush=True,
+            )
 
 
 def check_all(root: Path) -> None:
@@ -306,8 +464,10 @@ def hf_router_counts(arch: str, directory: Path, sequences: list[list[int]], spa
     """[steps, moe_layers, experts]: top-k choices of transformers' router over the tokens each step processed."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cls, cfg = {"qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
-                "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig)}[arch]
+    cls, cfg = {
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
+        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig),
+    }[arch]
     model = cls.from_pretrained(str(directory), config=cfg(**hf_config(arch)), dtype=torch.float32).eval()
     choices = []  # per sequence: [moe_layers, positions, top_k]
     with torch.no_grad():
@@ -395,8 +555,12 @@ def test_parallel_config_derives_moe_sizes_like_trtllm():
     assert ParallelConfig(tensor_parallel_size=8).mesh_shape == (1, 1, 8)
     assert ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=4).mesh_shape == (1, 4, 2)
     assert ParallelConfig(tensor_parallel_size=8, moe_tensor_parallel_size=2).mesh_shape == (1, 4, 2)
-    assert ParallelConfig(tensor_parallel_size=4, moe_expert_parallel_size=-1,
-                          moe_tensor_parallel_size=1).moe_expert_parallel_size == 4
+    assert (
+        ParallelConfig(
+            tensor_parallel_size=4, moe_expert_parallel_size=-1, moe_tensor_parallel_size=1
+        ).moe_expert_parallel_size
+        == 4
+    )
     with pytest.raises(ValueError, match="must equal tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=2, moe_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="must divide"):
@@ -442,8 +606,9 @@ def test_expert_load_decay_and_slot_writes_keep_shapes():
 
     ids = jnp.asarray([[0, 1], [1, 2], [3, 3]], jnp.int32)
     assert count_experts(ids, 4, jnp.asarray([True, True, False])).tolist() == [1, 2, 1, 0]
-    load = decay_expert_load(jnp.asarray([[10.0, 0.0], [4.0, 2.0]]), jnp.asarray([[1, 2], [3, 4]]),
-                             reset_layers=jnp.asarray([False, True]))
+    load = decay_expert_load(
+        jnp.asarray([[10.0, 0.0], [4.0, 2.0]]), jnp.asarray([[1, 2], [3, 4]]), reset_layers=jnp.asarray([False, True])
+    )
     np.testing.assert_allclose(np.asarray(load), [[10.5, 2.0], [3.0, 4.0]])
     buffer = jax.device_put(jnp.zeros((4, 3)))
     new = write_slots(buffer, jnp.asarray([1, 3]), jnp.ones((2, 3)))

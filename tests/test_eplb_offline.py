@@ -18,9 +18,18 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-from sharding.eplb import (ALGORITHMS, ExpertStatisticsWriter, MoeLoadBalancerConfig, compute_placement,
-                           load_eplb_config, load_expert_statistics, placement_from_counts, rebalance_experts,
-                           replicate_by_load, write_expert_statistics)
+from sharding.eplb import (
+    ALGORITHMS,
+    ExpertStatisticsWriter,
+    MoeLoadBalancerConfig,
+    compute_placement,
+    load_eplb_config,
+    load_expert_statistics,
+    placement_from_counts,
+    rebalance_experts,
+    replicate_by_load,
+    write_expert_statistics,
+)
 from sharding.eplb.cli import main as eplb_main
 from sharding.eplb.load_metrics import load_statistics, rank_loads, slot_loads
 
@@ -33,11 +42,14 @@ def _max_rank_load(load: np.ndarray, table: np.ndarray, ep_size: int) -> float:
 
 # ----------------------------------------------------------------------------- algorithms
 def test_deepseek_published_example_reproduces():
-    weight = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                       [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+    weight = np.array(
+        [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+    )
     phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas=16, num_groups=4, num_nodes=2, num_gpus=8)
-    assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    assert phy2log.tolist() == [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
     for layer in range(2):  # the other two outputs agree with phy2log
         assert logcnt[layer].tolist() == np.bincount(phy2log[layer], minlength=12).tolist()
         for expert in range(12):
@@ -49,8 +61,13 @@ def test_deepseek_published_example_reproduces():
 @pytest.mark.parametrize("num_experts,num_slots,ep_size", [(8, 8, 4), (12, 16, 4), (16, 24, 8), (6, 9, 3)])
 def test_every_algorithm_gives_a_valid_placement(algorithm, num_experts, num_slots, ep_size):
     rng = np.random.default_rng(num_slots)
-    loads = np.stack([rng.zipf(1.5, num_experts).astype(float), np.zeros(num_experts),
-                      rng.integers(0, 100, num_experts).astype(float)])
+    loads = np.stack(
+        [
+            rng.zipf(1.5, num_experts).astype(float),
+            np.zeros(num_experts),
+            rng.integers(0, 100, num_experts).astype(float),
+        ]
+    )
     tables = compute_placement(loads, num_slots, ep_size, algorithm)
     assert tables.shape == (3, num_slots)
     for table, load in zip(tables, loads):
@@ -84,8 +101,11 @@ def test_replication_minimises_the_largest_share_brute_force():
         num_experts = int(rng.integers(2, 5))
         num_slots = num_experts + int(rng.integers(0, 4))
         load = rng.integers(1, 60, num_experts).astype(float)
-        best = min(max(load / np.array(c)) for c in itertools.product(range(1, num_slots + 1), repeat=num_experts)
-                   if sum(c) == num_slots)
+        best = min(
+            max(load / np.array(c))
+            for c in itertools.product(range(1, num_slots + 1), repeat=num_experts)
+            if sum(c) == num_slots
+        )
         assert max(load / replicate_by_load(load, num_slots)) == pytest.approx(best)
 
 
@@ -97,8 +117,11 @@ def test_balanced_never_worse_than_the_references_on_small_cases_brute_force():
         ep_size = int(rng.choice([2, 3]))
         num_slots = 6
         load = rng.integers(0, 50, num_experts).astype(float)
-        best = min(_max_rank_load(load, np.array(t), ep_size)
-                   for t in itertools.product(range(num_experts), repeat=num_slots) if len(set(t)) == num_experts)
+        best = min(
+            _max_rank_load(load, np.array(t), ep_size)
+            for t in itertools.product(range(num_experts), repeat=num_slots)
+            if len(set(t)) == num_experts
+        )
         got = {a: _max_rank_load(load, compute_placement(load, num_slots, ep_size, a), ep_size) for a in ALGORITHMS}
         assert got["balanced"] <= min(got["greedy"], got["hierarchical"]) + 1e-9
         for a in ALGORITHMS:
@@ -141,7 +164,8 @@ def test_imbalance_metrics_hand_example():
     assert stats["imbalance-ratio"] == pytest.approx(0.1)
     # expert 3 on two slots: 40 tokens become 20 + 20
     assert slot_loads(counts[0], np.array([0, 3, 1, 2, 3, 3])).tolist() == pytest.approx(
-        [10, 40 / 3, 30, 20, 40 / 3, 40 / 3])
+        [10, 40 / 3, 30, 20, 40 / 3, 40 / 3]
+    )
 
 
 # ----------------------------------------------------------------------------- statistics files
@@ -183,10 +207,14 @@ def test_writer_from_env(tmp_path, monkeypatch):
 def test_reader_sums_rank_files_as_the_reference_writes_them(tmp_path):
     # two ranks, each its own tokens' counts; no ep_size in meta: the number of rank files
     (tmp_path / "meta_info.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_token": 1}))
-    save_file({"5_0": np.array([1, 2, 3, 4], np.int32), "6_0": np.array([0, 0, 1, 1], np.int32)},
-              str(tmp_path / "rank0.safetensors"))
-    save_file({"5_0": np.array([1, 1, 1, 1], np.int32), "6_0": np.array([2, 0, 0, 0], np.int32)},
-              str(tmp_path / "rank1.safetensors"))
+    save_file(
+        {"5_0": np.array([1, 2, 3, 4], np.int32), "6_0": np.array([0, 0, 1, 1], np.int32)},
+        str(tmp_path / "rank0.safetensors"),
+    )
+    save_file(
+        {"5_0": np.array([1, 1, 1, 1], np.int32), "6_0": np.array([2, 0, 0, 0], np.int32)},
+        str(tmp_path / "rank1.safetensors"),
+    )
     stats = load_expert_statistics(tmp_path)
     assert stats.ep_size == 2 and stats.iters == [5, 6]
     assert stats.counts[:, 0].tolist() == [[2, 3, 4, 5], [2, 0, 1, 1]]
@@ -195,10 +223,10 @@ def test_reader_sums_rank_files_as_the_reference_writes_them(tmp_path):
 # ----------------------------------------------------------------------------- report, YAML, CLI
 @pytest.fixture
 def hand_stats(tmp_path):
-    counts = np.array([[[10, 30, 20, 40], [1, 1, 1, 1]],
-                       [[5, 5, 5, 5], [0, 2, 2, 0]]])  # [iters, layers, experts]
-    write_expert_statistics(tmp_path / "hand", counts, iter_start=100, num_experts_per_token=2, ep_size=2,
-                            layer_ids=[3, 4])
+    counts = np.array([[[10, 30, 20, 40], [1, 1, 1, 1]], [[5, 5, 5, 5], [0, 2, 2, 0]]])  # [iters, layers, experts]
+    write_expert_statistics(
+        tmp_path / "hand", counts, iter_start=100, num_experts_per_token=2, ep_size=2, layer_ids=[3, 4]
+    )
     return tmp_path / "hand"
 
 
@@ -210,9 +238,9 @@ def test_report_prints_the_reference_table(hand_stats, capsys):
         "         mean       std  imbalance-ratio\n"
         "3        30.0  7.071068             0.10\n"
         "4         2.0  0.000000             0.00\n"
-        "average  16.0  3.535534             0.05\n")  # a column's trailing zeros trimmed alike, as pandas
-    assert eplb_main(["report", "--expert-statistic-path", str(hand_stats), "--per-expert",
-                      "--iter-start", "101"]) == 0
+        "average  16.0  3.535534             0.05\n"
+    )  # a column's trailing zeros trimmed alike, as pandas
+    assert eplb_main(["report", "--expert-statistic-path", str(hand_stats), "--per-expert", "--iter-start", "101"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # per slot, iteration 101 only: layer 4 = [0, 2, 2, 0]: mean 1, std sqrt(4/3), imbalance 1
     assert lines[3].split() == ["4", "1.0", f"{np.sqrt(4 / 3):.6f}", "1.0"]
@@ -226,9 +254,26 @@ def test_report_errors_are_one_line(tmp_path, capsys):
 
 def test_generate_config_yaml_round_trips_and_balances(hand_stats, tmp_path, capsys):
     out = tmp_path / "eplb.yaml"
-    assert eplb_main(["generate-config", "--expert_statistic_path", str(hand_stats), "--ep_size", "2",
-                      "--num_slots", "6", "--output_path", str(out), "--layer_updates_per_iter", "1",
-                      "--algorithm", "greedy"]) == 0
+    assert (
+        eplb_main(
+            [
+                "generate-config",
+                "--expert_statistic_path",
+                str(hand_stats),
+                "--ep_size",
+                "2",
+                "--num_slots",
+                "6",
+                "--output_path",
+                str(out),
+                "--layer_updates_per_iter",
+                "1",
+                "--algorithm",
+                "greedy",
+            ]
+        )
+        == 0
+    )
     raw = yaml.safe_load(out.read_text())
     assert set(raw) == {"num_slots", "initial_global_assignments", "layer_updates_per_iter"}
     assert "3: [" in out.read_text()  # one slot list per line
@@ -238,12 +283,15 @@ def test_generate_config_yaml_round_trips_and_balances(hand_stats, tmp_path, cap
     assert sorted(config.initial_global_assignments) == [3, 4]
     config.validate(num_experts=4, ep_size=2)
     # layer 3's summed loads [15, 35, 25, 45] -> greedy: independent of the CLI path
-    assert config.initial_global_assignments[3] == compute_placement(
-        np.array([15.0, 35, 25, 45]), 6, 2, "greedy").tolist()
+    assert (
+        config.initial_global_assignments[3] == compute_placement(np.array([15.0, 35, 25, 45]), 6, 2, "greedy").tolist()
+    )
     assert load_eplb_config(config.to_dict()) == config
     capsys.readouterr()
-    assert eplb_main(["report", "--expert_statistic_path", str(hand_stats), "--projection_eplb_config_path",
-                      str(out)]) == 0
+    assert (
+        eplb_main(["report", "--expert_statistic_path", str(hand_stats), "--projection_eplb_config_path", str(out)])
+        == 0
+    )
     projected = capsys.readouterr().out.splitlines()
     assert float(projected[1 + 1].split()[-1]) < 0.1  # layer 3 better than without the placement
 
@@ -262,8 +310,21 @@ def test_config_rejects_bad_tables():
 
 def test_report_plot_writes_pngs(hand_stats, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    assert eplb_main(["report", "--expert_statistic_path", str(hand_stats), "--plot", str(tmp_path / "png"),
-                      "--plot_layers", "3", "4"]) == 0
+    assert (
+        eplb_main(
+            [
+                "report",
+                "--expert_statistic_path",
+                str(hand_stats),
+                "--plot",
+                str(tmp_path / "png"),
+                "--plot_layers",
+                "3",
+                "4",
+            ]
+        )
+        == 0
+    )
     names = sorted(os.listdir(tmp_path / "png"))
     assert names == ["layer3_ranks.png", "layer3_slots.png", "layer4_ranks.png", "layer4_slots.png"]
     assert (tmp_path / "png" / "layer3_ranks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -274,15 +335,25 @@ def test_example_scripts_run(hand_stats, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def run(script, *args):
-        return subprocess.run([sys.executable, str(examples / script), *args], capture_output=True, text=True,
-                              env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(examples / script), *args], capture_output=True, text=True, env=env, timeout=120
+        )
 
     for script in ("report_load_statistics.py", "generate_eplb_config.py"):
         done = run(script, "--help")
         assert done.returncode == 0 and "--expert_statistic_path" in done.stdout
     out = tmp_path / "moe_load_balancer.yaml"
-    done = run("generate_eplb_config.py", "--ep_size", "2", "--num_slots", "6", "--expert_statistic_path",
-               str(hand_stats), "--output_path", str(out))
+    done = run(
+        "generate_eplb_config.py",
+        "--ep_size",
+        "2",
+        "--num_slots",
+        "6",
+        "--expert_statistic_path",
+        str(hand_stats),
+        "--output_path",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     assert load_eplb_config(out).num_slots == 6
     done = run("report_load_statistics.py", "--expert_statistic_path", str(hand_stats))
@@ -294,8 +365,10 @@ def test_bench_eplb_prints_the_table(capsys):
     from jaxllm.cli.bench import BENCHMARKS
 
     assert BENCHMARKS["eplb"] == "jaxllm.bench.eplb"
-    assert main(["--iters", "8", "--layers", "1", "--experts", "16", "--ep-size", "4",
-                 "--top-k", "2", "--tokens", "64"]) == 0
+    assert (
+        main(["--iters", "8", "--layers", "1", "--experts", "16", "--ep-size", "4", "--top-k", "2", "--tokens", "64"])
+        == 0
+    )
     out = capsys.readouterr().out
     for row in ("no EPLB", "greedy, 0% redundant", "hierarchical, 25% redundant", "balanced, 25% redundant"):
         assert row in out

@@ -36,8 +36,10 @@ def _workload(engine, seed: int = 3) -> dict[int, list[int]]:
 
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    prompts = {step: [[int(t) for t in rng.integers(3, 256, int(rng.integers(4, 41)))] for _ in range(2)]
-               for step in range(0, 24, 3)}
+    prompts = {
+        step: [[int(t) for t in rng.integers(3, 256, int(rng.integers(4, 41)))] for _ in range(2)]
+        for step in range(0, 24, 3)
+    }
     outputs: dict[int, list[int]] = {}
     first_id = None
     step = 0
@@ -76,10 +78,10 @@ def check_engine(root: Path) -> None:
     import jax.monitoring
 
     from jaxllm import KvCacheConfig
-    from jaxllm.llm_args import MoeConfig
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.engine.load_balancer import moe_layer_params
+    from jaxllm.llm_args import MoeConfig
     from jaxllm.models import materialize_preset
     from sharding.eplb.cli import report_main
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
@@ -91,17 +93,28 @@ def check_engine(root: Path) -> None:
     stats_dir = root / "stats"
     os.environ["EXPERT_STATISTIC_ITER_RANGE"] = "2-30"
     os.environ["EXPERT_STATISTIC_PATH"] = str(stats_dir)
-    balancer_config = MoeLoadBalancerConfig(num_slots=NUM_SLOTS, layer_updates_per_iter=1, min_imbalance_gain=-1.0,
-                                            minimize_moves=False)
-    engine = LLMEngine(EngineConfig(
-        model=str(directory), tokenizer=str(materialize_preset("tiny-moe")), dtype="float32", max_batch_size=6,
-        max_num_tokens=16, max_seq_len=96, tensor_parallel_size=8, moe_expert_parallel_size=8,
-        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=768, enable_block_reuse=False),
-        moe_config=MoeConfig(load_balancer=balancer_config, dispatch="all_to_all")))
+    balancer_config = MoeLoadBalancerConfig(
+        num_slots=NUM_SLOTS, layer_updates_per_iter=1, min_imbalance_gain=-1.0, minimize_moves=False
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            tokenizer=str(materialize_preset("tiny-moe")),
+            dtype="float32",
+            max_batch_size=6,
+            max_num_tokens=16,
+            max_seq_len=96,
+            tensor_parallel_size=8,
+            moe_expert_parallel_size=8,
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=768, enable_block_reuse=False),
+            moe_config=MoeConfig(load_balancer=balancer_config, dispatch="all_to_all"),
+        )
+    )
     engine.warmup(all_variants=False)
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     balancer = engine.load_balancer
     # The two MoE layers are one layer stack (scanned); the balancer writes rows of its buffers.
     stacked = engine.runner.params["layers"][1:] == [{}, {}] and balancer.rows == {1: 0, 2: 1}
@@ -118,12 +131,18 @@ def check_engine(root: Path) -> None:
             new = {(l, n): moe_layer_params(params, l)[n] for l in updated for n in SLOT_WEIGHTS}
             jax.block_until_ready(list(new.values()))
             gc.collect()
-            rounds.append(dict(
-                before=before, after=_device_memory(),
-                donated=all(old[k].is_deleted() for k in new),
-                same_address=all([s.data.unsafe_buffer_pointer() for s in a.addressable_shards] == pointers[k]
-                                 for k, a in new.items()),
-                same_layout=all(a.shape == old[k].shape and a.sharding == old[k].sharding for k, a in new.items())))
+            rounds.append(
+                dict(
+                    before=before,
+                    after=_device_memory(),
+                    donated=all(old[k].is_deleted() for k in new),
+                    same_address=all(
+                        [s.data.unsafe_buffer_pointer() for s in a.addressable_shards] == pointers[k]
+                        for k, a in new.items()
+                    ),
+                    same_layout=all(a.shape == old[k].shape and a.sharding == old[k].sharding for k, a in new.items()),
+                )
+            )
         return updated
 
     balancer.apply_round = measured_round
@@ -142,26 +161,63 @@ def check_engine(root: Path) -> None:
         report_main(["--expert_statistic_path", str(stats_dir), "--ep_size", "8"])
     recorded = load_expert_statistics(stats_dir)
     top_k = engine.model_config.num_experts_per_tok
-    tokens = [s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
-              for s in engine.iteration_stats[:steps_on]]
-    print(json.dumps(dict(
-        kind="engine", stacked=stacked, on={str(k): v for k, v in on.items()}, off={str(k): v for k, v in off.items()},
-        steps=steps_on, compiles_after_warmup=len(compiles), rebalances=balancer.stats.rebalances,
-        slots_rewritten=balancer.stats.slots_rewritten, worker_error=repr(balancer.worker.error),
-        mixed=any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-                  for s in engine.iteration_stats[:steps_on]),
-        lb_stats=lb_stats, rounds=rounds, report=report.getvalue(), recorded_width=recorded.num_experts,
-        recorded_iters=recorded.iters,
-        recorded_sums_ok=all(int(recorded.counts[i, l].sum()) == top_k * tokens[it]
-                             for i, it in enumerate(recorded.iters) for l in range(len(recorded.layers))),
-        worker_alive=balancer.worker._thread.is_alive())), flush=True)
+    tokens = [
+        s["inflightBatchingStats"]["numCtxTokens"] + s["inflightBatchingStats"]["numGenRequests"]
+        for s in engine.iteration_stats[:steps_on]
+    ]
+    print(
+        json.dumps(
+            dict(
+                kind="engine",
+                stacked=stacked,
+                on={str(k): v for k, v in on.items()},
+                off={str(k): v for k, v in off.items()},
+                steps=steps_on,
+                compiles_after_warmup=len(compiles),
+                rebalances=balancer.stats.rebalances,
+                slots_rewritten=balancer.stats.slots_rewritten,
+                worker_error=repr(balancer.worker.error),
+                mixed=any(
+                    s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+                    for s in engine.iteration_stats[:steps_on]
+                ),
+                lb_stats=lb_stats,
+                rounds=rounds,
+                report=report.getvalue(),
+                recorded_width=recorded.num_experts,
+                recorded_iters=recorded.iters,
+                recorded_sums_ok=all(
+                    int(recorded.counts[i, l].sum()) == top_k * tokens[it]
+                    for i, it in enumerate(recorded.iters)
+                    for l in range(len(recorded.layers))
+                ),
+                worker_alive=balancer.worker._thread.is_alive(),
+            )
+        ),
+        flush=True,
+    )
 
 
 def check_skew_change(root: Path) -> None:
     from jaxllm.bench.eplb_online import build_parser, run_online, summarize
 
-    args = build_parser().parse_args(["--layers", "2", "--experts", "32", "--num-slots", "40", "--tokens", "256",
-                                      "--steps", "100", "--sync-worker", "--seed", "1"])
+    args = build_parser().parse_args(
+        [
+            "--layers",
+            "2",
+            "--experts",
+            "32",
+            "--num-slots",
+            "40",
+            "--tokens",
+            "256",
+            "--steps",
+            "100",
+            "--sync-worker",
+            "--seed",
+            "1",
+        ]
+    )
     run = run_online(args, minimize_moves=True)
     print(json.dumps(dict(kind="skew", **summarize(run, args), imbalance=run.imbalance)), flush=True)
 
@@ -176,14 +232,21 @@ def check_program_size() -> None:
     from tests.model_helpers import SeqChunk, build_step_batch
 
     mesh = make_mesh(ParallelConfig(tensor_parallel_size=8, moe_expert_parallel_size=8))
-    batch = build_step_batch([SeqChunk([5, 6, 7], 0, [2, 0])], tokens_per_block=4, num_blocks=8, token_bucket=8,
-                             max_seqs=2, max_blocks_per_seq=4)
+    batch = build_step_batch(
+        [SeqChunk([5, 6, 7], 0, [2, 0])],
+        tokens_per_block=4,
+        num_blocks=8,
+        token_bucket=8,
+        max_seqs=2,
+        max_blocks_per_seq=4,
+    )
     lines = {}
     for scan in (True, False):
         for layers in (3, 5):
             config = model_config("qwen3_moe", layers, 64, scan, heads=8)
             lowered = jax.jit(functools.partial(forward, config=config, mesh=mesh)).lower(
-                _sharded_params(config, mesh), init_kv_cache(config, 8, 4, "float32", mesh), batch)
+                _sharded_params(config, mesh), init_kv_cache(config, 8, 4, "float32", mesh), batch
+            )
             lines[f"{'scan' if scan else 'loop'}{layers}"] = len(lowered.as_text().splitlines())
     print(json.dumps(dict(kind="program_size", **lines)), flush=True)
 
@@ -201,8 +264,10 @@ def check_all(root: Path) -> None:
 @pytest.fixture(scope="module")
 def online_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("eplb_online")
-    return {r["kind"]: r for r in run_on_cpu_devices("test_eplb_online", "check_all", root,
-                                                      unset_env=("EXPERT_STATISTIC_ITER_RANGE",))}
+    return {
+        r["kind"]: r
+        for r in run_on_cpu_devices("test_eplb_online", "check_all", root, unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
+    }
 
 
 def test_tokens_identical_with_balancer_moving_slots_and_nothing_recompiles(online_results):
@@ -258,11 +323,12 @@ def test_imbalance_recovers_after_the_hot_set_switches(online_results):
     assert r["steady_after"] <= 0.10 and r["steady_before"] <= 0.10, r
     assert r["rebalances"] >= 2
     half = len(r["imbalance"]) // 2
-    assert np.mean(r["imbalance"][half:half + 3]) > 2 * r["steady_after"], "the switch did not disturb the balance"
+    assert np.mean(r["imbalance"][half : half + 3]) > 2 * r["steady_after"], "the switch did not disturb the balance"
 
 
 # ---------------------------------------------------------------------------------------------
 # Host-side pieces (in process, no devices)
+
 
 def test_hungarian_assignment_is_optimal():
     import itertools
@@ -280,8 +346,8 @@ def test_hungarian_assignment_is_optimal():
 
 
 def test_mapping_keeps_rank_loads_and_moves_fewer_slots():
-    from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
     from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
+    from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
     from sharding.eplb.placement import greedy_placement
 
     rng = np.random.default_rng(1)
@@ -292,8 +358,9 @@ def test_mapping_keeps_rank_loads_and_moves_fewer_slots():
     new = greedy_placement(drifted, num_slots, ep)
     mapped = map_onto(current, new, ep)
     # the same multiset of experts per rank, ranks permuted: the same loads in another order
-    assert sorted(rank_loads(slot_loads(drifted, mapped), ep).tolist()) == \
-        pytest.approx(sorted(rank_loads(slot_loads(drifted, new), ep).tolist()))
+    assert sorted(rank_loads(slot_loads(drifted, mapped), ep).tolist()) == pytest.approx(
+        sorted(rank_loads(slot_loads(drifted, new), ep).tolist())
+    )
     assert sorted(mapped.tolist()) == sorted(new.tolist())
     assert moved_slots(current, mapped).size < moved_slots(current, new).size
     # moving from the current table reaches the fresh placement's imbalance with fewer rewrites still
@@ -325,8 +392,9 @@ def test_worker_skips_small_gains_and_never_blocks():
         assert worker.submit(skewed, {5: table}, [5]) and worker.wait_idle()
         update = worker.take(5)
         assert update is not None and worker.take(5) is None
-        assert update.imbalance_after < update.imbalance_before == pytest.approx(
-            predicted_imbalance(skewed[0], table, 4))
+        assert (
+            update.imbalance_after < update.imbalance_before == pytest.approx(predicted_imbalance(skewed[0], table, 4))
+        )
         assert np.array_equal(update.based_on, table)
         worker._lock.acquire()  # a busy worker refuses a snapshot at once instead of waiting
         worker._busy = True
@@ -357,8 +425,15 @@ def test_slot_counts_follow_round_robin_replica_choice():
 def test_online_config_fields():
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig, load_eplb_config
 
-    config = load_eplb_config({"num_slots": 16, "layer_updates_per_iter": 2, "min_imbalance_gain": 0.05,
-                               "placement_algorithm": "greedy", "minimize_moves": False})
+    config = load_eplb_config(
+        {
+            "num_slots": 16,
+            "layer_updates_per_iter": 2,
+            "min_imbalance_gain": 0.05,
+            "placement_algorithm": "greedy",
+            "minimize_moves": False,
+        }
+    )
     assert (config.layer_updates_per_iter, config.min_imbalance_gain, config.minimize_moves) == (2, 0.05, False)
     with pytest.raises(ValueError, match="placement_algorithm"):
         MoeLoadBalancerConfig(layer_updates_per_iter=1, placement_algorithm="fast")

@@ -10,13 +10,19 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.engine_config import EngineConfig
-from jaxllm.engine.executable_store import (ExecutableStore, UnstableKey, describe, describe_engine_config,
-                                            environment_description)
+from jaxllm.engine.executable_store import (
+    ExecutableStore,
+    UnstableKey,
+    describe,
+    describe_engine_config,
+    environment_description,
+)
 
 
 def _scaled(factor: float):
     def scale(x):
         return x * factor
+
     return scale
 
 
@@ -35,9 +41,15 @@ def test_descriptions_tell_apart_what_a_program_could():
 def test_engine_keys_change_with_every_program_setting_but_not_the_compile_switches(tmp_path):
     base = EngineConfig(model="tiny-dense", max_num_tokens=32)
     key = describe_engine_config(base)
-    for change in (dict(max_num_tokens=64), dict(dtype="bfloat16"), dict(max_batch_size=8),
-                   dict(tensor_parallel_size=2), dict(attention_backend="triton"), dict(scan_layers=False),
-                   dict(kv_cache_config={"tokens_per_block": 16})):
+    for change in (
+        dict(max_num_tokens=64),
+        dict(dtype="bfloat16"),
+        dict(max_batch_size=8),
+        dict(tensor_parallel_size=2),
+        dict(attention_backend="triton"),
+        dict(scan_layers=False),
+        dict(kv_cache_config={"tokens_per_block": 16}),
+    ):
         assert describe_engine_config(EngineConfig(**{**base.__dict__, **change})) != key, change
     for change in (dict(compile_workers=3), dict(compile_ahead=False), dict(compile_cache=False)):
         assert describe_engine_config(EngineConfig(**{**base.__dict__, **change})) == key, change

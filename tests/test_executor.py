@@ -15,13 +15,26 @@ from jaxllm.executor import GenerationExecutor, GenerationRequest
 from jaxllm.executor.detokenizer import IncrementalDetokenizer, find_stop_string, make_decoder
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
-from server_helpers import assert_no_thread_left, live_threads
+
 from conftest import tiny_engine
+from server_helpers import assert_no_thread_left, live_threads
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "héllo wörld 你好"]
-STAT_KEYS = {"timestamp", "iter", "iterLatencyMS", "numNewActiveRequests", "numActiveRequests", "numQueuedRequests",
-             "numCompletedRequests", "maxNumActiveRequests", "gpuMemUsage", "maxBatchSizeRuntime",
-             "maxNumTokensRuntime", "kvCacheStats", "inflightBatchingStats"}
+STAT_KEYS = {
+    "timestamp",
+    "iter",
+    "iterLatencyMS",
+    "numNewActiveRequests",
+    "numActiveRequests",
+    "numQueuedRequests",
+    "numCompletedRequests",
+    "maxNumActiveRequests",
+    "gpuMemUsage",
+    "maxBatchSizeRuntime",
+    "maxNumTokensRuntime",
+    "kvCacheStats",
+    "inflightBatchingStats",
+}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +163,8 @@ def test_async_and_sync_agree(executor):
             assert a.outputs[0].cumulative_logprob == pytest.approx(other.outputs[0].cumulative_logprob)
         assert len(a.outputs[0].logprobs) == len(a.outputs[0].token_ids)
         assert a.outputs[0].cumulative_logprob == pytest.approx(
-            sum(lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)), rel=1e-5)
+            sum(lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)), rel=1e-5
+        )
 
 
 def test_abort_mid_stream_cancels_and_frees_blocks(executor):
@@ -169,8 +183,9 @@ def test_abort_mid_stream_cancels_and_frees_blocks(executor):
 
 
 def test_timeout_finishes_with_timeout(executor):
-    request = GenerationRequest(executor.encode(PROMPTS[1]), SamplingParams(max_tokens=240, ignore_eos=True),
-                                timeout=0.3)
+    request = GenerationRequest(
+        executor.encode(PROMPTS[1]), SamplingParams(max_tokens=240, ignore_eos=True), timeout=0.3
+    )
     out = executor.submit(request).result(timeout=120)
     assert out.outputs[0].finish_reason == "timeout"
     assert len(out.outputs[0].token_ids) < 240
@@ -187,48 +202,61 @@ def test_result_timeout_raises_and_request_goes_on(executor):
 # ---------------------------------------------------------------------------- n > 1, stop
 def test_parallel_samples_use_distinct_seeds_and_share_the_prompt(executor):
     prompt = executor.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    out = executor.generate_async(prompt, SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=11)
-                                  ).result(timeout=120)
+    out = executor.generate_async(prompt, SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=11)).result(
+        timeout=120
+    )
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    again = executor.generate_async(prompt, SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=11)
-                                    ).result(timeout=120)
+    again = executor.generate_async(prompt, SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=11)).result(
+        timeout=120
+    )
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     stats = executor.get_kv_cache_stats()
     assert stats.reused_blocks > 0  # the samples found the prompt's full blocks in the prefix cache
     # best_of: the n best (highest cumulative logprob) of best_of samples
-    best = executor.generate_async(prompt, SamplingParams(max_tokens=8, n=2, best_of=4, temperature=1.0, seed=5)
-                                   ).result(timeout=120)
+    best = executor.generate_async(
+        prompt, SamplingParams(max_tokens=8, n=2, best_of=4, temperature=1.0, seed=5)
+    ).result(timeout=120)
     assert len(best.outputs) == 2 and best.outputs[0].logprobs is None
 
 
 def test_stop_strings_cut_the_text(executor):
     base = executor.generate_async(PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True)).result(timeout=120)
     text = base.outputs[0].text
-    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and
-                "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    stop = next(
+        text[i : i + 2]
+        for i in range(4, len(text) - 2)
+        if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+    )
     cut = text.index(stop)
     for streaming in (False, True):
-        out = executor.generate_async(PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]),
-                                      streaming=streaming).result(timeout=120)
+        out = executor.generate_async(
+            PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]), streaming=streaming
+        ).result(timeout=120)
         c = out.outputs[0]
         assert c.text == text[:cut] and c.finish_reason == "stop" and c.stop_reason == stop
         assert len(c.token_ids) < 32
-        out = executor.generate_async(PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop=stop,
-                                                                 include_stop_str_in_output=True),
-                                      streaming=streaming).result(timeout=120)
-        assert out.outputs[0].text == text[:cut + len(stop)]
+        out = executor.generate_async(
+            PROMPTS[2],
+            SamplingParams(max_tokens=32, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+            streaming=streaming,
+        ).result(timeout=120)
+        assert out.outputs[0].text == text[: cut + len(stop)]
     # streamed diffs never show a partial stop string
-    stream = executor.generate_async(PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]),
-                                     streaming=True)
+    stream = executor.generate_async(
+        PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]), streaming=True
+    )
     assert "".join(o.outputs[0].text_diff for o in stream) == text[:cut]
     # stop token ids: the token ends the sequence and is not part of the text
     token = base.outputs[0].token_ids[5]
     first = base.outputs[0].token_ids.index(token)
-    out = executor.generate_async(PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop_token_ids=[token])
-                                  ).result(timeout=120)
+    out = executor.generate_async(
+        PROMPTS[2], SamplingParams(max_tokens=32, ignore_eos=True, stop_token_ids=[token])
+    ).result(timeout=120)
     c = out.outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == token and c.token_ids == base.outputs[0].token_ids[:first + 1]
+    assert (
+        c.finish_reason == "stop" and c.stop_reason == token and c.token_ids == base.outputs[0].token_ids[: first + 1]
+    )
     assert c.text == executor.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
     assert _free_blocks(executor)[0] == _free_blocks(executor)[1]
 
@@ -261,10 +289,10 @@ def test_a_failing_request_fails_alone(executor, monkeypatch):
         return real_add(self, token_ids)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", add)
-    good = [executor.generate_async(p, SamplingParams(max_tokens=40, ignore_eos=True), streaming=True)
-            for p in PROMPTS]
-    bad = executor.generate_async(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True,
-                                                             skip_special_tokens=False), streaming=True)
+    good = [executor.generate_async(p, SamplingParams(max_tokens=40, ignore_eos=True), streaming=True) for p in PROMPTS]
+    bad = executor.generate_async(
+        PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True, skip_special_tokens=False), streaming=True
+    )
     with pytest.raises(RuntimeError, match="detokenizer exploded"):
         bad.result(timeout=120)
     with pytest.raises(RuntimeError, match="detokenizer exploded"):
@@ -277,8 +305,7 @@ def test_a_failing_request_fails_alone(executor, monkeypatch):
 
 def test_fatal_engine_error_fails_every_waiter(make_executor, engine):
     ex = make_executor()
-    results = [ex.generate_async(p, SamplingParams(max_tokens=200, ignore_eos=True), streaming=True)
-               for p in PROMPTS]
+    results = [ex.generate_async(p, SamplingParams(max_tokens=200, ignore_eos=True), streaming=True) for p in PROMPTS]
     next(iter(results[0]))  # running
 
     def boom():
@@ -302,8 +329,11 @@ def test_fatal_engine_error_fails_every_waiter(make_executor, engine):
 
 def test_shutdown_cancels_requests_in_flight_and_frees_blocks(make_executor, engine):
     ex = make_executor()
-    results = [ex.generate_async(p, SamplingParams(max_tokens=200, ignore_eos=True), streaming=s)
-               for p in PROMPTS for s in (False, True)]
+    results = [
+        ex.generate_async(p, SamplingParams(max_tokens=200, ignore_eos=True), streaming=s)
+        for p in PROMPTS
+        for s in (False, True)
+    ]
     next(iter(results[1]))
     ex.shutdown()
     for r in results:
@@ -321,9 +351,14 @@ def test_random_operations_leak_nothing(executor):
     for step in range(500):
         op = rng.random()
         if op < 0.45 or not live:
-            params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5,
-                                    n=rng.choice([1, 1, 1, 2]), temperature=rng.choice([None, 1.0]), seed=step,
-                                    stop=rng.choice([None, None, "e", " t"]))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 24),
+                ignore_eos=rng.random() < 0.5,
+                n=rng.choice([1, 1, 1, 2]),
+                temperature=rng.choice([None, 1.0]),
+                seed=step,
+                stop=rng.choice([None, None, "e", " t"]),
+            )
             prompt = [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]
             live.append(executor.generate_async(prompt, params, streaming=rng.random() < 0.5))
         elif op < 0.7:
@@ -350,30 +385,47 @@ def test_iteration_stats_have_the_reference_shape(executor):
     executor.generate(PROMPTS, SamplingParams(max_tokens=4))
     stats = executor.get_stats(timeout=5)
     assert stats and STAT_KEYS <= set(stats[-1])
-    assert {"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", "allocTotalBlocks",
-            "allocNewBlocks", "reusedBlocks", "missedBlocks", "cacheHitRate"} <= set(stats[-1]["kvCacheStats"])
-    assert {"numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
-            "numCtxTokens"} <= set(stats[-1]["inflightBatchingStats"])
+    assert {
+        "maxNumBlocks",
+        "freeNumBlocks",
+        "usedNumBlocks",
+        "tokensPerBlock",
+        "allocTotalBlocks",
+        "allocNewBlocks",
+        "reusedBlocks",
+        "missedBlocks",
+        "cacheHitRate",
+    } <= set(stats[-1]["kvCacheStats"])
+    assert {"numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests", "numCtxTokens"} <= set(
+        stats[-1]["inflightBatchingStats"]
+    )
     assert executor.get_stats(0) == []
 
 
 # ---------------------------------------------------------------------------- postprocess workers
 def test_postprocess_workers_give_the_same_outputs(make_executor):
-    sps = [SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=1),
-           SamplingParams(max_tokens=20, ignore_eos=True, stop=[" t", "e"]),
-           SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=2)]
+    sps = [
+        SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=1),
+        SamplingParams(max_tokens=20, ignore_eos=True, stop=[" t", "e"]),
+        SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=2),
+    ]
     local = make_executor()
-    want = [[local.generate_async(p, sp, streaming=s).result(timeout=120) for p in PROMPTS for s in (False, True)]
-            for sp in sps]
+    want = [
+        [local.generate_async(p, sp, streaming=s).result(timeout=120) for p in PROMPTS for s in (False, True)]
+        for sp in sps
+    ]
     local.shutdown()
     workers = make_executor(num_postprocess_workers=2)
     assert len(multiprocessing.active_children()) == 2
-    got = [[workers.generate_async(p, sp, streaming=s).result(timeout=120) for p in PROMPTS for s in (False, True)]
-           for sp in sps]
+    got = [
+        [workers.generate_async(p, sp, streaming=s).result(timeout=120) for p in PROMPTS for s in (False, True)]
+        for sp in sps
+    ]
     for ws, gs in zip(want, got):
         for w, g in zip(ws, gs):
-            assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs] == \
-                   [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs]
+            assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs] == [
+                (c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs
+            ]
             assert [c.cumulative_logprob for c in w.outputs] == pytest.approx([c.cumulative_logprob for c in g.outputs])
     stream = workers.generate_async(PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), streaming=True)
     for out in stream:
@@ -447,8 +499,12 @@ def test_llm_front(make_executor, engine):
         assert llm.executor.num_unfinished == 0
         stream = llm.generate_async("Once upon a time", SamplingParams(max_tokens=8), streaming=True)
         assert [t for o in stream for t in o.outputs[0].token_ids_diff] == single.outputs[0].token_ids
-        assert asyncio.run(llm.generate_async("Once upon a time", SamplingParams(max_tokens=8)).aresult()
-                           ).outputs[0].token_ids == single.outputs[0].token_ids
+        assert (
+            asyncio.run(llm.generate_async("Once upon a time", SamplingParams(max_tokens=8)).aresult())
+            .outputs[0]
+            .token_ids
+            == single.outputs[0].token_ids
+        )
         assert STAT_KEYS <= set(llm.get_stats(timeout=2)[-1])
     with pytest.raises(RuntimeError):
         llm.generate("hi")

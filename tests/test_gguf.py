@@ -19,15 +19,17 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 import transformers  # noqa: E402
+from gguf_helpers import make_tiny_hf, write_gguf  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from gguf_helpers import make_tiny_hf, write_gguf  # noqa: E402
-from engine_helpers import hf_teacher_forcing_check  # noqa: E402
 from jaxllm.models.gguf import convert_gguf  # noqa: E402
 
+from engine_helpers import hf_teacher_forcing_check  # noqa: E402
+
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
-CASES = ([("llama", q) for q in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")]
-         + [(a, q) for a in ("qwen2", "qwen3", "qwen3_moe") for q in ("F32", "Q8_0", "Q4_0")])
+CASES = [("llama", q) for q in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")] + [
+    (a, q) for a in ("qwen2", "qwen3", "qwen3_moe") for q in ("F32", "Q8_0", "Q4_0")
+]
 # One quantization per architecture for the generation check.
 GENERATE = {"llama": "Q4_0", "qwen2": "Q8_0", "qwen3": "F16", "qwen3_moe": "Q4_1"}
 
@@ -42,6 +44,7 @@ def tiny(tmp_path_factory):
             model, tokenizer = make_tiny_hf(arch, path)
             made[arch] = (path, model, tokenizer)
         return made[arch]
+
     return get
 
 
@@ -74,8 +77,9 @@ def _stacked(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _oracle(path: Path, gguf_name: str, config):
     # The original config gives the shapes: transformers' GGUF config reader ignores
     # attention.key_length for qwen3 and expert_feed_forward_length for qwen3moe.
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_name, config=config,
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), gguf_file=gguf_name, config=config, dtype=torch.float32
+    ).eval()
 
 
 @pytest.mark.parametrize("arch,qtype", CASES)
@@ -94,7 +98,9 @@ def test_weights_match_transformers_gguf_loader(tiny, tmp_path, arch, qtype):
     original = _stacked({k: v.float().numpy() for k, v in model.state_dict().items()})
     tol = {"F32": 0.0, "F16": 1e-3, "Q8_0": 5e-3, "Q4_0": 0.05, "Q4_1": 0.05}[qtype]
     for name, value in ours.items():
-        assert np.abs(value.astype(np.float32) - original[name]).max() <= tol * max(1.0, np.abs(original[name]).max()), name
+        assert np.abs(value.astype(np.float32) - original[name]).max() <= tol * max(
+            1.0, np.abs(original[name]).max()
+        ), name
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [type(model).__name__]
 
@@ -108,8 +114,9 @@ def test_k_quant_weights_match_transformers_gguf_loader(tmp_path):
     path = tmp_path / "hf-llama-256"
     path.mkdir()
     # 256-wide rows fit K-quant blocks; down_proj's 384-wide rows stay Q8_0.
-    model, tokenizer = make_tiny_hf("llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=64, intermediate_size=384)
+    model, tokenizer = make_tiny_hf(
+        "llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384
+    )
     gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors}
     assert {types["blk.0.attn_q.weight"], types["blk.0.attn_k.weight"]} == {"Q4_K", "Q6_K"}
@@ -132,8 +139,14 @@ def test_greedy_tokens_match_transformers(tiny, tmp_path, monkeypatch, arch):
     gguf_path = write_gguf(model, tokenizer, arch, path / f"{qtype}.gguf", qtype)
     reference = _oracle(path, gguf_path.name, model.config)
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11, 64], [300, 8, 1, 77]]
-    llm = LLM(str(gguf_path), dtype="float32", max_batch_size=2, max_num_tokens=16, max_seq_len=64,
-              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
+    llm = LLM(
+        str(gguf_path),
+        dtype="float32",
+        max_batch_size=2,
+        max_num_tokens=16,
+        max_seq_len=64,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
+    )
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     finally:
@@ -143,8 +156,9 @@ def test_greedy_tokens_match_transformers(tiny, tmp_path, monkeypatch, arch):
         assert len(generated) == 8
         hf_teacher_forcing_check(reference, prompt, generated)
         with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                          pad_token_id=0)[0, len(prompt):].tolist()
+            expected = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         assert generated == expected
 
 
@@ -156,8 +170,13 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tiny, tmp_path):
     gguf_path = write_gguf(model, tokenizer, "qwen2", path / "tok.gguf", "Q8_0")
     ours = load_tokenizer(convert_gguf(gguf_path, tmp_path / "hf", progress=False))
     original = load_tokenizer(path)  # the tokenizer.json the GGUF metadata was written from
-    for text in ("Hello, world!", "  two spaces and\nnewlines\n\n", "numbers 1234 and 2024",
-                 "<|im_start|>user\nhi<|im_end|>\n", "ünïcödé ✓ 日本"):
+    for text in (
+        "Hello, world!",
+        "  two spaces and\nnewlines\n\n",
+        "numbers 1234 and 2024",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "ünïcödé ✓ 日本",
+    ):
         assert ours.encode(text) == original.encode(text), text
         assert ours.decode(ours.encode(text)) == text
     assert ours.chat_template == CHAT_TEMPLATE
@@ -199,10 +218,12 @@ def test_large_conversions_are_sharded_and_load_identically(tiny, tmp_path, monk
     sharded = convert_gguf(gguf_path, tmp_path / "sharded", progress=False)
     assert not (sharded / "model.safetensors").exists()
     assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) == len(
-        load_file(str(single / "model.safetensors")))
+        load_file(str(single / "model.safetensors"))
+    )
     config = load_model_config(single)
-    for a, b in zip(jax.tree_util.tree_leaves(load_params(single, config)),
-                    jax.tree_util.tree_leaves(load_params(sharded, config))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(load_params(single, config)), jax.tree_util.tree_leaves(load_params(sharded, config))
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -221,11 +242,18 @@ def test_mixtral_gguf_is_llama_with_experts(tiny, tmp_path, monkeypatch):
     for name, value in original.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64]
-    llm = LLM(str(gguf_path), dtype="float32", max_batch_size=2, max_num_tokens=16, max_seq_len=64,
-              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
+    llm = LLM(
+        str(gguf_path),
+        dtype="float32",
+        max_batch_size=2,
+        max_num_tokens=16,
+        max_seq_len=64,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
+    )
     try:
-        generated = list(llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0,
-                                                             ignore_eos=True)).outputs[0].token_ids)
+        generated = list(
+            llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).outputs[0].token_ids
+        )
     finally:
         llm.shutdown()
     hf_teacher_forcing_check(model, prompt, generated)

@@ -15,11 +15,13 @@ from jaxllm.sampling.slots import SamplingSlots
 
 
 def test_pack_round_trips_every_bit_through_one_buffer():
-    tree = {"ids": np.arange(6, dtype=np.int32).reshape(2, 3),
-            "f": np.array([1.5, -0.0, np.inf, np.nan, 1e-45], np.float32),
-            "seed": np.array([[0xFFFFFFFF, 7]], np.uint32),
-            "mask": np.array([[True, False], [False, True]]),
-            "empty": np.zeros((0, 4), np.int32)}
+    tree = {
+        "ids": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "f": np.array([1.5, -0.0, np.inf, np.nan, 1e-45], np.float32),
+        "seed": np.array([[0xFFFFFFFF, 7]], np.uint32),
+        "mask": np.array([[True, False], [False, True]]),
+        "empty": np.zeros((0, 4), np.int32),
+    }
     buffers, layout = pack(tree)
     assert len(buffers) == 1 and buffers[0].dtype == np.int32
     out = jax.jit(lambda b: unpack(b, layout))(buffers)
@@ -52,8 +54,15 @@ def _request(rid: int, params: SamplingParams, num_out: int, rng) -> LlmRequest:
 def _general(requests: list[LlmRequest], S: int, H: int) -> SamplingTensors:
     params = [r.sampling_params for r in requests]
     histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
-    return SamplingTensors.build(params, [len(r.output_token_ids) for r in requests], histories,
-                                 [r.end_ids for r in requests], S, H, seeds=[r.seed for r in requests])
+    return SamplingTensors.build(
+        params,
+        [len(r.output_token_ids) for r in requests],
+        histories,
+        [r.end_ids for r in requests],
+        S,
+        H,
+        seeds=[r.seed for r in requests],
+    )
 
 
 def _assert_same(a: SamplingTensors, b: SamplingTensors) -> None:
@@ -69,10 +78,20 @@ def test_slots_give_the_general_tensors_across_steps_and_slot_reuse():
     """Random mixes of plain and special settings, rows moving between slots and slots
     changing owners: every step equals SamplingTensors.build of the same rows."""
     rng = np.random.default_rng(0)
-    choices = [dict(), dict(temperature=0.0), dict(temperature=0.7, seed=5), dict(temperature=1.2, top_k=4),
-               dict(temperature=0.9, top_p=0.8, min_p=0.05), dict(temperature=0.5),  # unseeded: engine seed
-               dict(repetition_penalty=1.3), dict(min_tokens=3), dict(logprobs=2), dict(logprobs=0),
-               dict(bad_token_ids=[7]), dict(temperature=0.8, presence_penalty=0.5, seed=3)]
+    choices = [
+        dict(),
+        dict(temperature=0.0),
+        dict(temperature=0.7, seed=5),
+        dict(temperature=1.2, top_k=4),
+        dict(temperature=0.9, top_p=0.8, min_p=0.05),
+        dict(temperature=0.5),  # unseeded: engine seed
+        dict(repetition_penalty=1.3),
+        dict(min_tokens=3),
+        dict(logprobs=2),
+        dict(logprobs=0),
+        dict(bad_token_ids=[7]),
+        dict(temperature=0.8, presence_penalty=0.5, seed=3),
+    ]
     S, H, num_slots = 8, 32, 6
     slots = SamplingSlots(2)  # grows on demand
     plain_steps = special_steps = 0
@@ -84,15 +103,20 @@ def test_slots_give_the_general_tensors_across_steps_and_slot_reuse():
             r.output_token_ids.append(int(rng.integers(3, 90)))
         while len(keep) < int(rng.integers(1, num_slots + 1)):
             kw = choices[int(rng.integers(len(choices)))] if rng.random() < 0.4 else choices[int(rng.integers(6))]
-            keep.append(_request(1000 * step + len(keep), SamplingParams(max_tokens=20, **kw),
-                                 int(rng.integers(0, 5)), rng))
+            keep.append(
+                _request(1000 * step + len(keep), SamplingParams(max_tokens=20, **kw), int(rng.integers(0, 5)), rng)
+            )
         requests = keep
-        slot_of = rng.permutation(num_slots)[:len(requests)].tolist()  # slots may change hands
+        slot_of = rng.permutation(num_slots)[: len(requests)].tolist()  # slots may change hands
         got = slots.build(requests, slot_of, S, H, lambda: _general(requests, S, H))
         _assert_same(got, _general(requests, S, H))
-        plain = all(not r.sampling_params.needs_history and r.sampling_params.logprobs is None
-                    and not r.sampling_params.bad_token_ids and r.sampling_params.min_tokens == 0
-                    for r in requests)
+        plain = all(
+            not r.sampling_params.needs_history
+            and r.sampling_params.logprobs is None
+            and not r.sampling_params.bad_token_ids
+            and r.sampling_params.min_tokens == 0
+            for r in requests
+        )
         plain_steps += plain
         special_steps += not plain
     assert plain_steps > 10 and special_steps > 10  # both paths were exercised

@@ -32,8 +32,7 @@ def test_fused_moe_moves_fewer_bytes_than_the_sorted_rows_path():
 
 def test_attention_splits_only_decode_and_uses_decode_tiles_in_mixed_buckets():
     llama = AttentionShape("Llama-3-8B", 32, 8, 128)
-    prefill, decode = cost_model.attention_costs(llama, mixed_batch(512, 63, 4096, num_tokens=1024,
-                                                                    num_seq_slots=64))
+    prefill, decode = cost_model.attention_costs(llama, mixed_batch(512, 63, 4096, num_tokens=1024, num_seq_slots=64))
     assert prefill.grid[2] == 1, "prefill tiles must not get flash-decoding splits"
     assert "block_m=16" in decode.note and decode.working >= H100.num_sms
     (one,) = cost_model.attention_costs(llama, decode_batch(16, 4096))

@@ -116,18 +116,28 @@ def make_attention_case(
     k_kernel = np.where(garbage, np.nan, k).astype(dtype)
     v_kernel = np.where(garbage, np.nan, v).astype(dtype)
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(dtype)
-    return AttentionCase(q, k_kernel, v_kernel, k_ref, v_ref, lens, tables, cu,
-                         np.array([n], np.int32), int(sum(q_lens)))
+    return AttentionCase(
+        q, k_kernel, v_kernel, k_ref, v_ref, lens, tables, cu, np.array([n], np.int32), int(sum(q_lens))
+    )
 
 
-def check_attention(case: AttentionCase, tiling: Optional[AttentionTiling], *, tol: float = F32_TOL,
-                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                    decode_tiling: Optional[AttentionTiling] = None) -> None:
+def check_attention(
+    case: AttentionCase,
+    tiling: Optional[AttentionTiling],
+    *,
+    tol: float = F32_TOL,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    decode_tiling: Optional[AttentionTiling] = None,
+) -> None:
     opts = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     meta = (case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs)
     # Whole-function jit: one compile instead of many eager op dispatches (interpret mode).
-    kernel = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, decode_tiling=decode_tiling,
-                                       interpret=True, poison_outputs=True))
+    kernel = jax.jit(
+        functools.partial(
+            attention_forward, **opts, tiling=tiling, decode_tiling=decode_tiling, interpret=True, poison_outputs=True
+        )
+    )
     out, raw = kernel(case.q, case.k_kernel, case.v_kernel, *meta)
     reference = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))
     ref = reference(case.q, case.k_ref, case.v_ref, *meta)
@@ -161,8 +171,11 @@ def test_attention_prefill_only(tiling):
     check_attention(case, tiling)
 
 
-@pytest.mark.parametrize("tiling,decode", [(SPLIT, None), (None, None), (SMALL, SPLIT), (WIDE, SMALL)],
-                         ids=["one_launch_split", "default", "decode_launch_split", "prefill_launch_split"])
+@pytest.mark.parametrize(
+    "tiling,decode",
+    [(SPLIT, None), (None, None), (SMALL, SPLIT), (WIDE, SMALL)],
+    ids=["one_launch_split", "default", "decode_launch_split", "prefill_launch_split"],
+)
 def test_attention_mixed_batch(tiling, decode):
     # Context chunks first, then generation tokens (and a 3-token one: with 2 kv heads of 4 q
     # heads a 16-row decode tile holds 8 tokens, so it runs in the decode launch too); padding last.
@@ -179,8 +192,16 @@ def test_attention_flash_decoding_splits_follow_the_lengths():
     case = make_attention_case(12, [1] * 5, lens, num_tokens=5, num_seq_slots=6, max_blocks=32, num_blocks=80)
     check_attention(case, SPLIT)
     tiles = schedule.query_tile_schedule(
-        jnp.asarray(case.cu_q_lens), jnp.asarray(case.kv_lens), jnp.asarray(case.num_seqs), num_tokens=5,
-        block_q=8, tokens_per_block=8, sliding_window=None, num_splits=4, block_k=16)
+        jnp.asarray(case.cu_q_lens),
+        jnp.asarray(case.kv_lens),
+        jnp.asarray(case.num_seqs),
+        num_tokens=5,
+        block_q=8,
+        tokens_per_block=8,
+        sliding_window=None,
+        num_splits=4,
+        block_k=16,
+    )
     splits = {int(t[schedule.KV_HI]): int(t[schedule.SPLITS]) for t in np.asarray(tiles) if t[schedule.KV_HI] > 0}
     assert splits == {1: 1, 9: 1, 17: 1, 200: 4, 250: 4}
 
@@ -195,14 +216,16 @@ def test_attention_sliding_window_and_soft_cap(window, cap):
 @pytest.mark.parametrize("heads", [(8, 1), (6, 2)], ids=["mqa", "gqa3"])
 def test_attention_mqa_and_odd_group(heads):
     hq, hkv = heads
-    case = make_attention_case(4, [6, 1, 1], [20, 8, 9], num_tokens=12, num_seq_slots=4,
-                               num_q_heads=hq, num_kv_heads=hkv)
+    case = make_attention_case(
+        4, [6, 1, 1], [20, 8, 9], num_tokens=12, num_seq_slots=4, num_q_heads=hq, num_kv_heads=hkv
+    )
     check_attention(case, SPLIT)
 
 
 def test_attention_bf16_head_dim_128():
-    case = make_attention_case(5, [9, 1, 1, 1], [25, 1, 8, 40], num_tokens=16, num_seq_slots=4,
-                               head_dim=128, dtype=jnp.bfloat16)
+    case = make_attention_case(
+        5, [9, 1, 1, 1], [25, 1, 8, 40], num_tokens=16, num_seq_slots=4, head_dim=128, dtype=jnp.bfloat16
+    )
     check_attention(case, SPLIT, tol=BF16_TOL)
 
 
@@ -224,12 +247,18 @@ def test_attention_public_function_inside_jit():
 
     @jax.jit
     def step(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs):
-        return ragged_paged_attention(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                      sm_scale=0.125, interpret=True) * 2.0
+        return (
+            ragged_paged_attention(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=0.125, interpret=True)
+            * 2.0
+        )
 
     out = step(case.q, case.k_kernel, case.v_kernel, *meta)
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.125))(
-        case.q, case.k_ref, case.v_ref, *meta) * 2.0
+    ref = (
+        jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.125))(
+            case.q, case.k_ref, case.v_ref, *meta
+        )
+        * 2.0
+    )
     assert rel_err(out[:7], ref[:7]) < F32_TOL
     assert np.all(np.asarray(out[7:]) == 0.0)
 
@@ -237,8 +266,11 @@ def test_attention_public_function_inside_jit():
 def _jax_paged_attention():
     """JAX's GPU paged_attention, a peer for decode; deprecated (in favour of tokamax) on jax >= 0.11."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
-                                category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore",
+            message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
+            category=DeprecationWarning,
+        )
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     return paged_attention
 
@@ -250,13 +282,29 @@ def test_attention_matches_jax_paged_attention_on_decode():
     case = make_attention_case(10, [1] * len(lens), lens, num_tokens=len(lens), num_seq_slots=len(lens))
     sm_scale = case.q.shape[-1] ** -0.5
     theirs = paged_attention(
-        jnp.asarray(case.q) * sm_scale, jnp.asarray(case.k_ref), jnp.asarray(case.v_ref),
-        jnp.asarray(case.block_tables), jnp.asarray(case.kv_lens),
-        block_h=16, pages_per_compute_block=2, k_splits=2, interpret=True)
+        jnp.asarray(case.q) * sm_scale,
+        jnp.asarray(case.k_ref),
+        jnp.asarray(case.v_ref),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.kv_lens),
+        block_h=16,
+        pages_per_compute_block=2,
+        k_splits=2,
+        interpret=True,
+    )
     for tiling in (SMALL, SPLIT):
         out = ragged_paged_attention(
-            case.q, case.k_kernel, case.v_kernel, case.kv_lens, case.block_tables, case.cu_q_lens,
-            case.num_seqs, sm_scale=sm_scale, interpret=True, tiling=tiling)
+            case.q,
+            case.k_kernel,
+            case.v_kernel,
+            case.kv_lens,
+            case.block_tables,
+            case.cu_q_lens,
+            case.num_seqs,
+            sm_scale=sm_scale,
+            interpret=True,
+            tiling=tiling,
+        )
         assert rel_err(out, theirs) < F32_TOL
 
 
@@ -276,8 +324,9 @@ def test_attention_clamps_bad_metadata():
     opts = dict(sm_scale=0.125)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, **opts))(q, case.k_ref, case.v_ref, *meta)
     for tiling in (SMALL, SPLIT):
-        out, raw = jax.jit(functools.partial(attention_forward, **opts, tiling=tiling, interpret=True,
-                                             poison_outputs=True))(q, case.k_ref, case.v_ref, *meta)
+        out, raw = jax.jit(
+            functools.partial(attention_forward, **opts, tiling=tiling, interpret=True, poison_outputs=True)
+        )(q, case.k_ref, case.v_ref, *meta)
         assert_all_written(raw)
         assert rel_err(out, ref) < F32_TOL
 
@@ -292,16 +341,22 @@ def test_attention_tiling_refuses_invalid_sizes_up_front(field, value):
 # ----------------------------------------------------------------------------- MoE
 
 
-def make_moe_case(seed: int, group_sizes: list[int], num_rows: int, hidden: int = 64, inter: int = 96,
-                  dtype=np.float32):
+def make_moe_case(
+    seed: int, group_sizes: list[int], num_rows: int, hidden: int = 64, inter: int = 96, dtype=np.float32
+):
     rng = np.random.default_rng(seed)
     e = len(group_sizes)
     x = rng.standard_normal((num_rows, hidden))
     w_gate = rng.standard_normal((e, hidden, inter)) / np.sqrt(hidden)
     w_up = rng.standard_normal((e, hidden, inter)) / np.sqrt(hidden)
     w_down = rng.standard_normal((e, inter, hidden)) / np.sqrt(inter)
-    return (jnp.asarray(x, dtype), jnp.asarray(group_sizes, jnp.int32), jnp.asarray(w_gate, dtype),
-            jnp.asarray(w_up, dtype), jnp.asarray(w_down, dtype))
+    return (
+        jnp.asarray(x, dtype),
+        jnp.asarray(group_sizes, jnp.int32),
+        jnp.asarray(w_gate, dtype),
+        jnp.asarray(w_up, dtype),
+        jnp.asarray(w_down, dtype),
+    )
 
 
 def check_moe(args, tiling: Optional[MoeTiling], tol: float = F32_TOL) -> None:
@@ -337,8 +392,16 @@ def test_moe_split_k_down_projection():
     check_moe(make_moe_case(5, [0, 5, 21, 0, 1, 17, 0, 9, 0], num_rows=64), MOE_SPLIT_K)
 
 
-def make_fused_case(seed: int, num_tokens: int, num_valid: int, num_experts: int, top_k: int, hidden: int = 64,
-                    inter: int = 96, dtype=np.float32):
+def make_fused_case(
+    seed: int,
+    num_tokens: int,
+    num_valid: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int = 64,
+    inter: int = 96,
+    dtype=np.float32,
+):
     """Tokens routed to distinct experts each (top-k of random scores, skewed so some experts
     are hot and some empty); tokens past `num_valid` are padding (every id out of range)."""
     rng = np.random.default_rng(seed)
@@ -377,9 +440,17 @@ def test_moe_fused_bf16_decode_and_public_function():
     assert rel_err(out, jax.jit(moe_fused_ffn_reference)(*args)) < BF16_TOL
 
 
-@pytest.mark.parametrize("num_rows,num_groups,hidden,inter", [
-    (8, 128, 2048, 768), (2048, 128, 2048, 768), (2, 8, 4096, 14336), (512, 8, 4096, 14336),
-    (8, 256, 7168, 2048), (65536, 128, 2048, 768)])
+@pytest.mark.parametrize(
+    "num_rows,num_groups,hidden,inter",
+    [
+        (8, 128, 2048, 768),
+        (2048, 128, 2048, 768),
+        (2, 8, 4096, 14336),
+        (512, 8, 4096, 14336),
+        (8, 256, 7168, 2048),
+        (65536, 128, 2048, 768),
+    ],
+)
 def test_moe_default_tiling_fits_registers_and_small_batches(num_rows, num_groups, hidden, inter):
     tiling = default_moe_tiling(num_rows, num_groups, hidden, inter)
     assert tiling.gate_up.acc_regs_per_thread(2) <= 128 and tiling.down.acc_regs_per_thread(1) <= 128
@@ -419,10 +490,15 @@ def _lower_for_cuda(fn, *specs) -> str:
 
 def _attention_specs(num_tokens, num_seq_slots, max_blocks, hq, hkv, head_dim, tpb, num_blocks, dtype):
     s = jax.ShapeDtypeStruct
-    return (s((num_tokens, hq, head_dim), dtype), s((hkv, num_blocks, tpb, head_dim), dtype),
-            s((hkv, num_blocks, tpb, head_dim), dtype), s((num_seq_slots,), jnp.int32),
-            s((num_seq_slots, max_blocks), jnp.int32), s((num_seq_slots + 1,), jnp.int32),
-            s((1,), jnp.int32))
+    return (
+        s((num_tokens, hq, head_dim), dtype),
+        s((hkv, num_blocks, tpb, head_dim), dtype),
+        s((hkv, num_blocks, tpb, head_dim), dtype),
+        s((num_seq_slots,), jnp.int32),
+        s((num_seq_slots, max_blocks), jnp.int32),
+        s((num_seq_slots + 1,), jnp.int32),
+        s((1,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize(
@@ -439,8 +515,7 @@ def _attention_specs(num_tokens, num_seq_slots, max_blocks, hq, hkv, head_dim, t
 )
 def test_attention_lowers_for_cuda(num_tokens, num_seq_slots, hq, hkv, head_dim, tpb, window, cap, dtype):
     specs = _attention_specs(num_tokens, num_seq_slots, 128, hq, hkv, head_dim, tpb, 8192, dtype)
-    fn = functools.partial(ragged_paged_attention, sm_scale=head_dim ** -0.5, sliding_window=window,
-                           soft_cap=cap)
+    fn = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
     _lower_for_cuda(fn, *specs)
 
 
@@ -458,13 +533,20 @@ def test_attention_lowers_for_cuda(num_tokens, num_seq_slots, hq, hkv, head_dim,
 )
 def test_moe_lowers_for_cuda(num_tokens, top_k, num_groups, hidden, inter, dtype):
     s = jax.ShapeDtypeStruct
-    weights = (s((num_groups, hidden, inter), dtype), s((num_groups, hidden, inter), dtype),
-               s((num_groups, inter, hidden), dtype))
+    weights = (
+        s((num_groups, hidden, inter), dtype),
+        s((num_groups, hidden, inter), dtype),
+        s((num_groups, inter, hidden), dtype),
+    )
     sorted_specs = (s((num_tokens * top_k, hidden), dtype), s((num_groups,), jnp.int32), *weights)
     text = _lower_for_cuda(moe_grouped_ffn, *sorted_specs)
     assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2
-    fused_specs = (s((num_tokens, hidden), dtype), s((num_tokens, top_k), jnp.int32),
-                   s((num_tokens, top_k), jnp.float32), *weights)
+    fused_specs = (
+        s((num_tokens, hidden), dtype),
+        s((num_tokens, top_k), jnp.int32),
+        s((num_tokens, top_k), jnp.float32),
+        *weights,
+    )
     text = _lower_for_cuda(moe_fused_ffn, *fused_specs)
     assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2
 
@@ -478,8 +560,9 @@ def test_triton_deprecation_is_filtered_and_nothing_else():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         compiler_params(4, 2)
-        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
-                      DeprecationWarning)
+        warnings.warn(
+            "The Pallas Triton backend is deprecated and will be removed in a future JAX version.", DeprecationWarning
+        )
         warnings.warn("some other deprecation", DeprecationWarning)
         specs = _attention_specs(64, 64, 16, 8, 2, 64, 16, 256, jnp.bfloat16)
         _lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.125), *specs)

@@ -8,7 +8,8 @@ import pytest
 
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.llm_request import LlmRequest
-from jaxllm.scheduler import SchedulerOutput, SimpleScheduler, GuaranteedNoEvictScheduler, MicroBatchScheduler
+from jaxllm.scheduler import GuaranteedNoEvictScheduler, MicroBatchScheduler, SchedulerOutput, SimpleScheduler
+
 from scheduler_fakes import FakeExecutor, make_requests
 
 
@@ -156,9 +157,16 @@ def test_shared_prefix_allocates_three_fewer_blocks():
     assert kv.get_kv_cache_stats().used_num_blocks == 6
     kv.check_invariants()
     assert stats.to_dict() == {
-        "maxNumBlocks": 32, "freeNumBlocks": 26, "usedNumBlocks": 6, "tokensPerBlock": 4,
-        "allocTotalBlocks": 9, "allocNewBlocks": 6, "reusedBlocks": 3, "missedBlocks": 6,
-        "cacheHitRate": pytest.approx(1 / 3)}
+        "maxNumBlocks": 32,
+        "freeNumBlocks": 26,
+        "usedNumBlocks": 6,
+        "tokensPerBlock": 4,
+        "allocTotalBlocks": 9,
+        "allocNewBlocks": 6,
+        "reusedBlocks": 3,
+        "missedBlocks": 6,
+        "cacheHitRate": pytest.approx(1 / 3),
+    }
     assert second.move_to_next_context_chunk()  # the step ran
     second.add_new_token(5)
     # shared blocks stay with the other owner when one frees

@@ -9,14 +9,20 @@ import datetime
 import threading
 
 import pytest
+from kv_event_replay import replay as _replay
 
 from jaxllm import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from jaxllm.kv_cache import KVCacheManager, KvCacheEventBuffer, KvEventRecorder
-from jaxllm.lora import LoraAdapter, LoRARequest
+from jaxllm.kv_cache import KvCacheEventBuffer, KVCacheManager, KvEventRecorder
 from jaxllm.llm_request import LlmRequest
-from jaxllm.scheduler import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, MicroBatchScheduler, \
-    SchedulerOutput, SimpleScheduler
-from kv_event_replay import replay as _replay
+from jaxllm.lora import LoraAdapter, LoRARequest
+from jaxllm.scheduler import (
+    GuaranteedNoEvictScheduler,
+    MaxUtilizationScheduler,
+    MicroBatchScheduler,
+    SchedulerOutput,
+    SimpleScheduler,
+)
+
 from scheduler_fakes import FakeExecutor
 
 TPB = 4
@@ -71,31 +77,45 @@ def test_per_block_priorities_follow_the_reference():
     config = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 1, 80), TokenRangeRetentionConfig(1, 2, 5)], 30)
     assert config.per_block_priorities(32, 128) == [80, None, None, None]
     # unsorted ranges are sorted; a block past the prompt takes the decode settings
-    config = KvCacheRetentionConfig([TokenRangeRetentionConfig(8, None, 60), TokenRangeRetentionConfig(0, 4, 90)],
-                                    decode_retention_priority=10, decode_duration_ms=datetime.timedelta(seconds=2))
+    config = KvCacheRetentionConfig(
+        [TokenRangeRetentionConfig(8, None, 60), TokenRangeRetentionConfig(0, 4, 90)],
+        decode_retention_priority=10,
+        decode_duration_ms=datetime.timedelta(seconds=2),
+    )
     assert config.per_block_priorities(4, 16) == [90, None, 60, 60]
     assert config.block_retention(4, 4, prompt_len=16) == (10, 2.0)
     assert KvCacheRetentionConfig(max_tokens=8).per_block_priorities(4, 16) == [100, 100, None, None]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TokenRangeRetentionConfig(0, 8, 101), r"priority must be in \[0, 100\], got 101"),
-    (lambda: TokenRangeRetentionConfig(0, 8, -1), r"priority must be in \[0, 100\]"),
-    (lambda: TokenRangeRetentionConfig(0, 8, 50.5), r"priority must be an int"),
-    (lambda: TokenRangeRetentionConfig(8, 8, 50), r"token range \[8, 8\) is empty"),
-    (lambda: TokenRangeRetentionConfig(-1, 8, 50), r"token_start must be a non-negative int"),
-    (lambda: TokenRangeRetentionConfig(0, 8, 50, duration_ms=0), r"duration_ms must be a positive duration"),
-    (lambda: TokenRangeRetentionConfig(0, 8, 50, duration_ms="1s"), r"duration_ms must be milliseconds"),
-    (lambda: KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 64, 80), TokenRangeRetentionConfig(30, 128, 80)]),
-     r"token ranges must not overlap: \[0, 64\) and \[30, 128\)"),
-    (lambda: KvCacheRetentionConfig([TokenRangeRetentionConfig(0, None, 80), TokenRangeRetentionConfig(64, 70, 8)]),
-     r"only the last token range may have token_end=None"),
-    (lambda: KvCacheRetentionConfig([], decode_retention_priority=200), r"decode_retention_priority must be in"),
-    (lambda: KvCacheRetentionConfig([], decode_duration_ms=-5), r"decode_duration_ms must be a positive duration"),
-    (lambda: KvCacheRetentionConfig(TokenRangeRetentionConfig(0, 8, 50)), r"must be a list of TokenRangeRetention"),
-    (lambda: KvCacheRetentionConfig([(0, 8, 50)]), r"must hold TokenRangeRetentionConfig entries, got tuple"),
-    (lambda: KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 8, 50)], max_tokens=8), r"either max_tokens"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TokenRangeRetentionConfig(0, 8, 101), r"priority must be in \[0, 100\], got 101"),
+        (lambda: TokenRangeRetentionConfig(0, 8, -1), r"priority must be in \[0, 100\]"),
+        (lambda: TokenRangeRetentionConfig(0, 8, 50.5), r"priority must be an int"),
+        (lambda: TokenRangeRetentionConfig(8, 8, 50), r"token range \[8, 8\) is empty"),
+        (lambda: TokenRangeRetentionConfig(-1, 8, 50), r"token_start must be a non-negative int"),
+        (lambda: TokenRangeRetentionConfig(0, 8, 50, duration_ms=0), r"duration_ms must be a positive duration"),
+        (lambda: TokenRangeRetentionConfig(0, 8, 50, duration_ms="1s"), r"duration_ms must be milliseconds"),
+        (
+            lambda: KvCacheRetentionConfig(
+                [TokenRangeRetentionConfig(0, 64, 80), TokenRangeRetentionConfig(30, 128, 80)]
+            ),
+            r"token ranges must not overlap: \[0, 64\) and \[30, 128\)",
+        ),
+        (
+            lambda: KvCacheRetentionConfig(
+                [TokenRangeRetentionConfig(0, None, 80), TokenRangeRetentionConfig(64, 70, 8)]
+            ),
+            r"only the last token range may have token_end=None",
+        ),
+        (lambda: KvCacheRetentionConfig([], decode_retention_priority=200), r"decode_retention_priority must be in"),
+        (lambda: KvCacheRetentionConfig([], decode_duration_ms=-5), r"decode_duration_ms must be a positive duration"),
+        (lambda: KvCacheRetentionConfig(TokenRangeRetentionConfig(0, 8, 50)), r"must be a list of TokenRangeRetention"),
+        (lambda: KvCacheRetentionConfig([(0, 8, 50)]), r"must hold TokenRangeRetentionConfig entries, got tuple"),
+        (lambda: KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 8, 50)], max_tokens=8), r"either max_tokens"),
+    ],
+)
 def test_invalid_configs_raise_clear_errors(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -131,8 +151,9 @@ def test_expired_duration_reverts_to_the_default_priority(elapsed, high_survives
     50 prefix is evicted; after it the first prefix is back at the default 35 and goes first."""
     clock = _Clock()
     buffer = KvCacheEventBuffer(100, window_size=32)
-    kv = KVCacheManager(num_blocks=6, tokens_per_block=TPB, max_blocks_per_seq=8, clock=clock,
-                        events=KvEventRecorder(buffer))
+    kv = KVCacheManager(
+        num_blocks=6, tokens_per_block=TPB, max_blocks_per_seq=8, clock=clock, events=KvEventRecorder(buffer)
+    )
     high_prompt, mid_prompt = _prompt(100, 9), _prompt(200, 9)
     _serve(kv, LlmRequest(1, high_prompt, 1, kv_cache_retention_config=_retain(90, duration_ms=1000)))
     for rid in range(10, 30):  # reused and released again (restarting the duration) many times
@@ -148,7 +169,9 @@ def test_expired_duration_reverts_to_the_default_priority(elapsed, high_survives
     events = [e["data"] for e in buffer.get()]
     updates = [(e["priority"]["old_value"], e["priority"]["new_value"]) for e in events if e["type"] == "updated"]
     assert updates == ([] if high_survives else [(90, 35)] * 2)
-    assert sorted(p for _, _, p in kv.block_pool.cached_prefixes().values()) == ([90, 90] if high_survives else [50, 50])
+    assert sorted(p for _, _, p in kv.block_pool.cached_prefixes().values()) == (
+        [90, 90] if high_survives else [50, 50]
+    )
     pressure.finish("cancelled")
     kv.free_resources(pressure)
     assert (_reused_tokens(kv, high_prompt) == 2 * TPB) == high_survives
@@ -179,7 +202,9 @@ def test_reuse_and_decode_blocks_take_the_requests_priorities():
     assert by_tokens[tuple(tokens[12:16])] == 5
     stored = [b for e in events if e["type"] == "stored" for b in e["blocks"]]
     assert {tuple(t["token_id"] for t in b["tokens"]): b["priority"] for b in stored} == {
-        tuple(tokens[8:12]): 35, tuple(tokens[12:16]): 5}
+        tuple(tokens[8:12]): 35,
+        tuple(tokens[12:16]): 5,
+    }
     kv.check_invariants()
 
 
@@ -207,8 +232,9 @@ def test_events_report_exactly_the_blocks_stored_and_removed(policy):
         for i in range(6):
             rid = wave * 10 + i + 1
             prompt = shared + _prompt(rid * 100, 3 + i) if i % 2 else _prompt(rid * 100, 5 + 2 * i)
-            req = LlmRequest(rid, prompt, 6 + i, arrival_time=float(rid),
-                             kv_cache_retention_config=configs[(rid + wave) % 4])
+            req = LlmRequest(
+                rid, prompt, 6 + i, arrival_time=float(rid), kv_cache_retention_config=configs[(rid + wave) % 4]
+            )
             req.lora_adapter = adapter if i in (3, 4) else None
             reqs.append(req)
         ex.add(*reqs)
@@ -220,8 +246,16 @@ def test_events_report_exactly_the_blocks_stored_and_removed(policy):
     assert kv.block_pool.num_evictions > 0  # the pool was under pressure
     assert {p for _, _, p in live.values()} >= {35, 80}
     # the shared first block was cached once per prefix tree: base model and adapter 3
-    assert sorted(map(str, (lora_ids[h] for h, (parent, tokens, _) in stored_ever.items()
-                            if parent is None and tokens == tuple(shared[:4])))) == ["3", "None"]
+    assert sorted(
+        map(
+            str,
+            (
+                lora_ids[h]
+                for h, (parent, tokens, _) in stored_ever.items()
+                if parent is None and tokens == tuple(shared[:4])
+            ),
+        )
+    ) == ["3", "None"]
     ids = [e["event_id"] for e in first]
     assert ids == [0]
 
@@ -258,8 +292,13 @@ def llm():
     from jaxllm import LLM, KvCacheConfig
 
     # 24 blocks of 8 tokens: the three waves below do not fit at once, so cached prefixes are evicted.
-    llm = LLM("tiny-dense", max_batch_size=4, max_num_tokens=16, max_seq_len=64,
-              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=192, event_buffer_max_size=1000))
+    llm = LLM(
+        "tiny-dense",
+        max_batch_size=4,
+        max_num_tokens=16,
+        max_seq_len=64,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=192, event_buffer_max_size=1000),
+    )
     yield llm
     llm.shutdown()
 
@@ -276,8 +315,10 @@ def test_engine_same_tokens_with_retention_and_events_match_the_pool(llm):
     _replay(events[1:], live)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     keep_system = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 16, 90)], decode_retention_priority=10)
-    retained = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False,
-                                                             kv_cache_retention_config=keep_system)]
+    retained = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, params, use_tqdm=False, kv_cache_retention_config=keep_system)
+    ]
     # A third wave of unrelated prompts evicts; the high-priority system prompt stays cached.
     llm.generate([_prompt(200 + 20 * i, 19) for i in range(4)], params, use_tqdm=False)
     assert retained == plain
@@ -298,6 +339,7 @@ def test_server_takes_a_retention_config_and_serves_events(llm):
 
     from jaxllm.server.app import build_app
     from jaxllm.server.server_config import ServerConfig
+
     from server_helpers import LiveServer
 
     server = LiveServer(build_app(llm.executor, ServerConfig(served_model_name="tiny", api_key="k")))
@@ -305,15 +347,25 @@ def test_server_takes_a_retention_config_and_serves_events(llm):
     try:
         llm.get_kv_cache_events(timeout=0)
         prompt = _prompt(300, 17)
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                "kv_cache_retention_config": {"token_range_retention_priorities": [
-                    {"token_start": 0, "token_end": 8, "priority": 77}]}}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0,
+            "kv_cache_retention_config": {
+                "token_range_retention_priorities": [{"token_start": 0, "token_end": 8, "priority": 77}]
+            },
+        }
         reply = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60)
         assert reply.status_code == 200, reply.text
         assert httpx.post(server.url + "/kv_cache_events", timeout=60).status_code == 401  # events show prompts
         events = httpx.post(server.url + "/kv_cache_events", headers=auth, timeout=60).json()
-        stored = {tuple(t["token_id"] for t in b["tokens"]): b["priority"]
-                  for e in events if e["data"]["type"] == "stored" for b in e["data"]["blocks"]}
+        stored = {
+            tuple(t["token_id"] for t in b["tokens"]): b["priority"]
+            for e in events
+            if e["data"]["type"] == "stored"
+            for b in e["data"]["blocks"]
+        }
         assert stored[tuple(prompt[:8])] == 77 and stored[tuple(prompt[8:16])] == 35
         assert httpx.post(server.url + "/kv_cache_events", headers=auth, timeout=60).json() == []  # drained
         body["kv_cache_retention_config"]["token_range_retention_priorities"][0]["priority"] = 101

@@ -34,15 +34,33 @@ def test_sizes_and_sharding():
     with pytest.raises(ValueError, match="do not split"):
         spec.bytes_per_token(num_shards=3)
     assert spec.partition_spec(ShardingRules()) == MhaLayerCache(
-        jax.sharding.PartitionSpec("tensor", None, None, None), jax.sharding.PartitionSpec("tensor", None, None, None))
+        jax.sharding.PartitionSpec("tensor", None, None, None), jax.sharding.PartitionSpec("tensor", None, None, None)
+    )
 
 
 def test_model_cache_spec_counts_replicated_kv_heads():
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=True, qk_norm=False,
-                         attention_bias=False, sliding_window=None)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qk_norm=False,
+        attention_bias=False,
+        sliding_window=None,
+    )
     assert kv_cache_spec(config, kv_replicas=4).num_kv_heads == 8
     one = make_mesh(ParallelConfig())
-    assert kv_cache_bytes_per_token(config, "float32", one) == kv_cache_bytes_per_token(config, "float32") \
+    assert (
+        kv_cache_bytes_per_token(config, "float32", one)
+        == kv_cache_bytes_per_token(config, "float32")
         == 2 * 2 * 2 * 8 * 4
+    )

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, SamplingParams
+
+from engine_helpers import make_hf_model, random_prompts
 
 VOCAB = 384
 FORCED = 7
@@ -36,11 +37,18 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(hf_model):
-    llm = LLM(str(hf_model[0]), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
-              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
-              logits_post_processors={"ban_low": ban_low}, warmup_logits_outputs=True)
-    llm.warmed_up = llm.executor.call_on_engine(lambda engine: engine.warmup(all_variants=False) or _compiled(engine),
-                                                timeout=None)
+    llm = LLM(
+        str(hf_model[0]),
+        max_batch_size=4,
+        max_num_tokens=32,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
+        logits_post_processors={"ban_low": ban_low},
+        warmup_logits_outputs=True,
+    )
+    llm.warmed_up = llm.executor.call_on_engine(
+        lambda engine: engine.warmup(all_variants=False) or _compiled(engine), timeout=None
+    )
     yield llm
     llm.shutdown()
 
@@ -88,24 +96,31 @@ def close(ours, ref, tol=2e-4):
 
 def test_logits_outputs_match_hf_with_chunked_prefill_mixed_with_plain_requests(llm, hf_model, prompts, baseline):
     long = prompts["long"]
-    outs = run(llm, [long, prompts["short"], prompts["mid"], prompts["other"]], [
-        greedy(return_context_logits=True, return_generation_logits=True, prompt_logprobs=3),
-        greedy(), sampled(return_generation_logits=True), greedy(prompt_logprobs=0)])
+    outs = run(
+        llm,
+        [long, prompts["short"], prompts["mid"], prompts["other"]],
+        [
+            greedy(return_context_logits=True, return_generation_logits=True, prompt_logprobs=3),
+            greedy(),
+            sampled(return_generation_logits=True),
+            greedy(prompt_logprobs=0),
+        ],
+    )
     first, plain, gen_only, lp_only = outs
 
     tokens = first.outputs[0].token_ids
     ref = hf_logits(hf_model, long + tokens)
     assert first.context_logits.shape == (len(long), VOCAB)
-    close(first.context_logits, ref[:len(long)])
+    close(first.context_logits, ref[: len(long)])
     gen = first.outputs[0].generation_logits
     assert gen.shape == (len(tokens), VOCAB)
-    close(gen, ref[len(long) - 1:len(long) - 1 + len(tokens)])
+    close(gen, ref[len(long) - 1 : len(long) - 1 + len(tokens)])
     assert tokens == [int(np.argmax(r)) for r in gen]
 
     # vLLM's prompt_logprobs: None first, then the actual token and the top 3 with their ranks.
     lps = first.prompt_logprobs
     assert first.outputs[0].prompt_logprobs is lps and len(lps) == len(long) and lps[0] is None
-    x = ref[:len(long) - 1].astype(np.float64)
+    x = ref[: len(long) - 1].astype(np.float64)
     ref_lp = x - x.max(-1, keepdims=True)
     ref_lp -= np.log(np.exp(ref_lp).sum(-1, keepdims=True))
     for i, entry in enumerate(lps[1:]):
@@ -121,7 +136,7 @@ def test_logits_outputs_match_hf_with_chunked_prefill_mixed_with_plain_requests(
     g_tokens = gen_only.outputs[0].token_ids
     g_ref = hf_logits(hf_model, prompts["mid"] + g_tokens)
     n = len(prompts["mid"])
-    close(gen_only.outputs[0].generation_logits, g_ref[n - 1:n - 1 + len(g_tokens)])
+    close(gen_only.outputs[0].generation_logits, g_ref[n - 1 : n - 1 + len(g_tokens)])
     assert gen_only.context_logits is None and gen_only.prompt_logprobs is None
 
     assert len(lp_only.prompt_logprobs) == len(prompts["other"])
@@ -136,7 +151,7 @@ def test_prompt_logits_come_back_even_when_the_prefix_is_cached(llm, hf_model, p
     long = prompts["long"]
     run(llm, [long], [greedy()])  # its full blocks are now in the prefix cache
     out = run(llm, [long], [greedy(return_context_logits=True, max_tokens=1)])[0]
-    close(out.context_logits, hf_logits(hf_model, long)[:len(long)])
+    close(out.context_logits, hf_logits(hf_model, long)[: len(long)])
 
 
 def _live_bytes() -> int:
@@ -148,6 +163,7 @@ def test_asking_request_costs_the_others_no_device_memory(llm, prompts):
     """Plain steps keep their compiled programs (same executables, same memory); the variant
     for steps where a row asks adds exactly its E x vocab float32 output; nothing is left on
     the device once the request is done."""
+
     def snapshot(engine):
         exes = engine.runner.programs.executables("forward")
         return {k: (v, v.memory_analysis()) for k, v in exes.items()}
@@ -155,8 +171,11 @@ def test_asking_request_costs_the_others_no_device_memory(llm, prompts):
     run(llm, [prompts["short"], prompts["long"]], [greedy(), greedy()])
     before = llm.executor.call_on_engine(snapshot, timeout=60)
     live_before = llm.executor.call_on_engine(lambda e: _live_bytes(), timeout=60)
-    run(llm, [prompts["short"], prompts["long"], prompts["mid"]],
-        [greedy(), greedy(return_context_logits=True, prompt_logprobs=1, return_generation_logits=True), greedy()])
+    run(
+        llm,
+        [prompts["short"], prompts["long"], prompts["mid"]],
+        [greedy(), greedy(return_context_logits=True, prompt_logprobs=1, return_generation_logits=True), greedy()],
+    )
     run(llm, [prompts["short"], prompts["long"]], [greedy(), greedy()])
     after = llm.executor.call_on_engine(snapshot, timeout=60)
     live_after = llm.executor.call_on_engine(lambda e: _live_bytes(), timeout=60)
@@ -164,7 +183,7 @@ def test_asking_request_costs_the_others_no_device_memory(llm, prompts):
     plain = {k: v for k, v in after.items() if len(k.treedef.children()) == 2}
     variants = {k: v for k, v in after.items() if len(k.treedef.children()) == 3}
     assert variants, "the asking request never ran the context-logits variant"
-    for key, (exe, stats) in before.items():
+    for key, (exe, _stats) in before.items():
         assert after[key][0] is exe  # no step was recompiled or replaced
     for key, (_, stats) in variants.items():
         bucket = key.leaves[0][2][0]  # token_ids' shape: the token bucket
@@ -181,6 +200,7 @@ def _force(token):
         logits[:] = -np.inf
         logits[token] = 0.0
         return logits
+
     return processor
 
 
@@ -201,8 +221,13 @@ def test_host_logits_processors_change_only_their_requests(llm, hf_model, prompt
     def wrong_shape(request_id, token_ids, logits):
         return logits[:10]
 
-    params = [greedy(logits_processor=_force(FORCED)), sampled(), greedy(logits_processor=[lambda r, t, x: x, ban]),
-              greedy(logits_processor=boom), greedy(logits_processor=wrong_shape)]
+    params = [
+        greedy(logits_processor=_force(FORCED)),
+        sampled(),
+        greedy(logits_processor=[lambda r, t, x: x, ban]),
+        greedy(logits_processor=boom),
+        greedy(logits_processor=wrong_shape),
+    ]
     results = [llm.generate_async(p, sp) for p, sp in zip([short, mid, other, short, mid], params)]
     forced, plain, banned_out = (r.result(timeout=120).outputs[0].token_ids for r in results[:3])
     with pytest.raises(RuntimeError, match="boom in processor"):
@@ -269,14 +294,17 @@ def test_batched_device_processor_changes_only_rows_that_select_it(llm, hf_model
         assert token == LOW + int(np.argmax(ref[len(other) - 1 + i][LOW:]))
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(logits_post_processor_name="nope"), "logits_post_processor_name"),
-    (dict(logits_post_processor_name=5), "logits_post_processor_name"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(return_context_logits="yes"), "return_context_logits"),
-    (dict(logits_processor=[print, 5]), "logits_processor"),
-    (dict(return_generation_logits=True, use_beam_search=True, n=2), "return_generation_logits"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(logits_post_processor_name="nope"), "logits_post_processor_name"),
+        (dict(logits_post_processor_name=5), "logits_post_processor_name"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(return_context_logits="yes"), "return_context_logits"),
+        (dict(logits_processor=[print, 5]), "logits_processor"),
+        (dict(return_generation_logits=True, use_beam_search=True, n=2), "return_generation_logits"),
+    ],
+)
 def test_invalid_logits_requests_are_refused_by_name(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
         llm.generate_async([5, 6, 7], SamplingParams(max_tokens=2, **kwargs))

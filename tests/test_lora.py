@@ -17,15 +17,21 @@ import shutil
 import numpy as np
 import pytest
 
-from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 from jaxllm import LLM, KvCacheConfig, LoRARequest, SamplingParams
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model, random_prompts
 
 VOCAB = 384
 ADAPTERS = {  # name: (r, lora_alpha, use_rslora, target modules, per-module rank / alpha)
     "qv": (4, 8, False, ["q_proj", "v_proj"], {}),
     "all": (8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], {}),
-    "out": (2, 4, False, ["o_proj", "up_proj", "down_proj"],
-            dict(rank_pattern={"down_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.o_proj": 12})),
+    "out": (
+        2,
+        4,
+        False,
+        ["o_proj", "up_proj", "down_proj"],
+        dict(rank_pattern={"down_proj": 4}, alpha_pattern={r"layers\.1\.self_attn\.o_proj": 12}),
+    ),
 }
 
 
@@ -34,8 +40,10 @@ def _save_adapter(base, path, r, alpha, rslora, targets, patterns, seed):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora,
-                                                           target_modules=targets, lora_dropout=0.0, **patterns))
+    model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, lora_dropout=0.0, **patterns),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -52,8 +60,16 @@ def lora_setup(tmp_path_factory):
     for i, (name, (r, alpha, rslora, targets, patterns)) in enumerate(ADAPTERS.items()):
         peft_models[name] = _save_adapter(base, root / name, r, alpha, rslora, targets, patterns, seed=10 + i)
         requests[name] = LoRARequest(name, i + 1, str(root / name))
-    llm = LLM(str(root / "base"), max_batch_size=4, max_num_tokens=16, max_seq_len=128, enable_lora=True,
-              max_loras=2, max_lora_rank=8, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024))
+    llm = LLM(
+        str(root / "base"),
+        max_batch_size=4,
+        max_num_tokens=16,
+        max_seq_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
+    )
     yield root, base, peft_models, requests, llm
     llm.shutdown()
 
@@ -63,8 +79,12 @@ def test_mixed_adapter_batch_matches_peft(lora_setup):
     prompts = random_prompts(7, VOCAB, 4, 30, seed=1)
     prompts[4] = list(prompts[0])  # the base model and adapter "qv" on one prompt: no shared prefix KV
     names = ["qv", "all", "out", None, None, "all", "qv"]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False,
-                        lora_request=[None if n is None else requests[n] for n in names])
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[None if n is None else requests[n] for n in names],
+    )
     base_outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     for prompt, name, out, base_out in zip(prompts, names, outs, base_outs):
         tokens = out.outputs[0].token_ids
@@ -97,10 +117,14 @@ def test_swapping_adapters_compiles_nothing(lora_setup):
         prompts = random_prompts(6, VOCAB, 3, 20, seed=2)
         order = ["out", "qv", "all", "out2", "qv", "all"]
         for start in range(0, 6, 2):  # two adapters at a time, so each round evicts the oldest
-            names = order[start:start + 2]
-            outs = llm.generate(prompts[start:start + 2], SamplingParams(max_tokens=4, ignore_eos=True),
-                                use_tqdm=False, lora_request=[requests[n] for n in names])
-            for prompt, name, out in zip(prompts[start:start + 2], names, outs):
+            names = order[start : start + 2]
+            outs = llm.generate(
+                prompts[start : start + 2],
+                SamplingParams(max_tokens=4, ignore_eos=True),
+                use_tqdm=False,
+                lora_request=[requests[n] for n in names],
+            )
+            for prompt, name, out in zip(prompts[start : start + 2], names, outs):
                 hf_teacher_forcing_check(peft_models[name], prompt, out.outputs[0].token_ids)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
@@ -123,19 +147,30 @@ def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_p
     prompt = [5, 6, 7, 8]
     _save_adapter(base, tmp_path / "r16", 4, 4, False, ["q_proj"], dict(rank_pattern={"q_proj": 16}), seed=3)
     cases = {
-        "r=16 of model.layers.0.self_attn.q_proj exceeds max_lora_rank (8)": LoRARequest("r16", 40,
-                                                                                          str(tmp_path / "r16")),
+        "r=16 of model.layers.0.self_attn.q_proj exceeds max_lora_rank (8)": LoRARequest(
+            "r16", 40, str(tmp_path / "r16")
+        ),
         "no such adapter directory": LoRARequest("missing", 41, str(tmp_path / "missing")),
     }
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}
     a = np.zeros((2, 64), np.float32)
-    _write_tensors(tmp_path / "shape", {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
-                                        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
-                                            np.zeros((50, 2), np.float32)}, config)
+    _write_tensors(
+        tmp_path / "shape",
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((50, 2), np.float32),
+        },
+        config,
+    )
     cases["an adapter for a different base model"] = LoRARequest("shape", 42, str(tmp_path / "shape"))
-    _write_tensors(tmp_path / "head", {"base_model.model.lm_head.lora_A.weight": a,
-                                       "base_model.model.lm_head.lora_B.weight": np.zeros((VOCAB, 2), np.float32)},
-                   config)
+    _write_tensors(
+        tmp_path / "head",
+        {
+            "base_model.model.lm_head.lora_A.weight": a,
+            "base_model.model.lm_head.lora_B.weight": np.zeros((VOCAB, 2), np.float32),
+        },
+        config,
+    )
     cases["not a LoRA target here"] = LoRARequest("head", 43, str(tmp_path / "head"))
     (tmp_path / "nofile").mkdir()
     (tmp_path / "nofile" / "adapter_config.json").write_text(json.dumps(config))
@@ -150,8 +185,13 @@ def test_invalid_adapters_are_refused_and_the_engine_serves_on(lora_setup, tmp_p
     with pytest.raises(ValueError, match="lora_int_id 2 already names the adapter"):
         llm.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("again", 2, str(root / "qv")))
 
-    plain = LLM(str(root / "base"), max_batch_size=2, max_num_tokens=16, max_seq_len=64,
-                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
+    plain = LLM(
+        str(root / "base"),
+        max_batch_size=2,
+        max_num_tokens=16,
+        max_seq_len=64,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
+    )
     try:
         with pytest.raises(ValueError, match="without LoRA support.*enable_lora=True"):
             plain.generate(prompt, params, use_tqdm=False, lora_request=requests["qv"])
@@ -165,6 +205,7 @@ def test_server_selects_adapters_by_model_name(lora_setup):
     from jaxllm.cli.serve import parse_lora_modules
     from jaxllm.server.app import build_app
     from jaxllm.server.server_config import ServerConfig
+
     from server_helpers import LiveServer
 
     root, base, peft_models, requests, llm = lora_setup
@@ -178,12 +219,18 @@ def test_server_selects_adapters_by_model_name(lora_setup):
             assert [m["id"] for m in listed] == ["base", "qv", "all"]
             assert listed[1]["parent"] == "base" and listed[1]["root"] == str(root / "qv")
             for model, oracle in (("base:qv", peft_models["qv"]), ("all", peft_models["all"]), ("base", base)):
-                r = http.post(server.url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
-                                                                     "temperature": 0, "ignore_eos": True})
+                r = http.post(
+                    server.url + "/v1/completions",
+                    json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["model"] == model
-                out = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
-                                   lora_request=None if oracle is base else modules[model.split(":")[-1]])
+                out = llm.generate(
+                    prompt,
+                    SamplingParams(max_tokens=4, ignore_eos=True),
+                    use_tqdm=False,
+                    lora_request=None if oracle is base else modules[model.split(":")[-1]],
+                )
                 hf_teacher_forcing_check(oracle, prompt, out.outputs[0].token_ids)
                 assert r.json()["choices"][0]["text"] == out.outputs[0].text
             r = http.post(server.url + "/v1/completions", json={"model": "base:nope", "prompt": prompt})
@@ -199,10 +246,10 @@ def test_adapter_slots_are_a_scheduling_resource(policy):
     """One slot, two adapters: the second adapter's request waits (the base request behind it
     runs) until the first adapter's request ends; its slot is then rewritten. Base and adapter
     requests on one prompt never share prefix KV blocks."""
-    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.kv_cache import KVCacheManager
-    from jaxllm.lora import LoraAdapter, LoraSlots
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.llm_request import LlmRequest
+    from jaxllm.lora import LoraAdapter, LoraSlots
     from jaxllm.scheduler import make_scheduler
 
     kv = KVCacheManager(64, 4, 16, enable_block_reuse=True)
@@ -241,7 +288,15 @@ def test_beam_search_runs_every_beam_with_the_adapter(lora_setup):
     params = SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=5, ignore_eos=True)
     out = llm.generate(prompt, params, use_tqdm=False, lora_request=requests["all"])
     with torch.no_grad():
-        hf = peft_models["all"].generate(input_ids=torch.tensor([prompt]), max_new_tokens=5, num_beams=3,
-                                         num_return_sequences=2, do_sample=False, early_stopping=False,
-                                         length_penalty=1.0, eos_token_id=None, pad_token_id=0)
-    assert [c.token_ids for c in out.outputs] == [hf[i, len(prompt):].tolist() for i in range(2)]
+        hf = peft_models["all"].generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=5,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            early_stopping=False,
+            length_penalty=1.0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert [c.token_ids for c in out.outputs] == [hf[i, len(prompt) :].tolist() for i in range(2)]

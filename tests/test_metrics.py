@@ -12,14 +12,18 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from jaxllm.executor.executor import GenerationExecutor  # noqa: E402
 from jaxllm.server.app import build_app  # noqa: E402
 from jaxllm.server.server_config import ServerConfig  # noqa: E402
+
 from conftest import tiny_engine  # noqa: E402
 
 MODEL = "tiny-moe"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_prometheus_metrics_count_requests_tokens_and_latencies():
@@ -31,13 +35,19 @@ def test_prometheus_metrics_count_requests_tokens_and_latencies():
         assert before[("jaxllm:kv_cache_usage_perc", ())] == 0
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
         usage = client.post("/v1/completions", json=body).json()["usage"]
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with client.stream("POST", "/v1/chat/completions", json=chat) as stream:
             chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
         import json
 
-        chat_usage = json.loads(chunks[-1][len("data: "):])["usage"]
+        chat_usage = json.loads(chunks[-1][len("data: ") :])["usage"]
 
         response = client.get("/metrics")
         assert response.headers["content-type"].startswith("text/plain")
@@ -45,12 +55,17 @@ def test_prometheus_metrics_count_requests_tokens_and_latencies():
         assert after[("jaxllm:request_success_total", (("finished_reason", "length"),))] == 2
         assert after[("jaxllm:prompt_tokens_total", ())] == usage["prompt_tokens"] + chat_usage["prompt_tokens"]
         assert after[("jaxllm:generation_tokens_total", ())] == 5 + 3
-        for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                          "e2e_request_latency_seconds"):
+        for histogram in (
+            "time_to_first_token_seconds",
+            "time_per_output_token_seconds",
+            "e2e_request_latency_seconds",
+        ):
             assert after[(f"jaxllm:{histogram}_count", ())] == 2
             assert after[(f"jaxllm:{histogram}_sum", ())] > 0
-        ttft, e2e = after[("jaxllm:time_to_first_token_seconds_sum", ())], after[
-            ("jaxllm:e2e_request_latency_seconds_sum", ())]
+        ttft, e2e = (
+            after[("jaxllm:time_to_first_token_seconds_sum", ())],
+            after[("jaxllm:e2e_request_latency_seconds_sum", ())],
+        )
         assert ttft <= e2e
         assert after[("jaxllm:num_requests_running", ())] == 0
         assert after[("jaxllm:num_requests_waiting", ())] == 0
@@ -59,4 +74,4 @@ def test_prometheus_metrics_count_requests_tokens_and_latencies():
         first = client.get("/v1/iteration_stats").json()
         assert first and {"iter", "kvCacheStats", "numActiveRequests"} <= set(first[-1])
         second = client.get("/v1/iteration_stats").json()
-        assert second[:len(first)] == first  # reading does not consume
+        assert second[: len(first)] == first  # reading does not consume

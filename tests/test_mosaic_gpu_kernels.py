@@ -20,18 +20,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels import BF16_TOL, make_attention_case, make_moe_case, rel_err
 
 from pallas_kernels import mosaic_gpu_interpret
 from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn_reference
 from pallas_kernels.moe_grouped_gemm.mosaic_gpu import (
-    MosaicGemmTiling, MosaicMoeTiling, moe_forward, moe_grouped_ffn_mosaic)
+    MosaicGemmTiling,
+    MosaicMoeTiling,
+    moe_forward,
+    moe_grouped_ffn_mosaic,
+)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
-    MosaicAttentionTiling, attention_forward, default_num_kv_splits, ragged_paged_attention_mosaic)
-from test_kernels import BF16_TOL, make_attention_case, make_moe_case, rel_err
+    MosaicAttentionTiling,
+    attention_forward,
+    default_num_kv_splits,
+    ragged_paged_attention_mosaic,
+)
 
-needs_interpreter = pytest.mark.skipif(not mosaic_gpu_interpret.available(),
-                                       reason="this jax has no Mosaic GPU interpreter")
+needs_interpreter = pytest.mark.skipif(
+    not mosaic_gpu_interpret.available(), reason="this jax has no Mosaic GPU interpreter"
+)
 
 
 def _mosaic_calls(text: str) -> int:
@@ -69,9 +78,20 @@ def test_attention_mosaic_mixed_batch_gqa():
     # A 37-token prefill chunk after 20 cached tokens (a 64-row tile holds 32 tokens of
     # GQA 2, so it spans two tiles), two decodes, a 1-token prefill, 3 padding tokens;
     # pages of 16 in random order.
-    case = make_attention_case(0, [37, 1, 1, 1], [57, 9, 33, 1], num_tokens=43, num_seq_slots=6,
-                               num_q_heads=2, num_kv_heads=1, head_dim=64, tokens_per_block=16, max_blocks=4,
-                               num_blocks=16, dtype=jnp.bfloat16)
+    case = make_attention_case(
+        0,
+        [37, 1, 1, 1],
+        [57, 9, 33, 1],
+        num_tokens=43,
+        num_seq_slots=6,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        tokens_per_block=16,
+        max_blocks=4,
+        num_blocks=16,
+        dtype=jnp.bfloat16,
+    )
     check_attention(case)
 
 
@@ -80,9 +100,20 @@ def test_attention_mosaic_window_soft_cap_odd_group_kv_splits():
     # Three q heads per kv head (padded to four rows each), a sliding window that starts
     # mid-page and a soft-cap; float16, pages of 32; the pages split over three CTAs
     # (flash-decoding: uneven shares, and some CTAs get none).
-    case = make_attention_case(1, [6, 1], [70, 40], num_tokens=8, num_seq_slots=2, num_q_heads=3,
-                               num_kv_heads=1, head_dim=32, tokens_per_block=32, max_blocks=3, num_blocks=8,
-                               dtype=jnp.float16)
+    case = make_attention_case(
+        1,
+        [6, 1],
+        [70, 40],
+        num_tokens=8,
+        num_seq_slots=2,
+        num_q_heads=3,
+        num_kv_heads=1,
+        head_dim=32,
+        tokens_per_block=32,
+        max_blocks=3,
+        num_blocks=8,
+        dtype=jnp.float16,
+    )
     check_attention(case, sliding_window=19, soft_cap=5.0, tiling=MosaicAttentionTiling(num_kv_splits=3))
 
 
@@ -97,11 +128,17 @@ def test_attention_mosaic_window_soft_cap_odd_group_kv_splits():
 def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window, cap):
     s = jax.ShapeDtypeStruct
     hq, hkv, d, dt = 32, 8, 128, jnp.bfloat16
-    specs = (s((num_tokens, hq, d), dt), s((hkv, 8192, tpb, d), dt), s((hkv, 8192, tpb, d), dt),
-             s((num_seq_slots,), jnp.int32), s((num_seq_slots, 128), jnp.int32), s((num_seq_slots + 1,), jnp.int32),
-             s((1,), jnp.int32))
+    specs = (
+        s((num_tokens, hq, d), dt),
+        s((hkv, 8192, tpb, d), dt),
+        s((hkv, 8192, tpb, d), dt),
+        s((num_seq_slots,), jnp.int32),
+        s((num_seq_slots, 128), jnp.int32),
+        s((num_seq_slots + 1,), jnp.int32),
+        s((1,), jnp.int32),
+    )
     assert default_num_kv_splits(num_tokens, num_seq_slots, hkv, 128 * tpb, tpb) == (4 if num_tokens == 8 else 1)
-    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
+    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, sliding_window=window, soft_cap=cap)
     assert _mosaic_calls(jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()) == 1
 
 
@@ -150,8 +187,13 @@ def test_moe_mosaic_refuses_what_it_cannot_run():
 def test_moe_mosaic_lowers_for_cuda(num_rows, num_groups, hidden, inter):
     s = jax.ShapeDtypeStruct
     dt = jnp.bfloat16
-    specs = (s((num_rows, hidden), dt), s((num_groups,), jnp.int32), s((num_groups, hidden, inter), dt),
-             s((num_groups, hidden, inter), dt), s((num_groups, inter, hidden), dt))
+    specs = (
+        s((num_rows, hidden), dt),
+        s((num_groups,), jnp.int32),
+        s((num_groups, hidden, inter), dt),
+        s((num_groups, hidden, inter), dt),
+        s((num_groups, inter, hidden), dt),
+    )
     text = moe_grouped_ffn_mosaic.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert _mosaic_calls(text) == 2
 

@@ -1,8 +1,9 @@
 """Multi-host runs: two local processes with 2 CPU devices each, joined by jax.distributed (gloo).
 
 1. Engines spanning both processes (TP 4, then EP 4 with all_to_all across the process
-   boundary, its plans sent by the collective channel), warmed up first, give exactly the greedy tokens of the single-process, single-device engine on the
-   shared staggered workload (chunked prefill, prefix reuse, mixed steps); the follower builds
+   boundary, its plans sent by the collective channel), warmed up first, give exactly the greedy
+   tokens of the single-process, single-device engine on the shared staggered workload (chunked
+   prefill, prefix reuse, mixed steps); the follower builds
    each engine from the leader's config and ends its session when the leader shuts it down.
 2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
    streams; SIGKILL on the worker fails the running stream with an error and the server exits
@@ -23,10 +24,16 @@ import pytest
 from tests.multihost import ProcessGroup, distributed_flags, wait_for
 from tests.parallel_workload import run_staggered_requests, small_engine
 
-ENGINES = {"tp4": dict(tensor_parallel_size=4),
-           # The plan sent by broadcast_one_to_all instead of the key-value store.
-           "ep4": dict(tensor_parallel_size=4, moe_expert_parallel_size=4, moe_config={"dispatch": "all_to_all"},
-                       multihost_plan_channel="collective")}
+ENGINES = {
+    "tp4": dict(tensor_parallel_size=4),
+    # The plan sent by broadcast_one_to_all instead of the key-value store.
+    "ep4": dict(
+        tensor_parallel_size=4,
+        moe_expert_parallel_size=4,
+        moe_config={"dispatch": "all_to_all"},
+        multihost_plan_channel="collective",
+    ),
+}
 EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
 
 
@@ -51,12 +58,25 @@ def leader_engines(root: Path) -> int:
         read = loaded_bytes(root / "qwen3_moe", engine) if name == "tp4" else None
         outputs = run_staggered_requests(engine)
         stats = engine.step_runner.channel_stats
-        mixed = any(s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
-                    for s in engine.iteration_stats)
+        mixed = any(
+            s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
+            for s in engine.iteration_stats
+        )
         engine.close()
-        print(json.dumps(dict(engine=name, tokens={str(k): v for k, v in sorted(outputs.items())}, mixed=mixed,
-                              steps=engine.iteration, messages=stats.messages, bytes=stats.bytes,
-                              read_share=read)), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    engine=name,
+                    tokens={str(k): v for k, v in sorted(outputs.items())},
+                    mixed=mixed,
+                    steps=engine.iteration,
+                    messages=stats.messages,
+                    bytes=stats.bytes,
+                    read_share=read,
+                )
+            ),
+            flush=True,
+        )
     return 0
 
 
@@ -67,8 +87,12 @@ def loaded_bytes(directory: Path, engine) -> float:
     from jaxllm.models import load_params
 
     read = []
-    load_params(directory, engine.model_config, mesh=engine.mesh,
-                slice_hook=lambda name, slices, array: read.append(array.nbytes))
+    load_params(
+        directory,
+        engine.model_config,
+        mesh=engine.mesh,
+        slice_hook=lambda name, slices, array: read.append(array.nbytes),
+    )
     with safe_open(str(directory / "model.safetensors"), framework="np") as f:
         total = sum(f.get_tensor(n).nbytes for n in f.keys())
     return sum(read) / total
@@ -109,11 +133,36 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
 def serve_argv(model: Path, port: int, group: ProcessGroup, process_id: int) -> list[str]:
     from jaxllm.models import materialize_preset
 
-    return [sys.executable, "-m", "jaxllm", "serve", "--model", str(model),
-            "--tokenizer", str(materialize_preset("tiny-moe")), "--dtype", "float32", "--max-batch-size", "4",
-            "--max-num-tokens", "16", "--max-seq-len", "96", "--tokens-per-block", "8",
-            "--kv-cache-max-tokens", "512", "--tp-size", "4", "--port", str(port), "--no-warmup",
-            "--log-level", "warning", *distributed_flags(group.port, 2, process_id)]
+    return [
+        sys.executable,
+        "-m",
+        "jaxllm",
+        "serve",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(materialize_preset("tiny-moe")),
+        "--dtype",
+        "float32",
+        "--max-batch-size",
+        "4",
+        "--max-num-tokens",
+        "16",
+        "--max-seq-len",
+        "96",
+        "--tokens-per-block",
+        "8",
+        "--kv-cache-max-tokens",
+        "512",
+        "--tp-size",
+        "4",
+        "--port",
+        str(port),
+        "--no-warmup",
+        "--log-level",
+        "warning",
+        *distributed_flags(group.port, 2, process_id),
+    ]
 
 
 def worker_argv(group: ProcessGroup) -> list[str]:
@@ -138,7 +187,7 @@ def stream_events(http, url: str, body: dict):
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: "):
-                yield line[len("data: "):]
+                yield line[len("data: ") :]
 
 
 def test_server_on_two_processes_and_peer_failures(tmp_path):
@@ -194,9 +243,11 @@ def test_server_on_two_processes_and_peer_failures(tmp_path):
     finally:
         for run, *_ in runs.values():
             run.close()
-    print(f"follower exit {follower_exit:.1f} s after the leader was killed; leader exit {exits['a'][0]:.1f} s "
-          f"after the follower was killed ({exits['a'][1][:120]}), {exits['c'][0]:.1f} s after it hung "
-          f"({exits['c'][1][:160]})")
+    print(
+        f"follower exit {follower_exit:.1f} s after the leader was killed; leader exit {exits['a'][0]:.1f} s "
+        f"after the follower was killed ({exits['a'][1][:120]}), {exits['c'][0]:.1f} s after it hung "
+        f"({exits['c'][1][:160]})"
+    )
 
 
 def test_distributed_detection_and_config_checks():
@@ -208,8 +259,11 @@ def test_distributed_detection_and_config_checks():
     assert requested(DistributedConfig(), environ={"OMPI_COMM_WORLD_SIZE": "4"})
     assert requested(DistributedConfig(), environ={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
     assert requested(DistributedConfig("127.0.0.1:1234", 2, 1), environ={})
-    for bad, match in ((dict(coordinator_address="nohost"), "HOST:PORT"), (dict(num_processes=0), "num_processes"),
-                       (dict(num_processes=2, process_id=2), "not below"),
-                       (dict(heartbeat_interval=5, heartbeat_timeout=2), "heartbeat_interval")):
+    for bad, match in (
+        (dict(coordinator_address="nohost"), "HOST:PORT"),
+        (dict(num_processes=0), "num_processes"),
+        (dict(num_processes=2, process_id=2), "not below"),
+        (dict(heartbeat_interval=5, heartbeat_timeout=2), "heartbeat_interval"),
+    ):
         with pytest.raises(ValueError, match=match):
             DistributedConfig(**bad)

@@ -19,22 +19,35 @@ def plan_without_devices() -> dict:
     """Subprocess entry point: plan a workload with host-made tokens, never starting a backend."""
     from jax._src import xla_bridge
 
-    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, StepPlan
     from jaxllm.kv_cache import KVCacheManager
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.llm_request import LlmRequest
     from jaxllm.sampling import SamplingParams
     from jaxllm.scheduler import make_scheduler
 
     kv = KVCacheManager(64, 8, 12, enable_block_reuse=True, max_num_sequences=4)
-    planner = Planner(scheduler=make_scheduler(SchedulerConfig(), kv, 4, 32, True), kv_cache_manager=kv,
-                      max_batch_size=4, max_num_tokens=32, min_token_bucket=16, max_blocks_per_seq=12,
-                      max_seq_len=96)
+    planner = Planner(
+        scheduler=make_scheduler(SchedulerConfig(), kv, 4, 32, True),
+        kv_cache_manager=kv,
+        max_batch_size=4,
+        max_num_tokens=32,
+        min_token_bucket=16,
+        max_blocks_per_seq=12,
+        max_seq_len=96,
+    )
     rng = np.random.default_rng(0)
     shared = [int(t) for t in rng.integers(3, 200, 16)]
-    requests = [LlmRequest(i, shared + [int(t) for t in rng.integers(3, 200, n)], 6,
-                           sampling_params=SamplingParams(max_tokens=6, ignore_eos=True), seed=i)
-                for i, n in enumerate((30, 3, 12))]
+    requests = [
+        LlmRequest(
+            i,
+            shared + [int(t) for t in rng.integers(3, 200, n)],
+            6,
+            sampling_params=SamplingParams(max_tokens=6, ignore_eos=True),
+            seed=i,
+        )
+        for i, n in enumerate((30, 3, 12))
+    ]
     active, steps, only_host_values, buckets = list(requests), 0, True, set()
     while active:
         step = planner.plan(active)
@@ -44,9 +57,11 @@ def plan_without_devices() -> dict:
         for name in ("batch", "sampling"):
             for f in fields(getattr(plan, name)):
                 value = getattr(getattr(plan, name), f.name)
-                only_host_values &= value is None or isinstance(value, (np.ndarray, bool, int))  # None: unused (LoRA off)
+                only_host_values &= value is None or isinstance(
+                    value, (np.ndarray, bool, int)
+                )  # None: unused (LoRA off)
         only_host_values &= isinstance(plan, StepPlan) and isinstance(plan.feed_index, np.ndarray)
-        for request, row, index in step.entries:  # the "device": a token made up on the host
+        for request, _row, index in step.entries:  # the "device": a token made up on the host
             assert request.output_token_ids[index] == PLACEHOLDER_TOKEN
             request.output_token_ids[index] = 3 + (request.request_id * 7 + index) % 100
             if len(request.output_token_ids) >= 6:
@@ -54,16 +69,29 @@ def plan_without_devices() -> dict:
                 kv.free_resources(request)
         active = [r for r in active if not r.is_finished]
         assert steps < 100
-    return dict(steps=steps, backends_started=xla_bridge.backends_are_initialized(), only_host=only_host_values,
-                buckets=sorted(buckets), reused=kv.get_kv_cache_stats().reused_blocks,
-                outputs=[r.output_token_ids for r in requests])
+    return dict(
+        steps=steps,
+        backends_started=xla_bridge.backends_are_initialized(),
+        only_host=only_host_values,
+        buckets=sorted(buckets),
+        reused=kv.get_kv_cache_stats().reused_blocks,
+        outputs=[r.output_token_ids for r in requests],
+    )
 
 
 def test_planner_runs_without_devices():
-    code = f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from tests.test_planner import " \
-           f"plan_without_devices; print(json.dumps(plan_without_devices()))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from tests.test_planner import "
+        f"plan_without_devices; print(json.dumps(plan_without_devices()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not result["backends_started"], "planning started a jax backend"
@@ -78,7 +106,6 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.models import materialize_preset
-
     from tests.parallel_workload import record_plans
     from tests.test_engine_tp import write_checkpoint_vocab
     from tests.test_sharding_tp import hf_config
@@ -87,10 +114,17 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dict(hf_config("qwen3_moe"), vocab_size=256)))
     write_checkpoint_vocab("qwen3_moe", model)
-    engine = LLMEngine(EngineConfig(model=str(model), tokenizer=str(materialize_preset("tiny-moe")),
-                                    dtype="float32", max_batch_size=4,
-                                    max_num_tokens=32, max_seq_len=128,
-                                    kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            tokenizer=str(materialize_preset("tiny-moe")),
+            dtype="float32",
+            max_batch_size=4,
+            max_num_tokens=32,
+            max_seq_len=128,
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
+        )
+    )
     recorded = record_plans(engine)
     rng = np.random.default_rng(1)
     shared = [int(t) for t in rng.integers(3, 250, 20)]
@@ -104,10 +138,16 @@ def test_runner_reproduces_tokens_from_recorded_plans(tmp_path):
         step += 1
     assert len(recorded) > 5 and any((plan.feed_index >= 0).any() for plan, _ in recorded)  # overlap feeding
 
-    replay = ModelRunner(model_config=engine.model_config, params=engine.runner.params,
-                         num_blocks=engine.kv_cache_manager.num_blocks, tokens_per_block=8,
-                         kv_dtype=engine.model_config.dtype, attention_fn=engine.runner.attention_fn,
-                         moe_fn=engine.runner.moe_fn, max_batch_size=4)
+    replay = ModelRunner(
+        model_config=engine.model_config,
+        params=engine.runner.params,
+        num_blocks=engine.kv_cache_manager.num_blocks,
+        tokens_per_block=8,
+        kv_dtype=engine.model_config.dtype,
+        attention_fn=engine.runner.attention_fn,
+        moe_fn=engine.runner.moe_fn,
+        max_batch_size=4,
+    )
     for plan, out in recorded:
         again = replay.execute(plan)
         assert np.array_equal(np.asarray(again.sampled.token_ids), np.asarray(out.sampled.token_ids))
@@ -118,9 +158,9 @@ def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
     filled in after the next step is planned; requests finish by length or a stop token, new
     ones arrive), with the built-in scheduler (`steady`) or the same scheduler under another
     class, which the planner does not trust to keep a decode batch (the general path)."""
-    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.engine.planner import Planner
     from jaxllm.kv_cache import KVCacheManager
+    from jaxllm.llm_args import SchedulerConfig
     from jaxllm.llm_request import LlmRequest
     from jaxllm.sampling import SamplingParams
     from jaxllm.scheduler import make_scheduler
@@ -133,12 +173,23 @@ def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
     scheduler = make_scheduler(SchedulerConfig(), kv, 6, 64, True)
     if not steady:
         scheduler = GeneralScheduler(scheduler.capacity_scheduler, scheduler.micro_batch_scheduler)
-    planner = Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=6, max_num_tokens=64,
-                      min_token_bucket=16, max_blocks_per_seq=16, max_seq_len=64)
+    planner = Planner(
+        scheduler=scheduler,
+        kv_cache_manager=kv,
+        max_batch_size=6,
+        max_num_tokens=64,
+        min_token_bucket=16,
+        max_blocks_per_seq=16,
+        max_seq_len=64,
+    )
     rng = np.random.default_rng(7)
     shared = [int(t) for t in rng.integers(3, 200, 9)]
-    settings = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=5, seed=4),
-                dict(repetition_penalty=1.3)]
+    settings = [
+        dict(),
+        dict(temperature=0.8, seed=1),
+        dict(temperature=1.0, top_k=5, seed=4),
+        dict(repetition_penalty=1.3),
+    ]
     arrivals = {0: 4, 1: 1, 14: 2, 15: 1, 30: 3, 52: 1}
     active: list = []
     pending: list = []
@@ -149,8 +200,9 @@ def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
         for _ in range(arrivals.get(step, 0)):
             prompt = (shared if next_id % 2 else []) + [int(t) for t in rng.integers(3, 200, int(rng.integers(2, 11)))]
             params = SamplingParams(max_tokens=int(rng.integers(6, 30)), **settings[next_id % len(settings)])
-            request = LlmRequest(next_id, prompt, params.max_tokens, arrival_time=float(next_id),
-                                 sampling_params=params)
+            request = LlmRequest(
+                next_id, prompt, params.max_tokens, arrival_time=float(next_id), sampling_params=params
+            )
             request.seed, request.end_ids = 1000 + next_id, (2,)  # as resolve_seed would, fixed
             active.append(request)
             next_id += 1
@@ -163,8 +215,13 @@ def _drive_planner(steady: bool, overlap: bool) -> tuple[list, int]:
             decode_steps += output.kv_placement.decode is not None
             plan = planner.build(output, pending or None)
             entries = planner.commit(output)
-            records.append((plan, [(r.request_id, row, index) for r, row, index in entries],
-                            {r.request_id: kv.get_block_ids(r) for r in active}))
+            records.append(
+                (
+                    plan,
+                    [(r.request_id, row, index) for r, row, index in entries],
+                    {r.request_id: kv.get_block_ids(r) for r in active},
+                )
+            )
         active, pending = _read_back(kv, active, pending), entries
         kv.check_invariants()
     assert not _read_back(kv, active, pending)
@@ -177,13 +234,13 @@ def _read_back(kv, active: list, pending: list) -> list:
     """The "device": made-up tokens for a step's entries; finished requests are freed."""
     from jaxllm.engine.planner import PLACEHOLDER_TOKEN
 
-    for request, row, index in pending:
+    for request, _row, index in pending:
         if request.is_finished:
             continue
         token = 2 if (request.request_id * 31 + index) % 17 == 0 else 3 + (request.request_id * 7 + index) % 150
         request.output_token_ids[index] = token
         if token == 2 or index + 1 >= request.max_new_tokens:
-            del request.output_token_ids[index + 1:]
+            del request.output_token_ids[index + 1 :]
             assert PLACEHOLDER_TOKEN not in request.output_token_ids
             request.finish("stop")
             kv.free_resources(request)

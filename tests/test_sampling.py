@@ -47,8 +47,15 @@ def _maximal(t: SamplingTensors) -> SamplingTensors:
     if hist.shape[1] == 1:
         hist = np.full((hist.shape[0], 32), -1, np.int32)
         is_out = np.zeros(hist.shape, np.bool_)
-    return dataclasses.replace(t, history_ids=hist, history_is_output=is_out, use_penalties=True,
-                               num_top_logprobs=MAX_LOGPROBS, any_random=True, use_top_k_top_p=True)
+    return dataclasses.replace(
+        t,
+        history_ids=hist,
+        history_is_output=is_out,
+        use_penalties=True,
+        num_top_logprobs=MAX_LOGPROBS,
+        any_random=True,
+        use_top_k_top_p=True,
+    )
 
 
 def _logits(seed: int, rows: int = S, vocab: int = V, scale: float = 1.0) -> np.ndarray:
@@ -59,44 +66,47 @@ def _logits(seed: int, rows: int = S, vocab: int = V, scale: float = 1.0) -> np.
 # SamplingParams validation
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.01), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(min_p=-0.01), "min_p"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(presence_penalty=2.1), "presence_penalty"),
-    (dict(presence_penalty=-2.1), "presence_penalty"),
-    (dict(frequency_penalty=3.0), "frequency_penalty"),
-    (dict(frequency_penalty=-2.5), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=None), "max_tokens"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
-    (dict(n=0), "n"),
-    (dict(n=3, best_of=2), "best_of"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
-    (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"),
-    (dict(seed=-1), "seed"),
-    (dict(seed=1.5), "seed"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
-    (dict(stop_token_ids=3), "stop_token_ids"),
-    (dict(bad_token_ids=[2, -3]), "bad_token_ids"),
-    (dict(stop=5), "stop"),
-    (dict(stop=["ok", ""]), "stop"),
-    (dict(bad=[""]), "bad"),
-    (dict(end_id=-2), "end_id"),
-    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-    (dict(ignore_eos="yes"), "ignore_eos"),
-    (dict(logits_processor=5), "logits_processor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=-0.01), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=2.1), "presence_penalty"),
+        (dict(presence_penalty=-2.1), "presence_penalty"),
+        (dict(frequency_penalty=3.0), "frequency_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=None), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+        (dict(n=0), "n"),
+        (dict(n=3, best_of=2), "best_of"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+        (dict(stop_token_ids=3), "stop_token_ids"),
+        (dict(bad_token_ids=[2, -3]), "bad_token_ids"),
+        (dict(stop=5), "stop"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(bad=[""]), "bad"),
+        (dict(end_id=-2), "end_id"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(logits_processor=5), "logits_processor"),
+    ],
+)
 def test_invalid_field_raises_naming_it(kwargs, name):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         SamplingParams(**kwargs)
@@ -108,11 +118,24 @@ def test_beam_search_refuses_sampling():
 
 
 def test_valid_edge_values_accepted():
-    for kw in [dict(), dict(temperature=0), dict(top_k=-1), dict(top_k=0), dict(top_p=1.0),
-               dict(min_p=0.0), dict(min_p=1.0), dict(presence_penalty=-2, frequency_penalty=2),
-               dict(n=2, best_of=2), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
-               dict(min_tokens=5, max_tokens=5), dict(seed=2**64 - 1), dict(stop="x"),
-               dict(stop_token_ids=(1, 2)), dict(end_id=-1)]:
+    for kw in [
+        dict(),
+        dict(temperature=0),
+        dict(top_k=-1),
+        dict(top_k=0),
+        dict(top_p=1.0),
+        dict(min_p=0.0),
+        dict(min_p=1.0),
+        dict(presence_penalty=-2, frequency_penalty=2),
+        dict(n=2, best_of=2),
+        dict(logprobs=0),
+        dict(logprobs=MAX_LOGPROBS),
+        dict(min_tokens=5, max_tokens=5),
+        dict(seed=2**64 - 1),
+        dict(stop="x"),
+        dict(stop_token_ids=(1, 2)),
+        dict(end_id=-1),
+    ]:
         SamplingParams(**kw)
     assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
     assert SamplingParams(stop="a").stop_strings == ["a"]
@@ -153,8 +176,9 @@ def test_resolve_seed_and_end_ids():
 
 
 def test_build_padding_and_static_flags():
-    t = _build([SamplingParams(temperature=0.5, top_k=4, seed=3), None,
-                SamplingParams(logprobs=2)], num_generated=[5, 0, 1])
+    t = _build(
+        [SamplingParams(temperature=0.5, top_k=4, seed=3), None, SamplingParams(logprobs=2)], num_generated=[5, 0, 1]
+    )
     assert t.temperature.shape == (S,) and t.temperature.dtype == np.float32
     np.testing.assert_allclose(t.temperature[:3], [0.5, 0, 0])
     assert (t.temperature[3:] == 0).all() and (t.top_p == 1).all() and (t.top_k[1:] == 0).all()
@@ -168,13 +192,16 @@ def test_build_padding_and_static_flags():
     assert tuple(big.seed[0]) == (2**8, 5)
 
 
-@pytest.mark.parametrize("params, random, sort, pen", [
-    ([SamplingParams(), None, SamplingParams(top_k=1, temperature=2.0)], False, False, False),
-    ([SamplingParams(temperature=0.7, min_p=0.1, seed=1), SamplingParams()], True, False, False),
-    ([SamplingParams(), SamplingParams(temperature=0.7, top_k=3, seed=1)], True, True, False),
-    ([SamplingParams(top_p=0.9, seed=1)], True, True, False),
-    ([SamplingParams(temperature=0.0, top_p=0.9, presence_penalty=0.1)], False, False, True),
-])
+@pytest.mark.parametrize(
+    "params, random, sort, pen",
+    [
+        ([SamplingParams(), None, SamplingParams(top_k=1, temperature=2.0)], False, False, False),
+        ([SamplingParams(temperature=0.7, min_p=0.1, seed=1), SamplingParams()], True, False, False),
+        ([SamplingParams(), SamplingParams(temperature=0.7, top_k=3, seed=1)], True, True, False),
+        ([SamplingParams(top_p=0.9, seed=1)], True, True, False),
+        ([SamplingParams(temperature=0.0, top_p=0.9, presence_penalty=0.1)], False, False, True),
+    ],
+)
 def test_static_switches_and_no_device_branching(params, random, sort, pen):
     t = _build(params, histories=[([1], [2])] * len(params))
     assert (t.any_random, t.use_top_k_top_p, t.use_penalties) == (random, sort, pen)
@@ -186,13 +213,17 @@ def test_static_switches_and_no_device_branching(params, random, sort, pen):
 
 def test_empty_matches_build_variants():
     """Warm-up tensors must have exactly the pytree structure and shapes of real batches."""
+
     def sig(t):
         leaves, treedef = jax.tree_util.tree_flatten(t)
         return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
-    real = _build([SamplingParams(temperature=0.5, top_p=0.9, seed=1, presence_penalty=0.1, logprobs=2)],
-                  histories=[([1], [2])])
-    warm = SamplingTensors.empty(S, 32, use_penalties=True, num_top_logprobs=MAX_LOGPROBS,
-                                 any_random=True, use_top_k_top_p=True)
+
+    real = _build(
+        [SamplingParams(temperature=0.5, top_p=0.9, seed=1, presence_penalty=0.1, logprobs=2)], histories=[([1], [2])]
+    )
+    warm = SamplingTensors.empty(
+        S, 32, use_penalties=True, num_top_logprobs=MAX_LOGPROBS, any_random=True, use_top_k_top_p=True
+    )
     assert sig(real) == sig(warm)
     assert sig(_build([SamplingParams()])) == sig(SamplingTensors.empty(S, 32))
     assert (warm.temperature == 0).all() and (warm.history_ids == -1).all()
@@ -210,8 +241,7 @@ def test_build_errors():
         _build([SamplingParams(temperature=1.0)])
     _build([SamplingParams(temperature=1.0)], seeds=[11])  # a resolved seed is enough
     with pytest.raises(ValueError, match="history_len"):
-        _build([SamplingParams(repetition_penalty=1.1)], histories=[(list(range(20)), list(range(20)))],
-               H=16)
+        _build([SamplingParams(repetition_penalty=1.1)], histories=[(list(range(20)), list(range(20)))], H=16)
     with pytest.raises(ValueError, match="histories"):
         _build([SamplingParams(presence_penalty=0.5)])
     with pytest.raises(ValueError, match="suppress_width"):
@@ -225,8 +255,13 @@ def test_build_errors():
 def test_temperature_zero_is_bitexact_argmax():
     logits = _logits(0)
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1.0  # a tie: the first index wins
-    params = [SamplingParams(temperature=0.0, seed=1), SamplingParams(), None,
-              SamplingParams(temperature=1e-7, top_p=0.3), SamplingParams(top_k=1, temperature=3.0, seed=2)]
+    params = [
+        SamplingParams(temperature=0.0, seed=1),
+        SamplingParams(),
+        None,
+        SamplingParams(temperature=1e-7, top_p=0.3),
+        SamplingParams(top_k=1, temperature=3.0, seed=2),
+    ]
     out = sample_jit(jnp.asarray(logits), _build(params))
     np.testing.assert_array_equal(np.asarray(out.token_ids), np.argmax(logits, axis=-1))
     assert int(out.token_ids[3]) == 10
@@ -263,8 +298,7 @@ def test_top_k_one_equals_greedy_on_device_path():
 def test_bf16_logits_accepted():
     logits = _logits(2).astype(jnp.bfloat16)
     out = sample_jit(jnp.asarray(logits), _build([SamplingParams()] * S))
-    np.testing.assert_array_equal(np.asarray(out.token_ids),
-                                  np.argmax(np.asarray(logits, np.float32), axis=-1))
+    np.testing.assert_array_equal(np.asarray(out.token_ids), np.argmax(np.asarray(logits, np.float32), axis=-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,10 +324,15 @@ def test_same_seed_same_tokens_regardless_of_row_and_neighbours():
     req = SamplingParams(temperature=0.9, top_p=0.97, seed=1234)
     rows_logits = [_logits(200 + s, rows=1, scale=0.3)[0] for s in range(12)]
     alone = _generate([req], 0, rows_logits, 12)
-    neighbours = [SamplingParams(temperature=1.0, seed=9), SamplingParams(),
-                  SamplingParams(temperature=0.5, top_k=3, seed=5, repetition_penalty=1.3,
-                                 presence_penalty=0.4, frequency_penalty=0.2),
-                  SamplingParams(min_p=0.2, seed=77, logprobs=5), None]
+    neighbours = [
+        SamplingParams(temperature=1.0, seed=9),
+        SamplingParams(),
+        SamplingParams(
+            temperature=0.5, top_k=3, seed=5, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
+        ),
+        SamplingParams(min_p=0.2, seed=77, logprobs=5),
+        None,
+    ]
     crowded = _generate(neighbours + [req], 5, rows_logits, 12)
     assert alone == crowded
     assert alone == _generate([req], 0, rows_logits, 12, maximal=True)
@@ -377,13 +416,16 @@ def _safe_top_p(logits: np.ndarray, T: float, k: int, target: float) -> float:
     return float((cum[i] + cum[i + 1]) / 2)
 
 
-@pytest.mark.parametrize("T, k, p, min_p", [
-    (1.0, 5, None, 0.0),
-    (0.8, 0, 0.6, 0.0),
-    (1.2, 12, 0.8, 0.0),
-    (1.0, 0, None, 0.3),
-    (1.5, 20, 0.9, 0.05),
-])
+@pytest.mark.parametrize(
+    "T, k, p, min_p",
+    [
+        (1.0, 5, None, 0.0),
+        (0.8, 0, 0.6, 0.0),
+        (1.2, 12, 0.8, 0.0),
+        (1.0, 0, None, 0.3),
+        (1.5, 20, 0.9, 0.05),
+    ],
+)
 def test_filters_never_leave_allowed_set(T, k, p, min_p):
     logits = _logits(7, rows=1, scale=2.0)[0]
     top_p = 1.0 if p is None else _safe_top_p(logits, T, k, p)
@@ -392,8 +434,9 @@ def test_filters_never_leave_allowed_set(T, k, p, min_p):
         assert np.abs(ratios - min_p).min() > 1e-4
     allowed = _ref_allowed(logits, T, k, top_p, min_p)
     assert 1 < allowed.sum() < V
-    draws = _draws(lambda i: SamplingParams(temperature=T, top_k=k or None, top_p=top_p,
-                                            min_p=min_p or None, seed=i), logits, 4)
+    draws = _draws(
+        lambda i: SamplingParams(temperature=T, top_k=k or None, top_p=top_p, min_p=min_p or None, seed=i), logits, 4
+    )
     assert allowed[draws].all(), np.unique(draws[~allowed[draws]])
     # ...and sample the allowed set with the renormalised probabilities
     probs = np.where(allowed, _softmax(logits.astype(np.float64) / T), 0.0)
@@ -431,11 +474,17 @@ def _ref_penalties(logits, prompt, output, rep, pres, freq):
 def test_penalties_match_reference():
     logits = _logits(3, scale=2.0)
     cases = [
-        (SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
-         [1, 2, 2, 9], [2, 3, 3, 3, 40]),
+        (
+            SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+            [1, 2, 2, 9],
+            [2, 3, 3, 3, 40],
+        ),
         (SamplingParams(repetition_penalty=0.7), [5, 6], [6, 7]),
-        (SamplingParams(frequency_penalty=-1.5, presence_penalty=-0.4, temperature=1.0, seed=1),
-         [10, 11], [11, 11, 12]),
+        (
+            SamplingParams(frequency_penalty=-1.5, presence_penalty=-0.4, temperature=1.0, seed=1),
+            [10, 11],
+            [11, 11, 12],
+        ),
         (SamplingParams(), [1, 2, 3], [3, 4]),  # no penalty: untouched
         (None, [], []),
     ]
@@ -445,9 +494,18 @@ def test_penalties_match_reference():
     assert t.use_penalties
     got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), t))
     for i, (p, prompt, output) in enumerate(cases):
-        want = logits[i] if p is None else _ref_penalties(
-            logits[i], prompt, output, p.repetition_penalty or 1.0, p.presence_penalty or 0.0,
-            p.frequency_penalty or 0.0)
+        want = (
+            logits[i]
+            if p is None
+            else _ref_penalties(
+                logits[i],
+                prompt,
+                output,
+                p.repetition_penalty or 1.0,
+                p.presence_penalty or 0.0,
+                p.frequency_penalty or 0.0,
+            )
+        )
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[3], logits[3])
     np.testing.assert_array_equal(got[S - 1], logits[S - 1])
@@ -490,7 +548,10 @@ def test_end_and_stop_ids_suppressed_until_min_tokens():
             assert toks[2] == eos  # ignore_eos: the end id is just a token
         else:
             assert toks[0] == eos and toks[1] == eos
-    assert int(np.asarray(sample_jit(jnp.asarray(logits), _build([p], num_generated=[3], eos=[[eos]])).token_ids)[0]) == eos
+    assert (
+        int(np.asarray(sample_jit(jnp.asarray(logits), _build([p], num_generated=[3], eos=[[eos]])).token_ids)[0])
+        == eos
+    )
 
 
 def test_bad_words_always_suppressed():
@@ -518,9 +579,12 @@ def test_logprobs_are_raw_log_softmax():
     logits = _logits(6, scale=3.0)
     best = int(np.argmax(logits[3]))
     logits[3, best] += 10.0  # stays the greedy pick after its penalty, so its logprob must be raw
-    params = [SamplingParams(temperature=0.6, top_k=10, seed=1, logprobs=5, repetition_penalty=1.5),
-              SamplingParams(logprobs=0), SamplingParams(temperature=1.0, top_p=0.5, seed=2),
-              SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.6, top_k=10, seed=1, logprobs=5, repetition_penalty=1.5),
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=2),
+        SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2, logprobs=1),
+    ]
     t = _build(params, histories=[([1, 2], [3]), ([], []), ([], []), ([], [best, best])])
     out = sample_jit(jnp.asarray(logits), t)
     assert int(out.token_ids[3]) == best
@@ -529,16 +593,21 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(S), toks], rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (S, MAX_LOGPROBS)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-ref, axis=-1, kind="stable")[:, :MAX_LOGPROBS])
-    np.testing.assert_allclose(np.asarray(out.top_logprobs),
-                               np.sort(ref, axis=-1)[:, ::-1][:, :MAX_LOGPROBS], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out.top_logprobs), np.sort(ref, axis=-1)[:, ::-1][:, :MAX_LOGPROBS], rtol=1e-6, atol=1e-6
+    )
     none = sample_jit(jnp.asarray(logits), _build([SamplingParams()]))
     assert none.top_ids.shape == (S, 0) and none.top_logprobs.shape == (S, 0)
 
 
 def test_jitted_sampler_needs_no_host_transfer():
     logits = jax.device_put(jnp.asarray(_logits(8)))
-    t = _maximal(_build([SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05, seed=4,
-                                        presence_penalty=0.2)], histories=[([1], [2])])).as_device()
+    t = _maximal(
+        _build(
+            [SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05, seed=4, presence_penalty=0.2)],
+            histories=[([1], [2])],
+        )
+    ).as_device()
     sample_jit(logits, t)  # compile outside the guard
     with jax.transfer_guard("disallow"):
         out = sample_jit(logits, t)

@@ -20,25 +20,50 @@ from tests.model_helpers import PagedModel, SeqChunk, build_step_batch
 
 def tiny_config(num_layers: int, *, moe: bool, scan: bool = True) -> ModelConfig:
     """Qwen3 (dense) or Qwen3-MoE whose first layer is dense (dense-then-MoE: two layer kinds)."""
-    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                 mlp_only_layers=(0,)) if moe else {}
-    return ModelConfig(architecture="Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM", vocab_size=128,
-                       hidden_size=64, intermediate_size=96, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                       head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-                       max_position_embeddings=256, tie_word_embeddings=False, qk_norm=True, attention_bias=False,
-                       sliding_window=None, scan_layers=scan, **extra)
+    extra = (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,))
+        if moe
+        else {}
+    )
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        attention_bias=False,
+        sliding_window=None,
+        scan_layers=scan,
+        **extra,
+    )
 
 
 def _batch():
-    return build_step_batch([SeqChunk([5, 6, 7], 0, [2, 0]), SeqChunk([9], 4, [1, 3])], tokens_per_block=4,
-                            num_blocks=8, token_bucket=16, max_seqs=2, max_blocks_per_seq=4)
+    return build_step_batch(
+        [SeqChunk([5, 6, 7], 0, [2, 0]), SeqChunk([9], 4, [1, 3])],
+        tokens_per_block=4,
+        num_blocks=8,
+        token_bucket=16,
+        max_seqs=2,
+        max_blocks_per_seq=4,
+    )
 
 
 def _lowered(config: ModelConfig):
     """The forward lowered from shapes alone (no weights, no compilation)."""
     cache = jax.eval_shape(lambda: init_kv_cache(config, 8, 4, jnp.float32))
     return jax.jit(forward, static_argnames="config", donate_argnums=(1,)).lower(
-        param_shapes(config), cache, _batch(), config=config)
+        param_shapes(config), cache, _batch(), config=config
+    )
 
 
 def _num_ops(config: ModelConfig) -> int:
@@ -49,8 +74,10 @@ def test_program_size_does_not_grow_with_depth():
     # Dense: one stack; dense-then-MoE: two stacks (first layer dense, then 2 or 8 MoE layers).
     for moe, shallow, deep in ((False, 2, 8), (True, 3, 9)):
         scanned = _num_ops(tiny_config(shallow, moe=moe)), _num_ops(tiny_config(deep, moe=moe))
-        unrolled = (_num_ops(tiny_config(shallow, moe=moe, scan=False)),
-                    _num_ops(tiny_config(deep, moe=moe, scan=False)))
+        unrolled = (
+            _num_ops(tiny_config(shallow, moe=moe, scan=False)),
+            _num_ops(tiny_config(deep, moe=moe, scan=False)),
+        )
         assert scanned[0] == scanned[1], (moe, scanned)
         assert unrolled[1] > 2.5 * unrolled[0], (moe, unrolled)  # what the scan removes
         assert scanned[1] < unrolled[1] / 2
@@ -65,8 +92,9 @@ def test_page_pool_is_updated_in_place():
     assert not re.search(pool_type + r"\{[^}]*\} copy\(", hlo), "the step copies the whole page pool"
     header = hlo.splitlines()[0]
     # The donated pool (k and v: outputs 1 and 2) aliases its input buffers.
-    assert re.search(r"input_output_alias=\{ \{1\}: \(\d+, \{\}, may-alias\), \{2\}: \(\d+, \{\}, may-alias\) \}",
-                     header), header
+    assert re.search(
+        r"input_output_alias=\{ \{1\}: \(\d+, \{\}, may-alias\), \{2\}: \(\d+, \{\}, may-alias\) \}", header
+    ), header
 
 
 def test_layer_stacks_split_by_kind_and_slot_layers():
@@ -112,8 +140,9 @@ def test_scan_equals_per_layer_loop(checkpoint):
     batch = _batch()
     stats_fn = jax.jit(forward_with_moe_stats, static_argnames="config")
     _, _, stats = stats_fn(params, init_kv_cache(config, 8, 4, jnp.float32), batch, config=config)
-    _, _, ref_stats = stats_fn(load_params(directory, loop_config), init_kv_cache(loop_config, 8, 4, jnp.float32),
-                               batch, config=loop_config)
+    _, _, ref_stats = stats_fn(
+        load_params(directory, loop_config), init_kv_cache(loop_config, 8, 4, jnp.float32), batch, config=loop_config
+    )
     assert stats.expert_counts.shape == (3, 8)
     np.testing.assert_array_equal(stats.expert_counts, ref_stats.expert_counts)
 
@@ -143,9 +172,14 @@ def test_slot_layers_stack_and_a_balancer_round_rewrites_one_layer_in_place(chec
     assert tokens == ref_tokens[:3]
     np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits[:3]), rtol=1e-5, atol=1e-5)
 
-    balancer = OnlineLoadBalancer(config=MoeLoadBalancerConfig(num_slots=12, layer_updates_per_iter=3),
-                                  params=params, moe_layers=[1, 2, 3], num_experts=8, ep_size=1,
-                                  mesh=make_mesh(ParallelConfig()))
+    balancer = OnlineLoadBalancer(
+        config=MoeLoadBalancerConfig(num_slots=12, layer_updates_per_iter=3),
+        params=params,
+        moe_layers=[1, 2, 3],
+        num_experts=8,
+        ep_size=1,
+        mesh=make_mesh(ParallelConfig()),
+    )
     try:
         balancer.warm_up(params)
         before = {n: np.asarray(params["layer_stacks"][1]["moe"][n]) for n in ("w_gate", "w_down")}

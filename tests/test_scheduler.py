@@ -8,25 +8,43 @@ import random
 
 import pytest
 
-from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.kv_cache import KVCacheManager
+from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.llm_request import LlmRequest, LlmRequestState
-from jaxllm.scheduler import (CapacityScheduler, ContextChunkingConfig, GuaranteedNoEvictScheduler,
-                              MaxUtilizationScheduler, MicroBatchScheduler, RequestScheduler,
-                              SchedulerOutput, SimpleScheduler, StaticBatchScheduler,
-                              check_request_admissible, make_scheduler)
+from jaxllm.scheduler import (
+    CapacityScheduler,
+    ContextChunkingConfig,
+    GuaranteedNoEvictScheduler,
+    MaxUtilizationScheduler,
+    MicroBatchScheduler,
+    RequestScheduler,
+    SchedulerOutput,
+    SimpleScheduler,
+    StaticBatchScheduler,
+    check_request_admissible,
+    make_scheduler,
+)
+
 from scheduler_fakes import FakeExecutor, fake_token, make_requests
 
 ALL_POLICIES = list(CapacitySchedulerPolicy)
 
 
-def _executor(*, num_blocks=64, tokens_per_block=4, max_blocks_per_seq=16, max_batch_size=4,
-              max_num_tokens=12, policy="GUARANTEED_NO_EVICT", chunking=None, reuse=True,
-              **kwargs) -> FakeExecutor:
+def _executor(
+    *,
+    num_blocks=64,
+    tokens_per_block=4,
+    max_blocks_per_seq=16,
+    max_batch_size=4,
+    max_num_tokens=12,
+    policy="GUARANTEED_NO_EVICT",
+    chunking=None,
+    reuse=True,
+    **kwargs,
+) -> FakeExecutor:
     kv = KVCacheManager(num_blocks, tokens_per_block, max_blocks_per_seq, enable_block_reuse=reuse)
     config = SchedulerConfig(policy, chunking or "FIRST_COME_FIRST_SERVED")
-    sched = make_scheduler(config, kv, max_batch_size, max_num_tokens,
-                           enable_chunked_prefill=chunking is not None)
+    sched = make_scheduler(config, kv, max_batch_size, max_num_tokens, enable_chunked_prefill=chunking is not None)
     return FakeExecutor(sched, kv, max_batch_size, max_num_tokens, **kwargs)
 
 
@@ -66,14 +84,20 @@ def test_inflight_batching_walkthrough(policy):
     outputs = {r.request_id: r.output_token_ids for r in ex.finished}
     assert {rid: len(toks) for rid, toks in outputs.items()} == {1: 2, 2: 3, 3: 3, 4: 3, 5: 3}
     assert {r.request_id: r.finish_reason for r in ex.finished} == {
-        1: "stop", 2: "length", 3: "length", 4: "length", 5: "length"}
+        1: "stop",
+        2: "length",
+        3: "length",
+        4: "length",
+        5: "length",
+    }
 
 
 # -------------------------------------------------------------------- chunking
 def _chunked_positions(policy: str, unit: int, budget: int, prompt_lens=(25, 25), steps=10):
     kv = KVCacheManager(64, unit, 16)
-    sched = SimpleScheduler(GuaranteedNoEvictScheduler(8, kv),
-                            MicroBatchScheduler(8, budget, ContextChunkingConfig(policy, unit)))
+    sched = SimpleScheduler(
+        GuaranteedNoEvictScheduler(8, kv), MicroBatchScheduler(8, budget, ContextChunkingConfig(policy, unit))
+    )
     ex = FakeExecutor(sched, kv, 8, budget)
     reqs = make_requests(list(prompt_lens), 1)  # finish right after the context
     ex.add(*reqs)
@@ -86,18 +110,21 @@ def _chunked_positions(policy: str, unit: int, budget: int, prompt_lens=(25, 25)
     return positions, ex
 
 
-@pytest.mark.parametrize("policy, budget, expected", [
-    ("FIRST_COME_FIRST_SERVED", 30, [(25, 5), (25, 25)]),
-    ("FIRST_COME_FIRST_SERVED", 15, [(15, 0), (25, 5), (25, 20), (25, 25)]),
-    ("EQUAL_PROGRESS", 30, [(15, 15), (25, 25)]),
-    ("EQUAL_PROGRESS", 15, [(10, 5), (20, 10), (25, 20), (25, 25)]),
-])
+@pytest.mark.parametrize(
+    "policy, budget, expected",
+    [
+        ("FIRST_COME_FIRST_SERVED", 30, [(25, 5), (25, 25)]),
+        ("FIRST_COME_FIRST_SERVED", 15, [(15, 0), (25, 5), (25, 20), (25, 25)]),
+        ("EQUAL_PROGRESS", 30, [(15, 15), (25, 25)]),
+        ("EQUAL_PROGRESS", 15, [(10, 5), (20, 10), (25, 20), (25, 25)]),
+    ],
+)
 def test_chunking_examples(policy, budget, expected):
     positions, ex = _chunked_positions(policy, 5, budget)
     assert positions == expected
     assert not ex.active
     for h in ex.history:  # every chunk but a prompt's last is a multiple of the unit
-        for rid, pos, chunk in h.context:
+        for _rid, pos, chunk in h.context:
             assert chunk > 0
             assert chunk % 5 == 0 or pos + chunk == 25
 
@@ -115,7 +142,6 @@ def test_chunk_unit_larger_than_budget_schedules_nothing(policy):
 
 @pytest.mark.parametrize("policy", list(ContextChunkingPolicy))
 def test_max_context_length_caps_chunks(policy):
-    kv = KVCacheManager(64, 4, 16)
     micro = MicroBatchScheduler(8, 100, ContextChunkingConfig(policy, 4), max_context_length=10)
     reqs = make_requests([25], 1)
     ctx, gen = micro.schedule(reqs, set())
@@ -194,8 +220,9 @@ def first_context_order(ex: FakeExecutor) -> list[int]:
 # ------------------------------------------------------------ capacity policies
 def _small_pool_run(policy: str):
     # 4 requests, each 8 prompt + 12 new tokens = 5 blocks of 4; the pool has 12 blocks.
-    ex = _executor(num_blocks=12, tokens_per_block=4, max_blocks_per_seq=8, max_batch_size=4,
-                   max_num_tokens=64, policy=policy)
+    ex = _executor(
+        num_blocks=12, tokens_per_block=4, max_blocks_per_seq=8, max_batch_size=4, max_num_tokens=64, policy=policy
+    )
     reqs = make_requests([8, 8, 8, 8], 12)
     ex.add(*reqs)
     max_running = 0
@@ -259,8 +286,14 @@ def test_no_evict_does_not_skip_ahead_of_a_request_that_does_not_fit():
 
 
 def test_max_utilization_pauses_most_recent_and_releases_blocks():
-    ex = _executor(num_blocks=6, tokens_per_block=4, max_blocks_per_seq=8, max_batch_size=4,
-                   max_num_tokens=64, policy="MAX_UTILIZATION")
+    ex = _executor(
+        num_blocks=6,
+        tokens_per_block=4,
+        max_blocks_per_seq=8,
+        max_batch_size=4,
+        max_num_tokens=64,
+        policy="MAX_UTILIZATION",
+    )
     reqs = make_requests([8, 8, 8], 8)  # prompts take 2 blocks each: the pool is full
     ex.add(*reqs)
     ex.step()
@@ -279,8 +312,9 @@ def test_max_utilization_pauses_most_recent_and_releases_blocks():
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_priority_orders_admission_in_every_policy(policy):
     # the pool fits one request to completion at a time
-    ex = _executor(num_blocks=4, tokens_per_block=4, max_blocks_per_seq=4, max_batch_size=4,
-                   max_num_tokens=64, policy=policy)
+    ex = _executor(
+        num_blocks=4, tokens_per_block=4, max_blocks_per_seq=4, max_batch_size=4, max_num_tokens=64, policy=policy
+    )
     reqs = make_requests([6, 6, 6], 6, priorities=[0.0, 5.0, 1.0])
     ex.add(*reqs)
     ex.run()
@@ -299,8 +333,7 @@ def test_priority_ties_break_by_arrival():
 
 
 def test_max_utilization_high_priority_preempts_lower():
-    ex = _executor(num_blocks=4, tokens_per_block=4, max_blocks_per_seq=4, max_num_tokens=64,
-                   policy="MAX_UTILIZATION")
+    ex = _executor(num_blocks=4, tokens_per_block=4, max_blocks_per_seq=4, max_num_tokens=64, policy="MAX_UTILIZATION")
     low = LlmRequest(1, list(range(8)), 6, priority=0.0, arrival_time=0.0)
     ex.add(low)
     ex.step()
@@ -346,8 +379,7 @@ def test_admission_rejects_requests_that_can_never_run():
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
         check_request_admissible(LlmRequest(4, [1] * 10, 10), small, max_seq_len=64)
     with pytest.raises(ValueError, match="enable chunked prefill"):
-        check_request_admissible(LlmRequest(5, [1] * 20, 1), kv, 64, max_num_tokens=16,
-                                 enable_chunked_prefill=False)
+        check_request_admissible(LlmRequest(5, [1] * 20, 1), kv, 64, max_num_tokens=16, enable_chunked_prefill=False)
 
 
 # ----------------------------------------------------------- custom schedulers
@@ -416,37 +448,48 @@ def test_custom_capacity_scheduler_plugs_into_simple_scheduler():
     ex = FakeExecutor(sched, kv, 8, 64)
     ex.add(*make_requests([4, 4], 2))
     ex.run()
-    assert [(h.context_ids, h.generation) for h in ex.history] == [
-        ([1], []), ([], [1]), ([2], []), ([], [2])]
+    assert [(h.context_ids, h.generation) for h in ex.history] == [([1], []), ([], [1]), ([2], []), ([], [2])]
 
 
 def test_make_scheduler_builds_the_configured_policies():
     kv = KVCacheManager(16, 4, 8)
-    for policy, cls in [("GUARANTEED_NO_EVICT", GuaranteedNoEvictScheduler),
-                        ("max_utilization", MaxUtilizationScheduler),
-                        ("STATIC_BATCH", StaticBatchScheduler)]:
+    for policy, cls in [
+        ("GUARANTEED_NO_EVICT", GuaranteedNoEvictScheduler),
+        ("max_utilization", MaxUtilizationScheduler),
+        ("STATIC_BATCH", StaticBatchScheduler),
+    ]:
         s = make_scheduler(SchedulerConfig(policy, "EQUAL_PROGRESS"), kv, 8, 128, True, 64)
         assert type(s.capacity_scheduler) is cls
-        assert s.micro_batch_scheduler.chunking == ContextChunkingConfig(
-            ContextChunkingPolicy.EQUAL_PROGRESS, 4)
+        assert s.micro_batch_scheduler.chunking == ContextChunkingConfig(ContextChunkingPolicy.EQUAL_PROGRESS, 4)
         assert s.micro_batch_scheduler.max_context_length == 64
     assert make_scheduler(None, kv, 8, 128, False).micro_batch_scheduler.chunking is None
 
 
 # ------------------------------------------------------------------------ soak
-@pytest.mark.parametrize("policy, chunking, reuse, seed", [
-    ("GUARANTEED_NO_EVICT", "FIRST_COME_FIRST_SERVED", True, 1),
-    ("MAX_UTILIZATION", "EQUAL_PROGRESS", True, 2),
-    ("MAX_UTILIZATION", None, True, 3),
-    ("GUARANTEED_NO_EVICT", "EQUAL_PROGRESS", True, 4),
-    ("STATIC_BATCH", "FIRST_COME_FIRST_SERVED", True, 5),
-    ("MAX_UTILIZATION", "FIRST_COME_FIRST_SERVED", False, 6),
-])
+@pytest.mark.parametrize(
+    "policy, chunking, reuse, seed",
+    [
+        ("GUARANTEED_NO_EVICT", "FIRST_COME_FIRST_SERVED", True, 1),
+        ("MAX_UTILIZATION", "EQUAL_PROGRESS", True, 2),
+        ("MAX_UTILIZATION", None, True, 3),
+        ("GUARANTEED_NO_EVICT", "EQUAL_PROGRESS", True, 4),
+        ("STATIC_BATCH", "FIRST_COME_FIRST_SERVED", True, 5),
+        ("MAX_UTILIZATION", "FIRST_COME_FIRST_SERVED", False, 6),
+    ],
+)
 def test_randomized_soak(policy, chunking, reuse, seed):
     rng = random.Random(seed)
     tpb = 4
-    ex = _executor(num_blocks=40, tokens_per_block=tpb, max_blocks_per_seq=16, max_batch_size=6,
-                   max_num_tokens=24, policy=policy, chunking=chunking, reuse=reuse)
+    ex = _executor(
+        num_blocks=40,
+        tokens_per_block=tpb,
+        max_blocks_per_seq=16,
+        max_batch_size=6,
+        max_num_tokens=24,
+        policy=policy,
+        chunking=chunking,
+        reuse=reuse,
+    )
     ex.stop_after = {}
     system_prompts = [[rng.randrange(1000) for _ in range(rng.choice([4, 8, 10]))] for _ in range(3)]
     next_id = 1
@@ -458,8 +501,13 @@ def test_randomized_soak(policy, chunking, reuse, seed):
             prefix = rng.choice(system_prompts) if rng.random() < 0.6 else []
             plen = rng.randint(1, 24)
             prompt = (prefix + [rng.randrange(1000) for _ in range(plen)])[:40]
-            req = LlmRequest(next_id, prompt, rng.randint(1, 64 - len(prompt)),
-                             priority=rng.choice([0.0, 0.0, 1.0]), arrival_time=float(steps))
+            req = LlmRequest(
+                next_id,
+                prompt,
+                rng.randint(1, 64 - len(prompt)),
+                priority=rng.choice([0.0, 0.0, 1.0]),
+                arrival_time=float(steps),
+            )
             if rng.random() < 0.15:
                 ex.stop_after[next_id] = rng.randint(1, req.max_new_tokens)
             check_request_admissible(req, ex.kv, max_seq_len=64)
@@ -494,6 +542,25 @@ def test_scheduler_overhead_benchmark_runs(capsys):
     assert main(["--running", "8", "--steps", "3", "--max-num-tokens", "256", "--max-seq-len", "256"]) == 0
     table = capsys.readouterr().out
     assert "GUARANTEED_NO_EVICT" in table and "MAX_UTILIZATION" in table and "mixed" in table
-    assert main(["--running", "8", "--steps", "3", "--max-num-tokens", "256", "--max-seq-len", "256",
-                 "--scenario", "mixed", "--policy", "GUARANTEED_NO_EVICT", "--kv", "retention+events"]) == 0
+    assert (
+        main(
+            [
+                "--running",
+                "8",
+                "--steps",
+                "3",
+                "--max-num-tokens",
+                "256",
+                "--max-seq-len",
+                "256",
+                "--scenario",
+                "mixed",
+                "--policy",
+                "GUARANTEED_NO_EVICT",
+                "--kv",
+                "retention+events",
+            ]
+        )
+        == 0
+    )
     assert "retention+events" in capsys.readouterr().out

@@ -14,8 +14,10 @@ import pytest
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
 from jaxllm.server.server_config import ServerConfig
-from server_helpers import LiveServer, assert_no_thread_left, live_threads as _threads, wait_idle
+
 from conftest import tiny_engine
+from server_helpers import LiveServer, assert_no_thread_left, wait_idle
+from server_helpers import live_threads as _threads
 
 MODEL = "tiny-moe"
 API_KEY = "test-key"
@@ -32,8 +34,13 @@ def engine():
 def live(engine):
     before = _threads()
     executor = GenerationExecutor(engine)
-    server = LiveServer(build_app(executor, ServerConfig(served_model_name=MODEL, api_key=API_KEY,
-                                                         max_body_bytes=MAX_BODY), shutdown_executor=True))
+    server = LiveServer(
+        build_app(
+            executor,
+            ServerConfig(served_model_name=MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY),
+            shutdown_executor=True,
+        )
+    )
     server.executor = executor
     yield server
     server.stop()
@@ -63,6 +70,7 @@ def test_fatal_engine_error_makes_health_503(engine):
         assert httpx.get(server.url + "/health").status_code == 200
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
         with httpx.Client(timeout=60) as http:
+
             def boom():
                 raise RuntimeError("device lost")
 
@@ -91,7 +99,7 @@ def test_info_routes(live, client):
     stats = httpx.get(live.url + "/v1/iteration_stats", headers=auth).json()
     assert isinstance(stats, list) and stats and "kvCacheStats" in stats[-1]
     again = httpx.get(live.url + "/v1/iteration_stats", headers=auth).json()
-    assert again[:len(stats)] == stats  # reading the stats does not consume them
+    assert again[: len(stats)] == stats  # reading the stats does not consume them
     prometheus = httpx.get(live.url + "/metrics")
     assert prometheus.headers["content-type"].startswith("text/plain")
     assert "jaxllm:request_success_total" in prometheus.text
@@ -99,14 +107,22 @@ def test_info_routes(live, client):
 
 # ---------------------------------------------------------------------------- completions
 def test_completion_and_its_stream_agree(live, client):
-    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
-                                     extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, extra_body={"ignore_eos": True}
+    )
     choice = full.choices[0]
     assert choice.finish_reason == "length" and choice.text
     assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
-    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The capital of France is",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -115,17 +131,27 @@ def test_completion_and_its_stream_agree(live, client):
 
 
 def test_completion_batch_n_stop_and_logprobs(live, client):
-    out = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=6, n=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=6, n=2, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 24
-    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = next(base[i:i + 2] for i in range(3, len(base) - 2)
-                if base[i:i + 2].strip() and "\ufffd" not in base[i:i + 2] and base.find(base[i:i + 2]) == i)
-    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == base[:base.index(stop)] and cut.finish_reason == "stop"
+    base = (
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=16, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = next(
+        base[i : i + 2]
+        for i in range(3, len(base) - 2)
+        if base[i : i + 2].strip() and "\ufffd" not in base[i : i + 2] and base.find(base[i : i + 2]) == i
+    )
+    cut = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.text == base[: base.index(stop)] and cut.finish_reason == "stop"
     lp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, logprobs=2).choices[0]
     assert len(lp.logprobs.tokens) == len(lp.logprobs.token_logprobs) == 4
     assert all(len(top) >= 1 for top in lp.logprobs.top_logprobs)
@@ -134,12 +160,19 @@ def test_completion_batch_n_stop_and_logprobs(live, client):
 # ---------------------------------------------------------------------------- chat
 def test_chat_completion_and_stream(live, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, extra_body={"ignore_eos": True}
+    )
     msg = full.choices[0].message
     assert msg.role == "assistant" and full.choices[0].finish_reason == "length"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
@@ -150,9 +183,14 @@ def test_chat_completion_and_stream(live, client):
 # ---------------------------------------------------------------------------- concurrency
 def test_64_concurrent_streams(live):
     async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=f"Request number {i}:", max_tokens=6,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"Request number {i}:",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage, finish = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -163,8 +201,7 @@ def test_64_concurrent_streams(live):
         return text, usage, finish
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=300) as client:
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(run())
@@ -175,8 +212,7 @@ def test_64_concurrent_streams(live):
 
 # ---------------------------------------------------------------------------- disconnects
 def test_stream_disconnect_aborts_and_frees_blocks(live):
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "stream": True,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "stream": True, "ignore_eos": True}
     aborted = live.app.state.server.disconnects
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(timeout=60) as http:
@@ -196,12 +232,14 @@ def test_stream_disconnect_aborts_and_frees_blocks(live):
 
 
 def test_non_streaming_disconnect_aborts(live):
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120,
-                       "ignore_eos": True}).encode()
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True}).encode()
     aborted = live.app.state.server.disconnects
     with socket.create_connection(("127.0.0.1", live.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.monotonic() + 10
         while live.executor.num_unfinished == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -212,16 +250,27 @@ def test_non_streaming_disconnect_aborts(live):
 
 def test_beam_search_fields(client, live):
     """vLLM's extra fields: use_beam_search (width best_of, else n), length_penalty, early_stopping."""
-    resp = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, n=2, best_of=3,
-                                     extra_body={"use_beam_search": True, "length_penalty": 0.5,
-                                                 "early_stopping": True, "ignore_eos": True})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=4,
+        n=2,
+        best_of=3,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "ignore_eos": True},
+    )
     assert [c.index for c in resp.choices] == [0, 1]
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.usage.completion_tokens == 8
     # Streamed: the beams arrive once, finished (they change until the end).
-    stream = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, n=2, best_of=3, stream=True,
-                                       extra_body={"use_beam_search": True, "length_penalty": 0.5,
-                                                   "early_stopping": True, "ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=4,
+        n=2,
+        best_of=3,
+        stream=True,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "ignore_eos": True},
+    )
     text = {0: "", 1: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -244,8 +293,10 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, "temperature": 0.7}, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, "early_stopping": "sometimes"},
-     "early_stopping"),
+    (
+        {"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, "early_stopping": "sometimes"},
+        "early_stopping",
+    ),
     ({"model": MODEL, "prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
@@ -268,19 +319,23 @@ BAD_CHAT = [
     ({"model": MODEL}, "messages"),
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
-     "max_completion_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
 ]
 
 
-@pytest.mark.parametrize("body,field", BAD_COMPLETIONS, ids=[f"completions-{f}-{i}" for i, (_, f) in
-                                                             enumerate(BAD_COMPLETIONS)])
+@pytest.mark.parametrize(
+    "body,field", BAD_COMPLETIONS, ids=[f"completions-{f}-{i}" for i, (_, f) in enumerate(BAD_COMPLETIONS)]
+)
 def test_bad_completion_requests_get_400(live, client, body, field):
     resp = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert resp.status_code == 400, resp.text

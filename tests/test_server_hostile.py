@@ -27,11 +27,14 @@ from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.app import build_app
-from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
-from server_helpers import LiveServer as _ServedApp, assert_no_thread_left, free_port as _free_port, wait_idle
-from server_helpers import live_threads as _threads
+from jaxllm.server.server_config import ServerConfig
+
 from conftest import tiny_engine
+from server_helpers import LiveServer as _ServedApp
+from server_helpers import assert_no_thread_left, wait_idle
+from server_helpers import free_port as _free_port
+from server_helpers import live_threads as _threads
 
 MODEL = "tiny-moe"
 MAX_BODY = 1024 * 1024
@@ -71,9 +74,11 @@ def test_engine_failure_fails_waiters_and_stops_the_server_nonzero(engine):
     try:
         with httpx.Client(timeout=60) as http:
             assert http.get(server.url + "/health").status_code == 200
-            with http.stream("POST", server.url + "/v1/completions",
-                             json={"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True,
-                                   "stream": True}) as resp:
+            with http.stream(
+                "POST",
+                server.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True},
+            ) as resp:
                 lines = resp.iter_lines()
                 assert next(line for line in lines if line.startswith("data: {"))
 
@@ -99,8 +104,13 @@ def test_engine_failure_fails_waiters_and_stops_the_server_nonzero(engine):
 def live(engine):
     before = _threads()
     executor = GenerationExecutor(engine)
-    server = LiveServer(build_app(executor, ServerConfig(served_model_name=MODEL, max_body_bytes=MAX_BODY,
-                                                         body_timeout=2.0), shutdown_executor=True))
+    server = LiveServer(
+        build_app(
+            executor,
+            ServerConfig(served_model_name=MODEL, max_body_bytes=MAX_BODY, body_timeout=2.0),
+            shutdown_executor=True,
+        )
+    )
     server.executor = executor
     with httpx.Client(timeout=60) as http:
         server.canary = http.post(server.url + "/v1/completions", json=CANARY).json()["choices"][0]["text"]
@@ -362,8 +372,10 @@ def test_idle_and_slow_head_connections_are_closed(live, http):
     """Neither an idle connection nor one that sends its request head a byte at a time is held."""
     fds = _num_fds()
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 100
-    with socket.create_connection(("127.0.0.1", live.port)) as idle, \
-            socket.create_connection(("127.0.0.1", live.port)) as slow:
+    with (
+        socket.create_connection(("127.0.0.1", live.port)) as idle,
+        socket.create_connection(("127.0.0.1", live.port)) as slow,
+    ):
         started = time.monotonic()
         slow.settimeout(0.3)
         closed = False
@@ -371,7 +383,7 @@ def test_idle_and_slow_head_connections_are_closed(live, http):
             try:
                 slow.sendall(bytes([byte]))
                 closed = slow.recv(1024) == b""
-            except socket.timeout:
+            except TimeoutError:
                 pass
             except OSError:
                 closed = True
@@ -462,14 +474,22 @@ def test_health_answers_fast_while_max_size_prompts_are_tokenized(live, http, tm
     body.write_bytes(json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode())
     assert body.stat().st_size <= MAX_BODY
     assert len(live.executor.tokenizer.encode(prompt)) > MAX_SEQ_LEN  # tokenized in full, then refused
-    clients = subprocess.Popen([sys.executable, "-c", f"""
+    clients = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import concurrent.futures, httpx, pathlib
 body = pathlib.Path({str(body)!r}).read_bytes()
 def post(_):
     return httpx.post({live.url + C!r}, content=body, timeout=120).status_code
 with concurrent.futures.ThreadPoolExecutor(8) as pool:
     print(list(pool.map(post, range(8))))
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     latencies = []
     with httpx.Client(timeout=10) as probe:
         probe.get(live.url + "/health")  # connection set up outside the timing
@@ -507,11 +527,18 @@ def _oracle_logprobs(prefix: list[int]) -> np.ndarray:
 
 def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, client):
     prompt = [5, 6, 7, 8]
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=3, temperature=0,
-                                    extra_body={"ignore_eos": True}).choices[0]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=3,
-                                          extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, logprobs=3, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     server = live.app.state.server
     tokenizer = live.executor.tokenizer
     # Completions: the legacy form, keyed by token text.
@@ -531,8 +558,9 @@ def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, c
         prefix.append(chosen)
     assert len(out.logprobs.top_logprobs) == 3
     # Chat: exactly top_logprobs entries, best first, the greedy token first of them.
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                               add_generation_prompt=True)
+    prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     prefix = tokenizer.encode(prompt_ids, add_special_tokens=False)
     for entry in chat.choices[0].logprobs.content:
         oracle = _oracle_logprobs(prefix)
@@ -540,8 +568,7 @@ def test_top_logprobs_match_the_model_and_include_the_chosen_token(live, http, c
         assert len(entry.top_logprobs) == 3
         assert [e.token for e in entry.top_logprobs] == [server.token_text(t) for t in best]
         assert [e.logprob for e in entry.top_logprobs] == pytest.approx([oracle[t] for t in best], abs=2e-3)
-        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(oracle[best[0]],
-                                                                                             abs=2e-3)
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(oracle[best[0]], abs=2e-3)
         prefix.append(best[0])
     _assert_still_serving(live, http)
 
@@ -612,8 +639,9 @@ def test_slow_reading_client_is_dropped_and_its_request_aborted(live):
     old = guard.send_timeout
     guard.send_timeout = 1.0
     aborted = server.disconnects
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    ).encode()
     sent: list[dict] = []
     received: list[bool] = []
 
@@ -628,10 +656,20 @@ def test_slow_reading_client_is_dropped_and_its_request_aborted(live):
         if len(sent) > 3:
             await asyncio.Event().wait()  # ... and stops reading
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": C, "raw_path": C.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", live.port)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": C,
+        "raw_path": C.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", live.port),
+    }
     try:
         started = time.monotonic()
         asyncio.run(asyncio.wait_for(live.app(scope, receive, send), 30))
@@ -671,10 +709,34 @@ def test_sigterm_drains_streams_then_aborts_the_rest_and_exits():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxllm", "serve", MODEL, "--port", str(port), "--max-batch-size", "4",
-         "--max-num-tokens", "16", "--max-seq-len", "2048", "--tokens-per-block", "8",
-         "--kv-cache-max-tokens", "4096", "--no-warmup", "--shutdown-timeout", "4", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxllm",
+            "serve",
+            MODEL,
+            "--port",
+            str(port),
+            "--max-batch-size",
+            "4",
+            "--max-num-tokens",
+            "16",
+            "--max-seq-len",
+            "2048",
+            "--tokens-per-block",
+            "8",
+            "--kv-cache-max-tokens",
+            "4096",
+            "--no-warmup",
+            "--shutdown-timeout",
+            "4",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -689,9 +751,12 @@ def test_sigterm_drains_streams_then_aborts_the_rest_and_exits():
         # Compile outside the timed part, so the short stream below surely ends within the timeout.
         assert httpx.post(url + C, json=CANARY, timeout=120).status_code == 200
         short, long = {}, {}
-        threads = [threading.Thread(target=_read_stream, args=(url, {**CANARY, "stream": True, "max_tokens": 8}, short)),
-                   threading.Thread(target=_read_stream,
-                                    args=(url, {**CANARY, "stream": True, "max_tokens": 2000, "prompt": "a"}, long))]
+        threads = [
+            threading.Thread(target=_read_stream, args=(url, {**CANARY, "stream": True, "max_tokens": 8}, short)),
+            threading.Thread(
+                target=_read_stream, args=(url, {**CANARY, "stream": True, "max_tokens": 2000, "prompt": "a"}, long)
+            ),
+        ]
         for t in threads:
             t.start()
         time.sleep(1.0)

@@ -26,11 +26,22 @@ from tests.multidevice import run_on_cpu_devices
 ARCHS = {
     "llama": ("LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", dict(num_key_value_heads=4, head_dim=16)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                                moe_intermediate_size=16, decoder_sparse_step=1,
-                                                mlp_only_layers=[0], norm_topk_prob=True)),
-    "mixtral": ("MixtralForCausalLM", dict(num_key_value_heads=8, num_local_experts=4, num_experts_per_tok=2,
-                                           sliding_window=6)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(num_key_value_heads=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+    ),
 }
 # Per architecture: (backend, TP sizes), each compared with xla at TP 1 (which must come
 # first). Pallas runs in interpret mode (slow): TP 8 only, every rank on its own heads.
@@ -47,10 +58,22 @@ PLAIN_CHECK = ("llama", "qwen3_moe")
 def hf_config(arch: str, archs: dict | None = None) -> dict:
     """The HF config of a tiny `arch` checkpoint; `archs` replaces this module's ARCHS table."""
     architecture, overrides = (archs or ARCHS)[arch]
-    base = dict(architectures=[architecture], vocab_size=128, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_act="silu",
-                rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
-                torch_dtype="float32")
+    base = dict(
+        architectures=[architecture],
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     base.update(overrides)
     return base
 
@@ -81,8 +104,10 @@ def run_script(config, params, mesh, backend: str) -> tuple[list, list]:
 
     _, _, attention_fn, moe_fn = resolve_backends(backend, backend)
     tpb, num_blocks = 4, 16
-    step = jax.jit(functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh),
-                   donate_argnums=(1,))
+    step = jax.jit(
+        functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh),
+        donate_argnums=(1,),
+    )
     cache = init_kv_cache(config, num_blocks, tpb, config.dtype, mesh=mesh)
     rng = np.random.default_rng(7)
     a = [int(t) for t in rng.integers(0, config.vocab_size, 11)]
@@ -91,10 +116,11 @@ def run_script(config, params, mesh, backend: str) -> tuple[list, list]:
 
     def run(chunks):
         nonlocal cache
-        batch = build_step_batch(chunks, tokens_per_block=tpb, num_blocks=num_blocks, token_bucket=16, max_seqs=2,
-                                 max_blocks_per_seq=5)
+        batch = build_step_batch(
+            chunks, tokens_per_block=tpb, num_blocks=num_blocks, token_bucket=16, max_seqs=2, max_blocks_per_seq=5
+        )
         logits, cache = step(params, cache, batch)
-        return np.asarray(logits)[:len(chunks)]
+        return np.asarray(logits)[: len(chunks)]
 
     all_logits, tokens = [], []
     all_logits.append(run([SeqChunk(a[:6], 0, table_a)]))  # chunked prefill, first chunk
@@ -137,9 +163,21 @@ def check_all(root: Path) -> None:
                         plain, _ = run_script(config, load_params(directory, config), None, backend)
                         assert all(np.array_equal(x, y) for x, y in zip(plain, logits)), arch
                 err = max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(logits, base_logits))
-                print(json.dumps(dict(arch=arch, backend=backend, tp=tp, err=err, same_tokens=tokens == base_tokens,
-                                      tokens=tokens, q_spec=str(q_spec),
-                                      std=float(np.std(base_logits[0])))), flush=True)
+                print(
+                    json.dumps(
+                        dict(
+                            arch=arch,
+                            backend=backend,
+                            tp=tp,
+                            err=err,
+                            same_tokens=tokens == base_tokens,
+                            tokens=tokens,
+                            q_spec=str(q_spec),
+                            std=float(np.std(base_logits[0])),
+                        )
+                    ),
+                    flush=True,
+                )
 
 
 def test_tensor_parallel_matches_single_device(tmp_path):

@@ -11,8 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.models import (ModelConfig, declare_weights, load_params, param_bytes, param_shapes,
-                           partition_specs)
+from jaxllm.models import ModelConfig, declare_weights, load_params, param_bytes, param_shapes, partition_specs
 from jaxllm.models.weights import declare_params, random_checkpoint, read_parameter
 from sharding import ShardingRules
 from tests.multidevice import run_on_cpu_devices
@@ -40,14 +39,17 @@ def test_reading_any_box_equals_slicing_the_whole_parameter(arch, kv_replicas):
             for n in decl.shape:
                 a = int(rng.integers(0, n))
                 box.append(slice(a, int(rng.integers(a + 1, n + 1))))
-            np.testing.assert_array_equal(_full_parameter(decl, alt, tensors)[tuple(box)],
-                                          read_parameter(decl, alt, tuple(box),
-                                                         lambda name, sl: tensors[name][sl], np.dtype(np.float32)))
+            np.testing.assert_array_equal(
+                _full_parameter(decl, alt, tensors)[tuple(box)],
+                read_parameter(decl, alt, tuple(box), lambda name, sl: tensors[name][sl], np.dtype(np.float32)),
+            )
     # Repeated KV heads are the original heads, each `kv_replicas` times in a row.
     k = next(d for d in declare_weights(config, kv_replicas) if d.path[-1] == "k")
     k1 = next(d for d in declare_weights(config, 1) if d.path[-1] == "k")
-    np.testing.assert_array_equal(_full_parameter(k, k.alternatives[0], tensors),
-                                  np.repeat(_full_parameter(k1, k1.alternatives[0], tensors), kv_replicas, axis=1))
+    np.testing.assert_array_equal(
+        _full_parameter(k, k.alternatives[0], tensors),
+        np.repeat(_full_parameter(k1, k1.alternatives[0], tensors), kv_replicas, axis=1),
+    )
 
 
 def test_derived_views_agree_with_the_loaded_tree(tmp_path):
@@ -56,8 +58,9 @@ def test_derived_views_agree_with_the_loaded_tree(tmp_path):
     params = load_params(directory, config)
     shapes = param_shapes(config)
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(shapes)
-    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == \
-        jax.tree_util.tree_map(lambda s: (s.shape, s.dtype), shapes)
+    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == jax.tree_util.tree_map(
+        lambda s: (s.shape, s.dtype), shapes
+    )
     assert param_bytes(config) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     P = jax.sharding.PartitionSpec
     specs = partition_specs(replace(config, scan_layers=False), ShardingRules())
@@ -89,6 +92,7 @@ def check_sharded_loading(root: Path) -> None:
     hf = dict(hf_config("qwen3_moe"), vocab_size=16384, hidden_size=64)
     (directory / "config.json").write_text(json.dumps(hf))
     from safetensors.numpy import save_file
+
     config = ModelConfig.from_hf_config(hf)
     tensors = random_checkpoint(config, seed=1)
     save_file(tensors, str(directory / "model.safetensors"))
@@ -98,8 +102,9 @@ def check_sharded_loading(root: Path) -> None:
 
     reads: list[tuple[str, int]] = []
     tracemalloc.start()
-    params = load_params(directory, config, mesh=mesh,
-                         slice_hook=lambda name, slices, array: reads.append((name, array.nbytes)))
+    params = load_params(
+        directory, config, mesh=mesh, slice_hook=lambda name, slices, array: reads.append((name, array.nbytes))
+    )
     # On CPU a device buffer may be the very numpy array it was made from, so what stays
     # allocated after the load is the parameters themselves; the transient host memory of
     # loading is the peak above that.
@@ -107,9 +112,21 @@ def check_sharded_loading(root: Path) -> None:
     tracemalloc.stop()
     embed_bytes = config.vocab_size * config.hidden_size * 4
     max_embed_read = max(n for name, n in reads if name == "model.embed_tokens.weight")
-    print(json.dumps(dict(kind="host", peak=peak, transient=peak - resident, resident=resident, embed_bytes=embed_bytes, max_embed_read=max_embed_read,
-                          embed_reads=sum(1 for name, _ in reads if name == "model.embed_tokens.weight"),
-                          embed_spec=list(params["embed"].sharding.spec))), flush=True)
+    print(
+        json.dumps(
+            dict(
+                kind="host",
+                peak=peak,
+                transient=peak - resident,
+                resident=resident,
+                embed_bytes=embed_bytes,
+                max_embed_read=max_embed_read,
+                embed_reads=sum(1 for name, _ in reads if name == "model.embed_tokens.weight"),
+                embed_spec=list(params["embed"].sharding.spec),
+            )
+        ),
+        flush=True,
+    )
     # Every sharded parameter: no read bigger than one device's shard of its tensor.
     sizes = {name: n for name, n in reads}
     worst = 0.0
@@ -132,25 +149,43 @@ def check_sharded_loading(root: Path) -> None:
 
     converted = convert_checkpoint(directory, root / "converted")
     redundant = {1: [3, 1, 0, 2, 0, 1]}  # the 4 experts in 6 slots over 2 ranks
-    for tp, ep, placement, dp in ((8, None, None, False), (2, None, None, False), (8, 4, None, False),
-                                  (8, 2, redundant, False), (8, 2, None, True)):
+    for tp, ep, placement, dp in (
+        (8, None, None, False),
+        (2, None, None, False),
+        (8, 4, None, False),
+        (8, 2, redundant, False),
+        (8, 2, None, True),
+    ):
         mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp, moe_expert_parallel_size=ep))
-        kwargs = dict(mesh=mesh, slot_assignments=placement,
-                      rules=attention_dp_rules(config, mesh) if dp else None)
+        kwargs = dict(mesh=mesh, slot_assignments=placement, rules=attention_dp_rules(config, mesh) if dp else None)
         expected = load_params(directory, config, **kwargs)
         restored = load_params(converted, config, **kwargs)
-        same_values = jax.tree_util.tree_all(jax.tree_util.tree_map(
-            lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), restored, expected))
-        same_shardings = jax.tree_util.tree_all(jax.tree_util.tree_map(
-            lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, expected))
+        same_values = jax.tree_util.tree_all(
+            jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), restored, expected)
+        )
+        same_shardings = jax.tree_util.tree_all(
+            jax.tree_util.tree_map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, expected)
+        )
         stacks = restored.get("layer_stacks") or []
         k = stacks[0]["attn"]["k"] if stacks else restored["layers"][0]["attn"]["k"]
         moe = moe_layer_params(restored, 1)  # layer 1's own, or its stack's [n, slots, ...]
         slot_axis = 0 if slot_layer_row(restored, 1) is None else 1
-        print(json.dumps(dict(kind="orbax", tp=tp, ep=ep, dp=dp, same_values=same_values, same_shardings=same_shardings,
-                              slots=[moe["w_gate"].shape[slot_axis]] if "slots" in moe else None,
-                              k_spec=str(k.sharding.spec), k_shape=list(k.shape[1:] if stacks else k.shape))),
-              flush=True)
+        print(
+            json.dumps(
+                dict(
+                    kind="orbax",
+                    tp=tp,
+                    ep=ep,
+                    dp=dp,
+                    same_values=same_values,
+                    same_shardings=same_shardings,
+                    slots=[moe["w_gate"].shape[slot_axis]] if "slots" in moe else None,
+                    k_spec=str(k.sharding.spec),
+                    k_shape=list(k.shape[1:] if stacks else k.shape),
+                )
+            ),
+            flush=True,
+        )
 
 
 def test_sharded_loading_and_orbax_round_trip(tmp_path):

@@ -1,6 +1,6 @@
 """Per-layer expert-load statistics of a recorded run (same as `jaxllm eplb report`).
 
-    python examples/ep_load_balancer/report_load_statistics.py --expert_statistic_path $EXPERT_STATISTIC_PATH
+python examples/ep_load_balancer/report_load_statistics.py --expert_statistic_path $EXPERT_STATISTIC_PATH
 """
 
 import sys

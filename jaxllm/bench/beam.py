@@ -42,7 +42,7 @@ def run_row(engine, prompts: list[list[int]], params, width: int, mode: str) -> 
     kv = engine.kv_cache_manager
     copied_before = engine.runner.blocks_copied
     compiled = _compile_count(engine)
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         if mode == "beam":
             engine.add_request(prompt, params)
         else:
@@ -59,32 +59,48 @@ def run_row(engine, prompts: list[list[int]], params, width: int, mode: str) -> 
     copies = engine.runner.blocks_copied - copied_before
     kv.check_invariants()
     tokens = len(prompts) * width * params.max_tokens
-    return BeamRow(mode, width, len(prompts), seconds, tokens / seconds, steps, peak, peak_unshared, copies,
-                   _compile_count(engine) - compiled)
+    return BeamRow(
+        mode,
+        width,
+        len(prompts),
+        seconds,
+        tokens / seconds,
+        steps,
+        peak,
+        peak_unshared,
+        copies,
+        _compile_count(engine) - compiled,
+    )
 
 
 def format_table(rows: list[BeamRow]) -> str:
-    head = (f"{'mode':<8} {'width':>5} {'reqs':>5} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'peak blocks':>11} "
-            f"{'unshared':>9} {'copies':>7} {'compiles':>8}")
+    head = (
+        f"{'mode':<8} {'width':>5} {'reqs':>5} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'peak blocks':>11} "
+        f"{'unshared':>9} {'copies':>7} {'compiles':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.mode:<8} {r.width:>5} {r.requests:>5} {r.seconds:>8.2f} {r.tokens_per_s:>8.1f} "
-                     f"{r.steps:>6} {r.peak_blocks:>11} {r.peak_unshared_blocks:>9} {r.block_copies:>7} "
-                     f"{r.compiles_after_warmup:>8}")
+        lines.append(
+            f"{r.mode:<8} {r.width:>5} {r.requests:>5} {r.seconds:>8.2f} {r.tokens_per_s:>8.1f} "
+            f"{r.steps:>6} {r.peak_blocks:>11} {r.peak_unshared_blocks:>9} {r.block_copies:>7} "
+            f"{r.compiles_after_warmup:>8}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
-    from jaxllm.llm_args import KvCacheConfig
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.llm_args import KvCacheConfig
     from jaxllm.sampling import SamplingParams
 
     parser = argparse.ArgumentParser(
-        prog="jaxllm bench beam", formatter_class=HelpFormatter,
+        prog="jaxllm bench beam",
+        formatter_class=HelpFormatter,
         description="Beam search (k beams sharing KV blocks) next to n=k independent sampled sequences: "
-                    "tokens/s, peak KV blocks with and without sharing, block copies, compiles after warm-up.")
+        "tokens/s, peak KV blocks with and without sharing, block copies, compiles after warm-up.",
+    )
     parser.add_argument("--model", default="tiny-moe")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8])
@@ -99,11 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     max_batch = args.requests * max(args.widths)
-    engine = LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, max_batch_size=max_batch, max_num_tokens=max(256, max_batch),
-        max_seq_len=args.prompt_len + args.output_len + args.tokens_per_block,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block,
-                                      max_tokens=max_batch * (args.prompt_len + args.output_len + 2 * args.tokens_per_block))))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_batch_size=max_batch,
+            max_num_tokens=max(256, max_batch),
+            max_seq_len=args.prompt_len + args.output_len + args.tokens_per_block,
+            kv_cache_config=KvCacheConfig(
+                tokens_per_block=args.tokens_per_block,
+                max_tokens=max_batch * (args.prompt_len + args.output_len + 2 * args.tokens_per_block),
+            ),
+        )
+    )
     engine.warmup()
     rng = np.random.default_rng(args.seed)
     vocab = engine.model_config.vocab_size

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -33,8 +34,9 @@ class BenchRequest:
             raise ValueError(f"task {self.task_id}: give exactly one of prompt and input_ids")
         if not isinstance(self.output_tokens, int) or self.output_tokens < 1:
             raise ValueError(f"task {self.task_id}: output_tokens must be an integer >= 1, got {self.output_tokens!r}")
-        if self.input_ids is not None and (not self.input_ids or
-                                           not all(isinstance(t, int) and t >= 0 for t in self.input_ids)):
+        if self.input_ids is not None and (
+            not self.input_ids or not all(isinstance(t, int) and t >= 0 for t in self.input_ids)
+        ):
             raise ValueError(f"task {self.task_id}: input_ids must be a non-empty list of token ids")
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
             raise ValueError(f"task {self.task_id}: prompt must be a non-empty string")
@@ -69,9 +71,14 @@ def load_dataset(path: Union[str, Path], num_requests: Optional[int] = None) -> 
                     raise ValueError(f"unknown field(s) {sorted(unknown)}")
                 if "output_tokens" not in data:
                     raise ValueError("output_tokens is required")
-                requests.append(BenchRequest(task_id=data.get("task_id", len(requests)),
-                                             output_tokens=data["output_tokens"], input_ids=data.get("input_ids"),
-                                             prompt=data.get("prompt")))
+                requests.append(
+                    BenchRequest(
+                        task_id=data.get("task_id", len(requests)),
+                        output_tokens=data["output_tokens"],
+                        input_ids=data.get("input_ids"),
+                        prompt=data.get("prompt"),
+                    )
+                )
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: {exc}") from None
             if num_requests is not None and len(requests) >= num_requests:
@@ -87,8 +94,9 @@ def save_dataset(path: Union[str, Path], requests: Iterable[BenchRequest]) -> No
             f.write(json.dumps(request.to_json()) + "\n")
 
 
-def sample_lengths(rng: np.random.Generator, n: int, mean: float, stdev: float, dist: str,
-                   low: int = 1, high: Optional[int] = None) -> list[int]:
+def sample_lengths(
+    rng: np.random.Generator, n: int, mean: float, stdev: float, dist: str, low: int = 1, high: Optional[int] = None
+) -> list[int]:
     """n lengths from `dist`: normal(mean, stdev), uniform(mean ± stdev) or constant(mean), clipped to [low, high]."""
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
@@ -106,10 +114,19 @@ def sample_lengths(rng: np.random.Generator, n: int, mean: float, stdev: float, 
     return [int(v) for v in values]
 
 
-def synthetic_dataset(num_requests: int, *, input_mean: float, output_mean: float, input_stdev: float = 0.0,
-                      output_stdev: float = 0.0, dist: str = "normal", vocab_size: int = 32000,
-                      exclude_ids: Sequence[int] = (), max_seq_len: Optional[int] = None,
-                      seed: int = 0) -> list[BenchRequest]:
+def synthetic_dataset(
+    num_requests: int,
+    *,
+    input_mean: float,
+    output_mean: float,
+    input_stdev: float = 0.0,
+    output_stdev: float = 0.0,
+    dist: str = "normal",
+    vocab_size: int = 32000,
+    exclude_ids: Sequence[int] = (),
+    max_seq_len: Optional[int] = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Random-token requests with input/output lengths drawn from `dist`.
 
     With `max_seq_len`, each output length is clipped so that input + output fits.
@@ -117,8 +134,9 @@ def synthetic_dataset(num_requests: int, *, input_mean: float, output_mean: floa
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
-    inputs = sample_lengths(rng, num_requests, input_mean, input_stdev, dist,
-                            high=None if max_seq_len is None else max_seq_len - 1)
+    inputs = sample_lengths(
+        rng, num_requests, input_mean, input_stdev, dist, high=None if max_seq_len is None else max_seq_len - 1
+    )
     outputs = sample_lengths(rng, num_requests, output_mean, output_stdev, dist)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(exclude_ids), dtype=np.int64))
     if allowed.size == 0:
@@ -127,8 +145,9 @@ def synthetic_dataset(num_requests: int, *, input_mean: float, output_mean: floa
     for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
         if max_seq_len is not None:
             n_out = max(1, min(n_out, max_seq_len - n_in))
-        requests.append(BenchRequest(task_id=i, output_tokens=n_out,
-                                     input_ids=rng.choice(allowed, size=n_in).astype(int).tolist()))
+        requests.append(
+            BenchRequest(task_id=i, output_tokens=n_out, input_ids=rng.choice(allowed, size=n_in).astype(int).tolist())
+        )
     return requests
 
 
@@ -150,16 +169,25 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-dataset", type=Path, default=None, help="write the dataset used here")
 
 
-def dataset_from_args(args: argparse.Namespace, tokenizer=None, max_seq_len: Optional[int] = None
-                      ) -> list[BenchRequest]:
+def dataset_from_args(
+    args: argparse.Namespace, tokenizer=None, max_seq_len: Optional[int] = None
+) -> list[BenchRequest]:
     if args.dataset is not None:
         requests = load_dataset(args.dataset, args.num_requests)
     else:
         vocab, special = tokenizer_vocab(tokenizer) if tokenizer is not None else (32000, [])
-        requests = synthetic_dataset(args.num_requests or 64, input_mean=args.input_mean,
-                                     input_stdev=args.input_stdev, output_mean=args.output_mean,
-                                     output_stdev=args.output_stdev, dist=args.dist, vocab_size=vocab,
-                                     exclude_ids=special, max_seq_len=max_seq_len, seed=args.seed)
+        requests = synthetic_dataset(
+            args.num_requests or 64,
+            input_mean=args.input_mean,
+            input_stdev=args.input_stdev,
+            output_mean=args.output_mean,
+            output_stdev=args.output_stdev,
+            dist=args.dist,
+            vocab_size=vocab,
+            exclude_ids=special,
+            max_seq_len=max_seq_len,
+            seed=args.seed,
+        )
     if args.save_dataset is not None:
         save_dataset(args.save_dataset, requests)
     return requests
@@ -168,8 +196,9 @@ def dataset_from_args(args: argparse.Namespace, tokenizer=None, max_seq_len: Opt
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.bench.dataset", description="Write a synthetic dataset.",
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxllm.bench.dataset", description="Write a synthetic dataset.", formatter_class=HelpFormatter
+    )
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or preset (sets the vocabulary)")
     parser.add_argument("--vocab-size", type=int, default=32000)
@@ -182,9 +211,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         from jaxllm.tokenizer import load_tokenizer
 
         vocab, special = tokenizer_vocab(load_tokenizer(resolve_model_dir(args.tokenizer)))
-    requests = synthetic_dataset(args.num_requests or 64, input_mean=args.input_mean, input_stdev=args.input_stdev,
-                                 output_mean=args.output_mean, output_stdev=args.output_stdev, dist=args.dist,
-                                 vocab_size=vocab, exclude_ids=special, max_seq_len=args.max_seq_len, seed=args.seed)
+    requests = synthetic_dataset(
+        args.num_requests or 64,
+        input_mean=args.input_mean,
+        input_stdev=args.input_stdev,
+        output_mean=args.output_mean,
+        output_stdev=args.output_stdev,
+        dist=args.dist,
+        vocab_size=vocab,
+        exclude_ids=special,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+    )
     save_dataset(args.output, requests)
     print(f"wrote {len(requests)} requests to {args.output}")
     return 0

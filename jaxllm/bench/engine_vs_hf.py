@@ -35,10 +35,23 @@ from pathlib import Path
 import numpy as np
 
 # A ~100M-parameter Qwen3-MoE-shaped random model (built with transformers on demand).
-QWEN3_MOE_100M = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
-                      num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=2048,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+QWEN3_MOE_100M = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _model_dir(name: str, work: Path) -> Path:
@@ -91,15 +104,25 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
     # An empty persistent cache for this process (engines keep a directory already set).
     jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
     build_start = time.perf_counter()
-    llm = LLM(str(model_dir), dtype=args.dtype, max_batch_size=args.max_batch_size,
-              max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
-              kv_cache_config=KvCacheConfig(tokens_per_block=32))
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        kv_cache_config=KvCacheConfig(tokens_per_block=32),
+    )
     build_seconds = time.perf_counter() - build_start
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
     results = {}
-    build = llm.executor.call_on_engine(lambda e: dict(
-        compile_seconds=e.runner.compile_seconds, forwards=e.runner.num_forward_variants,
-        samplers=e.runner.num_sampler_variants, wait=e.runner.compile_wait_seconds))
+    build = llm.executor.call_on_engine(
+        lambda e: dict(
+            compile_seconds=e.runner.compile_seconds,
+            forwards=e.runner.num_forward_variants,
+            samplers=e.runner.num_sampler_variants,
+            wait=e.runner.compile_wait_seconds,
+        )
+    )
     warm_runs = []
     for phase in ("cold",) + ("warm",) * args.warm_runs:
         if phase == "warm" and not warm_runs:
@@ -109,22 +132,30 @@ def run_jaxllm(model_dir: Path, prompts, out_lens, args, compile_cache_dir: str)
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         timing = llm.executor.call_on_engine(lambda engine: engine.timing)
-        result = _result(elapsed, sum(len(o.outputs[0].token_ids) for o in outs), steps=timing.steps,
-                         host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
-                         host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds,
-                                                              1e-9))
+        result = _result(
+            elapsed,
+            sum(len(o.outputs[0].token_ids) for o in outs),
+            steps=timing.steps,
+            host_ms_per_step=1e3 * timing.host_seconds / max(timing.steps, 1),
+            host_share=timing.host_seconds / max(timing.host_seconds + timing.device_wait_seconds, 1e-9),
+        )
         if phase == "warm":
             warm_runs.append(result)
             results["warm"] = _median_run(warm_runs)
         else:
             results[phase] = result
         if phase == "cold":  # what compiled during the call itself (the build's compiles apart)
-            results[phase].update(llm.executor.call_on_engine(lambda e: dict(
-                compile_seconds=e.runner.compile_seconds - build["compile_seconds"],
-                compile_wait_seconds=e.runner.compile_wait_seconds - build["wait"],
-                forwards_compiled=e.runner.num_forward_variants - build["forwards"],
-                samplers_compiled=e.runner.num_sampler_variants - build["samplers"],
-                padded_steps=e.bucket_compiler.padded_steps if e.bucket_compiler is not None else 0)))
+            results[phase].update(
+                llm.executor.call_on_engine(
+                    lambda e: dict(
+                        compile_seconds=e.runner.compile_seconds - build["compile_seconds"],
+                        compile_wait_seconds=e.runner.compile_wait_seconds - build["wait"],
+                        forwards_compiled=e.runner.num_forward_variants - build["forwards"],
+                        samplers_compiled=e.runner.num_sampler_variants - build["samplers"],
+                        padded_steps=e.bucket_compiler.padded_steps if e.bucket_compiler is not None else 0,
+                    )
+                )
+            )
     results["build_seconds"] = build_seconds
     results["build_compiles"] = build
     llm.shutdown()
@@ -150,13 +181,19 @@ def run_hf(model, prompts, out_lens, args) -> dict:
     start = time.perf_counter()
     generated = 0
     for i in range(0, len(prompts), args.hf_batch_size):
-        batch, lens = prompts[i:i + args.hf_batch_size], out_lens[i:i + args.hf_batch_size]
+        batch, lens = prompts[i : i + args.hf_batch_size], out_lens[i : i + args.hf_batch_size]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
-                                 min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(lens),
+                min_new_tokens=max(lens),
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + max(lens)
         generated += sum(lens)
     return _result(time.perf_counter() - start, generated)
@@ -171,13 +208,16 @@ def run_hf_continuous(model, prompts, out_lens, args) -> dict:
     output length; EOS is an id the model cannot produce, so every request runs to its length."""
     import transformers
 
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(out_lens),
-                                           eos_token_id=model.config.vocab_size, pad_token_id=0)
+    config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max(out_lens), eos_token_id=model.config.vocab_size, pad_token_id=0
+    )
     start = time.perf_counter()
     generated = 0
     with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
-        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=model.config.vocab_size)
-               for p, n in zip(prompts, out_lens)]
+        ids = [
+            manager.add_request(p, max_new_tokens=n, eos_token_id=model.config.vocab_size)
+            for p, n in zip(prompts, out_lens)
+        ]
         pending = set(ids)
         while pending:
             result = manager.get_result(timeout=1)
@@ -193,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="jaxllm bench engine", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default="tiny-moe",
-                        help="preset, smollm2, HF dir, or qwen3-moe-100m (random, built on demand)")
+    parser.add_argument(
+        "--model", default="tiny-moe", help="preset, smollm2, HF dir, or qwen3-moe-100m (random, built on demand)"
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
@@ -204,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=None)
-    parser.add_argument("--warm-runs", type=int, default=3,
-                        help="warm calls per engine; the table shows the median")
+    parser.add_argument("--warm-runs", type=int, default=3, help="warm calls per engine; the table shows the median")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true", help="skip HF continuous batching")
     parser.add_argument("--report-json", default=None)
@@ -218,9 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         model_dir = _model_dir(args.model, Path(work))
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompts, out_lens = _workload(args.num_requests, vocab, args.seed,
-                                      (args.input_len[0], args.input_len[1] + 1),
-                                      (args.output_len[0], args.output_len[1] + 1))
+        prompts, out_lens = _workload(
+            args.num_requests,
+            vocab,
+            args.seed,
+            (args.input_len[0], args.input_len[1] + 1),
+            (args.output_len[0], args.output_len[1] + 1),
+        )
         with tempfile.TemporaryDirectory() as compile_cache_dir:
             ours = run_jaxllm(model_dir, prompts, out_lens, args, compile_cache_dir)
         rows = {"jaxllm LLM.generate": ours}
@@ -228,16 +272,21 @@ def main(argv: list[str] | None = None) -> int:
             model, hf_load_seconds = _hf_model(model_dir, args)
             rows["HF generate (static batch)"] = {
                 "cold": run_hf(model, prompts, out_lens, args),
-                "warm": _median_run([run_hf(model, prompts, out_lens, args) for _ in range(args.warm_runs)])}
+                "warm": _median_run([run_hf(model, prompts, out_lens, args) for _ in range(args.warm_runs)]),
+            }
             rows["HF generate (static batch)"]["build_seconds"] = hf_load_seconds
             if hf_continuous_batching_available(model) and not args.skip_hf_continuous:
                 rows["HF continuous batching"] = {
                     "cold": run_hf_continuous(model, prompts, out_lens, args),
-                    "warm": _median_run([run_hf_continuous(model, prompts, out_lens, args)
-                                         for _ in range(args.warm_runs)])}
+                    "warm": _median_run(
+                        [run_hf_continuous(model, prompts, out_lens, args) for _ in range(args.warm_runs)]
+                    ),
+                }
 
-    print(f"\nmodel={args.model} requests={args.num_requests} input={args.input_len} output={args.output_len} "
-          f"dtype={args.dtype}")
+    print(
+        f"\nmodel={args.model} requests={args.num_requests} input={args.input_len} output={args.output_len} "
+        f"dtype={args.dtype}"
+    )
     static = rows.get("HF generate (static batch)")
     print(f"{'engine':<28}{'run':<6}{'seconds':>9}{'out tokens':>12}{'tok/s':>9}{'x HF static':>12}")
     for name, phases in rows.items():
@@ -256,20 +305,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<28}{'b+cold':<6}{total:>9.2f}{tokens:>12}{tokens / total:>9.1f}{ratio:>12}")
     for name, phases in rows.items():
         print(f"{name} warm runs (s): " + ", ".join(f"{t:.2f}" for t in phases["warm"]["all_seconds"]))
-    print("cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
-          f"call again, median of {args.warm_runs}; build: LLM(...) (weights, KV cache, the warm-up's compiles) or HF from_pretrained; "
-          "b+cold: build + cold call (x HF static: against HF static batching in the same run; for b+cold "
-          "the ratio of total times)")
+    print(
+        "cold: first call of a fresh engine, compilation included, empty compilation cache; warm: the same "
+        f"call again, median of {args.warm_runs}; build: LLM(...) (weights, KV cache, the warm-up's compiles) "
+        "or HF from_pretrained; "
+        "b+cold: build + cold call (x HF static: against HF static batching in the same run; for b+cold "
+        "the ratio of total times)"
+    )
     cold, built = ours["cold"], ours["build_compiles"]
-    print(f"jaxllm: engine built in {ours['build_seconds']:.1f} s ({built['forwards']} token buckets + "
-          f"{built['samplers']} sampler compiled, {built['compile_seconds']:.1f} s compiling); cold call: steps "
-          f"waited {cold['compile_wait_seconds']:.1f} s for compiles ({cold['compile_seconds']:.1f} s compiling in "
-          f"all threads, {cold['forwards_compiled']} more token buckets and {cold['samplers_compiled']} sampler "
-          f"variants compiled by its end, {cold['padded_steps']} steps run in a larger compiled bucket meanwhile)")
+    print(
+        f"jaxllm: engine built in {ours['build_seconds']:.1f} s ({built['forwards']} token buckets + "
+        f"{built['samplers']} sampler compiled, {built['compile_seconds']:.1f} s compiling); cold call: steps "
+        f"waited {cold['compile_wait_seconds']:.1f} s for compiles ({cold['compile_seconds']:.1f} s compiling in "
+        f"all threads, {cold['forwards_compiled']} more token buckets and {cold['samplers_compiled']} sampler "
+        f"variants compiled by its end, {cold['padded_steps']} steps run in a larger compiled bucket meanwhile)"
+    )
     print(f"load average (1 min) at start {load_start:.1f}, at end {os.getloadavg()[0]:.1f}")
     warm = ours["warm"]
-    print(f"engine steps (warm): {warm['steps']}, host time per step: {warm['host_ms_per_step']:.2f} ms, "
-          f"host share of step time: {100 * warm['host_share']:.1f}%")
+    print(
+        f"engine steps (warm): {warm['steps']}, host time per step: {warm['host_ms_per_step']:.2f} ms, "
+        f"host share of step time: {100 * warm['host_share']:.1f}%"
+    )
     if args.report_json:
         Path(args.report_json).write_text(json.dumps({**rows, "args": vars(args)}, indent=2))
     return 0

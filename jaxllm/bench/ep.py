@@ -34,10 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-size", type=int, default=8, help="moe_expert_parallel_size (moe_tp = devices / ep)")
     p.add_argument("--buckets", default="16,64,256,1024", help="token buckets, comma-separated")
     p.add_argument("--modes", default="all_to_all,allgather", help="dispatch modes, comma-separated")
-    p.add_argument("--attention-dp", default="off,on",
-                   help="attention tensor-parallel (off), data-parallel (on), or both (off,on)")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="also time all_to_all with this capacity factor (drops overflow rows)")
+    p.add_argument(
+        "--attention-dp", default="off,on", help="attention tensor-parallel (off), data-parallel (on), or both (off,on)"
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="also time all_to_all with this capacity factor (drops overflow rows)",
+    )
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -51,13 +56,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hf_config(args: argparse.Namespace) -> dict:
-    return dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=1024, hidden_size=args.hidden_size,
-                intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=8,
-                num_key_value_heads=8, head_dim=32, hidden_act="silu", rms_norm_eps=1e-6,
-                max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32",
-                num_experts=args.num_experts, num_experts_per_tok=args.top_k,
-                moe_intermediate_size=args.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
-                norm_topk_prob=True)
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=1024,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=32,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
 
 
 def _step_batch(bucket: int, max_seqs: int, tokens_per_block: int, num_blocks: int, vocab: int):
@@ -80,59 +100,94 @@ def _step_batch(bucket: int, max_seqs: int, tokens_per_block: int, num_blocks: i
         lo = s * per_seq
         block_tables[s] = np.arange(s * blocks_per_seq, (s + 1) * blocks_per_seq) % num_blocks
         pos = np.arange(per_seq)
-        positions[lo:lo + per_seq] = pos
-        slot_mapping[lo:lo + per_seq] = block_tables[s][pos // tokens_per_block] * tokens_per_block \
-            + pos % tokens_per_block
+        positions[lo : lo + per_seq] = pos
+        slot_mapping[lo : lo + per_seq] = (
+            block_tables[s][pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block
+        )
         kv_lens[s] = per_seq
         cu[s + 1] = lo + per_seq
-    cu[seqs + 1:] = cu[seqs]
+    cu[seqs + 1 :] = cu[seqs]
     logits_indices = np.maximum(cu[1:] - 1, 0).astype(np.int32)
-    return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu,
-                     kv_lens=kv_lens, block_tables=block_tables, num_seqs=np.array([seqs], np.int32),
-                     logits_indices=logits_indices)
+    return StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        cu_q_lens=cu,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        num_seqs=np.array([seqs], np.int32),
+        logits_indices=logits_indices,
+    )
 
 
-def _time_variant(directory: Path, config, buckets: list[int], iters: int, *, devices: int, ep: int,
-                  mode: Optional[str], slot_assignments, capacity_factor: Optional[float] = None,
-                  attention_dp: bool = False) -> dict[int, float]:
+def _time_variant(
+    directory: Path,
+    config,
+    buckets: list[int],
+    iters: int,
+    *,
+    devices: int,
+    ep: int,
+    mode: Optional[str],
+    slot_assignments,
+    capacity_factor: Optional[float] = None,
+    attention_dp: bool = False,
+) -> dict[int, float]:
     import jax
 
-    from jaxllm.models.backends import resolve_backends
     from jaxllm.models import forward, init_kv_cache, load_params
-    from sharding import ParallelConfig, make_mesh
+    from jaxllm.models.backends import resolve_backends
     from jaxllm.models.kv_cache_spec import init_dp_kv_cache
     from jaxllm.models.parallel.attention_dp import forward_attention_dp, stack_batches
     from jaxllm.models.parallel.ep_moe import EpMoeOptions
     from jaxllm.models.partitioning import attention_dp_rules
+    from sharding import ParallelConfig, make_mesh
     from sharding.rules import param_partition_specs
 
-    mesh = None if devices == 1 else make_mesh(ParallelConfig(tensor_parallel_size=devices,
-                                                              moe_expert_parallel_size=ep))
+    mesh = (
+        None if devices == 1 else make_mesh(ParallelConfig(tensor_parallel_size=devices, moe_expert_parallel_size=ep))
+    )
     tpb, max_seqs = 16, 16
     num_blocks = max_seqs * -(-max(buckets) // (max_seqs * tpb)) + 1
     _, _, attention_fn, moe_fn = resolve_backends("xla", "xla")
     options = EpMoeOptions(dispatch=mode, capacity_factor=capacity_factor) if mode else None
     if attention_dp:
-        params = load_params(directory, config, mesh=mesh, rules=attention_dp_rules(config, mesh),
-                             slot_assignments=slot_assignments, num_slots=None if slot_assignments else
-                             config.num_experts)
-        dp_forward = functools.partial(forward_attention_dp, config=config, attention_fn=attention_fn,
-                                       moe_fn=moe_fn, mesh=mesh, param_specs=param_partition_specs(params),
-                                       moe_options=options)
+        params = load_params(
+            directory,
+            config,
+            mesh=mesh,
+            rules=attention_dp_rules(config, mesh),
+            slot_assignments=slot_assignments,
+            num_slots=None if slot_assignments else config.num_experts,
+        )
+        dp_forward = functools.partial(
+            forward_attention_dp,
+            config=config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            param_specs=param_partition_specs(params),
+            moe_options=options,
+        )
         step = jax.jit(lambda p, c, b: dp_forward(p, c, b)[:2], donate_argnums=(1,))
         rank_blocks = -(-num_blocks // devices) + 1
         cache = init_dp_kv_cache(config, rank_blocks, tpb, config.dtype, mesh)
     else:
         params = load_params(directory, config, mesh=mesh, slot_assignments=slot_assignments if ep > 1 else None)
-        step = jax.jit(functools.partial(forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn,
-                                         mesh=mesh, moe_options=options), donate_argnums=(1,))
+        step = jax.jit(
+            functools.partial(
+                forward, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=options
+            ),
+            donate_argnums=(1,),
+        )
         cache = init_kv_cache(config, num_blocks, tpb, config.dtype, mesh=mesh)
     times = {}
     for bucket in buckets:
         if attention_dp:  # the step's sequences and tokens shared out over the ranks
             seqs = max(1, max_seqs // devices)
-            batch = stack_batches([_step_batch(bucket // devices, seqs, tpb, rank_blocks, config.vocab_size)
-                                   for _ in range(devices)])
+            batch = stack_batches(
+                [_step_batch(bucket // devices, seqs, tpb, rank_blocks, config.vocab_size) for _ in range(devices)]
+            )
         else:
             batch = _step_batch(bucket, max_seqs, tpb, num_blocks, config.vocab_size)
         for _ in range(2):  # compile; the donated cache comes back committed, which may compile once more
@@ -177,26 +232,56 @@ def run(args: argparse.Namespace) -> list[dict]:
         directory = Path(tmp)
         (directory / "config.json").write_text(json.dumps(hf))
         save_file(random_checkpoint(config, 0), str(directory / "model.safetensors"))
-        variants = [] if args.no_baselines else [("1 device", 1, 1, None, None),
-                                                 (f"TP{args.devices} (E=1)", args.devices, 1, None, None)]
+        variants = (
+            []
+            if args.no_baselines
+            else [("1 device", 1, 1, None, None), (f"TP{args.devices} (E=1)", args.devices, 1, None, None)]
+        )
         variants = [(*v, False) for v in variants]
         prefix = f"EP{args.ep_size} x T{args.devices // args.ep_size}"
         for dp in dp_settings:
             suffix = " +attn DP" if dp else ""
             variants += [(f"{prefix} {mode}{suffix}", args.devices, args.ep_size, mode, None, dp) for mode in modes]
             if args.capacity_factor:
-                variants.append((f"{prefix} all_to_all cf={args.capacity_factor:g}{suffix}", args.devices,
-                                 args.ep_size, "all_to_all", args.capacity_factor, dp))
+                variants.append(
+                    (
+                        f"{prefix} all_to_all cf={args.capacity_factor:g}{suffix}",
+                        args.devices,
+                        args.ep_size,
+                        "all_to_all",
+                        args.capacity_factor,
+                        dp,
+                    )
+                )
         for name, devices, ep, mode, factor, dp in variants:
             if mode == "ragged_all_to_all" and jax.default_backend() == "cpu":
-                print(f"jaxllm bench ep: skipping {name}: XLA:CPU does not implement ragged_all_to_all",
-                      file=sys.stderr)
+                print(
+                    f"jaxllm bench ep: skipping {name}: XLA:CPU does not implement ragged_all_to_all", file=sys.stderr
+                )
                 continue
-            times = _time_variant(directory, config, buckets, args.iters, devices=devices, ep=ep, mode=mode,
-                                  slot_assignments=placement, capacity_factor=factor, attention_dp=dp)
-            rows.append(dict(variant=name, devices=devices, ep=ep, mode=mode or "-", attention_dp=dp,
-                             step_ms={b: round(t * 1e3, 3) for b, t in times.items()},
-                             platform=jax.default_backend()))
+            times = _time_variant(
+                directory,
+                config,
+                buckets,
+                args.iters,
+                devices=devices,
+                ep=ep,
+                mode=mode,
+                slot_assignments=placement,
+                capacity_factor=factor,
+                attention_dp=dp,
+            )
+            rows.append(
+                dict(
+                    variant=name,
+                    devices=devices,
+                    ep=ep,
+                    mode=mode or "-",
+                    attention_dp=dp,
+                    step_ms={b: round(t * 1e3, 3) for b, t in times.items()},
+                    platform=jax.default_backend(),
+                )
+            )
     return rows
 
 
@@ -219,11 +304,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if jax.default_backend() != "cpu" or os.environ.get("_JAXLLM_BENCH_EP_CHILD"):
             print(f"jaxllm bench ep: {args.devices} devices needed, {len(jax.devices())} visible", file=sys.stderr)
             return 2
-        env = dict(os.environ, _JAXLLM_BENCH_EP_CHILD="1", JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
-                             f"--xla_force_host_platform_device_count={args.devices}".strip())
-        return subprocess.call([sys.executable, "-m", "jaxllm.bench.ep", *(argv if argv is not None else sys.argv[1:])],
-                               env=env)
+        env = dict(
+            os.environ,
+            _JAXLLM_BENCH_EP_CHILD="1",
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={args.devices}".strip(),
+        )
+        return subprocess.call(
+            [sys.executable, "-m", "jaxllm.bench.ep", *(argv if argv is not None else sys.argv[1:])], env=env
+        )
     rows = run(args)
     if args.json:
         for r in rows:

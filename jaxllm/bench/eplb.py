@@ -27,8 +27,16 @@ from sharding.eplb.statistics import write_expert_statistics
 from sharding.slot_table import default_assignment
 
 
-def skewed_routing_counts(num_iters: int, num_layers: int, num_experts: int, top_k: int, tokens: int,
-                          zipf_s: float = 1.2, drift: float = 0.02, seed: int = 0) -> np.ndarray:
+def skewed_routing_counts(
+    num_iters: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    tokens: int,
+    zipf_s: float = 1.2,
+    drift: float = 0.02,
+    seed: int = 0,
+) -> np.ndarray:
     """Expert token counts [num_iters, num_layers, num_experts] of a Zipf-biased, drifting router."""
     rng = np.random.default_rng(seed)
     zipf = np.arange(1, num_experts + 1, dtype=np.float64) ** -zipf_s
@@ -45,8 +53,9 @@ def skewed_routing_counts(num_iters: int, num_layers: int, num_experts: int, top
 
 def heldout_imbalance(counts: np.ndarray, tables: np.ndarray, ep_size: int) -> float:
     """Mean imbalance ratio over iterations and layers of counts [iters, layers, E] under tables [layers, S]."""
-    per_layer = [imbalance_ratio(rank_loads(slot_loads(counts[:, l], tables[l]), ep_size)).mean()
-                 for l in range(counts.shape[1])]
+    per_layer = [
+        imbalance_ratio(rank_loads(slot_loads(counts[:, l], tables[l]), ep_size)).mean() for l in range(counts.shape[1])
+    ]
     return float(np.mean(per_layer))
 
 
@@ -60,16 +69,29 @@ class Row:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    counts = skewed_routing_counts(args.iters, args.layers, args.experts, args.top_k, args.tokens,
-                                   args.zipf_s, args.drift, args.seed)
+    counts = skewed_routing_counts(
+        args.iters, args.layers, args.experts, args.top_k, args.tokens, args.zipf_s, args.drift, args.seed
+    )
     if args.write_stats:
-        write_expert_statistics(args.write_stats, counts, iter_start=args.iter_offset,
-                                num_experts_per_token=args.top_k, ep_size=args.ep_size)
+        write_expert_statistics(
+            args.write_stats,
+            counts,
+            iter_start=args.iter_offset,
+            num_experts_per_token=args.top_k,
+            ep_size=args.ep_size,
+        )
     half = args.iters // 2
     fit, held = counts[:half], counts[half:]
     base = np.tile(default_assignment(args.experts, args.experts, args.ep_size), (args.layers, 1))
-    rows = [Row("no EPLB (default placement)", args.experts, heldout_imbalance(fit, base, args.ep_size),
-                heldout_imbalance(held, base, args.ep_size), 0.0)]
+    rows = [
+        Row(
+            "no EPLB (default placement)",
+            args.experts,
+            heldout_imbalance(fit, base, args.ep_size),
+            heldout_imbalance(held, base, args.ep_size),
+            0.0,
+        )
+    ]
     for redundancy in args.redundancy:
         num_slots = args.experts + int(round(args.experts * redundancy / 100))
         num_slots += -num_slots % args.ep_size
@@ -77,15 +99,22 @@ def run(args: argparse.Namespace) -> list[Row]:
             start = time.perf_counter()
             tables = placement_from_counts(fit, num_slots, args.ep_size, algorithm)
             seconds = time.perf_counter() - start
-            rows.append(Row(f"{algorithm}, {redundancy:g}% redundant", num_slots,
-                            heldout_imbalance(fit, tables, args.ep_size),
-                            heldout_imbalance(held, tables, args.ep_size), seconds))
+            rows.append(
+                Row(
+                    f"{algorithm}, {redundancy:g}% redundant",
+                    num_slots,
+                    heldout_imbalance(fit, tables, args.ep_size),
+                    heldout_imbalance(held, tables, args.ep_size),
+                    seconds,
+                )
+            )
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxllm bench eplb", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxllm bench eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--ep-size", type=int, default=8)
@@ -105,9 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rows = run(args)
-    print(f"EPLB on a Zipf(s={args.zipf_s}) routing workload: {args.experts} experts, top-{args.top_k}, "
-          f"{args.layers} layers, EP {args.ep_size}, {args.tokens} tokens/iteration, drift {args.drift}, "
-          f"fit on iterations [0, {args.iters // 2}), held out [{args.iters // 2}, {args.iters})")
+    print(
+        f"EPLB on a Zipf(s={args.zipf_s}) routing workload: {args.experts} experts, top-{args.top_k}, "
+        f"{args.layers} layers, EP {args.ep_size}, {args.tokens} tokens/iteration, drift {args.drift}, "
+        f"fit on iterations [0, {args.iters // 2}), held out [{args.iters // 2}, {args.iters})"
+    )
     print("imbalance ratio = (max - mean) / mean of tokens per EP rank, mean over iterations and layers")
     print(f"{'placement':<34} {'slots':>5} {'fitted':>8} {'held-out':>9} {'time (s)':>9}")
     for r in rows:

@@ -67,13 +67,28 @@ class OnlineRun:
 
 
 def hf_config(args: argparse.Namespace) -> dict:
-    return dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=args.hidden_size,
-                intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=8,
-                num_key_value_heads=8, head_dim=8, hidden_act="silu", rms_norm_eps=1e-6,
-                max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32",
-                num_experts=args.experts, num_experts_per_tok=args.top_k,
-                moe_intermediate_size=args.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
-                norm_topk_prob=True)
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=128,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=8,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
 
 
 def zipf_bias(num_experts: int, s: float, rng: np.random.Generator) -> np.ndarray:
@@ -108,10 +123,15 @@ class SkewedMoeWorkload:
         self.noise = self.rng.normal(0.0, args.noise / np.sqrt(h - 1), size=(args.layers, h - 1, e)).astype(np.float32)
         layers = []
         for layer in range(args.layers):
-            experts = {"w_gate": self.rng.normal(0, 0.1, (e, h, i)), "w_up": self.rng.normal(0, 0.1, (e, h, i)),
-                       "w_down": self.rng.normal(0, 0.1, (e, i, h))}
-            moe = {name: jax.device_put(w[self.default_table].astype(np.float32), down if name == "w_down" else up)
-                   for name, w in experts.items()}
+            experts = {
+                "w_gate": self.rng.normal(0, 0.1, (e, h, i)),
+                "w_up": self.rng.normal(0, 0.1, (e, h, i)),
+                "w_down": self.rng.normal(0, 0.1, (e, i, h)),
+            }
+            moe = {
+                name: jax.device_put(w[self.default_table].astype(np.float32), down if name == "w_down" else up)
+                for name, w in experts.items()
+            }
             moe["router"] = jax.device_put(self._router(layer, zipf_bias(e, args.zipf_s, self.rng)), replicated)
             moe["slots"] = make_slot_table(self.default_table, e, replicated)
             layers.append({"moe": moe})
@@ -149,8 +169,9 @@ class SkewedMoeWorkload:
             for i, entry in enumerate(params["layers"]):
                 p = entry["moe"]
                 x = jax.random.normal(jax.random.fold_in(key, i), (tokens, hidden), jnp.float32).at[:, 0].set(1.0)
-                out, layer_counts, _ = ep_moe_block(x, p, config=config, moe_fn=moe_fn, mesh=mesh, rules=rules,
-                                                    options=EpMoeOptions())
+                out, layer_counts, _ = ep_moe_block(
+                    x, p, config=config, moe_fn=moe_fn, mesh=mesh, rules=rules, options=EpMoeOptions()
+                )
                 _, ids = route(x, p["router"], config)
                 slots = choose_slots(ids, p["slots"])
                 loads.append(jnp.bincount(slots.reshape(-1) // per_rank, length=ep))
@@ -185,11 +206,16 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
     work = SkewedMoeWorkload(args, mesh)
     params = work.params
     layers = list(range(args.layers))
-    config = MoeLoadBalancerConfig(num_slots=args.num_slots, layer_updates_per_iter=args.layer_updates_per_iter,
-                                   placement_algorithm=args.algorithm, min_imbalance_gain=args.min_gain,
-                                   minimize_moves=minimize_moves)
-    balancer = OnlineLoadBalancer(config=config, params=params, moe_layers=layers, num_experts=args.experts,
-                                  ep_size=args.ep_size, mesh=mesh)
+    config = MoeLoadBalancerConfig(
+        num_slots=args.num_slots,
+        layer_updates_per_iter=args.layer_updates_per_iter,
+        placement_algorithm=args.algorithm,
+        min_imbalance_gain=args.min_gain,
+        minimize_moves=minimize_moves,
+    )
+    balancer = OnlineLoadBalancer(
+        config=config, params=params, moe_layers=layers, num_experts=args.experts, ep_size=args.ep_size, mesh=mesh
+    )
     balancer.warm_up(params)
     key = jax.random.PRNGKey(args.seed)
     for _ in range(2):  # compile and warm the step
@@ -197,7 +223,7 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
     baseline = []  # the same step with no balancer work at all
     for step in range(args.baseline_steps):
         start = time.perf_counter()
-        np.asarray(work.step_fn(params, jax.random.fold_in(key, 10 ** 6 + step))[1])
+        np.asarray(work.step_fn(params, jax.random.fold_in(key, 10**6 + step))[1])
         baseline.append(time.perf_counter() - start)
     imbalance, static, step_seconds, update_steps = [], [], [], []
     layer_update_seconds, layer_dispatch_seconds = [], []
@@ -229,18 +255,28 @@ def run_online(args: argparse.Namespace, *, minimize_moves: bool, mesh: Any = No
         balancer.close()
     stats = balancer.stats
     row_bytes = balancer.pool.row_bytes(0)
-    return OnlineRun(minimize_moves=minimize_moves, imbalance=imbalance, static_imbalance=static,
-                     step_seconds=step_seconds, update_steps=update_steps,
-                     layer_update_seconds=layer_update_seconds, layer_dispatch_seconds=layer_dispatch_seconds,
-                     placement_seconds=list(balancer.worker.stats.seconds), rebalances=stats.rebalances,
-                     slots_rewritten=stats.slots_rewritten, bytes_moved=stats.bytes_moved,
-                     naive_bytes=stats.naive_bytes, full_bytes_per_layer=row_bytes * args.num_slots,
-                     skipped_small_gain=balancer.worker.stats.skipped_small_gain,
-                     extra=dict(baseline_step_seconds=baseline))
+    return OnlineRun(
+        minimize_moves=minimize_moves,
+        imbalance=imbalance,
+        static_imbalance=static,
+        step_seconds=step_seconds,
+        update_steps=update_steps,
+        layer_update_seconds=layer_update_seconds,
+        layer_dispatch_seconds=layer_dispatch_seconds,
+        placement_seconds=list(balancer.worker.stats.seconds),
+        rebalances=stats.rebalances,
+        slots_rewritten=stats.slots_rewritten,
+        bytes_moved=stats.bytes_moved,
+        naive_bytes=stats.naive_bytes,
+        full_bytes_per_layer=row_bytes * args.num_slots,
+        skipped_small_gain=balancer.worker.stats.skipped_small_gain,
+        extra=dict(baseline_step_seconds=baseline),
+    )
 
 
-def host_placement_ms(num_layers: int, num_experts: int, num_slots: int, ep_size: int, zipf_s: float, *,
-                      switched: bool, seed: int = 0) -> float:
+def host_placement_ms(
+    num_layers: int, num_experts: int, num_slots: int, ep_size: int, zipf_s: float, *, switched: bool, seed: int = 0
+) -> float:
     """Worker time (ms per layer) to plan every layer at a given scale from synthetic Zipf loads: the
     tables fitted to one set of loads, then planned for drifted loads (or, `switched`, a new hot set)."""
     from sharding.eplb.online import PlacementWorker
@@ -275,13 +311,13 @@ def moving_average(values: list[float], window: int) -> np.ndarray:
 def steps_to_recover(values: list[float], switch: int, window: int, target: float) -> Optional[int]:
     """Steps after `switch` until the trailing `window`-step mean (of steps after the switch only) is <= target."""
     after = moving_average(values[switch:], window)
-    hits = np.flatnonzero(after[window - 1:] <= target)
+    hits = np.flatnonzero(after[window - 1 :] <= target)
     return int(hits[0]) + window - 1 + 1 if hits.size else None
 
 
 def steady_state(values: list[float], start: int, stop: int) -> float:
     """Mean over the last quarter of [start, stop)."""
-    return float(np.mean(values[start + 3 * (stop - start) // 4: stop]))
+    return float(np.mean(values[start + 3 * (stop - start) // 4 : stop]))
 
 
 def summarize(run: OnlineRun, args: argparse.Namespace) -> dict:
@@ -290,24 +326,33 @@ def summarize(run: OnlineRun, args: argparse.Namespace) -> dict:
     quiet = [t for s, t in enumerate(run.step_seconds) if s not in set(run.update_steps)]
     return dict(
         minimize_moves=run.minimize_moves,
-        steady_before=steady_state(run.imbalance, 0, half), steady_after=steady_state(run.imbalance, half, args.steps),
+        steady_before=steady_state(run.imbalance, 0, half),
+        steady_after=steady_state(run.imbalance, half, args.steps),
         static_before=steady_state(run.static_imbalance, 0, half),
         static_after=steady_state(run.static_imbalance, half, args.steps),
         recover_steps=steps_to_recover(run.imbalance, half, args.window, args.target),
         first_settle_steps=steps_to_recover(run.imbalance, 0, args.window, args.target),
-        rebalances=run.rebalances, skipped_small_gain=run.skipped_small_gain, slots_rewritten=run.slots_rewritten,
-        bytes_per_rebalance=per_rebalance, naive_bytes_per_rebalance=run.naive_bytes / max(run.rebalances, 1),
+        rebalances=run.rebalances,
+        skipped_small_gain=run.skipped_small_gain,
+        slots_rewritten=run.slots_rewritten,
+        bytes_per_rebalance=per_rebalance,
+        naive_bytes_per_rebalance=run.naive_bytes / max(run.rebalances, 1),
         full_layer_bytes=run.full_bytes_per_layer,
         placement_ms_per_snapshot=1e3 * statistics.median(run.placement_seconds) if run.placement_seconds else None,
-        placement_ms_per_layer=(1e3 * statistics.median(run.placement_seconds) / args.layers
-                                if run.placement_seconds else None),
+        placement_ms_per_layer=(
+            1e3 * statistics.median(run.placement_seconds) / args.layers if run.placement_seconds else None
+        ),
         layer_update_ms=1e3 * statistics.median(run.layer_update_seconds) if run.layer_update_seconds else None,
         layer_dispatch_ms=1e3 * statistics.median(run.layer_dispatch_seconds) if run.layer_dispatch_seconds else None,
         step_ms=1e3 * statistics.median(quiet) if quiet else None,
-        step_ms_with_update=(1e3 * statistics.median([run.step_seconds[s] for s in run.update_steps])
-                             if run.update_steps else None),
-        baseline_step_ms=(1e3 * statistics.median(run.extra["baseline_step_seconds"])
-                          if run.extra.get("baseline_step_seconds") else None),
+        step_ms_with_update=(
+            1e3 * statistics.median([run.step_seconds[s] for s in run.update_steps]) if run.update_steps else None
+        ),
+        baseline_step_ms=(
+            1e3 * statistics.median(run.extra["baseline_step_seconds"])
+            if run.extra.get("baseline_step_seconds")
+            else None
+        ),
     )
 
 
@@ -319,8 +364,9 @@ def plot(runs: list[OnlineRun], args: argparse.Namespace, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
     steps = np.arange(args.steps)
-    ax.plot(steps, moving_average(runs[0].static_imbalance, args.window), color="tab:gray",
-            label="static default placement")
+    ax.plot(
+        steps, moving_average(runs[0].static_imbalance, args.window), color="tab:gray", label="static default placement"
+    )
     for run, color in zip(runs, ("tab:blue", "tab:orange")):
         label = "online, move-minimizing" if run.minimize_moves else "online, raw placements"
         ax.plot(steps, moving_average(run.imbalance, args.window), color=color, label=label)
@@ -329,8 +375,11 @@ def plot(runs: list[OnlineRun], args: argparse.Namespace, path: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(f"imbalance (max-mean)/mean, {args.window}-step mean")
     ax.set_yscale("log")
-    ax.set_title(f"Online EPLB: Zipf s={args.zipf_s:g}, {args.experts} experts / {args.num_slots} slots, "
-                 f"EP {args.ep_size}, {args.layers} layers, k={args.layer_updates_per_iter}", fontsize=9)
+    ax.set_title(
+        f"Online EPLB: Zipf s={args.zipf_s:g}, {args.experts} experts / {args.num_slots} slots, "
+        f"EP {args.ep_size}, {args.layers} layers, k={args.layer_updates_per_iter}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -338,8 +387,9 @@ def plot(runs: list[OnlineRun], args: argparse.Namespace, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxllm bench eplb-online", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxllm bench eplb-online", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--ep-size", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
@@ -358,13 +408,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=0.10, help="imbalance a recovery must reach")
     p.add_argument("--window", type=int, default=10, help="steps of the moving average")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sync-worker", action="store_true",
-                   help="wait for the placement worker after each step (reproducible runs)")
+    p.add_argument(
+        "--sync-worker", action="store_true", help="wait for the placement worker after each step (reproducible runs)"
+    )
     p.add_argument("--no-compare", action="store_true", help="skip the run without the move-minimizing mapping")
     p.add_argument("--baseline-steps", type=int, default=20, help="steps timed before, with no balancer")
-    p.add_argument("--host-scale", default="58,256,288,32", metavar="L,E,S,EP",
-                   help="also time the host placement alone at this scale (DeepSeek-V3: 58 MoE layers, 256 "
-                        "experts, 288 slots, EP 32); empty to skip")
+    p.add_argument(
+        "--host-scale",
+        default="58,256,288,32",
+        metavar="L,E,S,EP",
+        help="also time the host placement alone at this scale (DeepSeek-V3: 58 MoE layers, 256 "
+        "experts, 288 slots, EP 32); empty to skip",
+    )
     p.add_argument("--plot", default=None, metavar="PNG")
     p.add_argument("--json", action="store_true")
     return p
@@ -377,9 +432,11 @@ def _fmt(v: Any, unit: str = "") -> str:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"Online EPLB: Zipf s={args.zipf_s} over {args.experts} experts, {args.num_slots} slots, EP {args.ep_size}, "
-          f"top-{args.top_k}, {args.layers} layers, {args.tokens} tokens/step, k={args.layer_updates_per_iter} "
-          f"layers/step, {args.algorithm}, min gain {args.min_gain}; hot set switched at step {args.steps // 2}")
+    print(
+        f"Online EPLB: Zipf s={args.zipf_s} over {args.experts} experts, {args.num_slots} slots, EP {args.ep_size}, "
+        f"top-{args.top_k}, {args.layers} layers, {args.tokens} tokens/step, k={args.layer_updates_per_iter} "
+        f"layers/step, {args.algorithm}, min gain {args.min_gain}; hot set switched at step {args.steps // 2}"
+    )
     names = [("online, min-moves" if r["minimize_moves"] else "online, raw") for r in rows]
     print(f"{'':<38}" + "".join(f"{n:>18}" for n in names))
     lines = [
@@ -409,14 +466,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if len(jax.devices()) < args.devices:
         if jax.default_backend() != "cpu" or os.environ.get("_JAXLLM_BENCH_EPLB_ONLINE_CHILD"):
-            print(f"jaxllm bench eplb-online: {args.devices} devices needed, {len(jax.devices())} visible",
-                  file=sys.stderr)
+            print(
+                f"jaxllm bench eplb-online: {args.devices} devices needed, {len(jax.devices())} visible",
+                file=sys.stderr,
+            )
             return 2
-        env = dict(os.environ, _JAXLLM_BENCH_EPLB_ONLINE_CHILD="1", JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
-                             f"--xla_force_host_platform_device_count={args.devices}".strip())
-        return subprocess.call([sys.executable, "-m", "jaxllm.bench.eplb_online",
-                                *(argv if argv is not None else sys.argv[1:])], env=env)
+        env = dict(
+            os.environ,
+            _JAXLLM_BENCH_EPLB_ONLINE_CHILD="1",
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={args.devices}".strip(),
+        )
+        return subprocess.call(
+            [sys.executable, "-m", "jaxllm.bench.eplb_online", *(argv if argv is not None else sys.argv[1:])], env=env
+        )
     runs = [run_online(args, minimize_moves=True)]
     if not args.no_compare:
         runs.append(run_online(args, minimize_moves=False))
@@ -431,8 +495,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for switched in (False, True):
             ms = host_placement_ms(layers, experts, slots, ep, args.zipf_s, switched=switched, seed=args.seed)
             what = "hot set switched" if switched else "loads drifted"
-            print(f"host placement at {layers} layers x {experts} experts / {slots} slots, EP {ep} ({what}): "
-                  f"{ms:.2f} ms per layer, {ms * layers:.0f} ms per snapshot")
+            print(
+                f"host placement at {layers} layers x {experts} experts / {slots} slots, EP {ep} ({what}): "
+                f"{ms:.2f} ms per layer, {ms * layers:.0f} ms per snapshot"
+            )
     if args.plot:
         plot(runs, args, args.plot)
         print(f"plot: {args.plot}")

@@ -77,16 +77,27 @@ class DeviceWatcher:
 
     def idle_gaps(self) -> list[float]:
         """Seconds the device waited before each step after the first (0 when it was queued in time)."""
-        return [max(0.0, self.enqueued[i] - self.finished[i - 1])
-                for i in range(1, min(len(self.enqueued), len(self.finished) + 1))]
+        return [
+            max(0.0, self.enqueued[i] - self.finished[i - 1])
+            for i in range(1, min(len(self.enqueued), len(self.finished) + 1))
+        ]
 
 
 def _p50(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def measure(*, model: str, running: int, steps: int, overlap: bool, prompt_len: tuple[int, int],
-            dtype: str = "auto", seed: int = 0, warm_steps: int = 10) -> HostStepTiming:
+def measure(
+    *,
+    model: str,
+    running: int,
+    steps: int,
+    overlap: bool,
+    prompt_len: tuple[int, int],
+    dtype: str = "auto",
+    seed: int = 0,
+    warm_steps: int = 10,
+) -> HostStepTiming:
     import numpy as np
 
     from jaxllm import KvCacheConfig, SamplingParams
@@ -96,9 +107,15 @@ def measure(*, model: str, running: int, steps: int, overlap: bool, prompt_len: 
     tpb = 32
     max_new = steps + warm_steps + 64
     max_seq_len = -(-(prompt_len[1] + max_new) // tpb) * tpb
-    config = EngineConfig(model=model, dtype=dtype, max_batch_size=running, max_num_tokens=max(256, 2 * running),
-                          max_seq_len=max_seq_len, disable_overlap_scheduler=not overlap,
-                          kv_cache_config=KvCacheConfig(tokens_per_block=tpb, max_tokens=running * max_seq_len))
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        max_batch_size=running,
+        max_num_tokens=max(256, 2 * running),
+        max_seq_len=max_seq_len,
+        disable_overlap_scheduler=not overlap,
+        kv_cache_config=KvCacheConfig(tokens_per_block=tpb, max_tokens=running * max_seq_len),
+    )
     engine = LLMEngine(config)
     engine.warmup(all_variants=False)
     rng = np.random.default_rng(seed)
@@ -138,19 +155,33 @@ def measure(*, model: str, running: int, steps: int, overlap: bool, prompt_len: 
         raise RuntimeError("a request finished while timed; the measurement is not of a steady decode batch")
     for request_id in list(engine.active):
         engine.abort_request(request_id)
-    return HostStepTiming(running, overlap, steps, _p50(wall), _p50(host), statistics.fmean(host), _p50(cpu),
-                          _p50(dispatch), _p50(gaps) * 1e3, statistics.fmean(gaps) * 1e3 if gaps else float("nan"),
-                          sum(gaps) / total)
+    return HostStepTiming(
+        running,
+        overlap,
+        steps,
+        _p50(wall),
+        _p50(host),
+        statistics.fmean(host),
+        _p50(cpu),
+        _p50(dispatch),
+        _p50(gaps) * 1e3,
+        statistics.fmean(gaps) * 1e3 if gaps else float("nan"),
+        sum(gaps) / total,
+    )
 
 
 def format_table(rows: list[HostStepTiming]) -> str:
-    header = (f"{'running':>7} {'overlap':>7} {'steps':>5} {'step ms':>8} {'host ms':>8} {'host mean':>9} "
-              f"{'host cpu ms':>11} {'dispatch ms':>11} {'idle ms p50':>11} {'idle mean':>9} {'idle share':>10}")
+    header = (
+        f"{'running':>7} {'overlap':>7} {'steps':>5} {'step ms':>8} {'host ms':>8} {'host mean':>9} "
+        f"{'host cpu ms':>11} {'dispatch ms':>11} {'idle ms p50':>11} {'idle mean':>9} {'idle share':>10}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.running:>7} {'on' if r.overlap else 'off':>7} {r.steps:>5} {r.step_ms:>8.2f} "
-                     f"{r.host_ms:>8.3f} {r.host_mean_ms:>9.3f} {r.host_cpu_ms:>11.3f} {r.dispatch_ms:>11.3f} "
-                     f"{r.idle_ms:>11.3f} {r.idle_mean_ms:>9.3f} {r.idle_share:>10.1%}")
+        lines.append(
+            f"{r.running:>7} {'on' if r.overlap else 'off':>7} {r.steps:>5} {r.step_ms:>8.2f} "
+            f"{r.host_ms:>8.3f} {r.host_mean_ms:>9.3f} {r.host_cpu_ms:>11.3f} {r.dispatch_ms:>11.3f} "
+            f"{r.idle_ms:>11.3f} {r.idle_mean_ms:>9.3f} {r.idle_share:>10.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -158,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
-        prog="jaxllm bench host", formatter_class=HelpFormatter,
+        prog="jaxllm bench host",
+        formatter_class=HelpFormatter,
         description="Host time and device idle time per engine step with `running` requests decoding, "
-                    "with the overlap scheduler and, side by side, without it.")
+        "with the overlap scheduler and, side by side, without it.",
+    )
     parser.add_argument("--model", default="tiny-moe")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--running", type=int, nargs="+", default=[64, 256],
-                        help="requests decoding (also max_batch_size)")
+    parser.add_argument(
+        "--running", type=int, nargs="+", default=[64, 256], help="requests decoding (also max_batch_size)"
+    )
     parser.add_argument("--overlap", choices=["on", "off"], nargs="+", default=["on", "off"])
     parser.add_argument("--steps", type=int, default=60, help="timed steps per row")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[8, 32], metavar=("MIN", "MAX"))
@@ -177,8 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for running in args.running:
         for overlap in args.overlap:
-            rows.append(measure(model=args.model, running=running, steps=args.steps, overlap=overlap == "on",
-                                prompt_len=tuple(args.prompt_len), dtype=args.dtype, seed=args.seed))
+            rows.append(
+                measure(
+                    model=args.model,
+                    running=running,
+                    steps=args.steps,
+                    overlap=overlap == "on",
+                    prompt_len=tuple(args.prompt_len),
+                    dtype=args.dtype,
+                    seed=args.seed,
+                )
+            )
             print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print(format_table(rows))
     return 0

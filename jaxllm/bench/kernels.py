@@ -34,8 +34,9 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -114,9 +115,19 @@ def _rel_err(out: jax.Array, ref: jax.Array) -> float:
     return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
-def record_timing(s: Settings, ceil: Ceilings, kernel: str, case: str, impl: str, fn: Callable[..., Any],
-            args: tuple, nbytes: float, flops: float, ref_out: Optional[jax.Array] = None,
-            note: str = "") -> Optional[jax.Array]:
+def record_timing(
+    s: Settings,
+    ceil: Ceilings,
+    kernel: str,
+    case: str,
+    impl: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    nbytes: float,
+    flops: float,
+    ref_out: Optional[jax.Array] = None,
+    note: str = "",
+) -> Optional[jax.Array]:
     """Times `fn(*args)` and appends a row; a failure becomes a row, not a crash."""
     row = Row(kernel, case, impl, note=note)
     out = None
@@ -174,13 +185,23 @@ def _attention_inputs(case: AttentionCase, tpb: int, dtype, seed: int) -> dict[s
     @jax.jit
     def generate(key):
         k1, k2, k3, k4 = jax.random.split(key, 4)
-        return (jax.random.normal(k1, q_shape, dtype), jax.random.normal(k2, cache_shape, dtype),
-                jax.random.normal(k3, cache_shape, dtype),
-                jax.random.permutation(k4, num_blocks).astype(jnp.int32).reshape(num_seqs, max_blocks))
+        return (
+            jax.random.normal(k1, q_shape, dtype),
+            jax.random.normal(k2, cache_shape, dtype),
+            jax.random.normal(k3, cache_shape, dtype),
+            jax.random.permutation(k4, num_blocks).astype(jnp.int32).reshape(num_seqs, max_blocks),
+        )
 
     q, k_cache, v_cache, block_tables = generate(jax.random.PRNGKey(seed))
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=jnp.asarray(case.kv_lens, jnp.int32),
-                block_tables=block_tables, cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray([num_seqs], jnp.int32))
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        kv_lens=jnp.asarray(case.kv_lens, jnp.int32),
+        block_tables=block_tables,
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray([num_seqs], jnp.int32),
+    )
 
 
 def _attention_cost(case: AttentionCase, itemsize: int) -> tuple[float, float]:
@@ -212,51 +233,96 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
     tpb = s.tokens_per_block
     inputs = _attention_inputs(case, tpb, dtype, s.seed)
     nbytes, flops = _attention_cost(case, jnp.dtype(dtype).itemsize)
-    sm_scale = case.head_dim ** -0.5
+    sm_scale = case.head_dim**-0.5
     names = ("q", "k_cache", "v_cache", "kv_lens", "block_tables", "cu_q_lens", "num_seqs")
     args = tuple(inputs[k] for k in names)
 
     ref_out = None
     if peer == "paged_attention":
         with warnings.catch_warnings():  # deprecated in favour of tokamax on jax >= 0.11; still our decode peer
-            warnings.filterwarnings("ignore", message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
-                                    category=DeprecationWarning)
+            warnings.filterwarnings(
+                "ignore",
+                message="jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
+                category=DeprecationWarning,
+            )
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         k_splits, ppcb = _jax_paged_splits(inputs["block_tables"].shape[1])
-        peer_fn = jax.jit(lambda q, k, v, bt, lens: paged_attention(
-            q * jnp.asarray(sm_scale, q.dtype), k, v, bt, lens, k_splits=k_splits,
-            pages_per_compute_block=ppcb, interpret=s.interpret))
-        ref_out = record_timing(s, ceil, "paged_attention", case.name, "jax.pallas.ops.gpu.paged_attention", peer_fn,
-                          (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
-                           inputs["kv_lens"]), nbytes, flops, note=f"k_splits={k_splits} pages/block={ppcb}")
+        peer_fn = jax.jit(
+            lambda q, k, v, bt, lens: paged_attention(
+                q * jnp.asarray(sm_scale, q.dtype),
+                k,
+                v,
+                bt,
+                lens,
+                k_splits=k_splits,
+                pages_per_compute_block=ppcb,
+                interpret=s.interpret,
+            )
+        )
+        ref_out = record_timing(
+            s,
+            ceil,
+            "paged_attention",
+            case.name,
+            "jax.pallas.ops.gpu.paged_attention",
+            peer_fn,
+            (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], inputs["kv_lens"]),
+            nbytes,
+            flops,
+            note=f"k_splits={k_splits} pages/block={ppcb}",
+        )
     else:
         peer_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))
         ref_out = record_timing(s, ceil, "paged_attention", case.name, "xla reference", peer_fn, args, nbytes, flops)
 
-    shape_args = (args[0].shape[0], len(case.q_lens), case.num_q_heads, case.num_kv_heads, case.head_dim,
-                  inputs["block_tables"].shape[1] * tpb, jnp.dtype(dtype).itemsize)
+    shape_args = (
+        args[0].shape[0],
+        len(case.q_lens),
+        case.num_q_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        inputs["block_tables"].shape[1] * tpb,
+        jnp.dtype(dtype).itemsize,
+    )
     base = default_tiling(*shape_args)
     # The default (None): the engine's launch plan, two launches for a mixed bucket.
     tilings: list[Optional[AttentionTiling]] = [None]
     if s.sweep:
-        tilings += [AttentionTiling(base.block_m, base.block_k, n, base.num_warps, base.num_stages)
-                    for n in (1, 2, 4, 8, 16)]
+        tilings += [
+            AttentionTiling(base.block_m, base.block_k, n, base.num_warps, base.num_stages) for n in (1, 2, 4, 8, 16)
+        ]
     for tiling in tilings:
-        fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=s.interpret,
-                                       tiling=tiling))
+        fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=s.interpret, tiling=tiling))
         launches = plan_launches(*shape_args, tiling=tiling)
-        note = "; ".join(f"block_m={la.tiling.block_m} block_k={la.tiling.block_k} splits<={la.tiling.num_kv_splits}"
-                         for la in launches)
+        note = "; ".join(
+            f"block_m={la.tiling.block_m} block_k={la.tiling.block_k} splits<={la.tiling.num_kv_splits}"
+            for la in launches
+        )
         record_timing(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
     if _on_hopper(s):
-        from pallas_kernels.ragged_paged_attention.mosaic_gpu import default_num_kv_splits, ragged_paged_attention_mosaic
+        from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
+            default_num_kv_splits,
+            ragged_paged_attention_mosaic,
+        )
 
         fn = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=sm_scale))
-        splits = default_num_kv_splits(args[0].shape[0], len(case.q_lens), case.num_kv_heads,
-                                       inputs["block_tables"].shape[1] * tpb, tpb)
-        record_timing(s, ceil, "ragged_paged_attention", case.name, "mosaic", fn, args, nbytes, flops, ref_out,
-                f"TMA pages + wgmma, splits={splits}")
+        splits = default_num_kv_splits(
+            args[0].shape[0], len(case.q_lens), case.num_kv_heads, inputs["block_tables"].shape[1] * tpb, tpb
+        )
+        record_timing(
+            s,
+            ceil,
+            "ragged_paged_attention",
+            case.name,
+            "mosaic",
+            fn,
+            args,
+            nbytes,
+            flops,
+            ref_out,
+            f"TMA pages + wgmma, splits={splits}",
+        )
     del inputs, args
 
 
@@ -278,7 +344,6 @@ def moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], 
     function: (rows sorted by expert, group sizes, weights) for `moe_grouped_ffn` and
     (tokens, expert ids, routing weights, weights) for `moe_fused_ffn`."""
     e, h, i = case.num_experts, case.hidden, case.inter
-    rows = case.num_tokens * case.top_k
 
     @jax.jit
     def generate(key):
@@ -290,9 +355,9 @@ def moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], 
         group_sizes = jnp.zeros((e,), jnp.int32).at[ids].add(1)
         tokens = jax.random.normal(keys[1], (case.num_tokens, h), dtype)
         x = tokens[jnp.argsort(ids, stable=True) // case.top_k]
-        w_gate = (jax.random.normal(keys[2], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
-        w_up = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * h ** -0.5).astype(dtype)
-        w_down = (jax.random.normal(keys[4], (e, i, h), jnp.float32) * i ** -0.5).astype(dtype)
+        w_gate = (jax.random.normal(keys[2], (e, h, i), jnp.float32) * h**-0.5).astype(dtype)
+        w_up = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * h**-0.5).astype(dtype)
+        w_down = (jax.random.normal(keys[4], (e, i, h), jnp.float32) * i**-0.5).astype(dtype)
         return (x, group_sizes, w_gate, w_up, w_down), (tokens, top, routing, w_gate, w_up, w_down)
 
     return generate(jax.random.PRNGKey(seed))
@@ -300,7 +365,11 @@ def moe_inputs(case: MoeCase, dtype, seed: int) -> tuple[tuple[jax.Array, ...], 
 
 def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
     from pallas_kernels.moe_grouped_gemm import (
-        moe_fused_ffn, moe_fused_ffn_reference, moe_grouped_ffn, moe_grouped_ffn_reference)
+        moe_fused_ffn,
+        moe_fused_ffn_reference,
+        moe_grouped_ffn,
+        moe_grouped_ffn_reference,
+    )
     from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
 
     dtype = jnp.bfloat16
@@ -315,22 +384,44 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
 
     ref_out = None
     if rows <= s.max_ragged_dot_rows:
-        ref_out = record_timing(s, ceil, "ragged_dot", name, "jax.lax.ragged_dot x3", jax.jit(moe_grouped_ffn_reference),
-                          args, nbytes, flops, note=f"active experts {active}/{case.num_experts}")
+        ref_out = record_timing(
+            s,
+            ceil,
+            "ragged_dot",
+            name,
+            "jax.lax.ragged_dot x3",
+            jax.jit(moe_grouped_ffn_reference),
+            args,
+            nbytes,
+            flops,
+            note=f"active experts {active}/{case.num_experts}",
+        )
     else:
-        s.rows.append(Row("ragged_dot", name, "jax.lax.ragged_dot x3",
-                          note=f"skipped: {rows} rows > --max-ragged-dot-rows"))
+        s.rows.append(
+            Row("ragged_dot", name, "jax.lax.ragged_dot x3", note=f"skipped: {rows} rows > --max-ragged-dot-rows")
+        )
         print(_format_row(s.rows[-1]), flush=True)
     tiling = default_tiling(rows, case.num_experts, case.hidden, case.inter)
     fn = jax.jit(functools.partial(moe_grouped_ffn, interpret=s.interpret))
-    note = (f"block_m={tiling.gate_up.block_m} block_n={tiling.gate_up.block_n}/{tiling.down.block_n} "
-            f"split_k={tiling.down.num_k_splits} active experts {active}/{case.num_experts}")
+    note = (
+        f"block_m={tiling.gate_up.block_m} block_n={tiling.gate_up.block_n}/{tiling.down.block_n} "
+        f"split_k={tiling.down.num_k_splits} active experts {active}/{case.num_experts}"
+    )
     record_timing(s, ceil, "moe_grouped_ffn", name, "pallas", fn, args, nbytes, flops, ref_out, note)
     # The engine's path: token gather and routing-weighted combine inside the kernels.
     fused_ref = None
     if rows <= s.max_ragged_dot_rows:
-        fused_ref = record_timing(s, ceil, "moe_fused_ffn", name, "ragged_dot x3 + sort/unsort/combine",
-                            jax.jit(moe_fused_ffn_reference), fused_args, nbytes, flops)
+        fused_ref = record_timing(
+            s,
+            ceil,
+            "moe_fused_ffn",
+            name,
+            "ragged_dot x3 + sort/unsort/combine",
+            jax.jit(moe_fused_ffn_reference),
+            fused_args,
+            nbytes,
+            flops,
+        )
     fn = jax.jit(functools.partial(moe_fused_ffn, interpret=s.interpret))
     record_timing(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
     if _on_hopper(s):
@@ -338,13 +429,34 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu import moe_grouped_ffn_mosaic
 
         t = mosaic_tiling(rows, case.num_experts, case.hidden, case.inter)
-        record_timing(s, ceil, "moe_grouped_ffn", name, "mosaic", jax.jit(moe_grouped_ffn_mosaic), args, nbytes, flops,
-                ref_out, f"TMA + wgmma block_m={t.gate_up.block_m} n={t.gate_up.block_n}/{t.down.block_n}")
+        record_timing(
+            s,
+            ceil,
+            "moe_grouped_ffn",
+            name,
+            "mosaic",
+            jax.jit(moe_grouped_ffn_mosaic),
+            args,
+            nbytes,
+            flops,
+            ref_out,
+            f"TMA + wgmma block_m={t.gate_up.block_m} n={t.gate_up.block_n}/{t.down.block_n}",
+        )
     if not s.interpret and importlib.util.find_spec("tokamax") is not None:
         from jaxllm.models.backends import tokamax_moe
 
-        record_timing(s, ceil, "moe_grouped_ffn", name, "tokamax ragged_dot x3", jax.jit(tokamax_moe()), args, nbytes,
-                flops, ref_out)
+        record_timing(
+            s,
+            ceil,
+            "moe_grouped_ffn",
+            name,
+            "tokamax ragged_dot x3",
+            jax.jit(tokamax_moe()),
+            args,
+            nbytes,
+            flops,
+            ref_out,
+        )
     del args, fused_args
 
 
@@ -353,20 +465,24 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
 
 def attention_cases(smoke: bool) -> list[tuple[AttentionCase, str]]:
     if smoke:
-        return [(AttentionCase("decode S=4 ctx<=64", (1,) * 4, (17, 64, 33, 1), 4, 2, 64), "paged_attention"),
-                (AttentionCase("mixed 5 prefill + 3 decode", (5, 1, 1, 1), (9, 17, 33, 64), 4, 2, 64), "xla")]
+        return [
+            (AttentionCase("decode S=4 ctx<=64", (1,) * 4, (17, 64, 33, 1), 4, 2, 64), "paged_attention"),
+            (AttentionCase("mixed 5 prefill + 3 decode", (5, 1, 1, 1), (9, 17, 33, 64), 4, 2, 64), "xla"),
+        ]
     cases: list[tuple[AttentionCase, str]] = []
     for num_seqs in (64, 256):
         for ctx in (1024, 8192):
-            cases.append((AttentionCase(f"decode S={num_seqs} ctx={ctx}", (1,) * num_seqs, (ctx,) * num_seqs),
-                          "paged_attention"))
+            cases.append(
+                (AttentionCase(f"decode S={num_seqs} ctx={ctx}", (1,) * num_seqs, (ctx,) * num_seqs), "paged_attention")
+            )
     rng = np.random.default_rng(0)
     ragged = tuple(int(x) for x in rng.integers(128, 4096, 128))
     cases.append((AttentionCase("decode S=128 ctx~U[128,4k)", (1,) * 128, ragged), "paged_attention"))
     for chunk, prefix in ((512, 0), (2048, 0), (2048, 6144)):
         cases.append((AttentionCase(f"prefill chunk={chunk} prefix={prefix}", (chunk,), (chunk + prefix,)), "xla"))
-    cases.append((AttentionCase("mixed 512 prefill + 63 decode ctx=4k", (512,) + (1,) * 63,
-                                (512,) + (4096,) * 63), "xla"))
+    cases.append(
+        (AttentionCase("mixed 512 prefill + 63 decode ctx=4k", (512,) + (1,) * 63, (512,) + (4096,) * 63), "xla")
+    )
     return cases
 
 
@@ -383,8 +499,18 @@ def moe_cases(smoke: bool) -> list[MoeCase]:
 
 # ----------------------------------------------------------------------------- output
 
-_COLUMNS = (("kernel", 22), ("case", 36), ("impl", 34), ("ms", 9), ("GB/s", 8), ("TFLOP/s", 8),
-            ("bound", 5), ("%ceil", 6), ("rel_err", 8), ("note", 0))
+_COLUMNS = (
+    ("kernel", 22),
+    ("case", 36),
+    ("impl", 34),
+    ("ms", 9),
+    ("GB/s", 8),
+    ("TFLOP/s", 8),
+    ("bound", 5),
+    ("%ceil", 6),
+    ("rel_err", 8),
+    ("note", 0),
+)
 
 
 def _fmt(v: Any, width: int) -> str:
@@ -412,25 +538,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
     from pallas_kernels.triton_backend import filter_triton_deprecation
 
-    parser = argparse.ArgumentParser(prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes in Pallas interpret mode (runs on CPU; timings meaningless)")
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench kernels", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes in Pallas interpret mode (runs on CPU; timings meaningless)"
+    )
     parser.add_argument("--only", choices=("all", "attention", "moe"), default="all")
     parser.add_argument("--iters", type=int, default=None, help="calls per timed loop (default 20; smoke 1)")
     parser.add_argument("--reps", type=int, default=None, help="timed loops, median reported (default 3)")
     parser.add_argument("--tokens-per-block", type=int, default=None, help="KV cache page size (default 16)")
     parser.add_argument("--sweep", action="store_true", help="also time every kv-split count for attention")
-    parser.add_argument("--max-ragged-dot-rows", type=int, default=16384,
-                        help="skip the ragged_dot peer above this many rows (XLA may densify it)")
+    parser.add_argument(
+        "--max-ragged-dot-rows",
+        type=int,
+        default=16384,
+        help="skip the ragged_dot peer above this many rows (XLA may densify it)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON here")
-    parser.add_argument("--kernels", choices=("triton", "mosaic", "both"), default="triton",
-                        help="--cost-model: which kernels' launches (mosaic: the Hopper kernels)")
-    parser.add_argument("--cost-model", action="store_true",
-                        help="print the launch cost model at real model shapes instead (no GPU needed): grid, "
-                             "working CTAs, bytes, FLOPs, roofline time on datasheet numbers")
-    parser.add_argument("--gpu", choices=("h100", "h200", "both"), default="both",
-                        help="datasheet numbers the cost model uses")
+    parser.add_argument(
+        "--kernels",
+        choices=("triton", "mosaic", "both"),
+        default="triton",
+        help="--cost-model: which kernels' launches (mosaic: the Hopper kernels)",
+    )
+    parser.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="print the launch cost model at real model shapes instead (no GPU needed): grid, "
+        "working CTAs, bytes, FLOPs, roofline time on datasheet numbers",
+    )
+    parser.add_argument(
+        "--gpu", choices=("h100", "h200", "both"), default="both", help="datasheet numbers the cost model uses"
+    )
     args = parser.parse_args(argv)
 
     if args.cost_model:
@@ -447,15 +587,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(cost_model.format_table(costs, gpus))
         if args.json_path:
             with open(args.json_path, "w") as f:
-                json.dump([dict(asdict(c), programs=c.programs, **{f"{g.name}_roofline_us": c.roofline_s(g) * 1e6
-                                                                   for g in gpus})
-                           for c in costs], f, indent=1)
+                json.dump(
+                    [
+                        dict(
+                            asdict(c),
+                            programs=c.programs,
+                            **{f"{g.name}_roofline_us": c.roofline_s(g) * 1e6 for g in gpus},
+                        )
+                        for c in costs
+                    ],
+                    f,
+                    indent=1,
+                )
         return 0
 
     if not args.smoke and jax.default_backend() != "gpu":
-        print(f"jaxllm bench kernels: no GPU found (jax backend is {jax.default_backend()!r}, devices "
-              f"{jax.devices()}). The kernels are GPU kernels; run on a CUDA machine, or pass --smoke "
-              "to exercise the benchmark on CPU in interpret mode.", file=sys.stderr)
+        print(
+            f"jaxllm bench kernels: no GPU found (jax backend is {jax.default_backend()!r}, devices "
+            f"{jax.devices()}). The kernels are GPU kernels; run on a CUDA machine, or pass --smoke "
+            "to exercise the benchmark on CPU in interpret mode.",
+            file=sys.stderr,
+        )
         return 2
 
     filter_triton_deprecation()  # the peers (JAX's paged_attention) lower through Triton as well
@@ -469,10 +621,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     device = jax.devices()[0]
     ceil = measure_ceilings(args.smoke)
-    print(f"device: {getattr(device, 'device_kind', device.platform)}  jax {jax.__version__}  "
-          f"{'interpret mode (smoke)' if args.smoke else 'compiled'}")
-    print(f"ceilings: copy {ceil.bytes_per_s / 1e9:.0f} GB/s, bf16 matmul {ceil.flops_per_s / 1e12:.1f} TFLOP/s, "
-          f"ridge {ceil.ridge:.0f} FLOP/byte")
+    print(
+        f"device: {getattr(device, 'device_kind', device.platform)}  jax {jax.__version__}  "
+        f"{'interpret mode (smoke)' if args.smoke else 'compiled'}"
+    )
+    print(
+        f"ceilings: copy {ceil.bytes_per_s / 1e9:.0f} GB/s, bf16 matmul {ceil.flops_per_s / 1e12:.1f} TFLOP/s, "
+        f"ridge {ceil.ridge:.0f} FLOP/byte"
+    )
     print(_header())
     if args.only in ("all", "attention"):
         for case, peer in attention_cases(args.smoke):
@@ -483,9 +639,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"device": str(getattr(device, "device_kind", device.platform)), "jax": jax.__version__,
-                       "copy_bytes_per_s": ceil.bytes_per_s, "bf16_flops_per_s": ceil.flops_per_s,
-                       "rows": [asdict(r) for r in s.rows]}, f, indent=1)
+            json.dump(
+                {
+                    "device": str(getattr(device, "device_kind", device.platform)),
+                    "jax": jax.__version__,
+                    "copy_bytes_per_s": ceil.bytes_per_s,
+                    "bf16_flops_per_s": ceil.flops_per_s,
+                    "rows": [asdict(r) for r in s.rows],
+                },
+                f,
+                indent=1,
+            )
     failed = [r for r in s.rows if r.note.startswith("failed") and r.impl == "pallas"]
     if failed:
         print(f"{len(failed)} pallas kernel run(s) failed", file=sys.stderr)

@@ -20,8 +20,9 @@ from jaxllm.bench.throughput import add_engine_args, build_engine, engine_host_t
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="jaxllm bench latency", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench latency", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_engine_args(parser)
     add_dataset_args(parser)
     parser.add_argument("--warmup-requests", type=int, default=2)
@@ -38,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     requests = dataset_from_args(args, engine.tokenizer, engine.max_seq_len)
     with GenerationExecutor(engine, ExecutorConfig(num_postprocess_workers=args.num_postprocess_workers)) as ex:
         if args.warmup_requests:
-            run_executor(ex, requests[:args.warmup_requests], concurrency=1, progress=False)
+            run_executor(ex, requests[: args.warmup_requests], concurrency=1, progress=False)
         if hasattr(engine, "reset_timing"):
             engine.reset_timing()
         started = time.perf_counter()
@@ -48,8 +49,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary["extra"] = {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in engine_host_timing(engine).items()}
     print(format_table(summary, "latency (concurrency 1)"))
     if args.report_json:
-        write_report(args.report_json, summary, {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
-                                                 for k, v in vars(args).items()})
+        write_report(
+            args.report_json,
+            summary,
+            {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v) for k, v in vars(args).items()},
+        )
     return 0 if summary["num_failed"] == 0 else 1
 
 

@@ -17,10 +17,22 @@ from pathlib import Path
 from typing import Optional
 
 # About 1.1B parameters: 16 layers of hidden 2048, MLP 8192, 32 query / 8 KV heads, vocab 32000.
-ONE_B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=2048,
-             intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-             head_dim=64, hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
-             tie_word_embeddings=False)
+ONE_B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 def write_random_model(directory: Path, hf: dict, dtype: str, seed: int = 0) -> None:
@@ -49,8 +61,11 @@ def _timed_load(directory: Path, config, mesh) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.bench.load_time", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxllm.bench.load_time",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--workdir", required=True, help="scratch directory for the two checkpoints")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the mesh loaded onto")
@@ -78,8 +93,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"converted in {time.perf_counter() - start:.1f} s")
     config = load_model_config(source)
     mesh = make_mesh(ParallelConfig(tensor_parallel_size=args.tp))
-    result = dict(params=num_params(config), dtype=config.dtype, tp=args.tp, devices=str(jax.devices()[0].platform),
-                  safetensors_bytes=checkpoint_bytes(source), orbax_bytes=checkpoint_bytes(converted))
+    result = dict(
+        params=num_params(config),
+        dtype=config.dtype,
+        tp=args.tp,
+        devices=str(jax.devices()[0].platform),
+        safetensors_bytes=checkpoint_bytes(source),
+        orbax_bytes=checkpoint_bytes(converted),
+    )
     for name, directory in (("safetensors", source), ("orbax", converted)):
         times = [_timed_load(directory, config, mesh) for _ in range(args.repeats)]
         result[f"{name}_load_s"] = round(min(times), 2)

@@ -46,8 +46,9 @@ RUNS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench logits", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench logits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny-dense")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=64)
@@ -61,9 +62,15 @@ def main(argv=None) -> int:
 
     from jaxllm import LLM, KvCacheConfig, SamplingParams
 
-    llm = LLM(args.model, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-              max_seq_len=args.input_len + args.output_len + 8, kv_cache_config=KvCacheConfig(tokens_per_block=16),
-              logits_post_processors={"identity": _identity}, warmup_logits_outputs=True)
+    llm = LLM(
+        args.model,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.input_len + args.output_len + 8,
+        kv_cache_config=KvCacheConfig(tokens_per_block=16),
+        logits_post_processors={"identity": _identity},
+        warmup_logits_outputs=True,
+    )
     results = []
     try:
         llm.executor.call_on_engine(lambda e: e.warmup(all_variants=False), timeout=3600)
@@ -86,21 +93,34 @@ def main(argv=None) -> int:
                     outs.append(pending[0].result(timeout=3600))
                     seconds = min(seconds, time.perf_counter() - started)
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                results.append({"run": name, "output_tokens": tokens, "seconds": seconds,
-                                "others_seconds": others_seconds, "tokens_per_second": tokens / seconds,
-                                "compiles_after_warmup": len(compiles) - before})
+                results.append(
+                    {
+                        "run": name,
+                        "output_tokens": tokens,
+                        "seconds": seconds,
+                        "others_seconds": others_seconds,
+                        "tokens_per_second": tokens / seconds,
+                        "compiles_after_warmup": len(compiles) - before,
+                    }
+                )
                 print(f"  {name}: {tokens / seconds:.1f} tok/s", flush=True)
     finally:
         llm.shutdown()
     reference = results[0]["tokens_per_second"]
-    print(f"\nlogits outputs and post-processors: {args.model}, {args.requests} requests x ({args.input_len} in, "
-          f"{args.output_len} out), one of them asking, max_batch_size {args.max_batch_size}")
+    print(
+        f"\nlogits outputs and post-processors: {args.model}, {args.requests} requests x ({args.input_len} in, "
+        f"{args.output_len} out), one of them asking, max_batch_size {args.max_batch_size}"
+    )
     print("(others s: until every request but the asking one is done - what asking costs the others)")
-    print(f"{'run (what one request asks for)':<36} {'out tok/s':>10} {'vs first':>9} {'seconds':>8} "
-          f"{'others s':>9} {'compiles':>9}")
+    print(
+        f"{'run (what one request asks for)':<36} {'out tok/s':>10} {'vs first':>9} {'seconds':>8} "
+        f"{'others s':>9} {'compiles':>9}"
+    )
     for r in results:
-        print(f"{r['run']:<36} {r['tokens_per_second']:>10.1f} {r['tokens_per_second'] / reference:>8.2f}x "
-              f"{r['seconds']:>8.2f} {r['others_seconds']:>9.2f} {r['compiles_after_warmup']:>9}")
+        print(
+            f"{r['run']:<36} {r['tokens_per_second']:>10.1f} {r['tokens_per_second'] / reference:>8.2f}x "
+            f"{r['seconds']:>8.2f} {r['others_seconds']:>9.2f} {r['compiles_after_warmup']:>9}"
+        )
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(results, indent=2))
     return 0

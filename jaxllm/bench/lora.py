@@ -30,9 +30,15 @@ import numpy as np
 
 from jaxllm.bench.request_metrics import counting_compiles
 
-_MODULES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-            "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
-            "down": ("mlp", "down_proj")}
+_MODULES = {
+    "q": ("self_attn", "q_proj"),
+    "k": ("self_attn", "k_proj"),
+    "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"),
+    "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
 
 
 @dataclass
@@ -63,21 +69,29 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> None:
             block, module = _MODULES[target]
             d_in, d_out = target_dims(config, target)
             name = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{name}.lora_A.weight"] = rng.normal(0, d_in ** -0.5, (rank, d_in)).astype(np.float32)
+            tensors[f"{name}.lora_A.weight"] = rng.normal(0, d_in**-0.5, (rank, d_in)).astype(np.float32)
             tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.02, (d_out, rank)).astype(np.float32)
     path.mkdir(parents=True, exist_ok=True)
     modules = sorted({_MODULES[t][1] for layer in range(config.num_layers) for t in layer_targets(config, layer)})
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules}))
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules})
+    )
     save_file(tensors, str(path / "adapter_model.safetensors"))
 
 
 def _run(name: str, args, prompts, adapters, enable_lora: bool) -> LoraRun:
     from jaxllm import LLM, KvCacheConfig, SamplingParams
 
-    llm = LLM(args.model, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-              max_seq_len=args.input_len + args.output_len + 8, enable_lora=enable_lora, max_loras=args.max_loras,
-              max_lora_rank=args.rank, kv_cache_config=KvCacheConfig(tokens_per_block=16))
+    llm = LLM(
+        args.model,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.input_len + args.output_len + 8,
+        enable_lora=enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.rank,
+        kv_cache_config=KvCacheConfig(tokens_per_block=16),
+    )
     try:
         llm.executor.call_on_engine(lambda e: e.warmup(all_variants=False), timeout=3600)
         with counting_compiles() as compiles:
@@ -88,7 +102,8 @@ def _run(name: str, args, prompts, adapters, enable_lora: bool) -> LoraRun:
                 outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters if enable_lora else None)
                 seconds = min(seconds, time.perf_counter() - started)
         loads, evictions = llm.executor.call_on_engine(
-            lambda e: (e.lora_slots.loads, e.lora_slots.evictions) if e.lora_slots is not None else (0, 0))
+            lambda e: (e.lora_slots.loads, e.lora_slots.evictions) if e.lora_slots is not None else (0, 0)
+        )
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return LoraRun(name, len(prompts), tokens, seconds, len(compiles), loads, evictions)
     finally:
@@ -96,8 +111,9 @@ def _run(name: str, args, prompts, adapters, enable_lora: bool) -> LoraRun:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxllm bench lora", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench lora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny-dense", help="a dense model (preset, directory or Hub id)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
@@ -107,8 +123,12 @@ def main(argv=None) -> int:
     parser.add_argument("--adapters", type=int, default=4, help="adapters of the resident run (<= --max-loras)")
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16, help="adapter rank (also max_lora_rank)")
-    parser.add_argument("--runs", nargs="+", default=["off", "base", "resident", "swapping"],
-                        choices=["off", "base", "resident", "swapping"])
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["off", "base", "resident", "swapping"],
+        choices=["off", "base", "resident", "swapping"],
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per run; the fastest is reported")
     parser.add_argument("--report-json", default=None)
     args = parser.parse_args(argv)
@@ -129,27 +149,34 @@ def main(argv=None) -> int:
             write_random_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i)
             pool.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
         # round-robin over the adapters and the base model (None)
-        resident = [([*pool[:args.adapters], None])[i % (args.adapters + 1)] for i in range(args.requests)]
+        resident = [([*pool[: args.adapters], None])[i % (args.adapters + 1)] for i in range(args.requests)]
         swapping = [pool[i % len(pool)] for i in range(args.requests)]
-        plan = {"off": ("off", [None] * args.requests, False),
-                "base": ("on, base", [None] * args.requests, True),
-                "resident": (f"on, {args.adapters} adapters + base", resident, True),
-                "swapping": (f"on, {len(pool)} adapters / {args.max_loras} slots", swapping, True)}
+        plan = {
+            "off": ("off", [None] * args.requests, False),
+            "base": ("on, base", [None] * args.requests, True),
+            "resident": (f"on, {args.adapters} adapters + base", resident, True),
+            "swapping": (f"on, {len(pool)} adapters / {args.max_loras} slots", swapping, True),
+        }
         for key in args.runs:
             name, adapters, enable = plan[key]
             runs.append(_run(name, args, prompts, adapters, enable))
             print(f"  {name}: {runs[-1].tokens_per_second:.1f} tok/s", flush=True)
     reference = runs[0].tokens_per_second
-    print(f"\nLoRA cost: {args.model}, {args.requests} requests x ({args.input_len} in, {args.output_len} out), "
-          f"rank {args.rank}, max_loras {args.max_loras}, max_batch_size {args.max_batch_size}")
+    print(
+        f"\nLoRA cost: {args.model}, {args.requests} requests x ({args.input_len} in, {args.output_len} out), "
+        f"rank {args.rank}, max_loras {args.max_loras}, max_batch_size {args.max_batch_size}"
+    )
     print(f"{'run':<32} {'out tok/s':>10} {'vs first':>9} {'seconds':>8} {'compiles':>9} {'loads':>6} {'evictions':>9}")
     # compiles: after warm-up, over every pass; loads / evictions: adapter slot writes, over every pass
     for r in runs:
-        print(f"{r.name:<32} {r.tokens_per_second:>10.1f} {r.tokens_per_second / reference:>8.2f}x {r.seconds:>8.2f} "
-              f"{r.compiles_after_warmup:>9} {r.slot_loads:>6} {r.slot_evictions:>9}")
+        print(
+            f"{r.name:<32} {r.tokens_per_second:>10.1f} {r.tokens_per_second / reference:>8.2f}x {r.seconds:>8.2f} "
+            f"{r.compiles_after_warmup:>9} {r.slot_loads:>6} {r.slot_evictions:>9}"
+        )
     if args.report_json:
-        Path(args.report_json).write_text(json.dumps([{**r.__dict__, "tokens_per_second": r.tokens_per_second}
-                                                      for r in runs], indent=2))
+        Path(args.report_json).write_text(
+            json.dumps([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in runs], indent=2)
+        )
     return 0
 
 

@@ -24,8 +24,14 @@ from pathlib import Path
 from typing import Optional
 
 # DeepSeek-V3's attention dimensions (config.json of deepseek-ai/DeepSeek-V3).
-DEEPSEEK_V3_ATTENTION = dict(num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
-                             qk_nope_head_dim=128, v_head_dim=128)
+DEEPSEEK_V3_ATTENTION = dict(
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,19 +56,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def hf_config(args: argparse.Namespace) -> dict:
-    return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=1024,
-                hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                moe_intermediate_size=args.hidden_size // 2, num_hidden_layers=args.layers,
-                num_attention_heads=args.heads, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
-                qk_rope_head_dim=args.qk_rope_head_dim, qk_nope_head_dim=args.qk_nope_head_dim,
-                v_head_dim=args.v_head_dim, n_routed_experts=args.experts, num_experts_per_tok=args.top_k,
-                n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                norm_topk_prob=True, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, torch_dtype="float32")
+    return dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=1024,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        moe_intermediate_size=args.hidden_size // 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        qk_nope_head_dim=args.qk_nope_head_dim,
+        v_head_dim=args.v_head_dim,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
 
 
-def kv_bytes(num_layers: int, heads: int, kv_lora_rank: int, qk_rope: int, qk_nope: int, v_head: int,
-             itemsize: int) -> tuple[int, int]:
+def kv_bytes(
+    num_layers: int, heads: int, kv_lora_rank: int, qk_rope: int, qk_nope: int, v_head: int, itemsize: int
+) -> tuple[int, int]:
     """(latent cache, full K/V cache) bytes per token over all layers."""
     from jaxllm.kv_cache.spec import MlaKvCacheSpec
 
@@ -79,10 +105,16 @@ def _decode_batch(batch: int, context: int, tokens_per_block: int, vocab: int):
     tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
     positions = np.full(batch, context, np.int32)
     slots = tables[:, context // tokens_per_block] * tokens_per_block + context % tokens_per_block
-    return StepBatch(token_ids=np.random.default_rng(0).integers(0, vocab, batch).astype(np.int32),
-                     positions=positions, slot_mapping=slots.astype(np.int32),
-                     cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=positions + 1, block_tables=tables,
-                     num_seqs=np.array([batch], np.int32), logits_indices=np.arange(batch, dtype=np.int32))
+    return StepBatch(
+        token_ids=np.random.default_rng(0).integers(0, vocab, batch).astype(np.int32),
+        positions=positions,
+        slot_mapping=slots.astype(np.int32),
+        cu_q_lens=np.arange(batch + 1, dtype=np.int32),
+        kv_lens=positions + 1,
+        block_tables=tables,
+        num_seqs=np.array([batch], np.int32),
+        logits_indices=np.arange(batch, dtype=np.int32),
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -111,14 +143,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     key = jax.random.PRNGKey(0)
     empty = init_kv_cache(config, num_blocks, tpb, config.dtype)  # a page pool (scan_layers) or per-layer caches
     random_latents = lambda i, c: MlaLayerCache(  # noqa: E731
-        jax.random.normal(jax.random.fold_in(key, i), c.latent.shape, c.latent.dtype))
+        jax.random.normal(jax.random.fold_in(key, i), c.latent.shape, c.latent.dtype)
+    )
     cache = [random_latents(i, c) for i, c in enumerate(empty)] if isinstance(empty, list) else random_latents(0, empty)
     for context in contexts:
         batch = _decode_batch(args.batch, context, tpb, config.vocab_size)
         row = dict(context=context, batch=args.batch, backend=backend, platform=jax.default_backend())
         for mode in ("absorbed", "expanded"):
-            step = jax.jit(functools.partial(forward, config=replace(config, mla_attention=mode),
-                                             attention_fn=attention_fn, moe_fn=moe_fn))
+            step = jax.jit(
+                functools.partial(
+                    forward, config=replace(config, mla_attention=mode), attention_fn=attention_fn, moe_fn=moe_fn
+                )
+            )
             step(params, cache, batch)[0].block_until_ready()  # compile
             samples = []
             for _ in range(args.iters):
@@ -134,25 +170,39 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     rows = run(args)
-    model = kv_bytes(args.layers, args.heads, args.kv_lora_rank, args.qk_rope_head_dim, args.qk_nope_head_dim,
-                     args.v_head_dim, 4)
-    real = kv_bytes(itemsize=2, **{k: v for k, v in zip(
-        ("num_layers", "heads", "kv_lora_rank", "qk_rope", "qk_nope", "v_head"), DEEPSEEK_V3_ATTENTION.values())})
+    model = kv_bytes(
+        args.layers, args.heads, args.kv_lora_rank, args.qk_rope_head_dim, args.qk_nope_head_dim, args.v_head_dim, 4
+    )
+    real = kv_bytes(
+        itemsize=2,
+        **{
+            k: v
+            for k, v in zip(
+                ("num_layers", "heads", "kv_lora_rank", "qk_rope", "qk_nope", "v_head"), DEEPSEEK_V3_ATTENTION.values()
+            )
+        },
+    )
     if args.json:
         for r in rows:
             print(json.dumps(r))
         print(json.dumps(dict(kv_bytes_per_token=dict(model_f32=model, deepseek_v3_bf16=real))))
         return 0
-    print(f"decode, batch {args.batch}, {args.layers} layers, {args.heads} heads, kv_lora_rank "
-          f"{args.kv_lora_rank}, attention backend {rows[0]['backend'] if rows else '-'} on "
-          f"{rows[0]['platform'] if rows else '-'}")
-    head = f"{'context':>8} {'absorbed ms':>12} {'expanded ms':>12} {'absorbed tok/s':>15} {'expanded tok/s':>15} " \
-           f"{'speedup':>8}"
+    print(
+        f"decode, batch {args.batch}, {args.layers} layers, {args.heads} heads, kv_lora_rank "
+        f"{args.kv_lora_rank}, attention backend {rows[0]['backend'] if rows else '-'} on "
+        f"{rows[0]['platform'] if rows else '-'}"
+    )
+    head = (
+        f"{'context':>8} {'absorbed ms':>12} {'expanded ms':>12} {'absorbed tok/s':>15} {'expanded tok/s':>15} "
+        f"{'speedup':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['context']:>8} {r['absorbed_ms']:>12.2f} {r['expanded_ms']:>12.2f} {r['absorbed_tok_s']:>15.1f} "
-              f"{r['expanded_tok_s']:>15.1f} {r['expanded_ms'] / r['absorbed_ms']:>7.2f}x")
+        print(
+            f"{r['context']:>8} {r['absorbed_ms']:>12.2f} {r['expanded_ms']:>12.2f} {r['absorbed_tok_s']:>15.1f} "
+            f"{r['expanded_tok_s']:>15.1f} {r['expanded_ms'] / r['absorbed_ms']:>7.2f}x"
+        )
     print()
     print(f"{'KV cache bytes/token':<34} {'latent':>12} {'full K/V':>12} {'ratio':>8}")
     for name, (latent, full) in (("this model (f32)", model), ("DeepSeek-V3 (61 layers, bf16)", real)):

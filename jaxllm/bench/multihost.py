@@ -58,10 +58,19 @@ def _measure(args: argparse.Namespace, channel: str) -> dict:
 
     n = args.running
     # Tokens per step: room for every decode token plus prompt chunks, so all `n` requests get in.
-    engine = LLMEngine(EngineConfig(
-        model=args.model, dtype="float32", max_batch_size=n, max_num_tokens=2 * n, max_seq_len=args.max_seq_len,
-        kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=n * args.max_seq_len),
-        tensor_parallel_size=args.devices, multihost_plan_channel=channel, compile_cache=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype="float32",
+            max_batch_size=n,
+            max_num_tokens=2 * n,
+            max_seq_len=args.max_seq_len,
+            kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=n * args.max_seq_len),
+            tensor_parallel_size=args.devices,
+            multihost_plan_channel=channel,
+            compile_cache=False,
+        )
+    )
     engine.warmup(all_variants=False)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_seq_len - args.prompt_len, ignore_eos=True)
@@ -84,11 +93,16 @@ def _measure(args: argparse.Namespace, channel: str) -> dict:
             encode_ms.append((stats.encode_seconds - before[3]) * 1e3)
     running = sum(1 for r in engine.active.values() if not r.is_context_phase)
     engine.close()
-    return dict(processes=jax.process_count(), devices=jax.device_count(), channel=channel if stats else "-",
-                running=running, step_ms=statistics.median(step_ms),
-                bytes_per_step=statistics.median(sizes) if sizes else 0,
-                encode_ms=statistics.median(encode_ms) if encode_ms else 0.0,
-                send_ms=statistics.median(send_ms) if send_ms else 0.0)
+    return dict(
+        processes=jax.process_count(),
+        devices=jax.device_count(),
+        channel=channel if stats else "-",
+        running=running,
+        step_ms=statistics.median(step_ms),
+        bytes_per_step=statistics.median(sizes) if sizes else 0,
+        encode_ms=statistics.median(encode_ms) if encode_ms else 0.0,
+        send_ms=statistics.median(send_ms) if send_ms else 0.0,
+    )
 
 
 def _run_row(args: argparse.Namespace) -> int:
@@ -114,9 +128,16 @@ def _launch(args: argparse.Namespace, argv: list[str], processes: int, channel: 
     try:
         for pid in range(processes):
             row = json.dumps(dict(processes=processes, pid=pid, port=port, channel=channel))
-            procs.append(subprocess.Popen([sys.executable, "-m", "jaxllm.bench.multihost", *argv, "--row", row],
-                                          env=env, stdout=subprocess.PIPE if pid == 0 else subprocess.DEVNULL,
-                                          stderr=logs[pid], text=True, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "jaxllm.bench.multihost", *argv, "--row", row],
+                    env=env,
+                    stdout=subprocess.PIPE if pid == 0 else subprocess.DEVNULL,
+                    stderr=logs[pid],
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         out, _ = procs[0].communicate(timeout=1800)
         for proc in procs[1:]:
             proc.wait(120)
@@ -127,8 +148,10 @@ def _launch(args: argparse.Namespace, argv: list[str], processes: int, channel: 
                 proc.wait()
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if procs[0].returncode != 0 or not lines:
-        print(f"row processes={processes} channel={channel} failed (exit codes {[p.returncode for p in procs]})",
-              file=sys.stderr)
+        print(
+            f"row processes={processes} channel={channel} failed (exit codes {[p.returncode for p in procs]})",
+            file=sys.stderr,
+        )
         for pid, log in enumerate(logs):
             log.seek(0)
             tail = [line for line in log.read().decode(errors="replace").splitlines() if "[Gloo]" not in line]
@@ -146,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for processes in (int(p) for p in args.processes.split(",")):
         if args.devices % processes:
             raise SystemExit(f"--devices {args.devices} does not split over {processes} processes")
-        for channel in (["kv"] if processes == 1 else args.channels.split(",")):
+        for channel in ["kv"] if processes == 1 else args.channels.split(","):
             row = _launch(args, argv, processes, channel)
             if row is None:
                 continue
@@ -154,14 +177,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
     if not args.json:
-        print(f"model {args.model}, tensor_parallel_size {args.devices}, {args.running} requests decoding, "
-              f"median of {args.steps} steps")
-        print(f"{'processes':>9} {'channel':>10} {'running':>7} {'step ms':>8} {'plan bytes':>10} {'encode ms':>9} "
-              f"{'send ms':>8} {'share':>6}")
+        print(
+            f"model {args.model}, tensor_parallel_size {args.devices}, {args.running} requests decoding, "
+            f"median of {args.steps} steps"
+        )
+        print(
+            f"{'processes':>9} {'channel':>10} {'running':>7} {'step ms':>8} {'plan bytes':>10} {'encode ms':>9} "
+            f"{'send ms':>8} {'share':>6}"
+        )
         for r in rows:
             share = (r["encode_ms"] + r["send_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
-            print(f"{r['processes']:>9} {r['channel']:>10} {r['running']:>7} {r['step_ms']:>8.2f} "
-                  f"{int(r['bytes_per_step']):>10} {r['encode_ms']:>9.3f} {r['send_ms']:>8.3f} {share:>6.1%}")
+            print(
+                f"{r['processes']:>9} {r['channel']:>10} {r['running']:>7} {r['step_ms']:>8.2f} "
+                f"{int(r['bytes_per_step']):>10} {r['encode_ms']:>9.3f} {r['send_ms']:>8.3f} {share:>6.1%}"
+            )
     return 0
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -66,8 +67,13 @@ def distribution(values: Sequence[float], scale: float = 1e3) -> dict[str, Optio
     return out
 
 
-def summarize(records: Sequence[RequestRecord], *, wall_time: Optional[float] = None,
-              slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    wall_time: Optional[float] = None,
+    slo_ttft_ms: Optional[float] = None,
+    slo_tpot_ms: Optional[float] = None,
+) -> dict[str, Any]:
     """The report of one run. `wall_time` defaults to first start .. last end of the records."""
     done = [r for r in records if r.ok]
     if wall_time is None:
@@ -91,12 +97,18 @@ def summarize(records: Sequence[RequestRecord], *, wall_time: Optional[float] = 
         "e2e_latency_ms": distribution([r.e2e for r in done]),
     }
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
-        good = [r for r in done
-                if (slo_ttft_ms is None or (r.ttft is not None and r.ttft * 1e3 <= slo_ttft_ms))
-                and (slo_tpot_ms is None or r.tpot is None or r.tpot * 1e3 <= slo_tpot_ms)]
-        summary["goodput"] = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-                              "fraction": len(good) / len(records) if records else 0.0,
-                              "request_throughput": per_s(len(good))}
+        good = [
+            r
+            for r in done
+            if (slo_ttft_ms is None or (r.ttft is not None and r.ttft * 1e3 <= slo_ttft_ms))
+            and (slo_tpot_ms is None or r.tpot is None or r.tpot * 1e3 <= slo_tpot_ms)
+        ]
+        summary["goodput"] = {
+            "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms,
+            "fraction": len(good) / len(records) if records else 0.0,
+            "request_throughput": per_s(len(good)),
+        }
     errors = sorted({r.error for r in records if r.error})
     if errors:
         summary["errors"] = errors[:10]
@@ -111,19 +123,22 @@ def _fmt(v: Optional[float], digits: int = 2) -> str:
 
 def format_table(summary: dict[str, Any], title: str = "benchmark") -> str:
     """A plain-text report: totals, then one row per latency metric."""
-    lines = [f"==== {title} ====",
-             f"requests            {summary['num_completed']}/{summary['num_requests']} completed"
-             + (f" ({summary['num_failed']} failed)" if summary["num_failed"] else ""),
-             f"duration            {_fmt(summary['duration_s'], 3)} s",
-             f"input tokens        {summary['total_input_tokens']:,}",
-             f"output tokens       {summary['total_output_tokens']:,}",
-             f"request throughput  {_fmt(summary['request_throughput'])} req/s",
-             f"output throughput   {_fmt(summary['output_token_throughput'])} tok/s",
-             f"total throughput    {_fmt(summary['total_token_throughput'])} tok/s"]
+    lines = [
+        f"==== {title} ====",
+        f"requests            {summary['num_completed']}/{summary['num_requests']} completed"
+        + (f" ({summary['num_failed']} failed)" if summary["num_failed"] else ""),
+        f"duration            {_fmt(summary['duration_s'], 3)} s",
+        f"input tokens        {summary['total_input_tokens']:,}",
+        f"output tokens       {summary['total_output_tokens']:,}",
+        f"request throughput  {_fmt(summary['request_throughput'])} req/s",
+        f"output throughput   {_fmt(summary['output_token_throughput'])} tok/s",
+        f"total throughput    {_fmt(summary['total_token_throughput'])} tok/s",
+    ]
     if "goodput" in summary:
         g = summary["goodput"]
-        lines.append(f"goodput             {_fmt(g['request_throughput'])} req/s "
-                     f"({_fmt(100 * g['fraction'], 1)}% within SLO)")
+        lines.append(
+            f"goodput             {_fmt(g['request_throughput'])} req/s ({_fmt(100 * g['fraction'], 1)}% within SLO)"
+        )
     cols = ["mean", "min", "p50", "p90", "p95", "p99", "max"]
     lines.append("")
     lines.append(f"{'metric (ms)':<14}" + "".join(f"{c:>11}" for c in cols))

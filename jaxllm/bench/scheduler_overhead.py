@@ -31,10 +31,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.engine.planner import Planner
-from jaxllm.kv_cache import KVCacheManager, KvCacheEventBuffer, KvEventRecorder
+from jaxllm.kv_cache import KvCacheEventBuffer, KVCacheManager, KvEventRecorder
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
+from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, SchedulerConfig
 from jaxllm.llm_request import LlmRequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import make_scheduler
@@ -58,8 +58,19 @@ class StepTiming:
 class _Workload:
     """Keeps `running` requests in flight and advances them between timed steps."""
 
-    def __init__(self, *, running: int, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
-                 policy: str, scenario: str, seed: int, reuse: bool, kv: str = "plain") -> None:
+    def __init__(
+        self,
+        *,
+        running: int,
+        max_num_tokens: int,
+        tokens_per_block: int,
+        max_seq_len: int,
+        policy: str,
+        scenario: str,
+        seed: int,
+        reuse: bool,
+        kv: str = "plain",
+    ) -> None:
         self.rng = random.Random(seed)
         self.running = running
         self.max_seq_len = max_seq_len
@@ -68,14 +79,25 @@ class _Workload:
         max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
         self.retention = kv != "plain"
         self.events = KvCacheEventBuffer(100_000, max_seq_len) if kv == "retention+events" else None
-        self.kv = KVCacheManager(running * max_blocks_per_seq + 64, tokens_per_block, max_blocks_per_seq,
-                                 enable_block_reuse=reuse, max_num_sequences=running,
-                                 events=None if self.events is None else KvEventRecorder(self.events))
+        self.kv = KVCacheManager(
+            running * max_blocks_per_seq + 64,
+            tokens_per_block,
+            max_blocks_per_seq,
+            enable_block_reuse=reuse,
+            max_num_sequences=running,
+            events=None if self.events is None else KvEventRecorder(self.events),
+        )
         config = SchedulerConfig(policy, ContextChunkingPolicy.FIRST_COME_FIRST_SERVED)
         self.scheduler = make_scheduler(config, self.kv, running, max_num_tokens, True)
-        self.planner = Planner(scheduler=self.scheduler, kv_cache_manager=self.kv, max_batch_size=running,
-                               max_num_tokens=max_num_tokens, min_token_bucket=16,
-                               max_blocks_per_seq=max_blocks_per_seq, max_seq_len=max_seq_len)
+        self.planner = Planner(
+            scheduler=self.scheduler,
+            kv_cache_manager=self.kv,
+            max_batch_size=running,
+            max_num_tokens=max_num_tokens,
+            min_token_bucket=16,
+            max_blocks_per_seq=max_blocks_per_seq,
+            max_seq_len=max_seq_len,
+        )
         self.active: list[LlmRequest] = []
         self.next_id = 0
 
@@ -90,13 +112,20 @@ class _Workload:
             max_new = rng.randint(min(16, room), min(256, room))
         self.next_id += 1
         prompt = [rng.randrange(32000) for _ in range(prompt_len)]
-        request = LlmRequest(self.next_id, prompt, max_new, arrival_time=float(self.next_id),
-                             sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True))
+        request = LlmRequest(
+            self.next_id,
+            prompt,
+            max_new,
+            arrival_time=float(self.next_id),
+            sampling_params=SamplingParams(max_tokens=max_new, ignore_eos=True),
+        )
         if self.retention:
             duration = 1000 if rng.random() < 0.5 else None
             request.kv_cache_retention_config = KvCacheRetentionConfig(
                 [TokenRangeRetentionConfig(0, rng.randint(1, prompt_len), rng.randint(0, 100), duration)],
-                decode_retention_priority=rng.randint(0, 100), decode_duration_ms=duration)
+                decode_retention_priority=rng.randint(0, 100),
+                decode_duration_ms=duration,
+            )
         return request
 
     def fill(self) -> None:
@@ -136,11 +165,30 @@ class _Workload:
         raise RuntimeError("warm-up did not converge")
 
 
-def measure(*, running: int, scenario: str, policy: str, steps: int, max_num_tokens: int = 8192,
-            tokens_per_block: int = 32, max_seq_len: int = 2048, seed: int = 0,
-            reuse: bool = True, kv: str = "plain") -> StepTiming:
-    work = _Workload(running=running, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                     max_seq_len=max_seq_len, policy=policy, scenario=scenario, seed=seed, reuse=reuse, kv=kv)
+def measure(
+    *,
+    running: int,
+    scenario: str,
+    policy: str,
+    steps: int,
+    max_num_tokens: int = 8192,
+    tokens_per_block: int = 32,
+    max_seq_len: int = 2048,
+    seed: int = 0,
+    reuse: bool = True,
+    kv: str = "plain",
+) -> StepTiming:
+    work = _Workload(
+        running=running,
+        max_num_tokens=max_num_tokens,
+        tokens_per_block=tokens_per_block,
+        max_seq_len=max_seq_len,
+        policy=policy,
+        scenario=scenario,
+        seed=seed,
+        reuse=reuse,
+        kv=kv,
+    )
     work.warm_up()
     times, cpu_times, tokens, ctx = [], [], [], []
     gc_was_enabled = gc.isenabled()
@@ -158,19 +206,33 @@ def measure(*, running: int, scenario: str, policy: str, steps: int, max_num_tok
         if gc_was_enabled:
             gc.enable()
     times.sort()
-    return StepTiming(scenario, policy, running, kv, statistics.fmean(times), times[len(times) // 2],
-                      times[int(len(times) * 0.9)], times[-1], statistics.median(cpu_times),
-                      statistics.fmean(tokens), statistics.fmean(ctx))
+    return StepTiming(
+        scenario,
+        policy,
+        running,
+        kv,
+        statistics.fmean(times),
+        times[len(times) // 2],
+        times[int(len(times) * 0.9)],
+        times[-1],
+        statistics.median(cpu_times),
+        statistics.fmean(tokens),
+        statistics.fmean(ctx),
+    )
 
 
 def format_table(rows: list[StepTiming]) -> str:
-    header = (f"{'scenario':<8} {'policy':<20} {'running':>7} {'kv':<16} {'mean ms':>8} {'p50 ms':>8} "
-              f"{'p90 ms':>8} {'max ms':>8} {'cpu p50 ms':>10} {'tokens/step':>11} {'ctx reqs/step':>13}")
+    header = (
+        f"{'scenario':<8} {'policy':<20} {'running':>7} {'kv':<16} {'mean ms':>8} {'p50 ms':>8} "
+        f"{'p90 ms':>8} {'max ms':>8} {'cpu p50 ms':>10} {'tokens/step':>11} {'ctx reqs/step':>13}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.scenario:<8} {r.policy:<20} {r.running:>7} {r.kv:<16} {r.mean_ms:>8.3f} {r.p50_ms:>8.3f} "
-                     f"{r.p90_ms:>8.3f} {r.max_ms:>8.3f} {r.cpu_p50_ms:>10.3f} {r.tokens_per_step:>11.1f} "
-                     f"{r.context_requests_per_step:>13.2f}")
+        lines.append(
+            f"{r.scenario:<8} {r.policy:<20} {r.running:>7} {r.kv:<16} {r.mean_ms:>8.3f} {r.p50_ms:>8.3f} "
+            f"{r.p90_ms:>8.3f} {r.max_ms:>8.3f} {r.cpu_p50_ms:>10.3f} {r.tokens_per_step:>11.1f} "
+            f"{r.context_requests_per_step:>13.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -178,22 +240,34 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
-        prog="jaxllm bench scheduler", formatter_class=HelpFormatter,
+        prog="jaxllm bench scheduler",
+        formatter_class=HelpFormatter,
         description="Host time of one scheduling step (capacity + micro-batch + KV block "
-                    "allocation + StepBatch arrays), no model.")
-    parser.add_argument("--running", type=int, nargs="+", default=[256, 1024],
-                        help="requests in flight (also max_batch_size)")
+        "allocation + StepBatch arrays), no model.",
+    )
+    parser.add_argument(
+        "--running", type=int, nargs="+", default=[256, 1024], help="requests in flight (also max_batch_size)"
+    )
     parser.add_argument("--scenario", choices=["decode", "mixed"], nargs="+", default=["decode", "mixed"])
-    parser.add_argument("--policy", nargs="+", default=["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"],
-                        choices=[p.value for p in CapacitySchedulerPolicy])
+    parser.add_argument(
+        "--policy",
+        nargs="+",
+        default=["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"],
+        choices=[p.value for p in CapacitySchedulerPolicy],
+    )
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=200, help="timed steps per row")
     parser.add_argument("--no-block-reuse", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv", nargs="+", default=["plain"], choices=["plain", "retention", "retention+events"],
-                        help="KV cache retention configs on every request, and KV cache events on")
+    parser.add_argument(
+        "--kv",
+        nargs="+",
+        default=["plain"],
+        choices=["plain", "retention", "retention+events"],
+        help="KV cache retention configs on every request, and KV cache events on",
+    )
     args = parser.parse_args(argv)
     if args.max_seq_len < 2:
         parser.error("--max-seq-len must be at least 2")
@@ -202,10 +276,20 @@ def main(argv: list[str] | None = None) -> int:
         for running in args.running:
             for policy in args.policy:
                 for kv in args.kv:
-                    rows.append(measure(running=running, scenario=scenario, policy=policy, steps=args.steps,
-                                        max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
-                                        max_seq_len=args.max_seq_len, seed=args.seed,
-                                        reuse=not args.no_block_reuse, kv=kv))
+                    rows.append(
+                        measure(
+                            running=running,
+                            scenario=scenario,
+                            policy=policy,
+                            steps=args.steps,
+                            max_num_tokens=args.max_num_tokens,
+                            tokens_per_block=args.tokens_per_block,
+                            max_seq_len=args.max_seq_len,
+                            seed=args.seed,
+                            reuse=not args.no_block_reuse,
+                            kv=kv,
+                        )
+                    )
     print(format_table(rows))
     return 0
 

@@ -18,7 +18,8 @@ import json
 import random
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
@@ -29,8 +30,14 @@ LOADS = ("all", "concurrency", "poisson")
 
 
 def _payload(request: BenchRequest, model: str, endpoint: str) -> dict[str, Any]:
-    common = {"model": model, "max_tokens": request.output_tokens, "ignore_eos": True, "temperature": 0.0,
-              "stream": True, "stream_options": {"include_usage": True}}
+    common = {
+        "model": model,
+        "max_tokens": request.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == "chat":
         if request.prompt is None:
             raise ValueError(f"task {request.task_id}: the chat endpoint needs text prompts")
@@ -76,10 +83,19 @@ async def send_one(session, url: str, payload: dict, record: RequestRecord, head
         record.error = f"{type(exc).__name__}: {exc}"
 
 
-async def run_load(url: str, model: str, requests: Sequence[BenchRequest], *, load: str = "all",
-                   concurrency: Optional[int] = None, request_rate: Optional[float] = None,
-                   endpoint: str = "completions", api_key: Optional[str] = None, seed: int = 0,
-                   progress: bool = True) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    *,
+    load: str = "all",
+    concurrency: Optional[int] = None,
+    request_rate: Optional[float] = None,
+    endpoint: str = "completions",
+    api_key: Optional[str] = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
     """Drive the server with one load shape; returns (records, wall time)."""
     import aiohttp
 
@@ -131,12 +147,16 @@ async def _served_model(url: str, api_key: Optional[str]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="jaxllm bench serve", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench serve", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer dir or preset whose vocabulary synthetic prompts use (default: --model)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer dir or preset whose vocabulary synthetic prompts use (default: --model)",
+    )
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--load", choices=LOADS, default="all")
     parser.add_argument("--concurrency", type=int, default=None)
@@ -158,18 +178,39 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             tokenizer = load_tokenizer(resolve_model_dir(args.tokenizer or model))
         except ValueError as exc:
-            raise SystemExit(f"synthetic prompts need a tokenizer (--tokenizer): {exc}")
+            raise SystemExit(f"synthetic prompts need a tokenizer (--tokenizer): {exc}") from exc
     requests = dataset_from_args(args, tokenizer)
-    records, wall = asyncio.run(run_load(
-        args.url, model, requests, load=args.load, concurrency=args.concurrency, request_rate=args.request_rate,
-        endpoint=args.endpoint, api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
+    records, wall = asyncio.run(
+        run_load(
+            args.url,
+            model,
+            requests,
+            load=args.load,
+            concurrency=args.concurrency,
+            request_rate=args.request_rate,
+            endpoint=args.endpoint,
+            api_key=args.api_key,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    )
     summary = summarize(records, wall_time=wall, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    shape = {"all": "all at once", "concurrency": f"concurrency {args.concurrency}",
-             "poisson": f"poisson {args.request_rate} req/s"}[args.load]
+    shape = {
+        "all": "all at once",
+        "concurrency": f"concurrency {args.concurrency}",
+        "poisson": f"poisson {args.request_rate} req/s",
+    }[args.load]
     print(format_table(summary, f"serving: {shape}"))
     if args.report_json:
-        write_report(args.report_json, summary, {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
-                                                 for k, v in vars(args).items() if k != "api_key"})
+        write_report(
+            args.report_json,
+            summary,
+            {
+                k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
+                for k, v in vars(args).items()
+                if k != "api_key"
+            },
+        )
     return 0 if summary["num_failed"] == 0 else 1
 
 

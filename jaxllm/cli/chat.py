@@ -18,10 +18,13 @@ from jaxllm.cli.startup import resolve_model_arg, start_executor, status
 
 
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:
-    chat = sub.add_parser("chat", help="chat with a model (one answer if PROMPT is given, else a conversation)",
-                          description="Chat through the model's chat template, streaming the answer. With PROMPT "
-                                      "it answers once and exits; without it it keeps the conversation going.",
-                          formatter_class=HelpFormatter)
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a model (one answer if PROMPT is given, else a conversation)",
+        description="Chat through the model's chat template, streaming the answer. With PROMPT "
+        "it answers once and exits; without it it keeps the conversation going.",
+        formatter_class=HelpFormatter,
+    )
     chat.add_argument("prompt", nargs="*", help="a question to answer once")
     chat.add_argument("--system", default=None, help="system message (default: the chat template's own)")
     add_engine_args(chat, DEFAULT_MODEL)
@@ -39,8 +42,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def run_chat(args: argparse.Namespace, started: float) -> int:
-    executor = start_executor(args, resolve_model_arg(args), all_variants=False, background_warmup=True,
-                              started=started)
+    executor = start_executor(
+        args, resolve_model_arg(args), all_variants=False, background_warmup=True, started=started
+    )
     try:
         params = sampling_params(args)
         history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -65,7 +69,7 @@ def run_chat(args: argparse.Namespace, started: float) -> int:
             if question.strip() in ("/exit", "/quit"):
                 return 0
             if question.strip() == "/reset":
-                del history[1 if args.system else 0:]
+                del history[1 if args.system else 0 :]
                 continue
             if question.strip():
                 try:

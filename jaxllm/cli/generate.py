@@ -19,8 +19,12 @@ from jaxllm.cli.startup import resolve_model_arg, start_executor
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser("generate", help="complete prompts (no chat template)", formatter_class=HelpFormatter,
-                         description="Complete each prompt as plain text with in-flight batching.")
+    gen = sub.add_parser(
+        "generate",
+        help="complete prompts (no chat template)",
+        formatter_class=HelpFormatter,
+        description="Complete each prompt as plain text with in-flight batching.",
+    )
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three examples)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated, one prompt at a time")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -44,8 +48,9 @@ def print_stream(result, out=None) -> Any:
 
 def run_generate(args: argparse.Namespace, started: float) -> int:
     prompts = args.prompt or ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    executor = start_executor(args, resolve_model_arg(args), all_variants=False, background_warmup=True,
-                              started=started)
+    executor = start_executor(
+        args, resolve_model_arg(args), all_variants=False, background_warmup=True, started=started
+    )
     try:
         params = sampling_params(args)
         if args.stream:
@@ -58,11 +63,21 @@ def run_generate(args: argparse.Namespace, started: float) -> int:
         for out in executor.generate(prompts, params):
             completion = out.outputs[0]
             if args.json:
-                print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
-                                  "finish_reason": completion.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": out.prompt,
+                            "text": completion.text,
+                            "token_ids": completion.token_ids,
+                            "finish_reason": completion.finish_reason,
+                        }
+                    )
+                )
             else:
-                print(f"{out.prompt!r} -> {completion.text!r} "
-                      f"({len(completion.token_ids)} tokens, {completion.finish_reason})")
+                print(
+                    f"{out.prompt!r} -> {completion.text!r} "
+                    f"({len(completion.token_ids)} tokens, {completion.finish_reason})"
+                )
         return 0
     finally:
         executor.shutdown()

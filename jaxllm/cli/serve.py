@@ -23,37 +23,65 @@ from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm serve", formatter_class=HelpFormatter,
-                                     description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                                                 "/v1/models, /health, /metrics in Prometheus format, "
-                                                 "/v1/iteration_stats).")
+    parser = argparse.ArgumentParser(
+        prog="jaxllm serve",
+        formatter_class=HelpFormatter,
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics in Prometheus format, "
+        "/v1/iteration_stats).",
+    )
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     add_engine_args(parser, DEFAULT_MODEL)
     add_distributed_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port")
-    parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/ routes (or set JAXLLM_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (or set JAXLLM_API_KEY)",
+    )
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the --model value)")
-    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                        help="LoRA adapters (HF PEFT directories) clients select with model NAME or "
-                             "MODEL:NAME (implies --enable-lora)")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (HF PEFT directories) clients select with model NAME or MODEL:NAME (implies --enable-lora)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted")
-    parser.add_argument("--num-postprocess-workers", type=int, default=0,
-                        help="processes that detokenize off the engine's process (0: a thread)")
+    parser.add_argument(
+        "--num-postprocess-workers",
+        type=int,
+        default=0,
+        help="processes that detokenize off the engine's process (0: a thread)",
+    )
     parser.add_argument("--stream-interval", type=int, default=1, help="stream every N tokens")
     parser.add_argument("--disable-block-reuse", action="store_true", help="turn KV prefix reuse off")
     parser.add_argument("--no-warmup", action="store_true", help="skip compiling every token bucket before serving")
-    parser.add_argument("--warmup-all", action="store_true",
-                        help="compile every token bucket and sampler variant before reporting healthy (default: "
-                             "the largest bucket and the greedy sampler; the rest compile while serving, steps "
-                             "running padded in a compiled bucket meanwhile)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="server log level")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let requests supply their own chat template (rendering one can take unbounded time)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds running requests may finish before they are aborted")
+    parser.add_argument(
+        "--warmup-all",
+        action="store_true",
+        help="compile every token bucket and sampler variant before reporting healthy (default: "
+        "the largest bucket and the greedy sampler; the rest compile while serving, steps "
+        "running padded in a compiled bucket meanwhile)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests supply their own chat template (rendering one can take unbounded time)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may finish before they are aborted",
+    )
     return parser
 
 
@@ -80,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from jaxllm.server.app import build_app
-    from jaxllm.server.server_config import ServerConfig
     from jaxllm.server.lifecycle import serve
+    from jaxllm.server.server_config import ServerConfig
     from sharding import multihost
 
     try:
@@ -93,11 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = engine_kwargs(args)
         if args.disable_block_reuse:
             kwargs["kv_cache_config"].enable_block_reuse = False
-        executor = start_executor(args, resolve_model_arg(args), warmup=not args.no_warmup, kwargs=kwargs,
-                                  background_warmup=not args.warmup_all,
-                                  started=started,
-                                  executor_kwargs=dict(num_postprocess_workers=args.num_postprocess_workers,
-                                                       stream_interval=args.stream_interval))
+        executor = start_executor(
+            args,
+            resolve_model_arg(args),
+            warmup=not args.no_warmup,
+            kwargs=kwargs,
+            background_warmup=not args.warmup_all,
+            started=started,
+            executor_kwargs=dict(
+                num_postprocess_workers=args.num_postprocess_workers, stream_interval=args.stream_interval
+            ),
+        )
         try:  # every adapter is read and checked now, not at its first request
             for lora_request in lora_modules.values():
                 executor.engine.resolve_lora(lora_request)
@@ -107,11 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     except LOAD_ERRORS as exc:
         print(f"jaxllm serve: error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(executor, ServerConfig(served_model_name=args.served_model_name or args.model,
-                                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                                           trust_request_chat_template=args.trust_request_chat_template,
-                                           shutdown_timeout=args.shutdown_timeout, lora_modules=lora_modules),
-                    shutdown_executor=True)
+    app = build_app(
+        executor,
+        ServerConfig(
+            served_model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            trust_request_chat_template=args.trust_request_chat_template,
+            shutdown_timeout=args.shutdown_timeout,
+            lora_modules=lora_modules,
+        ),
+        shutdown_executor=True,
+    )
     try:
         code = serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     finally:

@@ -84,14 +84,17 @@ def engine_banner(engine, model: str) -> str:
     tpb = kv.tokens_per_block
     kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
     ec = engine.config
-    return "\n".join([
-        f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
-        f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
-        f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
-        f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)}",
-        f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
-        f"max_seq_len={engine.max_seq_len}",
-    ])
+    return "\n".join(
+        [
+            f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
+            f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
+            f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
+            f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, "
+            f"{format_bytes(kv_bytes)}",
+            f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
+            f"max_seq_len={engine.max_seq_len}",
+        ]
+    )
 
 
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
@@ -102,10 +105,14 @@ def warm_up(engine, all_variants: bool = True, background: bool = False) -> None
 
     buckets = engine.token_buckets()
     first = len({engine.decode_bucket(), buckets[-1]})
-    desc = (f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
-            if background and len(buckets) > first else f"compiling {len(buckets)} token buckets + sampler")
+    desc = (
+        f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
+        if background and len(buckets) > first
+        else f"compiling {len(buckets)} token buckets + sampler"
+    )
     total = (first if background else len(buckets)) + 1
     with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
+
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
@@ -113,10 +120,17 @@ def warm_up(engine, all_variants: bool = True, background: bool = False) -> None
         engine.warmup(all_variants=all_variants, progress=progress, background=background)
 
 
-def start_executor(args: argparse.Namespace, model_dir: str, *, warmup: bool = True, all_variants: bool = True,
-                   background_warmup: bool = False,
-                   executor_kwargs: dict | None = None, started: float | None = None,
-                   kwargs: dict | None = None):
+def start_executor(
+    args: argparse.Namespace,
+    model_dir: str,
+    *,
+    warmup: bool = True,
+    all_variants: bool = True,
+    background_warmup: bool = False,
+    executor_kwargs: dict | None = None,
+    started: float | None = None,
+    kwargs: dict | None = None,
+):
     """Build the executor on `model_dir`, print the banner, compile, print "ready in X s".
 
     `kwargs`: EngineConfig arguments (default: `engine_kwargs(args)`)."""

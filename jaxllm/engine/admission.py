@@ -14,8 +14,9 @@ id already in use) is checked there, in `add_request`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -53,8 +54,10 @@ def normalize_prompt(prompt_token_ids: Any, vocab_size: int) -> list[int]:
     """Prompt ids as a list of Python ints (from a list, tuple or 1-D integer numpy array)."""
     if isinstance(prompt_token_ids, np.ndarray):
         if prompt_token_ids.ndim != 1 or prompt_token_ids.dtype.kind not in "iu":
-            raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer "
-                             f"dtype, got dtype {prompt_token_ids.dtype} and shape {prompt_token_ids.shape}")
+            raise ValueError(
+                "prompt_token_ids: a numpy array of token ids must be 1-D with an integer "
+                f"dtype, got dtype {prompt_token_ids.dtype} and shape {prompt_token_ids.shape}"
+            )
         ids = prompt_token_ids.tolist()
     elif isinstance(prompt_token_ids, (list, tuple)):
         ids = list(prompt_token_ids)
@@ -64,8 +67,7 @@ def normalize_prompt(prompt_token_ids: Any, vocab_size: int) -> list[int]:
                     raise ValueError(f"prompt_token_ids: token ids must be integers, got {type(t).__name__}")
             ids = [int(t) for t in ids]
     else:
-        raise ValueError("prompt_token_ids must be a list of integer token ids, got "
-                         f"{type(prompt_token_ids).__name__}")
+        raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {type(prompt_token_ids).__name__}")
     if not ids:
         raise ValueError("prompt_token_ids: the prompt is empty; a request needs at least one prompt token")
     low, high = min(ids), max(ids)
@@ -96,24 +98,32 @@ def _banned_at_once(params: SamplingParams, end_ids: Sequence[int]) -> tuple[int
 def _check_logits_request(params: SamplingParams, limits: AdmissionLimits) -> None:
     """Logits outputs and post-processors the engine can serve (see jaxllm.engine.logits_outputs)."""
     name = params.logits_post_processor_name
-    asked = [field for field, on in (
-        ("return_context_logits", params.return_context_logits),
-        ("return_generation_logits", params.return_generation_logits),
-        ("prompt_logprobs", params.prompt_logprobs is not None),
-        ("logits_processor", params.logits_processor is not None),
-        ("logits_post_processor_name", name is not None)) if on]
+    asked = [
+        field
+        for field, on in (
+            ("return_context_logits", params.return_context_logits),
+            ("return_generation_logits", params.return_generation_logits),
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+            ("logits_processor", params.logits_processor is not None),
+            ("logits_post_processor_name", name is not None),
+        )
+        if on
+    ]
     if asked and limits.logits_unsupported is not None:
         raise ValueError(f"{asked[0]}: {limits.logits_unsupported}")
     if asked and params.use_beam_search:
         raise ValueError(f"{asked[0]}: logits outputs and post-processors are not supported with beam search")
     if name is not None and name not in limits.batched_processor_names:
         known = ", ".join(limits.batched_processor_names) or "none are registered"
-        raise ValueError(f"logits_post_processor_name: no batched logits post-processor named {name!r} is "
-                         f"registered on the engine (EngineConfig.logits_post_processors: {known})")
+        raise ValueError(
+            f"logits_post_processor_name: no batched logits post-processor named {name!r} is "
+            f"registered on the engine (EngineConfig.logits_post_processors: {known})"
+        )
 
 
-def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits, *,
-                     priority: Any = 0.0, tokenizer: Any = None) -> AdmittedRequest:
+def validate_request(
+    prompt_token_ids: Any, params: Any, limits: AdmissionLimits, *, priority: Any = 0.0, tokenizer: Any = None
+) -> AdmittedRequest:
     """Check one request against the engine's limits; ValueError naming the field, else the
     normalised request. `tokenizer` tokenizes `params.bad` (needed to count banned ids)."""
     if not isinstance(params, SamplingParams):
@@ -141,26 +151,34 @@ def validate_request(prompt_token_ids: Any, params: Any, limits: AdmissionLimits
     always, early = _banned_at_once(params, end_ids)
     width = limits.suppress_width
     if always > width:
-        raise ValueError(f"bad_token_ids: bad_token_ids and bad words ban {always} distinct token ids, "
-                         f"more than the {width} supported per request")
+        raise ValueError(
+            f"bad_token_ids: bad_token_ids and bad words ban {always} distinct token ids, "
+            f"more than the {width} supported per request"
+        )
     if early > width:
         field = "stop_token_ids" if params.stop_token_ids else "min_tokens"
         raise ValueError(
             f"{field}: until min_tokens ({params.min_tokens}) outputs exist, the end ids, stop_token_ids "
-            f"and bad words ban {early} distinct token ids, more than the {width} supported per request")
+            f"and bad words ban {early} distinct token ids, more than the {width} supported per request"
+        )
 
     total = len(prompt) + params.max_tokens
     if total > limits.max_seq_len:
-        raise ValueError(f"max_tokens: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
-                         f"exceeds max_seq_len {limits.max_seq_len}")
+        raise ValueError(
+            f"max_tokens: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
+            f"exceeds max_seq_len {limits.max_seq_len}"
+        )
     blocks = -(-total // limits.tokens_per_block)
     if blocks > limits.max_blocks_per_request:
         raise ValueError(
             f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
-            f"KV blocks but a sequence can hold at most {limits.max_blocks_per_request}")
+            f"KV blocks but a sequence can hold at most {limits.max_blocks_per_request}"
+        )
     if not limits.enable_chunked_prefill and len(prompt) > limits.max_num_tokens:
-        raise ValueError(f"prompt_token_ids: the prompt ({len(prompt)} tokens) exceeds max_num_tokens "
-                         f"({limits.max_num_tokens}) and chunked prefill is off")
+        raise ValueError(
+            f"prompt_token_ids: the prompt ({len(prompt)} tokens) exceeds max_num_tokens "
+            f"({limits.max_num_tokens}) and chunked prefill is off"
+        )
     return AdmittedRequest(prompt, float(priority), end_ids)
 
 

@@ -22,8 +22,9 @@ step for step, so the same model gives the same beams and scores:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -97,14 +98,18 @@ class BeamSearch:
         running = cand_score + hits.astype(np.float32) * np.float32(_NEG)
         nxt = np.lexsort((np.arange(c), -running))[:k]
         # Finished hypotheses: continuations that hit, ranked among the first k.
-        penalised = cand_score / np.float32(length ** self.length_penalty)
+        penalised = cand_score / np.float32(length**self.length_penalty)
         full = all(f for _, _, f in self.finished) and self.early_stopping is True
         just_finished = hits & (np.arange(c) < k)
-        penalised = (penalised + np.float32(_NEG) * np.float32(full)
-                     + np.float32(_NEG) * np.float32(not self.heuristic_unsatisfied)
-                     + np.float32(_NEG) * (~just_finished).astype(np.float32))
-        merged = self.finished + [(float(penalised[i]), self.tokens[cand_beam[i]] + [cand_tok[i]],
-                                   bool(just_finished[i])) for i in range(c)]
+        penalised = (
+            penalised
+            + np.float32(_NEG) * np.float32(full)
+            + np.float32(_NEG) * np.float32(not self.heuristic_unsatisfied)
+            + np.float32(_NEG) * (~just_finished).astype(np.float32)
+        )
+        merged = self.finished + [
+            (float(penalised[i]), self.tokens[cand_beam[i]] + [cand_tok[i]], bool(just_finished[i])) for i in range(c)
+        ]
         merged_scores = np.array([m[0] for m in merged], np.float32)
         keep = np.lexsort((np.arange(len(merged)), -merged_scores))[:k]
         self.finished = [merged[i] for i in keep]
@@ -117,19 +122,21 @@ class BeamSearch:
             best_len = self.max_new_tokens
         else:
             best_len = length
-        best_possible = np.float32(self.scores[0]) / np.float32(best_len ** self.length_penalty)
+        best_possible = np.float32(self.scores[0]) / np.float32(best_len**self.length_penalty)
         worst = min(s for s, _, _ in self.finished)
         self.heuristic_unsatisfied = self.heuristic_unsatisfied and any(
-            best_possible > (np.float32(worst) if f else np.float32(_NEG)) for _, _, f in self.finished)
+            best_possible > (np.float32(worst) if f else np.float32(_NEG)) for _, _, f in self.finished
+        )
         open_beam = not (all(f for _, _, f in self.finished) and self.early_stopping is True)
         self.done = not (self.heuristic_unsatisfied and open_beam and not hits.all())
         return parents
 
     def results(self, n: int) -> list[BeamHypothesis]:
         """The n best hypotheses, best first."""
-        return [BeamHypothesis(list(tokens), float(score),
-                               "stop" if tokens and tokens[-1] in self.end_ids else "length")
-                for score, tokens, _ in self.finished[:n]]
+        return [
+            BeamHypothesis(list(tokens), float(score), "stop" if tokens and tokens[-1] in self.end_ids else "length")
+            for score, tokens, _ in self.finished[:n]
+        ]
 
 
 @dataclass(eq=False)
@@ -149,8 +156,9 @@ def beam_id(request_id: int, beam: int) -> int:
 
 
 # ---------------------------------------------------------------------- the engine's beam step
-def advance_beams(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list[tuple[int, int]]], None],
-                  pending: "PendingStep") -> list[RequestUpdate]:
+def advance_beams(
+    requests: RequestTable, kv: Any, copy_blocks: Callable[[list[tuple[int, int]]], None], pending: PendingStep
+) -> list[RequestUpdate]:
     """Choose each beam-search request's next beams from its rows' top candidates, fork
     their KV blocks in `kv` (copying shared partial blocks on the device with
     `copy_blocks`), or finish it in `requests`."""
@@ -171,9 +179,15 @@ def advance_beams(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list
     return updates
 
 
-def _advance_one(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list[tuple[int, int]]], None],
-                 leader: LlmRequest, rows: list[int], top_ids: np.ndarray,
-                 top_logprobs: np.ndarray) -> list[RequestUpdate]:
+def _advance_one(
+    requests: RequestTable,
+    kv: Any,
+    copy_blocks: Callable[[list[tuple[int, int]]], None],
+    leader: LlmRequest,
+    rows: list[int],
+    top_ids: np.ndarray,
+    top_logprobs: np.ndarray,
+) -> list[RequestUpdate]:
     run: BeamRun = leader.beam
     search = run.search
     parents = search.step(top_ids[rows], top_logprobs[rows])
@@ -186,10 +200,15 @@ def _advance_one(requests: "RequestTable", kv: Any, copy_blocks: Callable[[list[
     if len(run.requests) == 1:  # the prompt is done: the other beams start from it
         beams = []
         for j in range(1, search.beam_width):
-            beam = LlmRequest(request_id=beam_id(leader.request_id, j), prompt_token_ids=leader.prompt_token_ids,
-                              max_new_tokens=leader.max_new_tokens, priority=leader.priority,
-                              arrival_time=leader.arrival_time, sampling_params=leader.sampling_params,
-                              state=LlmRequestState.GENERATION_IN_PROGRESS)
+            beam = LlmRequest(
+                request_id=beam_id(leader.request_id, j),
+                prompt_token_ids=leader.prompt_token_ids,
+                max_new_tokens=leader.max_new_tokens,
+                priority=leader.priority,
+                arrival_time=leader.arrival_time,
+                sampling_params=leader.sampling_params,
+                state=LlmRequestState.GENERATION_IN_PROGRESS,
+            )
             beam.context_current_position = leader.prompt_len
             beam.seed, beam.end_ids, beam.beam = leader.seed, leader.end_ids, run
             beam.lora_adapter = leader.lora_adapter

@@ -17,7 +17,6 @@ from typing import Any, Optional, Union
 
 import jax
 
-from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.engine_config import EngineConfig
@@ -26,14 +25,15 @@ from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_processing import check_batched_processors
 from jaxllm.engine.model_runner import ModelRunner
 from jaxllm.engine.planner import Planner
+from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
 from jaxllm.lora import LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
-from jaxllm.models.model_config import numpy_dtype
 from jaxllm.models.backends import resolve_backends
+from jaxllm.models.model_config import numpy_dtype
 from jaxllm.models.parallel.ep_moe import EpMoeOptions
 from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.resolve import resolve_dtype, resolve_model
@@ -50,9 +50,17 @@ def resolve_model_dir(model: str) -> Path:
     return resolve_model(model)
 
 
-def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_block: int,
-                       max_tokens: int | None, free_memory_fraction: float,
-                       max_batch_size: int, max_seq_len: int, mesh: jax.sharding.Mesh | None = None) -> int:
+def plan_num_kv_blocks(
+    *,
+    model_config: ModelConfig,
+    dtype: Any,
+    tokens_per_block: int,
+    max_tokens: int | None,
+    free_memory_fraction: float,
+    max_batch_size: int,
+    max_seq_len: int,
+    mesh: jax.sharding.Mesh | None = None,
+) -> int:
     """Blocks in the pool: the smaller of `max_tokens` and the memory-fraction budget.
 
     On accelerators the budget is `fraction` of the device memory still free after the
@@ -81,8 +89,10 @@ def plan_num_kv_blocks(*, model_config: ModelConfig, dtype: Any, tokens_per_bloc
             pass
     num_blocks = min(limits)
     if num_blocks < 1:
-        raise ValueError("the KV cache budget does not hold a single block; raise "
-                         "kv_cache_config.max_tokens or free_gpu_memory_fraction")
+        raise ValueError(
+            "the KV cache budget does not hold a single block; raise "
+            "kv_cache_config.max_tokens or free_gpu_memory_fraction"
+        )
     return num_blocks
 
 
@@ -114,13 +124,15 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
     # Layer stacks under lax.scan; attention data parallelism keeps per-layer caches (its
     # per-rank cache layout, jaxllm.models.parallel.attention_dp) and so the per-layer loop.
-    model_config = replace(load_model_config(model_dir, dtype=dtype),
-                           scan_layers=config.scan_layers and not config.enable_attention_dp)
+    model_config = replace(
+        load_model_config(model_dir, dtype=dtype), scan_layers=config.scan_layers and not config.enable_attention_dp
+    )
     kv_dtype = numpy_dtype(model_config.dtype)
     parallel = config.parallel_config()
     mesh = make_mesh(parallel)  # every weight and the KV cache are sharded over it at load time
-    layout = Layout(platform=mesh.devices.flat[0].platform, num_devices=mesh.devices.size,
-                    multiprocess=is_multiprocess())
+    layout = Layout(
+        platform=mesh.devices.flat[0].platform, num_devices=mesh.devices.size, multiprocess=is_multiprocess()
+    )
     check_layout(config, model_config, layout)
     attention_dp = parallel.enable_attention_dp
     # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
@@ -129,49 +141,95 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     num_slots = balancer.num_slots if balancer else None
     if attention_dp and num_slots is None and model_config.num_experts:
         num_slots = model_config.num_experts
-    params = load_params(model_dir, model_config, mesh=mesh,
-                         rules=attention_dp_rules(model_config, mesh) if attention_dp else None,
-                         slot_assignments=balancer.initial_global_assignments if balancer else None,
-                         num_slots=num_slots)
+    params = load_params(
+        model_dir,
+        model_config,
+        mesh=mesh,
+        rules=attention_dp_rules(model_config, mesh) if attention_dp else None,
+        slot_assignments=balancer.initial_global_assignments if balancer else None,
+        num_slots=num_slots,
+    )
     moe_layers = [i for i in range(model_config.num_layers) if model_config.is_moe_layer(i)]
     # Offline expert statistics (EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH), per expert.
-    expert_statistics = ExpertStatisticsWriter.from_env(
-        num_experts_per_token=model_config.num_experts_per_tok,
-        ep_size=parallel.moe_expert_parallel_size, layer_ids=moe_layers) if moe_layers else None
+    expert_statistics = (
+        ExpertStatisticsWriter.from_env(
+            num_experts_per_token=model_config.num_experts_per_tok,
+            ep_size=parallel.moe_expert_parallel_size,
+            layer_ids=moe_layers,
+        )
+        if moe_layers
+        else None
+    )
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     kv_cfg = config.kv_cache_config
     tpb = kv_cfg.tokens_per_block
     # Under attention DP every device is a rank with this many blocks of its own.
     kv_meshes = [make_mesh(ParallelConfig(), [d]) for d in mesh.devices.flat] if attention_dp else [mesh]
-    num_blocks = min(plan_num_kv_blocks(
-        model_config=model_config, dtype=kv_dtype, tokens_per_block=tpb,
-        max_tokens=kv_cfg.max_tokens, free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
-        max_batch_size=config.max_batch_size, max_seq_len=max_seq_len, mesh=kv_mesh) for kv_mesh in kv_meshes)
+    num_blocks = min(
+        plan_num_kv_blocks(
+            model_config=model_config,
+            dtype=kv_dtype,
+            tokens_per_block=tpb,
+            max_tokens=kv_cfg.max_tokens,
+            free_memory_fraction=kv_cfg.free_gpu_memory_fraction,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=max_seq_len,
+            mesh=kv_mesh,
+        )
+        for kv_mesh in kv_meshes
+    )
     num_blocks = agree_min("kv_cache_blocks", num_blocks)  # every host holds its share of every block
-    attention_backend, moe_backend, attention_fn, moe_fn = resolve_backends(config.attention_backend,
-                                                                            config.moe_backend)
+    attention_backend, moe_backend, attention_fn, moe_fn = resolve_backends(
+        config.attention_backend, config.moe_backend
+    )
     online = balancer is not None and balancer.layer_updates_per_iter > 0
     # Compiled forwards and samplers kept beside the compilation cache: a later process with
     # this configuration loads them without tracing (jaxllm.engine.executable_store).
-    executable_store = (ExecutableStore.beside_compile_cache(compile_cache_dir, config)
-                        if leader_session is None and not layout.multiprocess else None)
+    executable_store = (
+        ExecutableStore.beside_compile_cache(compile_cache_dir, config)
+        if leader_session is None and not layout.multiprocess
+        else None
+    )
     num_ranks = len(kv_meshes)
-    runner = ModelRunner(model_config=model_config, params=params, num_blocks=num_blocks,
-                         tokens_per_block=tpb, kv_dtype=kv_dtype, attention_fn=attention_fn,
-                         moe_fn=moe_fn, max_batch_size=config.max_batch_size * num_ranks, mesh=mesh,
-                         moe_options=EpMoeOptions(dispatch=config.moe_config.dispatch,
-                                                  capacity_factor=config.moe_config.capacity_factor),
-                         moe_stats=expert_statistics is not None or online, attention_dp=attention_dp,
-                         batched_processors=check_batched_processors(config.logits_post_processors),
-                         compile_workers=config.compile_workers, executable_store=executable_store)
+    runner = ModelRunner(
+        model_config=model_config,
+        params=params,
+        num_blocks=num_blocks,
+        tokens_per_block=tpb,
+        kv_dtype=kv_dtype,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        max_batch_size=config.max_batch_size * num_ranks,
+        mesh=mesh,
+        moe_options=EpMoeOptions(
+            dispatch=config.moe_config.dispatch, capacity_factor=config.moe_config.capacity_factor
+        ),
+        moe_stats=expert_statistics is not None or online,
+        attention_dp=attention_dp,
+        batched_processors=check_batched_processors(config.logits_post_processors),
+        compile_workers=config.compile_workers,
+        executable_store=executable_store,
+    )
     if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
-        runner.params["lora"] = init_lora_weights(model_config, runner.params, config.max_loras,
-                                                  config.max_lora_rank, model_config.dtype)
-    return RunnerParts(model_dir=model_dir, model_config=model_config, mesh=mesh, layout=layout, runner=runner,
-                       num_blocks=num_blocks, num_ranks=num_ranks, max_seq_len=max_seq_len,
-                       max_blocks_per_seq=math.ceil(max_seq_len / tpb), moe_layers=moe_layers,
-                       expert_statistics=expert_statistics, executable_store=executable_store,
-                       attention_backend=attention_backend, moe_backend=moe_backend)
+        runner.params["lora"] = init_lora_weights(
+            model_config, runner.params, config.max_loras, config.max_lora_rank, model_config.dtype
+        )
+    return RunnerParts(
+        model_dir=model_dir,
+        model_config=model_config,
+        mesh=mesh,
+        layout=layout,
+        runner=runner,
+        num_blocks=num_blocks,
+        num_ranks=num_ranks,
+        max_seq_len=max_seq_len,
+        max_blocks_per_seq=math.ceil(max_seq_len / tpb),
+        moe_layers=moe_layers,
+        expert_statistics=expert_statistics,
+        executable_store=executable_store,
+        attention_backend=attention_backend,
+        moe_backend=moe_backend,
+    )
 
 
 @dataclass
@@ -205,20 +263,40 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
     lora_slots = LoraSlots(config.max_loras) if config.enable_lora else None
     adapters = AdapterCache(model_config, config.max_lora_rank) if config.enable_lora else None
     # KV cache events (stored / removed / updated blocks) for get_kv_cache_events; off at 0.
-    kv_events = KvCacheEventBuffer(kv_cfg.event_buffer_max_size, window_size=device.max_seq_len) \
-        if kv_cfg.event_buffer_max_size > 0 else None
+    kv_events = (
+        KvCacheEventBuffer(kv_cfg.event_buffer_max_size, window_size=device.max_seq_len)
+        if kv_cfg.event_buffer_max_size > 0
+        else None
+    )
 
     def rank_planner(rank: Optional[int] = None) -> Planner:
         events = None if kv_events is None else KvEventRecorder(kv_events, rank)
-        kv = KVCacheManager(device.num_blocks, kv_cfg.tokens_per_block, device.max_blocks_per_seq,
-                            enable_block_reuse=kv_cfg.enable_block_reuse, max_num_sequences=config.max_batch_size,
-                            events=events)
-        scheduler = make_scheduler(config.scheduler_config, kv, config.max_batch_size, config.max_num_tokens,
-                                   config.enable_chunked_prefill, lora_slots=lora_slots)
-        return Planner(scheduler=scheduler, kv_cache_manager=kv, max_batch_size=config.max_batch_size,
-                       max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
-                       max_blocks_per_seq=device.max_blocks_per_seq, max_seq_len=device.max_seq_len,
-                       lora_slots=lora_slots)
+        kv = KVCacheManager(
+            device.num_blocks,
+            kv_cfg.tokens_per_block,
+            device.max_blocks_per_seq,
+            enable_block_reuse=kv_cfg.enable_block_reuse,
+            max_num_sequences=config.max_batch_size,
+            events=events,
+        )
+        scheduler = make_scheduler(
+            config.scheduler_config,
+            kv,
+            config.max_batch_size,
+            config.max_num_tokens,
+            config.enable_chunked_prefill,
+            lora_slots=lora_slots,
+        )
+        return Planner(
+            scheduler=scheduler,
+            kv_cache_manager=kv,
+            max_batch_size=config.max_batch_size,
+            max_num_tokens=config.max_num_tokens,
+            min_token_bucket=config.min_token_bucket,
+            max_blocks_per_seq=device.max_blocks_per_seq,
+            max_seq_len=device.max_seq_len,
+            lora_slots=lora_slots,
+        )
 
     if config.enable_attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.ranked_planner)
         assignment = RankAssignment(device.num_ranks)
@@ -231,12 +309,29 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
     balancer = config.moe_config.load_balancer
     online = balancer is not None and balancer.layer_updates_per_iter > 0
     # Online expert load balancing: placements recomputed in the background, slots rewritten in place.
-    load_balancer = OnlineLoadBalancer(
-        config=balancer, params=device.runner.params, moe_layers=device.moe_layers,
-        num_experts=model_config.num_experts, ep_size=expert_parallel_size(device.mesh),
-        mesh=device.mesh) if online else None
-    return EngineParts(device=device, tokenizer=tokenizer, eos_ids=eos_ids, planner=planner,
-                       kv_cache_manager=kv_cache_manager, scheduler=scheduler,
-                       num_sampler_rows=config.max_batch_size * device.num_ranks,
-                       capabilities=Capabilities.of(config, device.layout), lora_slots=lora_slots,
-                       adapters=adapters, kv_events=kv_events, load_balancer=load_balancer)
+    load_balancer = (
+        OnlineLoadBalancer(
+            config=balancer,
+            params=device.runner.params,
+            moe_layers=device.moe_layers,
+            num_experts=model_config.num_experts,
+            ep_size=expert_parallel_size(device.mesh),
+            mesh=device.mesh,
+        )
+        if online
+        else None
+    )
+    return EngineParts(
+        device=device,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        planner=planner,
+        kv_cache_manager=kv_cache_manager,
+        scheduler=scheduler,
+        num_sampler_rows=config.max_batch_size * device.num_ranks,
+        capabilities=Capabilities.of(config, device.layout),
+        lora_slots=lora_slots,
+        adapters=adapters,
+        kv_events=kv_events,
+        load_balancer=load_balancer,
+    )

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from jaxllm.batch_builder import choose_token_bucket
 
@@ -35,9 +36,15 @@ class BucketCompiler:
     # A gap between two steps longer than this is idle time, not time spent on a padded step.
     MAX_STEP_SECONDS = 1.0
 
-    def __init__(self, *, max_num_tokens: int, min_token_bucket: int,
-                 compile_bucket: Callable[[int], Future], compile_seconds: Callable[[], float],
-                 max_in_flight: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        max_num_tokens: int,
+        min_token_bucket: int,
+        compile_bucket: Callable[[int], Future],
+        compile_seconds: Callable[[], float],
+        max_in_flight: int = 1,
+    ) -> None:
         """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
         threads and returns its future; `compile_seconds()` is what one compile is expected to
         take (the mean so far)."""
@@ -89,8 +96,12 @@ class BucketCompiler:
         first (a background warm-up's remaining buckets)."""
         with self._lock:
             for bucket in buckets:
-                if bucket not in self._ready and bucket not in self._in_flight and bucket not in self._wanted \
-                        and bucket not in self._deferred:
+                if (
+                    bucket not in self._ready
+                    and bucket not in self._in_flight
+                    and bucket not in self._wanted
+                    and bucket not in self._deferred
+                ):
                     self._deferred.append(bucket)
 
     def choose(self, num_tokens: int) -> int:

@@ -10,8 +10,8 @@ Why a hit is always the right program: JAX keys each entry by a hash of everythi
 executable depends on: the lowered program (every shape, dtype and sharding, hence the
 model's architecture and the engine's limits, plus any constant folded into it), the
 devices it is compiled for, the compile options and XLA flags, the backend platform and
-version, and the jaxlib version (jax's own lowering shows in the program). Weights are program arguments, not part of the
-program, so two checkpoints of one architecture rightly share entries. A different model,
+version, and the jaxlib version (jax's own lowering shows in the program). Weights are program
+arguments, not part of the program, so two checkpoints of one architecture rightly share entries. A different model,
 limit, device or jax version is a different key, a miss, never a wrong executable. One
 thing the key leaves out is the host CPU's instruction set (CPU executables are native code),
 so the default directory has one subdirectory per CPU model and feature set: a home
@@ -54,8 +54,9 @@ def host_id() -> str:
     described = [platform.machine(), platform.processor()]
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            described += sorted({line.strip() for line in f
-                                 if line.startswith(("model name", "flags", "Features", "CPU part"))})
+            described += sorted(
+                {line.strip() for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))}
+            )
     except OSError:
         pass
     digest = hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from sharding.mesh import ParallelConfig
@@ -81,27 +82,36 @@ class EngineConfig:
         for name in ("max_batch_size", "max_num_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.compile_workers is not None and (not isinstance(self.compile_workers, int)
-                                                 or isinstance(self.compile_workers, bool) or self.compile_workers < 1):
+        if self.compile_workers is not None and (
+            not isinstance(self.compile_workers, int)
+            or isinstance(self.compile_workers, bool)
+            or self.compile_workers < 1
+        ):
             raise ValueError(f"compile_workers must be a positive integer, got {self.compile_workers!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
-                or self.tensor_parallel_size < 1:
+        if (
+            not isinstance(self.tensor_parallel_size, int)
+            or isinstance(self.tensor_parallel_size, bool)
+            or self.tensor_parallel_size < 1
+        ):
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         self.parallel_config()  # checks E * T == N
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.multihost_plan_channel not in PLAN_CHANNELS:
-            raise ValueError(f"multihost_plan_channel must be one of {PLAN_CHANNELS}, "
-                             f"got {self.multihost_plan_channel!r}")
+            raise ValueError(
+                f"multihost_plan_channel must be one of {PLAN_CHANNELS}, got {self.multihost_plan_channel!r}"
+            )
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              moe_expert_parallel_size=self.moe_expert_parallel_size,
-                              moe_tensor_parallel_size=self.moe_tensor_parallel_size,
-                              enable_attention_dp=self.enable_attention_dp)
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            moe_expert_parallel_size=self.moe_expert_parallel_size,
+            moe_tensor_parallel_size=self.moe_tensor_parallel_size,
+            enable_attention_dp=self.enable_attention_dp,
+        )

@@ -68,8 +68,20 @@ _MAGIC = b"jaxllm-executable v1\n"
 _SUFFIX = ".jaxexe"
 SOURCE_PACKAGES = ("jaxllm", "pallas_kernels", "sharding")
 # Distributions whose version changes what a program compiles to or how it runs.
-_DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
-                  "jax-rocm7-plugin", "jax-rocm7-pjrt", "libtpu", "tokamax", "ml_dtypes", "numpy")
+_DISTRIBUTIONS = (
+    "jax",
+    "jaxlib",
+    "jax-cuda12-plugin",
+    "jax-cuda12-pjrt",
+    "jax-cuda13-plugin",
+    "jax-cuda13-pjrt",
+    "jax-rocm7-plugin",
+    "jax-rocm7-pjrt",
+    "libtpu",
+    "tokamax",
+    "ml_dtypes",
+    "numpy",
+)
 # Environment variables not part of the key: where caches live and secrets.
 _ENV_SKIPPED = ("JAXLLM_CACHE_DIR", "JAXLLM_COMPILE_CACHE", "JAXLLM_API_KEY")
 # EngineConfig fields that decide only when and where programs compile, never what they are.
@@ -103,20 +115,24 @@ def describe(value: Any, _depth: int = 0) -> str:
     if isinstance(value, np.generic):
         return f"{value.dtype.str}({value.item()!r})"
     if isinstance(value, jax.sharding.Mesh):
-        return (f"Mesh({value.axis_names}, {value.devices.shape}, ids={value.device_ids.ravel().tolist()}, "
-                f"types={d(tuple(getattr(value, 'axis_types', ())))})")
+        return (
+            f"Mesh({value.axis_names}, {value.devices.shape}, ids={value.device_ids.ravel().tolist()}, "
+            f"types={d(tuple(getattr(value, 'axis_types', ())))})"
+        )
     if isinstance(value, jax.sharding.Sharding):
         return describe_sharding(value)
     if isinstance(value, jax.sharding.PartitionSpec):
         return repr(value)
     if isinstance(value, functools.partial):
         return f"partial({d(value.func)}, {d(value.args)}, {d(value.keywords)})"
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)) \
-            or (callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type)):
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)) or (
+        callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type)
+    ):
         return _describe_function(value, d)
     if isinstance(value, types.CodeType):
-        body = hashlib.sha256(value.co_code + describe((value.co_names, value.co_varnames, value.co_freevars,
-                                                        value.co_cellvars)).encode()).hexdigest()
+        body = hashlib.sha256(
+            value.co_code + describe((value.co_names, value.co_varnames, value.co_freevars, value.co_cellvars)).encode()
+        ).hexdigest()
         return f"code({value.co_filename}:{value.co_firstlineno} {body} consts={d(value.co_consts)})"
     if isinstance(value, types.ModuleType):
         return f"module({value.__name__})"
@@ -168,8 +184,9 @@ def describe_sharding(sharding: jax.sharding.Sharding) -> str:
 
 def describe_array(leaf: Any) -> str:
     sharding = getattr(leaf, "sharding", None)
-    return (f"{np.dtype(leaf.dtype).str}{tuple(leaf.shape)}"
-            f"{'' if sharding is None else ' ' + describe_sharding(sharding)}")
+    return (
+        f"{np.dtype(leaf.dtype).str}{tuple(leaf.shape)}{'' if sharding is None else ' ' + describe_sharding(sharding)}"
+    )
 
 
 def describe_arguments(args: Any) -> str:
@@ -178,7 +195,7 @@ def describe_arguments(args: Any) -> str:
     return f"{treedef}\n" + "\n".join(describe_array(leaf) for leaf in leaves)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_digest(packages: tuple[str, ...] = SOURCE_PACKAGES) -> str:
     """SHA-256 over the files of the packages that build the programs (paths and contents)."""
     import importlib
@@ -211,19 +228,29 @@ def environment_description() -> str:
 
     devices = jax.devices()
     backend = devices[0].client
-    config = {name: value for name, value in jax.config.values.items()
-              if "compilation_cache" not in name and "persistent_cache" not in name}
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith(("JAX_", "XLA_", "JAXLLM_", "LIBTPU_", "TPU_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_"))
-           and k not in _ENV_SKIPPED and "CACHE" not in k}
+    config = {
+        name: value
+        for name, value in jax.config.values.items()
+        if "compilation_cache" not in name and "persistent_cache" not in name
+    }
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("JAX_", "XLA_", "JAXLLM_", "LIBTPU_", "TPU_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_"))
+        and k not in _ENV_SKIPPED
+        and "CACHE" not in k
+    }
     lines = [
         f"python {sys.version}",
         f"jax {jax.__version__} jaxlib {jaxlib.__version__} {' '.join(_versions())}",
         f"backend {backend.platform} {backend.platform_version}",
         f"processes {jax.process_count()} index {jax.process_index()}",
-        "devices " + "; ".join(f"{dev.id}:{dev.platform}:{dev.device_kind}:{getattr(dev, 'process_index', 0)}"
-                               f":{getattr(dev, 'compute_capability', '')}:{getattr(dev, 'coords', '')}"
-                               for dev in devices),
+        "devices "
+        + "; ".join(
+            f"{dev.id}:{dev.platform}:{dev.device_kind}:{getattr(dev, 'process_index', 0)}"
+            f":{getattr(dev, 'compute_capability', '')}:{getattr(dev, 'coords', '')}"
+            for dev in devices
+        ),
         f"host {host_id()}",
         f"source {source_digest()}",
         f"config {describe(config)}",
@@ -234,8 +261,9 @@ def environment_description() -> str:
 
 def describe_engine_config(config: Any) -> str:
     """Every field of an `EngineConfig` that may change a program (all but the compile switches)."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.name not in ENGINE_FIELDS_NOT_IN_KEY}
+    fields = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ENGINE_FIELDS_NOT_IN_KEY
+    }
     return f"{type(config).__module__}.{type(config).__qualname__}{describe(fields)}"
 
 
@@ -357,7 +385,7 @@ class ExecutableStore:
         try:
             if not data.startswith(_MAGIC):
                 return self._reject(path, "not an entry of this format")
-            checksum, payload = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
+            checksum, payload = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
             if hashlib.sha256(payload).digest() != checksum:
                 return self._reject(path, "checksum mismatch (damaged or partly written)")
             entry = pickle.loads(payload)
@@ -367,8 +395,13 @@ class ExecutableStore:
             if not all(i in by_id for i in entry["devices"]):
                 return self._reject(path, "compiled for devices this process does not have")
             devices = [by_id[i] for i in entry["devices"]]
-            exe = deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
-                                       backend=devices[0].client, execution_devices=devices)
+            exe = deserialize_and_load(
+                entry["executable"],
+                entry["in_tree"],
+                entry["out_tree"],
+                backend=devices[0].client,
+                execution_devices=devices,
+            )
         except Exception as exc:  # any failure to read an entry is a miss, never a crash
             return self._reject(path, f"could not be loaded ({type(exc).__name__}: {exc})")
         self._count("loaded")
@@ -387,8 +420,10 @@ class ExecutableStore:
         try:
             devices = [dev.id for dev in exe._executable._unloaded_executable.device_list]
             blob, in_tree, out_tree = serialize(exe)
-            payload = pickle.dumps(dict(key=key, devices=devices, executable=blob, in_tree=in_tree,
-                                        out_tree=out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(
+                dict(key=key, devices=devices, executable=blob, in_tree=in_tree, out_tree=out_tree),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
         except Exception as exc:  # e.g. host callbacks or constants the serializer does not take
             logger.debug("program not stored: cannot serialize it (%s: %s)", type(exc).__name__, exc)
             self._count("unkeyed")

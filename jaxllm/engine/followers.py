@@ -5,11 +5,13 @@ the KV block manager, and the executor, the server and the benchmarks run there.
 `LLMEngine` on the leader opens a *session*: the engine's config is published in the
 coordination service's key-value store and every follower builds the same runner from it
 (`jaxllm.engine.builder.build_runner`, each loading only the weight shards of its own
-devices; no scheduler, no KV block manager), and then mirrors the leader's runner: each call that runs a device program (`execute(plan)`, and
-the warm-up's `forward` / `sample`) is sent to the followers before the leader makes it, and
+devices; no scheduler, no KV block manager), and then mirrors the leader's runner: each call
+that runs a device program (`execute(plan)`, and the warm-up's `forward` / `sample`) is sent to
+the followers before the leader makes it, and
 they make the same call, so every process launches the same programs in the same order and
-their collectives meet. Compilations are announced too, so followers compile while the leader does. Sampled tokens are read back on the leader only (they are replicated,
-so its own devices hold them); followers never read anything back.
+their collectives meet. Compilations are announced too, so followers compile while the leader
+does. Sampled tokens are read back on the leader only (they are replicated, so its own devices
+hold them); followers never read anything back.
 
 A device array passed to a mirrored call (the warm-up samples the logits of its last forward)
 travels as a reference to the latest output of a mirrored method, which each follower holds.
@@ -111,8 +113,10 @@ class MirroredRunner:
             for i, leaf in enumerate(leaves):
                 if leaf is arg:
                     return LatestOutput(method, i)
-        raise ValueError("a device array passed to a mirrored runner call must be the latest output of one of "
-                         f"{MIRRORED}: the followers hold no other")
+        raise ValueError(
+            "a device array passed to a mirrored runner call must be the latest output of one of "
+            f"{MIRRORED}: the followers hold no other"
+        )
 
     def _mirror(self, method: str, *args: Any) -> Any:
         if self._closed:
@@ -176,8 +180,7 @@ def open_session(config: Any) -> Optional[str]:
         session = _sessions_opened
         _sessions_opened += 1
     multihost.kv_client().key_value_set_bytes(f"{SESSION_KEY}/{session}", encode(("engine", config)))
-    logger.info("multi-host session %d: %d follower process(es) build the engine", session,
-                jax.process_count() - 1)
+    logger.info("multi-host session %d: %d follower process(es) build the engine", session, jax.process_count() - 1)
     return f"{SESSION_KEY}/{session}/messages"
 
 

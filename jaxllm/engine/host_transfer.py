@@ -91,13 +91,16 @@ class RepeatPacker:
             changed = [i for i, (new, old) in enumerate(zip(leaves, last[0])) if new is not old]
             layout = last[3]
             if len(changed) <= self.max_changed and all(
-                    np.shape(leaves[i]) == layout.leaves[i][2] and np.asarray(leaves[i]).dtype.str == layout.leaves[i][0]
-                    for i in changed):
+                np.shape(leaves[i]) == layout.leaves[i][2] and np.asarray(leaves[i]).dtype.str == layout.leaves[i][0]
+                for i in changed
+            ):
                 buffer = last[2].copy()
                 for i in changed:
                     _, offset, _ = layout.leaves[i]
                     flat = np.asarray(leaves[i]).reshape(-1)
-                    buffer[offset:offset + flat.size] = flat if flat.dtype == _BOOL or flat.dtype == _WORD else flat.view(_WORD)
+                    buffer[offset : offset + flat.size] = (
+                        flat if flat.dtype == _BOOL or flat.dtype == _WORD else flat.view(_WORD)
+                    )
                 self._last = (leaves, treedef, buffer, layout)
                 return (buffer,), layout
         (buffer,), layout = pack(tree)
@@ -127,4 +130,5 @@ def put_on_mesh(tree: Any, sharding: jax.sharding.Sharding) -> Any:
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
     return jax.tree_util.tree_map(
-        lambda a: jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index]), tree)
+        lambda a: jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index]), tree
+    )

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
-from jaxllm.llm_args import CapacitySchedulerPolicy
-from jaxllm.engine.admission import (AdmissionLimits, AdmittedRequest, check_arrival_time, check_sequence_index,
-                                     validate_request)
+from jaxllm.engine.admission import (
+    AdmissionLimits,
+    AdmittedRequest,
+    check_arrival_time,
+    check_sequence_index,
+    validate_request,
+)
 from jaxllm.engine.builder import build_engine, resolve_model_dir
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.engine_config import EngineConfig
@@ -42,9 +47,10 @@ from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
 from jaxllm.engine.warmup import ProgramWarmup
 from jaxllm.kv_cache.retention import check_retention_config
+from jaxllm.llm_args import CapacitySchedulerPolicy
+from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.lora import LoraAdapter, LoRARequest
 from jaxllm.lora.weights import empty_slot, slot_update
-from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingParams
 
 __all__ = ["EngineTiming", "LLMEngine", "resolve_model_dir"]
@@ -79,23 +85,40 @@ class LLMEngine:
         self.bucket_compiler: Optional[BucketCompiler] = None
         if config.compile_ahead and session is None and not self.attention_dp:
             self.bucket_compiler = BucketCompiler(
-                max_num_tokens=config.max_num_tokens, min_token_bucket=config.min_token_bucket,
-                compile_bucket=lambda bucket: self.step_runner.compile_forward(*self.planner.empty_step(bucket),
-                                                                              wait=False),
+                max_num_tokens=config.max_num_tokens,
+                min_token_bucket=config.min_token_bucket,
+                compile_bucket=lambda bucket: self.step_runner.compile_forward(
+                    *self.planner.empty_step(bucket), wait=False
+                ),
                 compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
-                max_in_flight=self.runner.compile_workers - 1)
+                max_in_flight=self.runner.compile_workers - 1,
+            )
         self.program_warmup = ProgramWarmup(
-            runner=self.step_runner, planner=self.planner, config=config, num_sampler_rows=self.num_sampler_rows,
-            max_seq_len=self.max_seq_len, bucket_compiler=self.bucket_compiler,
-            logits_outputs=self.capabilities.logits_outputs is None, attention_dp=self.attention_dp)
+            runner=self.step_runner,
+            planner=self.planner,
+            config=config,
+            num_sampler_rows=self.num_sampler_rows,
+            max_seq_len=self.max_seq_len,
+            bucket_compiler=self.bucket_compiler,
+            logits_outputs=self.capabilities.logits_outputs is None,
+            attention_dp=self.attention_dp,
+        )
         # Pausing moves generated tokens into the prompt, which needs them on the host.
-        self.overlap = (not config.disable_overlap_scheduler and
-                        config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION)
-        self.requests = RequestTable(planner=self.planner, kv_cache_manager=self.kv_cache_manager,
-                                     lora_slots=self.lora_slots)
-        self.readback = TokenReadback(requests=self.requests, kv_cache_manager=self.kv_cache_manager,
-                                      planner=self.planner, copy_blocks=self.runner.copy_blocks,
-                                      expert_statistics=self.expert_statistics, load_balancer=self.load_balancer)
+        self.overlap = (
+            not config.disable_overlap_scheduler
+            and config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION
+        )
+        self.requests = RequestTable(
+            planner=self.planner, kv_cache_manager=self.kv_cache_manager, lora_slots=self.lora_slots
+        )
+        self.readback = TokenReadback(
+            requests=self.requests,
+            kv_cache_manager=self.kv_cache_manager,
+            planner=self.planner,
+            copy_blocks=self.runner.copy_blocks,
+            expert_statistics=self.expert_statistics,
+            load_balancer=self.load_balancer,
+        )
         self._pending: Optional[PendingStep] = None
         # While the request table is unchanged and every request of a steady decode step stays
         # below max_tokens, the next step's candidates are that step's requests, found without
@@ -115,12 +138,16 @@ class LLMEngine:
         self.on_dispatch: Optional[Callable[[float, Any], None]] = None
         kv = self.kv_cache_manager
         self.admission_limits = AdmissionLimits(
-            vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
-            default_end_ids=tuple(sorted(self.eos_ids)), tokens_per_block=kv.tokens_per_block,
+            vocab_size=self.model_config.vocab_size,
+            max_seq_len=self.max_seq_len,
+            default_end_ids=tuple(sorted(self.eos_ids)),
+            tokens_per_block=kv.tokens_per_block,
             max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
-            max_num_tokens=config.max_num_tokens, enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
             batched_processor_names=tuple(sorted(config.logits_post_processors or ())),
-            logits_unsupported=self.capabilities.logits_outputs)
+            logits_unsupported=self.capabilities.logits_outputs,
+        )
 
     @property
     def active(self) -> Mapping[int, LlmRequest]:
@@ -136,15 +163,18 @@ class LLMEngine:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a jaxllm.LoRARequest, got {type(lora_request).__name__}")
         if self._adapters is None:
-            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was built without LoRA "
-                             "support; build it with enable_lora=True (CLI: --enable-lora)")
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r}: this engine was built without LoRA "
+                "support; build it with enable_lora=True (CLI: --enable-lora)"
+            )
         return self._adapters.get(lora_request)
 
     def _slot_update(self, adapter: Optional[LoraAdapter]) -> Any:
         if adapter is None:
             return empty_slot(self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype)
-        return slot_update(adapter, self.model_config, self.runner.params, self.config.max_lora_rank,
-                           self.model_config.dtype)
+        return slot_update(
+            adapter, self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype
+        )
 
     # ------------------------------------------------------------------ compiling
     def reset_timing(self) -> None:
@@ -157,8 +187,9 @@ class LLMEngine:
         """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
         return self.program_warmup.decode_bucket()
 
-    def warmup(self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None,
-               background: bool = False) -> None:
+    def warmup(
+        self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None, background: bool = False
+    ) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
         the model forward for every token bucket and the sampler for every variant of its
         static switches (`all_variants=False`: only the default greedy sampler). Runs empty
@@ -194,28 +225,39 @@ class LLMEngine:
     def next_request_id(self) -> int:
         return next(self._ids)
 
-    def validate_request(self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0,
-                         lora_request: Any = None) -> AdmittedRequest:
+    def validate_request(
+        self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0, lora_request: Any = None
+    ) -> AdmittedRequest:
         """Admission checks (ValueError naming the field); safe to call from any thread, and
         what the executor calls when a request is submitted."""
-        admitted = validate_request(prompt_token_ids, params, self.admission_limits, priority=priority,
-                                    tokenizer=self.tokenizer)
+        admitted = validate_request(
+            prompt_token_ids, params, self.admission_limits, priority=priority, tokenizer=self.tokenizer
+        )
         self.resolve_lora(lora_request)
         if params.use_beam_search:  # validate_request checked it is SamplingParams
             kv = self.kv_cache_manager
-            self.capabilities.check_beam_search(params, len(admitted.prompt_token_ids), kv.tokens_per_block,
-                                                kv.get_max_resource_count())
+            self.capabilities.check_beam_search(
+                params, len(admitted.prompt_token_ids), kv.tokens_per_block, kv.get_max_resource_count()
+            )
         return admitted
 
     def validate_prompt(self, prompt_token_ids: Any, params: Any) -> None:
         """Alias of `validate_request` with the default priority."""
         self.validate_request(prompt_token_ids, params)
 
-    def add_request(self, prompt_token_ids: Any, sampling_params: Optional[SamplingParams] = None,
-                    *, request_id: Optional[int] = None, priority: float = 0.0,
-                    arrival_time: Optional[float] = None, sequence_index: int = 0,
-                    lora_request: Optional[LoRARequest] = None,
-                    kv_cache_retention_config: Any = None, admitted: Optional[AdmittedRequest] = None) -> LlmRequest:
+    def add_request(
+        self,
+        prompt_token_ids: Any,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        request_id: Optional[int] = None,
+        priority: float = 0.0,
+        arrival_time: Optional[float] = None,
+        sequence_index: int = 0,
+        lora_request: Optional[LoRARequest] = None,
+        kv_cache_retention_config: Any = None,
+        admitted: Optional[AdmittedRequest] = None,
+    ) -> LlmRequest:
         """Admit a request (ValueError naming the field if it breaks a limit). `lora_request`:
         the LoRA adapter it runs with (the engine needs enable_lora); `kv_cache_retention_config`:
         retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`)."""
@@ -232,9 +274,15 @@ class LLMEngine:
             raise ValueError(f"request_id must be an int, got {type(request_id).__name__}")
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id} is already in use by an unfinished request")
-        request = new_request(request_id, admitted, params, sequence_index=sequence_index, lora_adapter=adapter,
-                              arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                              retention=retention)
+        request = new_request(
+            request_id,
+            admitted,
+            params,
+            sequence_index=sequence_index,
+            lora_adapter=adapter,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            retention=retention,
+        )
         self.requests.add(request)
         return request
 
@@ -279,8 +327,11 @@ class LLMEngine:
         if steady is not None and steady[1] == self.requests.changes:
             return steady[0]
         self.planner.materialize_tokens()  # the lengths below must count every token
-        return [r for r in self.requests
-                if len(r.output_token_ids) < r.sampling_params.max_tokens and r.state is not _COMPLETE]
+        return [
+            r
+            for r in self.requests
+            if len(r.output_token_ids) < r.sampling_params.max_tokens and r.state is not _COMPLETE
+        ]
 
     def step(self) -> StepUpdates:
         """Run one iteration; returns the updates of the step whose tokens were read back
@@ -296,10 +347,12 @@ class LLMEngine:
             # request sits this step out; the other requests stay overlapped.
             waiting = {id(entry[0].beam) for entry in pending.beam_entries or ()}
             held = {id(r) for r in pending.processor_requests}
-            candidates = [r for r in candidates
-                          if id(r) not in held and (r.beam is None or id(r.beam) not in waiting)]
-        if (pending is not None and self.requests.num_needing_history
-                and any(r.sampling_params.needs_history for r in candidates)):
+            candidates = [r for r in candidates if id(r) not in held and (r.beam is None or id(r.beam) not in waiting)]
+        if (
+            pending is not None
+            and self.requests.num_needing_history
+            and any(r.sampling_params.needs_history for r in candidates)
+        ):
             in_flight = {id(entry[0]) for entry in pending.entries}
             if any(r.sampling_params.needs_history and id(r) in in_flight for r in candidates):
                 # Penalties and bad-word lists need every previous token on the host: no overlap here.
@@ -339,7 +392,8 @@ class LLMEngine:
             beam_search=self.requests.num_beam_search > 0,
             # A steady batch keeps its tokens in a log unless a request needs them every step.
             defer_tokens=self.token_log and not self.requests.needs_host_tokens,
-            choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose)
+            choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose,
+        )
 
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[PendingStep]:
         """Plan and launch one step. Requests that make planning it fail are failed
@@ -365,8 +419,13 @@ class LLMEngine:
         targets, processor_failures = None, []
         if self.requests.num_logits_requests:
             fields, targets = plan_step_logits(
-                output.all_requests(), len(output.context_requests), plan.batch.cu_q_lens,
-                plan.batch.token_ids.shape[-1], self.config.min_token_bucket, self.num_sampler_rows)
+                output.all_requests(),
+                len(output.context_requests),
+                plan.batch.cu_q_lens,
+                plan.batch.token_ids.shape[-1],
+                self.config.min_token_bucket,
+                self.num_sampler_rows,
+            )
             if targets is not None:
                 plan = replace(plan, **fields)
         balancer = self.load_balancer
@@ -385,7 +444,8 @@ class LLMEngine:
         writer = self.expert_statistics
         wanted = balancer is not None or (writer is not None and writer.wants(iteration))
         wants_logprobs = bool(self.requests.num_wanting_logprobs) and any(
-            r.sampling_params.logprobs is not None for r in output.all_requests())
+            r.sampling_params.logprobs is not None for r in output.all_requests()
+        )
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
         beam_entries = None
@@ -399,9 +459,16 @@ class LLMEngine:
         stats = step_stats(output, plan.num_context_tokens, num_new)
         if balancer is not None:
             stats["moeLoadBalancerStats"] = balancer.iteration_stats(updated_layers)
-        pending = PendingStep(result.sampled, entries, wants_logprobs, stats, iteration,
-                              result.expert_counts if wanted else None,
-                              balancer.tables if balancer is not None else None, beam_entries or None)
+        pending = PendingStep(
+            result.sampled,
+            entries,
+            wants_logprobs,
+            stats,
+            iteration,
+            result.expert_counts if wanted else None,
+            balancer.tables if balancer is not None else None,
+            beam_entries or None,
+        )
         if decode is not None:
             pending.decode, pending.decode_index = decode, entries.index
         if targets is not None and targets.processors:
@@ -434,15 +501,17 @@ class LLMEngine:
 
     def _record_stats(self, stats: dict) -> None:
         self.iteration += 1
-        stats.update({
-            "timestamp": time.time(),
-            "iter": self.iteration,
-            "numActiveRequests": len(self.requests),
-            "numQueuedRequests": self.num_queued,
-            "maxNumActiveRequests": self.config.max_batch_size,
-            "maxBatchSizeRuntime": self.config.max_batch_size,
-            "maxNumTokensRuntime": self.config.max_num_tokens,
-            "kvCacheStats": self.kv_cache_manager.get_kv_cache_stats().to_dict(),
-        })
+        stats.update(
+            {
+                "timestamp": time.time(),
+                "iter": self.iteration,
+                "numActiveRequests": len(self.requests),
+                "numQueuedRequests": self.num_queued,
+                "maxNumActiveRequests": self.config.max_batch_size,
+                "maxBatchSizeRuntime": self.config.max_batch_size,
+                "maxNumTokensRuntime": self.config.max_num_tokens,
+                "kvCacheStats": self.kv_cache_manager.get_kv_cache_stats().to_dict(),
+            }
+        )
         self.iteration_stats.append(stats)
-        del self.iteration_stats[:-self.max_iteration_stats]
+        del self.iteration_stats[: -self.max_iteration_stats]

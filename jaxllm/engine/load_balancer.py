@@ -33,15 +33,16 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxllm.models.weights import stacked_layer_rows
 from sharding.eplb.eplb_config import MoeLoadBalancerConfig
-from sharding.eplb.mapping import moved_slots
 from sharding.eplb.load_metrics import imbalance_ratio, rank_loads
+from sharding.eplb.mapping import moved_slots
 from sharding.eplb.online import PlacementWorker
 from sharding.expert_load import LOAD_DECAY, decay_expert_load
 from sharding.expert_pool import SLOT_WEIGHTS, ExpertWeightPool
-from jaxllm.models.weights import stacked_layer_rows
 from sharding.slot_table import SlotTable, make_slot_table
 from sharding.slot_update import warm_up, write_slot_rows
 
@@ -101,44 +102,61 @@ class BalancerStats:
 class OnlineLoadBalancer:
     """Owns the decayed load, the host pool, the placement worker and the per-step round."""
 
-    def __init__(self, *, config: MoeLoadBalancerConfig, params: Any, moe_layers: list[int], num_experts: int,
-                 ep_size: int, mesh: jax.sharding.Mesh) -> None:
+    def __init__(
+        self,
+        *,
+        config: MoeLoadBalancerConfig,
+        params: Any,
+        moe_layers: list[int],
+        num_experts: int,
+        ep_size: int,
+        mesh: jax.sharding.Mesh,
+    ) -> None:
         if config.layer_updates_per_iter <= 0:
             raise ValueError("the online balancer needs layer_updates_per_iter > 0")
         missing = [l for l in moe_layers if "slots" not in moe_layer_params(params, l)]
         if not moe_layers or missing:
-            raise ValueError("the online expert load balancer needs the experts stored as slots: run with "
-                             "moe_expert_parallel_size > 1 or give load_balancer.num_slots")
+            raise ValueError(
+                "the online expert load balancer needs the experts stored as slots: run with "
+                "moe_expert_parallel_size > 1 or give load_balancer.num_slots"
+            )
         self.layers = list(moe_layers)
         self.num_experts, self.ep_size = num_experts, ep_size
         self.layer_updates_per_iter = config.layer_updates_per_iter
         self.num_rounds = math.ceil(len(self.layers) / config.layer_updates_per_iter)
         # Where each layer's slots live: its row in a layer stack's arrays, or None (stored apart).
         self.rows: dict[int, Optional[int]] = {l: slot_layer_row(params, l) for l in self.layers}
-        host: dict[int, np.ndarray] = {}  # each (stacked) device array read back once
+        read_back: dict[int, np.ndarray] = {}  # id -> each (stacked) device array, read back once
 
         def on_host(array: jax.Array, row: Optional[int]) -> np.ndarray:
-            if id(array) not in host:
-                host[id(array)] = np.asarray(array)
-            return host[id(array)] if row is None else host[id(array)][row]
+            copy = read_back.get(id(array))
+            if copy is None:
+                copy = read_back[id(array)] = np.asarray(array)
+            return copy if row is None else copy[row]
 
         self.tables: dict[int, np.ndarray] = {
-            l: on_host(moe_layer_params(params, l)["slots"].slot_to_expert, self.rows[l]) for l in self.layers}
+            l: on_host(moe_layer_params(params, l)["slots"].slot_to_expert, self.rows[l]) for l in self.layers
+        }
         self.num_slots = int(next(iter(self.tables.values())).size)
         self.pool = ExpertWeightPool.from_slots(
-            {l: {n: on_host(moe_layer_params(params, l)[n], self.rows[l]) for n in SLOT_WEIGHTS}
-             for l in self.layers}, self.tables, num_experts)
-        del host
+            {l: {n: on_host(moe_layer_params(params, l)[n], self.rows[l]) for n in SLOT_WEIGHTS} for l in self.layers},
+            self.tables,
+            num_experts,
+        )
+        read_back.clear()  # the host copies are in the pool now
         self._replicated = NamedSharding(mesh, P())
         self.load = jax.device_put(np.zeros((len(self.layers), num_experts), np.float32), self._replicated)
         self._no_reset = jax.device_put(np.zeros((len(self.layers),), bool), self._replicated)
         self._decay = jax.jit(lambda load, counts, reset: decay_expert_load(load, counts, LOAD_DECAY, reset))
         self._reset = np.zeros((len(self.layers),), bool)
         self._steps_since_update = np.zeros((len(self.layers),), np.int64)
-        self.worker = PlacementWorker(num_slots=self.num_slots, ep_size=ep_size,
-                                      algorithm=config.placement_algorithm,
-                                      min_imbalance_gain=config.min_imbalance_gain,
-                                      minimize_moves=config.minimize_moves)
+        self.worker = PlacementWorker(
+            num_slots=self.num_slots,
+            ep_size=ep_size,
+            algorithm=config.placement_algorithm,
+            min_imbalance_gain=config.min_imbalance_gain,
+            minimize_moves=config.minimize_moves,
+        )
         self.step = 0
         self.stats = BalancerStats()
         self.last_imbalance: dict[int, float] = {}

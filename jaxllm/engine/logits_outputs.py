@@ -45,7 +45,7 @@ def padded_index(values: list[int], size: int) -> np.ndarray:
     """`values` as int32[size], padded by repeating the first value (a padded gather reads a
     real row; a padded scatter writes that row's own new value again)."""
     out = np.full(size, values[0] if values else 0, np.int32)
-    out[:len(values)] = values
+    out[: len(values)] = values
     return out
 
 
@@ -61,7 +61,7 @@ class LogitsRecord:
     def store_context(self, start: int, rows: np.ndarray) -> None:
         if self.context is None:
             self.context = np.zeros((len(self.prompt_token_ids), rows.shape[-1]), np.float32)
-        self.context[start:start + len(rows)] = rows
+        self.context[start : start + len(rows)] = rows
         self.context_filled = max(self.context_filled, start + len(rows))
 
     def store_generation(self, index: int, row: np.ndarray) -> None:
@@ -97,7 +97,7 @@ def prompt_logprobs(context_logits: np.ndarray, prompt: list[int], k: int) -> li
     out: list[Optional[dict[int, Logprob]]] = [None]
     if len(prompt) < 2:
         return out
-    lps = log_softmax(context_logits[:len(prompt) - 1])
+    lps = log_softmax(context_logits[: len(prompt) - 1])
     for i, token in enumerate(prompt[1:]):
         row = lps[i]
         entry: dict[int, Logprob] = {}
@@ -121,9 +121,9 @@ class StepLogitsTargets:
     processors: list[tuple[Any, int]] = field(default_factory=list)  # (request, row) for host processors
 
 
-def plan_step_logits(rows: list, num_context: int, cu_q_lens: np.ndarray, token_bucket: int,
-                     min_token_bucket: int, max_batch_size: int
-                     ) -> tuple[dict, Optional[StepLogitsTargets]]:
+def plan_step_logits(
+    rows: list, num_context: int, cu_q_lens: np.ndarray, token_bucket: int, min_token_bucket: int, max_batch_size: int
+) -> tuple[dict, Optional[StepLogitsTargets]]:
     """The plan fields (see module docstring) of a step whose row i is `rows[i]` (context
     requests first, before `commit`), and who gets what; ({}, None) when no row asks."""
     targets = StepLogitsTargets()
@@ -154,8 +154,9 @@ def plan_step_logits(rows: list, num_context: int, cu_q_lens: np.ndarray, token_
             targets.processors.append((request, row))
         name = params.logits_post_processor_name
         if name is not None:
-            ids, mask = batched.setdefault(name, (np.zeros(max_batch_size, np.int32),
-                                                  np.zeros(max_batch_size, np.bool_)))
+            ids, mask = batched.setdefault(
+                name, (np.zeros(max_batch_size, np.int32), np.zeros(max_batch_size, np.bool_))
+            )
             ids[row] = request.request_id & 0x7FFFFFFF
             mask[row] = True
     fields: dict = {}
@@ -174,14 +175,15 @@ def plan_step_logits(rows: list, num_context: int, cu_q_lens: np.ndarray, token_
     return fields, targets
 
 
-def store_step_logits(targets: StepLogitsTargets, context: Optional[Any], row_logits: Optional[Any],
-                      entries: list) -> None:
+def store_step_logits(
+    targets: StepLogitsTargets, context: Optional[Any], row_logits: Optional[Any], entries: list
+) -> None:
     """Copy a finished step's logits outputs to the host and into each request's record.
     `entries` are the step's (request, row, output index) from `Planner.commit`."""
     if targets.context and context is not None:
         host = np.asarray(context)
         for request, start, count, offset in targets.context:
-            request.logits_record.store_context(start, host[offset:offset + count])
+            request.logits_record.store_context(start, host[offset : offset + count])
     if targets.generation and row_logits is not None:
         host = np.asarray(row_logits)
         index_of_row = {row: index for request, row, index in entries}

@@ -37,7 +37,8 @@ logits whatever the function returns for them.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,9 @@ def apply_batched(logits: jax.Array, request_ids: jax.Array, mask: jax.Array, *,
     """`fn` over the step's logits, kept only on the rows that selected it."""
     processed = jnp.asarray(fn(logits, request_ids, mask), jnp.float32)
     if processed.shape != logits.shape:
-        raise ValueError(f"a batched logits post-processor must return logits of shape {logits.shape}, "
-                         f"got {processed.shape}")
+        raise ValueError(
+            f"a batched logits post-processor must return logits of shape {logits.shape}, got {processed.shape}"
+        )
     return jnp.where(mask[:, None], processed, logits)
 
 
@@ -62,19 +64,23 @@ def check_batched_processors(processors: Any) -> dict[str, BatchedProcessor]:
     if processors is None:
         return {}
     if not isinstance(processors, dict) or not all(
-            isinstance(k, str) and k and callable(v) for k, v in processors.items()):
-        raise ValueError("logits_post_processors must map non-empty names to jittable callables "
-                         "fn(logits, request_ids, mask) -> logits")
+        isinstance(k, str) and k and callable(v) for k, v in processors.items()
+    ):
+        raise ValueError(
+            "logits_post_processors must map non-empty names to jittable callables "
+            "fn(logits, request_ids, mask) -> logits"
+        )
     return dict(processors)
 
 
 def history(request: Any) -> list[int]:
     """What a host processor gets as `token_ids`: the prompt, then the tokens generated so far."""
-    return list(request.prompt_token_ids[:request.orig_prompt_len]) + list(request.output_token_ids)
+    return list(request.prompt_token_ids[: request.orig_prompt_len]) + list(request.output_token_ids)
 
 
-def run_host_processors(requests: list[Any], rows: np.ndarray, histories: Optional[list[list[int]]] = None
-                        ) -> tuple[np.ndarray, list[tuple[Any, BaseException]]]:
+def run_host_processors(
+    requests: list[Any], rows: np.ndarray, histories: Optional[list[list[int]]] = None
+) -> tuple[np.ndarray, list[tuple[Any, BaseException]]]:
     """Apply each request's host processors to its row of `rows` [R, V] (row k belongs to
     requests[k]; padding rows past len(requests) are copies of row 0 and get its result).
     `histories` are the requests' token ids (taken now when not given).
@@ -92,14 +98,16 @@ def run_host_processors(requests: list[Any], rows: np.ndarray, histories: Option
                 if result is not None:
                     logits = np.asarray(result, dtype=np.float32)
                 if logits.shape != (vocab_size,):
-                    raise ValueError(f"logits_processor {getattr(fn, '__name__', fn)!r} returned logits of "
-                                     f"shape {logits.shape}; expected ({vocab_size},)")
+                    raise ValueError(
+                        f"logits_processor {getattr(fn, '__name__', fn)!r} returned logits of "
+                        f"shape {logits.shape}; expected ({vocab_size},)"
+                    )
             rows[k] = logits
         except Exception as exc:  # the user's code: fail its request only
             logger.warning("logits_processor of request %s raised %r", request.request_id, exc)
             rows[k] = original
             failures.append((request, exc))
-    rows[len(requests):] = rows[0]
+    rows[len(requests) :] = rows[0]
     return rows, failures
 
 
@@ -115,4 +123,3 @@ def host_processor_hook(requests: list[Any], failures: list) -> Callable[[np.nda
         return processed
 
     return hook
-

@@ -24,9 +24,10 @@ import collections
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,30 +35,41 @@ import numpy as np
 
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
+from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.engine.planner import StepPlan
 from jaxllm.engine.program_cache import ProgramCache
 from jaxllm.engine.step_output import StepOutput
-from jaxllm.lora.weights import write_slot
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
+from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache
-from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
 from jaxllm.models.kv_cache_spec import init_dp_kv_cache
 from jaxllm.models.parallel.attention_dp import forward_attention_dp
 from jaxllm.models.parallel.ep_moe import EpMoeOptions
-from sharding.rules import param_partition_specs
-from sharding.mesh import make_mesh, ParallelConfig
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.sampling.sampler import first_argmax
 from jaxllm.step_batch import StepBatch
+from sharding.mesh import ParallelConfig, make_mesh
+from sharding.rules import param_partition_specs
 
 logger = logging.getLogger(__name__)
 
 
-def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
-                  model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh,
-                  moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
-                  attention_dp_specs: Any = None):
+def _forward_step(
+    params,
+    kv_cache,
+    inputs: tuple,
+    prev_tokens,
+    *,
+    layout: PackedLayout,
+    model_config: ModelConfig,
+    attention_fn: Callable,
+    moe_fn: Callable,
+    mesh: jax.sharding.Mesh,
+    moe_options: Optional[EpMoeOptions] = None,
+    moe_stats: bool = False,
+    attention_dp_specs: Any = None,
+):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
     the context logits [E, V] of the packed tokens `context_index` when the inputs carry
@@ -67,14 +79,37 @@ def _forward_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: Packe
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
     the batch then has a leading rank axis and the logits are [ranks * S, V]."""
     kv_cache, logits, counts, context = _model_step(
-        params, kv_cache, inputs, prev_tokens, layout=layout, model_config=model_config, attention_fn=attention_fn,
-        moe_fn=moe_fn, mesh=mesh, moe_options=moe_options, moe_stats=moe_stats, attention_dp_specs=attention_dp_specs)
+        params,
+        kv_cache,
+        inputs,
+        prev_tokens,
+        layout=layout,
+        model_config=model_config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        moe_stats=moe_stats,
+        attention_dp_specs=attention_dp_specs,
+    )
     return kv_cache, logits, counts, context, first_argmax(logits)
 
 
-def _model_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedLayout,
-                model_config: ModelConfig, attention_fn: Callable, moe_fn: Callable, mesh: jax.sharding.Mesh,
-                moe_options: Optional[EpMoeOptions], moe_stats: bool, attention_dp_specs: Any):
+def _model_step(
+    params,
+    kv_cache,
+    inputs: tuple,
+    prev_tokens,
+    *,
+    layout: PackedLayout,
+    model_config: ModelConfig,
+    attention_fn: Callable,
+    moe_fn: Callable,
+    mesh: jax.sharding.Mesh,
+    moe_options: Optional[EpMoeOptions],
+    moe_stats: bool,
+    attention_dp_specs: Any,
+):
     unpacked = unpack(inputs, layout)
     batch, feed_index = unpacked[0], unpacked[1]
     context_index = unpacked[2] if len(unpacked) > 2 else None
@@ -82,13 +117,22 @@ def _model_step(params, kv_cache, inputs: tuple, prev_tokens, *, layout: PackedL
     batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
     if attention_dp_specs is not None:
         logits, kv_cache, stats = forward_attention_dp(
-            params, kv_cache, batch, config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
-            param_specs=attention_dp_specs, moe_options=moe_options)
+            params,
+            kv_cache,
+            batch,
+            config=model_config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            param_specs=attention_dp_specs,
+            moe_options=moe_options,
+        )
         return kv_cache, logits, stats.expert_counts if moe_stats else None, None
     kwargs = dict(config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
     if context_index is not None:
-        logits, context, kv_cache, stats = forward_with_rows(params, kv_cache, batch, context_index,
-                                                             moe_stats=moe_stats, **kwargs)
+        logits, context, kv_cache, stats = forward_with_rows(
+            params, kv_cache, batch, context_index, moe_stats=moe_stats, **kwargs
+        )
         return kv_cache, logits.astype(jnp.float32), stats.expert_counts if moe_stats else None, context
     if moe_stats:
         logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
@@ -116,6 +160,7 @@ def _copy_pages(kv_cache, src: jax.Array, dst: jax.Array, *, num_blocks: int):
     """Copy KV block `src[i]` to block `dst[i]` in every layer (padding pairs have an
     out-of-range destination and are dropped). Handles per-layer caches and the scanned
     layers' single page pool (layer l owns pages [l * num_blocks, (l + 1) * num_blocks))."""
+
     def copy(pages: jax.Array, axis: int) -> jax.Array:
         layers = pages.shape[axis] // num_blocks
         offsets = jnp.arange(layers, dtype=jnp.int32)[:, None] * num_blocks
@@ -140,14 +185,25 @@ def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutpu
 class ModelRunner:
     """Owns the parameters and the KV cache and runs steps; never reads anything back."""
 
-    def __init__(self, *, model_config: ModelConfig, params: Any, num_blocks: int,
-                 tokens_per_block: int, kv_dtype: Any, attention_fn: Callable, moe_fn: Callable,
-                 max_batch_size: int, mesh: jax.sharding.Mesh | None = None,
-                 moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False,
-                 attention_dp: bool = False,
-                 batched_processors: Optional[dict[str, BatchedProcessor]] = None,
-                 compile_workers: Optional[int] = None,
-                 executable_store: Optional[ExecutableStore] = None) -> None:
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig,
+        params: Any,
+        num_blocks: int,
+        tokens_per_block: int,
+        kv_dtype: Any,
+        attention_fn: Callable,
+        moe_fn: Callable,
+        max_batch_size: int,
+        mesh: jax.sharding.Mesh | None = None,
+        moe_options: Optional[EpMoeOptions] = None,
+        moe_stats: bool = False,
+        attention_dp: bool = False,
+        batched_processors: Optional[dict[str, BatchedProcessor]] = None,
+        compile_workers: Optional[int] = None,
+        executable_store: Optional[ExecutableStore] = None,
+    ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
         `batched_processors`: device-side logits post-processors by name
@@ -169,23 +225,36 @@ class ModelRunner:
         else:
             self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         forward_step = functools.partial(
-            _forward_step, model_config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=self.mesh,
-            moe_options=moe_options, moe_stats=moe_stats,
-            attention_dp_specs=param_partition_specs(params) if attention_dp else None)
+            _forward_step,
+            model_config=model_config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=self.mesh,
+            moe_options=moe_options,
+            moe_stats=moe_stats,
+            attention_dp_specs=param_partition_specs(params) if attention_dp else None,
+        )
         # Stored programs: the key text of each program's function and static arguments (the
         # layout and argument shapes are added per program); a program without one is not stored.
         store_keys = {}
         if executable_store is not None:
-            for kind, fn, options in (("forward", forward_step, "static_argnames=layout donate_argnums=1"),
-                                      ("sampler", _sample_step, "static_argnames=layout")):
+            for kind, fn, options in (
+                ("forward", forward_step, "static_argnames=layout donate_argnums=1"),
+                ("sampler", _sample_step, "static_argnames=layout"),
+            ):
                 key = executable_store.entry_key(kind, fn, options)
                 if key is not None:
                     store_keys[kind] = key
         self.programs = ProgramCache(
-            {"forward": jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,)),
-             "sampler": jax.jit(_sample_step, static_argnames=("layout",))},
-            replicated=self._replicated, compile_workers=compile_workers, store=executable_store,
-            store_keys=store_keys)
+            {
+                "forward": jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,)),
+                "sampler": jax.jit(_sample_step, static_argnames=("layout",)),
+            },
+            replicated=self._replicated,
+            compile_workers=compile_workers,
+            store=executable_store,
+            store_keys=store_keys,
+        )
         self._copy_jit = jax.jit(functools.partial(_copy_pages, num_blocks=num_blocks), donate_argnums=(0,))
         self.blocks_copied = 0  # KV blocks copied by `copy_blocks` (beam forks)
         # Programs of steps where some row asks for logits or has a post-processor: row
@@ -194,8 +263,9 @@ class ModelRunner:
         self._scatter_jit = jax.jit(_scatter_rows)
         # Host logits processors run on this thread, off the step's critical path.
         self._processor_pool: Optional[ThreadPoolExecutor] = None
-        self._batched_jits = {name: jax.jit(functools.partial(apply_batched, fn=fn))
-                              for name, fn in (batched_processors or {}).items()}
+        self._batched_jits = {
+            name: jax.jit(functools.partial(apply_batched, fn=fn)) for name, fn in (batched_processors or {}).items()
+        }
         self._logits_exes: dict[tuple, Any] = {}
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self.sampler_runs = 0  # sampler programs run (a greedy-only step runs none)
@@ -264,8 +334,9 @@ class ModelRunner:
         buffers, layout = pack(tree)
         return tuple(put_on_mesh(buffers, self._replicated)), layout
 
-    def compile_forward(self, batch: StepBatch, feed_index: np.ndarray, context_index: Optional[np.ndarray] = None,
-                        *, wait: bool = True) -> Optional[Future]:
+    def compile_forward(
+        self, batch: StepBatch, feed_index: np.ndarray, context_index: Optional[np.ndarray] = None, *, wait: bool = True
+    ) -> Optional[Future]:
         """Compile, without running, the model forward of `batch`'s shape (with `context_index`:
         its variant returning those tokens' logits too), on the compile threads (XLA compiles
         without holding the GIL, so several compile at once). `wait=False`: return the
@@ -307,8 +378,9 @@ class ModelRunner:
         for size in row_buckets:
             rows = np.zeros(size, np.int32)
             self._logits_program(("gather", size), self._gather_jit, (logits, rows))
-            self._logits_program(("scatter", size), self._scatter_jit,
-                                 (logits, rows, np.zeros((size, vocab), np.float32)))
+            self._logits_program(
+                ("scatter", size), self._scatter_jit, (logits, rows, np.zeros((size, vocab), np.float32))
+            )
 
     def compile_batched_processors(self, logits: jax.Array) -> None:
         """Compile every registered batched post-processor (warm-up)."""
@@ -330,9 +402,14 @@ class ModelRunner:
             logits = self._apply_batched(logits, name, ids, mask)
         return logits, row_logits
 
-    def _resample_processed(self, logits: jax.Array, rows: np.ndarray,
-                            host_processor: Callable[[np.ndarray], np.ndarray],
-                            sampling: tuple, layout: PackedLayout) -> SamplerOutput:
+    def _resample_processed(
+        self,
+        logits: jax.Array,
+        rows: np.ndarray,
+        host_processor: Callable[[np.ndarray], np.ndarray],
+        sampling: tuple,
+        layout: PackedLayout,
+    ) -> SamplerOutput:
         """On the processors' thread: the step's rows `rows` through the host processors, then
         the step's sampler again over the rewritten logits (same program, settings and keys)."""
         gathered = self._logits_program(("gather", rows.shape[0]), self._gather_jit, (logits, rows))
@@ -342,8 +419,9 @@ class ModelRunner:
         jax.block_until_ready(out.token_ids)
         return out
 
-    def execute(self, plan: StepPlan,
-                host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> StepOutput:
+    def execute(
+        self, plan: StepPlan, host_processor: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    ) -> StepOutput:
         """Dispatch one planned step (forward, then sampling); returns its `StepOutput`, device
         arrays not waited for. Tokens the plan feeds from the previous step
         (`plan.feed_index`) come from the last step this runner executed. The host inputs of
@@ -369,7 +447,8 @@ class ModelRunner:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         enqueue_time = time.perf_counter()
         logits, expert_counts, context_logits, greedy_tokens = self.run_forward(
-            batch_buffers, batch_layout, self._fed_tokens)
+            batch_buffers, batch_layout, self._fed_tokens
+        )
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
         if greedy:
             sampled = SamplerOutput(token_ids=greedy_tokens, logprobs=None, top_ids=None, top_logprobs=None)
@@ -385,8 +464,8 @@ class ModelRunner:
             if self._processor_pool is None:
                 self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-logits-processors")
             processed = self._processor_pool.submit(
-                self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers,
-                sampling_layout)
+                self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers, sampling_layout
+            )
         return StepOutput(sampled, expert_counts, context_logits, row_logits, processed, enqueue_time)
 
     def _packed_layout(self, plan: StepPlan) -> PackedLayout:
@@ -413,11 +492,11 @@ class ModelRunner:
         `MAX_BLOCK_COPIES` (more are copied in several calls)."""
         self.blocks_copied += len(pairs)
         for start in range(0, max(len(pairs), 1), MAX_BLOCK_COPIES):
-            chunk = pairs[start:start + MAX_BLOCK_COPIES]
+            chunk = pairs[start : start + MAX_BLOCK_COPIES]
             src = np.zeros(MAX_BLOCK_COPIES, np.int32)
             dst = np.full(MAX_BLOCK_COPIES, _NO_BLOCK, np.int32)
             if chunk:
-                src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+                src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
             src, dst = put_on_mesh((src, dst), self._replicated)
             self.kv_cache = self._copy_jit(self.kv_cache, src, dst)
 
@@ -426,8 +505,9 @@ class ModelRunner:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
         exe = self.programs.get("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
-        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = exe(self.params, self.kv_cache,
-                                                                                 inputs, prev)
+        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = exe(
+            self.params, self.kv_cache, inputs, prev
+        )
         return logits, expert_counts, context_logits, greedy_tokens
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:

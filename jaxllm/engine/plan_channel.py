@@ -30,7 +30,8 @@ import json
 import math
 import pathlib
 import struct
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 
@@ -61,8 +62,11 @@ def _project_class(name: str) -> type:
             obj = getattr(obj, part)
     except (ImportError, AttributeError):
         raise MessageError(f"a multi-host message refers to {name!r}, which does not exist here") from None
-    if not isinstance(obj, type) or not (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-                                         or (issubclass(obj, tuple) and hasattr(obj, "_fields"))):
+    if not isinstance(obj, type) or not (
+        dataclasses.is_dataclass(obj)
+        or issubclass(obj, enum.Enum)
+        or (issubclass(obj, tuple) and hasattr(obj, "_fields"))
+    ):
         raise MessageError(f"a multi-host message may not refer to {name!r} (not a dataclass, enum or named tuple)")
     return obj
 
@@ -146,13 +150,13 @@ def decode(payload: bytes) -> Any:
     """The message `encode` wrote. Arrays are writable copies (one copy of the payload)."""
     data = bytearray(payload)
     fixed = len(MAGIC) + _HEADER_LENGTH.size
-    if len(data) < fixed or data[:len(MAGIC)] != MAGIC:
+    if len(data) < fixed or data[: len(MAGIC)] != MAGIC:
         raise MessageError("not a multi-host message (bad magic bytes)")
     (length,) = _HEADER_LENGTH.unpack_from(data, len(MAGIC))
     if fixed + length > len(data):
         raise MessageError("a truncated multi-host message")
     try:
-        header = json.loads(bytes(data[fixed:fixed + length]))
+        header = json.loads(bytes(data[fixed : fixed + length]))
         start = _aligned(fixed + length)
         arrays = []
         for dtype, shape, offset in header["arrays"]:
@@ -305,4 +309,3 @@ def make_channel(kind: str, prefix: str):
     if kind not in CHANNELS:
         raise ValueError(f"plan channel must be one of {sorted(CHANNELS)}, got {kind!r}")
     return CHANNELS[kind](prefix)
-

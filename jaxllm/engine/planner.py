@@ -15,9 +15,10 @@ that will get a token carry a placeholder until the runner's output is read back
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from operator import attrgetter, itemgetter
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -25,8 +26,8 @@ from jaxllm.batch_builder import build_decode_batch, build_step_batch, choose_to
 from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.manager import DecodeRows
-from jaxllm.lora.slots import NO_SLOT, LoraSlots
 from jaxllm.llm_request import LlmRequest, LlmRequestState
+from jaxllm.lora.slots import NO_SLOT, LoraSlots
 from jaxllm.sampling import SamplingTensors
 from jaxllm.sampling.slots import SamplingSlots
 from jaxllm.scheduler import SchedulerOutput
@@ -55,8 +56,7 @@ class DecodeEntries:
 
     __slots__ = ("requests", "index", "log", "_tuples")
 
-    def __init__(self, requests: list[LlmRequest], index: np.ndarray,
-                 log: Optional[DecodeTokenLog] = None) -> None:
+    def __init__(self, requests: list[LlmRequest], index: np.ndarray, log: Optional[DecodeTokenLog] = None) -> None:
         self.requests = requests
         self.index = index  # int64[n] index in output_token_ids of each row's token
         # The batch's token log when the step was committed to it (no placeholders in the
@@ -107,8 +107,7 @@ class StepPlan:
 
     @property
     def has_logits_work(self) -> bool:
-        return (self.logits_rows is not None or self.processor_rows is not None
-                or bool(self.batched_processors))
+        return self.logits_rows is not None or self.processor_rows is not None or bool(self.batched_processors)
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,7 @@ class BuiltStep:
     failures: list[tuple[list[LlmRequest], Exception]] = field(default_factory=list)
 
 
-def build_isolating_failures(planner, output: SchedulerOutput,
-                             in_flight: Optional[list[TokenEntry]]) -> BuiltStep:
+def build_isolating_failures(planner, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]]) -> BuiltStep:
     """`planner.build(output, in_flight)`; when it raises, the requests whose plan cannot be
     built even alone are left out (all of them when none fails alone) and the others planned."""
     try:
@@ -146,9 +144,12 @@ def build_isolating_failures(planner, output: SchedulerOutput,
         culprits = _culprits(planner, output, in_flight) or output.all_requests()
         failures = [(culprits, exc)]
     failed = set(culprits)
-    output = SchedulerOutput([r for r in output.context_requests if r not in failed],
-                             [r for r in output.generation_requests if r not in failed],
-                             output.paused_requests, output.num_fitting_requests)
+    output = SchedulerOutput(
+        [r for r in output.context_requests if r not in failed],
+        [r for r in output.generation_requests if r not in failed],
+        output.paused_requests,
+        output.num_fitting_requests,
+    )
     if output.is_empty:
         return BuiltStep(None, output, failures)
     try:
@@ -180,9 +181,18 @@ class PlannedStep:
 
 
 class Planner:
-    def __init__(self, *, scheduler, kv_cache_manager: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 min_token_bucket: int, max_blocks_per_seq: int, max_seq_len: int,
-                 lora_slots: Optional[LoraSlots] = None) -> None:
+    def __init__(
+        self,
+        *,
+        scheduler,
+        kv_cache_manager: KVCacheManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        min_token_bucket: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        lora_slots: Optional[LoraSlots] = None,
+    ) -> None:
         """`lora_slots`: the adapter slots when the engine serves LoRA adapters (every plan then
         carries each token's slot, `StepBatch.lora_slots`)."""
         self.scheduler = scheduler
@@ -203,15 +213,18 @@ class Planner:
         # a batch is that whole batch, in order: every started request keeps its place and
         # nothing is paused. Setting it False plans every step the general way.
         self.steady_decode = (
-            type(scheduler) is SimpleScheduler and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
-            and type(scheduler.capacity_scheduler) in (GuaranteedNoEvictScheduler, StaticBatchScheduler))
+            type(scheduler) is SimpleScheduler
+            and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
+            and type(scheduler.capacity_scheduler) in (GuaranteedNoEvictScheduler, StaticBatchScheduler)
+        )
 
     def token_buckets(self) -> list[int]:
         """Every token-buffer size a plan can have (one compiled model forward each)."""
         return token_buckets(self.max_num_tokens, self.min_token_bucket)
 
-    def schedule(self, candidates: list[LlmRequest],
-                 options: PlannerOptions = PlannerOptions()) -> Optional[SchedulerOutput]:
+    def schedule(
+        self, candidates: list[LlmRequest], options: PlannerOptions = PlannerOptions()
+    ) -> Optional[SchedulerOutput]:
         """Choose the step's requests and give them KV blocks; None when nothing runs.
         `options` hold for this step's `build` and `commit` too.
 
@@ -225,8 +238,13 @@ class Planner:
         self._options = options
         kv = self.kv_cache_manager
         decode = self._decode
-        if (decode is not None and self.steady_decode and not options.beam_search
-                and kv.decode_rows_current(decode) and candidates == decode.requests):
+        if (
+            decode is not None
+            and self.steady_decode
+            and not options.beam_search
+            and kv.decode_rows_current(decode)
+            and candidates == decode.requests
+        ):
             output = SchedulerOutput([], candidates, [], len(candidates))
             log = decode.log
             kv.prepare_decode(output, decode, None if log is None or not log.live else log.flush_rows)
@@ -243,8 +261,12 @@ class Planner:
         if options.beam_search:
             self.expand_beams(output)
         kv.prepare_resources(output)
-        if (self.steady_decode and not options.beam_search and not output.context_requests
-                and not output.paused_requests):
+        if (
+            self.steady_decode
+            and not options.beam_search
+            and not output.context_requests
+            and not output.paused_requests
+        ):
             self._decode = kv.decode_rows(output)
         return output
 
@@ -254,8 +276,9 @@ class Planner:
         order (its prompt ran once, as the request itself)."""
         gen = output.generation_requests
         if any(r.beam is not None and len(r.beam.requests) > 1 for r in gen):
-            output.generation_requests = [b for r in gen for b in (
-                r.beam.requests if r.beam is not None and len(r.beam.requests) > 1 else (r,))]
+            output.generation_requests = [
+                b for r in gen for b in (r.beam.requests if r.beam is not None and len(r.beam.requests) > 1 else (r,))
+            ]
 
     def materialize_tokens(self) -> None:
         """Write the steady batch's logged tokens into its requests (see `DecodeTokenLog`):
@@ -269,8 +292,12 @@ class Planner:
         entries of the previous step, whose tokens are still placeholders."""
         placement = output.kv_placement
         kv = self.kv_cache_manager
-        if (placement is not None and placement.decode is not None and not output.context_requests
-                and kv.placement_is_current(placement)):
+        if (
+            placement is not None
+            and placement.decode is not None
+            and not output.context_requests
+            and kv.placement_is_current(placement)
+        ):
             return self._build_decode(output, placement.decode, in_flight)
         self.materialize_tokens()
         gen = output.generation_requests
@@ -278,9 +305,14 @@ class Planner:
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
         bucket = self._bucket(num_tokens)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
-        batch = build_step_batch(output, self.kv_cache_manager, token_bucket=bucket,
-                                 max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                                 generation_tokens=last_tokens)
+        batch = build_step_batch(
+            output,
+            self.kv_cache_manager,
+            token_bucket=bucket,
+            max_batch_size=self.max_batch_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            generation_tokens=last_tokens,
+        )
         if self.lora_slots is not None:
             batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
         feed_index = np.full((bucket,), -1, np.int32)
@@ -293,10 +325,14 @@ class Planner:
             feed = np.array([r.feed_row for r in gen], np.int32).reshape(num_gen)
             feed_index[num_ctx_tokens:num_tokens] = np.where(in_flight_rows, feed, -1)
         rows = output.all_requests()
-        slots = (placement.rows if kv.placement_is_current(placement) and len(placement.rows) == len(rows)
-                 else kv.get_table_rows(rows))
-        sampling = self.sampling_slots.build(rows, slots, self.max_batch_size, self.max_seq_len,
-                                             lambda: self._build_sampling(rows))
+        slots = (
+            placement.rows
+            if kv.placement_is_current(placement) and len(placement.rows) == len(rows)
+            else kv.get_table_rows(rows)
+        )
+        sampling = self.sampling_slots.build(
+            rows, slots, self.max_batch_size, self.max_seq_len, lambda: self._build_sampling(rows)
+        )
         greedy_only = self.sampling_slots.last_build_plain and not sampling.any_random
         return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens, greedy_only=greedy_only)
 
@@ -306,8 +342,8 @@ class Planner:
         slots = np.full(batch.token_ids.shape[0], NO_SLOT, np.int32)
         if any(r.lora_adapter is not None for r in rows):
             per_seq = np.array([self.lora_slots.slot_of(r) for r in rows], np.int32)
-            counts = np.diff(batch.cu_q_lens[:len(rows) + 1])
-            slots[:int(counts.sum())] = np.repeat(per_seq, counts)
+            counts = np.diff(batch.cu_q_lens[: len(rows) + 1])
+            slots[: int(counts.sum())] = np.repeat(per_seq, counts)
         return slots
 
     def build_step(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> BuiltStep:
@@ -316,8 +352,13 @@ class Planner:
 
     def empty_step(self, bucket: int) -> tuple[StepBatch, np.ndarray]:
         """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of traffic)."""
-        batch = build_step_batch(SchedulerOutput([], [], []), self.kv_cache_manager, token_bucket=bucket,
-                                 max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        batch = build_step_batch(
+            SchedulerOutput([], [], []),
+            self.kv_cache_manager,
+            token_bucket=bucket,
+            max_batch_size=self.max_batch_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+        )
         return replace(batch, lora_slots=self.empty_lora_slots(bucket)), np.full((bucket,), -1, np.int32)
 
     def empty_lora_slots(self, bucket: int) -> Optional[np.ndarray]:
@@ -325,11 +366,15 @@ class Planner:
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
     def _bucket(self, num_tokens: int) -> int:
-        return (choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
-                if self._options.choose_bucket is None else self._options.choose_bucket(num_tokens))
+        return (
+            choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+            if self._options.choose_bucket is None
+            else self._options.choose_bucket(num_tokens)
+        )
 
-    def _build_decode(self, output: SchedulerOutput, decode: DecodeRows,
-                      in_flight: Optional[list[TokenEntry]]) -> StepPlan:
+    def _build_decode(
+        self, output: SchedulerOutput, decode: DecodeRows, in_flight: Optional[list[TokenEntry]]
+    ) -> StepPlan:
         """`build` of a steady decode step, from the per-slot arrays `schedule` prepared."""
         gen = output.generation_requests
         n = len(gen)
@@ -355,8 +400,16 @@ class Planner:
                 feed_index = np.full((bucket,), -1, np.int32)
                 feed_index[:n] = np.where(in_flight_rows, feed, -1)
         batch, feed_index, packed = build_decode_batch(
-            self.kv_cache_manager, decode.rows, decode.num_tokens, last_tokens, gen, token_bucket=bucket,
-            max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq, feed_index=feed_index)
+            self.kv_cache_manager,
+            decode.rows,
+            decode.num_tokens,
+            last_tokens,
+            gen,
+            token_bucket=bucket,
+            max_batch_size=self.max_batch_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            feed_index=feed_index,
+        )
         if self.lora_slots is not None:
             batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
             packed = None  # the adapter slots are an input of their own
@@ -368,17 +421,23 @@ class Planner:
         else:
             self.materialize_tokens()
             sampling = self._build_sampling(gen)
-        return StepPlan(batch, sampling, feed_index, n, 0, packed_forward=packed,
-                        greedy_only=plain and not sampling.any_random)
+        return StepPlan(
+            batch, sampling, feed_index, n, 0, packed_forward=packed, greedy_only=plain and not sampling.any_random
+        )
 
     def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
         """Sampling tensors from every request's parameters (any setting)."""
         params = [r.sampling_params for r in rows]
         needs_history = any(p.needs_history for p in params)
         return SamplingTensors.build(
-            params, [len(r.output_token_ids) for r in rows],
-            [(r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
-            [r.end_ids for r in rows], self.max_batch_size, self.max_seq_len, seeds=[r.seed for r in rows])
+            params,
+            [len(r.output_token_ids) for r in rows],
+            [(r.prompt_token_ids[: r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
+            [r.end_ids for r in rows],
+            self.max_batch_size,
+            self.max_seq_len,
+            seeds=[r.seed for r in rows],
+        )
 
     def commit(self, output: SchedulerOutput) -> list[TokenEntry] | DecodeEntries:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
@@ -427,8 +486,7 @@ class Planner:
                 request.feed_row = row
         return entries
 
-    def plan(self, candidates: list[LlmRequest], in_flight: Optional[list[TokenEntry]] = None
-             ) -> Optional[PlannedStep]:
+    def plan(self, candidates: list[LlmRequest], in_flight: Optional[list[TokenEntry]] = None) -> Optional[PlannedStep]:
         """schedule + build + commit in one call (no failure isolation)."""
         output = self.schedule(candidates)
         if output is None:

@@ -34,9 +34,15 @@ def default_compile_workers() -> int:
 class ProgramCache:
     """Compiled executables of a few jitted programs ("forward", "sampler"), keyed by layout."""
 
-    def __init__(self, jitted: dict[str, Any], *, replicated: jax.sharding.Sharding,
-                 compile_workers: Optional[int] = None, store: Optional[ExecutableStore] = None,
-                 store_keys: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        jitted: dict[str, Any],
+        *,
+        replicated: jax.sharding.Sharding,
+        compile_workers: Optional[int] = None,
+        store: Optional[ExecutableStore] = None,
+        store_keys: Optional[dict[str, str]] = None,
+    ) -> None:
         """`jitted`: program name -> the `jax.jit` of its function (static argument `layout`).
         `replicated`: the sharding host buffers get on the mesh (programs are lowered for it).
         `store_keys`: the executable store's key text of each stored program's function."""
@@ -79,6 +85,7 @@ class ProgramCache:
         """`args` as shapes, dtypes and shardings only: a program is lowered from these, never
         from live buffers (the KV cache and LoRA slots are donated by the steps meanwhile).
         Host buffers are lowered as what they become on the mesh: replicated device arrays."""
+
         def spec(leaf: Any) -> Any:
             if isinstance(leaf, np.ndarray):
                 return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated)

@@ -25,12 +25,19 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
-from jaxllm.engine.planner import (PLACEHOLDER_TOKEN, BuiltStep, Planner, PlannerOptions, StepPlan, TokenEntry,
-                                   build_isolating_failures)
+from jaxllm.engine.planner import (
+    PLACEHOLDER_TOKEN,
+    BuiltStep,
+    Planner,
+    PlannerOptions,
+    StepPlan,
+    TokenEntry,
+    build_isolating_failures,
+)
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.stats import KvCacheStats
-from jaxllm.models.parallel.attention_dp import stack_batches
 from jaxllm.llm_request import LlmRequest
+from jaxllm.models.parallel.attention_dp import stack_batches
 from jaxllm.sampling import SamplingTensors
 from jaxllm.scheduler import SchedulerOutput
 
@@ -46,9 +53,13 @@ class RankAssignment:
     def place(self, request: LlmRequest) -> int:
         rank = self.rank_of.get(request.request_id)
         if rank is None:
+
             def load(r: int) -> tuple[int, int, int]:
-                queued = sum(q.orig_prompt_len - q.context_current_position
-                             for q in self._requests[r].values() if q.is_context_phase)
+                queued = sum(
+                    q.orig_prompt_len - q.context_current_position
+                    for q in self._requests[r].values()
+                    if q.is_context_phase
+                )
                 return len(self._requests[r]), queued, r
 
             rank = min(range(self.num_ranks), key=load)
@@ -164,8 +175,9 @@ class AttentionDpPlanner:
             per_rank[self.assignment.place(request)].append(request)
         return per_rank
 
-    def schedule(self, candidates: list[LlmRequest],
-                 options: PlannerOptions = PlannerOptions()) -> Optional[RankedSchedulerOutput]:
+    def schedule(
+        self, candidates: list[LlmRequest], options: PlannerOptions = PlannerOptions()
+    ) -> Optional[RankedSchedulerOutput]:
         """Place new requests on ranks, then schedule every rank; None when nothing runs.
         No rank keeps a token log (`options.defer_tokens` does not apply: see `commit`)."""
         options = replace(options, defer_tokens=False)
@@ -176,8 +188,11 @@ class AttentionDpPlanner:
         if all(o.is_empty for o in outputs):
             return None
         combined = RankedSchedulerOutput(
-            [r for o in outputs for r in o.context_requests], [r for o in outputs for r in o.generation_requests],
-            [r for o in outputs for r in o.paused_requests], sum(o.num_fitting_requests for o in outputs))
+            [r for o in outputs for r in o.context_requests],
+            [r for o in outputs for r in o.generation_requests],
+            [r for o in outputs for r in o.paused_requests],
+            sum(o.num_fitting_requests for o in outputs),
+        )
         combined.rank_outputs = outputs
         return combined
 
@@ -196,10 +211,18 @@ class AttentionDpPlanner:
 
     def empty_batch(self, bucket: int):
         """The stacked all-padding batch of a token bucket (for compiling ahead of traffic)."""
-        return stack_batches([
-            build_step_batch(SchedulerOutput(), planner.kv_cache_manager, token_bucket=bucket,
-                             max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
-            for planner in self.planners])
+        return stack_batches(
+            [
+                build_step_batch(
+                    SchedulerOutput(),
+                    planner.kv_cache_manager,
+                    token_bucket=bucket,
+                    max_batch_size=self.max_batch_size,
+                    max_blocks_per_seq=self.max_blocks_per_seq,
+                )
+                for planner in self.planners
+            ]
+        )
 
     def empty_step(self, bucket: int):
         """An all-padding step of a token bucket and its feed index (for compiling ahead of traffic)."""
@@ -210,9 +233,16 @@ class AttentionDpPlanner:
         parts = self._rank_outputs(output)
         counts = [p.num_context_tokens + len(p.generation_requests) for p in parts]
         bucket = max(choose_token_bucket(n, self.max_num_tokens, self.min_token_bucket) for n in counts)
-        batches = [build_step_batch(part, planner.kv_cache_manager, token_bucket=bucket,
-                                    max_batch_size=self.max_batch_size, max_blocks_per_seq=self.max_blocks_per_seq)
-                   for part, planner in zip(parts, self.planners)]
+        batches = [
+            build_step_batch(
+                part,
+                planner.kv_cache_manager,
+                token_bucket=bucket,
+                max_batch_size=self.max_batch_size,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+            )
+            for part, planner in zip(parts, self.planners)
+        ]
         feed_index = np.full((self.num_ranks, bucket), -1, np.int32)
         prev_rows = {id(r): row for r, row, _ in in_flight or ()}
         rows: list[Optional[LlmRequest]] = [None] * self.num_rows
@@ -226,11 +256,16 @@ class AttentionDpPlanner:
         params = [None if r is None else r.sampling_params for r in rows]
         needs_history = any(p.needs_history for p in params if p is not None)
         sampling = SamplingTensors.build(
-            params, [0 if r is None else len(r.output_token_ids) for r in rows],
-            [None if r is None else (r.prompt_token_ids[:r.orig_prompt_len], r.output_token_ids) for r in rows]
-            if needs_history else None,
-            [None if r is None else r.end_ids for r in rows], self.num_rows, self.max_seq_len,
-            seeds=[None if r is None else r.seed for r in rows])
+            params,
+            [0 if r is None else len(r.output_token_ids) for r in rows],
+            [None if r is None else (r.prompt_token_ids[: r.orig_prompt_len], r.output_token_ids) for r in rows]
+            if needs_history
+            else None,
+            [None if r is None else r.end_ids for r in rows],
+            self.num_rows,
+            self.max_seq_len,
+            seeds=[None if r is None else r.seed for r in rows],
+        )
         num_tokens = sum(counts)
         num_ctx_tokens = sum(p.num_context_tokens for p in parts)
         return StepPlan(stack_batches(batches), sampling, feed_index, num_tokens, num_ctx_tokens)

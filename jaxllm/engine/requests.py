@@ -11,9 +11,10 @@ with an error message. The read-back and beam search call these, never the engin
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 from jaxllm.engine.admission import AdmittedRequest
 from jaxllm.engine.beam_search import BeamRun, BeamSearch
@@ -36,13 +37,26 @@ class _Needs:
     logits: int
 
 
-def new_request(request_id: int, admitted: AdmittedRequest, params: SamplingParams, *, arrival_time: float,
-                sequence_index: int, lora_adapter: Any, retention: Any) -> LlmRequest:
+def new_request(
+    request_id: int,
+    admitted: AdmittedRequest,
+    params: SamplingParams,
+    *,
+    arrival_time: float,
+    sequence_index: int,
+    lora_adapter: Any,
+    retention: Any,
+) -> LlmRequest:
     """The `LlmRequest` of an admitted prompt, with what its sampling settings ask for: its
     seed, a beam search, a record of its logits."""
-    request = LlmRequest(request_id=request_id, prompt_token_ids=admitted.prompt_token_ids,
-                         max_new_tokens=params.max_tokens, priority=admitted.priority, arrival_time=arrival_time,
-                         sampling_params=params)
+    request = LlmRequest(
+        request_id=request_id,
+        prompt_token_ids=admitted.prompt_token_ids,
+        max_new_tokens=params.max_tokens,
+        priority=admitted.priority,
+        arrival_time=arrival_time,
+        sampling_params=params,
+    )
     request.seed = resolve_seed(params, sequence_index)
     request.end_ids = admitted.end_ids
     request.lora_adapter = lora_adapter
@@ -52,11 +66,19 @@ def new_request(request_id: int, admitted: AdmittedRequest, params: SamplingPara
             raise ValueError(f"request_id must be >= 0 for beam search, got {request_id}")
         request.beam_width = params.beam_width
         end_ids = frozenset(() if params.ignore_eos else admitted.end_ids)
-        request.beam = BeamRun(BeamSearch(params.beam_width, params.max_tokens, end_ids,
-                                          float(params.length_penalty), params.early_stopping),
-                               [request], params.n)
-    if (params.wants_context_logits or params.return_generation_logits or params.logits_processor is not None
-            or params.logits_post_processor_name is not None):
+        request.beam = BeamRun(
+            BeamSearch(
+                params.beam_width, params.max_tokens, end_ids, float(params.length_penalty), params.early_stopping
+            ),
+            [request],
+            params.n,
+        )
+    if (
+        params.wants_context_logits
+        or params.return_generation_logits
+        or params.logits_processor is not None
+        or params.logits_post_processor_name is not None
+    ):
         request.logits_record = LogitsRecord(list(admitted.prompt_token_ids))
         request.reuse_prefix = not params.wants_context_logits  # cached blocks have no logits
     return request
@@ -64,8 +86,12 @@ def new_request(request_id: int, admitted: AdmittedRequest, params: SamplingPara
 
 def _needs(request: LlmRequest) -> _Needs:
     params = request.sampling_params
-    return _Needs(int(params.needs_history), int(params.logprobs is not None), int(request.beam is not None),
-                  int(request.logits_record is not None))
+    return _Needs(
+        int(params.needs_history),
+        int(params.logprobs is not None),
+        int(request.beam is not None),
+        int(request.logits_record is not None),
+    )
 
 
 class RequestTable:
@@ -105,8 +131,9 @@ class RequestTable:
     def needs_host_tokens(self) -> bool:
         """Whether some request needs each step's tokens on the host at once (so a steady batch
         may not keep them in a log): logits outputs, logprobs, penalties, beams."""
-        return bool(self.num_logits_requests or self.num_wanting_logprobs or self.num_needing_history
-                    or self.num_beam_search)
+        return bool(
+            self.num_logits_requests or self.num_wanting_logprobs or self.num_needing_history or self.num_beam_search
+        )
 
     def _count(self, request: LlmRequest, sign: int) -> None:
         needs = _needs(request)

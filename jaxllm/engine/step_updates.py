@@ -10,11 +10,12 @@ other caller iterates it and gets `RequestUpdate`s (made on demand for the batch
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-from jaxllm.outputs import Logprob
 from jaxllm.llm_request import LlmRequest
+from jaxllm.outputs import Logprob
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxllm.engine.beam_search import BeamHypothesis
@@ -60,8 +61,9 @@ class StepUpdates:
 
     __slots__ = ("updates", "decoded")
 
-    def __init__(self, updates: Optional[list[RequestUpdate]] = None,
-                 decoded: Optional[list[DecodeTokens]] = None) -> None:
+    def __init__(
+        self, updates: Optional[list[RequestUpdate]] = None, decoded: Optional[list[DecodeTokens]] = None
+    ) -> None:
         self.updates: list[RequestUpdate] = [] if updates is None else updates
         self.decoded: list[DecodeTokens] = [] if decoded is None else decoded
 
@@ -79,7 +81,7 @@ class StepUpdates:
     def __getitem__(self, index: Union[int, slice]) -> Union[RequestUpdate, list[RequestUpdate]]:
         return list(self)[index]
 
-    def __iadd__(self, other: Union["StepUpdates", Iterable[RequestUpdate]]) -> "StepUpdates":
+    def __iadd__(self, other: Union[StepUpdates, Iterable[RequestUpdate]]) -> StepUpdates:
         if isinstance(other, StepUpdates):
             self.updates += other.updates
             self.decoded += other.decoded

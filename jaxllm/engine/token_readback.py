@@ -12,9 +12,10 @@ adapter slots: `jaxllm.engine.requests.RequestTable`), so this reads back into t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -23,8 +24,8 @@ from jaxllm.engine.logits_outputs import store_step_logits
 from jaxllm.engine.planner import DecodeEntries
 from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
 from jaxllm.kv_cache.manager import DecodeRows
-from jaxllm.outputs import Logprob
 from jaxllm.llm_request import LlmRequest, LlmRequestState
+from jaxllm.outputs import Logprob
 from jaxllm.sampling import check_stop
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,7 +54,7 @@ class BatchStops:
     request_ids: list[int]  # of the rows, in order
 
     @classmethod
-    def build(cls, decode: DecodeRows, index: np.ndarray) -> "BatchStops":
+    def build(cls, decode: DecodeRows, index: np.ndarray) -> BatchStops:
         """`index`: each row's output index in one step of the batch."""
         requests = decode.requests
         n = len(requests)
@@ -63,13 +64,21 @@ class BatchStops:
         width = max(map(len, ends), default=0)
         end_ids = np.full((n, max(width, 1)), -1, np.int64)
         for i, row in enumerate(ends):
-            end_ids[i, :len(row)] = row
+            end_ids[i, : len(row)] = row
         max_tokens = np.fromiter((p.max_tokens for p in params), np.int64, n)
         common = ends[0] if n and all(row == ends[0] for row in ends) else None
         margin = int((max_tokens - index - 1).min()) if n else 0
         always_check = np.fromiter((bool(p.stop_token_ids) for p in params), np.bool_, n)
-        return cls(decode, max_tokens, end_ids, always_check, bool(always_check.any()), common,
-                   (int(index[0]) if n else 0) + margin, [r.request_id for r in requests])
+        return cls(
+            decode,
+            max_tokens,
+            end_ids,
+            always_check,
+            bool(always_check.any()),
+            common,
+            (int(index[0]) if n else 0) + margin,
+            [r.request_id for r in requests],
+        )
 
     def length_due(self, index: np.ndarray) -> bool:
         """Whether some row gets its last token (by max_tokens) at output `index`."""
@@ -78,21 +87,31 @@ class BatchStops:
     def quiet(self, index: np.ndarray, row_tokens: np.ndarray) -> bool:
         """True if no row can end on `row_tokens` (so none needs a check)."""
         common = self.common_end_ids
-        return (common is not None and not self.any_always_check and not self.length_due(index)
-                and not any(end in row_tokens for end in common))
+        return (
+            common is not None
+            and not self.any_always_check
+            and not self.length_due(index)
+            and not any(end in row_tokens for end in common)
+        )
 
     def rows_to_check(self, index: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
         """bool[n]: rows whose token may end their request."""
-        return (self.always_check | (index + 1 >= self.max_tokens)
-                | (row_tokens[:, None] == self.end_ids).any(axis=1))
+        return self.always_check | (index + 1 >= self.max_tokens) | (row_tokens[:, None] == self.end_ids).any(axis=1)
 
 
 class TokenReadback:
     """Reads the engine's dispatched steps back (one at a time, on the engine's thread)."""
 
-    def __init__(self, *, requests: "RequestTable", kv_cache_manager: Any, planner: Any,
-                 copy_blocks: Callable[[list[tuple[int, int]]], None], expert_statistics: Any = None,
-                 load_balancer: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        requests: RequestTable,
+        kv_cache_manager: Any,
+        planner: Any,
+        copy_blocks: Callable[[list[tuple[int, int]]], None],
+        expert_statistics: Any = None,
+        load_balancer: Any = None,
+    ) -> None:
         """`requests`: where requests are finished and failed; `copy_blocks`: the runner's KV
         block copy (beam forks); `expert_statistics` / `load_balancer`: where a step's expert
         counts go."""
@@ -111,7 +130,7 @@ class TokenReadback:
         seconds, self._wait_seconds = self._wait_seconds, 0.0
         return seconds
 
-    def process(self, pending: "PendingStep") -> StepUpdates:
+    def process(self, pending: PendingStep) -> StepUpdates:
         """The updates of a dispatched step, once its tokens are on the host (waits for them)."""
         requests = self.requests
         out = pending.sampler_output
@@ -124,8 +143,7 @@ class TokenReadback:
             try:
                 processed = pending.processed_output.result()
             except Exception as exc:  # the processors' pass itself failed: its requests only
-                failed_processors += requests.fail(list(pending.processor_requests), exc,
-                                                   "running logits processors")
+                failed_processors += requests.fail(list(pending.processor_requests), exc, "running logits processors")
             else:
                 tokens = tokens.copy()
                 rows = list(pending.processor_rows)
@@ -152,8 +170,12 @@ class TokenReadback:
                 for mine, theirs in zip(logprobs, (processed.logprobs, processed.top_ids, processed.top_logprobs)):
                     mine[rows] = np.asarray(theirs)[rows]
         decode = pending.decode
-        if (logprobs is None and decode is not None and not failed_processors
-                and self.kv_cache_manager.decode_rows_current(decode)):
+        if (
+            logprobs is None
+            and decode is not None
+            and not failed_processors
+            and self.kv_cache_manager.decode_rows_current(decode)
+        ):
             # No request of the step finished since it was dispatched (that frees KV blocks).
             return self.apply_decode_tokens(decode, pending.entries, tokens)
         if isinstance(pending.entries, DecodeEntries) and pending.entries.log is not None:
@@ -170,8 +192,12 @@ class TokenReadback:
             n = index + 1
             # The common case inline: no logprobs, and the token neither ends the request by
             # length nor can stop it (check_stop decides every other case).
-            if (logprobs is None and n < params.max_tokens and token not in request.end_ids
-                    and not params.stop_token_ids):
+            if (
+                logprobs is None
+                and n < params.max_tokens
+                and token not in request.end_ids
+                and not params.stop_token_ids
+            ):
                 out[index] = token
                 append(RequestUpdate(request, [token]))
                 continue
@@ -217,9 +243,16 @@ class TokenReadback:
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += self.requests.fail([request], exc, "applying a sampled token")
         plain = np.flatnonzero(~checked).tolist()
-        return StepUpdates(updates, [DecodeTokens(list(map(requests.__getitem__, plain)),
-                                                  list(map(token_list.__getitem__, plain)),
-                                                  list(map(stops.request_ids.__getitem__, plain)))])
+        return StepUpdates(
+            updates,
+            [
+                DecodeTokens(
+                    list(map(requests.__getitem__, plain)),
+                    list(map(token_list.__getitem__, plain)),
+                    list(map(stops.request_ids.__getitem__, plain)),
+                )
+            ],
+        )
 
     def stops_of(self, decode: DecodeRows, index: np.ndarray) -> BatchStops:
         """The stops of a steady decode batch, built once per batch (`index`: the output index
@@ -229,8 +262,14 @@ class TokenReadback:
             stops = self._decode_stops = BatchStops.build(decode, index)
         return stops
 
-    def apply_token(self, request: LlmRequest, index: int, token: int, row: int,
-                    logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RequestUpdate:
+    def apply_token(
+        self,
+        request: LlmRequest,
+        index: int,
+        token: int,
+        row: int,
+        logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    ) -> RequestUpdate:
         """Write one token (and its logprobs) and finish the request if it stops there."""
         request.output_token_ids[index] = token
         update = RequestUpdate(request, [token])
@@ -239,8 +278,9 @@ class TokenReadback:
             chosen_lp, top_ids, top_lps = logprobs
             # The `logprobs` most likely tokens with their ranks, then the chosen one (unranked)
             # when it is not among them.
-            entry = {int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1)
-                     for rank in range(params.logprobs)}
+            entry = {
+                int(top_ids[row, rank]): Logprob(float(top_lps[row, rank]), rank + 1) for rank in range(params.logprobs)
+            }
             if token not in entry:
                 entry[token] = Logprob(float(chosen_lp[row]))
             update.new_logprobs.append(entry)

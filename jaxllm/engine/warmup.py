@@ -9,8 +9,9 @@ all-padding steps (`Planner.empty_step`), which write nothing to the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import as_completed
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -26,9 +27,18 @@ Progress = Optional[Callable[[int, int], None]]
 class ProgramWarmup:
     """Compiles an engine's programs ahead of its first steps."""
 
-    def __init__(self, *, runner: Any, planner: Any, config: EngineConfig, num_sampler_rows: int,
-                 max_seq_len: int, bucket_compiler: Optional[BucketCompiler], logits_outputs: bool,
-                 attention_dp: bool) -> None:
+    def __init__(
+        self,
+        *,
+        runner: Any,
+        planner: Any,
+        config: EngineConfig,
+        num_sampler_rows: int,
+        max_seq_len: int,
+        bucket_compiler: Optional[BucketCompiler],
+        logits_outputs: bool,
+        attention_dp: bool,
+    ) -> None:
         """`runner`: where programs compile and run (the mirrored runner on a multi-host
         leader); `logits_outputs`: whether requests may ask for logits (their programs are
         then compiled too, with `EngineConfig.warmup_logits_outputs`)."""
@@ -43,8 +53,7 @@ class ProgramWarmup:
 
     def decode_bucket(self) -> int:
         """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
-        return choose_token_bucket(self.config.max_batch_size, self.config.max_num_tokens,
-                                   self.config.min_token_bucket)
+        return choose_token_bucket(self.config.max_batch_size, self.config.max_num_tokens, self.config.min_token_bucket)
 
     def run(self, all_variants: bool = True, progress: Progress = None, background: bool = False) -> None:
         """Compile (see `LLMEngine.warmup`); `progress(done, total)` after each compiled piece."""
@@ -67,9 +76,11 @@ class ProgramWarmup:
             progress(done, total)
         if self.logits_outputs:
             # The context-logits variant of every bucket, for every size of its extra output.
-            variants_of_logits = [runner.compile_forward(*batch, np.zeros(rows, np.int32), wait=False)
-                                  for batch in batches for rows in token_buckets(batch[0].token_ids.shape[-1],
-                                                                                 self.config.min_token_bucket)]
+            variants_of_logits = [
+                runner.compile_forward(*batch, np.zeros(rows, np.int32), wait=False)
+                for batch in batches
+                for rows in token_buckets(batch[0].token_ids.shape[-1], self.config.min_token_bucket)
+            ]
             pending += variants_of_logits
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
             total += len(variants_of_logits)

@@ -4,7 +4,8 @@ Callers talk to it through a command queue and it answers through an event sink,
 nobody ever blocks the step loop. Each iteration drains commands (without waiting while
 there is work), calls `engine.step()` - which dispatches step N+1 before reading back
 step N, so the device always has the next step queued - and hands the token events of
-the step to the output side in one batch (the plain decode rows of a step as one event). The loop adds no device syncs of its own.
+the step to the output side in one batch (the plain decode rows of a step as one event). The
+loop adds no device syncs of its own.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, OutputSpec, portable_error
 
@@ -57,9 +59,12 @@ class LoopTiming:
 
     def as_dict(self) -> dict:
         it = max(self.iterations, 1)
-        return {"iterations": self.iterations, "mean_step_ms": self.step_seconds / it * 1e3,
-                "mean_iteration_ms": self.loop_seconds / it * 1e3,
-                "mean_outside_step_ms": (self.loop_seconds - self.step_seconds) / it * 1e3}
+        return {
+            "iterations": self.iterations,
+            "mean_step_ms": self.step_seconds / it * 1e3,
+            "mean_iteration_ms": self.loop_seconds / it * 1e3,
+            "mean_outside_step_ms": (self.loop_seconds - self.step_seconds) / it * 1e3,
+        }
 
 
 @dataclass
@@ -68,8 +73,6 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: Optional[BaseException] = None
-
-
 
 
 def _logits_outputs(request: Any) -> Optional[dict]:
@@ -87,8 +90,14 @@ class EngineCore:
     # engine and submits at once finds the cores free).
     IDLE_SECONDS = 2.0
 
-    def __init__(self, engine: Any, sink: Callable[[Optional[list]], None],
-                 on_stats: Optional[Callable[[dict], None]] = None, *, name: str = "jaxllm-engine") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        sink: Callable[[Optional[list]], None],
+        on_stats: Optional[Callable[[dict], None]] = None,
+        *,
+        name: str = "jaxllm-engine",
+    ) -> None:
         self.engine = engine
         self._sink = sink
         self._on_stats = on_stats
@@ -109,8 +118,11 @@ class EngineCore:
     def _put(self, command: tuple) -> None:
         with self._lock:
             if not self._accepting:
-                raise RuntimeError("the executor is shut down" if self.error is None
-                                   else f"the executor failed and is shut down: {self.error!r}")
+                raise RuntimeError(
+                    "the executor is shut down"
+                    if self.error is None
+                    else f"the executor failed and is shut down: {self.error!r}"
+                )
             self._commands.put(command)
 
     def add(self, requests: list[SequenceRequest]) -> None:
@@ -192,12 +204,24 @@ class EngineCore:
                             if u.new_logprobs and quiet[rid] is not None:
                                 quiet[rid].extend(u.new_logprobs)
                             if u.finished:
-                                events.extend(self._final_events(rid, request, request.finish_reason,
-                                                                getattr(request, "stop_reason", None)))
+                                events.extend(
+                                    self._final_events(
+                                        rid, request, request.finish_reason, getattr(request, "stop_reason", None)
+                                    )
+                                )
                         elif u.finished:
-                            events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None,
-                                           request.finish_reason, getattr(request, "stop_reason", None),
-                                           None, _logits_outputs(request)))
+                            events.append(
+                                (
+                                    TOKENS,
+                                    rid,
+                                    u.new_token_ids,
+                                    u.new_logprobs or None,
+                                    request.finish_reason,
+                                    getattr(request, "stop_reason", None),
+                                    None,
+                                    _logits_outputs(request),
+                                )
+                            )
                         else:
                             events.append((TOKENS, rid, u.new_token_ids, u.new_logprobs or None, None, None))
                     if self._on_stats is not None and engine.iteration != iteration and engine.iteration_stats:
@@ -257,8 +281,14 @@ class EngineCore:
                     extra["admitted"] = seq.admitted
                 events += [(ADD, sibling, seq.spec) for sibling in seq.beam_siblings]
                 try:
-                    self.engine.add_request(seq.prompt_token_ids, seq.sampling_params, request_id=seq.rid,
-                                            priority=seq.priority, arrival_time=seq.arrival_time, **extra)
+                    self.engine.add_request(
+                        seq.prompt_token_ids,
+                        seq.sampling_params,
+                        request_id=seq.rid,
+                        priority=seq.priority,
+                        arrival_time=seq.arrival_time,
+                        **extra,
+                    )
                 except Exception as exc:  # refused: this request fails, the others go on
                     events.append((ERROR, seq.rid, portable_error(exc)))
                     continue
@@ -316,7 +346,7 @@ class EngineCore:
         rids = (rid,) + self._siblings.pop(rid, ())
         events = [(TOKENS, r, list(b.token_ids), None, b.finish_reason, None, b.score) for r, b in zip(rids, beams)]
         # Fewer finished beams than outputs (cannot happen with n <= beam width): empty outputs.
-        events += [(TOKENS, r, [], None, "length", None) for r in rids[len(beams):]]
+        events += [(TOKENS, r, [], None, "length", None) for r in rids[len(beams) :]]
         return events
 
     def _final_events(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> list[tuple]:
@@ -324,15 +354,24 @@ class EngineCore:
         that ended early (aborted, timed out: they end empty)."""
         siblings = self._siblings.pop(rid, ())
         return [self._final_event(rid, request, reason, stop_reason)] + [
-            (TOKENS, r, [], None, reason, None) for r in siblings]
+            (TOKENS, r, [], None, reason, None) for r in siblings
+        ]
 
     def _final_event(self, rid: int, request: Any, reason: Optional[str], stop_reason) -> tuple:
         """The last event of a sequence; a quiet one carries all its tokens (and logprobs) here,
         and any sequence the logits outputs it asked for."""
         if rid in self._quiet:
             logprobs = self._quiet.pop(rid)
-            return (TOKENS, rid, list(request.output_token_ids), logprobs or None, reason, stop_reason, None,
-                    _logits_outputs(request))
+            return (
+                TOKENS,
+                rid,
+                list(request.output_token_ids),
+                logprobs or None,
+                reason,
+                stop_reason,
+                None,
+                _logits_outputs(request),
+            )
         return (TOKENS, rid, [], None, reason, stop_reason, None, _logits_outputs(request))
 
     def _fail_leftover_commands(self) -> None:

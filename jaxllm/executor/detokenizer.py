@@ -11,7 +11,8 @@ next step. This is the algorithm of vLLM and TensorRT-LLM's detokenizers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 # Prompt tokens decoded as context for the first output token (vLLM uses the same 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -30,13 +31,17 @@ def make_decoder(tokenizer: Any) -> Callable[[Sequence[int], bool], str]:
     except ImportError:  # older transformers: no such class, use the public API
         TokenizersBackend = None
     backend = getattr(tokenizer, "_tokenizer", None)
-    stock = (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-             and type(tokenizer).decode is TokenizersBackend.decode
-             and type(tokenizer)._decode is TokenizersBackend._decode)
+    stock = (
+        TokenizersBackend is not None
+        and isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer).decode is TokenizersBackend.decode
+        and type(tokenizer)._decode is TokenizersBackend._decode
+    )
     if stock and backend is not None:
         cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         is_bpe = type(backend.model).__name__ == "BPE" and not getattr(
-            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+        )
         if not cleanup or is_bpe:
             return lambda ids, skip_special_tokens: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
     return lambda ids, skip_special_tokens: tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -45,9 +50,14 @@ def make_decoder(tokenizer: Any) -> Callable[[Sequence[int], bool], str]:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, never splitting a character."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
-                 skip_special_tokens: bool = True,
-                 decoder: Optional[Callable[[Sequence[int], bool], str]] = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        decoder: Optional[Callable[[Sequence[int], bool], str]] = None,
+    ) -> None:
         self._decoder = decoder or make_decoder(tokenizer)
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -65,12 +75,12 @@ class IncrementalDetokenizer:
         if not token_ids:
             return 0
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             # An incomplete character (or a token that decodes to nothing yet): wait.
             return 0
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self.text += delta
@@ -80,10 +90,10 @@ class IncrementalDetokenizer:
         """At the end of the sequence emit whatever is pending, even an incomplete character."""
         if self._read_offset >= len(self._ids):
             return 0
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self.text += delta
         return len(delta)
 
@@ -91,8 +101,9 @@ class IncrementalDetokenizer:
         self.text = self.text[:length]
 
 
-def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
-                     include_stop_str_in_output: bool) -> Optional[tuple[str, int]]:
+def find_stop_string(
+    text: str, new_char_count: int, stop: Sequence[str], include_stop_str_in_output: bool
+) -> Optional[tuple[str, int]]:
     """Search the last `new_char_count` characters (and the overlap before them) for a stop string.
 
     Returns (stop_string, cut) where `text[:cut]` is the text to keep (cut == -1: keep all),

@@ -25,19 +25,20 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from jaxllm.engine.admission import AdmittedRequest
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
+from jaxllm.executor.generation_request import GenerationRequest
 from jaxllm.executor.inputs import PromptBatch, PromptInput, normalize_inputs
 from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec, event_slices
 from jaxllm.executor.postprocess import PostprocessWorkerPool
-from jaxllm.executor.generation_request import GenerationRequest
 from jaxllm.executor.result import GenerationResult, wake
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.lora.lora_request import LoRARequest
@@ -47,7 +48,7 @@ from sharding.multihost import on_peer_failure
 
 logger = logging.getLogger(__name__)
 
-_live_executors: "weakref.WeakSet[GenerationExecutor]" = weakref.WeakSet()
+_live_executors: weakref.WeakSet[GenerationExecutor] = weakref.WeakSet()
 
 
 @atexit.register
@@ -80,11 +81,14 @@ _SLICE = 32  # events processed between two GIL releases on the output thread
 def _with_request_id(processors: list, request_id: int) -> list:
     """Host logits processors called with the request's id (`RequestOutput.request_id`)
     instead of the engine's id of one of its sequences."""
+
     def bind(fn):
         @functools.wraps(fn)
         def call(_engine_id, token_ids, logits):
             return fn(request_id, token_ids, logits)
+
         return call
+
     return [bind(fn) for fn in processors]
 
 
@@ -122,8 +126,9 @@ class GenerationExecutor:
         if config.num_postprocess_workers > 0:
             if tokenizer_dir is None:
                 raise ValueError("num_postprocess_workers needs a tokenizer that can be loaded from a directory")
-            self._pool = PostprocessWorkerPool(config.num_postprocess_workers, tokenizer_dir,
-                                               on_deltas=self._apply, on_fatal=self._on_fatal)
+            self._pool = PostprocessWorkerPool(
+                config.num_postprocess_workers, tokenizer_dir, on_deltas=self._apply, on_fatal=self._on_fatal
+            )
         else:
             self._processor = OutputProcessor(self._private_tokenizer(tokenizer_dir))
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -202,20 +207,24 @@ class GenerationExecutor:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(f"prompt contains a lone surrogate (U+{ord(prompt[exc.start]):04X}) at index "
-                                 f"{exc.start}, which is not valid Unicode") from None
+                raise ValueError(
+                    f"prompt contains a lone surrogate (U+{ord(prompt[exc.start]):04X}) at index "
+                    f"{exc.start}, which is not valid Unicode"
+                ) from None
         with self._encode_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def make_request(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                     streaming: bool = False, **kwargs) -> GenerationRequest:
+    def make_request(
+        self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None, streaming: bool = False, **kwargs
+    ) -> GenerationRequest:
         """Tokenize (if needed) and build a request; raises ValueError on bad input."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
-            return GenerationRequest(self.encode(prompt, params.add_special_tokens), params, streaming,
-                                     prompt=prompt, **kwargs)
+            return GenerationRequest(
+                self.encode(prompt, params.add_special_tokens), params, streaming, prompt=prompt, **kwargs
+            )
         if isinstance(prompt, (list, tuple, np.ndarray)):  # GenerationRequest checks and converts the ids
             return GenerationRequest(prompt, params, streaming, **kwargs)
         raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
@@ -240,10 +249,16 @@ class GenerationExecutor:
             seqs = [params]
         else:
             ranked = num_seqs > params.n  # best_of: ranking needs each sequence's cumulative logprob
-            seqs = [replace(params, n=1, best_of=None,
-                            seed=None if params.seed is None else resolve_seed(params, i),
-                            logprobs=params.logprobs if params.logprobs is not None or not ranked else 0)
-                    for i in range(num_seqs)]
+            seqs = [
+                replace(
+                    params,
+                    n=1,
+                    best_of=None,
+                    seed=None if params.seed is None else resolve_seed(params, i),
+                    logprobs=params.logprobs if params.logprobs is not None or not ranked else 0,
+                )
+                for i in range(num_seqs)
+            ]
         out = []
         for p in seqs:
             if p.logits_processor is not None:  # they see the id the caller knows
@@ -275,31 +290,58 @@ class GenerationExecutor:
             children = []
             if params.use_beam_search:  # one engine request; its n best beams are the outputs
                 spec = OutputSpec(
-                    prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,
-                    detokenize=params.detokenize, skip_special_tokens=params.skip_special_tokens,
-                    stream_interval=self.config.stream_interval)
+                    prompt_tail=request.prompt_token_ids[-8:],
+                    streaming=request.streaming,
+                    detokenize=params.detokenize,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stream_interval=self.config.stream_interval,
+                )
                 rids = [next(self._rids) for _ in range(params.n)]
-                children.append(SequenceRequest(rids[0], request.prompt_token_ids, params, spec,
-                                                priority=request.priority, arrival_time=request.arrival_time,
-                                                deadline=deadline, lora_request=request.lora_request,
-                                                kv_cache_retention_config=request.kv_cache_retention_config,
-                                                beam_siblings=tuple(rids[1:]), admitted=checked))
+                children.append(
+                    SequenceRequest(
+                        rids[0],
+                        request.prompt_token_ids,
+                        params,
+                        spec,
+                        priority=request.priority,
+                        arrival_time=request.arrival_time,
+                        deadline=deadline,
+                        lora_request=request.lora_request,
+                        kv_cache_retention_config=request.kv_cache_retention_config,
+                        beam_siblings=tuple(rids[1:]),
+                        admitted=checked,
+                    )
+                )
                 result.attach(rids)
                 results.append(result)
                 seqs.extend(children)
                 continue
             for seq_params in self._sequence_params(params, request.num_sequences, request.id):
                 spec = OutputSpec(
-                    prompt_tail=request.prompt_token_ids[-8:], streaming=request.streaming,
-                    detokenize=params.detokenize, skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens, return_logprobs=seq_params.logprobs is not None,
-                    stream_interval=self.config.stream_interval)
-                children.append(SequenceRequest(next(self._rids), request.prompt_token_ids, seq_params, spec,
-                                                priority=request.priority, arrival_time=request.arrival_time,
-                                                deadline=deadline, lora_request=request.lora_request,
-                                                kv_cache_retention_config=request.kv_cache_retention_config,
-                                                admitted=checked))
+                    prompt_tail=request.prompt_token_ids[-8:],
+                    streaming=request.streaming,
+                    detokenize=params.detokenize,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                    return_logprobs=seq_params.logprobs is not None,
+                    stream_interval=self.config.stream_interval,
+                )
+                children.append(
+                    SequenceRequest(
+                        next(self._rids),
+                        request.prompt_token_ids,
+                        seq_params,
+                        spec,
+                        priority=request.priority,
+                        arrival_time=request.arrival_time,
+                        deadline=deadline,
+                        lora_request=request.lora_request,
+                        kv_cache_retention_config=request.kv_cache_retention_config,
+                        admitted=checked,
+                    )
+                )
             result.attach([c.rid for c in children])
             results.append(result)
             seqs.extend(children)
@@ -317,29 +359,51 @@ class GenerationExecutor:
             raise
         return results
 
-    def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False, *, priority: float = 0.0,
-                       timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None) -> GenerationResult:
+    def generate_async(
+        self,
+        prompt: PromptInput,
+        sampling_params: Optional[SamplingParams] = None,
+        streaming: bool = False,
+        *,
+        priority: float = 0.0,
+        timeout: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
+        kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
+    ) -> GenerationResult:
         """Submit one prompt (text or token ids); returns its `GenerationResult` without waiting.
         `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
         priorities of its cached KV blocks."""
         self._check_open()
-        return self.submit(self.make_request(prompt, sampling_params, streaming, priority=priority, timeout=timeout,
-                                             lora_request=lora_request,
-                                             kv_cache_retention_config=kv_cache_retention_config))
+        return self.submit(
+            self.make_request(
+                prompt,
+                sampling_params,
+                streaming,
+                priority=priority,
+                timeout=timeout,
+                lora_request=lora_request,
+                kv_cache_retention_config=kv_cache_retention_config,
+            )
+        )
 
     def submit_batch(self, batch: PromptBatch) -> list[GenerationResult]:
         """Queue a normalised batch (`jaxllm.executor.inputs`); a ValueError queues none of it."""
-        return self.submit_many([
-            self.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
-            for p, sp, lr, r in zip(batch.prompts, batch.sampling_params, batch.lora_requests,
-                                    batch.retention_configs, strict=True)])
+        return self.submit_many(
+            [
+                self.make_request(p, sp, lora_request=lr, kv_cache_retention_config=r)
+                for p, sp, lr, r in zip(
+                    batch.prompts, batch.sampling_params, batch.lora_requests, batch.retention_configs, strict=True
+                )
+            ]
+        )
 
-    def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
-                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
-                 kv_cache_retention_config: Any = None) -> Union[RequestOutput, list[RequestOutput]]:
+    def generate(
+        self,
+        prompts: Union[PromptInput, Sequence[PromptInput]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+        kv_cache_retention_config: Any = None,
+    ) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate and wait: one prompt gives one output, a list gives a list in the same order.
 
         Every prompt is validated before any is queued.
@@ -501,7 +565,7 @@ class GenerationExecutor:
             self._output_thread.join(timeout)
         _live_executors.discard(self)
 
-    def __enter__(self) -> "GenerationExecutor":
+    def __enter__(self) -> GenerationExecutor:
         return self
 
     def __exit__(self, *exc) -> None:

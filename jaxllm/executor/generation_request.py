@@ -53,8 +53,10 @@ class GenerationRequest:
             raise ValueError("prompt_token_ids must be a list of int token ids")
         if isinstance(self.prompt_token_ids, np.ndarray):
             if self.prompt_token_ids.ndim != 1 or not np.issubdtype(self.prompt_token_ids.dtype, np.integer):
-                raise ValueError("prompt_token_ids: a numpy array of token ids must be 1-D with an integer dtype, "
-                                 f"got shape {self.prompt_token_ids.shape} and dtype {self.prompt_token_ids.dtype}")
+                raise ValueError(
+                    "prompt_token_ids: a numpy array of token ids must be 1-D with an integer dtype, "
+                    f"got shape {self.prompt_token_ids.shape} and dtype {self.prompt_token_ids.dtype}"
+                )
             self.prompt_token_ids = self.prompt_token_ids.tolist()
         ids = list(self.prompt_token_ids)
         if not all(_is_token_id(t) for t in ids):

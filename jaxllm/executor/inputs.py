@@ -24,11 +24,13 @@ def is_single_prompt(inputs: Any) -> bool:
     if isinstance(inputs, np.ndarray):
         return inputs.ndim == 1
     return isinstance(inputs, str) or (
-        isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs))
+        isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs)
+    )
 
 
-def per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
-                     num_prompts: int) -> list[LoRARequest | None]:
+def per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
     """One adapter (or None) for every prompt: one given for all, or a list of one per prompt."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts
@@ -50,13 +52,15 @@ class PromptBatch:
     single: bool  # the call passed one prompt, so it returns one output rather than a list
 
 
-def normalize_inputs(inputs: Any, sampling_params: Any = None, lora_request: Any = None,
-                     kv_cache_retention_config: Any = None) -> PromptBatch:
+def normalize_inputs(
+    inputs: Any, sampling_params: Any = None, lora_request: Any = None, kv_cache_retention_config: Any = None
+) -> PromptBatch:
     """Broadcast a batch call's arguments to one entry per prompt (ValueError naming the argument)."""
     single = is_single_prompt(inputs)
     if not single and not isinstance(inputs, (list, tuple, np.ndarray)):
-        raise ValueError(f"inputs must be a prompt (str or token ids) or a list of prompts, "
-                         f"got {type(inputs).__name__}")
+        raise ValueError(
+            f"inputs must be a prompt (str or token ids) or a list of prompts, got {type(inputs).__name__}"
+        )
     prompts = [inputs] if single else list(inputs)
     if not prompts:
         raise ValueError("inputs is empty: pass a prompt or a list of prompts")

@@ -80,7 +80,7 @@ def event_slices(events: list[tuple], size: int) -> list[list[tuple]]:
         if event[0] == DECODED:
             rids, tokens = event[1], event[2]
             for start in range(0, len(rids), size):
-                part = (DECODED, rids[start:start + size], tokens[start:start + size])
+                part = (DECODED, rids[start : start + size], tokens[start : start + size])
                 current.append(part)
                 weight += len(part[1])
                 if weight >= size:
@@ -107,20 +107,36 @@ def portable_error(exc: BaseException) -> BaseException:
 
 
 class _Sequence:
-    __slots__ = ("spec", "detok", "num_tokens", "cumulative", "stop_str", "emitted_chars",
-                 "hold_back", "pending_tokens", "pending_logprobs", "deferred_decode", "since_emit", "quiet")
+    __slots__ = (
+        "spec",
+        "detok",
+        "num_tokens",
+        "cumulative",
+        "stop_str",
+        "emitted_chars",
+        "hold_back",
+        "pending_tokens",
+        "pending_logprobs",
+        "deferred_decode",
+        "since_emit",
+        "quiet",
+    )
 
     def __init__(self, spec: OutputSpec, tokenizer: Any, decoder) -> None:
         self.spec = spec
-        self.detok = (IncrementalDetokenizer(tokenizer, spec.prompt_tail, skip_special_tokens=spec.skip_special_tokens,
-                                             decoder=decoder) if spec.detokenize else None)
+        self.detok = (
+            IncrementalDetokenizer(
+                tokenizer, spec.prompt_tail, skip_special_tokens=spec.skip_special_tokens, decoder=decoder
+            )
+            if spec.detokenize
+            else None
+        )
         self.num_tokens = 0
         self.cumulative: Optional[float] = 0.0 if spec.return_logprobs else None
         self.stop_str: Optional[str] = None
         self.emitted_chars = 0
         # Text that could be the start of a stop string is held back while streaming.
-        self.hold_back = (max(len(s) for s in spec.stop) - 1
-                          if spec.stop and not spec.include_stop_str_in_output else 0)
+        self.hold_back = max(len(s) for s in spec.stop) - 1 if spec.stop and not spec.include_stop_str_in_output else 0
         self.pending_tokens: list[int] = []
         self.pending_logprobs: Optional[list] = [] if spec.return_logprobs else None
         # Without streaming or stop strings nobody looks at partial text: decode once at the end.
@@ -134,7 +150,7 @@ class _Sequence:
         end = len(self.detok.text) - (0 if final else self.hold_back)
         if end <= self.emitted_chars:
             return ""
-        text = self.detok.text[self.emitted_chars:end]
+        text = self.detok.text[self.emitted_chars : end]
         self.emitted_chars = end
         return text
 
@@ -156,8 +172,9 @@ class OutputProcessor:
             kind, rid = event[0], event[1]
             try:
                 if kind == TOKENS:
-                    delta = self._tokens(rid, event[2], event[3], event[4], event[5],
-                                         event[6] if len(event) > 6 else None)
+                    delta = self._tokens(
+                        rid, event[2], event[3], event[4], event[5], event[6] if len(event) > 6 else None
+                    )
                     if delta is not None and len(event) > 7 and delta.finish_reason is not None:
                         delta.logits_outputs = event[7]
                     if delta is not None:
@@ -189,8 +206,15 @@ class OutputProcessor:
             if delta is not None:
                 deltas.append(delta)
 
-    def _tokens(self, rid: int, token_ids: list[int], logprobs: Optional[list],
-                finish_reason: Optional[str], stop_reason, score: Optional[float] = None) -> Optional[Delta]:
+    def _tokens(
+        self,
+        rid: int,
+        token_ids: list[int],
+        logprobs: Optional[list],
+        finish_reason: Optional[str],
+        stop_reason,
+        score: Optional[float] = None,
+    ) -> Optional[Delta]:
         seq = self._seqs.get(rid)
         if seq is None:
             return None
@@ -248,8 +272,15 @@ class OutputProcessor:
 
     @staticmethod
     def _emit(rid: int, seq: _Sequence, finish_reason, stop_reason, *, final: bool) -> Delta:
-        delta = Delta(rid, seq.pending_tokens, seq.take_text(final), seq.pending_logprobs, seq.cumulative,
-                      finish_reason, stop_reason)
+        delta = Delta(
+            rid,
+            seq.pending_tokens,
+            seq.take_text(final),
+            seq.pending_logprobs,
+            seq.cumulative,
+            finish_reason,
+            stop_reason,
+        )
         seq.pending_tokens = []
         seq.pending_logprobs = [] if seq.pending_logprobs is not None else None
         seq.since_emit = 0

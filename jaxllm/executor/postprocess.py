@@ -19,8 +19,9 @@ import multiprocessing as mp
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Optional
+from typing import Optional
 
 from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, Delta, OutputProcessor, portable_error
 
@@ -66,8 +67,15 @@ class _Worker:
 class PostprocessWorkerPool:
     """N worker processes plus one collector thread that hands their deltas back."""
 
-    def __init__(self, num_workers: int, tokenizer_dir: str, on_deltas: Callable[[list[Delta]], None],
-                 on_fatal: Callable[[BaseException], None], *, start_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        tokenizer_dir: str,
+        on_deltas: Callable[[list[Delta]], None],
+        on_fatal: Callable[[BaseException], None],
+        *,
+        start_timeout: float = 120.0,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_postprocess_workers must be >= 1 here, got {num_workers}")
         self.num_workers = num_workers
@@ -82,8 +90,12 @@ class PostprocessWorkerPool:
             for i in range(num_workers):
                 inbox_r, inbox_w = ctx.Pipe(duplex=False)
                 outbox_r, outbox_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(i, str(tokenizer_dir), inbox_r, outbox_w),
-                                   name=f"jaxllm-postproc-{i}", daemon=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(i, str(tokenizer_dir), inbox_r, outbox_w),
+                    name=f"jaxllm-postproc-{i}",
+                    daemon=True,
+                )
                 proc.start()
                 inbox_r.close()  # the child's ends: closing ours lets EOF / EPIPE reach both sides
                 outbox_w.close()
@@ -103,8 +115,9 @@ class PostprocessWorkerPool:
             try:
                 _, worker_id, error = worker.from_worker.recv()
             except EOFError:
-                raise RuntimeError(f"postprocess worker {worker.index} exited while starting "
-                                   f"(exit code {worker.proc.exitcode})") from None
+                raise RuntimeError(
+                    f"postprocess worker {worker.index} exited while starting (exit code {worker.proc.exitcode})"
+                ) from None
             if error is not None:
                 raise RuntimeError(f"postprocess worker {worker_id} failed to start: {error!r}")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
-from typing import AsyncIterator, Iterator, Optional, Protocol
+from typing import Optional, Protocol
 
-from jaxllm.executor.output_processor import Delta
 from jaxllm.executor.generation_request import GenerationRequest
+from jaxllm.executor.output_processor import Delta
 from jaxllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -59,8 +60,9 @@ class GenerationResult:
         self._n = params.n
         self._want_logprobs = params.logprobs is not None
         self._want_scores = self._want_logprobs or params.use_beam_search  # a beam's score is its cumulative logprob
-        self._outputs = [CompletionOutput(index=i, logprobs=[] if self._want_logprobs else None)
-                         for i in range(self._num_seqs)]
+        self._outputs = [
+            CompletionOutput(index=i, logprobs=[] if self._want_logprobs else None) for i in range(self._num_seqs)
+        ]
         self._context_logits = None  # set from the final delta when return_context_logits
         # Producer side (output thread), guarded by _cond.
         self._cond = threading.Condition(threading.Lock())
@@ -99,7 +101,7 @@ class GenerationResult:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """The outputs as seen by the caller so far (the n best once finished)."""
-        return self._final.outputs if self._final is not None else self._outputs[:self._n]
+        return self._final.outputs if self._final is not None else self._outputs[: self._n]
 
     @property
     def finished(self) -> bool:
@@ -206,26 +208,43 @@ class GenerationResult:
         outputs = self._outputs
         if final and self._num_seqs > self._n:
             # best_of: keep the n sequences with the highest cumulative logprob.
-            outputs = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[:self._n]
+            outputs = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[: self._n]
             outputs = [replace(o, index=i) for i, o in enumerate(outputs)]
             if not self._want_logprobs:
                 for o in outputs:
                     o.logprobs = o.logprobs_diff = None
                     o.cumulative_logprob = None
         else:
-            outputs = outputs[:self._n]
+            outputs = outputs[: self._n]
             if not self._want_scores:
                 for o in outputs:
                     o.cumulative_logprob = None
-        copies = [CompletionOutput(
-            index=o.index, text=o.text, token_ids=list(o.token_ids), cumulative_logprob=o.cumulative_logprob,
-            logprobs=None if o.logprobs is None else list(o.logprobs), finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason, text_diff=o.text_diff, token_ids_diff=o.token_ids_diff,
-            logprobs_diff=o.logprobs_diff, generation_logits=o.generation_logits,
-            prompt_logprobs=o.prompt_logprobs) for o in outputs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, copies, finished=final,
-                             context_logits=self._context_logits,
-                             prompt_logprobs=copies[0].prompt_logprobs if copies else None)
+        copies = [
+            CompletionOutput(
+                index=o.index,
+                text=o.text,
+                token_ids=list(o.token_ids),
+                cumulative_logprob=o.cumulative_logprob,
+                logprobs=None if o.logprobs is None else list(o.logprobs),
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+                text_diff=o.text_diff,
+                token_ids_diff=o.token_ids_diff,
+                logprobs_diff=o.logprobs_diff,
+                generation_logits=o.generation_logits,
+                prompt_logprobs=o.prompt_logprobs,
+            )
+            for o in outputs
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            copies,
+            finished=final,
+            context_logits=self._context_logits,
+            prompt_logprobs=copies[0].prompt_logprobs if copies else None,
+        )
 
     def _next_blocking(self, timeout: Optional[float]) -> Optional[RequestOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -312,5 +331,4 @@ class GenerationResult:
             self._aborter.abort_request(self.request_id)
 
     def __repr__(self) -> str:
-        return (f"GenerationResult(request_id={self.request_id}, finished={self._finished}, "
-                f"outputs={self.outputs!r})")
+        return f"GenerationResult(request_id={self.request_id}, finished={self._finished}, outputs={self.outputs!r})"

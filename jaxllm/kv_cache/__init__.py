@@ -9,5 +9,14 @@ from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentio
 from jaxllm.kv_cache.stats import KvCacheStats
 from jaxllm.kv_cache.steady_decode import DecodeRows
 
-__all__ = ["BlockPool", "DecodeRows", "KVCacheManager", "KvCacheEventBuffer", "KvCacheRetentionConfig", "KvCacheStats",
-           "KvEventRecorder", "StepPlacement", "TokenRangeRetentionConfig"]
+__all__ = [
+    "BlockPool",
+    "DecodeRows",
+    "KVCacheManager",
+    "KvCacheEventBuffer",
+    "KvCacheRetentionConfig",
+    "KvCacheStats",
+    "KvEventRecorder",
+    "StepPlacement",
+    "TokenRangeRetentionConfig",
+]

@@ -37,8 +37,9 @@ ROOT_NODE = 0
 class BlockPool:
     """Reference counts, the free list, the evictable cache and the prefix index."""
 
-    def __init__(self, num_blocks: int, *, events: KvEventRecorder | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, num_blocks: int, *, events: KvEventRecorder | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -101,12 +102,13 @@ class BlockPool:
     def allocate_many(self, count: int) -> list[int]:
         """`count` blocks for exclusive use (free ones first, then evicted cached ones)."""
         if count > len(self._free) + self._num_evictable:
-            raise RuntimeError(f"KV cache pool exhausted: {count} blocks requested, "
-                               f"{len(self._free) + self._num_evictable} left")
+            raise RuntimeError(
+                f"KV cache pool exhausted: {count} blocks requested, {len(self._free) + self._num_evictable} left"
+            )
         free = self._free
         take = min(count, len(free))
-        blocks = free[len(free) - take:]
-        del free[len(free) - take:]
+        blocks = free[len(free) - take :]
+        del free[len(free) - take :]
         blocks.reverse()  # same order as repeated allocate()
         ref = self.ref_count
         for block in blocks:
@@ -223,8 +225,14 @@ class BlockPool:
     def node_of(self, block: int) -> int:
         return self._node_of[block]
 
-    def register(self, block: int, parent_node: int, tokens: tuple[int, ...],
-                 priority: int = DEFAULT_RETENTION_PRIORITY, duration: float | None = None) -> int:
+    def register(
+        self,
+        block: int,
+        parent_node: int,
+        tokens: tuple[int, ...],
+        priority: int = DEFAULT_RETENTION_PRIORITY,
+        duration: float | None = None,
+    ) -> int:
         """Record that `block` now holds the computed full block `tokens` after
         `parent_node`. Returns the node id that identifies this prefix.
 
@@ -247,9 +255,14 @@ class BlockPool:
         self._duration[block] = duration
         return node
 
-    def register_chain(self, blocks: list[int], parent_node: int, token_blocks: list[tuple[int, ...]],
-                       retentions: list[tuple[int, float | None]] | None = None,
-                       lora_id: int | None = None) -> list[int]:
+    def register_chain(
+        self,
+        blocks: list[int],
+        parent_node: int,
+        token_blocks: list[tuple[int, ...]],
+        retentions: list[tuple[int, float | None]] | None = None,
+        lora_id: int | None = None,
+    ) -> list[int]:
         """`register` consecutive blocks of one sequence after `parent_node`; returns their
         nodes. Each run of newly indexed blocks is reported as one `stored` event."""
         nodes = []
@@ -299,8 +312,11 @@ class BlockPool:
     def cached_prefixes(self) -> dict[int, tuple[int, tuple[int, ...], int]]:
         """Every indexed block as {node: (parent node or None, token ids, priority)} (for tests and
         inspection; O(n))."""
-        return {self._node_of[b]: (key[0] if key[0] > ROOT_NODE else None, key[1], self.priority[b])
-                for b, key in enumerate(self._key_of) if key is not None}
+        return {
+            self._node_of[b]: (key[0] if key[0] > ROOT_NODE else None, key[1], self.priority[b])
+            for b, key in enumerate(self._key_of)
+            if key is not None
+        }
 
     # ------------------------------------------------------------- checking
     def check_invariants(self, owner_counts: list[int], beam_blocks: frozenset = frozenset()) -> None:
@@ -313,7 +329,8 @@ class BlockPool:
             bad = [b for b in range(n) if owner_counts[b] != self.ref_count[b]][:5]
             raise AssertionError(
                 f"block reference counts disagree with the block tables for blocks {bad}: "
-                f"counted {[owner_counts[b] for b in bad]}, recorded {[self.ref_count[b] for b in bad]}")
+                f"counted {[owner_counts[b] for b in bad]}, recorded {[self.ref_count[b] for b in bad]}"
+            )
         place = [0] * n
         for b in self._free:
             place[b] += 1
@@ -340,8 +357,9 @@ class BlockPool:
             if self.ref_count[b] > 0:
                 place[b] += 1
                 if self.ref_count[b] > 1 and self._key_of[b] is None and b not in beam_blocks:
-                    raise AssertionError(f"block {b} is shared by {self.ref_count[b]} sequences "
-                                         "but holds no cached prefix")
+                    raise AssertionError(
+                        f"block {b} is shared by {self.ref_count[b]} sequences but holds no cached prefix"
+                    )
         lost = [b for b in range(n) if place[b] == 0]
         doubled = [b for b in range(n) if place[b] > 1]
         if lost:

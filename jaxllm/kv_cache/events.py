@@ -76,17 +76,31 @@ class KvCacheEventBuffer:
     def _serialize(self, event_id: int, kind: str, payload: tuple, rank: int | None) -> dict:
         if kind == "stored":
             parent_hash, blocks, lora_id = payload
-            data = {"type": "stored", "parent_hash": parent_hash, "blocks": [
-                {"type": "stored_block", "block_hash": block_hash,
-                 "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
-                 "lora_id": lora_id, "cache_level": 0, "priority": priority}
-                for block_hash, tokens, priority in blocks]}
+            data = {
+                "type": "stored",
+                "parent_hash": parent_hash,
+                "blocks": [
+                    {
+                        "type": "stored_block",
+                        "block_hash": block_hash,
+                        "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+                        "lora_id": lora_id,
+                        "cache_level": 0,
+                        "priority": priority,
+                    }
+                    for block_hash, tokens, priority in blocks
+                ],
+            }
         elif kind == "removed":
             data = {"type": "removed", "block_hashes": list(payload[0])}
         elif kind == "updated":
             block_hash, old, new = payload
-            data = {"type": "updated", "block_hash": block_hash, "cache_level": None,
-                    "priority": {"type": "event_diff", "old_value": old, "new_value": new}}
+            data = {
+                "type": "updated",
+                "block_hash": block_hash,
+                "cache_level": None,
+                "priority": {"type": "event_diff", "old_value": old, "new_value": new},
+            }
         else:  # created
             data = {"type": "created", "num_blocks_per_cache_level": [payload[0]]}
         event = {"event_id": event_id, "data": data, "window_size": self.window_size}
@@ -107,8 +121,9 @@ class KvEventRecorder:
     def created(self, num_blocks: int) -> None:
         self.buffer.record("created", (num_blocks,), self.rank)
 
-    def stored(self, parent_hash: int | None, blocks: list[tuple[int, tuple[int, ...], int]],
-               lora_id: int | None = None) -> None:
+    def stored(
+        self, parent_hash: int | None, blocks: list[tuple[int, tuple[int, ...], int]], lora_id: int | None = None
+    ) -> None:
         """`blocks`: (block_hash, token ids, priority) of consecutive newly cached blocks."""
         self.buffer.record("stored", (parent_hash, blocks, lora_id), self.rank)
 

@@ -11,8 +11,9 @@ from jaxllm.kv_cache.block_table import BlockTable
 from jaxllm.kv_cache.sequence import KvSequence
 
 
-def check_manager_invariants(seqs: Mapping[int, KvSequence], table: BlockTable, pool: BlockPool,
-                             reserved_total: int, tokens_per_block: int) -> None:
+def check_manager_invariants(
+    seqs: Mapping[int, KvSequence], table: BlockTable, pool: BlockPool, reserved_total: int, tokens_per_block: int
+) -> None:
     """Raise AssertionError if free + owned + cached != pool, a block is lost or in two
     places, reference counts disagree with the block tables, or a table row is stale."""
     counts = [0] * pool.num_blocks
@@ -32,7 +33,7 @@ def check_manager_invariants(seqs: Mapping[int, KvSequence], table: BlockTable, 
             raise AssertionError(f"block-table row {seq.row} is used by two sequences")
         rows_seen.add(seq.row)
         row = table.block_ids[seq.row].tolist()
-        if row[: len(blocks)] != blocks or any(row[len(blocks):]):
+        if row[: len(blocks)] != blocks or any(row[len(blocks) :]):
             raise AssertionError(f"block-table row of request {rid} is stale")
         if table.num_blocks[seq.row] != len(blocks):
             raise AssertionError(f"row block count of request {rid} is stale")

@@ -210,7 +210,8 @@ class KVCacheManager:
             raise ValueError(
                 f"request {rid} has no KV blocks but is not at the start of its prompt "
                 f"(state {request.state.name}, position {request.context_current_position}); "
-                "pause() it so it is recomputed")
+                "pause() it so it is recomputed"
+            )
         total = len(request.prompt_token_ids) + request.max_new_tokens
         seq = KvSequence(request, self._table.take_row(), self.blocks_for_tokens(total))
         self._seqs[rid] = seq
@@ -286,8 +287,7 @@ class KVCacheManager:
             if need > len(seq.blocks):
                 self._grow(seq, need)
             if reuse:
-                self._register_computed(
-                    seq, request, request.context_current_position + request.context_chunk_size)
+                self._register_computed(seq, request, request.context_current_position + request.context_chunk_size)
             rows.append(seq.row)
         add_row = rows.append
         gen_num_tokens: list[int] = []
@@ -297,7 +297,8 @@ class KVCacheManager:
             if seq is None:
                 raise RuntimeError(
                     f"generation request {request.request_id} has no KV blocks; it was freed "
-                    "or never allocated (pause() a request before dropping its blocks)")
+                    "or never allocated (pause() a request before dropping its blocks)"
+                )
             # num_tokens; the token fed this step is the last of these
             num_tokens = request.orig_prompt_len + len(request.output_token_ids)
             if num_tokens >= seq.next_event:  # once per block boundary
@@ -311,8 +312,12 @@ class KVCacheManager:
         tpb = self.tokens_per_block
         if num_tokens > len(seq.blocks) * tpb:
             self._grow(seq, -(-num_tokens // tpb))
-        if (self.enable_block_reuse and (num_tokens - 1) // tpb > len(seq.nodes) and seq.group is None
-                and self._prefix.register_computed(seq, request, num_tokens - 1)):
+        if (
+            self.enable_block_reuse
+            and (num_tokens - 1) // tpb > len(seq.nodes)
+            and seq.group is None
+            and self._prefix.register_computed(seq, request, num_tokens - 1)
+        ):
             seq.refresh_next_event(tpb, self.enable_block_reuse)
 
     # -------------------------------------------------------- steady decode
@@ -323,16 +328,19 @@ class KVCacheManager:
         requests = scheduler_output.generation_requests
         placement = scheduler_output.kv_placement
         next_events = [self._seqs[r.request_id].next_event for r in requests]
-        return DecodeRows.record(requests, self._version, placement.rows, placement.generation_num_tokens,
-                                 next_events)
+        return DecodeRows.record(requests, self._version, placement.rows, placement.generation_num_tokens, next_events)
 
     def decode_rows_current(self, decode: DecodeRows) -> bool:
         """True if no sequence was freed since `decode` was recorded (its rows still hold
         the same requests)."""
         return decode.version == self._version
 
-    def prepare_decode(self, scheduler_output: SchedulerOutput, decode: DecodeRows,
-                       flush_rows: Callable[[list[int]], None] | None = None) -> None:
+    def prepare_decode(
+        self,
+        scheduler_output: SchedulerOutput,
+        decode: DecodeRows,
+        flush_rows: Callable[[list[int]], None] | None = None,
+    ) -> None:
         """`prepare_resources` for the next step of `decode.requests` (the generation
         requests, no context requests), each of which got one token from the step before
         (`decode.num_tokens` advances by one): only sequences at a block boundary are
@@ -388,8 +396,10 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id} is not a beam-search request with KV blocks")
         group = leader.group
         if len(group.seqs) + len(beams) != request.beam_width:
-            raise ValueError(f"request {request.request_id}: {len(group.seqs) + len(beams)} beams for a beam "
-                             f"width of {request.beam_width}")
+            raise ValueError(
+                f"request {request.request_id}: {len(group.seqs) + len(beams)} beams for a beam "
+                f"width of {request.beam_width}"
+            )
         for beam in beams:
             if beam.request_id in self._seqs:
                 raise ValueError(f"beam id {beam.request_id} is already in use")
@@ -441,7 +451,8 @@ class KVCacheManager:
         n = 0 if seq is None else len(seq.blocks)
         if n > out_row.shape[0]:
             raise ValueError(
-                f"request {request.request_id} holds {n} blocks but the row has {out_row.shape[0]} entries")
+                f"request {request.request_id} holds {n} blocks but the row has {out_row.shape[0]} entries"
+            )
         out_row[:] = 0
         if n:
             out_row[:n] = self._table.block_ids[seq.row, :n]
@@ -466,7 +477,8 @@ class KVCacheManager:
         if extra > pool.num_available:
             raise RuntimeError(
                 f"KV cache pool exhausted: request {seq.request.request_id} needs {extra} more "
-                f"blocks, {pool.num_available} left; the capacity scheduler admitted more than fits")
+                f"blocks, {pool.num_available} left; the capacity scheduler admitted more than fits"
+            )
         if extra == 1:  # the common case in generation: avoid a list -> array conversion
             block = pool.allocate()
             seq.blocks.append(block)

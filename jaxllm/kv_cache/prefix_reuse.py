@@ -52,7 +52,7 @@ class PrefixReuse:
         node = prefix_root(request)
         matched: list[int] = []
         for i in range(limit):
-            block = pool.lookup(node, tuple(prompt[i * tpb:(i + 1) * tpb]))
+            block = pool.lookup(node, tuple(prompt[i * tpb : (i + 1) * tpb]))
             if block is None:
                 break
             matched.append(block)
@@ -103,7 +103,7 @@ class PrefixReuse:
         if config is None and pool.events is None:  # the common case
             for i in range(start, full):
                 lo = i * tpb - base
-                node = pool.register(blocks[i], node, tuple(tokens[lo:lo + tpb]))
+                node = pool.register(blocks[i], node, tuple(tokens[lo : lo + tpb]))
                 nodes.append(node)
         else:
             retentions = None
@@ -114,9 +114,12 @@ class PrefixReuse:
                     priority, duration = config.block_retention(i, tpb, plen)
                     retentions.append((DEFAULT_RETENTION_PRIORITY, None) if priority is None else (priority, duration))
             lora = getattr(request, "lora_adapter", None)
-            token_blocks = [tuple(tokens[i * tpb - base:(i + 1) * tpb - base]) for i in range(start, full)]
-            nodes.extend(pool.register_chain(blocks[start:full], node, token_blocks, retentions,
-                                             getattr(lora, "lora_int_id", None)))
+            token_blocks = [tuple(tokens[i * tpb - base : (i + 1) * tpb - base]) for i in range(start, full)]
+            nodes.extend(
+                pool.register_chain(
+                    blocks[start:full], node, token_blocks, retentions, getattr(lora, "lora_int_id", None)
+                )
+            )
         return True
 
     def withdraw_uncomputed(self, seq: KvSequence, num_computed: int) -> bool:
@@ -126,7 +129,7 @@ class PrefixReuse:
         if seq.num_registered <= full:
             return False
         pool = self.pool
-        for block in seq.blocks[full:seq.num_registered]:
+        for block in seq.blocks[full : seq.num_registered]:
             if pool.ref_count[block] == 1:
                 pool.unregister(block)
         del seq.nodes[full:]

@@ -29,8 +29,9 @@ Duration = None | int | float | datetime.timedelta
 
 def _check_priority(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int in [{MIN_RETENTION_PRIORITY}, {MAX_RETENTION_PRIORITY}], "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be an int in [{MIN_RETENTION_PRIORITY}, {MAX_RETENTION_PRIORITY}], got {value!r}"
+        )
     if not MIN_RETENTION_PRIORITY <= value <= MAX_RETENTION_PRIORITY:
         raise ValueError(f"{name} must be in [{MIN_RETENTION_PRIORITY}, {MAX_RETENTION_PRIORITY}], got {value}")
     return value
@@ -69,8 +70,10 @@ class TokenRangeRetentionConfig:
             if isinstance(self.token_end, bool) or not isinstance(self.token_end, int):
                 raise ValueError(f"token_end must be an int or None, got {self.token_end!r}")
             if self.token_end <= self.token_start:
-                raise ValueError(f"token range [{self.token_start}, {self.token_end}) is empty: "
-                                 "token_end must be greater than token_start")
+                raise ValueError(
+                    f"token range [{self.token_start}, {self.token_end}) is empty: "
+                    "token_end must be greater than token_start"
+                )
         _check_priority("priority", self.priority)
         object.__setattr__(self, "_seconds", _duration_seconds("duration_ms", self.duration_ms))
 
@@ -103,27 +106,37 @@ class KvCacheRetentionConfig:
         if ranges is None:
             ranges = ()
         if isinstance(ranges, TokenRangeRetentionConfig) or not isinstance(ranges, (list, tuple)):
-            raise ValueError("token_range_retention_priorities must be a list of TokenRangeRetentionConfig, "
-                             f"got {type(ranges).__name__}")
+            raise ValueError(
+                "token_range_retention_priorities must be a list of TokenRangeRetentionConfig, "
+                f"got {type(ranges).__name__}"
+            )
         for r in ranges:
             if not isinstance(r, TokenRangeRetentionConfig):
-                raise ValueError("token_range_retention_priorities must hold TokenRangeRetentionConfig "
-                                 f"entries, got {type(r).__name__}")
+                raise ValueError(
+                    "token_range_retention_priorities must hold TokenRangeRetentionConfig "
+                    f"entries, got {type(r).__name__}"
+                )
         if self.max_tokens is not None:
             if ranges:
-                raise ValueError("max_tokens is a shorthand for one token range; pass either max_tokens or "
-                                 "token_range_retention_priorities, not both")
+                raise ValueError(
+                    "max_tokens is a shorthand for one token range; pass either max_tokens or "
+                    "token_range_retention_priorities, not both"
+                )
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
             ranges = (TokenRangeRetentionConfig(0, self.max_tokens, MAX_RETENTION_PRIORITY),)
         ranges = tuple(sorted(ranges, key=lambda r: r.token_start))
         for i, r in enumerate(ranges[:-1]):
             if r.token_end is None:
-                raise ValueError(f"only the last token range may have token_end=None (open-ended); "
-                                 f"[{r.token_start}, None) is followed by a range at {ranges[i + 1].token_start}")
+                raise ValueError(
+                    f"only the last token range may have token_end=None (open-ended); "
+                    f"[{r.token_start}, None) is followed by a range at {ranges[i + 1].token_start}"
+                )
             if r.token_end > ranges[i + 1].token_start:
-                raise ValueError(f"token ranges must not overlap: [{r.token_start}, {r.token_end}) and "
-                                 f"[{ranges[i + 1].token_start}, {ranges[i + 1].token_end})")
+                raise ValueError(
+                    f"token ranges must not overlap: [{r.token_start}, {r.token_end}) and "
+                    f"[{ranges[i + 1].token_start}, {ranges[i + 1].token_end})"
+                )
         object.__setattr__(self, "token_range_retention_priorities", ranges)
         _check_priority("decode_retention_priority", self.decode_retention_priority)
         object.__setattr__(self, "_decode_seconds", _duration_seconds("decode_duration_ms", self.decode_duration_ms))
@@ -145,11 +158,11 @@ class KvCacheRetentionConfig:
 
     def per_block_priorities(self, tokens_per_block: int, seq_len: int) -> list[int | None]:
         """Priority of each block of a `seq_len`-token prompt (None: not covered)."""
-        return [self.prompt_block_retention(i, tokens_per_block)[0]
-                for i in range(-(-seq_len // tokens_per_block))]
+        return [self.prompt_block_retention(i, tokens_per_block)[0] for i in range(-(-seq_len // tokens_per_block))]
 
-    def block_retention(self, block_index: int, tokens_per_block: int,
-                        prompt_len: int) -> tuple[int | None, float | None]:
+    def block_retention(
+        self, block_index: int, tokens_per_block: int, prompt_len: int
+    ) -> tuple[int | None, float | None]:
         """(priority, seconds) for block `block_index` of a sequence whose prompt has
         `prompt_len` tokens: a prompt block by its range, a generated block by the decode
         settings. Priority None means "not set by this request"."""
@@ -162,8 +175,7 @@ def check_retention_config(value: Any) -> KvCacheRetentionConfig | None:
     """Admission check of the `kv_cache_retention_config` argument (None is allowed)."""
     if value is None or isinstance(value, KvCacheRetentionConfig):
         return value
-    raise ValueError(f"kv_cache_retention_config must be a KvCacheRetentionConfig or None, "
-                     f"got {type(value).__name__}")
+    raise ValueError(f"kv_cache_retention_config must be a KvCacheRetentionConfig or None, got {type(value).__name__}")
 
 
 def retention_configs_per_prompt(value: Any, num_prompts: int) -> list[KvCacheRetentionConfig | None]:

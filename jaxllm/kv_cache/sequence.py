@@ -55,11 +55,13 @@ class KvSequence:
         if num_blocks > max_blocks_per_seq:
             raise ValueError(
                 f"request {self.request.request_id} needs {num_blocks} blocks, more than "
-                f"max_blocks_per_seq={max_blocks_per_seq}")
+                f"max_blocks_per_seq={max_blocks_per_seq}"
+            )
         if num_blocks > self.total_blocks:
             raise RuntimeError(
                 f"request {self.request.request_id} outgrew prompt_len + max_new_tokens "
-                f"({self.total_blocks} blocks); finish it once it reaches max_new_tokens")
+                f"({self.total_blocks} blocks); finish it once it reaches max_new_tokens"
+            )
 
     def refresh_next_event(self, tokens_per_block: int, index_blocks: bool) -> None:
         """Recompute `next_event` after the blocks or their indexed prefix changed
@@ -85,8 +87,9 @@ class BeamGroup:
     def distinct_blocks(self) -> int:
         return len({b for s in self.seqs for b in s.blocks})
 
-    def fork(self, pool: BlockPool, parents: list[int], num_cached_tokens: int,
-             tokens_per_block: int) -> list[tuple[int, int]]:
+    def fork(
+        self, pool: BlockPool, parents: list[int], num_cached_tokens: int, tokens_per_block: int
+    ) -> list[tuple[int, int]]:
         """Make beam j continue beam `parents[j]`: it takes that beam's blocks (shared by
         reference count). `num_cached_tokens`: tokens whose KV is written; when the next
         one lands inside a block several beams share, all but one of them get a private
@@ -114,7 +117,7 @@ class BeamGroup:
                     copies.append((src, dst))
         for seq, blocks, nodes in zip(seqs, new, new_nodes, strict=True):
             seq.blocks = blocks
-            seq.nodes = nodes[:len(blocks)]
+            seq.nodes = nodes[: len(blocks)]
         return copies
 
     def disband(self) -> list[KvSequence]:

@@ -28,11 +28,21 @@ from sharding.rules import ShardingRules, logical_to_physical
 class KvCacheSpec(Protocol):
     num_layers: int
 
-    def init(self, num_blocks: int, tokens_per_block: int,
-             mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list: ...
+    def init(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> list: ...
 
-    def init_pool(self, num_blocks: int, tokens_per_block: int,
-                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> Any: ...
+    def init_pool(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> Any: ...
 
     def write(self, cache: Any, entries: Any, slot_mapping: jax.Array) -> Any: ...
 
@@ -65,33 +75,44 @@ class MhaKvCacheSpec:
     head_dim: int
     dtype: str
 
-    def init(self, num_blocks: int, tokens_per_block: int,
-             mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list[MhaLayerCache]:
+    def init(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> list[MhaLayerCache]:
         """Zeroed per-layer caches, created already sharded when a mesh is given."""
         zeros = self._zeros((self.num_kv_heads, num_blocks, tokens_per_block, self.head_dim), mesh, rules)
         return [MhaLayerCache(zeros(), zeros()) for _ in range(self.num_layers)]
 
-    def init_pool(self, num_blocks: int, tokens_per_block: int,
-                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> MhaLayerCache:
+    def init_pool(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> MhaLayerCache:
         """One zeroed cache for all layers, each [num_kv_heads, num_layers * num_blocks,
         tokens_per_block, head_dim]: layer i owns pages [i * num_blocks, (i + 1) * num_blocks).
         Attention and the KV write see one layer through its page and slot offset
         (`jaxllm.models.layer_runner.layer_metadata`), so a scan over layers carries this one
         buffer and updates it in place, and the kernels need no layer argument."""
-        zeros = self._zeros((self.num_kv_heads, self.num_layers * num_blocks, tokens_per_block, self.head_dim),
-                            mesh, rules)
+        zeros = self._zeros(
+            (self.num_kv_heads, self.num_layers * num_blocks, tokens_per_block, self.head_dim), mesh, rules
+        )
         return MhaLayerCache(zeros(), zeros())
 
-    def _zeros(self, shape: tuple[int, ...], mesh: Optional[jax.sharding.Mesh],
-               rules: Optional[ShardingRules]) -> Any:
+    def _zeros(self, shape: tuple[int, ...], mesh: Optional[jax.sharding.Mesh], rules: Optional[ShardingRules]) -> Any:
         dt = jnp.dtype(self.dtype)
         if mesh is None:
             return lambda: jnp.zeros(shape, dt)
         sharding = jax.sharding.NamedSharding(mesh, logical_to_physical(MHA_CACHE_AXES, rules or ShardingRules()))
         return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
 
-    def write(self, cache: MhaLayerCache, entries: tuple[jax.Array, jax.Array], slot_mapping: jax.Array
-              ) -> MhaLayerCache:
+    def write(
+        self, cache: MhaLayerCache, entries: tuple[jax.Array, jax.Array], slot_mapping: jax.Array
+    ) -> MhaLayerCache:
         """Scatter this step's (k, v), each [T, Hkv, D], into their slots; padding slots
         (== num_blocks * tokens_per_block) are dropped."""
         num_kv_heads, num_blocks, tokens_per_block, head_dim = cache.k.shape
@@ -150,8 +171,13 @@ class MlaKvCacheSpec:
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def init(self, num_blocks: int, tokens_per_block: int,
-             mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> list[MlaLayerCache]:
+    def init(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> list[MlaLayerCache]:
         shape = (num_blocks, tokens_per_block, self.latent_dim)
         dt = jnp.dtype(self.dtype)
         if mesh is None:
@@ -160,8 +186,13 @@ class MlaKvCacheSpec:
         zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
         return [MlaLayerCache(zeros()) for _ in range(self.num_layers)]
 
-    def init_pool(self, num_blocks: int, tokens_per_block: int,
-                  mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None) -> MlaLayerCache:
+    def init_pool(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        mesh: Optional[jax.sharding.Mesh] = None,
+        rules: Optional[ShardingRules] = None,
+    ) -> MlaLayerCache:
         """One zeroed latent cache for all layers, [num_layers * num_blocks, tokens_per_block,
         latent_dim]: layer i owns pages [i * num_blocks, (i + 1) * num_blocks), as in
         `MhaKvCacheSpec.init_pool` (the layer scan carries it and writes it in place)."""

@@ -36,20 +36,32 @@ class DecodeRows:
     log: Any | None = None
 
     @classmethod
-    def record(cls, requests: list[LlmRequest], version: int, rows: list[int],
-               num_tokens: list[int], next_events: Iterable[int]) -> DecodeRows:
+    def record(
+        cls,
+        requests: list[LlmRequest],
+        version: int,
+        rows: list[int],
+        num_tokens: list[int],
+        next_events: Iterable[int],
+    ) -> DecodeRows:
         """The arrays of a generation-only step just prepared (rows and `num_tokens` of
         its placement, the sequences' `next_event`s)."""
         n = len(requests)
         return cls(
-            requests=list(requests), version=version,
+            requests=list(requests),
+            version=version,
             rows=np.array(rows, np.intp).reshape(n),
             orig_prompt_len=np.fromiter((r.orig_prompt_len for r in requests), np.int64, n),
             next_event=np.fromiter(next_events, np.int64, n),
-            num_tokens=np.array(num_tokens, np.int64).reshape(n))
+            num_tokens=np.array(num_tokens, np.int64).reshape(n),
+        )
 
-    def advance(self, seqs: Mapping[int, KvSequence], prepare: Callable[[KvSequence, LlmRequest, int], None],
-                flush_rows: Callable[[list[int]], None] | None = None) -> np.ndarray:
+    def advance(
+        self,
+        seqs: Mapping[int, KvSequence],
+        prepare: Callable[[KvSequence, LlmRequest, int], None],
+        flush_rows: Callable[[list[int]], None] | None = None,
+    ) -> np.ndarray:
         """Move every slot one token on (each got one token from the step before) and
         return the new `num_tokens`. `prepare(seq, request, num_tokens)` is called for the
         slots at a block boundary (`seqs`: the sequences by request id) and updates their

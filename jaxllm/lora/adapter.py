@@ -29,25 +29,44 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT module name -> (our name, attention or MLP).
-LORA_TARGETS = {"q_proj": ("q", "attn"), "k_proj": ("k", "attn"), "v_proj": ("v", "attn"),
-                "o_proj": ("o", "attn"), "gate_proj": ("gate", "mlp"), "up_proj": ("up", "mlp"),
-                "down_proj": ("down", "mlp")}
+LORA_TARGETS = {
+    "q_proj": ("q", "attn"),
+    "k_proj": ("k", "attn"),
+    "v_proj": ("v", "attn"),
+    "o_proj": ("o", "attn"),
+    "gate_proj": ("gate", "mlp"),
+    "up_proj": ("up", "mlp"),
+    "down_proj": ("down", "mlp"),
+}
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
 
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # Config fields whose non-default value changes the computation in a way not served here.
-_REFUSED = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
-            "modules_to_save": (None, []), "lora_bias": (False, None), "target_parameters": (None, []), "layer_replication": (None, []),
-            "trainable_token_indices": (None, [], {})}
+_REFUSED = {
+    "use_dora": (False, None),
+    "bias": ("none", None),
+    "fan_in_fan_out": (False, None),
+    "modules_to_save": (None, []),
+    "lora_bias": (False, None),
+    "target_parameters": (None, []),
+    "layer_replication": (None, []),
+    "trainable_token_indices": (None, [], {}),
+}
 
 
 def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
     """(in, out) features of a LoRA target in `config`'s decoder."""
     h, d = config.hidden_size, config.head_dim
-    return {"q": (h, config.num_heads * d), "k": (h, config.num_kv_heads * d), "v": (h, config.num_kv_heads * d),
-            "o": (config.num_heads * d, h), "gate": (h, config.intermediate_size),
-            "up": (h, config.intermediate_size), "down": (config.intermediate_size, h)}[target]
+    return {
+        "q": (h, config.num_heads * d),
+        "k": (h, config.num_kv_heads * d),
+        "v": (h, config.num_kv_heads * d),
+        "o": (config.num_heads * d, h),
+        "gate": (h, config.intermediate_size),
+        "up": (h, config.intermediate_size),
+        "down": (config.intermediate_size, h),
+    }[target]
 
 
 def layer_targets(config: ModelConfig, layer: int) -> tuple[str, ...]:
@@ -85,8 +104,9 @@ def _read_config(path: Path) -> dict:
         raise ValueError(f"lora_path {str(path)!r}: peft_type {peft_type!r} is not a LoRA adapter")
     for key, allowed in _REFUSED.items():
         if key in config and config[key] not in allowed:
-            raise ValueError(f"lora_path {str(path)!r}: {key}={config[key]!r} is not supported "
-                             f"(supported: {allowed[0]!r})")
+            raise ValueError(
+                f"lora_path {str(path)!r}: {key}={config[key]!r} is not supported (supported: {allowed[0]!r})"
+            )
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -105,8 +125,8 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     try:
         raw = (path / WEIGHTS_FILE).read_bytes()
         size = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + size])
-        data = memoryview(raw)[8 + size:]
+        header = json.loads(raw[8 : 8 + size])
+        data = memoryview(raw)[8 + size :]
         tensors = {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -139,8 +159,9 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(f"{where}: {CONFIG_FILE} is missing (expected a Hugging Face PEFT adapter)")
     if not (path / WEIGHTS_FILE).is_file():
-        pickled = " (pickle files such as adapter_model.bin are not loaded)" if (
-            path / "adapter_model.bin").exists() else ""
+        pickled = (
+            " (pickle files such as adapter_model.bin are not loaded)" if (path / "adapter_model.bin").exists() else ""
+        )
         raise ValueError(f"{where}: {WEIGHTS_FILE} is missing{pickled}")
     peft = _read_config(path)
     rank_pattern, alpha_pattern = peft.get("rank_pattern") or {}, peft.get("alpha_pattern") or {}
@@ -164,17 +185,25 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
     for name, tensor in _read_tensors(path).items():
         match = _TENSOR.search(name)
         module = match.group(3) if match else None
-        if match is None or module not in LORA_TARGETS or LORA_TARGETS[module][1] != (
-                "attn" if match.group(2) == "self_attn" else "mlp"):
-            raise ValueError(f"{where}: tensor {name!r} adapts a module that is not a LoRA target here "
-                             f"(supported: {', '.join(LORA_TARGETS)} of the decoder layers)")
+        if (
+            match is None
+            or module not in LORA_TARGETS
+            or LORA_TARGETS[module][1] != ("attn" if match.group(2) == "self_attn" else "mlp")
+        ):
+            raise ValueError(
+                f"{where}: tensor {name!r} adapts a module that is not a LoRA target here "
+                f"(supported: {', '.join(LORA_TARGETS)} of the decoder layers)"
+            )
         layer, target = int(match.group(1)), LORA_TARGETS[module][0]
         if layer >= config.num_layers:
-            raise ValueError(f"{where}: tensor {name!r} adapts layer {layer}, but the base model has "
-                             f"{config.num_layers} layers")
+            raise ValueError(
+                f"{where}: tensor {name!r} adapts layer {layer}, but the base model has {config.num_layers} layers"
+            )
         if target not in layer_targets(config, layer):
-            raise ValueError(f"{where}: tensor {name!r} adapts MoE layer {layer}'s {module}; expert "
-                             "weights are not LoRA targets (attention projections are)")
+            raise ValueError(
+                f"{where}: tensor {name!r} adapts MoE layer {layer}'s {module}; expert "
+                "weights are not LoRA targets (attention projections are)"
+            )
         pairs.setdefault((layer, target), {})[match.group(4)] = tensor
         module_keys[(layer, target)] = _module_key(name)
 
@@ -186,15 +215,18 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
         scalings.append(scaling)
         module = next(k for k, v in LORA_TARGETS.items() if v[0] == target)
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} "
-                             f"but no lora_{'B' if 'A' in ab else 'A'}")
+            raise ValueError(
+                f"{where}: layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} "
+                f"but no lora_{'B' if 'A' in ab else 'A'}"
+            )
         a, b = ab["A"], ab["B"]
         d_in, d_out = target_dims(config, target)
         if a.shape != (rank, d_in) or b.shape != (d_out, rank):
             raise ValueError(
                 f"{where}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"this base model with r={rank} needs ({rank}, {d_in}) and ({d_out}, {rank}) "
-                "(an adapter for a different base model?)")
+                "(an adapter for a different base model?)"
+            )
         weights[(layer, target)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scaling))
     if not weights:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
@@ -204,8 +236,8 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
 def _module_key(tensor_name: str) -> str:
     """The adapted module's name in the base model, as PEFT matches patterns against it:
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
-    name = tensor_name[:tensor_name.index(".lora_")]
-    return name[len("base_model.model."):] if name.startswith("base_model.model.") else name
+    name = tensor_name[: tensor_name.index(".lora_")]
+    return name[len("base_model.model.") :] if name.startswith("base_model.model.") else name
 
 
 def _pattern_key(patterns: dict, module_key: str) -> str:

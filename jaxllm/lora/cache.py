@@ -29,8 +29,10 @@ class AdapterCache:
         with self._lock:
             known = self._paths.get(lora_id)
             if known is not None and known != request.lora_path:
-                raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {lora_id} already names the "
-                                 f"adapter at {known!r}, not {request.lora_path!r}; give each adapter its own id")
+                raise ValueError(
+                    f"lora_request {request.lora_name!r}: lora_int_id {lora_id} already names the "
+                    f"adapter at {known!r}, not {request.lora_path!r}; give each adapter its own id"
+                )
             adapter = self._adapters.get(lora_id)
             if adapter is not None:
                 self._adapters.move_to_end(lora_id)

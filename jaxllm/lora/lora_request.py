@@ -22,8 +22,11 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
-        if (not isinstance(self.lora_int_id, numbers.Integral) or isinstance(self.lora_int_id, bool)
-                or self.lora_int_id < 1):
+        if (
+            not isinstance(self.lora_int_id, numbers.Integral)
+            or isinstance(self.lora_int_id, bool)
+            or self.lora_int_id < 1
+        ):
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty str (a PEFT adapter directory), got {self.lora_path!r}")

@@ -43,10 +43,13 @@ def _build(config: ModelConfig, params: Params, target_leaves) -> LoraTree:
     stacks = stacks_of_params(config, params)
     in_stack = {i for s in stacks for i in range(s.start, s.stop)}
     return {
-        "layer_stacks": [{t: target_leaves(tuple(range(s.start, s.stop)), t) for t in layer_targets(config, s.start)}
-                         for s in stacks],
-        "layers": [{} if i in in_stack else {t: target_leaves((i,), t) for t in layer_targets(config, i)}
-                   for i in range(config.num_layers)],
+        "layer_stacks": [
+            {t: target_leaves(tuple(range(s.start, s.stop)), t) for t in layer_targets(config, s.start)} for s in stacks
+        ],
+        "layers": [
+            {} if i in in_stack else {t: target_leaves((i,), t) for t in layer_targets(config, i)}
+            for i in range(config.num_layers)
+        ],
     }
 
 
@@ -57,8 +60,10 @@ def init_lora_weights(config: ModelConfig, params: Params, max_loras: int, max_r
     def zeros(layers: tuple[int, ...], target: str) -> dict[str, jax.Array]:
         d_in, d_out = target_dims(config, target)
         lead = (len(layers),) if _stacked(layers[0], params) else ()
-        return {"a": jnp.zeros(lead + (max_loras, d_in, max_rank), dtype),
-                "b": jnp.zeros(lead + (max_loras, max_rank, d_out), dtype)}
+        return {
+            "a": jnp.zeros(lead + (max_loras, d_in, max_rank), dtype),
+            "b": jnp.zeros(lead + (max_loras, max_rank, d_out), dtype),
+        }
 
     return _build(config, params, zeros)
 
@@ -76,8 +81,8 @@ def slot_update(adapter: LoraAdapter, config: ModelConfig, params: Params, max_r
             pair = adapter.weights.get((layer, target))
             if pair is not None:
                 a, b = pair
-                a_out[row, :, :a.shape[1]] = a
-                b_out[row, :b.shape[0], :] = b
+                a_out[row, :, : a.shape[1]] = a
+                b_out[row, : b.shape[0], :] = b
         if not _stacked(layers[0], params):
             a_out, b_out = a_out[0], b_out[0]
         return {"a": a_out, "b": b_out}
@@ -86,14 +91,18 @@ def slot_update(adapter: LoraAdapter, config: ModelConfig, params: Params, max_r
 
 
 def _write_slot(lora: LoraTree, slot: jax.Array, update: LoraTree) -> LoraTree:
-    stacks = [jax.tree_util.tree_map(lambda w, u: jax.lax.dynamic_update_index_in_dim(w, u.astype(w.dtype), slot, 1),
-                                     s, u) for s, u in zip(lora["layer_stacks"], update["layer_stacks"])]
-    layers = [jax.tree_util.tree_map(lambda w, u: jax.lax.dynamic_update_index_in_dim(w, u.astype(w.dtype), slot, 0),
-                                     s, u) for s, u in zip(lora["layers"], update["layers"])]
+    stacks = [
+        jax.tree_util.tree_map(lambda w, u: jax.lax.dynamic_update_index_in_dim(w, u.astype(w.dtype), slot, 1), s, u)
+        for s, u in zip(lora["layer_stacks"], update["layer_stacks"])
+    ]
+    layers = [
+        jax.tree_util.tree_map(lambda w, u: jax.lax.dynamic_update_index_in_dim(w, u.astype(w.dtype), slot, 0), s, u)
+        for s, u in zip(lora["layers"], update["layers"])
+    ]
     return {"layer_stacks": stacks, "layers": layers}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _write_jit():
     return jax.jit(_write_slot, donate_argnums=(0,))
 

@@ -16,8 +16,9 @@ whose values are its first `value_dim` columns.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 
@@ -39,17 +40,32 @@ class AttentionMetadata:
     num_seqs: jax.Array  # int32[1]
 
     @classmethod
-    def from_batch(cls, batch: StepBatch) -> "AttentionMetadata":
+    def from_batch(cls, batch: StepBatch) -> AttentionMetadata:
         return cls(batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
 
 
 def _mha(kernel: Callable) -> AttentionFn:
     """An MHA-cache backend from a kernel taking (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs)."""
 
-    def attention(q: jax.Array, cache: MhaLayerCache, md: AttentionMetadata, *, sm_scale: float,
-                  sliding_window: Optional[int] = None) -> jax.Array:
-        return kernel(q, cache.k, cache.v, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-                      sm_scale=sm_scale, sliding_window=sliding_window)
+    def attention(
+        q: jax.Array,
+        cache: MhaLayerCache,
+        md: AttentionMetadata,
+        *,
+        sm_scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> jax.Array:
+        return kernel(
+            q,
+            cache.k,
+            cache.v,
+            md.kv_lens,
+            md.block_tables,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+        )
 
     attention.__name__ = f"mha_{getattr(kernel, '__name__', 'attention')}"
     attention.latent = _latent(kernel)
@@ -60,11 +76,13 @@ def _latent(kernel: Callable) -> Callable:
     """A latent-cache backend from an MHA kernel: the latent array is passed as both the keys
     and the values of one KV head (no copy), and the output keeps the value columns."""
 
-    def latent_attention(q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float,
-                         value_dim: int) -> jax.Array:
+    def latent_attention(
+        q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float, value_dim: int
+    ) -> jax.Array:
         kv = cache.latent[None]
-        out = kernel(q, kv, kv, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
-                     sliding_window=None)
+        out = kernel(
+            q, kv, kv, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=None
+        )
         return out[..., :value_dim]
 
     latent_attention.__name__ = f"latent_{getattr(kernel, '__name__', 'attention')}"
@@ -107,10 +125,19 @@ def pallas_latent_attention(interpret: bool) -> Callable:
 
     latent_kernel = functools.partial(ragged_paged_latent_attention, interpret=interpret)
 
-    def pallas_latent_attention(q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float,
-                                value_dim: int) -> jax.Array:
-        return latent_kernel(q, cache.latent, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-                             sm_scale=sm_scale, value_dim=value_dim)
+    def pallas_latent_attention(
+        q: jax.Array, cache: MlaLayerCache, md: AttentionMetadata, *, sm_scale: float, value_dim: int
+    ) -> jax.Array:
+        return latent_kernel(
+            q,
+            cache.latent,
+            md.kv_lens,
+            md.block_tables,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=sm_scale,
+            value_dim=value_dim,
+        )
 
     return pallas_latent_attention
 
@@ -125,8 +152,9 @@ def mosaic_or_triton_attention(interpret: bool) -> Callable:
             kernel = mosaic_gpu.ragged_paged_attention_mosaic
         else:
             kernel = ragged_paged_attention
-        return kernel(q, k_cache, v_cache, *metadata, sm_scale=sm_scale, sliding_window=sliding_window,
-                      interpret=interpret)
+        return kernel(
+            q, k_cache, v_cache, *metadata, sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret
+        )
 
     attention.__name__ = "ragged_paged_attention_mosaic"
     return attention

@@ -48,8 +48,7 @@ def mosaic_or_triton_moe(interpret: bool) -> Callable:
     def moe(x_sorted, group_sizes, w_gate, w_up, w_down):
         _, hidden, inter = w_gate.shape
         if x_sorted.dtype == w_gate.dtype and mosaic_gpu.supports(x_sorted.dtype, hidden, inter):
-            return mosaic_gpu.moe_grouped_ffn_mosaic(x_sorted, group_sizes, w_gate, w_up, w_down,
-                                                     interpret=interpret)
+            return mosaic_gpu.moe_grouped_ffn_mosaic(x_sorted, group_sizes, w_gate, w_up, w_down, interpret=interpret)
         return moe_grouped_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, interpret=interpret)
 
     return moe

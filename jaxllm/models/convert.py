@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from jaxllm.models.model_config import load_model_config
 from jaxllm.models.loader import load_params
+from jaxllm.models.model_config import load_model_config
 from jaxllm.models.orbax_io import checkpoint_bytes, is_converted, write_converted
 
 
@@ -30,13 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     import time
 
-    parser = argparse.ArgumentParser(prog="jaxllm convert",
-                                     description="Write a Hugging Face safetensors checkpoint as an orbax checkpoint "
-                                                 "that restores straight into any tensor-parallel sharding.")
+    parser = argparse.ArgumentParser(
+        prog="jaxllm convert",
+        description="Write a Hugging Face safetensors checkpoint as an orbax checkpoint "
+        "that restores straight into any tensor-parallel sharding.",
+    )
     parser.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
     parser.add_argument("--output", required=True, help="new directory for the converted model")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="cast the weights (default: the checkpoint's dtype)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="cast the weights (default: the checkpoint's dtype)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
@@ -44,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"jaxllm convert: error: {exc}", file=sys.stderr)
         return 2
-    print(f"converted {args.model} -> {out} ({checkpoint_bytes(out) / 2**20:.1f} MiB, "
-          f"{time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    print(
+        f"converted {args.model} -> {out} ({checkpoint_bytes(out) / 2**20:.1f} MiB, "
+        f"{time.perf_counter() - started:.1f} s)",
+        file=sys.stderr,
+    )
     return 0

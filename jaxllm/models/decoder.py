@@ -44,18 +44,19 @@ the unused counting from its compiled program.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
-from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
@@ -81,10 +82,20 @@ def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax
     return jnp.einsum("tsr,sro->to", h, w["b"], precision=precision)
 
 
-def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadata, cos: jax.Array,
-               sin: jax.Array, *, config: ModelConfig, attention_fn: AttentionFn, write_fn: Callable,
-               lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
-               ) -> tuple[jax.Array, MhaLayerCache]:
+def _attention(
+    x: jax.Array,
+    p: dict,
+    cache: MhaLayerCache,
+    md: AttentionMetadata,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    write_fn: Callable,
+    lora: Optional[dict] = None,
+    onehot: Optional[jax.Array] = None,
+) -> tuple[jax.Array, MhaLayerCache]:
     prec = matmul_precision(config)
     q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = jnp.einsum("th,hnd->tnd", x, p["k"], precision=prec)
@@ -100,7 +111,7 @@ def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadat
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_fn(cache, (k, v), md.slot_mapping)
-    out = attention_fn(q, cache, md, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+    out = attention_fn(q, cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window)
     y = jnp.einsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
     if lora is not None:
         y = y + lora_delta(out.astype(x.dtype).reshape(out.shape[0], -1), lora["o"], onehot, prec)
@@ -109,8 +120,9 @@ def _attention(x: jax.Array, p: dict, cache: MhaLayerCache, md: AttentionMetadat
     return y, cache
 
 
-def _mlp(x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None,
-         onehot: Optional[jax.Array] = None) -> jax.Array:
+def _mlp(
+    x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
+) -> jax.Array:
     prec = matmul_precision(config)
     gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=prec)
     up = jnp.einsum("th,hi->ti", x, p["up"], precision=prec)
@@ -128,8 +140,9 @@ def _cache_keys(kv_cache: KVCache) -> jax.Array:
     return kv_cache[0].k if isinstance(kv_cache, list) else kv_cache.k
 
 
-def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn,
-              mesh: Optional[jax.sharding.Mesh]) -> tuple[AttentionFn, Callable, MoeFn]:
+def _backends(
+    config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh]
+) -> tuple[AttentionFn, Callable, MoeFn]:
     """The attention, KV-write and MoE functions of one step; under a mesh, wrapped in shard_map."""
     keys = _cache_keys(kv_cache)
     spec = kv_cache_spec(config, keys.dtype, keys.shape[0] // config.num_kv_heads)
@@ -138,19 +151,35 @@ def _backends(config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn,
     rules = rules_for(config, mesh)
     cache_spec = spec.partition_spec(rules)
     entry_spec = logical_to_physical(("tokens", "kv_heads", "head_dim"), rules)
-    return (shard_attention(attention_fn, mesh, rules, cache_spec),
-            shard_kv_write(spec.write, mesh, rules, cache_spec, (entry_spec, entry_spec)),
-            shard_moe(moe_fn, mesh, rules))
+    return (
+        shard_attention(attention_fn, mesh, rules, cache_spec),
+        shard_kv_write(spec.write, mesh, rules, cache_spec, (entry_spec, entry_spec)),
+        shard_moe(moe_fn, mesh, rules),
+    )
 
 
-def decode_layers(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                  attention_fn: AttentionFn = _REFERENCE_ATTENTION,
-                  moe_fn: MoeFn = moe_grouped_ffn_reference,
-                  mesh: Optional[jax.sharding.Mesh] = None,
-                  moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
+def decode_layers(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+) -> tuple[jax.Array, KVCache]:
     """Embedding and all decoder layers: the residual stream [T, H] (before the final norm)."""
-    x, new_cache, _ = decode_layers_with_moe_stats(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                                   moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    x, new_cache, _ = decode_layers_with_moe_stats(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+    )
     return x, new_cache
 
 
@@ -175,8 +204,9 @@ class _LayerContext:
     lora_onehot: Optional[jax.Array] = None  # [T, slots] each token's LoRA slot (params["lora"])
 
 
-def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int, ctx: _LayerContext
-                   ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
+def _decoder_layer(
+    x: jax.Array, layer: dict, cache: Any, index: jax.Array | int, ctx: _LayerContext
+) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
     """One decoder layer (`index` static, or traced inside a scan): the new residual, the new
     cache (its own per-layer cache, or the pool), and for MoE layers the expert counts and the
     dropped-row count."""
@@ -186,8 +216,19 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
         md = layer_metadata(md, index, ctx.pool_blocks, ctx.tokens_per_block, config.num_layers)
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
     lora = layer.get("lora")
-    h, cache = _attention(h, layer["attn"], cache, md, ctx.cos, ctx.sin, config=config,
-                          attention_fn=ctx.attention_fn, write_fn=ctx.write_fn, lora=lora, onehot=ctx.lora_onehot)
+    h, cache = _attention(
+        h,
+        layer["attn"],
+        cache,
+        md,
+        ctx.cos,
+        ctx.sin,
+        config=config,
+        attention_fn=ctx.attention_fn,
+        write_fn=ctx.write_fn,
+        lora=lora,
+        onehot=ctx.lora_onehot,
+    )
     x = x + h
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "moe" in layer and "slots" in layer["moe"] and ctx.slot_moe_layer is not None:
@@ -196,22 +237,39 @@ def _decoder_layer(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
     if "moe" in layer and "slots" in layer["moe"]:
         ep_mesh = ctx.mesh if ctx.mesh is not None else make_mesh(ParallelConfig())
         y, counts, dropped = ep_moe_block(
-            h, layer["moe"], config=config, moe_fn=ctx.raw_moe_fn, mesh=ep_mesh, rules=rules_for(config, ep_mesh),
-            options=ctx.moe_options or EpMoeOptions(), valid=ctx.valid)
+            h,
+            layer["moe"],
+            config=config,
+            moe_fn=ctx.raw_moe_fn,
+            mesh=ep_mesh,
+            rules=rules_for(config, ep_mesh),
+            options=ctx.moe_options or EpMoeOptions(),
+            valid=ctx.valid,
+        )
         return x + y, cache, counts, dropped
     if "moe" in layer:
         if ctx.mesh is not None and expert_parallel_size(ctx.mesh) > 1:
-            raise ValueError(f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
-                             "(load_params with the same mesh)")
+            raise ValueError(
+                f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
+                "(load_params with the same mesh)"
+            )
         y, ids = moe_block(h, layer["moe"], config=config, moe_fn=ctx.moe_fn, valid=ctx.valid)
         return x + y, cache, count_experts(ids, config.num_experts, ctx.valid), jnp.zeros((), jnp.int32)
     return x + _mlp(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
 
 
-def decode_layers_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                                 attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-                                 moe_options: Optional[EpMoeOptions], slot_moe_layer: Optional[Callable] = None
-                                 ) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
+def decode_layers_with_moe_stats(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    moe_fn: MoeFn,
+    mesh: Optional[jax.sharding.Mesh],
+    moe_options: Optional[EpMoeOptions],
+    slot_moe_layer: Optional[Callable] = None,
+) -> tuple[jax.Array, KVCache, Optional[MoeStepStats]]:
     """`decode_layers` plus the step's MoE statistics (None for a dense model).
     `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
     MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
@@ -219,8 +277,16 @@ def decode_layers_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepB
     if config.is_mla:
         if slot_moe_layer is not None:
             raise ValueError("attention data parallelism does not support multi-head latent attention models yet")
-        return deepseek_decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                      moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+        return deepseek_decode_layers(
+            params,
+            kv_cache,
+            batch,
+            config=config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            moe_options=moe_options,
+        )
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn
     attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
@@ -229,11 +295,31 @@ def decode_layers_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepB
     num_tokens = batch.token_ids.shape[0]
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
     lora = params.get("lora")
-    ctx = _LayerContext(config, AttentionMetadata.from_batch(batch), cos, sin, valid, attention_fn, write_fn,
-                        moe_fn, raw_moe_fn, mesh, moe_options, pool_blocks, tokens_per_block, slot_moe_layer,
-                        _lora_onehot(lora, batch, x.dtype))
-    return run_layers(params, kv_cache, x, config, lambda x, layer, cache, index: _decoder_layer(
-        x, layer, cache, index, ctx), lora=lora)
+    ctx = _LayerContext(
+        config,
+        AttentionMetadata.from_batch(batch),
+        cos,
+        sin,
+        valid,
+        attention_fn,
+        write_fn,
+        moe_fn,
+        raw_moe_fn,
+        mesh,
+        moe_options,
+        pool_blocks,
+        tokens_per_block,
+        slot_moe_layer,
+        _lora_onehot(lora, batch, x.dtype),
+    )
+    return run_layers(
+        params,
+        kv_cache,
+        x,
+        config,
+        lambda x, layer, cache, index: _decoder_layer(x, layer, cache, index, ctx),
+        lora=lora,
+    )
 
 
 def _lora_onehot(lora: Optional[dict], batch: StepBatch, dtype: Any) -> Optional[jax.Array]:
@@ -257,36 +343,72 @@ def compute_logits(params: Params, residual: jax.Array, config: ModelConfig) -> 
     return jnp.einsum("nh,hv->nv", h, params["lm_head"], precision=prec, preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-            attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
-            mesh: Optional[jax.sharding.Mesh] = None,
-            moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
+def forward(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+) -> tuple[jax.Array, KVCache]:
     """One engine step: float32 logits [S, V] at `batch.logits_indices`, and the updated cache."""
-    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    residual, kv_cache = decode_layers(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+    )
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache
 
 
-def forward_with_moe_stats(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                           attention_fn: AttentionFn = _REFERENCE_ATTENTION,
-                           moe_fn: MoeFn = moe_grouped_ffn_reference, mesh: Optional[jax.sharding.Mesh] = None,
-                           moe_options: Optional[EpMoeOptions] = None
-                           ) -> tuple[jax.Array, KVCache, MoeStepStats]:
+def forward_with_moe_stats(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+) -> tuple[jax.Array, KVCache, MoeStepStats]:
     """`forward` plus the step's MoE statistics: expert counts [num_moe_layers, num_experts]
     over the whole batch (padding excluded) and rows dropped by a capacity-limited dispatch."""
     if not config.num_experts:
         raise ValueError(f"{config.architecture} has no MoE layers to collect statistics from")
-    residual, kv_cache, stats = decode_layers_with_moe_stats(params, kv_cache, batch, config=config,
-                                                             attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh,
-                                                             moe_options=moe_options)
+    residual, kv_cache, stats = decode_layers_with_moe_stats(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+    )
     return compute_logits(params, residual[batch.logits_indices], config), kv_cache, stats
 
 
-def forward_with_rows(params: Params, kv_cache: KVCache, batch: StepBatch, rows: jax.Array, *,
-                      config: ModelConfig, attention_fn: AttentionFn = _REFERENCE_ATTENTION,
-                      moe_fn: MoeFn = moe_grouped_ffn_reference, mesh: Optional[jax.sharding.Mesh] = None,
-                      moe_options: Optional[EpMoeOptions] = None, moe_stats: bool = False
-                      ) -> tuple[jax.Array, jax.Array, KVCache, Optional[MoeStepStats]]:
+def forward_with_rows(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    rows: jax.Array,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+    moe_stats: bool = False,
+) -> tuple[jax.Array, jax.Array, KVCache, Optional[MoeStepStats]]:
     """`forward` plus float32 logits [E, V] of the packed tokens `rows` int32[E] (context
     logits of the requests that ask; see jaxllm.engine.logits_outputs); with `moe_stats`
     also the step's MoE statistics, else None."""
@@ -295,15 +417,34 @@ def forward_with_rows(params: Params, kv_cache: KVCache, batch: StepBatch, rows:
         residual, kv_cache, stats = decode_layers_with_moe_stats(params, kv_cache, batch, **kwargs)
     else:
         (residual, kv_cache), stats = decode_layers(params, kv_cache, batch, **kwargs), None
-    return (compute_logits(params, residual[batch.logits_indices], config),
-            compute_logits(params, residual[rows], config), kv_cache, stats)
+    return (
+        compute_logits(params, residual[batch.logits_indices], config),
+        compute_logits(params, residual[rows], config),
+        kv_cache,
+        stats,
+    )
 
 
-def forward_all_logits(params: Params, kv_cache: KVCache, batch: StepBatch, *, config: ModelConfig,
-                       attention_fn: AttentionFn = _REFERENCE_ATTENTION, moe_fn: MoeFn = moe_grouped_ffn_reference,
-                       mesh: Optional[jax.sharding.Mesh] = None,
-                       moe_options: Optional[EpMoeOptions] = None) -> tuple[jax.Array, KVCache]:
+def forward_all_logits(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+) -> tuple[jax.Array, KVCache]:
     """Like `forward` but float32 logits for every token slot [T, V] (prompt scoring, tests)."""
-    residual, kv_cache = decode_layers(params, kv_cache, batch, config=config, attention_fn=attention_fn,
-                                       moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+    residual, kv_cache = decode_layers(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+    )
     return compute_logits(params, residual, config), kv_cache

@@ -28,17 +28,18 @@ tensor-parallel; shared experts are replicated on every rank; routed experts run
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
-from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
@@ -57,8 +58,9 @@ def _mlp(x: jax.Array, p: dict, precision: Optional[jax.lax.Precision]) -> jax.A
     return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=precision)
 
 
-def _backends(config: ModelConfig, attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-              dtype: Any) -> tuple[Callable, Callable, Callable, MoeFn]:
+def _backends(
+    config: ModelConfig, attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh], dtype: Any
+) -> tuple[Callable, Callable, Callable, MoeFn]:
     """(expanded MHA attention, latent attention, latent write, MoE FFN); under a mesh in shard_map."""
     latent_fn = latent_backend(attention_fn)
     spec = kv_cache_spec(config, str(jnp.dtype(dtype)))
@@ -68,13 +70,25 @@ def _backends(config: ModelConfig, attention_fn: AttentionFn, moe_fn: MoeFn, mes
     latent_spec = spec.partition_spec(rules)
     mha_spec = MhaKvCacheSpec(1, config.num_heads, 1, "float32").partition_spec(rules)
     entry_spec = logical_to_physical(("tokens", None), rules)
-    return (shard_attention(attention_fn, mesh, rules, mha_spec), shard_attention(latent_fn, mesh, rules, latent_spec),
-            shard_kv_write(spec.write, mesh, rules, latent_spec, entry_spec), shard_moe(moe_fn, mesh, rules))
+    return (
+        shard_attention(attention_fn, mesh, rules, mha_spec),
+        shard_attention(latent_fn, mesh, rules, latent_spec),
+        shard_kv_write(spec.write, mesh, rules, latent_spec, entry_spec),
+        shard_moe(moe_fn, mesh, rules),
+    )
 
 
-def decode_layers(params: dict, kv_cache: Any, batch: StepBatch, *, config: ModelConfig,
-                  attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh],
-                  moe_options: Optional[EpMoeOptions]) -> tuple[jax.Array, Any, Optional[MoeStepStats]]:
+def decode_layers(
+    params: dict,
+    kv_cache: Any,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    moe_fn: MoeFn,
+    mesh: Optional[jax.sharding.Mesh],
+    moe_options: Optional[EpMoeOptions],
+) -> tuple[jax.Array, Any, Optional[MoeStepStats]]:
     """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats.
 
     `kv_cache` is one latent page pool for all layers (`MlaKvCacheSpec.init_pool`; layer
@@ -93,13 +107,27 @@ def decode_layers(params: dict, kv_cache: Any, batch: StepBatch, *, config: Mode
     valid = jnp.arange(num_tokens, dtype=jnp.int32) < num_valid
     decode_only = num_valid == batch.num_seqs[0]
 
-    def layer_fn(x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
-                 ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
-        layer_md = md if pool_blocks is None else layer_metadata(md, index, pool_blocks, tokens_per_block,
-                                                                 config.num_layers)
+    def layer_fn(
+        x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
+    ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
+        layer_md = (
+            md if pool_blocks is None else layer_metadata(md, index, pool_blocks, tokens_per_block, config.num_layers)
+        )
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        h, cache = mla_attention(h, layer["attn"], cache, layer_md, cos, sin, config=config, mha_fn=mha_fn,
-                                 latent_fn=latent_fn, write_fn=write_fn, decode_only=decode_only, precision=prec)
+        h, cache = mla_attention(
+            h,
+            layer["attn"],
+            cache,
+            layer_md,
+            cos,
+            sin,
+            config=config,
+            mha_fn=mha_fn,
+            latent_fn=latent_fn,
+            write_fn=write_fn,
+            decode_only=decode_only,
+            precision=prec,
+        )
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
         if "moe" not in layer:  # the dense prefix (first_k_dense_replace)
@@ -107,12 +135,21 @@ def decode_layers(params: dict, kv_cache: Any, batch: StepBatch, *, config: Mode
         if "slots" in layer["moe"]:
             ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
             y, layer_counts, layer_dropped = ep_moe_block(
-                h, layer["moe"], config=config, moe_fn=moe_fn, mesh=ep_mesh, rules=rules_for(config, ep_mesh),
-                options=moe_options or EpMoeOptions(), valid=valid)
+                h,
+                layer["moe"],
+                config=config,
+                moe_fn=moe_fn,
+                mesh=ep_mesh,
+                rules=rules_for(config, ep_mesh),
+                options=moe_options or EpMoeOptions(),
+                valid=valid,
+            )
         else:
             if mesh is not None and expert_parallel_size(mesh) > 1:
-                raise ValueError(f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
-                                 "(load_params with the same mesh)")
+                raise ValueError(
+                    f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
+                    "(load_params with the same mesh)"
+                )
             y, ids = moe_block(h, layer["moe"], config=config, moe_fn=sharded_moe_fn, valid=valid)
             layer_counts, layer_dropped = count_experts(ids, config.num_experts, valid), jnp.zeros((), jnp.int32)
         if config.n_shared_experts:

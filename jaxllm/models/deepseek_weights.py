@@ -27,32 +27,69 @@ def declare_mla_attention(add: Callable, config: ModelConfig, layer: int) -> Non
     k_rope [H, Dr] (the two parts of kv_a_proj_with_mqa), kv_a_norm [R]; k_b [R, Hq, Dn] and
     v_b [R, Hq, Dv] (the two parts of each head's rows of kv_b_proj); o [Hq, Dv, H]."""
     c = config
-    h, hq, r, dr, dn, dv = (c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim,
-                            c.v_head_dim)
+    h, hq, r, dr, dn, dv = (
+        c.hidden_size,
+        c.num_heads,
+        c.kv_lora_rank,
+        c.qk_rope_head_dim,
+        c.qk_nope_head_dim,
+        c.v_head_dim,
+    )
     dqk = dn + dr
     pre, at = f"model.layers.{layer}.self_attn", ("layers", layer, "attn")
     if c.q_lora_rank is not None:
         rq = c.q_lora_rank
-        add(at + ("q_a",), (h, rq), ("embed", None), _single(f"{pre}.q_a_proj.weight", (rq, h), _transposed(rq, h)),
-            "linear")
-        add(at + ("q_a_norm",), (rq,), (None,),
-            _single(f"{pre}.q_a_layernorm.weight", (rq,), Layout((rq,), (0,))), "norm")
-        add(at + ("q_b",), (rq, hq, dqk), (None, "heads", "head_dim"),
-            _single(f"{pre}.q_b_proj.weight", (hq * dqk, rq), Layout((hq, dqk, rq), (2, 0, 1))), "linear")
+        add(
+            at + ("q_a",),
+            (h, rq),
+            ("embed", None),
+            _single(f"{pre}.q_a_proj.weight", (rq, h), _transposed(rq, h)),
+            "linear",
+        )
+        add(
+            at + ("q_a_norm",),
+            (rq,),
+            (None,),
+            _single(f"{pre}.q_a_layernorm.weight", (rq,), Layout((rq,), (0,))),
+            "norm",
+        )
+        add(
+            at + ("q_b",),
+            (rq, hq, dqk),
+            (None, "heads", "head_dim"),
+            _single(f"{pre}.q_b_proj.weight", (hq * dqk, rq), Layout((hq, dqk, rq), (2, 0, 1))),
+            "linear",
+        )
     else:
-        add(at + ("q",), (h, hq, dqk), ("embed", "heads", "head_dim"),
-            _single(f"{pre}.q_proj.weight", (hq * dqk, h), Layout((hq, dqk, h), (2, 0, 1))), "linear")
+        add(
+            at + ("q",),
+            (h, hq, dqk),
+            ("embed", "heads", "head_dim"),
+            _single(f"{pre}.q_proj.weight", (hq * dqk, h), Layout((hq, dqk, h), (2, 0, 1))),
+            "linear",
+        )
     kv_a = f"{pre}.kv_a_proj_with_mqa.weight"
     add(at + ("kv_a",), (h, r), ("embed", None), _single(kv_a, (r + dr, h), _transposed(r + dr, h, (0, 0))), "linear")
-    add(at + ("k_rope",), (h, dr), ("embed", None), _single(kv_a, (r + dr, h), _transposed(r + dr, h, (r, 0))),
-        "linear")
+    add(
+        at + ("k_rope",), (h, dr), ("embed", None), _single(kv_a, (r + dr, h), _transposed(r + dr, h, (r, 0))), "linear"
+    )
     add(at + ("kv_a_norm",), (r,), (None,), _single(f"{pre}.kv_a_layernorm.weight", (r,), Layout((r,), (0,))), "norm")
     kv_b = f"{pre}.kv_b_proj.weight"
     for ours, width, start in (("k_b", dn, 0), ("v_b", dv, dn)):
-        add(at + (ours,), (r, hq, width), (None, "heads", "head_dim"),
-            _single(kv_b, (hq * (dn + dv), r), Layout((hq, dn + dv, r), (2, 0, 1), offset=(0, start, 0))), "linear")
-    add(at + ("o",), (hq, dv, h), ("heads", "head_dim", "embed"),
-        _single(f"{pre}.o_proj.weight", (h, hq * dv), Layout((h, hq, dv), (1, 2, 0))), "linear")
+        add(
+            at + (ours,),
+            (r, hq, width),
+            (None, "heads", "head_dim"),
+            _single(kv_b, (hq * (dn + dv), r), Layout((hq, dn + dv, r), (2, 0, 1), offset=(0, start, 0))),
+            "linear",
+        )
+    add(
+        at + ("o",),
+        (hq, dv, h),
+        ("heads", "head_dim", "embed"),
+        _single(f"{pre}.o_proj.weight", (h, hq * dv), Layout((h, hq, dv), (1, 2, 0))),
+        "linear",
+    )
 
 
 def declare_moe_extras(add: Callable, config: ModelConfig, layer: int) -> None:
@@ -61,15 +98,31 @@ def declare_moe_extras(add: Callable, config: ModelConfig, layer: int) -> None:
     replicated on every rank)."""
     h, e = config.hidden_size, config.num_experts
     pre = f"model.layers.{layer}.mlp"
-    add(("layers", layer, "moe", "router_bias"), (e,), (None,),
-        _single(f"{pre}.gate.e_score_correction_bias", (e,), Layout((e,), (0,))), "bias", dtype="float32")
+    add(
+        ("layers", layer, "moe", "router_bias"),
+        (e,),
+        (None,),
+        _single(f"{pre}.gate.e_score_correction_bias", (e,), Layout((e,), (0,))),
+        "bias",
+        dtype="float32",
+    )
     if config.n_shared_experts:
         inter, shared = config.moe_intermediate_size * config.n_shared_experts, ("layers", layer, "shared")
         for ours in ("gate", "up"):
-            add(shared + (ours,), (h, inter), ("embed", None),
-                _single(f"{pre}.shared_experts.{ours}_proj.weight", (inter, h), _transposed(inter, h)), "linear")
-        add(shared + ("down",), (inter, h), (None, "embed"),
-            _single(f"{pre}.shared_experts.down_proj.weight", (h, inter), _transposed(h, inter)), "linear")
+            add(
+                shared + (ours,),
+                (h, inter),
+                ("embed", None),
+                _single(f"{pre}.shared_experts.{ours}_proj.weight", (inter, h), _transposed(inter, h)),
+                "linear",
+            )
+        add(
+            shared + ("down",),
+            (inter, h),
+            (None, "embed"),
+            _single(f"{pre}.shared_experts.down_proj.weight", (h, inter), _transposed(h, inter)),
+            "linear",
+        )
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -88,5 +141,8 @@ def mtp_tensor_names(config: ModelConfig, names: list[str]) -> list[str]:
 
 def log_skipped_mtp(names: list[str]) -> None:
     layers = sorted({int(_LAYER_NAME.match(n).group(1)) for n in names})
-    logger.info("skipping %d multi-token-prediction tensors (layers %s): speculative decoding with them is "
-                "not implemented", len(names), ", ".join(map(str, layers)))
+    logger.info(
+        "skipping %d multi-token-prediction tensors (layers %s): speculative decoding with them is not implemented",
+        len(names),
+        ", ".join(map(str, layers)),
+    )

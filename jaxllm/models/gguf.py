@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -33,8 +34,12 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Metadata arrays only the tokenizer needs; every other array is small.
-_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                     "tokenizer.ggml.merges")
+_TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
 # Per-layer tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -88,8 +93,10 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError("unsupported GGUF with a rope_freqs tensor (Llama-3.1-style RoPE scaling); "
-                         "load the Hugging Face checkpoint instead")
+        raise ValueError(
+            "unsupported GGUF with a rope_freqs tensor (Llama-3.1-style RoPE scaling); "
+            "load the Hugging Face checkpoint instead"
+        )
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -110,8 +117,13 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
     architecture = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and experts:
         architecture = "MixtralForCausalLM"
-    model_type = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture]
+    model_type = {
+        "LlamaForCausalLM": "llama",
+        "MixtralForCausalLM": "mixtral",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+    }[architecture]
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -144,9 +156,11 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
             config["moe_intermediate_size"] = int(key("expert_feed_forward_length", required=True))
             # llama.cpp's qwen3moe graph always renormalises the top-k weights.
             config["norm_topk_prob"] = bool(key("expert_weights_norm", True))
-    for name, meta_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                           ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-                           ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+    for name, meta_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
         if meta.get(meta_key) is not None:
             config[name] = int(meta[meta_key])
     return config
@@ -211,10 +225,19 @@ def hf_tensors(reader, config: dict[str, Any], progress: bool = True) -> Iterato
 
 def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
     """The metadata transformers' GGUF tokenizer converters read, under their names."""
-    keys = {"model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
-            "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
-            "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
-            "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space"}
+    keys = {
+        "model": "tokenizer_type",
+        "pre": "pre_tokenizer_type",
+        "tokens": "tokens",
+        "scores": "scores",
+        "token_type": "token_type",
+        "merges": "merges",
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+        "unknown_token_id": "unk_token_id",
+        "padding_token_id": "pad_token_id",
+        "add_space_prefix": "add_prefix_space",
+    }
     return {ours: meta[f"tokenizer.ggml.{gguf}"] for gguf, ours in keys.items() if f"tokenizer.ggml.{gguf}" in meta}
 
 
@@ -241,13 +264,18 @@ def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     try:
         backend = _convert_tokenizer(meta.get("general.architecture", ""), info)
     except (ValueError, KeyError, ImportError) as exc:
-        raise ValueError(f"could not build a tokenizer from the GGUF metadata "
-                         f"(tokenizer.ggml.model={info.get('tokenizer_type')!r}): {exc}") from exc
+        raise ValueError(
+            f"could not build a tokenizer from the GGUF metadata "
+            f"(tokenizer.ggml.model={info.get('tokenizer_type')!r}): {exc}"
+        ) from exc
     if info.get("pre_tokenizer_type") == "smollm":
         # llama.cpp's 'smollm' pre-tokenizer: single digits, then GPT-2's split (SmolLM's tokenizer.json).
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     tokens = info["tokens"]
 
     def token(id_key: str) -> Optional[str]:
@@ -258,10 +286,16 @@ def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", info.get("tokenizer_type") == "llama")
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, info["bos_token_id"])])
-    kwargs: dict[str, Any] = dict(tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"),
-                                  unk_token=token("unk_token_id"), pad_token=token("pad_token_id"),
-                                  clean_up_tokenization_spaces=False)
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, info["bos_token_id"])]
+        )
+    kwargs: dict[str, Any] = dict(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=token("eos_token_id"),
+        unk_token=token("unk_token_id"),
+        pad_token=token("pad_token_id"),
+        clean_up_tokenization_spaces=False,
+    )
     template = meta.get("tokenizer.chat_template")
     if template:
         kwargs["chat_template"] = template
@@ -269,8 +303,9 @@ def write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def _write_shards(tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, skip: set[str],
-                  shard_bytes: Optional[int] = None) -> None:
+def _write_shards(
+    tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, skip: set[str], shard_bytes: Optional[int] = None
+) -> None:
     """`model.safetensors`, or shards of about `shard_bytes` (default SHARD_BYTES) plus their index,
     so that only one shard of dequantized weights is in memory at a time."""
     from safetensors.numpy import save_file
@@ -311,8 +346,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     names = {t.name for t in reader.tensors}
     config = hf_config_from_gguf(meta, names)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_shards(hf_tensors(reader, config, progress=progress), out_dir,
-                  skip={"lm_head.weight"} if config["tie_word_embeddings"] else set())
+    _write_shards(
+        hf_tensors(reader, config, progress=progress),
+        out_dir,
+        skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
+    )
     write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}

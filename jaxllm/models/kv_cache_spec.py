@@ -33,8 +33,9 @@ def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) 
     return MhaKvCacheSpec(config.num_layers, config.num_kv_heads * kv_replicas, config.head_dim, dtype)
 
 
-def init_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
-                  mesh: jax.sharding.Mesh | None = None) -> KVCache:
+def init_kv_cache(
+    config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any, mesh: jax.sharding.Mesh | None = None
+) -> KVCache:
     """A zeroed cache of `num_blocks` pages per layer (sharded by KV head over `mesh`, when
     given): one page pool for all layers when the layers run as scans (`config.layer_scan`),
     else one cache per layer."""
@@ -54,8 +55,9 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: jax.sharding
     return kv_cache_spec(config, dtype, kv_head_replicas(config.num_kv_heads, tp)).bytes_per_token(tp)
 
 
-def init_dp_kv_cache(config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any,
-                     mesh: jax.sharding.Mesh) -> list[MhaLayerCache]:
+def init_dp_kv_cache(
+    config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any, mesh: jax.sharding.Mesh
+) -> list[MhaLayerCache]:
     """Per-layer zeroed caches [D, Hkv, num_blocks, tokens_per_block, head_dim]: one block pool
     of `num_blocks` per rank, on that rank's device."""
     shape = (attention_dp_size(mesh), config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)

@@ -16,21 +16,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.attention import AttentionMetadata
-from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.kv_cache_spec import KVCache
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.weights import LayerStack, Params, stacks_of_params
 from sharding.expert_load import MoeStepStats
 
 
-def layer_metadata(md: AttentionMetadata, layer: jax.Array | int, blocks_per_layer: int, tokens_per_block: int,
-                   num_layers: int) -> AttentionMetadata:
+def layer_metadata(
+    md: AttentionMetadata, layer: jax.Array | int, blocks_per_layer: int, tokens_per_block: int, num_layers: int
+) -> AttentionMetadata:
     """The step's metadata as layer `layer` of a page pool sees it (see `MhaKvCacheSpec.init_pool`):
     its pages are offset by `layer * blocks_per_layer`; padding slots (== blocks_per_layer *
     tokens_per_block) stay past the end of the whole pool, so the write still drops them."""
     layer_slots = blocks_per_layer * tokens_per_block
     slots = jnp.where(md.slot_mapping < layer_slots, md.slot_mapping + layer * layer_slots, num_layers * layer_slots)
-    return replace(md, slot_mapping=slots.astype(jnp.int32),
-                   block_tables=(md.block_tables + layer * blocks_per_layer).astype(jnp.int32))
+    return replace(
+        md,
+        slot_mapping=slots.astype(jnp.int32),
+        block_tables=(md.block_tables + layer * blocks_per_layer).astype(jnp.int32),
+    )
 
 
 def cache_geometry(config: ModelConfig, params: Params, kv_cache: Any) -> tuple[int | None, int]:
@@ -51,12 +55,12 @@ def cache_geometry(config: ModelConfig, params: Params, kv_cache: Any) -> tuple[
     return total // config.num_layers, int(pages.shape[-2])
 
 
-LayerFn = Callable[[jax.Array, dict, Any, jax.Array | int],
-                   tuple[jax.Array, Any, jax.Array | None, jax.Array | None]]
+LayerFn = Callable[[jax.Array, dict, Any, jax.Array | int], tuple[jax.Array, Any, jax.Array | None, jax.Array | None]]
 
 
-def run_layers(params: Params, kv_cache: KVCache, x: jax.Array, config: ModelConfig, layer_fn: LayerFn, *,
-               lora: dict | None = None) -> tuple[jax.Array, KVCache, MoeStepStats | None]:
+def run_layers(
+    params: Params, kv_cache: KVCache, x: jax.Array, config: ModelConfig, layer_fn: LayerFn, *, lora: dict | None = None
+) -> tuple[jax.Array, KVCache, MoeStepStats | None]:
     """Every decoder layer in order: each layer stack as one `lax.scan` (`_scan_stack`), layers
     stored apart one by one. `layer_fn(x, layer_params, cache, index) -> (x, cache, expert
     counts [E] or None, dropped rows [] or None)` is one layer of the model (index static
@@ -97,8 +101,9 @@ def run_layers(params: Params, kv_cache: KVCache, x: jax.Array, config: ModelCon
     return x, (kv_cache if pooled else new_cache), stats
 
 
-def _scan_stack(x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn
-                ) -> tuple[jax.Array, Any, jax.Array | None, jax.Array | None]:
+def _scan_stack(
+    x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array | None]:
     """The layers of one stack as one `lax.scan`: the residual and the whole page pool are the
     carry (each layer's KV write is an in-place scatter into the pool), the stacked weights and
     the layer index the scanned inputs; the per-layer MoE statistics its outputs."""

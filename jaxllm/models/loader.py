@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,8 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
 from jaxllm.models.weight_layout import Source
@@ -79,14 +80,18 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         return files
     pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES) if model_dir.is_dir() else []
     if pickles:
-        raise ValueError(f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); "
-                         "only safetensors checkpoints are loaded")
+        raise ValueError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); only safetensors checkpoints are loaded"
+        )
     raise ValueError(f"no *.safetensors checkpoint in {model_dir}")
 
 
-def slot_assignments_for(config: ModelConfig, mesh: jax.sharding.Mesh,
-                         slot_assignments: Optional[dict[int, Sequence[int]]] = None,
-                         num_slots: Optional[int] = None) -> Optional[dict[int, np.ndarray]]:
+def slot_assignments_for(
+    config: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    slot_assignments: Optional[dict[int, Sequence[int]]] = None,
+    num_slots: Optional[int] = None,
+) -> Optional[dict[int, np.ndarray]]:
     """Slot -> expert of every MoE layer when the experts are stored as slots (expert
     parallelism on `mesh`, or an explicit placement), else None (the plain expert stack)."""
     ep = expert_parallel_size(mesh)
@@ -126,8 +131,9 @@ class _Header:
                     self.dtype[name] = sl.get_dtype()
 
 
-def _choose_alternatives(header: _Header, decls: list[WeightDecl], config: ModelConfig,
-                         model_dir: str | Path) -> list[Sequence[Source]]:
+def _choose_alternatives(
+    header: _Header, decls: list[WeightDecl], config: ModelConfig, model_dir: str | Path
+) -> list[Sequence[Source]]:
     """For each parameter, the one spelling the checkpoint uses, after checking names, shapes
     and dtypes from the headers alone (before any tensor data is read)."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
@@ -138,9 +144,14 @@ def _choose_alternatives(header: _Header, decls: list[WeightDecl], config: Model
         known_or_skipped = set(mtp)
     else:
         known_or_skipped = set()
-    unexpected = sorted(n for n in header.shape if n not in known and n not in known_or_skipped
-                        and not (config.tie_word_embeddings and n == "lm_head.weight")
-                        and not n.endswith(_IGNORED_SUFFIXES))
+    unexpected = sorted(
+        n
+        for n in header.shape
+        if n not in known
+        and n not in known_or_skipped
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+        and not n.endswith(_IGNORED_SUFFIXES)
+    )
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint for {config.architecture}: {_summary(unexpected)}")
     for name, shape in header.shape.items():
@@ -150,15 +161,18 @@ def _choose_alternatives(header: _Header, decls: list[WeightDecl], config: Model
         if shape != known[name].shape:
             raise ValueError(f"tensor {name} in {where} has shape {list(shape)}, expected {list(known[name].shape)}")
         if header.dtype[name] not in _FLOAT_SOURCES:
-            raise ValueError(f"tensor {name} in {where} has dtype {header.dtype[name]}; "
-                             "only unquantized float checkpoints are supported")
+            raise ValueError(
+                f"tensor {name} in {where} has dtype {header.dtype[name]}; "
+                "only unquantized float checkpoints are supported"
+            )
     chosen, missing = [], []
     for decl in decls:
         present = [alt for alt in decl.alternatives if any(src.name in header.shape for src in alt)]
         if len(present) > 1:
             names = sorted({src.name for alt in present for src in alt if src.name in header.shape})
-            raise ValueError(f"tensors {_summary(names, 4)} give the same weights twice "
-                             "(fused and per-expert expert tensors mixed?)")
+            raise ValueError(
+                f"tensors {_summary(names, 4)} give the same weights twice (fused and per-expert expert tensors mixed?)"
+            )
         alt = present[0] if present else decl.alternatives[0]
         absent = [src.name for src in alt if src.name not in header.shape]
         missing.extend(absent)
@@ -173,16 +187,19 @@ def _summary(names: list[str], limit: int = 12) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _to_layout(perm: tuple[int, ...], dtype: np.dtype):
     """Transpose and cast one device piece on its device (cached per layout; a device
     transposes far faster than numpy, and the host never copies the piece twice)."""
     return jax.jit(lambda a: jnp.transpose(a, perm).astype(dtype))
 
 
-def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-                   read_box: Callable[[tuple[slice, ...]], tuple[np.ndarray, tuple[int, ...]]],
-                   dtype: np.dtype) -> jax.Array:
+def assemble_array(
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    read_box: Callable[[tuple[slice, ...]], tuple[np.ndarray, tuple[int, ...]]],
+    dtype: np.dtype,
+) -> jax.Array:
     """A global array whose every device piece is read by `read_box(index)` -> (block, perm)
     and put on its device (then transposed by perm and cast there) before the next is read:
     host memory holds one piece at a time (replicas of the same box are read once)."""
@@ -203,11 +220,17 @@ def assemble_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *,
-                mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[ShardingRules] = None,
-                slice_hook: Optional[Callable[[str, tuple[slice, ...], np.ndarray], None]] = None,
-                slot_assignments: Optional[dict[int, Sequence[int]]] = None,
-                num_slots: Optional[int] = None) -> Params:
+def load_params(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: Any = None,
+    *,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    rules: Optional[ShardingRules] = None,
+    slice_hook: Optional[Callable[[str, tuple[slice, ...], np.ndarray], None]] = None,
+    slot_assignments: Optional[dict[int, Sequence[int]]] = None,
+    num_slots: Optional[int] = None,
+) -> Params:
     """Read the checkpoint in `model_dir` into the parameter pytree, sharded over `mesh`.
 
     `mesh` defaults to a one-device mesh; `rules` to `rules_for(config, mesh)`.
@@ -248,20 +271,28 @@ def load_params(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *
             return read_parameter_view(decl, chosen_for[decl.path], index, read)
 
         leaves = []
-        with tqdm(total=len(param_decls), desc="Loading weights", unit="tensor",
-                  disable=total_bytes < _PROGRESS_MIN_BYTES) as bar:
+        with tqdm(
+            total=len(param_decls), desc="Loading weights", unit="tensor", disable=total_bytes < _PROGRESS_MIN_BYTES
+        ) as bar:
             for decl in param_decls:
                 sharding = named_sharding(mesh, decl.axes, rules)
-                leaves.append((decl.path, assemble_array(
-                    decl.shape, sharding, functools.partial(read_box, decl), decl.param_dtype(np_dtype))))
+                leaves.append(
+                    (
+                        decl.path,
+                        assemble_array(
+                            decl.shape, sharding, functools.partial(read_box, decl), decl.param_dtype(np_dtype)
+                        ),
+                    )
+                )
                 bar.update(1)
     params = build_params(leaves, config, stacks)
     _add_slot_tables(params, config, mesh, assignments)
     return params
 
 
-def _add_slot_tables(params: Params, config: ModelConfig, mesh: jax.sharding.Mesh,
-                     assignments: Optional[dict[int, np.ndarray]]) -> None:
+def _add_slot_tables(
+    params: Params, config: ModelConfig, mesh: jax.sharding.Mesh, assignments: Optional[dict[int, np.ndarray]]
+) -> None:
     """Each slot layer's `SlotTable`: in `layers[i]["moe"]` for a layer stored apart, else one
     table of [n, ...] arrays in its stack's `moe` (row r: the stack's r-th layer)."""
     if assignments is None:
@@ -279,11 +310,18 @@ def _add_slot_tables(params: Params, config: ModelConfig, mesh: jax.sharding.Mes
         if sorted(tables) != list(range(len(tables))) or "moe" not in params["layer_stacks"][g]:
             raise ValueError(f"layer stack {g} mixes slot layers with other layers")
         params["layer_stacks"][g]["moe"]["slots"] = make_stacked_slot_table(
-            [tables[r] for r in range(len(tables))], config.num_experts, replicated)
+            [tables[r] for r in range(len(tables))], config.num_experts, replicated
+        )
 
 
-def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.sharding.Mesh] = None,
-                 rules: Optional[ShardingRules] = None, *, delete_layers: bool = False) -> Params:
+def stack_params(
+    params: Params,
+    config: ModelConfig,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    rules: Optional[ShardingRules] = None,
+    *,
+    delete_layers: bool = False,
+) -> Params:
     """Per-layer parameters (the `scan_layers=False` layout) in `config`'s layer stacks, on
     the devices (slot layers too; their slot tables, when present, stacked alike). Each stacked
     leaf is built on the devices; with `delete_layers` its per-layer arrays are deleted before
@@ -298,8 +336,7 @@ def stack_params(params: Params, config: ModelConfig, mesh: Optional[jax.shardin
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules))
     by_path = {d.path: d for d in decls}
     layers = list(params["layers"])
-    leaves = [(d.path, _lookup(params, d.path)) for d in decls
-              if d.path[0] != "layers"]
+    leaves = [(d.path, _lookup(params, d.path)) for d in decls if d.path[0] != "layers"]
     for decl in stack_declarations([by_path[p] for p in by_path if p[0] == "layers"], stacks):
         if not isinstance(decl, StackedDecl):
             continue

@@ -34,7 +34,8 @@ compiled), or one form always ("absorbed", "expanded"; benchmarks, tests).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,15 @@ def apply_mla_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: boo
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def mla_projections(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, *, config: ModelConfig,
-                    precision: Optional[jax.lax.Precision]) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mla_projections(
+    x: jax.Array,
+    p: dict,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    config: ModelConfig,
+    precision: Optional[jax.lax.Precision],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q_nope [T, Hq, Dn], RoPE'd q_rope [T, Hq, Dr], the cache entries [T, R + Dr])."""
     c = config
     if c.q_lora_rank is not None:
@@ -78,7 +86,7 @@ def mla_projections(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, *, co
         q = jnp.einsum("tr,rnd->tnd", qa, p["q_b"], precision=precision)
     else:
         q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=precision)
-    q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+    q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
     latent = rms_norm(jnp.einsum("th,hr->tr", x, p["kv_a"], precision=precision), p["kv_a_norm"], c.rms_norm_eps)
     k_rope = jnp.einsum("th,hd->td", x, p["k_rope"], precision=precision)
     q_rope = apply_mla_rope(q_rope, cos, sin, c.rope_interleave)
@@ -86,9 +94,18 @@ def mla_projections(x: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, *, co
     return q_nope, q_rope, jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
 
 
-def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: MlaLayerCache, md: AttentionMetadata,
-                       p: dict, *, latent_fn: Callable, sm_scale: float, kv_lora_rank: int,
-                       precision: Optional[jax.lax.Precision]) -> jax.Array:
+def absorbed_attention(
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    cache: MlaLayerCache,
+    md: AttentionMetadata,
+    p: dict,
+    *,
+    latent_fn: Callable,
+    sm_scale: float,
+    kv_lora_rank: int,
+    precision: Optional[jax.lax.Precision],
+) -> jax.Array:
     """Attention in latent space: [T, Hq, Dv]."""
     q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, p["k_b"], precision=precision)
     q = jnp.concatenate([q_latent.astype(q_rope.dtype), q_rope], axis=-1)
@@ -96,9 +113,18 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: MlaLayerCach
     return jnp.einsum("tnr,rnv->tnv", out_latent.astype(q_nope.dtype), p["v_b"], precision=precision)
 
 
-def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: MlaLayerCache, md: AttentionMetadata,
-                       p: dict, *, mha_fn: Callable, sm_scale: float, kv_lora_rank: int,
-                       precision: Optional[jax.lax.Precision]) -> jax.Array:
+def expanded_attention(
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    cache: MlaLayerCache,
+    md: AttentionMetadata,
+    p: dict,
+    *,
+    mha_fn: Callable,
+    sm_scale: float,
+    kv_lora_rank: int,
+    precision: Optional[jax.lax.Precision],
+) -> jax.Array:
     """The step's pages expanded to per-head K/V, then paged MHA over them: [T, Hq, Dv]."""
     num_seqs, max_blocks = md.block_tables.shape
     pages = cache.latent[md.block_tables.reshape(-1)]  # [S * MB, tpb, R + Dr]
@@ -111,15 +137,31 @@ def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: MlaLayerCach
     width = max(k.shape[-1], v.shape[-1])
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])])  # noqa: E731
     tables = jnp.arange(num_seqs * max_blocks, dtype=jnp.int32).reshape(num_seqs, max_blocks)
-    out = mha_fn(pad(q), MhaLayerCache(pad(k), pad(v)), dataclasses.replace(md, block_tables=tables),
-                 sm_scale=sm_scale, sliding_window=None)
-    return out[..., :p["v_b"].shape[-1]]
+    out = mha_fn(
+        pad(q),
+        MhaLayerCache(pad(k), pad(v)),
+        dataclasses.replace(md, block_tables=tables),
+        sm_scale=sm_scale,
+        sliding_window=None,
+    )
+    return out[..., : p["v_b"].shape[-1]]
 
 
-def mla_attention(x: jax.Array, p: dict, cache: MlaLayerCache, md: AttentionMetadata, cos: jax.Array,
-                  sin: jax.Array, *, config: ModelConfig, mha_fn: AttentionFn, latent_fn: Callable,
-                  write_fn: Callable, decode_only: jax.Array, precision: Optional[jax.lax.Precision]
-                  ) -> tuple[jax.Array, MlaLayerCache]:
+def mla_attention(
+    x: jax.Array,
+    p: dict,
+    cache: MlaLayerCache,
+    md: AttentionMetadata,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    config: ModelConfig,
+    mha_fn: AttentionFn,
+    latent_fn: Callable,
+    write_fn: Callable,
+    decode_only: jax.Array,
+    precision: Optional[jax.lax.Precision],
+) -> tuple[jax.Array, MlaLayerCache]:
     """One MLA layer: output [T, H] and the layer cache with this step's latents written."""
     q_nope, q_rope, entries = mla_projections(x, p, cos, sin, config=config, precision=precision)
     cache = write_fn(cache, entries, md.slot_mapping)

@@ -29,19 +29,41 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 # RoPE base used by transformers when a config names none.
-_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3_moe": 10000.0,
-                       "mixtral": 1000000.0, "deepseek_v3": 10000.0}
-_DEFAULT_RMS_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6, "mixtral": 1e-5,
-                    "deepseek_v3": 1e-6}
-
-_DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
+_DEFAULT_ROPE_THETA = {
+    "llama": 10000.0,
+    "qwen2": 10000.0,
+    "qwen3": 10000.0,
+    "qwen3_moe": 10000.0,
+    "mixtral": 1000000.0,
+    "deepseek_v3": 10000.0,
+}
+_DEFAULT_RMS_EPS = {
+    "llama": 1e-6,
+    "qwen2": 1e-6,
+    "qwen3": 1e-6,
+    "qwen3_moe": 1e-6,
+    "mixtral": 1e-5,
+    "deepseek_v3": 1e-6,
 }
 
-_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                 "float16": np.dtype(np.float16)}
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+}
+
+_NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -130,8 +152,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
         if self.decoder_sparse_step < 1:
@@ -155,11 +178,12 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Same rule as transformers' Qwen3-MoE decoder layer; Mixtral has every layer sparse."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
-    def from_hf_config(cls, hf: dict, dtype: Optional[str] = None) -> "ModelConfig":
+    def from_hf_config(cls, hf: dict, dtype: Optional[str] = None) -> ModelConfig:
         return _from_hf_config(hf, dtype)
 
 
@@ -202,25 +226,36 @@ def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[Rope
     for key in ("low_freq_factor", "high_freq_factor"):
         if key not in merged:
             raise ValueError(f"rope_scaling type 'llama3' needs {key!r}")
-    original = merged.get("original_max_position_embeddings",
-                          hf.get("original_max_position_embeddings", max_pos))
-    return theta, RopeScaling("llama3", float(merged["factor"]), float(merged["low_freq_factor"]),
-                              float(merged["high_freq_factor"]), int(original))
+    original = merged.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
+    return theta, RopeScaling(
+        "llama3",
+        float(merged["factor"]),
+        float(merged["low_freq_factor"]),
+        float(merged["high_freq_factor"]),
+        int(original),
+    )
 
 
 def _yarn(hf: dict, params: dict, max_pos: int) -> RopeScaling:
     """YaRN as transformers' `_compute_yarn_parameters` reads it (a top-level
     `original_max_position_embeddings` wins; a missing factor is max / original)."""
-    original = int(hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                   or max_pos)
+    original = int(
+        hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
+    )
     factor = params.get("factor")
     factor = float(factor) if factor is not None else max_pos / original
     attention_factor = params.get("attention_factor")
-    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
-                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                       mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-                       attention_factor=None if attention_factor is None else float(attention_factor),
-                       truncate=bool(params.get("truncate", True)))
+    return RopeScaling(
+        "yarn",
+        factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def _sliding_window(hf: dict, model_type: str, num_layers: int) -> Optional[int]:
@@ -244,8 +279,10 @@ def _sliding_window(hf: dict, model_type: str, num_layers: int) -> Optional[int]
         if kinds == {"full_attention"}:
             return None
         if kinds != {"sliding_attention"}:
-            raise ValueError("unsupported mix of sliding-window and full-attention layers "
-                             f"(layer_types / max_window_layers): {sorted(kinds)}")
+            raise ValueError(
+                "unsupported mix of sliding-window and full-attention layers "
+                f"(layer_types / max_window_layers): {sorted(kinds)}"
+            )
     return int(window)
 
 
@@ -262,15 +299,19 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     if not archs and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         archs = [next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf["model_type"])]
     if len(archs) != 1:
-        raise ValueError(f"config.json must name exactly one architecture, got {archs!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"config.json must name exactly one architecture, got {archs!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     model_type = SUPPORTED_ARCHITECTURES[arch]
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"unsupported quantization_config (quant_method={method!r}); only unquantized checkpoints load")
+        raise ValueError(
+            f"unsupported quantization_config (quant_method={method!r}); only unquantized checkpoints load"
+        )
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -295,18 +336,28 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         if num_experts is None:
             raise ValueError(f"{arch} config is missing required field 'num_experts'")
         mlp_only = tuple(sorted(int(i) for i in (hf.get("mlp_only_layers") or ())))
-        moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
-                   moe_intermediate_size=int(_require(hf, "moe_intermediate_size", arch)),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1), mlp_only_layers=mlp_only)
+        moe = dict(
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
+            moe_intermediate_size=int(_require(hf, "moe_intermediate_size", arch)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=mlp_only,
+        )
     elif model_type == "mixtral":
         num_experts = hf.get("num_local_experts", hf.get("num_experts"))
         if num_experts is None:
             raise ValueError(f"{arch} config is missing required field 'num_local_experts'")
         inter = int(_require(hf, "intermediate_size", arch))
         # Mixtral's softmax over the top-k logits equals the renormalised full softmax.
-        moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
-                   moe_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+        moe = dict(
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
+            moe_intermediate_size=inter,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+        )
     elif model_type == "deepseek_v3":
         moe = deepseek_config_fields(hf, arch)
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):

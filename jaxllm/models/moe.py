@@ -16,7 +16,8 @@ sorted past the last group so the backend sees them as padding rows and skips th
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,7 @@ def route_topk(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tu
     return weights, ids.astype(jnp.int32)
 
 
-def sort_by_expert(ids: jax.Array, num_groups: int, valid: Optional[jax.Array] = None
-                   ) -> tuple[jax.Array, jax.Array]:
+def sort_by_expert(ids: jax.Array, num_groups: int, valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """Order of the flattened (token, k) rows grouped by id, and the row count of each group.
 
     Rows of invalid tokens get the id `num_groups`, so they sort last and are not counted.
@@ -53,8 +53,16 @@ def sort_by_expert(ids: jax.Array, num_groups: int, valid: Optional[jax.Array] =
     return order, group_sizes
 
 
-def expert_rows_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                    moe_fn: MoeFn, rows_per_token: int = 1) -> jax.Array:
+def expert_rows_ffn(
+    x: jax.Array,
+    ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    moe_fn: MoeFn,
+    rows_per_token: int = 1,
+) -> jax.Array:
     """FFN_{ids[r]}(x[r // rows_per_token]) for every row r of `ids` (flat int32[R]), in row order.
 
     Rows with id >= the number of weight groups are padding and come out as zeros.
@@ -67,13 +75,20 @@ def expert_rows_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.A
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
     """float32 sum_k weights[t, k] * y[t * top_k + k] for expert outputs y [T * top_k, H]."""
     num_tokens, top_k = weights.shape
-    return jnp.einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32),
-                      weights.astype(jnp.float32))
+    return jnp.einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32), weights.astype(jnp.float32))
 
 
-def grouped_expert_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                       w_up: jax.Array, w_down: jax.Array, *, moe_fn: MoeFn,
-                       valid: Optional[jax.Array] = None) -> jax.Array:
+def grouped_expert_ffn(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    moe_fn: MoeFn,
+    valid: Optional[jax.Array] = None,
+) -> jax.Array:
     """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); the combine runs in float32."""
     num_groups = w_gate.shape[0]
     if valid is not None:
@@ -92,8 +107,9 @@ def route(x: jax.Array, router: jax.Array, config: ModelConfig) -> tuple[jax.Arr
     return route_topk(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
 
 
-def route_grouped_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, config: ModelConfig
-                          ) -> tuple[jax.Array, jax.Array]:
+def route_grouped_sigmoid(
+    router_logits: jax.Array, correction_bias: jax.Array, config: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3's `noaux_tc` routing: (weights float32 [T, k], expert ids int32 [T, k])."""
     scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
@@ -115,13 +131,15 @@ def route_layer(x: jax.Array, p: dict, config: ModelConfig) -> tuple[jax.Array, 
     routing with its correction bias (`route_grouped_sigmoid`), whose router runs in float32."""
     if config.scoring_func != "sigmoid":
         return route(x, p["router"], config)
-    router_logits = jnp.einsum("th,he->te", x.astype(jnp.float32), p["router"].astype(jnp.float32),
-                               precision=jax.lax.Precision.HIGHEST)
+    router_logits = jnp.einsum(
+        "th,he->te", x.astype(jnp.float32), p["router"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
     return route_grouped_sigmoid(router_logits, p["router_bias"], config)
 
 
-def moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn,
-              valid: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+def moe_block(
+    x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, valid: Optional[jax.Array] = None
+) -> tuple[jax.Array, jax.Array]:
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
     weights, ids = route_layer(x, p, config)

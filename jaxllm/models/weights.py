@@ -49,14 +49,15 @@ KV head j // (Hq / Hkv).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
 
-from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
+from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
@@ -104,8 +105,9 @@ def _transposed(out_features: int, in_features: int) -> Layout:
     return Layout((out_features, in_features), (1, 0))
 
 
-def declare_weights(config: ModelConfig, kv_replicas: int = 1,
-                    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> list[WeightDecl]:
+def declare_weights(
+    config: ModelConfig, kv_replicas: int = 1, slot_assignments: Optional[Mapping[int, Sequence[int]]] = None
+) -> list[WeightDecl]:
     """Every parameter of `config`'s decoder, in pytree order.
 
     `slot_assignments` (MoE layer -> expert of each slot) stores those layers' experts as
@@ -114,50 +116,111 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
     h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
     decls: list[WeightDecl] = []
 
-    def add(path: KeyPath, shape: tuple[int, ...], axes: tuple, alternatives: Sequence[Sequence[Source]],
-            init: str, gain: float = 1.0, rows_from: Optional[Sequence[int]] = None,
-            dtype: Optional[str] = None) -> None:
+    def add(
+        path: KeyPath,
+        shape: tuple[int, ...],
+        axes: tuple,
+        alternatives: Sequence[Sequence[Source]],
+        init: str,
+        gain: float = 1.0,
+        rows_from: Optional[Sequence[int]] = None,
+        dtype: Optional[str] = None,
+    ) -> None:
         if rows_from is not None:
             source_rows, shape = shape[0], (len(rows_from),) + tuple(shape[1:])
             rows_from = tuple(int(r) for r in rows_from)
         else:
             source_rows = 0
-        decls.append(WeightDecl(path, tuple(shape), tuple(axes), tuple(tuple(a) for a in alternatives), init, gain,
-                                rows_from, source_rows, dtype))
+        decls.append(
+            WeightDecl(
+                path,
+                tuple(shape),
+                tuple(axes),
+                tuple(tuple(a) for a in alternatives),
+                init,
+                gain,
+                rows_from,
+                source_rows,
+                dtype,
+            )
+        )
 
     def single(name: str, shape: tuple[int, ...], layout: Layout) -> list[list[Source]]:
         return [[Source(name, shape, layout)]]
 
-    add(("embed",), (c.vocab_size, h), ("vocab", "embed"),
-        single("model.embed_tokens.weight", (c.vocab_size, h), _identity((c.vocab_size, h))), "embed")
+    add(
+        ("embed",),
+        (c.vocab_size, h),
+        ("vocab", "embed"),
+        single("model.embed_tokens.weight", (c.vocab_size, h), _identity((c.vocab_size, h))),
+        "embed",
+    )
     for layer in range(c.num_layers):
         pre, at = f"model.layers.{layer}", ("layers", layer, "attn")
-        add(("layers", layer, "attn_norm"), (h,), ("embed",),
-            single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))), "norm")
+        add(
+            ("layers", layer, "attn_norm"),
+            (h,),
+            ("embed",),
+            single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))),
+            "norm",
+        )
         if c.is_mla:
             declare_mla_attention(add, c, layer)
         else:
-            for proj, heads, axis, reps in (("q", hq, "heads", 1), ("k", hkv, "kv_heads", kv_replicas),
-                                            ("v", hkv, "kv_heads", kv_replicas)):
+            for proj, heads, axis, reps in (
+                ("q", hq, "heads", 1),
+                ("k", hkv, "kv_heads", kv_replicas),
+                ("v", hkv, "kv_heads", kv_replicas),
+            ):
                 name = f"{pre}.self_attn.{proj}_proj"
-                add(at + (proj,), (h, heads * reps, d), ("embed", axis, "head_dim"),
-                    single(f"{name}.weight", (heads * d, h),
-                           Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)), "linear")
+                add(
+                    at + (proj,),
+                    (h, heads * reps, d),
+                    ("embed", axis, "head_dim"),
+                    single(
+                        f"{name}.weight", (heads * d, h), Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)
+                    ),
+                    "linear",
+                )
                 if c.attention_bias:
-                    add(at + (f"{proj}_bias",), (heads * reps, d), (axis, "head_dim"),
+                    add(
+                        at + (f"{proj}_bias",),
+                        (heads * reps, d),
+                        (axis, "head_dim"),
                         single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
-                        "bias")
-            add(at + ("o",), (hq, d, h), ("heads", "head_dim", "embed"),
-                single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))), "linear")
+                        "bias",
+                    )
+            add(
+                at + ("o",),
+                (hq, d, h),
+                ("heads", "head_dim", "embed"),
+                single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))),
+                "linear",
+            )
             if c.o_proj_bias:
-                add(at + ("o_bias",), (h,), ("embed",), single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
-                    "bias")
+                add(
+                    at + ("o_bias",),
+                    (h,),
+                    ("embed",),
+                    single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
+                    "bias",
+                )
             if c.qk_norm:
                 for norm in ("q_norm", "k_norm"):
-                    add(at + (norm,), (d,), ("head_dim",),
-                        single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))), "norm")
-        add(("layers", layer, "mlp_norm"), (h,), ("embed",),
-            single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))), "norm")
+                    add(
+                        at + (norm,),
+                        (d,),
+                        ("head_dim",),
+                        single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))),
+                        "norm",
+                    )
+        add(
+            ("layers", layer, "mlp_norm"),
+            (h,),
+            ("embed",),
+            single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))),
+            "norm",
+        )
         if c.is_moe_layer(layer):
             _declare_experts(add, c, layer, (slot_assignments or {}).get(layer))
             if c.model_type == "deepseek_v3":
@@ -165,19 +228,36 @@ def declare_weights(config: ModelConfig, kv_replicas: int = 1,
         else:
             inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
             for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):
-                add(mlp + (ours,), (h, inter), ("embed", "mlp"),
-                    single(f"{pre}.mlp.{hf}.weight", (inter, h), _transposed(inter, h)), "linear")
-            add(mlp + ("down",), (inter, h), ("mlp", "embed"),
-                single(f"{pre}.mlp.down_proj.weight", (h, inter), _transposed(h, inter)), "linear")
+                add(
+                    mlp + (ours,),
+                    (h, inter),
+                    ("embed", "mlp"),
+                    single(f"{pre}.mlp.{hf}.weight", (inter, h), _transposed(inter, h)),
+                    "linear",
+                )
+            add(
+                mlp + ("down",),
+                (inter, h),
+                ("mlp", "embed"),
+                single(f"{pre}.mlp.down_proj.weight", (h, inter), _transposed(h, inter)),
+                "linear",
+            )
     add(("final_norm",), (h,), ("embed",), single("model.norm.weight", (h,), _identity((h,))), "norm")
     if not c.tie_word_embeddings:
-        add(("lm_head",), (h, c.vocab_size), ("embed", "vocab"),
-            single("lm_head.weight", (c.vocab_size, h), _transposed(c.vocab_size, h)), "linear", gain=3.0)
+        add(
+            ("lm_head",),
+            (h, c.vocab_size),
+            ("embed", "vocab"),
+            single("lm_head.weight", (c.vocab_size, h), _transposed(c.vocab_size, h)),
+            "linear",
+            gain=3.0,
+        )
     return decls
 
 
-def _declare_experts(add: Callable, config: ModelConfig, layer: int,
-                     slot_to_expert: Optional[Sequence[int]] = None) -> None:
+def _declare_experts(
+    add: Callable, config: ModelConfig, layer: int, slot_to_expert: Optional[Sequence[int]] = None
+) -> None:
     """Router and stacked expert weights; experts stored per expert (the hub layout) or fused
     (transformers' in-memory `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]).
     With `slot_to_expert` the stack holds one row per slot, read from its expert."""
@@ -190,19 +270,37 @@ def _declare_experts(add: Callable, config: ModelConfig, layer: int,
         blocks = ("mlp",)
         names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
     bases = [f"model.layers.{layer}.{block}" for block in blocks]
-    add(moe + ("router",), (h, e), ("embed", None),
-        [[Source(f"{b}.gate.weight", (e, h), _transposed(e, h))] for b in bases], "linear", gain=2.0)
-    for ours, axes, stored in (("w_gate", ("experts", "embed", "moe_mlp"), (i, h)),
-                               ("w_up", ("experts", "embed", "moe_mlp"), (i, h)),
-                               ("w_down", ("experts", "moe_mlp", "embed"), (h, i))):
-        per_expert = [[Source(f"{b}.experts.{x}.{names[ours]}.weight", stored, _transposed(*stored), part=x)
-                       for x in range(e)] for b in bases]
+    add(
+        moe + ("router",),
+        (h, e),
+        ("embed", None),
+        [[Source(f"{b}.gate.weight", (e, h), _transposed(e, h))] for b in bases],
+        "linear",
+        gain=2.0,
+    )
+    for ours, axes, stored in (
+        ("w_gate", ("experts", "embed", "moe_mlp"), (i, h)),
+        ("w_up", ("experts", "embed", "moe_mlp"), (i, h)),
+        ("w_down", ("experts", "moe_mlp", "embed"), (h, i)),
+    ):
+        per_expert = [
+            [Source(f"{b}.experts.{x}.{names[ours]}.weight", stored, _transposed(*stored), part=x) for x in range(e)]
+            for b in bases
+        ]
         if ours == "w_down":
             fused = [[Source(f"{b}.experts.down_proj", (e, h, i), Layout((e, h, i), (0, 2, 1)))] for b in bases]
         else:
             start = 0 if ours == "w_gate" else i
-            fused = [[Source(f"{b}.experts.gate_up_proj", (e, 2 * i, h),
-                             Layout((e, 2 * i, h), (0, 2, 1), offset=(0, start, 0)))] for b in bases]
+            fused = [
+                [
+                    Source(
+                        f"{b}.experts.gate_up_proj",
+                        (e, 2 * i, h),
+                        Layout((e, 2 * i, h), (0, 2, 1), offset=(0, start, 0)),
+                    )
+                ]
+                for b in bases
+            ]
         shape = (e, h, i) if ours != "w_down" else (e, i, h)
         add(moe + (ours,), shape, axes, per_expert + fused, "linear", rows_from=slot_to_expert)
 
@@ -254,8 +352,11 @@ def layer_stacks(config: ModelConfig, unstacked: Collection[int] = ()) -> tuple[
     stacks: list[LayerStack] = []
     start = None
     for i in range(config.num_layers + 1):
-        ends = (i == config.num_layers or i in unstacked
-                or (start is not None and config.is_moe_layer(i) != config.is_moe_layer(start)))
+        ends = (
+            i == config.num_layers
+            or i in unstacked
+            or (start is not None and config.is_moe_layer(i) != config.is_moe_layer(start))
+        )
         if start is not None and ends:
             stacks.append(LayerStack(start, i))
             start = None
@@ -276,8 +377,10 @@ def stacks_of_params(config: ModelConfig, params: Params) -> tuple[LayerStack, .
     stacks = layer_stacks(config, [i for i, layer in enumerate(layers) if layer])
     sizes = [int(jax.tree_util.tree_leaves(tree)[0].shape[0]) for tree in stored]
     if sizes != [s.size for s in stacks]:
-        raise ValueError(f"params hold layer stacks of sizes {sizes}, expected {[s.size for s in stacks]} "
-                         f"(scan_layers={config.scan_layers})")
+        raise ValueError(
+            f"params hold layer stacks of sizes {sizes}, expected {[s.size for s in stacks]} "
+            f"(scan_layers={config.scan_layers})"
+        )
     return stacks
 
 
@@ -315,15 +418,15 @@ def stack_declarations(decls: Sequence[WeightDecl], stacks: Sequence[LayerStack]
     return [StackedDecl(d, tuple(grouped[d])) if isinstance(d, tuple) else d for d in out]
 
 
-def declare_params(config: ModelConfig, kv_replicas: int = 1,
-                   slot_assignments: Optional[Mapping[int, Sequence[int]]] = None) -> list[ParamDecl]:
+def declare_params(
+    config: ModelConfig, kv_replicas: int = 1, slot_assignments: Optional[Mapping[int, Sequence[int]]] = None
+) -> list[ParamDecl]:
     """The parameters as stored: `declare_weights` with the layer stacks folded in (slot layers
     too: their stacks hold [n, num_slots, ...] buffers)."""
     return stack_declarations(declare_weights(config, kv_replicas, slot_assignments), layer_stacks(config))
 
 
-def build_params(items: Iterable[tuple[KeyPath, Any]], config: ModelConfig,
-                 stacks: Sequence[LayerStack]) -> Params:
+def build_params(items: Iterable[tuple[KeyPath, Any]], config: ModelConfig, stacks: Sequence[LayerStack]) -> Params:
     """`build_tree` of parameter leaves, with the empty `layers[i]` of stacked layers."""
     empty = [(("layers", i), {}) for s in stacks for i in range(s.start, s.stop)]
     return build_tree(list(items) + empty)
@@ -355,14 +458,20 @@ def build_tree(items: Iterable[tuple[KeyPath, Any]]) -> Params:
 def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> Params:
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
     dt = dtype or config.dtype
-    return build_params(((w.path, jax.ShapeDtypeStruct(w.shape, w.param_dtype(dt)))
-                         for w in declare_params(config, kv_replicas)), config, layer_stacks(config))
+    return build_params(
+        ((w.path, jax.ShapeDtypeStruct(w.shape, w.param_dtype(dt))) for w in declare_params(config, kv_replicas)),
+        config,
+        layer_stacks(config),
+    )
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
     """The parameter pytree as PartitionSpecs (under `rules`)."""
-    return build_params(((w.path, logical_to_physical(w.axes, rules)) for w in declare_params(config, kv_replicas)),
-                        config, layer_stacks(config))
+    return build_params(
+        ((w.path, logical_to_physical(w.axes, rules)) for w in declare_params(config, kv_replicas)),
+        config,
+        layer_stacks(config),
+    )
 
 
 def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
@@ -394,8 +503,9 @@ def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[in
     return groups
 
 
-def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader
-                     ) -> tuple[np.ndarray, tuple[int, ...]]:
+def read_source_view(
+    src: Source, param_shape: tuple[int, ...], index: tuple[slice, ...], read: SliceReader
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """The box `index` of the (part of the) parameter that `src` fills, reading only what it needs,
     still in the checkpoint's axis order: returns (block, perm), the box being
     `block.transpose(perm)` (left to the caller: a device transposes far faster than numpy).
@@ -428,8 +538,7 @@ def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[sli
         for a in group[1:]:
             sub.append(slice(lo[a], hi[a]))
     raw = read(src.name, tuple(stored_slices))
-    block_shape = tuple(hi[g[0]] - lo[g[0]] if k == 0 else lay.view[a]
-                        for g in groups for k, a in enumerate(g))
+    block_shape = tuple(hi[g[0]] - lo[g[0]] if k == 0 else lay.view[a] for g in groups for k, a in enumerate(g))
     block = np.asarray(raw).reshape(block_shape)[tuple(sub)]
     if lay.repeat_axis is not None and lay.repeat > 1:
         a = lay.repeat_axis
@@ -440,32 +549,41 @@ def read_source_view(src: Source, param_shape: tuple[int, ...], index: tuple[sli
     return block, lay.perm
 
 
-def read_parameter(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...], read: SliceReader,
-                   dtype: np.dtype) -> np.ndarray:
+def read_parameter(
+    decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...], read: SliceReader, dtype: np.dtype
+) -> np.ndarray:
     """The box `index` of parameter `decl`, from the checkpoint spelling `alternative`."""
     block, perm = read_parameter_view(decl, alternative, index, read)
     return np.ascontiguousarray(block.transpose(perm)).astype(dtype, copy=False)
 
 
-def read_stacked_view(decl: StackedDecl, alternatives: Sequence[Sequence[Source]], index: tuple[slice, ...],
-                      read: SliceReader) -> tuple[np.ndarray, tuple[int, ...]]:
+def read_stacked_view(
+    decl: StackedDecl, alternatives: Sequence[Sequence[Source]], index: tuple[slice, ...], read: SliceReader
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """`read_parameter_view` of a stacked parameter: its members' boxes (each read from its own
     spelling in `alternatives`), stacked along a new first axis."""
     index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
-    views = [read_parameter_view(decl.members[r], alternatives[r], index[1:], read)
-             for r in range(*index[0].indices(decl.shape[0]))]
+    views = [
+        read_parameter_view(decl.members[r], alternatives[r], index[1:], read)
+        for r in range(*index[0].indices(decl.shape[0]))
+    ]
     return np.stack([block for block, _ in views]), (0,) + tuple(p + 1 for p in views[0][1])
 
 
-def read_parameter_view(decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...],
-                        read: SliceReader) -> tuple[np.ndarray, tuple[int, ...]]:
+def read_parameter_view(
+    decl: WeightDecl, alternative: Sequence[Source], index: tuple[slice, ...], read: SliceReader
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """Like `read_parameter` but untransposed and uncast: (block, perm), the box being
     `block.transpose(perm)`."""
     index = tuple(index) + (slice(None),) * (len(decl.shape) - len(index))
     if decl.rows_from is not None:  # expert slots: each row read from its expert's row of the stack
         stack = replace(decl, shape=(decl.source_rows,) + decl.shape[1:], rows_from=None, source_rows=0)
-        views = [read_parameter_view(stack, alternative, (slice(decl.rows_from[r], decl.rows_from[r] + 1),)
-                                     + index[1:], read) for r in range(*index[0].indices(decl.shape[0]))]
+        views = [
+            read_parameter_view(
+                stack, alternative, (slice(decl.rows_from[r], decl.rows_from[r] + 1),) + index[1:], read
+            )
+            for r in range(*index[0].indices(decl.shape[0]))
+        ]
         perm = views[0][1]
         assert perm[0] == 0, "expert stacks keep the expert axis first"
         return np.concatenate([block for block, _ in views]), perm

@@ -7,9 +7,10 @@ import hashlib
 import math
 import numbers
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -80,13 +81,11 @@ def is_finite_number(v: Any) -> bool:
     return _is_real(v)
 
 
-def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None,
-               optional: bool = False) -> None:
+def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
     if v is None and optional:
         return
     if not is_integer(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
-            f" >= {lo}" if lo is not None else "")
+        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
         raise ValueError(f"{name} must be an integer{bounds}, got {_show(v)}")
 
 
@@ -101,8 +100,9 @@ def _check_token_ids(name: str, v: Any) -> list[int] | None:
         return None
     if isinstance(v, np.ndarray):
         if v.ndim != 1 or v.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D integer array of token ids, got dtype {v.dtype} "
-                             f"and shape {v.shape}")
+            raise ValueError(
+                f"{name} must be a 1-D integer array of token ids, got dtype {v.dtype} and shape {v.shape}"
+            )
         v = v.tolist()
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"{name} must be a list of integer token ids, got {type(v).__name__}")
@@ -176,7 +176,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Check every field (ValueError naming the field) and normalise integers and id lists
         to plain Python ints. Limits that depend on the model (vocabulary, end ids,
         max_seq_len) are checked at admission by `jaxllm.engine.admission.validate_request`."""
@@ -185,8 +185,7 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
         _check_int("min_tokens", self.min_tokens, lo=0, hi=INT32_MAX)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_strings("stop", self.stop)
         _check_strings("bad", self.bad)
         for name in ("stop_token_ids", "bad_token_ids"):
@@ -201,8 +200,9 @@ class SamplingParams:
         _check_bool("use_beam_search", self.use_beam_search)
         if not _is_real(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {_show(self.length_penalty)}")
-        if not any(self.early_stopping is v or (isinstance(v, str) and self.early_stopping == v)
-                   for v in EARLY_STOPPING_VALUES):
+        if not any(
+            self.early_stopping is v or (isinstance(v, str) and self.early_stopping == v) for v in EARLY_STOPPING_VALUES
+        ):
             raise ValueError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
         if self.temperature is not None and not (_is_real(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {_show(self.temperature)}")
@@ -217,19 +217,29 @@ class SamplingParams:
             if v is not None and not (_is_real(v) and -2 <= v <= 2):
                 raise ValueError(f"{name} must be in [-2, 2], got {_show(v)}")
         if self.repetition_penalty is not None and not (
-                _is_real(self.repetition_penalty) and self.repetition_penalty > 0):
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {_show(self.repetition_penalty)}")
         _check_int("seed", self.seed, lo=0, hi=_MAX_SEED - 1, optional=True)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1, optional=True)
-        for name in ("include_stop_str_in_output", "return_context_logits", "return_generation_logits",
-                     "exclude_input_from_output", "ignore_eos", "detokenize", "add_special_tokens",
-                     "skip_special_tokens"):
+        for name in (
+            "include_stop_str_in_output",
+            "return_context_logits",
+            "return_generation_logits",
+            "exclude_input_from_output",
+            "ignore_eos",
+            "detokenize",
+            "add_special_tokens",
+            "skip_special_tokens",
+        ):
             _check_bool(name, getattr(self, name))
         # Accepted by the API for compatibility but not implemented: refused, never ignored.
-        for name, unsupported in (("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
-                                  ("exclude_input_from_output", not self.exclude_input_from_output)):
+        for name, unsupported in (
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
+            ("exclude_input_from_output", not self.exclude_input_from_output),
+        ):
             if unsupported:
                 raise ValueError(f"{name}: {_show(getattr(self, name))} is not supported")
         if self.use_beam_search:
@@ -238,14 +248,23 @@ class SamplingParams:
             name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
             raise ValueError(f"{name} applies to beam search only: set use_beam_search=True")
         lp = self.logits_processor
-        if lp is not None and not callable(lp) and not (
-                isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
+        if lp is not None and not callable(lp) and not (isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
             raise ValueError(f"logits_processor must be a callable or a list of callables, got {_show(lp)}")
         name = self.logits_post_processor_name
         if name is not None and not (isinstance(name, str) and name):
             raise ValueError(f"logits_post_processor_name must be a non-empty string, got {_show(name)}")
-        for name in ("end_id", "pad_id", "max_tokens", "min_tokens", "n", "best_of", "top_k", "seed",
-                     "logprobs", "prompt_logprobs"):
+        for name in (
+            "end_id",
+            "pad_id",
+            "max_tokens",
+            "min_tokens",
+            "n",
+            "best_of",
+            "top_k",
+            "seed",
+            "logprobs",
+            "prompt_logprobs",
+        ):
             value = getattr(self, name)
             if value is not None and type(value) is not int:
                 setattr(self, name, int(value))
@@ -257,28 +276,45 @@ class SamplingParams:
         not produce are refused rather than ignored."""
         width = self.beam_width
         if width > MAX_BEAM_WIDTH:
-            raise ValueError(f"use_beam_search: the beam width (best_of, else n) must be <= {MAX_BEAM_WIDTH}, "
-                             f"got {width}")
-        sampled = [name for name, on in (
-            ("temperature", self.temperature is not None and self.temperature >= GREEDY_TEMPERATURE_EPS),
-            ("top_k", self.top_k is not None and self.top_k not in (-1, 0, 1)),
-            ("top_p", self.top_p is not None and self.top_p < 1),
-            ("min_p", self.min_p is not None and self.min_p > 0)) if on]
+            raise ValueError(
+                f"use_beam_search: the beam width (best_of, else n) must be <= {MAX_BEAM_WIDTH}, got {width}"
+            )
+        sampled = [
+            name
+            for name, on in (
+                ("temperature", self.temperature is not None and self.temperature >= GREEDY_TEMPERATURE_EPS),
+                ("top_k", self.top_k is not None and self.top_k not in (-1, 0, 1)),
+                ("top_p", self.top_p is not None and self.top_p < 1),
+                ("min_p", self.min_p is not None and self.min_p > 0),
+            )
+            if on
+        ]
         if sampled:
-            raise ValueError(f"{sampled[0]}: beam search does not sample (it keeps the most likely beams); "
-                             f"leave {sampled[0]} unset or neutral with use_beam_search")
-        refused = [name for name, on in (
-            ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
-            ("presence_penalty", self.presence_penalty not in (None, 0.0)),
-            ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
-            ("min_tokens", self.min_tokens > 0),
-            ("bad", bool(self.bad)), ("bad_token_ids", bool(self.bad_token_ids)),
-            ("stop", bool(self.stop)), ("stop_token_ids", bool(self.stop_token_ids)),
-            ("logprobs", self.logprobs is not None),
-            ("logits_processor", self.logits_processor is not None)) if on]
+            raise ValueError(
+                f"{sampled[0]}: beam search does not sample (it keeps the most likely beams); "
+                f"leave {sampled[0]} unset or neutral with use_beam_search"
+            )
+        refused = [
+            name
+            for name, on in (
+                ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
+                ("presence_penalty", self.presence_penalty not in (None, 0.0)),
+                ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
+                ("min_tokens", self.min_tokens > 0),
+                ("bad", bool(self.bad)),
+                ("bad_token_ids", bool(self.bad_token_ids)),
+                ("stop", bool(self.stop)),
+                ("stop_token_ids", bool(self.stop_token_ids)),
+                ("logprobs", self.logprobs is not None),
+                ("logits_processor", self.logits_processor is not None),
+            )
+            if on
+        ]
         if refused:
-            raise ValueError(f"{refused[0]} is not supported with use_beam_search (beams end at an end id "
-                             "or max_tokens, and are ranked by their raw log-probabilities)")
+            raise ValueError(
+                f"{refused[0]} is not supported with use_beam_search (beams end at an end id "
+                "or max_tokens, and are ranked by their raw log-probabilities)"
+            )
 
     @property
     def beam_width(self) -> int:
@@ -294,7 +330,7 @@ class SamplingParams:
         return bool(self.logprobs) or self.use_beam_search
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
+    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
         """Build from user keywords, rejecting unknown names instead of silently ignoring them."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
@@ -348,8 +384,8 @@ class SamplingParams:
         greedy = (
             (self.temperature is not None and self.temperature < GREEDY_TEMPERATURE_EPS)
             or self.top_k == 1
-            or (self.temperature is None and self.top_k is None and self.top_p is None
-                and self.min_p is None))
+            or (self.temperature is None and self.top_k is None and self.top_p is None and self.min_p is None)
+        )
         rep = 1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
         pres = 0.0 if self.presence_penalty is None else float(self.presence_penalty)
         freq = 0.0 if self.frequency_penalty is None else float(self.frequency_penalty)
@@ -358,7 +394,10 @@ class SamplingParams:
             0.0 if greedy or self.top_k is None or self.top_k <= 0 else float(self.top_k),
             1.0 if greedy or self.top_p is None else float(self.top_p),
             0.0 if greedy or self.min_p is None else float(self.min_p),
-            rep, pres, freq)
+            rep,
+            pres,
+            freq,
+        )
         if len(_INTERNED_VALUES) > 4096:
             _INTERNED_VALUES.clear()
         return _Row(
@@ -366,19 +405,22 @@ class SamplingParams:
             greedy=bool(greedy),
             has_penalties=rep != 1.0 or pres != 0.0 or freq != 0.0,
             has_bad_words=bool(self.bad_token_ids or self.bad),
-            needs_history=bool(rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad
-                               or self.logits_processor is not None),
+            needs_history=bool(
+                rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad or self.logits_processor is not None
+            ),
             min_tokens=self.min_tokens,
         )
 
     # ---- tokenizer-dependent setup -----------------------------------------------------------
 
-    def setup(self, tokenizer: Any) -> "SamplingParams":
+    def setup(self, tokenizer: Any) -> SamplingParams:
         """Tokenize the `bad` strings (each becomes one banned token sequence). Depends only
         on the tokenizer, so it is safe on a params object shared by several requests."""
         _check_strings("bad", self.bad)
-        self._bad_word_ids = [list(tokenizer.encode(w, add_special_tokens=False))
-                              for w in ([self.bad] if isinstance(self.bad, str) else (self.bad or []))]
+        self._bad_word_ids = [
+            list(tokenizer.encode(w, add_special_tokens=False))
+            for w in ([self.bad] if isinstance(self.bad, str) else (self.bad or []))
+        ]
         return self
 
     @property

@@ -19,7 +19,9 @@ from jax import lax
 from jaxllm.sampling.tensors import SamplingTensors
 
 _PRNG_IMPL = "threefry2x32"
-_ARGMAX_BLOCK = 128  # values per block of `first_argmax`  # pinned so that seeded outputs do not depend on the default impl
+_ARGMAX_BLOCK = (
+    128  # values per block of `first_argmax`  # pinned so that seeded outputs do not depend on the default impl
+)
 
 
 @jax.tree_util.register_dataclass
@@ -75,8 +77,9 @@ def sample(
     else:
         top_ids = jnp.zeros((S, 0), jnp.int32)
         top_logprobs = jnp.zeros((S, 0), jnp.float32)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen[:, 0],
-                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=chosen[:, 0], top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+    )
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -113,15 +116,17 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     valid = ids >= 0
     idx = jnp.where(valid, ids, V)  # out of range: dropped by the scatters
     rows = jnp.arange(S)[:, None]
-    counts = jnp.zeros((S, V), jnp.int32).at[rows, idx].add(
-        (valid & t.history_is_output).astype(jnp.int32), mode="drop")
+    counts = (
+        jnp.zeros((S, V), jnp.int32).at[rows, idx].add((valid & t.history_is_output).astype(jnp.int32), mode="drop")
+    )
     seen = jnp.zeros((S, V), jnp.bool_).at[rows, idx].set(True, mode="drop")
 
     rep = t.repetition_penalty[:, None]
     repeated = jnp.where(logits > 0, logits / rep, logits * rep)
     x = jnp.where(seen & (rep != 1.0), repeated, logits)
-    adjust = (t.frequency_penalty[:, None] * counts.astype(jnp.float32)
-              + t.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+    adjust = t.frequency_penalty[:, None] * counts.astype(jnp.float32) + t.presence_penalty[:, None] * (
+        counts > 0
+    ).astype(jnp.float32)
     return x - adjust
 
 
@@ -134,8 +139,10 @@ def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
 
 def row_keys(t: SamplingTensors) -> jax.Array:
     """One typed PRNG key per row: the request's seed with the output token index folded in."""
+
     def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl=_PRNG_IMPL), step)
+
     return jax.vmap(one)(t.seed, t.step)
 
 
@@ -176,8 +183,7 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
     thr_k = jnp.where(top_k > 0, kth, -jnp.inf)
 
     probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    mass_before = jnp.concatenate(
-        [jnp.zeros((S, 1), jnp.float32), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros((S, 1), jnp.float32), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
     n_keep = jnp.maximum(jnp.sum((mass_before < top_p[:, None]) & in_k, axis=-1), 1)
     thr_p = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
     thr_p = jnp.where(top_p < 1.0, thr_p, -jnp.inf)

@@ -15,7 +15,8 @@ paths produce the same tensors.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -51,8 +52,15 @@ class SamplingSlots:
         params = request.sampling_params
         row = params._row
         seed = request.seed if request.seed is not None else params.seed
-        plain = (not row.has_penalties and not row.has_bad_words and not row.needs_history
-                 and row.min_tokens == 0 and params.logprobs is None and not params.use_beam_search and (seed is not None or row.greedy))
+        plain = (
+            not row.has_penalties
+            and not row.has_bad_words
+            and not row.needs_history
+            and row.min_tokens == 0
+            and params.logprobs is None
+            and not params.use_beam_search
+            and (seed is not None or row.greedy)
+        )
         self._version += 1
         self._owner[slot] = request
         self._values[slot] = row.values
@@ -60,9 +68,16 @@ class SamplingSlots:
         self._seed[slot] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         self._plain[slot] = plain
 
-    def build(self, requests: Sequence[Any], slots: Sequence[int], max_batch_size: int, history_len: int,
-              general: Callable[[], SamplingTensors], *, suppress_width: int = SUPPRESS_WIDTH
-              ) -> SamplingTensors:
+    def build(
+        self,
+        requests: Sequence[Any],
+        slots: Sequence[int],
+        max_batch_size: int,
+        history_len: int,
+        general: Callable[[], SamplingTensors],
+        *,
+        suppress_width: int = SUPPRESS_WIDTH,
+    ) -> SamplingTensors:
         """The sampling tensors of a step whose row i is `requests[i]`, held in KV slot
         `slots[i]`; `general()` builds them the general way when some row is not plain."""
         n = len(requests)
@@ -86,8 +101,9 @@ class SamplingSlots:
         """Whether every row in `slots` takes this path (no setting that needs `general`)."""
         return bool(self._plain[slots].all())
 
-    def gather(self, slots: np.ndarray, step: np.ndarray, max_batch_size: int, *,
-               suppress_width: int = SUPPRESS_WIDTH) -> SamplingTensors:
+    def gather(
+        self, slots: np.ndarray, step: np.ndarray, max_batch_size: int, *, suppress_width: int = SUPPRESS_WIDTH
+    ) -> SamplingTensors:
         """The tensors of plain rows already filled for their requests (`build` fills them;
         a steady decode batch keeps its slots): row i is slot `slots[i]`, generating its
         output token number `step[i]`."""
@@ -96,8 +112,13 @@ class SamplingSlots:
         steps = np.zeros(S, np.int32)
         steps[:n] = step
         last = self._last_gather
-        if (last is not None and last[0] is slots and last[1] == S and last[2] == suppress_width
-                and last[3] == self._version):
+        if (
+            last is not None
+            and last[0] is slots
+            and last[1] == S
+            and last[2] == suppress_width
+            and last[3] == self._version
+        ):
             # The same rows as the last call (a steady decode batch): only the step changed.
             tensors = copy.copy(last[4])  # cheaper than dataclasses.replace, which re-runs __init__
             tensors.step = steps
@@ -108,8 +129,15 @@ class SamplingSlots:
         seed = np.zeros((S, 2), np.uint32)
         np.take(self._seed, slots, axis=0, out=seed[:n])
         tensors = SamplingTensors.from_columns(
-            scalars, seed, steps, np.full((S, suppress_width), -1, np.int32), np.full((S, 1), -1, np.int32),
-            np.zeros((S, 1), np.bool_), use_penalties=False, num_top_logprobs=0)
+            scalars,
+            seed,
+            steps,
+            np.full((S, suppress_width), -1, np.int32),
+            np.full((S, 1), -1, np.int32),
+            np.zeros((S, 1), np.bool_),
+            use_penalties=False,
+            num_top_logprobs=0,
+        )
         # Its arrays are never written after this (a step's inputs are copied when packed).
         self._last_gather = (slots, S, suppress_width, self._version, tensors)
         return tensors

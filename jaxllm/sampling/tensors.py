@@ -18,9 +18,10 @@ admitted request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -32,8 +33,10 @@ SUPPRESS_WIDTH = 16
 
 SAMPLER_VARIANTS: tuple[dict, ...] = tuple(
     dict(use_penalties=penalties, num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
-    for penalties in (False, True) for top in (0, MAX_LOGPROBS)
-    for random, sort in ((False, False), (True, False), (True, True)))
+    for penalties in (False, True)
+    for top in (0, MAX_LOGPROBS)
+    for random, sort in ((False, False), (True, False), (True, True))
+)
 """Every combination of the static switches `build` can produce (keywords of `empty`)."""
 
 
@@ -61,9 +64,8 @@ class SamplingTensors:
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
 
-    def as_device(self) -> "SamplingTensors":
-        data = {f.name: jax.numpy.asarray(getattr(self, f.name))
-                for f in fields(self) if not f.metadata.get("static")}
+    def as_device(self) -> SamplingTensors:
+        data = {f.name: jax.numpy.asarray(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("static")}
         static = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("static")}
         return SamplingTensors(**data, **static)
 
@@ -78,7 +80,7 @@ class SamplingTensors:
         any_random: bool = False,
         use_top_k_top_p: bool = False,
         suppress_width: int = SUPPRESS_WIDTH,
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """All-padding tensors of a chosen variant, with the shapes `build` gives that variant,
         so that a step can be compiled ahead of traffic."""
         if use_top_k_top_p and not any_random:
@@ -91,8 +93,11 @@ class SamplingTensors:
             t,
             history_ids=np.full((max_batch_size, H), -1, np.int32),
             history_is_output=np.zeros((max_batch_size, H), np.bool_),
-            use_penalties=use_penalties, num_top_logprobs=num_top_logprobs,
-            any_random=any_random, use_top_k_top_p=use_top_k_top_p)
+            use_penalties=use_penalties,
+            num_top_logprobs=num_top_logprobs,
+            any_random=any_random,
+            use_top_k_top_p=use_top_k_top_p,
+        )
 
     @classmethod
     def build(
@@ -106,7 +111,7 @@ class SamplingTensors:
         *,
         seeds: Optional[Sequence[Optional[int]]] = None,
         suppress_width: int = SUPPRESS_WIDTH,
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """Pack the rows of one step.
 
         params[i] is the request in row i (None = padding row); num_generated[i] is how many
@@ -144,8 +149,9 @@ class SamplingTensors:
             if all(r.values is v0 for r in rows):
                 scalars[at] = v0
             else:
-                scalars[at] = np.fromiter(chain.from_iterable(r.values for r in rows), np.float64,
-                                          count=7 * len(rows)).reshape(-1, 7)
+                scalars[at] = np.fromiter(
+                    chain.from_iterable(r.values for r in rows), np.float64, count=7 * len(rows)
+                ).reshape(-1, 7)
             step[at] = list(num_generated[:n]) if dense else [num_generated[i] for i in live]
 
             if seeds is None:
@@ -156,8 +162,9 @@ class SamplingTensors:
                 for j, s in enumerate(seed_list):
                     if s is None:
                         if not rows[j].greedy:
-                            raise ValueError(f"seed: row {live[j]} samples but has no seed; "
-                                             "pass resolve_seed(params) from admission")
+                            raise ValueError(
+                                f"seed: row {live[j]} samples but has no seed; pass resolve_seed(params) from admission"
+                            )
                         seed_list[j] = 0
             seed_arr = np.array(seed_list, np.uint64)
             seed[at, 0] = (seed_arr >> np.uint64(32)).astype(np.uint32)
@@ -168,14 +175,16 @@ class SamplingTensors:
             for i, r in zip(live, rows):
                 if not r.has_bad_words and num_generated[i] >= r.min_tokens:
                     continue
-                ban = _banned_ids(params[i], num_generated[i], eos_ids[i],
-                                  histories[i] if histories is not None else None, i)
+                ban = _banned_ids(
+                    params[i], num_generated[i], eos_ids[i], histories[i] if histories is not None else None, i
+                )
                 if ban:
                     if len(ban) > suppress_width:
                         raise ValueError(
                             f"suppress_width: row {i} must ban {len(ban)} token ids in one step, "
-                            f"more than the supported {suppress_width}")
-                    suppress[i, :len(ban)] = ban
+                            f"more than the supported {suppress_width}"
+                        )
+                    suppress[i, : len(ban)] = ban
 
         if penalty_rows:
             if histories is None:
@@ -188,14 +197,30 @@ class SamplingTensors:
             history_ids = np.full((S, 1), -1, np.int32)
             history_is_output = np.zeros((S, 1), np.bool_)
 
-        return cls.from_columns(scalars, seed, step, suppress, history_ids, history_is_output,
-                                use_penalties=bool(penalty_rows),
-                                num_top_logprobs=MAX_LOGPROBS if want_logprobs else 0)
+        return cls.from_columns(
+            scalars,
+            seed,
+            step,
+            suppress,
+            history_ids,
+            history_is_output,
+            use_penalties=bool(penalty_rows),
+            num_top_logprobs=MAX_LOGPROBS if want_logprobs else 0,
+        )
 
     @classmethod
-    def from_columns(cls, scalars: np.ndarray, seed: np.ndarray, step: np.ndarray, suppress_ids: np.ndarray,
-                     history_ids: np.ndarray, history_is_output: np.ndarray, *, use_penalties: bool,
-                     num_top_logprobs: int) -> "SamplingTensors":
+    def from_columns(
+        cls,
+        scalars: np.ndarray,
+        seed: np.ndarray,
+        step: np.ndarray,
+        suppress_ids: np.ndarray,
+        history_ids: np.ndarray,
+        history_is_output: np.ndarray,
+        *,
+        use_penalties: bool,
+        num_top_logprobs: int,
+    ) -> SamplingTensors:
         """The tensors from float64 `scalars[S, 7]` (temperature, top_k, top_p, min_p,
         repetition, presence and frequency penalty: `SamplingParams._row.values` per row)
         and the other arrays; the sampling switches are derived from the scalars."""
@@ -221,8 +246,13 @@ class SamplingTensors:
         )
 
 
-def _banned_ids(p: SamplingParams, num_generated: int, eos: Optional[Sequence[int]],
-                history: Optional[tuple[Sequence[int], Sequence[int]]], row: int) -> list[int]:
+def _banned_ids(
+    p: SamplingParams,
+    num_generated: int,
+    eos: Optional[Sequence[int]],
+    history: Optional[tuple[Sequence[int], Sequence[int]]],
+    row: int,
+) -> list[int]:
     """Token ids row `row` may not produce now: bad words always, end/stop ids before min_tokens."""
     if not p.bad_token_ids and not p.bad and num_generated >= p.min_tokens:
         return []
@@ -249,14 +279,20 @@ def _ends_with(prompt: Sequence[int], output: Sequence[int], suffix: Sequence[in
     if k > len(prompt) + len(output):
         return False
     from_out = min(k, len(output))
-    if list(output[len(output) - from_out:]) != list(suffix[k - from_out:]):
+    if list(output[len(output) - from_out :]) != list(suffix[k - from_out :]):
         return False
     rest = k - from_out
-    return rest == 0 or list(prompt[len(prompt) - rest:]) == list(suffix[:rest])
+    return rest == 0 or list(prompt[len(prompt) - rest :]) == list(suffix[:rest])
 
 
-def _fill_history(ids: np.ndarray, is_out: np.ndarray, row: int, p: SamplingParams,
-                  history: Optional[tuple[Sequence[int], Sequence[int]]], H: int) -> None:
+def _fill_history(
+    ids: np.ndarray,
+    is_out: np.ndarray,
+    row: int,
+    p: SamplingParams,
+    history: Optional[tuple[Sequence[int], Sequence[int]]],
+    H: int,
+) -> None:
     """Prompt then output ids; prompt ids only feed the repetition penalty, so they are
     left out when that penalty is off."""
     if history is None:
@@ -270,5 +306,5 @@ def _fill_history(ids: np.ndarray, is_out: np.ndarray, row: int, p: SamplingPara
     if n_p:
         ids[row, :n_p] = prompt
     if n_o:
-        ids[row, n_p:n_p + n_o] = output
-        is_out[row, n_p:n_p + n_o] = True
+        ids[row, n_p : n_p + n_o] = output
+        is_out[row, n_p : n_p + n_o] = True

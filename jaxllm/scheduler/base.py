@@ -10,8 +10,9 @@ that does not fit that split subclasses `RequestScheduler` and implements
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from operator import attrgetter
-from typing import Iterable, Optional
+from typing import Optional
 
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.scheduler.output import SchedulerOutput
@@ -33,8 +34,9 @@ class RequestScheduler(ABC):
     """Decides, each step, which requests run and how many prompt tokens each processes."""
 
     @abstractmethod
-    def schedule_request(self, active_requests: RequestList,
-                         inflight_request_ids: Optional[set[int]] = None) -> SchedulerOutput:
+    def schedule_request(
+        self, active_requests: RequestList, inflight_request_ids: Optional[set[int]] = None
+    ) -> SchedulerOutput:
         """:param active_requests: every unfinished request the engine knows about.
         :param inflight_request_ids: requests still running in an overlapped step; they
             must not be scheduled again.

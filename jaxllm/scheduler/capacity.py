@@ -42,8 +42,7 @@ def _check_max_num_requests(max_num_requests: int) -> None:
 class GuaranteedNoEvictScheduler(CapacityScheduler):
     """Admit a request only if every admitted request can still run to completion."""
 
-    def __init__(self, max_num_requests: int, kv_cache_manager: KVCacheManager,
-                 *, static_batch: bool = False) -> None:
+    def __init__(self, max_num_requests: int, kv_cache_manager: KVCacheManager, *, static_batch: bool = False) -> None:
         _check_max_num_requests(max_num_requests)
         self.max_num_requests = max_num_requests
         self.kv_cache_manager = kv_cache_manager
@@ -113,8 +112,11 @@ class MaxUtilizationScheduler(CapacityScheduler):
         while i < end:
             req = order[i]
             state = req.state
-            if (state is not _GENERATION_IN_PROGRESS and state is not _CONTEXT_INIT
-                    and state is not _GENERATION_TO_COMPLETE):
+            if (
+                state is not _GENERATION_IN_PROGRESS
+                and state is not _CONTEXT_INIT
+                and state is not _GENERATION_TO_COMPLETE
+            ):
                 i += 1  # not schedulable
                 continue
             if len(scheduled) < max_requests:
@@ -145,7 +147,6 @@ class MaxUtilizationScheduler(CapacityScheduler):
         for j in range(end - 1, start - 1, -1):
             req: LlmRequest = order[j]
             state = req.state
-            if ((state is _GENERATION_IN_PROGRESS or state is _CONTEXT_INIT)
-                    and kv.get_num_allocated_blocks(req) > 0):
+            if (state is _GENERATION_IN_PROGRESS or state is _CONTEXT_INIT) and kv.get_num_allocated_blocks(req) > 0:
                 return j
         return None

@@ -35,8 +35,9 @@ class ContextChunkingConfig:
     chunk_unit_size: int = 32  # the KV block size, so chunk boundaries fall on blocks
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunking_policy",
-                           _coerce_enum(ContextChunkingPolicy, self.chunking_policy, "chunking_policy"))
+        object.__setattr__(
+            self, "chunking_policy", _coerce_enum(ContextChunkingPolicy, self.chunking_policy, "chunking_policy")
+        )
         if self.chunk_unit_size < 1:
             raise ValueError(f"chunk_unit_size must be >= 1, got {self.chunk_unit_size}")
 
@@ -45,26 +46,33 @@ class MicroBatchScheduler:
     """Picks the context and generation requests of one forward pass and sets each
     context request's `context_chunk_size`. Subclass and override `schedule` to change it."""
 
-    def __init__(self, max_batch_size: int, max_num_tokens: Optional[int] = None,
-                 chunking: Optional[ContextChunkingConfig] = None,
-                 *, max_context_length: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_num_tokens: Optional[int] = None,
+        chunking: Optional[ContextChunkingConfig] = None,
+        *,
+        max_context_length: Optional[int] = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_num_tokens is not None and max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         if max_context_length is not None and max_context_length < 1:
             raise ValueError(f"max_context_length must be >= 1, got {max_context_length}")
-        if chunking is not None and max_context_length is not None \
-                and max_context_length < chunking.chunk_unit_size:
-            raise ValueError(f"max_context_length ({max_context_length}) is smaller than the chunk "
-                             f"unit ({chunking.chunk_unit_size}): no chunk could ever be scheduled")
+        if chunking is not None and max_context_length is not None and max_context_length < chunking.chunk_unit_size:
+            raise ValueError(
+                f"max_context_length ({max_context_length}) is smaller than the chunk "
+                f"unit ({chunking.chunk_unit_size}): no chunk could ever be scheduled"
+            )
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunking = chunking
         self.max_context_length = max_context_length
 
-    def schedule(self, active_requests: RequestList,
-                 inflight_request_ids: Optional[set[int]] = None) -> tuple[RequestList, RequestList]:
+    def schedule(
+        self, active_requests: RequestList, inflight_request_ids: Optional[set[int]] = None
+    ) -> tuple[RequestList, RequestList]:
         """Returns `(context_requests, generation_requests)`."""
         inflight = inflight_request_ids or ()
         max_batch = self.max_batch_size
@@ -90,7 +98,7 @@ class MicroBatchScheduler:
                 if not (inflight and req.request_id in inflight):
                     candidates.append(req)
                     req.context_chunk_size = 0
-        del candidates[max_batch - gen_tokens:]  # generation goes first
+        del candidates[max_batch - gen_tokens :]  # generation goes first
         # A finished prompt still in CONTEXT_INIT (its token not added yet) has nothing to run.
         candidates = [r for r in candidates if r.context_current_position < len(r.prompt_token_ids)]
         budget = None if max_tokens is None else max_tokens - gen_tokens
@@ -136,8 +144,7 @@ class MicroBatchScheduler:
             self._chunk_first_come_first_served(candidates, budget, unit)
         return [req for req in candidates if req.context_chunk_size > 0]
 
-    def _chunk_first_come_first_served(self, requests: RequestList, budget: Optional[int],
-                                       unit: int) -> None:
+    def _chunk_first_come_first_served(self, requests: RequestList, budget: Optional[int], unit: int) -> None:
         max_len = self.max_context_length
         for req in requests:
             if budget is not None and budget <= 0:

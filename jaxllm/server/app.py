@@ -21,9 +21,9 @@ import jaxllm
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.server.chat import ChatRoute
 from jaxllm.server.completions import CompletionsRoute
-from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.errors import APIError, error_response
 from jaxllm.server.guard import BodyTooLarge, GuardMiddleware
+from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
 from jaxllm.server.serving import OpenAIServer
 
@@ -45,8 +45,9 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
             if shutdown_executor:
                 await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
 
-    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="jaxllm", version=jaxllm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -68,8 +69,11 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
 
     @app.exception_handler(405)
     async def _not_allowed(request: Request, _exc) -> JSONResponse:
-        return error_response(APIError(405, f"method {request.method} is not allowed on {request.url.path}",
-                                       None, "invalid_request_error"))
+        return error_response(
+            APIError(
+                405, f"method {request.method} is not allowed on {request.url.path}", None, "invalid_request_error"
+            )
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -111,6 +115,11 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
     async def version() -> JSONResponse:
         return JSONResponse({"version": jaxllm.__version__})
 
-    app.add_middleware(GuardMiddleware, max_bytes=config.max_body_bytes, api_key=config.api_key,
-                       body_timeout=config.body_timeout, send_timeout=config.send_timeout)
+    app.add_middleware(
+        GuardMiddleware,
+        max_bytes=config.max_body_bytes,
+        api_key=config.api_key,
+        body_timeout=config.body_timeout,
+        send_timeout=config.send_timeout,
+    )
     return app

@@ -40,14 +40,32 @@ class ChatRoute:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return DisconnectAwareStreamingResponse(
-                self._stream(results[0], body, request_id), media_type="text/event-stream",
-                headers=SSE_HEADERS, on_close=lambda: server.close_stream(results))
+                self._stream(results[0], body, request_id),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+                on_close=lambda: server.close_stream(results),
+            )
         out = (await server.gather(request, results))[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices, "usage": usage([out])})
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": choices,
+                "usage": usage([out]),
+            }
+        )
 
     def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, list[GenerationResult]]:
         """Parse, render the template, tokenize and submit (on the API thread pool)."""
@@ -62,8 +80,12 @@ class ChatRoute:
         except ValueError as exc:
             raise bad_request(exc, "messages") from None
         if template is not None and not server.config.trust_request_chat_template:
-            raise APIError(400, "chat_template: request-supplied chat templates are refused; start the "
-                                "server with --trust-request-chat-template to allow them", "chat_template")
+            raise APIError(
+                400,
+                "chat_template: request-supplied chat templates are refused; start the "
+                "server with --trust-request-chat-template to allow them",
+                "chat_template",
+            )
         try:
             prompt = self._apply_chat_template(body, template)
         except ValueError as exc:
@@ -72,8 +94,14 @@ class ChatRoute:
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
         results = server.submit_all(
-            [ids], lambda n: server.sampling_params_for(body, body.requested_max_tokens(), n), body.stream,
-            texts=[prompt], field="messages", lora_request=lora_request, kv_cache_retention_config=retention)
+            [ids],
+            lambda n: server.sampling_params_for(body, body.requested_max_tokens(), n),
+            body.stream,
+            texts=[prompt],
+            field="messages",
+            lora_request=lora_request,
+            kv_cache_retention_config=retention,
+        )
         return body, results
 
     def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None) -> str:
@@ -83,8 +111,12 @@ class ChatRoute:
         messages = [m.as_template_dict() for m in body.messages]
         try:
             rendered = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False,
-                add_generation_prompt=body.add_generation_prompt, **body.template_variables())
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                **body.template_variables(),
+            )
         except Exception as exc:  # template errors are caused by the messages
             raise ValueError(f"messages: the chat template failed: {exc}") from None
         if not isinstance(rendered, str):
@@ -95,38 +127,64 @@ class ChatRoute:
             raise ValueError("messages: the chat template rendered invalid Unicode") from None
         return rendered
 
-    async def _stream(self, result: GenerationResult, body: ChatCompletionRequest,
-                      request_id: str) -> AsyncIterator[str]:
+    async def _stream(
+        self, result: GenerationResult, body: ChatCompletionRequest, request_id: str
+    ) -> AsyncIterator[str]:
         server = self.server
         created = int(time.time())
         model = body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[dict]) -> str:
-            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": choices})
+            return sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                }
+            )
 
         final = None
         ended: set[int] = set()
         failed = False
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(body.n)])
+            yield chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(body.n)
+                ]
+            )
             async for out in result:
                 choices = []
                 for c in out.outputs:
                     if not has_news(c, c.index, ended, body.logprobs):
                         continue
-                    choices.append({"index": c.index, "delta": {"content": c.text_diff} if c.text_diff else {},
-                                    "logprobs": self._logprobs(c, diff=True) if body.logprobs else None,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choices.append(
+                        {
+                            "index": c.index,
+                            "delta": {"content": c.text_diff} if c.text_diff else {},
+                            "logprobs": self._logprobs(c, diff=True) if body.logprobs else None,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    )
                 if out.finished:
                     final = out
                 if choices:
                     yield chunk(choices)
             if include_usage and final is not None and not server.aborted_by_shutdown([result]):
-                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage([final])})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage([final]),
+                    }
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -136,8 +194,9 @@ class ChatRoute:
         finally:
             server.abort_unfinished([result])
         if server.release([result]) and not failed:
-            yield sse(error_body(503, "the server is shutting down: the request was aborted", None,
-                                 "service_unavailable"))
+            yield sse(
+                error_body(503, "the server is shutting down: the request was aborted", None, "service_unavailable")
+            )
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs

@@ -47,20 +47,36 @@ class CompletionsRoute:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return DisconnectAwareStreamingResponse(
-                self._stream(results, body, request_id), media_type="text/event-stream",
-                headers=SSE_HEADERS, on_close=lambda: server.close_stream(results))
+                self._stream(results, body, request_id),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+                on_close=lambda: server.close_stream(results),
+            )
         outputs = await server.gather(request, results)
         choices = []
         for p, out in enumerate(outputs):
             for c in out.outputs:
-                choices.append({"index": p * body.n + c.index, "text": c.text,
-                                "logprobs": self._logprobs(c) if body.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": p * body.n + c.index,
+                        "text": c.text,
+                        "logprobs": self._logprobs(c) if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
                 if body.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
-        return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices,
-                             "usage": usage(outputs)})
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": choices,
+                "usage": usage(outputs),
+            }
+        )
 
     def _prepare(self, raw: bytes) -> tuple[CompletionRequest, list[GenerationResult]]:
         """Parse, tokenize and submit (on the API thread pool)."""
@@ -71,19 +87,27 @@ class CompletionsRoute:
             body.check_stream_options()
             prompts = body.prompts()
             if len(prompts) * body.n > server.config.max_prompts_per_request:
-                raise ValueError(f"n: {len(prompts)} prompts x n={body.n} exceeds "
-                                 f"{server.config.max_prompts_per_request} sequences per request")
+                raise ValueError(
+                    f"n: {len(prompts)} prompts x n={body.n} exceeds "
+                    f"{server.config.max_prompts_per_request} sequences per request"
+                )
             body.to_sampling_params(body.max_tokens or 1)  # field errors before tokenizing
             retention = body.retention_config()
         except ValueError as exc:
             raise bad_request(exc) from None
-        results = server.submit_all(prompts, lambda n: server.sampling_params_for(body, body.max_tokens, n),
-                                    body.stream, body.add_special_tokens, lora_request=lora_request,
-                                    kv_cache_retention_config=retention)
+        results = server.submit_all(
+            prompts,
+            lambda n: server.sampling_params_for(body, body.max_tokens, n),
+            body.stream,
+            body.add_special_tokens,
+            lora_request=lora_request,
+            kv_cache_retention_config=retention,
+        )
         return body, results
 
-    async def _stream(self, results: list[GenerationResult], body: CompletionRequest,
-                      request_id: str) -> AsyncIterator[str]:
+    async def _stream(
+        self, results: list[GenerationResult], body: CompletionRequest, request_id: str
+    ) -> AsyncIterator[str]:
         server = self.server
         created = int(time.time())
         model = body.model
@@ -98,18 +122,38 @@ class CompletionsRoute:
                     index = p * body.n + c.index
                     if not has_news(c, index, ended, body.logprobs is not None):
                         continue
-                    choices.append({"index": index, "text": c.text_diff,
-                                    "logprobs": (self._logprobs(c, diff=True)
-                                                 if body.logprobs is not None else None),
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choices.append(
+                        {
+                            "index": index,
+                            "text": c.text_diff,
+                            "logprobs": (self._logprobs(c, diff=True) if body.logprobs is not None else None),
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    )
                 if out.finished:
                     finals[p] = out
                 if choices:
-                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                               "choices": choices})
+                    yield sse(
+                        {
+                            "id": request_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": choices,
+                        }
+                    )
             if include_usage and not server.aborted_by_shutdown(results):
-                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage([finals[p] for p in sorted(finals)])})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage([finals[p] for p in sorted(finals)]),
+                    }
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the request failed mid-stream: tell the client in-band
@@ -119,8 +163,9 @@ class CompletionsRoute:
         finally:
             server.abort_unfinished(results)
         if server.release(results) and not failed:
-            yield sse(error_body(503, "the server is shutting down: the request was aborted", None,
-                                 "service_unavailable"))
+            yield sse(
+                error_body(503, "the server is shutting down: the request was aborted", None, "service_unavailable")
+            )
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs
@@ -154,6 +199,12 @@ class CompletionsRoute:
         if entries is None:
             return None
         token_text = self.server.token_text
-        return [None if entry is None else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
-            for t, lp in entry.items()} for entry in entries]
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
+                for t, lp in entry.items()
+            }
+            for entry in entries
+        ]

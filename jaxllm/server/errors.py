@@ -12,19 +12,62 @@ from collections.abc import Iterable
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-_DEFAULT_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                  413: "invalid_request_error", 503: "service_unavailable"}
+_DEFAULT_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 # Request fields an error message may start with (it then names them in `param`).
-REQUEST_FIELDS = frozenset({
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature",
-    "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream_options",
-    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "echo", "suffix", "logit_bias",
-    "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs", "stream",
-    "add_special_tokens", "add_generation_prompt", "kv_cache_retention_config", "use_beam_search",
-    "length_penalty", "early_stopping", "prompt_logprobs", "logits_processors", "logits_processor",
-    "logits_post_processor_name"})
+REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "best_of",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "stream_options",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "skip_special_tokens",
+        "echo",
+        "suffix",
+        "logit_bias",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "stream",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "kv_cache_retention_config",
+        "use_beam_search",
+        "length_penalty",
+        "early_stopping",
+        "prompt_logprobs",
+        "logits_processors",
+        "logits_processor",
+        "logits_post_processor_name",
+    }
+)
 
 
 class APIError(Exception):
@@ -49,8 +92,9 @@ def error_response(err: APIError) -> JSONResponse:
     """The error in OpenAI's shape. After a 408 or 413 the rest of the body may still be on the
     wire, so the connection is closed rather than reused for the client's next request."""
     headers = {"connection": "close"} if err.status in _BODY_LEFT_UNREAD else None
-    return JSONResponse(error_body(err.status, err.message, err.param, err.err_type), status_code=err.status,
-                        headers=headers)
+    return JSONResponse(
+        error_body(err.status, err.message, err.param, err.err_type), status_code=err.status, headers=headers
+    )
 
 
 def param_of(message: str, candidates: Iterable[str] = REQUEST_FIELDS) -> str | None:

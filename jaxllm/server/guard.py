@@ -31,8 +31,9 @@ class GuardMiddleware:
     (else the connection is dropped, which aborts its request). Pure ASGI, so streaming
     responses pass untouched."""
 
-    def __init__(self, app, max_bytes: int, api_key: str | None, body_timeout: float = 30.0,
-                 send_timeout: float = 30.0) -> None:
+    def __init__(
+        self, app, max_bytes: int, api_key: str | None, body_timeout: float = 30.0, send_timeout: float = 30.0
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.api_key = api_key
@@ -54,7 +55,8 @@ class GuardMiddleware:
             too_large = False
         if too_large:
             return await error_response(APIError(413, f"request body exceeds {self.max_bytes} bytes"))(
-                scope, receive, send)
+                scope, receive, send
+            )
         received = 0
         body_done = False
         body_deadline = time.monotonic() + self.body_timeout
@@ -67,8 +69,9 @@ class GuardMiddleware:
                 with anyio.fail_after(max(0.0, body_deadline - time.monotonic())):
                     message = await receive()
             except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.body_timeout:g}s", None,
-                               "invalid_request_error") from None
+                raise APIError(
+                    408, f"the request body did not arrive within {self.body_timeout:g}s", None, "invalid_request_error"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
@@ -115,14 +118,16 @@ def parse_json_body(body: bytes, max_depth: int) -> dict:
                     value.encode("utf-8")
                 except UnicodeEncodeError as exc:
                     bad = value[exc.start]
-                    raise APIError(400, f"{path or 'body'}: contains a lone surrogate (U+{ord(bad):04X}), "
-                                        "which is not valid Unicode", _param_from_path(path)) from None
+                    raise APIError(
+                        400,
+                        f"{path or 'body'}: contains a lone surrogate (U+{ord(bad):04X}), which is not valid Unicode",
+                        _param_from_path(path),
+                    ) from None
             continue
         if not isinstance(value, (dict, list)):
             continue
         if depth > max_depth:
-            raise APIError(400, f"{path}: request body nests deeper than {max_depth} levels",
-                           _param_from_path(path))
+            raise APIError(400, f"{path}: request body nests deeper than {max_depth} levels", _param_from_path(path))
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             child = f"{path}.{key}" if path else str(key)

@@ -64,9 +64,17 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def make_config(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
-                timeout_keep_alive: int = 5, header_timeout: float = 10.0,
-                configure_logging: bool = True) -> uvicorn.Config:
+def make_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    timeout_keep_alive: int = 5,
+    header_timeout: float = 10.0,
+    configure_logging: bool = True,
+) -> uvicorn.Config:
     """The uvicorn settings `serve` runs with (tests build their servers from it too).
 
     uvicorn's logging setup is `logging.config.dictConfig`, which closes every handler the
@@ -74,9 +82,16 @@ def make_config(app, host: str, port: int, *, shutdown_timeout: float = 30.0, lo
     with `configure_logging=False`."""
     protocol = type("BoundedH11", (BoundedH11Protocol,), {"header_timeout": header_timeout})
     logging_kwargs = {} if configure_logging else {"log_config": None}
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, **logging_kwargs,
-                          timeout_keep_alive=timeout_keep_alive,
-                          timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)))
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=protocol,
+        **logging_kwargs,
+        timeout_keep_alive=timeout_keep_alive,
+        timeout_graceful_shutdown=max(1, int(shutdown_timeout + _FLUSH_SECONDS + 3)),
+    )
 
 
 class ManagedServer(uvicorn.Server):
@@ -129,11 +144,26 @@ class ManagedServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
-          timeout_keep_alive: int = 5, header_timeout: float = 10.0) -> int:
+def serve(
+    app,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    timeout_keep_alive: int = 5,
+    header_timeout: float = 10.0,
+) -> int:
     """Serve `app` (from `build_app`) until a signal or an engine failure; returns the exit code."""
-    config = make_config(app, host, port, shutdown_timeout=shutdown_timeout, log_level=log_level,
-                         timeout_keep_alive=timeout_keep_alive, header_timeout=header_timeout)
+    config = make_config(
+        app,
+        host,
+        port,
+        shutdown_timeout=shutdown_timeout,
+        log_level=log_level,
+        timeout_keep_alive=timeout_keep_alive,
+        header_timeout=header_timeout,
+    )
     server = ManagedServer(config, app.state.server, shutdown_timeout)
     server.run()
     return server.exit_code

@@ -2,8 +2,9 @@
 
 Unknown and unsupported fields are rejected rather than ignored, so a typo gets a 400
 naming it instead of silently changing nothing. Types are strict (pydantic strict mode):
-`"16"` is not an integer and `true` is not a token id, as in OpenAI's API. Responses are built as plain dicts in `app.py`: on the
-streaming path that is much cheaper than pydantic models per chunk.
+`"16"` is not an integer and `true` is not a token id, as in OpenAI's API. Responses are built
+as plain dicts by the routes (`completions.py`, `chat.py`): on the streaming path that is much
+cheaper than pydantic models per chunk.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ class StrictModel(BaseModel):
 
 def _refuse_if_set(field: str, message: Optional[str] = None):
     """A validator refusing any truthy value of an unsupported `field` (its default is accepted)."""
+
     def check(cls, v):
         if v:
             raise ValueError(message or f"{field} is not supported")
         return v
+
     return field_validator(field)(classmethod(check))
 
 
@@ -54,9 +57,13 @@ class KvCacheRetentionBody(StrictModel):
         """The engine's config (ValueError naming the problem for invalid ranges or priorities)."""
         try:
             return KvCacheRetentionConfig(
-                [TokenRangeRetentionConfig(r.token_start, r.token_end, r.priority, r.duration_ms)
-                 for r in self.token_range_retention_priorities],
-                self.decode_retention_priority, self.decode_duration_ms)
+                [
+                    TokenRangeRetentionConfig(r.token_start, r.token_end, r.priority, r.duration_ms)
+                    for r in self.token_range_retention_priorities
+                ],
+                self.decode_retention_priority,
+                self.decode_duration_ms,
+            )
         except ValueError as exc:
             raise ValueError(f"kv_cache_retention_config: {exc}") from None
 
@@ -116,8 +123,10 @@ class _SamplingFields(StrictModel):
     @classmethod
     def _no_post_processors(cls, v):
         if v is not None:
-            raise ValueError("logits post-processors are not accepted by the server; pass a Python callable "
-                             "as SamplingParams.logits_processor through the Python API (LLM / GenerationExecutor)")
+            raise ValueError(
+                "logits post-processors are not accepted by the server; pass a Python callable "
+                "as SamplingParams.logits_processor through the Python API (LLM / GenerationExecutor)"
+            )
         return v
 
     def check_stream_options(self) -> None:
@@ -126,13 +135,25 @@ class _SamplingFields(StrictModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return dict(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
-            early_stopping=self.early_stopping)
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )
 
 
 PromptField = Union[str, list[str], list[int], list[list[int]]]
@@ -170,11 +191,17 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs: not supported with stream (the prompt's logprobs come with the "
-                             "final output)")
-        return SamplingParams(max_tokens=max_tokens, best_of=self.best_of, logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs, add_special_tokens=self.add_special_tokens,
-                              **self.sampling_kwargs())
+            raise ValueError(
+                "prompt_logprobs: not supported with stream (the prompt's logprobs come with the final output)"
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            best_of=self.best_of,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            add_special_tokens=self.add_special_tokens,
+            **self.sampling_kwargs(),
+        )
 
 
 class TextPart(StrictModel):
@@ -199,9 +226,21 @@ class ResponseFormat(StrictModel):
 
 
 # Arguments of `apply_chat_template` that would change what the call returns, not the text.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
-                             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-                             "add_generation_prompt", "continue_final_message", "tools", "documents"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "documents",
+}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -223,8 +262,10 @@ class ChatCompletionRequest(_SamplingFields):
     def _template_kwargs(cls, v):
         reserved = sorted(set(v or ()) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise ValueError(f"{', '.join(reserved)} cannot be set here: they are arguments of the template "
-                             "call, not template variables")
+            raise ValueError(
+                f"{', '.join(reserved)} cannot be set here: they are arguments of the template "
+                "call, not template variables"
+            )
         return v
 
     def requested_chat_template(self) -> Optional[str]:
@@ -255,5 +296,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, add_special_tokens=False,
-                              **self.sampling_kwargs())
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, add_special_tokens=False, **self.sampling_kwargs()
+        )

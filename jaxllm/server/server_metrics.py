@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -25,17 +26,55 @@ if TYPE_CHECKING:
     from jaxllm.executor.result import GenerationResult
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                 0.5, 0.75, 1.0, 2.5)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TPOT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class IterationStats:
     """The last `window` iteration stats of the executor, readable any number of times."""
 
-    def __init__(self, executor: "GenerationExecutor", window: int = 1000) -> None:
+    def __init__(self, executor: GenerationExecutor, window: int = 1000) -> None:
         self._executor = executor
         self._window: collections.deque = collections.deque(maxlen=window)
         self._lock = threading.Lock()
@@ -59,35 +98,51 @@ class IterationStats:
 class ServerMetrics:
     """Prometheus metrics of one server, in a registry of its own."""
 
-    def __init__(self, executor: "GenerationExecutor", model_name: str) -> None:
+    def __init__(self, executor: GenerationExecutor, model_name: str) -> None:
         self.executor = executor
         self.iteration_stats = IterationStats(executor)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
-        self.requests = Counter("jaxllm:request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("jaxllm:generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=r)
-        self.ttft = Histogram("jaxllm:time_to_first_token_seconds", "Arrival to first generated token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("jaxllm:time_per_output_token_seconds",
-                              "Mean time per generated token after the first, per request.", labels,
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "Arrival to the last token.", labels,
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.running = Gauge("jaxllm:num_requests_running", "Requests holding KV cache (scheduled).", labels,
-                             registry=r)
+        self.requests = Counter(
+            "jaxllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(
+            "jaxllm:generation_tokens", "Generated tokens of finished requests.", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "jaxllm:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "jaxllm:time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxllm:e2e_request_latency_seconds", "Arrival to the last token.", labels, buckets=_E2E_BUCKETS, registry=r
+        )
+        self.running = Gauge(
+            "jaxllm:num_requests_running", "Requests holding KV cache (scheduled).", labels, registry=r
+        )
         self.waiting = Gauge("jaxllm:num_requests_waiting", "Requests queued for KV cache.", labels, registry=r)
-        self.kv_usage = Gauge("jaxllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", labels,
-                              registry=r)
+        self.kv_usage = Gauge(
+            "jaxllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", labels, registry=r
+        )
         self.kv_blocks = Gauge("jaxllm:kv_cache_blocks", "KV cache blocks in the pool.", labels, registry=r)
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
-    def observe(self, results: Iterable["GenerationResult"]) -> None:
+    def observe(self, results: Iterable[GenerationResult]) -> None:
         """Count released results (call once per result); unfinished ones are skipped."""
         now = time.monotonic()
         for result in results:
@@ -111,11 +166,16 @@ class ServerMetrics:
 
     def _engine_state(self) -> Optional[dict]:
         """Running/waiting requests and KV blocks, read on the engine thread between steps."""
+
         def read(engine) -> dict:
             kv = engine.kv_cache_manager.get_kv_cache_stats()
             waiting = engine.num_queued
-            return {"running": len(engine.active) - waiting, "waiting": waiting,
-                    "used": kv.used_num_blocks, "total": kv.max_num_blocks}
+            return {
+                "running": len(engine.active) - waiting,
+                "waiting": waiting,
+                "used": kv.used_num_blocks,
+                "total": kv.max_num_blocks,
+            }
 
         if not self.executor.is_healthy:
             return None
@@ -127,8 +187,12 @@ class ServerMetrics:
                 return None
             kv = latest.get("kvCacheStats", {})
             waiting = latest.get("numQueuedRequests", 0)
-            return {"running": latest.get("numActiveRequests", 0) - waiting, "waiting": waiting,
-                    "used": kv.get("usedNumBlocks", 0), "total": kv.get("maxNumBlocks", 0)}
+            return {
+                "running": latest.get("numActiveRequests", 0) - waiting,
+                "waiting": waiting,
+                "used": kv.get("usedNumBlocks", 0),
+                "total": kv.get("maxNumBlocks", 0),
+            }
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, gauges refreshed now."""

@@ -30,9 +30,9 @@ from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
-from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.errors import APIError, bad_request, param_of, validation_error
 from jaxllm.server.guard import BodyTooLarge, parse_json_body
+from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.server_metrics import ServerMetrics
 from jaxllm.server.streaming import wait_for_disconnect
 
@@ -106,12 +106,13 @@ class OpenAIServer:
         if model == base:
             return None
         adapters = self.config.lora_modules
-        name = model[len(base) + 1:] if model.startswith(base + ":") else model
+        name = model[len(base) + 1 :] if model.startswith(base + ":") else model
         if name in adapters:
             return adapters[name]
         served = ", ".join(f"`{m}`" for m in [base, *adapters])
-        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", "model",
-                       "not_found_error")
+        raise APIError(
+            404, f"The model `{model}` does not exist; this server serves {served}.", "model", "not_found_error"
+        )
 
     async def read_body(self, request: Request) -> bytes:
         try:
@@ -131,8 +132,11 @@ class OpenAIServer:
 
     def encode(self, prompt: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
         if len(prompt) > self.max_prompt_chars:
-            raise APIError(400, f"{field}: {len(prompt)} characters cannot fit in max_seq_len "
-                                f"({self.executor.max_seq_len}) tokens", field)
+            raise APIError(
+                400,
+                f"{field}: {len(prompt)} characters cannot fit in max_seq_len ({self.executor.max_seq_len}) tokens",
+                field,
+            )
         try:
             return self.executor.encode(prompt, add_special_tokens)
         except ValueError as exc:
@@ -150,10 +154,17 @@ class OpenAIServer:
         except ValueError as exc:
             raise bad_request(exc) from None
 
-    def submit_all(self, prompts: list[str | list[int]], params_for: Callable[[int], SamplingParams],
-                   streaming: bool, add_special_tokens: bool = True, texts: list[str | None] | None = None,
-                   field: str = "prompt", lora_request: LoRARequest | None = None,
-                   kv_cache_retention_config: KvCacheRetentionConfig | None = None) -> list[GenerationResult]:
+    def submit_all(
+        self,
+        prompts: list[str | list[int]],
+        params_for: Callable[[int], SamplingParams],
+        streaming: bool,
+        add_special_tokens: bool = True,
+        texts: list[str | None] | None = None,
+        field: str = "prompt",
+        lora_request: LoRARequest | None = None,
+        kv_cache_retention_config: KvCacheRetentionConfig | None = None,
+    ) -> list[GenerationResult]:
         """Tokenize every prompt, then submit them all; the executor checks each before it
         queues any (ValueError -> 400). Runs on the API thread pool: tokenizing may take a
         while. `field`: the request field the prompts come from, named in length errors."""
@@ -165,10 +176,19 @@ class OpenAIServer:
                 ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
                 # Before any per-token work on a huge prompt; names the prompt, not max_tokens.
                 if len(ids) >= executor.max_seq_len:
-                    raise APIError(400, f"{field}: {len(ids)} tokens leave no room to generate within "
-                                        f"max_seq_len ({executor.max_seq_len})", field)
-                request = executor.make_request(ids, params_for(len(ids)), streaming, lora_request=lora_request,
-                                                kv_cache_retention_config=kv_cache_retention_config)
+                    raise APIError(
+                        400,
+                        f"{field}: {len(ids)} tokens leave no room to generate within "
+                        f"max_seq_len ({executor.max_seq_len})",
+                        field,
+                    )
+                request = executor.make_request(
+                    ids,
+                    params_for(len(ids)),
+                    streaming,
+                    lora_request=lora_request,
+                    kv_cache_retention_config=kv_cache_retention_config,
+                )
                 text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
                 if text is not None:
                     request.prompt = text
@@ -260,9 +280,17 @@ class OpenAIServer:
             self.disconnects += 1
 
     def models(self) -> dict:
-        base = {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "jaxllm", "root": self.config.served_model_name, "parent": None,
-                "max_model_len": self.executor.max_seq_len}
-        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": self.config.served_model_name}
-                    for name, lora in self.config.lora_modules.items()]
+        base = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "jaxllm",
+            "root": self.config.served_model_name,
+            "parent": None,
+            "max_model_len": self.executor.max_seq_len,
+        }
+        adapters = [
+            {**base, "id": name, "root": lora.lora_path, "parent": self.config.served_model_name}
+            for name, lora in self.config.lora_modules.items()
+        ]
         return {"object": "list", "data": [base, *adapters]}

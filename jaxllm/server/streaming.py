@@ -31,6 +31,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)

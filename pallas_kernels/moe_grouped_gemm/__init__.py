@@ -4,5 +4,11 @@ the weighted combine) and their XLA references."""
 from pallas_kernels.moe_grouped_gemm.kernel import GemmTiling, MoeTiling, moe_fused_ffn, moe_grouped_ffn
 from pallas_kernels.moe_grouped_gemm.reference import moe_fused_ffn_reference, moe_grouped_ffn_reference
 
-__all__ = ["GemmTiling", "MoeTiling", "moe_fused_ffn", "moe_fused_ffn_reference", "moe_grouped_ffn",
-           "moe_grouped_ffn_reference"]
+__all__ = [
+    "GemmTiling",
+    "MoeTiling",
+    "moe_fused_ffn",
+    "moe_fused_ffn_reference",
+    "moe_grouped_ffn",
+    "moe_grouped_ffn_reference",
+]

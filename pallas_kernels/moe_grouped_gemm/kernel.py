@@ -62,8 +62,7 @@ class GemmTiling:
     num_k_splits: int = 1
 
     def __post_init__(self) -> None:
-        for name, minimum in (("block_m", 16), ("block_n", 16), ("block_k", 16), ("num_warps", 1),
-                              ("num_k_splits", 1)):
+        for name, minimum in (("block_m", 16), ("block_n", 16), ("block_k", 16), ("num_warps", 1), ("num_k_splits", 1)):
             check_power_of_two("GemmTiling", name, getattr(self, name), minimum)
         if self.num_stages < 1:
             raise ValueError(f"{self}: num_stages must be >= 1")
@@ -95,8 +94,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _gemm_tiling(block_m: int, working_items: int, n: int, k: int, num_accumulators: int,
-                 split_k: bool) -> GemmTiling:
+def _gemm_tiling(block_m: int, working_items: int, n: int, k: int, num_accumulators: int, split_k: bool) -> GemmTiling:
     """Column tile, warps and split-K for one kernel, given how many work items run a GEMM.
 
     `block_n` starts at 128 (64 for two accumulators above 32 rows) and halves, down to
@@ -109,8 +107,12 @@ def _gemm_tiling(block_m: int, working_items: int, n: int, k: int, num_accumulat
     while block_n > 32 and working_items * _cdiv(n, block_n) < TARGET_WORKING_CTAS:
         block_n //= 2
     splits = 1
-    while (split_k and splits < 8 and working_items * _cdiv(n, block_n) * splits < TARGET_WORKING_CTAS
-           and k >= block_k * 4 * splits * 2):
+    while (
+        split_k
+        and splits < 8
+        and working_items * _cdiv(n, block_n) * splits < TARGET_WORKING_CTAS
+        and k >= block_k * 4 * splits * 2
+    ):
         splits *= 2
     num_warps = 4
     while num_accumulators * block_m * block_n // (32 * num_warps) > MAX_ACC_REGS_PER_THREAD:
@@ -138,14 +140,16 @@ def default_tiling(num_rows: int, num_groups: int, hidden: int, inter: int) -> M
     working_items = max(groups_used, _cdiv(num_rows, block_m))
     return MoeTiling(
         _gemm_tiling(block_m, working_items, inter, hidden, num_accumulators=2, split_k=False),
-        _gemm_tiling(block_m, working_items, hidden, inter, num_accumulators=1, split_k=True))
+        _gemm_tiling(block_m, working_items, hidden, inter, num_accumulators=1, split_k=True),
+    )
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """f32-accumulating MMA. HIGHEST keeps f32 inputs in IEEE f32 (Triton's default for
     f32 is TF32); bf16 inputs are unaffected."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
 
 
 def _tail_mask(idx: jax.Array, size: int, block: int) -> Optional[jax.Array]:
@@ -169,8 +173,9 @@ def _load_tile(ref, rows: jax.Array, cols: jax.Array, mask: Optional[jax.Array])
     return pltriton.load(idx) if mask is None else pltriton.load(idx, mask=mask, other=0)
 
 
-def _store_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mask: jax.Array,
-                col_mask: Optional[jax.Array]) -> None:
+def _store_tile(
+    ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mask: jax.Array, col_mask: Optional[jax.Array]
+) -> None:
     """Stores the rows in `row_mask` (and columns in `col_mask`). Masked-off rows are
     redirected one past the end (masked columns are past the end already): GPU stores
     never happen there, and interpret mode drops them instead of racing with real rows."""
@@ -179,8 +184,15 @@ def _store_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mas
     pltriton.store(ref.at[rows[:, None], cols[None, :]], value, mask=mask)
 
 
-def _add_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mask: jax.Array,
-              col_mask: Optional[jax.Array], interpret: bool) -> None:
+def _add_tile(
+    ref,
+    rows: jax.Array,
+    cols: jax.Array,
+    value: jax.Array,
+    row_mask: jax.Array,
+    col_mask: Optional[jax.Array],
+    interpret: bool,
+) -> None:
     """Atomically adds the masked rows (and columns) of `value` into `ref[rows, cols]`.
 
     `ref` has one spare row at the end: masked-off rows are redirected there and tail
@@ -197,9 +209,21 @@ def _add_tile(ref, rows: jax.Array, cols: jax.Array, value: jax.Array, row_mask:
     pltriton.atomic_add(ref, (rows[:, None], cols[None, :]), value, mask=None if interpret else mask)
 
 
-def _grouped_kernel(sched_ref, *refs, num_weights: int, swiglu: bool, gather: bool, combine: bool,
-                    atomic: bool, block_m: int, block_n: int, block_k: int, num_k_splits: int,
-                    interpret: bool, num_aliased: int):
+def _grouped_kernel(
+    sched_ref,
+    *refs,
+    num_weights: int,
+    swiglu: bool,
+    gather: bool,
+    combine: bool,
+    atomic: bool,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_k_splits: int,
+    interpret: bool,
+    num_aliased: int,
+):
     """One (work item, column tile, K split): `a[rows] @ w[g]` for each weight, then the epilogue.
 
     Refs after the work table: `row_token` (int32 [M], with `gather` or `combine`),
@@ -215,7 +239,7 @@ def _grouped_kernel(sched_ref, *refs, num_weights: int, swiglu: bool, gather: bo
     row_weight_ref = refs.pop(0) if combine else None
     a_ref = refs.pop(0)
     w_refs = refs[:num_weights]
-    (o_ref,) = refs[num_weights + num_aliased:]
+    (o_ref,) = refs[num_weights + num_aliased :]
     item = pl.program_id(0)
     tile_start = sched_ref[item, schedule.TILE_START]
     row_lo = sched_ref[item, schedule.ROW_LO]
@@ -240,8 +264,9 @@ def _grouped_kernel(sched_ref, *refs, num_weights: int, swiglu: bool, gather: bo
         k_mask = _tail_mask(ks, k_size, block_k)
         a = _load_tile(a_ref, a_rows, ks, _and(row_mask[:, None], None if k_mask is None else k_mask[None, :]))
         w_mask = _and(None if k_mask is None else k_mask[:, None], None if col_mask is None else col_mask[None, :])
-        return tuple(acc + _dot(a, _load_tile(w_ref, w_row_base + ks, cols, w_mask))
-                     for acc, w_ref in zip(accs, w_refs))
+        return tuple(
+            acc + _dot(a, _load_tile(w_ref, w_row_base + ks, cols, w_mask)) for acc, w_ref in zip(accs, w_refs)
+        )
 
     # Zero-filling and unused items skip the K loop (and every weight load).
     num_steps = (k_size + block_k - 1) // block_k
@@ -267,9 +292,21 @@ def _grouped_kernel(sched_ref, *refs, num_weights: int, swiglu: bool, gather: bo
         _add_tile(o_ref, rows, cols, out, add_mask, col_mask, interpret)
 
 
-def _grouped_call(sched, a, weights, out_struct, tiling: GemmTiling, *, swiglu: bool, interpret: bool,
-                  poison: bool, name: str, row_token: Optional[jax.Array] = None,
-                  row_weight: Optional[jax.Array] = None, gather: bool = False) -> jax.Array:
+def _grouped_call(
+    sched,
+    a,
+    weights,
+    out_struct,
+    tiling: GemmTiling,
+    *,
+    swiglu: bool,
+    interpret: bool,
+    poison: bool,
+    name: str,
+    row_token: Optional[jax.Array] = None,
+    row_weight: Optional[jax.Array] = None,
+    gather: bool = False,
+) -> jax.Array:
     """Launches one kernel. The output is stored row by row, unless the kernel adds into it
     (split-K, or the weighted combine when `row_weight` is given): then it is an f32
     buffer with one spare row, zeroed first (never poisoned)."""
@@ -292,10 +329,20 @@ def _grouped_call(sched, a, weights, out_struct, tiling: GemmTiling, *, swiglu: 
         aliases[len(inputs)] = 0
         inputs.append(jnp.full(out_struct.shape, jnp.nan, out_struct.dtype))
     grid = (sched.shape[0], pl.cdiv(out_struct.shape[1], tiling.block_n), tiling.num_k_splits)
-    body = functools.partial(_grouped_kernel, num_weights=len(weights), swiglu=swiglu, gather=gather,
-                             combine=combine, atomic=atomic, block_m=tiling.block_m, block_n=tiling.block_n,
-                             block_k=tiling.block_k, num_k_splits=tiling.num_k_splits, interpret=interpret,
-                             num_aliased=len(aliases))
+    body = functools.partial(
+        _grouped_kernel,
+        num_weights=len(weights),
+        swiglu=swiglu,
+        gather=gather,
+        combine=combine,
+        atomic=atomic,
+        block_m=tiling.block_m,
+        block_n=tiling.block_n,
+        block_k=tiling.block_k,
+        num_k_splits=tiling.num_k_splits,
+        interpret=interpret,
+        num_aliased=len(aliases),
+    )
     out = pl.pallas_call(
         body,
         out_shape=out_struct,
@@ -312,8 +359,10 @@ def check_weights(hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: 
     """Stacked expert weights [E, H, I], [E, H, I], [E, I, H] of one dtype with the activations'."""
     num_groups, wh, inter_size = w_gate.shape
     if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
-        raise ValueError(f"shape mismatch: hidden size {hidden_size}, w_gate {w_gate.shape}, "
-                         f"w_up {w_up.shape}, w_down {w_down.shape}")
+        raise ValueError(
+            f"shape mismatch: hidden size {hidden_size}, w_gate {w_gate.shape}, "
+            f"w_up {w_up.shape}, w_down {w_down.shape}"
+        )
     if len({*dtypes, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
         raise ValueError("the activations and the weights must share one dtype")
 
@@ -348,12 +397,27 @@ def moe_forward(
 
     sched = schedule.group_tile_schedule(group_sizes, num_rows=num_rows, block_m=tiling.gate_up.block_m)
     hidden = _grouped_call(
-        sched, x_sorted, [_stacked(w_gate), _stacked(w_up)],
-        jax.ShapeDtypeStruct((num_rows, inter_size), x_sorted.dtype), tiling.gate_up, swiglu=True,
-        interpret=interpret, poison=poison_outputs, name="moe_gate_up")
+        sched,
+        x_sorted,
+        [_stacked(w_gate), _stacked(w_up)],
+        jax.ShapeDtypeStruct((num_rows, inter_size), x_sorted.dtype),
+        tiling.gate_up,
+        swiglu=True,
+        interpret=interpret,
+        poison=poison_outputs,
+        name="moe_gate_up",
+    )
     out = _grouped_call(
-        sched, hidden, [_stacked(w_down)], jax.ShapeDtypeStruct((num_rows, hidden_size), x_sorted.dtype),
-        tiling.down, swiglu=False, interpret=interpret, poison=poison_outputs, name="moe_down")
+        sched,
+        hidden,
+        [_stacked(w_down)],
+        jax.ShapeDtypeStruct((num_rows, hidden_size), x_sorted.dtype),
+        tiling.down,
+        swiglu=False,
+        interpret=interpret,
+        poison=poison_outputs,
+        name="moe_down",
+    )
     return out.astype(x_sorted.dtype), hidden
 
 
@@ -379,8 +443,10 @@ def moe_fused_forward(
     num_groups, _, inter_size = w_gate.shape
     check_weights(hidden_size, w_gate, w_up, w_down, x.dtype)
     if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or routing_weights.shape != expert_ids.shape:
-        raise ValueError(f"expert_ids {expert_ids.shape} and routing_weights {routing_weights.shape} must both "
-                         f"be [{num_tokens}, top_k]")
+        raise ValueError(
+            f"expert_ids {expert_ids.shape} and routing_weights {routing_weights.shape} must both "
+            f"be [{num_tokens}, top_k]"
+        )
     top_k = expert_ids.shape[1]
     num_rows = num_tokens * top_k
     if tiling is None:
@@ -395,13 +461,31 @@ def moe_fused_forward(
 
     sched = schedule.group_tile_schedule(group_sizes, num_rows=num_rows, block_m=tiling.gate_up.block_m)
     hidden = _grouped_call(
-        sched, x, [_stacked(w_gate), _stacked(w_up)], jax.ShapeDtypeStruct((num_rows, inter_size), x.dtype),
-        tiling.gate_up, swiglu=True, interpret=interpret, poison=poison_outputs, name="moe_fused_gate_up",
-        row_token=row_token, gather=True)
+        sched,
+        x,
+        [_stacked(w_gate), _stacked(w_up)],
+        jax.ShapeDtypeStruct((num_rows, inter_size), x.dtype),
+        tiling.gate_up,
+        swiglu=True,
+        interpret=interpret,
+        poison=poison_outputs,
+        name="moe_fused_gate_up",
+        row_token=row_token,
+        gather=True,
+    )
     out = _grouped_call(
-        sched, hidden, [_stacked(w_down)], jax.ShapeDtypeStruct((num_tokens, hidden_size), jnp.float32),
-        tiling.down, swiglu=False, interpret=interpret, poison=False, name="moe_fused_down",
-        row_token=row_token, row_weight=row_weight)
+        sched,
+        hidden,
+        [_stacked(w_down)],
+        jax.ShapeDtypeStruct((num_tokens, hidden_size), jnp.float32),
+        tiling.down,
+        swiglu=False,
+        interpret=interpret,
+        poison=False,
+        name="moe_fused_down",
+        row_token=row_token,
+        row_weight=row_weight,
+    )
     return out, hidden
 
 
@@ -439,6 +523,5 @@ def moe_fused_ffn(
 ) -> jax.Array:
     """`sum_k routing_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`: [T, H] in x's dtype,
     combined in f32. Same contract as `moe_fused_ffn_reference`."""
-    out, _ = moe_fused_forward(x, expert_ids, routing_weights, w_gate, w_up, w_down, tiling=tiling,
-                               interpret=interpret)
+    out, _ = moe_fused_forward(x, expert_ids, routing_weights, w_gate, w_up, w_down, tiling=tiling, interpret=interpret)
     return out.astype(x.dtype)

@@ -27,8 +27,9 @@ weight dims (`supports` says whether a problem fits).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +98,7 @@ def _block_k(k_size: int) -> int:
 
 def supports(x_dtype, hidden: int, inter: int) -> bool:
     """Whether the Mosaic GPU kernels take this problem (dtype and tile divisibility)."""
-    return (jnp.dtype(x_dtype) in SUPPORTED_DTYPES and hidden % 16 == 0 and inter % 16 == 0)
+    return jnp.dtype(x_dtype) in SUPPORTED_DTYPES and hidden % 16 == 0 and inter % 16 == 0
 
 
 def _check_tiling(t: MosaicGemmTiling, k_size: int, n_size: int, name: str) -> None:
@@ -116,11 +117,12 @@ def _store_rows(o_smem, o_gmem, *, smem_start, gmem_start, num_rows, max_rows: i
     `o_gmem` from `gmem_start` with power-of-two TMA boxes, largest first."""
     size = 1 << (max_rows.bit_length() - 1)
     while size >= 1:
+
         @pl.when((num_rows & size) != 0)
         def _(size=size, smem_start=smem_start, gmem_start=gmem_start):
             plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(smem_start, size)],
-                o_gmem.at[pl.ds(gmem_start, size), pl.ds(col_start, block_n)])
+                o_smem.at[pl.ds(smem_start, size)], o_gmem.at[pl.ds(gmem_start, size), pl.ds(col_start, block_n)]
+            )
 
         smem_start = smem_start + (num_rows & size)
         gmem_start = gmem_start + (num_rows & size)
@@ -128,8 +130,16 @@ def _store_rows(o_smem, o_gmem, *, smem_start, gmem_start, num_rows, max_rows: i
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grouped_gemm(sched: jax.Array, a: jax.Array, weights: Sequence[jax.Array], out_rows: int,
-                  tiling: MosaicGemmTiling, *, swiglu: bool, interpret: bool) -> jax.Array:
+def _grouped_gemm(
+    sched: jax.Array,
+    a: jax.Array,
+    weights: Sequence[jax.Array],
+    out_rows: int,
+    tiling: MosaicGemmTiling,
+    *,
+    swiglu: bool,
+    interpret: bool,
+) -> jax.Array:
     """[out_rows, N]: per work item, `a[tile] @ w[group]` (and the SwiGLU epilogue)."""
     num_weights = len(weights)
     _, k_size, n_size = weights[0].shape
@@ -161,8 +171,7 @@ def _grouped_gemm(sched: jax.Array, a: jax.Array, weights: Sequence[jax.Array], 
                         step,
                         grid=(k_size // block_k,),
                         in_specs=[plgpu.BlockSpec((block_m, block_k), lambda k: (row_tile, k), delay_release=1)]
-                        + [plgpu.BlockSpec((block_k, block_n), lambda k: (k, col_tile), delay_release=1)]
-                        * num_weights,
+                        + [plgpu.BlockSpec((block_k, block_n), lambda k: (k, col_tile), delay_release=1)] * num_weights,
                         max_concurrent_steps=max(2, tiling.max_concurrent_steps),
                     )(a_gmem, *[w.at[expert] for w in w_gmems])
 
@@ -179,9 +188,16 @@ def _grouped_gemm(sched: jax.Array, a: jax.Array, weights: Sequence[jax.Array], 
             def _store(o_smem):
                 o_smem[...] = out.astype(out_dtype)
                 plgpu.commit_smem()
-                _store_rows(o_smem, o_gmem, smem_start=row_lo - tile_start, gmem_start=row_lo,
-                            num_rows=row_hi - row_lo, max_rows=block_m, col_start=col_tile * block_n,
-                            block_n=block_n)
+                _store_rows(
+                    o_smem,
+                    o_gmem,
+                    smem_start=row_lo - tile_start,
+                    gmem_start=row_lo,
+                    num_rows=row_hi - row_lo,
+                    max_rows=block_m,
+                    col_start=col_tile * block_n,
+                    block_n=block_n,
+                )
 
     kernel = plgpu.kernel(
         body,
@@ -225,10 +241,10 @@ def moe_forward(
     pad = ((0, padded_rows - num_rows), (0, 0))
     # `hidden` keeps the padded rows for the down kernel's TMA loads; they are never
     # written, and only ever land in accumulator rows that are not stored.
-    hidden = _grouped_gemm(sched, jnp.pad(x_sorted, pad), [w_gate, w_up], padded_rows, tiling.gate_up,
-                           swiglu=True, interpret=interpret)
-    out = _grouped_gemm(sched, hidden, [w_down], num_rows, tiling.down,
-                        swiglu=False, interpret=interpret)
+    hidden = _grouped_gemm(
+        sched, jnp.pad(x_sorted, pad), [w_gate, w_up], padded_rows, tiling.gate_up, swiglu=True, interpret=interpret
+    )
+    out = _grouped_gemm(sched, hidden, [w_down], num_rows, tiling.down, swiglu=False, interpret=interpret)
     return out, hidden[:num_rows]
 
 

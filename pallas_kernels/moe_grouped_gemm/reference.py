@@ -46,6 +46,7 @@ def moe_fused_ffn_reference(
     group_sizes = jnp.bincount(ids, length=num_groups).astype(jnp.int32)
     y_sorted = moe_grouped_ffn_reference(x[order // top_k], group_sizes, w_gate, w_up, w_down)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-    out = jnp.einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32),
-                     routing_weights.astype(jnp.float32))
+    out = jnp.einsum(
+        "tkh,tk->th", y.reshape(num_tokens, top_k, -1).astype(jnp.float32), routing_weights.astype(jnp.float32)
+    )
     return out.astype(x.dtype)

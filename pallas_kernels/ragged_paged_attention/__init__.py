@@ -11,5 +11,10 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_latent_attention_reference,
 )
 
-__all__ = ["AttentionTiling", "ragged_paged_attention", "ragged_paged_attention_reference",
-           "ragged_paged_latent_attention", "ragged_paged_latent_attention_reference"]
+__all__ = [
+    "AttentionTiling",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_paged_latent_attention",
+    "ragged_paged_latent_attention_reference",
+]

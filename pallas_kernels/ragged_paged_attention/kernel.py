@@ -123,8 +123,9 @@ def default_tiling(
     return AttentionTiling(block_m, block_k, splits, num_warps, num_stages=2)
 
 
-def decode_tiling(num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
-                  itemsize: int = 2) -> AttentionTiling:
+def decode_tiling(
+    num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int, itemsize: int = 2
+) -> AttentionTiling:
     """The tiling of the decode launch of a mixed bucket: as for a decode-only bucket of
     `num_seq_slots` tokens (the smallest MMA tile, flash-decoding splits)."""
     return default_tiling(num_seq_slots, num_seq_slots, num_q_heads, num_kv_heads, head_dim, max_kv_len, itemsize)
@@ -133,8 +134,9 @@ def decode_tiling(num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_
 def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
     """f32-accumulating MMA. HIGHEST keeps f32 inputs in IEEE f32 (Triton's default for
     f32 is TF32); bf16 inputs are unaffected."""
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
 
 
 def _row_col_mask(ref, mask: jax.Array, width: int, num_cols: Optional[int] = None) -> jax.Array:
@@ -289,9 +291,17 @@ class Launch:
     include_padding: bool  # whether it writes the padding tokens' zeros
 
 
-def plan_launches(num_tokens: int, num_seq_slots: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  max_kv_len: int, itemsize: int, tiling: Optional[AttentionTiling] = None,
-                  decode: Optional[AttentionTiling] = None) -> list[Launch]:
+def plan_launches(
+    num_tokens: int,
+    num_seq_slots: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_kv_len: int,
+    itemsize: int,
+    tiling: Optional[AttentionTiling] = None,
+    decode: Optional[AttentionTiling] = None,
+) -> list[Launch]:
     """The launches of a bucket, from static shapes.
 
     A decode-only bucket (T <= S), or an explicit `tiling` without a `decode` one, is one
@@ -307,23 +317,43 @@ def plan_launches(num_tokens: int, num_seq_slots: int, num_q_heads: int, num_kv_
         tiling = default_tiling(num_tokens, num_seq_slots, *args)
     for t in (tiling, decode):
         if t is not None and t.block_m % group_pow2:
-            raise ValueError(f"{t} does not fit GQA group size {num_q_heads // num_kv_heads} "
-                             f"(block_m must be a multiple of {group_pow2})")
-    one = Launch(tiling, schedule.max_query_tiles(num_tokens, num_seq_slots, tiling.block_m // group_pow2),
-                 None, 0, True)
+            raise ValueError(
+                f"{t} does not fit GQA group size {num_q_heads // num_kv_heads} "
+                f"(block_m must be a multiple of {group_pow2})"
+            )
+    one = Launch(
+        tiling, schedule.max_query_tiles(num_tokens, num_seq_slots, tiling.block_m // group_pow2), None, 0, True
+    )
     if num_tokens <= num_seq_slots or (explicit and decode is None):
         return [one]
     if decode is None:
         decode = decode_tiling(num_seq_slots, *args)
     decode_q = decode.block_m // group_pow2
-    return [Launch(tiling, one.num_tiles, None, decode_q + 1, True),
-            Launch(decode, min(num_seq_slots, num_tokens), decode_q, 0, False)]
+    return [
+        Launch(tiling, one.num_tiles, None, decode_q + 1, True),
+        Launch(decode, min(num_seq_slots, num_tokens), decode_q, 0, False),
+    ]
 
 
-def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
-            block_tables: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *, num_q_heads: int,
-            sm_scale: float, sliding_window: Optional[int], soft_cap: Optional[float], interpret: bool,
-            out_init: Optional[jax.Array], poison: bool, value_dim: Optional[int] = None):
+def _launch(
+    launch: Launch,
+    q2d: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    num_q_heads: int,
+    sm_scale: float,
+    sliding_window: Optional[int],
+    soft_cap: Optional[float],
+    interpret: bool,
+    out_init: Optional[jax.Array],
+    poison: bool,
+    value_dim: Optional[int] = None,
+):
     """Runs one launch. Returns (tile table, raw outputs): the [T * Hq, D] output (written
     in place over `out_init` when given) or, with splits, the f32 partials (acc, max, denom)."""
     num_kv_heads, num_blocks, tokens_per_block, head_dim = k_cache.shape
@@ -336,10 +366,21 @@ def _launch(launch: Launch, q2d: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     tiling = launch.tiling
     num_splits = tiling.num_kv_splits
     tiles = schedule.query_tile_schedule(
-        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=tiling.block_m // group_pow2,
-        tokens_per_block=tokens_per_block, sliding_window=sliding_window, max_kv_len=max_blocks * tokens_per_block,
-        max_q_len=launch.max_q_len, min_q_len=launch.min_q_len, include_padding=launch.include_padding,
-        num_tiles=launch.num_tiles, num_splits=num_splits, block_k=tiling.block_k)
+        cu_q_lens,
+        kv_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        block_q=tiling.block_m // group_pow2,
+        tokens_per_block=tokens_per_block,
+        sliding_window=sliding_window,
+        max_kv_len=max_blocks * tokens_per_block,
+        max_q_len=launch.max_q_len,
+        min_q_len=launch.min_q_len,
+        include_padding=launch.include_padding,
+        num_tiles=launch.num_tiles,
+        num_splits=num_splits,
+        block_k=tiling.block_k,
+    )
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, out_dim), q2d.dtype)]
     else:
@@ -431,8 +472,17 @@ def attention_forward(
     num_kv_heads, _, tokens_per_block, _ = k_cache.shape
     num_seq_slots, max_blocks = block_tables.shape
     group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
-    launches = plan_launches(num_tokens, num_seq_slots, num_q_heads, num_kv_heads, head_dim,
-                             max_blocks * tokens_per_block, q.dtype.itemsize, tiling, decode_tiling)
+    launches = plan_launches(
+        num_tokens,
+        num_seq_slots,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        max_blocks * tokens_per_block,
+        q.dtype.itemsize,
+        tiling,
+        decode_tiling,
+    )
     rows = num_tokens * num_q_heads
     q2d = q.reshape(rows, head_dim)
     out_dim = head_dim if value_dim is None else value_dim
@@ -443,15 +493,32 @@ def attention_forward(
         out_init = out
         if out_init is None and poison_outputs and num_splits == 1:
             out_init = jnp.full((rows, out_dim), jnp.nan, q.dtype)
-        tiles, raw = _launch(launch, q2d, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                             num_q_heads=num_q_heads, sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap, interpret=interpret, out_init=out_init, poison=poison_outputs,
-                             value_dim=value_dim)
+        tiles, raw = _launch(
+            launch,
+            q2d,
+            k_cache,
+            v_cache,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            num_seqs,
+            num_q_heads=num_q_heads,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=interpret,
+            out_init=out_init,
+            poison=poison_outputs,
+            value_dim=value_dim,
+        )
         if num_splits == 1:
             out = raw[0]
             continue
         o_part, m_part, l_part = (
-            raw[0].reshape(num_splits, rows, out_dim), raw[1].reshape(num_splits, rows), raw[2].reshape(num_splits, rows))
+            raw[0].reshape(num_splits, rows, out_dim),
+            raw[1].reshape(num_splits, rows),
+            raw[2].reshape(num_splits, rows),
+        )
         if launch.include_padding and launch.max_q_len is None and launch.min_q_len == 0:
             merged = merge_splits(o_part, m_part, l_part).astype(q.dtype)  # the launch owns every row
             raw_all += raw
@@ -464,15 +531,19 @@ def attention_forward(
         valid = mine < rows
         take = jnp.where(valid, mine, 0)
         o_mine, m_mine, l_mine = o_part[:, take], m_part[:, take], l_part[:, take]
-        raw_all += [jnp.where(valid[None, :, None], o_mine, 0.0), jnp.where(valid[None], m_mine, 0.0),
-                    jnp.where(valid[None], l_mine, 0.0)]
+        raw_all += [
+            jnp.where(valid[None, :, None], o_mine, 0.0),
+            jnp.where(valid[None], m_mine, 0.0),
+            jnp.where(valid[None], l_mine, 0.0),
+        ]
         merged = merge_splits(o_mine, m_mine, l_mine).astype(q.dtype)
         out = out.at[mine].set(merged, mode="drop")
     return out.reshape(num_tokens, num_q_heads, out_dim), (out, *raw_all)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling", "decode_tiling"))
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling", "decode_tiling")
+)
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
@@ -497,9 +568,20 @@ def ragged_paged_attention(
     bucket run in a launch of their own with that tiling (see `plan_launches`).
     """
     out, _ = attention_forward(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        tiling=tiling, decode_tiling=decode_tiling, interpret=interpret)
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        tiling=tiling,
+        decode_tiling=decode_tiling,
+        interpret=interpret,
+    )
     return out
 
 
@@ -521,6 +603,18 @@ def ragged_paged_latent_attention(
     """Multi-query attention over a latent cache whose rows are the keys and whose first
     `value_dim` columns are the values (MLA's absorbed form): [T, Hq, value_dim]."""
     kv = latent_cache[None]
-    out, _ = attention_forward(q, kv, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                               tiling=tiling, decode_tiling=decode_tiling, interpret=interpret, value_dim=value_dim)
+    out, _ = attention_forward(
+        q,
+        kv,
+        kv,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        tiling=tiling,
+        decode_tiling=decode_tiling,
+        interpret=interpret,
+        value_dim=value_dim,
+    )
     return out

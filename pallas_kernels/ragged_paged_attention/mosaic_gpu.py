@@ -71,24 +71,33 @@ _NUM_SMS = 132  # H100 SXM; H200 has the same count
 _ML_COLS = 8  # running max / denominator stored as [rows, 8] f32: TMA rows of 32 bytes
 
 
-def default_num_kv_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, max_kv_len: int,
-                          tokens_per_block: int) -> int:
+def default_num_kv_splits(
+    num_tokens: int, num_seq_slots: int, num_kv_heads: int, max_kv_len: int, tokens_per_block: int
+) -> int:
     """Decode buckets only (T <= S, one token per tile): double the split while the grid
     holds fewer than two CTAs per SM and each share keeps at least four pages; mixed and
     prefill buckets have enough tiles and run unsplit (no partial buffers)."""
     if num_tokens > num_seq_slots:
         return 1
     splits = 1
-    while (splits < 16 and num_tokens * num_kv_heads * splits * 2 <= 2 * _NUM_SMS
-           and max_kv_len >= tokens_per_block * 4 * splits * 2):
+    while (
+        splits < 16
+        and num_tokens * num_kv_heads * splits * 2 <= 2 * _NUM_SMS
+        and max_kv_len >= tokens_per_block * 4 * splits * 2
+    ):
         splits *= 2
     return splits
 
 
 def supports(dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int) -> bool:
     """Whether the Mosaic GPU kernel takes this problem."""
-    return (jnp.dtype(dtype) in SUPPORTED_DTYPES and tokens_per_block % 16 == 0 and head_dim % 16 == 0
-            and num_q_heads % num_kv_heads == 0 and _next_pow2(num_q_heads // num_kv_heads) <= _ROWS)
+    return (
+        jnp.dtype(dtype) in SUPPORTED_DTYPES
+        and tokens_per_block % 16 == 0
+        and head_dim % 16 == 0
+        and num_q_heads % num_kv_heads == 0
+        and _next_pow2(num_q_heads // num_kv_heads) <= _ROWS
+    )
 
 
 def _smem_transforms(dtype, *widths: int) -> tuple:
@@ -105,6 +114,7 @@ def _store_rows(o_smem, o_gmem, *, gmem_start, num_rows, max_rows: int):
     size = 1 << (max_rows.bit_length() - 1)
     smem_start = 0
     while size >= 1:
+
         @pl.when((num_rows & size) != 0)
         def _(size=size, smem_start=smem_start):
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(smem_start, size)], o_gmem.at[pl.ds(gmem_start + smem_start, size)])
@@ -121,7 +131,8 @@ def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
     if not supports(q.dtype, num_q_heads, num_kv_heads, head_dim, tokens_per_block):
         raise ValueError(
             f"Mosaic GPU attention needs bf16/f16 (got {q.dtype}), tokens_per_block % 16 == 0 (got "
-            f"{tokens_per_block}), head_dim % 16 == 0 (got {head_dim}) and <= {_ROWS} q heads per kv head")
+            f"{tokens_per_block}), head_dim % 16 == 0 (got {head_dim}) and <= {_ROWS} q heads per kv head"
+        )
 
 
 def attention_forward(
@@ -150,12 +161,19 @@ def attention_forward(
     block_q = _ROWS // group_pow2
     dtype = q.dtype
     num_splits = tiling.num_kv_splits or default_num_kv_splits(
-        num_tokens, block_tables.shape[0], num_kv_heads, max_blocks * tokens_per_block, tokens_per_block)
+        num_tokens, block_tables.shape[0], num_kv_heads, max_blocks * tokens_per_block, tokens_per_block
+    )
     if num_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_splits}")
     tiles = schedule.query_tile_schedule(
-        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
-        tokens_per_block=tokens_per_block, sliding_window=sliding_window)
+        cu_q_lens,
+        kv_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        block_q=block_q,
+        tokens_per_block=tokens_per_block,
+        sliding_window=sliding_window,
+    )
 
     # Head-major q: [Hkv, T * G (+ one tile of padding for the last TMA box), D].
     qh = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -169,8 +187,11 @@ def attention_forward(
     sm_scale = float(sm_scale)
     # Register layouts are lowering hints; jax's GPU interpreter has no rules for them.
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
-    iota = ((lambda shape, dim: jax.lax.broadcasted_iota(jnp.int32, shape, dim)) if interpret else
-            (lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)))
+    iota = (
+        (lambda shape, dim: jax.lax.broadcasted_iota(jnp.int32, shape, dim))
+        if interpret
+        else (lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA))
+    )
     qk_transforms = _smem_transforms(dtype, head_dim)  # q and K
     pv_transforms = _smem_transforms(dtype, head_dim, tokens_per_block)  # P and V
 
@@ -198,10 +219,14 @@ def attention_forward(
 
         @pl.when(q_end > q_start)
         def _tile():
-            @functools.partial(pl.run_scoped, q_smem=plgpu.SMEM((_ROWS, head_dim), dtype, transforms=qk_transforms),
-                               p_smem=plgpu.SMEM((_ROWS, tokens_per_block), dtype, transforms=pv_transforms),
-                               o_smem=plgpu.SMEM((_ROWS, head_dim), dtype if num_splits == 1 else jnp.float32),
-                               ml_smem=plgpu.SMEM((2, _ROWS, _ML_COLS), jnp.float32), barrier=plgpu.Barrier())
+            @functools.partial(
+                pl.run_scoped,
+                q_smem=plgpu.SMEM((_ROWS, head_dim), dtype, transforms=qk_transforms),
+                p_smem=plgpu.SMEM((_ROWS, tokens_per_block), dtype, transforms=pv_transforms),
+                o_smem=plgpu.SMEM((_ROWS, head_dim), dtype if num_splits == 1 else jnp.float32),
+                ml_smem=plgpu.SMEM((2, _ROWS, _ML_COLS), jnp.float32),
+                barrier=plgpu.Barrier(),
+            )
             def _scope(q_smem, p_smem, o_smem, ml_smem, barrier):
                 plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(q_start * group_pow2, _ROWS)], q_smem, barrier)
                 plgpu.barrier_wait(barrier)
@@ -246,17 +271,23 @@ def attention_forward(
                     acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0]) + pv_out
                     return acc, new_max, denom
 
-                init = (cast(jnp.zeros((_ROWS, head_dim), jnp.float32), _WGMMA),
-                        cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32), _WGMMA_ROW),
-                        cast(jnp.zeros((_ROWS,), jnp.float32), _WGMMA_ROW))
-                k_spec, v_spec = (plgpu.BlockSpec((tokens_per_block, head_dim), lambda j: (page_block(j), 0),
-                                                  transforms=t) for t in (qk_transforms, pv_transforms))
+                init = (
+                    cast(jnp.zeros((_ROWS, head_dim), jnp.float32), _WGMMA),
+                    cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32), _WGMMA_ROW),
+                    cast(jnp.zeros((_ROWS,), jnp.float32), _WGMMA_ROW),
+                )
+                k_spec, v_spec = (
+                    plgpu.BlockSpec((tokens_per_block, head_dim), lambda j: (page_block(j), 0), transforms=t)
+                    for t in (qk_transforms, pv_transforms)
+                )
                 acc, running_max, denom = plgpu.emit_pipeline(
-                    step, grid=(num_pages,), in_specs=[k_spec, v_spec],
-                    max_concurrent_steps=max(2, tiling.max_concurrent_steps), init_carry=init,
+                    step,
+                    grid=(num_pages,),
+                    in_specs=[k_spec, v_spec],
+                    max_concurrent_steps=max(2, tiling.max_concurrent_steps),
+                    init_carry=init,
                 )(k_gmem, v_gmem)
-                rows = dict(gmem_start=q_start * group_pow2, num_rows=(q_end - q_start) * group_pow2,
-                            max_rows=_ROWS)
+                rows = dict(gmem_start=q_start * group_pow2, num_rows=(q_end - q_start) * group_pow2, max_rows=_ROWS)
                 # Not q_smem: wgmma operands are tiled and swizzled, while the row
                 # ladder slices the output at any row.
                 if num_splits == 1:
@@ -280,8 +311,10 @@ def attention_forward(
     if num_splits == 1:
         out_type = [jax.ShapeDtypeStruct((*rows_shape, head_dim), dtype)]
     else:
-        out_type = [jax.ShapeDtypeStruct((num_splits, *rows_shape, head_dim), jnp.float32),
-                    jax.ShapeDtypeStruct((num_splits, 2, *rows_shape, _ML_COLS), jnp.float32)]
+        out_type = [
+            jax.ShapeDtypeStruct((num_splits, *rows_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, 2, *rows_shape, _ML_COLS), jnp.float32),
+        ]
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -299,8 +332,7 @@ def attention_forward(
     return jnp.swapaxes(out, 0, 1).reshape(num_tokens, num_q_heads, head_dim)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tiling"))
 def ragged_paged_attention_mosaic(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
@@ -321,6 +353,17 @@ def ragged_paged_attention_mosaic(
     Same contract as `ragged_paged_attention_reference`; padding tokens get zeros.
     `interpret` runs jax's Mosaic GPU interpreter on CPU (slow: tests only).
     """
-    return attention_forward(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                             tiling=tiling, interpret=interpret)
+    return attention_forward(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        tiling=tiling,
+        interpret=interpret,
+    )

@@ -13,7 +13,8 @@ query token `i` sits at position `kv_lens[s] - q_len(s) + i` and sees keys at po
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,16 @@ def token_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array
 
 def init_online_softmax(rows_shape: tuple[int, ...], head_dim: int):
     """(running max, denominator, accumulator) before any key has been seen."""
-    return (jnp.full(rows_shape, _MASK_VALUE, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
-            jnp.zeros(rows_shape + (head_dim,), jnp.float32))
+    return (
+        jnp.full(rows_shape, _MASK_VALUE, jnp.float32),
+        jnp.zeros(rows_shape, jnp.float32),
+        jnp.zeros(rows_shape + (head_dim,), jnp.float32),
+    )
 
 
-def online_softmax_update(carry, scores: jax.Array, allowed: jax.Array, weigh_values: Callable, *,
-                          soft_cap: Optional[float]):
+def online_softmax_update(
+    carry, scores: jax.Array, allowed: jax.Array, weigh_values: Callable, *, soft_cap: Optional[float]
+):
     """Fold one block of keys (`scores[..., keys]`, masked by `allowed`) into the running
     softmax; `weigh_values(probs)` contracts the probabilities with that block's values."""
     running_max, denom, acc = carry
@@ -74,7 +79,8 @@ def ragged_paged_attention_reference(
     soft_cap: Optional[float] = None,
 ) -> jax.Array:
     kv_lens, block_tables, cu_q_lens, num_seqs = (
-        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs))
+        jnp.asarray(a, jnp.int32) for a in (kv_lens, block_tables, cu_q_lens, num_seqs)
+    )
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
@@ -103,8 +109,13 @@ def ragged_paged_attention_reference(
         allowed = key_pos[None, :] <= position[:, None]
         if sliding_window is not None:
             allowed &= key_pos[None, :] > position[:, None] - sliding_window
-        return online_softmax_update(carry, scores, allowed[:, None, None, :],
-                                     lambda probs: jnp.einsum("thgk,thkd->thgd", probs, v), soft_cap=soft_cap)
+        return online_softmax_update(
+            carry,
+            scores,
+            allowed[:, None, None, :],
+            lambda probs: jnp.einsum("thgk,thkd->thgd", probs, v),
+            soft_cap=soft_cap,
+        )
 
     init = init_online_softmax((num_tokens, num_kv_heads, group), head_dim)
     _, denom, acc = jax.lax.fori_loop(start, stop, visit_block, init)
@@ -127,5 +138,6 @@ def ragged_paged_latent_attention_reference(
     """Multi-head latent attention's absorbed form: the latent rows are the keys of one KV head
     shared by all query heads, their first `value_dim` columns its values. [T, Hq, value_dim]."""
     kv = jnp.asarray(latent_cache)[None]
-    return ragged_paged_attention_reference(q, kv, kv, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                            sm_scale=sm_scale)[..., :value_dim]
+    return ragged_paged_attention_reference(q, kv, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale)[
+        ..., :value_dim
+    ]

@@ -138,9 +138,11 @@ def ragged_paged_attention_tiled(
         acc_s = (acc_s * correction[..., None]).at[dest].add(o * weight[..., None], mode="drop")
         return m_new, l_s, acc_s
 
-    state = (jnp.full((max_tiles, num_kv_heads, rows), _MASK_VALUE, f32),
-             jnp.zeros((max_tiles, num_kv_heads, rows), f32),
-             jnp.zeros((max_tiles, num_kv_heads, rows, head_dim), f32))
+    state = (
+        jnp.full((max_tiles, num_kv_heads, rows), _MASK_VALUE, f32),
+        jnp.zeros((max_tiles, num_kv_heads, rows), f32),
+        jnp.zeros((max_tiles, num_kv_heads, rows, head_dim), f32),
+    )
     _, denom, acc = jax.lax.fori_loop(0, (total_items + per_step - 1) // per_step, visit, state)
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
     out = out.reshape(max_tiles, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)

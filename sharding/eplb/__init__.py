@@ -8,10 +8,20 @@ This package is host-side numpy only; it never imports the model or the engine.
 
 from sharding.eplb.eplb_config import MoeLoadBalancerConfig, load_eplb_config, save_eplb_config, validate_assignment
 from sharding.eplb.load_metrics import imbalance_ratio, load_statistics, rank_loads, slot_loads
-from sharding.eplb.placement import (ALGORITHMS, compute_placement, placement_from_counts, rebalance_experts,
-                                     replicate_by_load)
-from sharding.eplb.statistics import (ExpertStatistics, ExpertStatisticsWriter, load_expert_statistics,
-                                      parse_iter_range, write_expert_statistics)
+from sharding.eplb.placement import (
+    ALGORITHMS,
+    compute_placement,
+    placement_from_counts,
+    rebalance_experts,
+    replicate_by_load,
+)
+from sharding.eplb.statistics import (
+    ExpertStatistics,
+    ExpertStatisticsWriter,
+    load_expert_statistics,
+    parse_iter_range,
+    write_expert_statistics,
+)
 
 __all__ = [
     "ALGORITHMS",

@@ -35,38 +35,62 @@ def _stats_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def report_parser(prog: str = "jaxllm eplb report") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter,
-                                description="Per-layer load statistics over EP ranks: mean, std and imbalance "
-                                            "ratio (max - mean) / mean, averaged over iterations.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=_HelpFormatter,
+        description="Per-layer load statistics over EP ranks: mean, std and imbalance "
+        "ratio (max - mean) / mean, averaged over iterations.",
+    )
     _stats_flags(p)
     _flag(p, "per_expert", action="store_true", help="statistics over slots (experts) instead of EP ranks")
-    _flag(p, "projection_eplb_config_path", default=None,
-          help="project the counts onto this placement YAML (each expert's tokens split over its replicas)")
+    _flag(
+        p,
+        "projection_eplb_config_path",
+        default=None,
+        help="project the counts onto this placement YAML (each expert's tokens split over its replicas)",
+    )
     _flag(p, "ep_size", type=int, default=None, help="EP ranks (default: the recorded EP size)")
     _flag(p, "plot", default=None, metavar="DIR", help="write PNG heatmaps (tokens per rank / slot per iteration)")
-    _flag(p, "plot_layers", type=int, nargs="+", default=None,
-          help="layers to plot (default: the most imbalanced one)")
+    _flag(p, "plot_layers", type=int, nargs="+", default=None, help="layers to plot (default: the most imbalanced one)")
     return p
 
 
 def generate_config_parser(prog: str = "jaxllm eplb generate-config") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter,
-                                description="Replicate and place experts from recorded statistics; write the "
-                                            "placement YAML (num_slots, initial_global_assignments, "
-                                            "layer_updates_per_iter).")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=_HelpFormatter,
+        description="Replicate and place experts from recorded statistics; write the "
+        "placement YAML (num_slots, initial_global_assignments, "
+        "layer_updates_per_iter).",
+    )
     _stats_flags(p)
     _flag(p, "output_path", required=True, help="where to write the YAML")
     _flag(p, "ep_size", type=int, default=None, help="EP size after rebalancing (default: the recorded EP size)")
     _flag(p, "num_slots", type=int, default=None, help="total expert slots (default: the number of experts)")
-    _flag(p, "layer_updates_per_iter", type=int, default=0,
-          help="layers updated per iteration by the online balancer; 0 = static placement")
-    _flag(p, "algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM,
-          help="greedy: TensorRT-LLM's; hierarchical: DeepSeek's rebalance_experts; balanced: local search on "
-               "decay-weighted loads")
+    _flag(
+        p,
+        "layer_updates_per_iter",
+        type=int,
+        default=0,
+        help="layers updated per iteration by the online balancer; 0 = static placement",
+    )
+    _flag(
+        p,
+        "algorithm",
+        choices=ALGORITHMS,
+        default=DEFAULT_ALGORITHM,
+        help="greedy: TensorRT-LLM's; hierarchical: DeepSeek's rebalance_experts; balanced: local search on "
+        "decay-weighted loads",
+    )
     _flag(p, "num_groups", type=int, default=1, help="hierarchical: expert groups")
     _flag(p, "num_nodes", type=int, default=1, help="hierarchical: nodes")
-    _flag(p, "decay", type=float, default=None,
-          help="balanced: weight per iteration back (default: chosen on the last quarter of the iterations)")
+    _flag(
+        p,
+        "decay",
+        type=float,
+        default=None,
+        help="balanced: weight per iteration back (default: chosen on the last quarter of the iterations)",
+    )
     return p
 
 
@@ -101,10 +125,11 @@ def generate_config(args: argparse.Namespace) -> MoeLoadBalancerConfig:
     elif args.algorithm == "balanced":
         options = {"decay": args.decay}
     tables = placement_from_counts(stats.counts, num_slots, ep_size, args.algorithm, **options)
-    config = MoeLoadBalancerConfig(num_slots=num_slots,
-                                   initial_global_assignments={layer: np.asarray(t).tolist()
-                                                               for layer, t in zip(stats.layers, tables)},
-                                   layer_updates_per_iter=args.layer_updates_per_iter)
+    config = MoeLoadBalancerConfig(
+        num_slots=num_slots,
+        initial_global_assignments={layer: np.asarray(t).tolist() for layer, t in zip(stats.layers, tables)},
+        layer_updates_per_iter=args.layer_updates_per_iter,
+    )
     config.validate(stats.num_experts, ep_size)
     return config
 
@@ -113,8 +138,11 @@ def generate_config_main(argv: Optional[list[str]] = None, prog: str = "jaxllm e
     args = generate_config_parser(prog).parse_args(argv)
     config = generate_config(args)
     save_eplb_config(config, args.output_path)
-    print(f"wrote {args.output_path}: {len(config.initial_global_assignments)} layers, {config.num_slots} slots "
-          f"({args.algorithm})", file=sys.stderr)
+    print(
+        f"wrote {args.output_path}: {len(config.initial_global_assignments)} layers, {config.num_slots} slots "
+        f"({args.algorithm})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -124,9 +152,11 @@ COMMANDS = {"report": report_main, "generate-config": generate_config_main}
 def main(argv: Optional[list[str]] = None) -> int:
     """`jaxllm eplb COMMAND ...`; bad input prints one line and exits with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: jaxllm eplb COMMAND [options]\n\ncommands:\n"
-             "  report           per-layer load statistics of recorded expert counts (--plot: heatmaps)\n"
-             "  generate-config  replicate and place experts; write the placement YAML")
+    usage = (
+        "usage: jaxllm eplb COMMAND [options]\n\ncommands:\n"
+        "  report           per-layer load statistics of recorded expert counts (--plot: heatmaps)\n"
+        "  generate-config  replicate and place experts; write the placement YAML"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2

@@ -18,8 +18,9 @@ placement onto the current one so that the fewest slots are rewritten).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import yaml
@@ -63,8 +64,9 @@ class MoeLoadBalancerConfig:
                 raise ValueError(f"initial_global_assignments: layer key {layer!r} is not an integer") from None
             experts = [int(e) for e in slots]
             if self.num_slots is not None and len(experts) != self.num_slots:
-                raise ValueError(f"initial_global_assignments[{layer_id}] has {len(experts)} slots, "
-                                 f"num_slots is {self.num_slots}")
+                raise ValueError(
+                    f"initial_global_assignments[{layer_id}] has {len(experts)} slots, num_slots is {self.num_slots}"
+                )
             if any(e < 0 for e in experts):
                 raise ValueError(f"initial_global_assignments[{layer_id}] holds a negative expert id")
             table[layer_id] = experts
@@ -87,8 +89,9 @@ class MoeLoadBalancerConfig:
         """The reference file's fields (the online options are read, not written)."""
         return {
             "num_slots": self.num_slots,
-            "initial_global_assignments": {int(k): [int(e) for e in v]
-                                           for k, v in self.initial_global_assignments.items()},
+            "initial_global_assignments": {
+                int(k): [int(e) for e in v] for k, v in self.initial_global_assignments.items()
+            },
             "layer_updates_per_iter": self.layer_updates_per_iter,
         }
 
@@ -108,7 +111,9 @@ def validate_assignment(slot_to_expert: np.ndarray, num_experts: int, ep_size: i
         raise ValueError(f"{prefix}experts {missing[:8].tolist()} have no slot (every expert needs at least one)")
 
 
-def load_eplb_config(source: Union[str, os.PathLike, Mapping[str, Any], MoeLoadBalancerConfig]) -> MoeLoadBalancerConfig:
+def load_eplb_config(
+    source: Union[str, os.PathLike, Mapping[str, Any], MoeLoadBalancerConfig],
+) -> MoeLoadBalancerConfig:
     """A MoeLoadBalancerConfig from a YAML path, a mapping with its fields, or itself."""
     if isinstance(source, MoeLoadBalancerConfig):
         return source

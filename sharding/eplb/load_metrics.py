@@ -47,13 +47,16 @@ def load_statistics(loads: np.ndarray) -> dict[str, float]:
     loads = np.asarray(loads, dtype=np.float64)
     if loads.ndim != 2 or loads.shape[-1] < 2:
         raise ValueError(f"need loads [num_iters, n >= 2], got shape {loads.shape}")
-    return {"mean": float(loads.mean(-1).mean()),
-            "std": float(loads.std(-1, ddof=1).mean()),
-            "imbalance-ratio": float(imbalance_ratio(loads).mean())}
+    return {
+        "mean": float(loads.mean(-1).mean()),
+        "std": float(loads.std(-1, ddof=1).mean()),
+        "imbalance-ratio": float(imbalance_ratio(loads).mean()),
+    }
 
 
-def layer_load_statistics(expert_counts: np.ndarray, ep_size: int, slot_to_expert: Optional[np.ndarray] = None,
-                          per_expert: bool = False) -> dict[str, float]:
+def layer_load_statistics(
+    expert_counts: np.ndarray, ep_size: int, slot_to_expert: Optional[np.ndarray] = None, per_expert: bool = False
+) -> dict[str, float]:
     """Statistics of one layer's counts [num_iters, num_experts] over EP ranks (or over slots with
     per_expert), optionally projected onto a placement first."""
     counts = np.asarray(expert_counts, dtype=np.float64)

@@ -106,8 +106,9 @@ def moved_slots(current: np.ndarray, new: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.asarray(current) != np.asarray(new))
 
 
-def incremental_placement(load: np.ndarray, current: np.ndarray, ep_size: int, target: float,
-                          max_moved: int, max_moves: int = 16) -> "np.ndarray | None":
+def incremental_placement(
+    load: np.ndarray, current: np.ndarray, ep_size: int, target: float, max_moved: int, max_moves: int = 16
+) -> np.ndarray | None:
     """`current` improved one local-search move at a time until its predicted imbalance under `load`
     is <= target; None when the search stalls above it, would rewrite `max_moved` slots or more, or
     needs more than `max_moves` moves (each costs a search over the slots: ~2.5 ms at 288 slots)."""

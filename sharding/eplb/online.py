@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
-from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
 from sharding.eplb.load_metrics import imbalance_ratio, rank_loads, slot_loads
+from sharding.eplb.mapping import incremental_placement, map_onto, moved_slots
 from sharding.eplb.placement import ALGORITHMS, compute_placement
 
 # An incremental placement may be this much more imbalanced (predicted ratio) than the fresh one.
@@ -74,8 +75,16 @@ class WorkerStats:
 class PlacementWorker:
     """Background placement thread: `submit` loads, `take` per-layer updates; `close` ends it."""
 
-    def __init__(self, *, num_slots: int, ep_size: int, algorithm: str = "greedy", min_imbalance_gain: float = 0.0,
-                 minimize_moves: bool = True, name: str = "jaxllm-eplb") -> None:
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        ep_size: int,
+        algorithm: str = "greedy",
+        min_imbalance_gain: float = 0.0,
+        minimize_moves: bool = True,
+        name: str = "jaxllm-eplb",
+    ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown placement algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
         self.num_slots, self.ep_size = num_slots, ep_size
@@ -94,8 +103,9 @@ class PlacementWorker:
         self._thread.start()
 
     # ------------------------------------------------------------------ step-loop side (never blocks long)
-    def submit(self, loads: Any, tables: Mapping[int, np.ndarray], layers: Sequence[int],
-               only: Optional[Sequence[int]] = None) -> bool:
+    def submit(
+        self, loads: Any, tables: Mapping[int, np.ndarray], layers: Sequence[int], only: Optional[Sequence[int]] = None
+    ) -> bool:
         """Queue loads [num_layers, E] (row i: `layers[i]`; numpy or a device array the worker reads
         back) with the current tables; `only`: the layers to plan (default all). False, and nothing
         queued, while the worker is busy."""
@@ -158,8 +168,9 @@ class PlacementWorker:
                 with self._lock:
                     self._busy = False
 
-    def plan(self, loads: np.ndarray, tables: Mapping[int, np.ndarray],
-             layers: Sequence[Optional[int]]) -> list[PlacementUpdate]:
+    def plan(
+        self, loads: np.ndarray, tables: Mapping[int, np.ndarray], layers: Sequence[Optional[int]]
+    ) -> list[PlacementUpdate]:
         """The updates worth applying for loads [len(layers), E] (rows whose layer is None are skipped;
         runs on the worker thread, also callable directly)."""
         updates = []
@@ -177,8 +188,13 @@ class PlacementWorker:
             new = raw
             if self.minimize_moves:
                 new = map_onto(current, raw, self.ep_size)
-                closer = incremental_placement(row, current, self.ep_size, after + INCREMENTAL_TOLERANCE,
-                                               max_moved=int(moved_slots(current, new).size))
+                closer = incremental_placement(
+                    row,
+                    current,
+                    self.ep_size,
+                    after + INCREMENTAL_TOLERANCE,
+                    max_moved=int(moved_slots(current, new).size),
+                )
                 if closer is not None:
                     new = closer
                     self.stats.incremental += 1
@@ -186,6 +202,14 @@ class PlacementWorker:
                 self.stats.skipped_unchanged += 1
                 continue
             self.stats.proposed += 1
-            updates.append(PlacementUpdate(layer, np.asarray(new, np.int32), np.asarray(current, np.int32),
-                                           before, after, int(moved_slots(current, raw).size)))
+            updates.append(
+                PlacementUpdate(
+                    layer,
+                    np.asarray(new, np.int32),
+                    np.asarray(current, np.int32),
+                    before,
+                    after,
+                    int(moved_slots(current, raw).size),
+                )
+            )
         return updates

@@ -24,7 +24,8 @@ layout). Three algorithms:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 
@@ -123,21 +124,25 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inv
 
 
-def _rebalance_hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int,
-                            num_gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rebalance_hierarchical(
+    weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     num_layers, num_logical = weight.shape
     if num_logical % num_groups or num_groups % num_nodes or num_gpus % num_nodes or num_physical % num_gpus:
-        raise ValueError(f"hierarchical EPLB needs experts % groups == groups % nodes == gpus % nodes == "
-                         f"slots % gpus == 0 (experts={num_logical}, groups={num_groups}, nodes={num_nodes}, "
-                         f"gpus={num_gpus}, slots={num_physical})")
+        raise ValueError(
+            f"hierarchical EPLB needs experts % groups == groups % nodes == gpus % nodes == "
+            f"slots % gpus == 0 (experts={num_logical}, groups={num_groups}, nodes={num_nodes}, "
+            f"gpus={num_gpus}, slots={num_physical})"
+        )
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
     phy_per_gpu = num_physical // num_gpus
     # 1. expert groups onto nodes
     tokens_per_group = weight.reshape(num_layers, num_groups, group_size).sum(-1)
     group_pack, group_rank = _balanced_packing(tokens_per_group, num_nodes)
-    log2mlog = (((group_pack * groups_per_node + group_rank) * group_size)[..., None]
-                + np.arange(group_size)).reshape(num_layers, -1)
+    log2mlog = (((group_pack * groups_per_node + group_rank) * group_size)[..., None] + np.arange(group_size)).reshape(
+        num_layers, -1
+    )
     mlog2log = _inverse(log2mlog)
     # 2. replicas within each node
     tokens_per_mlog = np.take_along_axis(weight, mlog2log, -1).reshape(-1, num_logical // num_nodes)
@@ -147,16 +152,19 @@ def _rebalance_hierarchical(weight: np.ndarray, num_physical: int, num_groups: i
     pack_index, rank_in_pack = _balanced_packing(tokens_per_phy, num_gpus // num_nodes)
     pphy2phy = _inverse(pack_index * phy_per_gpu + rank_in_pack)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, -1)
-    pphy2mlog = (pphy2mlog.reshape(num_layers, num_nodes, -1)
-                 + np.arange(0, num_logical, num_logical // num_nodes).reshape(1, -1, 1)).reshape(num_layers, -1)
+    pphy2mlog = (
+        pphy2mlog.reshape(num_layers, num_nodes, -1)
+        + np.arange(0, num_logical, num_logical // num_nodes).reshape(1, -1, 1)
+    ).reshape(num_layers, -1)
     pphy2log = np.take_along_axis(mlog2log, pphy2mlog, -1)
     pphyrank = np.take_along_axis(phyrank, pphy2phy, -1).reshape(num_layers, -1)
     logcnt = np.take_along_axis(mlogcnt.reshape(num_layers, -1), log2mlog, -1)
     return pphy2log, pphyrank, logcnt
 
 
-def rebalance_experts(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rebalance_experts(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """DeepSeek EPLB: weight [L, E] -> phy2log [L, R], log2phy [L, E, max count] (-1 padded), logcnt [L, E].
 
     Hierarchical when the groups divide evenly over the nodes, else the global policy."""
@@ -168,13 +176,18 @@ def rebalance_experts(weight: np.ndarray, num_replicas: int, num_groups: int, nu
         phy2log, phyrank, logcnt = _rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)
     maxcnt = int(logcnt.max())
     log2phy = np.full((num_layers, num_logical * maxcnt), -1, dtype=np.int64)
-    np.put_along_axis(log2phy, phy2log * maxcnt + phyrank,
-                      np.broadcast_to(np.arange(num_replicas), (num_layers, num_replicas)), axis=-1)
+    np.put_along_axis(
+        log2phy,
+        phy2log * maxcnt + phyrank,
+        np.broadcast_to(np.arange(num_replicas), (num_layers, num_replicas)),
+        axis=-1,
+    )
     return phy2log, log2phy.reshape(num_layers, num_logical, maxcnt), logcnt
 
 
-def hierarchical_placement(load: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1,
-                           num_nodes: int = 1) -> np.ndarray:
+def hierarchical_placement(
+    load: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1, num_nodes: int = 1
+) -> np.ndarray:
     """DeepSeek's rebalance_experts for one layer, EP ranks as its GPUs."""
     load = _check(load, num_slots, ep_size)
     phy2log, _, _ = rebalance_experts(load[None], num_slots, num_groups, num_nodes, ep_size)
@@ -204,16 +217,16 @@ def _better(new: tuple[float, float], old: tuple[float, float], tol: float) -> b
     return new[0] < old[0] - tol or (new[0] <= old[0] + tol and new[1] < old[1] - tol * max(old[0], 1.0))
 
 
-def _rank_scores(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int,
-                 spread: float) -> np.ndarray:
+def _rank_scores(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int, spread: float) -> np.ndarray:
     counts = np.bincount(slots, minlength=load.size)
     mean = (load / counts)[slots].reshape(ep_size, -1).sum(-1)
-    var = (variance / counts ** 2)[slots].reshape(ep_size, -1).sum(-1)
+    var = (variance / counts**2)[slots].reshape(ep_size, -1).sum(-1)
     return mean + spread * np.sqrt(np.maximum(var, 0.0))
 
 
-def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int, spread: float,
-             max_rounds: int) -> np.ndarray:
+def _improve(
+    load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size: int, spread: float, max_rounds: int
+) -> np.ndarray:
     """Local search on the slot table (see the module docstring).
 
     A rank's score is its expected load plus `spread` standard deviations of it (each
@@ -230,7 +243,7 @@ def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size:
 
     for _ in range(max_rounds):
         counts = np.bincount(slots, minlength=num_experts)
-        share, share_var = load / counts, variance / counts ** 2
+        share, share_var = load / counts, variance / counts**2
         held = np.zeros((num_experts, ep_size), dtype=np.int64)  # replicas of expert e on rank r
         np.add.at(held, (slots, slot_rank), 1)
         rank_mean, rank_var = held.T @ share, held.T @ share_var
@@ -289,8 +302,14 @@ def _improve(load: np.ndarray, variance: np.ndarray, slots: np.ndarray, ep_size:
     return slots
 
 
-def balanced_placement(load: np.ndarray, num_slots: int, ep_size: int, variance: Optional[np.ndarray] = None,
-                       spread: float = 0.0, max_rounds: int = 2000) -> np.ndarray:
+def balanced_placement(
+    load: np.ndarray,
+    num_slots: int,
+    ep_size: int,
+    variance: Optional[np.ndarray] = None,
+    spread: float = 0.0,
+    max_rounds: int = 2000,
+) -> np.ndarray:
     """Replication by load, two packings, local search on the rank scores, the better kept.
 
     `load` is the expected load per expert and `variance` its variance (same units, e.g. the
@@ -301,8 +320,10 @@ def balanced_placement(load: np.ndarray, num_slots: int, ep_size: int, variance:
     if variance.shape != load.shape:
         raise ValueError(f"variance shape {variance.shape} differs from the loads' {load.shape}")
     counts = replicate_by_load(load, num_slots)
-    starts = [_pack_apart(load / counts, counts, ep_size, num_slots // ep_size),
-              greedy_placement(load, num_slots, ep_size)]
+    starts = [
+        _pack_apart(load / counts, counts, ep_size, num_slots // ep_size),
+        greedy_placement(load, num_slots, ep_size),
+    ]
     results = [_improve(load, variance, start, ep_size, spread, max_rounds) for start in starts]
     return min(results, key=lambda slots: _objective(_rank_scores(load, variance, slots, ep_size, spread)))
 
@@ -323,9 +344,11 @@ _PLACERS: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-def compute_placement(loads: np.ndarray, num_slots: int, ep_size: int, algorithm: str = DEFAULT_ALGORITHM,
-                      **options) -> np.ndarray:
-    """Slot tables [num_layers, num_slots] from expert loads [num_layers, num_experts] (or one layer's [num_experts])."""
+def compute_placement(
+    loads: np.ndarray, num_slots: int, ep_size: int, algorithm: str = DEFAULT_ALGORITHM, **options
+) -> np.ndarray:
+    """Slot tables [num_layers, num_slots] from expert loads [num_layers, num_experts] (or one
+    layer's [num_experts])."""
     if algorithm not in _PLACERS:
         raise ValueError(f"unknown placement algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     loads = np.asarray(loads, dtype=np.float64)
@@ -365,13 +388,25 @@ def choose_decay(counts: np.ndarray, num_slots: int, ep_size: int, **options) ->
     scores = []
     for decay in DECAY_CHOICES:
         tables = _balanced_layers(fit, num_slots, ep_size, decay, **options)
-        scores.append(np.mean([imbalance_ratio(rank_loads(slot_loads(check[:, l], tables[l]), ep_size)).mean()
-                               for l in range(len(layers))]))
+        scores.append(
+            np.mean(
+                [
+                    imbalance_ratio(rank_loads(slot_loads(check[:, l], tables[l]), ep_size)).mean()
+                    for l in range(len(layers))
+                ]
+            )
+        )
     return DECAY_CHOICES[int(np.argmin(scores))]
 
 
-def placement_from_counts(counts: np.ndarray, num_slots: int, ep_size: int, algorithm: str = DEFAULT_ALGORITHM,
-                          decay: Optional[float] = None, **options) -> np.ndarray:
+def placement_from_counts(
+    counts: np.ndarray,
+    num_slots: int,
+    ep_size: int,
+    algorithm: str = DEFAULT_ALGORITHM,
+    decay: Optional[float] = None,
+    **options,
+) -> np.ndarray:
     """Slot tables [num_layers, num_slots] from recorded counts [num_iters, num_layers, num_experts].
 
     greedy and hierarchical use the summed counts (as the references do). balanced uses the

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -24,8 +25,9 @@ def slot_counts(stats: ExpertStatistics, layer: int, config: Optional[MoeLoadBal
     return slot_loads(counts, np.asarray(table))
 
 
-def layer_statistics(stats: ExpertStatistics, ep_size: int, per_expert: bool = False,
-                     config: Optional[MoeLoadBalancerConfig] = None) -> dict[int, dict[str, float]]:
+def layer_statistics(
+    stats: ExpertStatistics, ep_size: int, per_expert: bool = False, config: Optional[MoeLoadBalancerConfig] = None
+) -> dict[int, dict[str, float]]:
     """{layer: {mean, std, imbalance-ratio}} over EP ranks (or slots with per_expert)."""
     out = {}
     for layer in stats.layers:
@@ -64,8 +66,14 @@ def format_report(per_layer: dict[int, dict[str, float]]) -> str:
     return "Load statistics:\n" + format_table(rows)
 
 
-def plot_heatmaps(stats: ExpertStatistics, ep_size: int, out_dir: str, layers: Sequence[int],
-                  config: Optional[MoeLoadBalancerConfig] = None, title_suffix: str = "") -> list[str]:
+def plot_heatmaps(
+    stats: ExpertStatistics,
+    ep_size: int,
+    out_dir: str,
+    layers: Sequence[int],
+    config: Optional[MoeLoadBalancerConfig] = None,
+    title_suffix: str = "",
+) -> list[str]:
     """PNG heatmaps of tokens per rank (x) and per slot (x) over iterations (y), one pair per layer."""
     try:
         import matplotlib
@@ -78,11 +86,19 @@ def plot_heatmaps(stats: ExpertStatistics, ep_size: int, out_dir: str, layers: S
     written = []
     for layer in layers:
         slots = slot_counts(stats, layer, config)
-        for kind, data, xlabel in (("ranks", rank_loads(slots, ep_size), "EP rank"),
-                                   ("slots", slots, "expert slot" if config is not None else "expert")):
+        for kind, data, xlabel in (
+            ("ranks", rank_loads(slots, ep_size), "EP rank"),
+            ("slots", slots, "expert slot" if config is not None else "expert"),
+        ):
             fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
-            image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0,
-                              extent=(-0.5, data.shape[1] - 0.5, stats.iters[-1] + 0.5, stats.iters[0] - 0.5))
+            image = ax.imshow(
+                data,
+                aspect="auto",
+                cmap="viridis",
+                interpolation="nearest",
+                vmin=0,
+                extent=(-0.5, data.shape[1] - 0.5, stats.iters[-1] + 0.5, stats.iters[0] - 0.5),
+            )
             ax.set_xlabel(xlabel)
             ax.set_ylabel("iteration")
             what = "rank" if kind == "ranks" else ("slot" if config is not None else "expert")

@@ -19,8 +19,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
@@ -53,9 +54,17 @@ class ExpertStatisticsWriter:
     past iter_stop is recorded, or by `close()`.
     """
 
-    def __init__(self, path: Union[str, os.PathLike], iter_start: int, iter_stop: int, *,
-                 num_experts_per_token: int, ep_size: int = 1, layer_ids: Optional[Sequence[int]] = None,
-                 rank: int = 0) -> None:
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        iter_start: int,
+        iter_stop: int,
+        *,
+        num_experts_per_token: int,
+        ep_size: int = 1,
+        layer_ids: Optional[Sequence[int]] = None,
+        rank: int = 0,
+    ) -> None:
         if not 0 <= iter_start <= iter_stop:
             raise ValueError(f"need 0 <= iter_start <= iter_stop, got {iter_start}, {iter_stop}")
         if num_experts_per_token <= 0 or ep_size <= 0:
@@ -71,9 +80,15 @@ class ExpertStatisticsWriter:
         self.saved = False
 
     @classmethod
-    def from_env(cls, *, num_experts_per_token: int, ep_size: int = 1, layer_ids: Optional[Sequence[int]] = None,
-                 iter_range: Optional[str] = None,
-                 path: Optional[str] = None) -> Optional["ExpertStatisticsWriter"]:
+    def from_env(
+        cls,
+        *,
+        num_experts_per_token: int,
+        ep_size: int = 1,
+        layer_ids: Optional[Sequence[int]] = None,
+        iter_range: Optional[str] = None,
+        path: Optional[str] = None,
+    ) -> Optional[ExpertStatisticsWriter]:
         """A writer configured from EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH (explicit
         arguments win), or None when no iteration range is set (collection off)."""
         span = iter_range if iter_range is not None else os.environ.get(ITER_RANGE_ENV)
@@ -83,8 +98,7 @@ class ExpertStatisticsWriter:
         out = path if path is not None else os.environ.get(PATH_ENV)
         if not out:
             raise ValueError(f"{ITER_RANGE_ENV} is set but {PATH_ENV} (where to write the statistics) is not")
-        return cls(out, start, stop, num_experts_per_token=num_experts_per_token, ep_size=ep_size,
-                   layer_ids=layer_ids)
+        return cls(out, start, stop, num_experts_per_token=num_experts_per_token, ep_size=ep_size, layer_ids=layer_ids)
 
     def wants(self, iteration: int) -> bool:
         """Whether this step's counts are needed (lets the caller skip a device->host copy)."""
@@ -122,8 +136,11 @@ class ExpertStatisticsWriter:
         if not self._records:
             return
         os.makedirs(self.path, exist_ok=True)
-        meta = {"num_experts": self._num_experts, "num_experts_per_token": self.num_experts_per_token,
-                "ep_size": self.ep_size}
+        meta = {
+            "num_experts": self._num_experts,
+            "num_experts_per_token": self.num_experts_per_token,
+            "ep_size": self.ep_size,
+        }
         if self.rank == 0:
             with open(os.path.join(self.path, META_FILE), "w", encoding="utf-8") as f:
                 json.dump(meta, f)
@@ -152,8 +169,9 @@ class ExpertStatistics:
         return self.counts[:, self.layers.index(layer)]
 
 
-def load_expert_statistics(path: Union[str, os.PathLike], iter_start: Optional[int] = None,
-                           iter_stop: Optional[int] = None) -> ExpertStatistics:
+def load_expert_statistics(
+    path: Union[str, os.PathLike], iter_start: Optional[int] = None, iter_stop: Optional[int] = None
+) -> ExpertStatistics:
     """Read a statistics directory (rank files summed), keeping iterations in [iter_start, iter_stop)."""
     path = os.fspath(path)
     meta_path = os.path.join(path, META_FILE)
@@ -185,18 +203,35 @@ def load_expert_statistics(path: Union[str, os.PathLike], iter_start: Optional[i
     counts = np.stack([np.stack([summed[(it, layer)] for layer in layers]) for it in iters])
     ep_size = int(meta.get("ep_size") or len(files))
     meta = dict(meta, ep_size=ep_size, iter_start=iters[0], iter_stop=iters[-1] + 1, layers=layers)
-    return ExpertStatistics(counts=counts, iters=iters, layers=layers,
-                            num_experts_per_token=int(meta.get("num_experts_per_token", 0)),
-                            ep_size=ep_size, meta=meta)
+    return ExpertStatistics(
+        counts=counts,
+        iters=iters,
+        layers=layers,
+        num_experts_per_token=int(meta.get("num_experts_per_token", 0)),
+        ep_size=ep_size,
+        meta=meta,
+    )
 
 
-def write_expert_statistics(path: Union[str, os.PathLike], counts: np.ndarray, *, iter_start: int = 0,
-                            num_experts_per_token: int, ep_size: int, layer_ids: Optional[Sequence[int]] = None) -> None:
+def write_expert_statistics(
+    path: Union[str, os.PathLike],
+    counts: np.ndarray,
+    *,
+    iter_start: int = 0,
+    num_experts_per_token: int,
+    ep_size: int,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> None:
     """Write counts [num_iters, num_layers, num_experts] as a statistics directory (synthetic workloads, tests)."""
     counts = np.asarray(counts)
-    writer = ExpertStatisticsWriter(path, iter_start, iter_start + counts.shape[0],
-                                    num_experts_per_token=num_experts_per_token, ep_size=ep_size,
-                                    layer_ids=layer_ids)
+    writer = ExpertStatisticsWriter(
+        path,
+        iter_start,
+        iter_start + counts.shape[0],
+        num_experts_per_token=num_experts_per_token,
+        ep_size=ep_size,
+        layer_ids=layer_ids,
+    )
     for i, step in enumerate(counts):
         writer.record(iter_start + i, step)
     writer.save()

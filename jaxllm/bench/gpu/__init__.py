@@ -50,17 +50,31 @@ DRY_RUN_BUDGET_S = 120.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm bench gpu", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="jaxllm bench gpu",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--out", required=True, help="directory for gpu_report.json and gpu_report.md")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help=f"the whole command ends within this many seconds (default {DEFAULT_BUDGET_S:.0f}; "
-                             f"{DRY_RUN_BUDGET_S:.0f} with --dry-run)")
-    parser.add_argument("--sections", default=",".join(s.key for s in SECTIONS),
-                        help="comma-separated sections to run (they run in this order whatever the order given): "
-                             + ", ".join(s.key for s in SECTIONS))
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU: every section at tiny shapes, kernels in interpret mode (timings meaningless)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"the whole command ends within this many seconds (default {DEFAULT_BUDGET_S:.0f}; "
+        f"{DRY_RUN_BUDGET_S:.0f} with --dry-run)",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(s.key for s in SECTIONS),
+        help="comma-separated sections to run (they run in this order whatever the order given): "
+        + ", ".join(s.key for s in SECTIONS),
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: every section at tiny shapes, kernels in interpret mode (timings meaningless)",
+    )
     return parser
 
 
@@ -73,29 +87,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     keys = [k.strip() for k in args.sections.split(",") if k.strip()]
     unknown = [k for k in keys if k not in {s.key for s in SECTIONS}]
     if unknown:
-        print(f"jaxllm bench gpu: unknown section(s) {', '.join(unknown)}; known: "
-              f"{', '.join(s.key for s in SECTIONS)}", file=sys.stderr)
+        print(
+            f"jaxllm bench gpu: unknown section(s) {', '.join(unknown)}; known: {', '.join(s.key for s in SECTIONS)}",
+            file=sys.stderr,
+        )
         return 2
     if not args.dry_run and jax.default_backend() != "gpu":
-        print(f"jaxllm bench gpu: no GPU (jax backend {jax.default_backend()!r}); run on a CUDA machine or pass "
-              "--dry-run for the CPU rehearsal", file=sys.stderr)
+        print(
+            f"jaxllm bench gpu: no GPU (jax backend {jax.default_backend()!r}); run on a CUDA machine or pass "
+            "--dry-run for the CPU rehearsal",
+            file=sys.stderr,
+        )
         return 2
     from pallas_kernels.triton_backend import filter_triton_deprecation
 
     filter_triton_deprecation()
     sections = [s for s in SECTIONS if s.key in keys]
     out_dir = Path(args.out)
-    options = RunOptions(dry_run=args.dry_run, interpret=args.dry_run or jax.default_backend() != "gpu",
-                         out_dir=out_dir)
+    options = RunOptions(
+        dry_run=args.dry_run, interpret=args.dry_run or jax.default_backend() != "gpu", out_dir=out_dir
+    )
     printer = Printer()
     printer.line(f"# jaxllm GPU report{' (DRY RUN)' if args.dry_run else ''}")
     printer.line("")
     results, stuck = run_sections(sections, options, args.budget_s, started, printer)
-    meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dry_run": args.dry_run,
-            "budget_s": args.budget_s, "seconds": time.monotonic() - started,
-            "command": "jaxllm bench gpu " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                else sys.argv[1:])),
-            "sections_requested": keys}
+    meta = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "dry_run": args.dry_run,
+        "budget_s": args.budget_s,
+        "seconds": time.monotonic() - started,
+        "command": "jaxllm bench gpu " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "sections_requested": keys,
+    }
     json_path, md_path = write_report(out_dir, meta, results)
     printer.line(f"wrote {json_path} and {md_path}")
     code = 0 if all(r.status in ("ok", "skipped") for r in results) else 1

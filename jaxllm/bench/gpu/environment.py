@@ -44,10 +44,14 @@ def device_facts(device: Any) -> dict[str, Any]:
         stats = device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - CPU devices may not report memory
         stats = {}
-    return {"platform": device.platform, "device_kind": getattr(device, "device_kind", device.platform),
-            "compute_capability": getattr(device, "compute_capability", None),
-            "sm_count": getattr(device, "core_count", None),
-            "memory_bytes": stats.get("bytes_limit"), "devices": jax.device_count()}
+    return {
+        "platform": device.platform,
+        "device_kind": getattr(device, "device_kind", device.platform),
+        "compute_capability": getattr(device, "compute_capability", None),
+        "sm_count": getattr(device, "core_count", None),
+        "memory_bytes": stats.get("bytes_limit"),
+        "devices": jax.device_count(),
+    }
 
 
 def auto_backends() -> dict[str, str]:
@@ -66,15 +70,31 @@ def run(ctx: SectionContext) -> None:
         platform_version = jax.extend.backend.get_backend().platform_version
     except Exception:  # noqa: BLE001
         platform_version = None
-    facts.update(python=sys.version.split()[0], machine=platform.machine(), jax=jax.__version__,
-                 jaxlib=_dist_version("jaxlib"), platform_version=platform_version,
-                 cuda_plugins=cuda_plugin_versions(), flax=_dist_version("flax"),
-                 tokamax=_dist_version("tokamax"), auto_backends=auto_backends(),
-                 kernel_flavour=gpu_kernel_flavour(device) if device.platform == "gpu" else None)
+    facts.update(
+        python=sys.version.split()[0],
+        machine=platform.machine(),
+        jax=jax.__version__,
+        jaxlib=_dist_version("jaxlib"),
+        platform_version=platform_version,
+        cuda_plugins=cuda_plugin_versions(),
+        flax=_dist_version("flax"),
+        tokamax=_dist_version("tokamax"),
+        auto_backends=auto_backends(),
+        kernel_flavour=gpu_kernel_flavour(device) if device.platform == "gpu" else None,
+    )
     ctx.data.update(facts)
     table = ctx.table("Device and software", ("item", "value"))
-    for key in ("device_kind", "compute_capability", "sm_count", "memory_bytes", "devices", "platform_version",
-                "jax", "jaxlib", "python"):
+    for key in (
+        "device_kind",
+        "compute_capability",
+        "sm_count",
+        "memory_bytes",
+        "devices",
+        "platform_version",
+        "jax",
+        "jaxlib",
+        "python",
+    ):
         table.add(item=key, value=facts[key])
     table.add(item="cuda plugins", value=", ".join(f"{k} {v}" for k, v in facts["cuda_plugins"].items()) or "-")
     table.add(item="auto attention backend", value=facts["auto_backends"]["attention"])
@@ -82,12 +102,15 @@ def run(ctx: SectionContext) -> None:
     ctx.check_time("the roofline")
     ceilings: Ceilings = measure_ceilings(smoke=ctx.options.dry_run)
     ctx.shared["ceilings"] = ceilings
-    ctx.data.update(copy_bytes_per_s=ceilings.bytes_per_s, matmul_flops_per_s=ceilings.flops_per_s,
-                    ridge_flops_per_byte=ceilings.ridge, matmul_n=256 if ctx.options.dry_run else 8192)
+    ctx.data.update(
+        copy_bytes_per_s=ceilings.bytes_per_s,
+        matmul_flops_per_s=ceilings.flops_per_s,
+        ridge_flops_per_byte=ceilings.ridge,
+        matmul_n=256 if ctx.options.dry_run else 8192,
+    )
     roof = ctx.table("Measured roofline", ("ceiling", "value", "unit"))
     roof.add(ceiling="device copy bandwidth", value=ceilings.bytes_per_s / 1e9, unit="GB/s")
-    roof.add(ceiling=f"bf16 dense matmul {ctx.data['matmul_n']}^3", value=ceilings.flops_per_s / 1e12,
-             unit="TFLOP/s")
+    roof.add(ceiling=f"bf16 dense matmul {ctx.data['matmul_n']}^3", value=ceilings.flops_per_s / 1e12, unit="TFLOP/s")
     roof.add(ceiling="ridge point", value=ceilings.ridge, unit="FLOP/byte")
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,15 +88,26 @@ def attention_plan(dry_run: bool) -> list[tuple[AttentionShape, Batch]]:
     long = Batch("long prefill 4096 + 2048 after 2048 cached", (4096, 2048), (4096, 4096))
     mla_decode = Batch("decode 32 seqs ctx U[1,4k]", (1,) * 32, tuple(int(x) for x in rng.integers(1, 4096, 32)))
     mla_mixed = Batch("mixed 256 prefill + 31 decode ctx 2k", (256,) + (1,) * 31, (256,) + (2048,) * 31)
-    return [(llama, mixed), (llama, decode), (mla, mla_decode), (qwen, decode), (qwen, mixed), (llama, long),
-            (mla, mla_mixed), (qwen, long)]
+    return [
+        (llama, mixed),
+        (llama, decode),
+        (mla, mla_decode),
+        (qwen, decode),
+        (qwen, mixed),
+        (llama, long),
+        (mla, mla_mixed),
+        (qwen, long),
+    ]
 
 
 def moe_plan(dry_run: bool) -> list[tuple[MoeShape, int]]:
     if dry_run:
         return [(MoeShape("tiny MoE", 8, 2, 64, 96), 12)]
-    qwen, mixtral, dsv3 = (MoeShape("Qwen3-30B-A3B", 128, 8, 2048, 768), MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336),
-                           MoeShape("DeepSeek-V3", 256, 8, 7168, 2048))
+    qwen, mixtral, dsv3 = (
+        MoeShape("Qwen3-30B-A3B", 128, 8, 2048, 768),
+        MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336),
+        MoeShape("DeepSeek-V3", 256, 8, 7168, 2048),
+    )
     return [(qwen, 64), (mixtral, 64), (qwen, 1024), (dsv3, 32), (mixtral, 1024), (dsv3, 256)]
 
 
@@ -107,8 +119,9 @@ HOST_LIMIT = 1 << 22  # arrays up to this many elements are drawn by numpy (no c
 def normal(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
     """bf16 standard normal * scale: numpy for small arrays (the dry run compiles nothing), else on device."""
     if math.prod(shape) <= HOST_LIMIT:
-        return jnp.asarray((np.random.default_rng(seed).standard_normal(shape, np.float32) * scale)
-                           .astype(jnp.bfloat16))
+        return jnp.asarray(
+            (np.random.default_rng(seed).standard_normal(shape, np.float32) * scale).astype(jnp.bfloat16)
+        )
     return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.bfloat16) * jnp.asarray(scale, jnp.bfloat16)
 
 
@@ -134,13 +147,13 @@ def attention_inputs(shape: AttentionShape, batch: Batch, tpb: int, seed: int) -
     used = 0
     for s, kv in enumerate(batch.kv_lens):
         nb = -(-kv // tpb)
-        tables[s, :nb] = pages[used:used + nb]
+        tables[s, :nb] = pages[used : used + nb]
         used += nb
     unused = np.ones(num_blocks, bool)
     unused[pages[:used]] = False
     cu = np.zeros(slots + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(batch.q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(batch.q_lens)
+    cu[n + 1 :] = cu[n]
     kv_lens = np.zeros(slots, np.int32)
     kv_lens[:n] = batch.kv_lens
     num_tokens = int(cu[n]) + pad_tokens
@@ -166,15 +179,26 @@ def moe_inputs(shape: MoeShape, num_tokens: int, seed: int, pad: int = 5) -> dic
     sizes = np.bincount(ids, minlength=e).astype(np.int32)
     tokens = normal(seed, (num_tokens + 2, h))
     rows = jnp.asarray(np.concatenate([order // k, np.zeros(pad, np.int32)]))
-    x_sorted = jnp.where((jnp.arange(rows.shape[0]) < order.shape[0])[:, None], jnp.take(tokens, rows, axis=0),
-                         jnp.asarray(7.0, jnp.bfloat16))  # padding rows: non-zero input, zero output
-    w = (normal(seed + 1, (e, h, i), h ** -0.5), normal(seed + 2, (e, h, i), h ** -0.5),
-         normal(seed + 3, (e, i, h), i ** -0.5))
+    x_sorted = jnp.where(
+        (jnp.arange(rows.shape[0]) < order.shape[0])[:, None],
+        jnp.take(tokens, rows, axis=0),
+        jnp.asarray(7.0, jnp.bfloat16),
+    )  # padding rows: non-zero input, zero output
+    w = (
+        normal(seed + 1, (e, h, i), h**-0.5),
+        normal(seed + 2, (e, h, i), h**-0.5),
+        normal(seed + 3, (e, i, h), i**-0.5),
+    )
     expert_ids = jnp.asarray(np.concatenate([top, np.full((2, k), e, np.int32)]))
     weights = jnp.asarray(np.concatenate([routing, np.ones((2, k), np.float32)]))
     sizes, order = jnp.asarray(sizes), jnp.asarray(order)
-    return dict(sorted=(x_sorted, sizes, *w), fused=(tokens, expert_ids, weights, *w), order=order,
-                rows=num_tokens * k, num_tokens=num_tokens)
+    return dict(
+        sorted=(x_sorted, sizes, *w),
+        fused=(tokens, expert_ids, weights, *w),
+        order=order,
+        rows=num_tokens * k,
+        num_tokens=num_tokens,
+    )
 
 
 # ----------------------------------------------------------------------------- checks
@@ -192,20 +216,54 @@ def _errors(out: jax.Array, ref: jax.Array, valid: int) -> tuple[float, float, b
     return abs_err, abs_err / scale, nan_free, bool(np.all(out[valid:] == 0.0))
 
 
-def _record(table: Table, failures: list[str], *, family: str, model: str, batch: str, impl: str,
-            reference: str, out: jax.Array, ref: jax.Array, valid: int, tol: float = BF16_TOL) -> None:
+def _record(
+    table: Table,
+    failures: list[str],
+    *,
+    family: str,
+    model: str,
+    batch: str,
+    impl: str,
+    reference: str,
+    out: jax.Array,
+    ref: jax.Array,
+    valid: int,
+    tol: float = BF16_TOL,
+) -> None:
     abs_err, rel, nan_free, zero_pad = _errors(out, ref, valid)
     passed = bool(rel <= tol and nan_free and zero_pad)
-    table.add(family=family, model=model, batch=batch, impl=impl, reference=reference, dtype="bf16",
-              max_abs_err=abs_err, rel_err=rel, tol=tol, nan_free=nan_free, zero_padding=zero_pad, passed=passed)
+    table.add(
+        family=family,
+        model=model,
+        batch=batch,
+        impl=impl,
+        reference=reference,
+        dtype="bf16",
+        max_abs_err=abs_err,
+        rel_err=rel,
+        tol=tol,
+        nan_free=nan_free,
+        zero_padding=zero_pad,
+        passed=passed,
+    )
     if not passed:
-        failures.append(f"{family} {model} {batch} {impl}: rel err {rel:.3g} (tol {tol}), NaN-free {nan_free}, "
-                        f"zero padding {zero_pad}")
+        failures.append(
+            f"{family} {model} {batch} {impl}: rel err {rel:.3g} (tol {tol}), NaN-free {nan_free}, "
+            f"zero padding {zero_pad}"
+        )
 
 
 def _skip(table: Table, *, family: str, model: str, batch: str, impl: str, reason: str) -> None:
-    table.add(family=family, model=model, batch=batch, impl=impl, reference="-", dtype="bf16", passed=None,
-              note=f"skipped: {reason}")
+    table.add(
+        family=family,
+        model=model,
+        batch=batch,
+        impl=impl,
+        reference="-",
+        dtype="bf16",
+        passed=None,
+        note=f"skipped: {reason}",
+    )
 
 
 def mosaic_unavailable(interpret: bool) -> Optional[str]:
@@ -225,43 +283,63 @@ def tokamax_unavailable(interpret: bool) -> Optional[str]:
     return None
 
 
-def check_attention(ctx: SectionContext, table: Table, failures: list[str], shape: AttentionShape, batch: Batch,
-                    tpb: int, interpret: bool) -> None:
+def check_attention(
+    ctx: SectionContext,
+    table: Table,
+    failures: list[str],
+    shape: AttentionShape,
+    batch: Batch,
+    tpb: int,
+    interpret: bool,
+) -> None:
     inp = attention_inputs(shape, batch, tpb, seed=len(batch.q_lens))
     meta, valid = inp["meta"], inp["valid"]
-    common = dict(family="attention" if shape.value_dim is None else "latent (MLA)", model=shape.model,
-                  batch=batch.name)
+    common = dict(
+        family="attention" if shape.value_dim is None else "latent (MLA)", model=shape.model, batch=batch.name
+    )
     if shape.value_dim is not None:
-        scale = shape.sm_scale_dim ** -0.5
-        ref = jax.jit(functools.partial(ragged_paged_latent_attention_reference, sm_scale=scale,
-                                        value_dim=shape.value_dim))(inp["q"], inp["k_ref"][0], *meta)
-        out = jax.jit(functools.partial(ragged_paged_latent_attention, sm_scale=scale, value_dim=shape.value_dim,
-                                        interpret=interpret))(inp["q"], inp["k_kernel"][0], *meta)
+        scale = shape.sm_scale_dim**-0.5
+        ref = jax.jit(
+            functools.partial(ragged_paged_latent_attention_reference, sm_scale=scale, value_dim=shape.value_dim)
+        )(inp["q"], inp["k_ref"][0], *meta)
+        out = jax.jit(
+            functools.partial(
+                ragged_paged_latent_attention, sm_scale=scale, value_dim=shape.value_dim, interpret=interpret
+            )
+        )(inp["q"], inp["k_kernel"][0], *meta)
         _record(table, failures, **common, impl="triton", reference="xla reference", out=out, ref=ref, valid=valid)
-        _skip(table, **common, impl="mosaic", reason="the Mosaic GPU kernel takes no latent cache (one KV head "
-                                                      f"for {shape.num_q_heads} q heads)")
+        _skip(
+            table,
+            **common,
+            impl="mosaic",
+            reason=f"the Mosaic GPU kernel takes no latent cache (one KV head for {shape.num_q_heads} q heads)",
+        )
         return
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))(
-        inp["q"], inp["k_ref"], inp["v_ref"], *meta)
+        inp["q"], inp["k_ref"], inp["v_ref"], *meta
+    )
     kernel_args = (inp["q"], inp["k_kernel"], inp["v_kernel"], *meta)
     out = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, interpret=interpret))(*kernel_args)
     _record(table, failures, **common, impl="triton", reference="xla reference", out=out, ref=ref, valid=valid)
     ctx.check_time("the Mosaic GPU attention case")
     reason = mosaic_unavailable(interpret)
-    if reason is None and not attention_mosaic.supports(jnp.bfloat16, shape.num_q_heads, shape.num_kv_heads,
-                                                        shape.head_dim, tpb):
+    if reason is None and not attention_mosaic.supports(
+        jnp.bfloat16, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, tpb
+    ):
         reason = "the Mosaic GPU kernel does not take this shape"
     if reason is not None:
         _skip(table, **common, impl="mosaic", reason=reason)
         return
-    out = jax.jit(functools.partial(attention_mosaic.ragged_paged_attention_mosaic, sm_scale=scale,
-                                    interpret=interpret))(*kernel_args)
+    out = jax.jit(
+        functools.partial(attention_mosaic.ragged_paged_attention_mosaic, sm_scale=scale, interpret=interpret)
+    )(*kernel_args)
     _record(table, failures, **common, impl="mosaic", reference="xla reference", out=out, ref=ref, valid=valid)
 
 
-def _fused_from_sorted(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, num_tokens: int,
-                       top_k: int) -> jax.Array:
+def _fused_from_sorted(
+    y_sorted: jax.Array, order: jax.Array, weights: jax.Array, num_tokens: int, top_k: int
+) -> jax.Array:
     """Unsort the reference's rows and combine them with the routing weights (f32), padding tokens 0."""
     rows = num_tokens * top_k
     y = jnp.zeros((rows, y_sorted.shape[1]), jnp.float32).at[order].set(y_sorted[:rows].astype(jnp.float32))
@@ -269,8 +347,9 @@ def _fused_from_sorted(y_sorted: jax.Array, order: jax.Array, weights: jax.Array
     return jnp.concatenate([out, jnp.zeros((weights.shape[0] - num_tokens, out.shape[1]), jnp.float32)])
 
 
-def check_moe(ctx: SectionContext, table: Table, failures: list[str], shape: MoeShape, num_tokens: int,
-              interpret: bool) -> None:
+def check_moe(
+    ctx: SectionContext, table: Table, failures: list[str], shape: MoeShape, num_tokens: int, interpret: bool
+) -> None:
     inp = moe_inputs(shape, num_tokens, seed=num_tokens)
     rows = inp["rows"]
     dense_flops = 6.0 * (rows + 5) * shape.num_experts * shape.hidden * shape.inter
@@ -282,10 +361,16 @@ def check_moe(ctx: SectionContext, table: Table, failures: list[str], shape: Moe
     common = dict(family="moe", model=shape.model, batch=f"{num_tokens} tokens top{shape.top_k}")
     kernels: list[tuple[str, Optional[str], Callable]] = [
         ("triton", None, functools.partial(moe_grouped_ffn, interpret=interpret)),
-        ("mosaic", mosaic_unavailable(interpret) or (None if moe_mosaic.supports(jnp.bfloat16, shape.hidden,
-                                                                                   shape.inter)
-                                                     else "the Mosaic GPU kernel does not take this shape"),
-         functools.partial(moe_mosaic.moe_grouped_ffn_mosaic, interpret=interpret)),
+        (
+            "mosaic",
+            mosaic_unavailable(interpret)
+            or (
+                None
+                if moe_mosaic.supports(jnp.bfloat16, shape.hidden, shape.inter)
+                else "the Mosaic GPU kernel does not take this shape"
+            ),
+            functools.partial(moe_mosaic.moe_grouped_ffn_mosaic, interpret=interpret),
+        ),
         ("tokamax", tokamax_unavailable(interpret), None),
     ]
     for impl, reason, fn in kernels:
@@ -294,23 +379,54 @@ def check_moe(ctx: SectionContext, table: Table, failures: list[str], shape: Moe
             _skip(table, **common, impl=impl, reason=reason)
             continue
         fn = fn if fn is not None else tokamax_moe()
-        _record(table, failures, **common, impl=impl, reference=reference, out=jax.jit(fn)(*inp["sorted"]), ref=ref,
-                valid=rows)
+        _record(
+            table,
+            failures,
+            **common,
+            impl=impl,
+            reference=reference,
+            out=jax.jit(fn)(*inp["sorted"]),
+            ref=ref,
+            valid=rows,
+        )
     ctx.check_time("MoE triton fused")
-    fused_ref = jax.jit(_fused_from_sorted, static_argnums=(3, 4))(ref, inp["order"], inp["fused"][2], num_tokens,
-                                                                   shape.top_k)
+    fused_ref = jax.jit(_fused_from_sorted, static_argnums=(3, 4))(
+        ref, inp["order"], inp["fused"][2], num_tokens, shape.top_k
+    )
     out = jax.jit(functools.partial(moe_fused_ffn, interpret=interpret))(*inp["fused"])
-    _record(table, failures, **common, impl="triton fused", reference=reference + " + combine", out=out,
-            ref=fused_ref, valid=num_tokens)
+    _record(
+        table,
+        failures,
+        **common,
+        impl="triton fused",
+        reference=reference + " + combine",
+        out=out,
+        ref=fused_ref,
+        valid=num_tokens,
+    )
 
 
 def run(ctx: SectionContext) -> None:
     interpret = ctx.options.interpret
     tpb = 16
     ctx.data.update(tolerance_bf16=BF16_TOL, tokens_per_block=tpb, interpret=interpret)
-    table = ctx.table("Kernels against references (bf16)",
-                      ("family", "model", "batch", "impl", "reference", "max_abs_err", "rel_err", "tol",
-                       "nan_free", "zero_padding", "passed", "note"))
+    table = ctx.table(
+        "Kernels against references (bf16)",
+        (
+            "family",
+            "model",
+            "batch",
+            "impl",
+            "reference",
+            "max_abs_err",
+            "rel_err",
+            "tol",
+            "nan_free",
+            "zero_padding",
+            "passed",
+            "note",
+        ),
+    )
     failures: list[str] = []
     attention, moe = attention_plan(ctx.options.dry_run), moe_plan(ctx.options.dry_run)
     # Interleave the families so a short share still covers each.
@@ -318,12 +434,20 @@ def run(ctx: SectionContext) -> None:
     for i in range(max(len(attention), len(moe))):
         if i < len(attention):
             shape, batch = attention[i]
-            plan.append((f"attention {shape.model} {batch.name}",
-                         functools.partial(check_attention, ctx, table, failures, shape, batch, tpb, interpret)))
+            plan.append(
+                (
+                    f"attention {shape.model} {batch.name}",
+                    functools.partial(check_attention, ctx, table, failures, shape, batch, tpb, interpret),
+                )
+            )
         if i < len(moe):
             shape, tokens = moe[i]
-            plan.append((f"moe {shape.model} {tokens} tokens",
-                         functools.partial(check_moe, ctx, table, failures, shape, tokens, interpret)))
+            plan.append(
+                (
+                    f"moe {shape.model} {tokens} tokens",
+                    functools.partial(check_moe, ctx, table, failures, shape, tokens, interpret),
+                )
+            )
     ctx.data["cases_planned"] = len(plan)
     for name, step in plan:
         ctx.check_time("the next case")

@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,10 @@ from pallas_kernels import cost_model, cost_model_mosaic
 
 LLAMA_ATTENTION = cost_model.AttentionShape("Llama-3-8B", 32, 8, 128)
 TINY_ATTENTION = cost_model.AttentionShape("tiny", 4, 2, 64)
-MOE_SHAPES = (cost_model.MoeShape("Qwen3-30B-A3B", 128, 8, 2048, 768),
-              cost_model.MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336))
+MOE_SHAPES = (
+    cost_model.MoeShape("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    cost_model.MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336),
+)
 TINY_MOE = cost_model.MoeShape("tiny", 8, 2, 64, 96)
 TPB = 16
 
@@ -53,8 +55,12 @@ class SpeedPlan:
 def plan(dry_run: bool) -> SpeedPlan:
     if dry_run:
         return SpeedPlan(((4, 64),), TINY_ATTENTION, (12,), (TINY_MOE,))
-    return SpeedPlan(tuple((b, c) for c in (1024, 8192) for b in (1, 16, 64, 256)), LLAMA_ATTENTION,
-                     (1, 16, 64, 256, 2048), MOE_SHAPES)
+    return SpeedPlan(
+        tuple((b, c) for c in (1024, 8192) for b in (1, 16, 64, 256)),
+        LLAMA_ATTENTION,
+        (1, 16, 64, 256, 2048),
+        MOE_SHAPES,
+    )
 
 
 def _gpu_spec(ceil: kbench.Ceilings) -> cost_model.GpuSpec:
@@ -67,8 +73,14 @@ def _model_ms(costs: list[cost_model.LaunchCost], gpu: cost_model.GpuSpec) -> fl
 
 
 def _settings(dry_run: bool, interpret: bool) -> kbench.Settings:
-    return kbench.Settings(interpret=interpret, iters=1 if dry_run else 10, reps=1 if dry_run else 3,
-                           tokens_per_block=TPB, sweep=False, max_ragged_dot_rows=1024)
+    return kbench.Settings(
+        interpret=interpret,
+        iters=1 if dry_run else 10,
+        reps=1 if dry_run else 3,
+        tokens_per_block=TPB,
+        sweep=False,
+        max_ragged_dot_rows=1024,
+    )
 
 
 def _quietly(fn: Callable, *args, **kwargs) -> None:
@@ -77,24 +89,46 @@ def _quietly(fn: Callable, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
-def attention_speed(ctx: SectionContext, table: Table, s: kbench.Settings, ceil: kbench.Ceilings,
-                    shape: cost_model.AttentionShape, batch: int, context: int) -> None:
-    case = kbench.AttentionCase(f"decode B={batch} ctx={context}", (1,) * batch, (context,) * batch,
-                                shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+def attention_speed(
+    ctx: SectionContext,
+    table: Table,
+    s: kbench.Settings,
+    ceil: kbench.Ceilings,
+    shape: cost_model.AttentionShape,
+    batch: int,
+    context: int,
+) -> None:
+    case = kbench.AttentionCase(
+        f"decode B={batch} ctx={context}",
+        (1,) * batch,
+        (context,) * batch,
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+    )
     first = len(s.rows)
     _quietly(kbench.bench_attention, s, ceil, case, peer="paged_attention")
     gpu = _gpu_spec(ceil)
     cost_batch = cost_model.decode_batch(batch, context, max_kv_len=-(-context // TPB) * TPB)
-    predicted = {"pallas": _model_ms(cost_model.attention_costs(shape, cost_batch, tokens_per_block=TPB), gpu),
-                 "mosaic": _model_ms(cost_model_mosaic.mosaic_attention_costs(shape, cost_batch, tokens_per_block=TPB),
-                                     gpu)}
+    predicted = {
+        "pallas": _model_ms(cost_model.attention_costs(shape, cost_batch, tokens_per_block=TPB), gpu),
+        "mosaic": _model_ms(cost_model_mosaic.mosaic_attention_costs(shape, cost_batch, tokens_per_block=TPB), gpu),
+    }
     for row in s.rows[first:]:
         impl = {"pallas": "triton"}.get(row.impl, row.impl)
         model_ms = predicted.get(row.impl)
-        table.add(batch=batch, context=context, impl=impl, ms=row.ms, gb_s=row.gbps,
-                  pct_copy_bw=100 * row.gbps * 1e9 / ceil.bytes_per_s, model_ms=model_ms,
-                  pct_of_model=100 * model_ms / row.ms if model_ms and row.ms == row.ms else None,
-                  rel_err=row.rel_err, note=row.note)
+        table.add(
+            batch=batch,
+            context=context,
+            impl=impl,
+            ms=row.ms,
+            gb_s=row.gbps,
+            pct_copy_bw=100 * row.gbps * 1e9 / ceil.bytes_per_s,
+            model_ms=model_ms,
+            pct_of_model=100 * model_ms / row.ms if model_ms and row.ms == row.ms else None,
+            rel_err=row.rel_err,
+            note=row.note,
+        )
 
 
 def dense_expert_loop(capacity: int) -> Callable:
@@ -111,11 +145,13 @@ def dense_expert_loop(capacity: int) -> Callable:
             x = jax.lax.dynamic_slice_in_dim(padded, offsets[e], capacity)
             f32 = jnp.float32
             h = jax.nn.silu(jnp.dot(x, w_gate[e], preferred_element_type=f32)) * jnp.dot(
-                x, w_up[e], preferred_element_type=f32)
+                x, w_up[e], preferred_element_type=f32
+            )
             y = jnp.dot(h.astype(x.dtype), w_down[e], preferred_element_type=f32)
             y = jnp.where((jnp.arange(capacity) < group_sizes[e])[:, None], y, 0.0)
             return jax.lax.dynamic_update_slice_in_dim(
-                out, jax.lax.dynamic_slice_in_dim(out, offsets[e], capacity) + y, offsets[e], 0)
+                out, jax.lax.dynamic_slice_in_dim(out, offsets[e], capacity) + y, offsets[e], 0
+            )
 
         out = jax.lax.fori_loop(0, group_sizes.shape[0], expert, jnp.zeros((rows + capacity, hidden), jnp.float32))
         return out[:rows].astype(x_sorted.dtype)
@@ -123,19 +159,27 @@ def dense_expert_loop(capacity: int) -> Callable:
     return moe
 
 
-def moe_speed(ctx: SectionContext, table: Table, s: kbench.Settings, ceil: kbench.Ceilings,
-              shape: cost_model.MoeShape, tokens: int) -> None:
+def moe_speed(
+    ctx: SectionContext,
+    table: Table,
+    s: kbench.Settings,
+    ceil: kbench.Ceilings,
+    shape: cost_model.MoeShape,
+    tokens: int,
+) -> None:
     case = kbench.MoeCase(shape.name, tokens, shape.num_experts, shape.top_k, shape.hidden, shape.inter)
     first = len(s.rows)
     _quietly(kbench.bench_moe, s, ceil, case)
     gpu = _gpu_spec(ceil)
     rows_of = {(r.kernel, r.impl): r for r in s.rows[first:]}
     predicted = {
-        ("moe_grouped_ffn", "pallas"): _model_ms([c for c in cost_model.moe_costs(shape, tokens, fused=False)
-                                                  if c.kernel != "moe_xla_glue"], gpu),
+        ("moe_grouped_ffn", "pallas"): _model_ms(
+            [c for c in cost_model.moe_costs(shape, tokens, fused=False) if c.kernel != "moe_xla_glue"], gpu
+        ),
         ("moe_fused_ffn", "pallas"): _model_ms(cost_model.moe_costs(shape, tokens), gpu),
-        ("moe_grouped_ffn", "mosaic"): _model_ms([c for c in cost_model_mosaic.mosaic_moe_costs(shape, tokens)
-                                                  if c.kernel != "moe_xla_glue"], gpu),
+        ("moe_grouped_ffn", "mosaic"): _model_ms(
+            [c for c in cost_model_mosaic.mosaic_moe_costs(shape, tokens) if c.kernel != "moe_xla_glue"], gpu
+        ),
     }
     ctx.check_time("the dense per-expert loop")
     args, _ = kbench.moe_inputs(case, jnp.bfloat16, s.seed)
@@ -144,40 +188,82 @@ def moe_speed(ctx: SectionContext, table: Table, s: kbench.Settings, ceil: kbenc
     nbytes = float(np.count_nonzero(sizes)) * 3 * shape.hidden * shape.inter * 2
     flops = 6.0 * tokens * shape.top_k * shape.hidden * shape.inter
     with contextlib.redirect_stdout(io.StringIO()):
-        kbench.record_timing(s, ceil, "moe_grouped_ffn", case.name, "dense per-expert loop",
-                       jax.jit(dense_expert_loop(capacity)), args, nbytes, flops,
-                       note=f"capacity {capacity} rows x {shape.num_experts} experts")
+        kbench.record_timing(
+            s,
+            ceil,
+            "moe_grouped_ffn",
+            case.name,
+            "dense per-expert loop",
+            jax.jit(dense_expert_loop(capacity)),
+            args,
+            nbytes,
+            flops,
+            note=f"capacity {capacity} rows x {shape.num_experts} experts",
+        )
     rows_of[("moe_grouped_ffn", "dense per-expert loop")] = s.rows[-1]
     for (kernel, impl), row in rows_of.items():
         name = ("triton fused" if kernel == "moe_fused_ffn" else "triton") if impl == "pallas" else impl
         model_ms = predicted.get((kernel, impl))
-        table.add(model=shape.name, tokens=tokens, impl=name, ms=row.ms, tflops=row.tflops,
-                  pct_matmul=100 * row.tflops * 1e12 / ceil.flops_per_s, gb_s=row.gbps,
-                  model_ms=model_ms, pct_of_model=100 * model_ms / row.ms if model_ms and row.ms == row.ms else None,
-                  rel_err=row.rel_err, note=row.note)
+        table.add(
+            model=shape.name,
+            tokens=tokens,
+            impl=name,
+            ms=row.ms,
+            tflops=row.tflops,
+            pct_matmul=100 * row.tflops * 1e12 / ceil.flops_per_s,
+            gb_s=row.gbps,
+            model_ms=model_ms,
+            pct_of_model=100 * model_ms / row.ms if model_ms and row.ms == row.ms else None,
+            rel_err=row.rel_err,
+            note=row.note,
+        )
 
 
 def run(ctx: SectionContext) -> None:
     ceil = ceilings_of(ctx)
     p = plan(ctx.options.dry_run)
     s = _settings(ctx.options.dry_run, ctx.options.interpret)
-    ctx.data.update(copy_bytes_per_s=ceil.bytes_per_s, matmul_flops_per_s=ceil.flops_per_s, iters=s.iters,
-                    reps=s.reps, tokens_per_block=TPB, attention_shape=p.attention_shape.name)
-    attention = ctx.table(f"Decode attention ({p.attention_shape.name}: {p.attention_shape.num_q_heads} q / "
-                          f"{p.attention_shape.num_kv_heads} kv heads, head_dim {p.attention_shape.head_dim}, bf16)",
-                          ("batch", "context", "impl", "ms", "gb_s", "pct_copy_bw", "model_ms", "pct_of_model",
-                           "rel_err", "note"))
+    ctx.data.update(
+        copy_bytes_per_s=ceil.bytes_per_s,
+        matmul_flops_per_s=ceil.flops_per_s,
+        iters=s.iters,
+        reps=s.reps,
+        tokens_per_block=TPB,
+        attention_shape=p.attention_shape.name,
+    )
+    attention = ctx.table(
+        f"Decode attention ({p.attention_shape.name}: {p.attention_shape.num_q_heads} q / "
+        f"{p.attention_shape.num_kv_heads} kv heads, head_dim {p.attention_shape.head_dim}, bf16)",
+        ("batch", "context", "impl", "ms", "gb_s", "pct_copy_bw", "model_ms", "pct_of_model", "rel_err", "note"),
+    )
     with ctx.share(0.45):  # the rest for MoE
         for batch, context in p.attention:
             ctx.check_time("the next attention case")
-            ctx.run_case(f"attention batch {batch} context {context}", functools.partial(
-                attention_speed, ctx, attention, s, ceil, p.attention_shape, batch, context))
-    moe = ctx.table("MoE grouped FFN (bf16)", ("model", "tokens", "impl", "ms", "tflops", "pct_matmul", "gb_s",
-                                               "model_ms", "pct_of_model", "rel_err", "note"))
+            ctx.run_case(
+                f"attention batch {batch} context {context}",
+                functools.partial(attention_speed, ctx, attention, s, ceil, p.attention_shape, batch, context),
+            )
+    moe = ctx.table(
+        "MoE grouped FFN (bf16)",
+        (
+            "model",
+            "tokens",
+            "impl",
+            "ms",
+            "tflops",
+            "pct_matmul",
+            "gb_s",
+            "model_ms",
+            "pct_of_model",
+            "rel_err",
+            "note",
+        ),
+    )
     for shape in p.moe_shapes:
         for tokens in p.moe_tokens:
             ctx.check_time("the next MoE case")
-            ctx.run_case(f"moe {shape.name} {tokens} tokens",
-                         functools.partial(moe_speed, ctx, moe, s, ceil, shape, tokens))
+            ctx.run_case(
+                f"moe {shape.name} {tokens} tokens", functools.partial(moe_speed, ctx, moe, s, ceil, shape, tokens)
+            )
     failed = [r for r in s.rows if r.note.startswith("failed")]
     ctx.data["failed_runs"] = [f"{r.kernel} {r.case} {r.impl}: {r.note}" for r in failed]

@@ -29,12 +29,32 @@ SEED = 20261126
 MAX_TOKENS = 8
 PROMPTS = ((5, 17, 300, 42, 7, 99, 512, 3), (1000, 2, 64), (11, 22, 33, 44, 55, 66, 77, 88, 99, 110, 121, 132, 143))
 HF_CONFIG: dict[str, Any] = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 64,
-    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 256, "rope_theta": 10000.0,
-    "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
-    "attention_bias": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def greedy_tokens(model_dir: Path, backend: str) -> list[list[int]]:
@@ -45,15 +65,26 @@ def greedy_tokens(model_dir: Path, backend: str) -> list[list[int]]:
 
     previous = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")  # global: the compile threads see it too
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=4, max_num_tokens=16,
-                                    max_seq_len=32, attention_backend=backend, moe_backend=backend,
-                                    compile_cache=False, seed=0,
-                                    kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=4 * 32)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_batch_size=4,
+            max_num_tokens=16,
+            max_seq_len=32,
+            attention_backend=backend,
+            moe_backend=backend,
+            compile_cache=False,
+            seed=0,
+            kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=4 * 32),
+        )
+    )
     try:
         ids = {}
         for i, prompt in enumerate(PROMPTS):
-            request = engine.add_request(list(prompt), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                      ignore_eos=True, detokenize=False))
+            request = engine.add_request(
+                list(prompt), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+            )
             ids[request.request_id] = i
         tokens: list[list[int]] = [[] for _ in PROMPTS]
         while engine.has_unfinished_requests():
@@ -72,8 +103,14 @@ def generate_fixture() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="jaxllm-numerics-") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", HF_CONFIG, SEED)
         tokens = {backend: greedy_tokens(model_dir, backend) for backend in BACKENDS}
-    return {"platform": jax.default_backend(), "seed": SEED, "max_tokens": MAX_TOKENS,
-            "prompts": [list(p) for p in PROMPTS], "hf_config": HF_CONFIG, "tokens": tokens}
+    return {
+        "platform": jax.default_backend(),
+        "seed": SEED,
+        "max_tokens": MAX_TOKENS,
+        "prompts": [list(p) for p in PROMPTS],
+        "hf_config": HF_CONFIG,
+        "tokens": tokens,
+    }
 
 
 def load_fixture() -> dict[str, Any]:
@@ -86,11 +123,17 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def run(ctx: SectionContext) -> None:
     fixture = load_fixture()
-    if fixture["hf_config"] != HF_CONFIG or fixture["prompts"] != [list(p) for p in PROMPTS] \
-            or fixture["seed"] != SEED or fixture["max_tokens"] != MAX_TOKENS:
+    if (
+        fixture["hf_config"] != HF_CONFIG
+        or fixture["prompts"] != [list(p) for p in PROMPTS]
+        or fixture["seed"] != SEED
+        or fixture["max_tokens"] != MAX_TOKENS
+    ):
         raise ChecksFailed(f"{FIXTURE.name} was recorded for another model or prompts; regenerate it on CPU")
-    table = ctx.table("Greedy tokens (float32) against the CPU recording",
-                      ("backend", "prompt", "tokens_here", "tokens_cpu", "match", "first_difference"))
+    table = ctx.table(
+        "Greedy tokens (float32) against the CPU recording",
+        ("backend", "prompt", "tokens_here", "tokens_cpu", "match", "first_difference"),
+    )
     failures = []
     with tempfile.TemporaryDirectory(prefix="jaxllm-numerics-") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", HF_CONFIG, SEED)
@@ -101,8 +144,14 @@ def run(ctx: SectionContext) -> None:
             for i, (got, want) in enumerate(zip(here, fixture["tokens"][backend])):
                 match = got == want
                 diff = None if match else _first_difference(got, want)
-                table.add(backend=backend, prompt=i, tokens_here=" ".join(map(str, got)),
-                          tokens_cpu=" ".join(map(str, want)), match=match, first_difference=diff)
+                table.add(
+                    backend=backend,
+                    prompt=i,
+                    tokens_here=" ".join(map(str, got)),
+                    tokens_cpu=" ".join(map(str, want)),
+                    match=match,
+                    first_difference=diff,
+                )
                 if not match:
                     failures.append(f"{backend} prompt {i} differs from position {diff}")
     ctx.data["fixture_platform"] = fixture["platform"]

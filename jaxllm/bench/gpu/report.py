@@ -33,9 +33,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
+from typing import Any, Optional, TextIO
 
 SCHEMA = "jaxllm.bench.gpu/report"
 SCHEMA_VERSION = 1
@@ -126,8 +127,12 @@ class Table:
     printer: Optional[Any] = None  # Printer or GatedPrinter
 
     def header_lines(self) -> list[str]:
-        return [f"#### {self.title}", "", "| " + " | ".join(self.columns) + " |",
-                "|" + "|".join("---" for _ in self.columns) + "|"]
+        return [
+            f"#### {self.title}",
+            "",
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "|".join("---" for _ in self.columns) + "|",
+        ]
 
     def row_line(self, row: dict[str, Any]) -> str:
         return "| " + " | ".join(fmt(row.get(c)) for c in self.columns) + " |"
@@ -154,8 +159,9 @@ class RunOptions:
 class SectionContext:
     """What a section writes into: numbers (`data`), tables, notes; and its deadline."""
 
-    def __init__(self, key: str, options: RunOptions, deadline: float, shared: dict[str, Any],
-                 printer: Printer) -> None:
+    def __init__(
+        self, key: str, options: RunOptions, deadline: float, shared: dict[str, Any], printer: Printer
+    ) -> None:
         self.key = key
         self.options = options
         self.deadline = deadline
@@ -192,7 +198,8 @@ class SectionContext:
             raise
         except Exception as e:  # noqa: BLE001 - one case's failure (e.g. out of memory) is not the section's
             self.data.setdefault("case_errors", []).append(
-                {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+                {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            )
             self.note(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             return False
 
@@ -235,12 +242,21 @@ class SectionResult:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return json_safe({"key": self.key, "title": self.title, "status": self.status, "reason": self.reason,
-                          "error": self.error, "traceback": self.traceback, "seconds": round(self.seconds, 3),
-                          "time_share_s": round(self.time_share_s, 3), "data": self.data,
-                          "tables": [{"title": t.title, "columns": list(t.columns), "rows": t.rows}
-                                     for t in self.tables],
-                          "notes": self.notes})
+        return json_safe(
+            {
+                "key": self.key,
+                "title": self.title,
+                "status": self.status,
+                "reason": self.reason,
+                "error": self.error,
+                "traceback": self.traceback,
+                "seconds": round(self.seconds, 3),
+                "time_share_s": round(self.time_share_s, 3),
+                "data": self.data,
+                "tables": [{"title": t.title, "columns": list(t.columns), "rows": t.rows} for t in self.tables],
+                "notes": self.notes,
+            }
+        )
 
 
 def _injected(key: str) -> bool:
@@ -263,8 +279,9 @@ def _run_body(section: Section, ctx: SectionContext, outcome: dict[str, Any]) ->
         outcome.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
-def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: float, started: float,
-                 printer: Printer) -> tuple[list[SectionResult], bool]:
+def run_sections(
+    sections: Sequence[Section], options: RunOptions, budget_s: float, started: float, printer: Printer
+) -> tuple[list[SectionResult], bool]:
     """Runs the sections in order under their time shares: (results, whether a worker is
     still running past its deadline)."""
     end = started + budget_s - REPORT_RESERVE_S
@@ -287,8 +304,9 @@ def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: flo
             continue
         ctx = SectionContext(section.key, options, now + share, shared, printer)
         outcome: dict[str, Any] = {}
-        worker = threading.Thread(target=_run_body, args=(section, ctx, outcome), daemon=True,
-                                  name=f"jaxllm-bench-gpu-{section.key}")
+        worker = threading.Thread(
+            target=_run_body, args=(section, ctx, outcome), daemon=True, name=f"jaxllm-bench-gpu-{section.key}"
+        )
         worker.start()
         worker.join(timeout=max(0.0, min(now + share + JOIN_GRACE_S, end) - time.monotonic()))
         result.seconds = time.monotonic() - now
@@ -317,14 +335,22 @@ def run_sections(sections: Sequence[Section], options: RunOptions, budget_s: flo
 
 
 def report_json(meta: dict[str, Any], results: Sequence[SectionResult]) -> dict[str, Any]:
-    return json_safe({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **meta,
-                      "sections": {r.key: r.to_json() for r in results}})
+    return json_safe(
+        {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **meta, "sections": {r.key: r.to_json() for r in results}}
+    )
 
 
 def report_markdown(meta: dict[str, Any], results: Sequence[SectionResult]) -> str:
-    lines = [f"# jaxllm GPU report{' (DRY RUN: CPU, tiny shapes, timings meaningless)' if meta['dry_run'] else ''}",
-             "", f"- created: {meta['created']}", f"- budget: {meta['budget_s']} s, took {meta['seconds']:.1f} s",
-             f"- command: `{meta['command']}`", "", "| section | status | seconds | note |", "|---|---|---|---|"]
+    lines = [
+        f"# jaxllm GPU report{' (DRY RUN: CPU, tiny shapes, timings meaningless)' if meta['dry_run'] else ''}",
+        "",
+        f"- created: {meta['created']}",
+        f"- budget: {meta['budget_s']} s, took {meta['seconds']:.1f} s",
+        f"- command: `{meta['command']}`",
+        "",
+        "| section | status | seconds | note |",
+        "|---|---|---|---|",
+    ]
     for r in results:
         note = r.reason or (r.error or "")
         lines.append(f"| {r.title} | {r.status} | {r.seconds:.1f} | {note.splitlines()[0][:120] if note else ''} |")

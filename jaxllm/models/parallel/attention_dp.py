@@ -47,8 +47,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache
-from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, route
 from jaxllm.models.parallel.ep_moe import EpMoeOptions, dispatch_body
 from jaxllm.step_batch import StepBatch
@@ -58,9 +58,18 @@ from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.slot_table import SlotTable, choose_slots
 
 
-def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig, moe_fn: MoeFn,
-                 options: EpMoeOptions, ep: int, moe_tp: int, global_tokens: int
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dp_moe_layer(
+    h: jax.Array,
+    p: dict,
+    valid: jax.Array,
+    *,
+    config: ModelConfig,
+    moe_fn: MoeFn,
+    options: EpMoeOptions,
+    ep: int,
+    moe_tp: int,
+    global_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One MoE layer inside the attention-DP shard_map, on this device's tokens h [T_rank, H]:
     (output [T_rank, H], global expert counts int32[E], dropped rows int32[])."""
     table: SlotTable = p["slots"]
@@ -85,25 +94,48 @@ def dp_moe_layer(h: jax.Array, p: dict, valid: jax.Array, *, config: ModelConfig
     return out.astype(h.dtype), counts, dropped[0]
 
 
-def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: StepBatch, *, config: ModelConfig,
-                         attention_fn: Callable, moe_fn: MoeFn, mesh: jax.sharding.Mesh, param_specs: Any,
-                         moe_options: EpMoeOptions | None = None
-                         ) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None]:
+def forward_attention_dp(
+    params: Any,
+    kv_cache: list[MhaLayerCache],
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: Callable,
+    moe_fn: MoeFn,
+    mesh: jax.sharding.Mesh,
+    param_specs: Any,
+    moe_options: EpMoeOptions | None = None,
+) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
     [D * S_rank, V] (rank-major rows), the updated caches, and the MoE statistics."""
     options = moe_options or EpMoeOptions()
     ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
     num_ranks, tokens_per_rank = batch.token_ids.shape
-    moe_layer = functools.partial(dp_moe_layer, config=config, moe_fn=moe_fn, options=options, ep=ep,
-                                  moe_tp=moe_tp, global_tokens=num_ranks * tokens_per_rank)
+    moe_layer = functools.partial(
+        dp_moe_layer,
+        config=config,
+        moe_fn=moe_fn,
+        options=options,
+        ep=ep,
+        moe_tp=moe_tp,
+        global_tokens=num_ranks * tokens_per_rank,
+    )
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
 
     def body(params_, cache_, batch_):
         local = jax.tree.map(lambda a: a[0], batch_)
         cache_local = jax.tree.map(lambda a: a[0], cache_)
         x, new_cache, stats = decode_layers_with_moe_stats(
-            params_, cache_local, local, config=config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=None,
-            moe_options=options, slot_moe_layer=moe_layer)
+            params_,
+            cache_local,
+            local,
+            config=config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=None,
+            moe_options=options,
+            slot_moe_layer=moe_layer,
+        )
         logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
         counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
         dropped = stats.dropped_rows if stats is not None else jnp.zeros((0,), jnp.int32)
@@ -112,16 +144,27 @@ def forward_attention_dp(params: Any, kv_cache: list[MhaLayerCache], batch: Step
     cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
     batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
     logits, kv_cache, counts, dropped = jax.shard_map(
-        body, mesh=mesh, in_specs=(param_specs, cache_specs, batch_specs),
-        out_specs=(RANK_SPEC, cache_specs, P(), P()), check_vma=False)(params, kv_cache, batch)
+        body,
+        mesh=mesh,
+        in_specs=(param_specs, cache_specs, batch_specs),
+        out_specs=(RANK_SPEC, cache_specs, P(), P()),
+        check_vma=False,
+    )(params, kv_cache, batch)
     # The sampler sees every row (as under tensor parallelism, where the logits are gathered too).
-    logits = jax.lax.with_sharding_constraint(logits.reshape(num_ranks * logits.shape[1], logits.shape[2]),
-                                              NamedSharding(mesh, P()))
+    logits = jax.lax.with_sharding_constraint(
+        logits.reshape(num_ranks * logits.shape[1], logits.shape[2]), NamedSharding(mesh, P())
+    )
     return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
     """Per-rank host batches of one token bucket -> one StepBatch with a leading rank axis."""
     names = StepBatch.__dataclass_fields__
-    return StepBatch(**{name: None if getattr(batches[0], name) is None  # optional inputs left out (LoRA)
-                        else np.stack([getattr(b, name) for b in batches]) for name in names})
+    return StepBatch(
+        **{
+            name: None
+            if getattr(batches[0], name) is None  # optional inputs left out (LoRA)
+            else np.stack([getattr(b, name) for b in batches])
+            for name in names
+        }
+    )

@@ -85,8 +85,7 @@ class EpMoeOptions:
         return "allgather" if num_tokens <= self.allgather_max_tokens else "all_to_all"
 
 
-def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor,
-                     ep: int, moe_tp: int):
+def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor, ep: int, moe_tp: int):
     tokens, top_k = slots.shape
     slots_per_rank = w_gate.shape[0]
     cap = a2a_capacity(tokens, top_k, slots_per_rank, ep, capacity_factor)
@@ -116,10 +115,12 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
 
 
-def _ragged_all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int,
-                            emulate: bool):
-    exchange = functools.partial(emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all,
-                                 axis_name=EXPERT_AXIS)
+def _ragged_all_to_all_body(
+    x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int, emulate: bool
+):
+    exchange = functools.partial(
+        emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS
+    )
     tokens, top_k = slots.shape
     slots_per_rank = w_gate.shape[0]
     rows = tokens * top_k
@@ -135,10 +136,17 @@ def _ragged_all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: 
     recv_sizes = matrix[:, me]
     recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
     buffer_rows = ep * rows  # dropless: every rank may send all its rows here
-    recv_x = exchange(x[order // top_k], jnp.zeros((buffer_rows, x.shape[1]), x.dtype), send_offsets, sizes,
-                      land_at, recv_sizes)
-    recv_ids = exchange((flat % slots_per_rank)[order], jnp.full((buffer_rows,), slots_per_rank, jnp.int32),
-                        send_offsets, sizes, land_at, recv_sizes)
+    recv_x = exchange(
+        x[order // top_k], jnp.zeros((buffer_rows, x.shape[1]), x.dtype), send_offsets, sizes, land_at, recv_sizes
+    )
+    recv_ids = exchange(
+        (flat % slots_per_rank)[order],
+        jnp.full((buffer_rows,), slots_per_rank, jnp.int32),
+        send_offsets,
+        sizes,
+        land_at,
+        recv_sizes,
+    )
     y = expert_rows_ffn(recv_x, recv_ids, w_gate, w_up, w_down, moe_fn=moe_fn)
     # Back to the senders, into the sorted positions the rows left from.
     return_at = jnp.sum(jnp.where(jnp.arange(ep)[None, :] < me, matrix, 0), axis=1).astype(jnp.int32)
@@ -155,11 +163,13 @@ def dispatch_body(options: EpMoeOptions, num_tokens: int, *, moe_fn: MoeFn, ep: 
     dispatch mode `options` picks for a step of `num_tokens` tokens."""
     mode = options.mode_for(num_tokens)
     if mode == "all_to_all":
-        return functools.partial(_all_to_all_body, moe_fn=moe_fn, capacity_factor=options.capacity_factor,
-                                 ep=ep, moe_tp=moe_tp)
+        return functools.partial(
+            _all_to_all_body, moe_fn=moe_fn, capacity_factor=options.capacity_factor, ep=ep, moe_tp=moe_tp
+        )
     if mode == "ragged_all_to_all":
-        return functools.partial(_ragged_all_to_all_body, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp,
-                                 emulate=options.ragged_emulation)
+        return functools.partial(
+            _ragged_all_to_all_body, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp, emulate=options.ragged_emulation
+        )
     return functools.partial(_allgather_body, moe_fn=moe_fn, moe_tp=moe_tp)
 
 
@@ -179,9 +189,17 @@ def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, m
     return out, jnp.zeros((1,), jnp.int32)
 
 
-def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh,
-                 rules: ShardingRules, options: EpMoeOptions = EpMoeOptions(),
-                 valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def ep_moe_block(
+    x: jax.Array,
+    p: dict,
+    *,
+    config: ModelConfig,
+    moe_fn: MoeFn,
+    mesh: jax.sharding.Mesh,
+    rules: ShardingRules,
+    options: EpMoeOptions = EpMoeOptions(),
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One MoE layer over slot weights: (output [T, H], expert counts int32[E], dropped rows int32[]).
 
     p: router [H, E], w_gate / w_up [S, H, I], w_down [S, I, H] (split as `rules` say),
@@ -203,7 +221,7 @@ def ep_moe_block(x: jax.Array, p: dict, *, config: ModelConfig, moe_fn: MoeFn, m
     tok = P(EXPERT_AXIS)
     up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
     down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
-    out, dropped = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, up_spec, up_spec, down_spec),
-                                 out_specs=(tok, P()), check_vma=False)(
-        x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
+    out, dropped = jax.shard_map(
+        body, mesh=mesh, in_specs=(tok, tok, tok, up_spec, up_spec, down_spec), out_specs=(tok, P()), check_vma=False
+    )(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
     return out[:num_tokens].astype(x.dtype), counts, dropped[0]
