@@ -1,4 +1,4 @@
-"""Model-independent pieces of the expert-parallel dispatch (`jaxllm.models.parallel.ep_moe`):
+"""Model-independent pieces of the expert-parallel dispatch (`jaxllm.models.ep_moe`):
 the rows each rank may send to one destination through an all_to_all, and
 `jax.lax.ragged_all_to_all` emulated by a dense all_to_all for platforms without it."""
 

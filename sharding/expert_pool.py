@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-# The slot-stacked weights of an expert-parallel MoE layer (`jaxllm.models.parallel.ep_moe.ep_moe_block`
+# The slot-stacked weights of an expert-parallel MoE layer (`jaxllm.models.ep_moe.ep_moe_block`
 # reads these names): [num_slots, ...], dimension 0 split over the expert axis.
 SLOT_WEIGHTS = ("w_gate", "w_up", "w_down")
 

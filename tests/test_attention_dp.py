@@ -86,9 +86,9 @@ def check_layers() -> None:
     from jax.sharding import PartitionSpec as P
 
     from jaxllm.models import ModelConfig
+    from jaxllm.models.ep_moe import EpMoeOptions
     from jaxllm.models.moe import moe_block
     from jaxllm.models.parallel.attention_dp import dp_moe_layer
-    from jaxllm.models.parallel.ep_moe import EpMoeOptions
     from jaxllm.models.partitioning import attention_dp_rules
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from sharding import ParallelConfig, make_mesh
@@ -199,8 +199,8 @@ def check_ragged_lowers_for_cuda() -> None:
     from jax.sharding import PartitionSpec as P
 
     from jaxllm.models import ModelConfig
+    from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
     from jaxllm.models.parallel.attention_dp import dp_moe_layer
-    from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
     from jaxllm.models.partitioning import attention_dp_rules
     from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
     from sharding import ParallelConfig, make_mesh

@@ -156,8 +156,8 @@ def check_layers() -> None:
     import jax.numpy as jnp
 
     from jaxllm.models import ModelConfig
+    from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
     from jaxllm.models.moe import moe_block
-    from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
     from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
     from sharding import ParallelConfig, make_mesh
     from sharding.rules import model_rules, named_sharding
@@ -388,7 +388,7 @@ def _expected_drops(ids: np.ndarray, valid: np.ndarray, *, ep: int, slots_per_ra
 
 def check_models(root: Path) -> None:
     from jaxllm.models import load_model_config, load_params
-    from jaxllm.models.parallel.ep_moe import EpMoeOptions
+    from jaxllm.models.ep_moe import EpMoeOptions
     from sharding import ParallelConfig, make_mesh
 
     for arch in ARCHS:

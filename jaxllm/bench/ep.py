@@ -137,9 +137,9 @@ def _time_variant(
 
     from jaxllm.models import forward, init_kv_cache, load_params
     from jaxllm.models.backends import resolve_backends
+    from jaxllm.models.ep_moe import EpMoeOptions
     from jaxllm.models.kv_cache_spec import init_dp_kv_cache
     from jaxllm.models.parallel.attention_dp import forward_attention_dp, stack_batches
-    from jaxllm.models.parallel.ep_moe import EpMoeOptions
     from jaxllm.models.partitioning import attention_dp_rules
     from sharding import ParallelConfig, make_mesh
     from sharding.rules import param_partition_specs

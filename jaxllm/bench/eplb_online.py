@@ -1,7 +1,7 @@
 """The online expert load balancer following a change of skew (`jaxllm bench eplb-online`).
 
 The EP issue's skewed workload, run through the real expert-parallel MoE layers on an EP
-mesh: L MoE layers (`jaxllm.models.parallel.ep_moe.ep_moe_block`, slot buffers split over the ranks),
+mesh: L MoE layers (`jaxllm.models.ep_moe.ep_moe_block`, slot buffers split over the ranks),
 each step a fresh batch of T random activations per layer whose router carries a bias
 that makes expert popularity Zipf (s=1.2) over the E experts, in a different expert order
 per layer (one input feature is held at 1 and its router row is the bias; the other
@@ -155,8 +155,8 @@ class SkewedMoeWorkload:
         import jax
         import jax.numpy as jnp
 
+        from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
         from jaxllm.models.moe import route
-        from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
         from sharding.slot_table import choose_slots
 
         config, mesh, rules = self.config, self.mesh, self.rules

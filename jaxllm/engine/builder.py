@@ -33,8 +33,8 @@ from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
 from jaxllm.models.backends import resolve_backends
+from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.model_config import numpy_dtype
-from jaxllm.models.parallel.ep_moe import EpMoeOptions
 from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler

@@ -43,9 +43,9 @@ from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache
 from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
+from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_cache_spec import init_dp_kv_cache
 from jaxllm.models.parallel.attention_dp import forward_attention_dp
-from jaxllm.models.parallel.ep_moe import EpMoeOptions
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.sampling.sampler import first_argmax
 from jaxllm.step_batch import StepBatch

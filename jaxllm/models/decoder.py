@@ -35,7 +35,7 @@ cannot partition, run under shard_map (`sharding.kernels`): attention and the KV
 per device on its heads, the expert FFN on its columns with a psum.
 
 Expert parallelism: when a MoE layer's experts are stored as slots (its params carry a
-`slots` table; see `sharding.slot_table`), the layer runs `jaxllm.models.parallel.ep_moe.ep_moe_block`:
+`slots` table; see `sharding.slot_table`), the layer runs `jaxllm.models.ep_moe.ep_moe_block`:
 tokens dispatched to the EP rank owning each chosen slot and combined back, as
 `moe_options` says. `forward_with_moe_stats` also returns the step's per-layer expert
 counts (`sharding.expert_load.MoeStepStats`); the plain forward drops them, and XLA removes
@@ -54,12 +54,12 @@ import jax.numpy as jnp
 from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_attention
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
+from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
-from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.partitioning import rules_for
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import Params

@@ -23,7 +23,7 @@ for all layers (`MlaKvCacheSpec.init_pool`): DeepSeek-V3's 61 layers trace as tw
 Parallelism: attention heads (q_b / q, k_b, v_b, o) are split like MHA heads; the latent
 projections (q_a, kv_a, k_rope) and the latent cache are replicated; dense layers are
 tensor-parallel; shared experts are replicated on every rank; routed experts run through
-`jaxllm.models.parallel.ep_moe` as slots (expert parallelism) or column-split (MoE tensor parallelism).
+`jaxllm.models.ep_moe` as slots (expert parallelism) or column-split (MoE tensor parallelism).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
+from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
-from jaxllm.models.parallel.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.partitioning import rules_for
 from jaxllm.models.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from jaxllm.step_batch import StepBatch

@@ -3,7 +3,7 @@
 The pieces stay separate so they can be rearranged: `route_topk` gives each token its
 top-k ids and weights; `grouped_expert_ffn` takes ids as they should address the
 stacked weights (an expert-parallel layout maps ExpertIds to SlotIds in between, see
-`jaxllm.models.parallel.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
+`jaxllm.models.ep_moe`) and calls `moe_fn(x_sorted, group_sizes, w_gate, w_up, w_down)`, the
 grouped GEMM backend; `expert_rows_ffn` and `combine` are its two halves, which the
 expert-parallel layer runs on different devices. A backend whose `moe_fn` carries a
 `fused` attribute (`fused(x, ids, weights, w_gate, w_up, w_down) -> [T, H]`, the Pallas

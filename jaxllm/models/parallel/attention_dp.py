@@ -22,7 +22,7 @@ Layout (SPMD, one program for all ranks):
   (`dp_moe_layer`) starts from tokens that are already split over the devices. The T
   devices of an expert group first gather their tokens (all_gather over `tensor`, so the
   group holds the same rows, as the MoE tensor split needs), route them, dispatch them
-  over `expert` exactly as `jaxllm.models.parallel.ep_moe` does (all_to_all, allgather + local slots
+  over `expert` exactly as `jaxllm.models.ep_moe` does (all_to_all, allgather + local slots
   + reduce-scatter, or ragged_all_to_all), and a reduce-scatter over `tensor` both sums the column partials and
   hands every device back its own tokens. No device ever holds the global token batch.
 - Replica choice stays the global round robin of `sharding.slot_table.choose_slots`: the
@@ -48,9 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
+from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, route
-from jaxllm.models.parallel.ep_moe import EpMoeOptions, dispatch_body
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
