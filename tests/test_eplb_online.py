@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +192,7 @@ def check_engine(root: Path) -> None:
                     for i, it in enumerate(recorded.iters)
                     for l in range(len(recorded.layers))
                 ),
-                worker_alive=balancer.worker._thread.is_alive(),
+                worker_alive=balancer.worker.alive,
             )
         ),
         flush=True,
@@ -396,16 +397,30 @@ def test_worker_skips_small_gains_and_never_blocks():
             update.imbalance_after < update.imbalance_before == pytest.approx(predicted_imbalance(skewed[0], table, 4))
         )
         assert np.array_equal(update.based_on, table)
-        worker._lock.acquire()  # a busy worker refuses a snapshot at once instead of waiting
-        worker._busy = True
-        worker._lock.release()
+        # A busy worker refuses a snapshot at once instead of waiting: these loads keep it busy
+        # (it reads them back on its thread) until released.
+        held = _HeldLoads(skewed)
+        assert worker.submit(held, {5: table}, [5])
         start = time.perf_counter()
         assert not worker.submit(skewed, {5: table}, [5])
         assert time.perf_counter() - start < 0.1
-        worker._busy = False
+        held.release.set()
+        assert worker.wait_idle()
     finally:
         worker.close()
-    assert not worker._thread.is_alive()
+    assert not worker.alive
+
+
+class _HeldLoads:
+    """Loads whose read-back (`np.asarray` on the worker thread) waits until `release` is set."""
+
+    def __init__(self, loads: np.ndarray) -> None:
+        self.loads = loads
+        self.release = threading.Event()
+
+    def __array__(self, dtype=None, copy=None):
+        self.release.wait(30)
+        return np.asarray(self.loads, dtype=dtype)
 
 
 def test_slot_counts_follow_round_robin_replica_choice():

@@ -185,7 +185,7 @@ def test_slot_layers_stack_and_a_balancer_round_rewrites_one_layer_in_place(chec
         before = {n: np.asarray(params["layer_stacks"][1]["moe"][n]) for n in ("w_gate", "w_down")}
         old = params["layer_stacks"][1]["moe"]["w_up"]
         new = np.concatenate([np.arange(8)[::-1], [5, 5, 6, 7]]).astype(np.int32)
-        balancer.worker._pending[2] = PlacementUpdate(2, new, placement[2], 1.0, 0.5, 12)
+        balancer.worker.offer(PlacementUpdate(2, new, placement[2], 1.0, 0.5, 12))
         with counting_compiles() as compiles:
             assert balancer.apply_round(params) == [2]
             moe = params["layer_stacks"][1]["moe"]

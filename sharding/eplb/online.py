@@ -123,10 +123,21 @@ class PlacementWorker:
         with self._lock:
             return self._pending.pop(layer, None)
 
+    def offer(self, update: PlacementUpdate) -> None:
+        """Queue an update computed elsewhere (an offline placement, say) for its layer, as if
+        the worker had planned it; the next `take` of that layer returns it."""
+        with self._lock:
+            self._pending[update.layer] = update
+
     @property
     def busy(self) -> bool:
         with self._lock:
             return self._busy
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs (it ends at `close`)."""
+        return self._thread.is_alive()
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until the worker has finished its job (tests and benchmarks only)."""
