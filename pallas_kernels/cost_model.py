@@ -226,11 +226,12 @@ def attention_costs(
 ) -> list[LaunchCost]:
     """Every launch of one attention layer for `batch` (see `kernel.plan_launches`)."""
     from pallas_kernels.ragged_paged_attention import schedule
-    from pallas_kernels.ragged_paged_attention.kernel import _next_pow2, plan_launches
+    from pallas_kernels.ragged_paged_attention.kernel import plan_launches
+    from pallas_kernels.ragged_paged_attention.tiling import next_pow2
 
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hkv
-    group_pow2 = _next_pow2(group)
+    group_pow2 = next_pow2(group)
     cu, kv, n = step_metadata(batch)
     launches = plan_launches(batch.num_tokens, batch.num_seq_slots, hq, hkv, d, batch.max_kv_len, itemsize)
     case = f"{shape.name} {batch.name}"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxllm.models import ModelConfig, declare_weights, load_params, param_bytes, param_shapes, partition_specs
-from jaxllm.models.weights import declare_params, random_checkpoint, read_parameter
+from jaxllm.models.weight_reading import read_parameter
+from jaxllm.models.weights import declare_params, random_checkpoint
 from sharding import ShardingRules
 from tests.multidevice import run_on_cpu_devices
 from tests.test_sharding_tp import hf_config, write_checkpoint

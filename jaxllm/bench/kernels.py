@@ -227,7 +227,8 @@ def _jax_paged_splits(pages_per_seq: int) -> tuple[int, int]:
 
 def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: str) -> None:
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-    from pallas_kernels.ragged_paged_attention.kernel import AttentionTiling, default_tiling, plan_launches
+    from pallas_kernels.ragged_paged_attention.kernel import plan_launches
+    from pallas_kernels.ragged_paged_attention.tiling import AttentionTiling, default_tiling
 
     dtype = jnp.bfloat16
     tpb = s.tokens_per_block

@@ -35,6 +35,7 @@ from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
 from jaxllm.models.weight_layout import Source
+from jaxllm.models.weight_reading import read_parameter_view, read_stacked_view
 from jaxllm.models.weights import (
     Params,
     StackedDecl,
@@ -43,8 +44,6 @@ from jaxllm.models.weights import (
     declare_params,
     declare_weights,
     layer_stacks,
-    read_parameter_view,
-    read_stacked_view,
     stack_declarations,
     stacked_layer_rows,
 )
