@@ -32,9 +32,9 @@ class SamplerOutput:
     the forward's argmax without a sampler run (`StepPlan.greedy_only`: no row wants them)."""
 
     token_ids: jax.Array  # int32[S] sampled token per row
-    logprobs: jax.Array  # f32[S] log-softmax of the raw logits at token_ids
-    top_ids: jax.Array  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)
-    top_logprobs: jax.Array  # f32[S, N] their raw log-softmax values
+    logprobs: Optional[jax.Array]  # f32[S] log-softmax of the raw logits at token_ids
+    top_ids: Optional[jax.Array]  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)
+    top_logprobs: Optional[jax.Array]  # f32[S, N] their raw log-softmax values
 
 
 def sample(
