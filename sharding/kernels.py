@@ -17,12 +17,12 @@ Pallas) is wrapped the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import ShardingRules, logical_to_physical
+from sharding.rules import MeshAxis, ShardingRules, logical_to_physical
 
 
 def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any) -> Callable:
@@ -59,7 +59,7 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
     each device's partial output is summed with psum over the axes that split `moe_mlp`."""
     up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
     down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
-    reduce_axis: Optional[str] = rules.moe_mlp
+    reduce_axis: MeshAxis = rules.moe_mlp
 
     def body(x, group_sizes, w_gate, w_up, w_down):
         y = moe_fn(x, group_sizes, w_gate, w_up, w_down)
@@ -86,5 +86,6 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
                 check_vma=False,
             )(x, ids, weights, w_gate, w_up, w_down)
 
-        sharded.fused = fused_sharded
+        # the same optional function attribute `moe_fn` may carry (mypy knows functions without attributes)
+        sharded.fused = fused_sharded  # type: ignore[attr-defined]
     return sharded

@@ -54,12 +54,13 @@ class ParallelConfig:
                 _check_positive(name, value)
         ep = None if ep == -1 else ep
         mtp = None if mtp == -1 else mtp
-        if ep is None and mtp is None:
-            ep, mtp = 1, n
-        elif ep is None:
-            if n % mtp:
-                raise ValueError(f"moe_tensor_parallel_size={mtp} must divide tensor_parallel_size={n}")
-            ep = n // mtp
+        if ep is None:
+            if mtp is None:
+                ep, mtp = 1, n
+            else:
+                if n % mtp:
+                    raise ValueError(f"moe_tensor_parallel_size={mtp} must divide tensor_parallel_size={n}")
+                ep = n // mtp
         elif mtp is None:
             if n % ep:
                 raise ValueError(f"moe_expert_parallel_size={ep} must divide tensor_parallel_size={n}")
@@ -80,7 +81,10 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
-        return (1, self.moe_expert_parallel_size, self.moe_tensor_parallel_size)
+        ep, mtp = self.moe_expert_parallel_size, self.moe_tensor_parallel_size
+        if ep is None or mtp is None:
+            raise AssertionError("__post_init__ resolves both MoE sizes")
+        return (1, ep, mtp)
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 
@@ -105,7 +105,7 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
             return
         # Cross-process collectives of the CPU backend (must precede its creation; GPUs use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        options = dict(
+        options: dict[str, Any] = dict(
             initialization_timeout=config.initialization_timeout,
             shutdown_timeout_seconds=config.shutdown_timeout,
             # JAX's own detection ends the process abruptly; ours (shorter) fails requests first.

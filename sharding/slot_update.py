@@ -51,6 +51,13 @@ def _row_groups(sharding: NamedSharding, axis: int = 0) -> int:
     return int(np.prod([sharding.mesh.shape[n] for n in names])) if names else 1
 
 
+def _named_sharding(buffer: jax.Array) -> NamedSharding:
+    sharding = buffer.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"slot buffers must carry a NamedSharding, got {type(sharding).__name__}")
+    return sharding
+
+
 def _spec_axis(spec: P, axis: int):
     return spec[axis] if len(spec) > axis else None
 
@@ -94,9 +101,7 @@ def write_slot_rows(
     """`buffer` with global slot `slots[i]` rewritten to `source[experts[i]]` (source: host [E, ...]),
     in place (the buffer is donated; use the returned array). Each rank receives only its slots' rows.
     With `layer`, `buffer` is a stack of slot layers [n, S, ...] and only its row `layer` is written."""
-    sharding = buffer.sharding
-    if not isinstance(sharding, NamedSharding):
-        raise ValueError(f"slot buffers must carry a NamedSharding, got {type(sharding).__name__}")
+    sharding = _named_sharding(buffer)
     slot_axis = 0 if layer is None else 1
     if layer is not None and not 0 <= layer < buffer.shape[0]:
         raise ValueError(f"layer {layer} is outside the stack of {buffer.shape[0]} slot layers")
@@ -115,14 +120,15 @@ def write_slot_rows(
         mine = np.flatnonzero(rank == r)
         local[r, : mine.size] = slots[mine] - r * per_rank
         src[r, : mine.size] = experts[mine]
-    src = src.reshape(-1)
+    src_rows = src.reshape(-1)
     row_shape = buffer.shape[slot_axis + 1 :]
     row_sharding = sharding if layer is None else NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
     def piece(index: tuple) -> np.ndarray:
-        return np.ascontiguousarray(source[src[index[0]]][(slice(None),) + tuple(index[1:])])
+        return np.ascontiguousarray(source[src_rows[index[0]]][(slice(None),) + tuple(index[1:])])
 
-    rows = jax.make_array_from_callback((groups * m, *row_shape), row_sharding, piece)
+    # jax types the callback's index Optional, but always passes one
+    rows = jax.make_array_from_callback((groups * m, *row_shape), row_sharding, piece)  # type: ignore[arg-type]
     local_slots = jax.device_put(
         local.reshape(-1), NamedSharding(sharding.mesh, P(_spec_axis(sharding.spec, slot_axis)))
     )
@@ -136,7 +142,7 @@ def warm_up(buffer: jax.Array, source: np.ndarray, stacked: bool = False) -> jax
     """Run every row bucket once with nothing to write (compiles them; the buffer is unchanged).
     `stacked`: `buffer` is a stack of slot layers (compiles the programs every layer shares)."""
     slot_axis = 1 if stacked else 0
-    per_rank = buffer.shape[slot_axis] // _row_groups(buffer.sharding, slot_axis)
+    per_rank = buffer.shape[slot_axis] // _row_groups(_named_sharding(buffer), slot_axis)
     nothing = np.zeros((0,), np.int64)
     for m in row_buckets(per_rank):
         buffer = write_slot_rows(buffer, nothing, source, nothing, rows_per_rank=m, layer=0 if stacked else None)

@@ -44,11 +44,12 @@ from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache
 from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
 from jaxllm.models.ep_moe import EpMoeOptions
-from jaxllm.models.kv_cache_spec import init_dp_kv_cache
+from jaxllm.models.kv_cache_spec import KVCache, init_dp_kv_cache
 from jaxllm.models.parallel.attention_dp import forward_attention_dp
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
 from jaxllm.sampling.sampler import first_argmax
 from jaxllm.step_batch import StepBatch
+from sharding.expert_load import MoeStepStats
 from sharding.mesh import ParallelConfig, make_mesh
 from sharding.rules import param_partition_specs
 
@@ -127,18 +128,26 @@ def _model_step(
             param_specs=attention_dp_specs,
             moe_options=moe_options,
         )
-        return kv_cache, logits, stats.expert_counts if moe_stats else None, None
-    kwargs = dict(config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options)
+        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, None
+    kwargs: dict[str, Any] = dict(
+        config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options
+    )
     if context_index is not None:
         logits, context, kv_cache, stats = forward_with_rows(
             params, kv_cache, batch, context_index, moe_stats=moe_stats, **kwargs
         )
-        return kv_cache, logits.astype(jnp.float32), stats.expert_counts if moe_stats else None, context
+        return kv_cache, logits.astype(jnp.float32), _expert_counts(stats) if moe_stats else None, context
     if moe_stats:
         logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
         return kv_cache, logits.astype(jnp.float32), stats.expert_counts, None
     logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
     return kv_cache, logits.astype(jnp.float32), None, None
+
+
+def _expert_counts(stats: Optional[MoeStepStats]) -> jax.Array:
+    if stats is None:
+        raise ValueError("MoE statistics asked of a forward that has none (no MoE layers)")
+    return stats.expert_counts
 
 
 def _gather_rows(logits, rows):
@@ -221,7 +230,7 @@ class ModelRunner:
         # One device: host buffers go straight into the compiled calls (see `execute`).
         self._single_device = jax.process_count() == 1 and self.mesh.devices.size == 1
         if attention_dp:
-            self.kv_cache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
+            self.kv_cache: KVCache = init_dp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, self.mesh)
         else:
             self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         forward_step = functools.partial(
@@ -299,7 +308,7 @@ class ModelRunner:
     @property
     def num_copy_programs(self) -> int:
         """Compiled shapes of the KV block copy (one: pairs are padded to `MAX_BLOCK_COPIES`)."""
-        return self._copy_jit._cache_size()
+        return self._copy_jit._cache_size()  # type: ignore[attr-defined]  # jit's cache size: not in jax's typing
 
     @property
     def compile_seconds(self) -> float:
@@ -434,8 +443,9 @@ class ModelRunner:
         `plan.processor_rows`, `StepOutput.processed` is the future of those rows' sampler
         output, computed on a worker thread (`jaxllm.engine.logits_processing`). A plain plan
         runs exactly the two programs, a greedy-only one the forward alone."""
+        batch_buffers: tuple[np.ndarray | jax.Array, ...]  # host buffers, then on the mesh with several devices
         if plan.packed_forward is not None and plan.context_index is None:
-            batch_buffers, batch_layout = (plan.packed_forward,), self._packed_layout(plan)
+            batch_buffers, batch_layout = (plan.packed_forward,), self._packed_layout(plan, plan.packed_forward)
         elif plan.context_index is None:
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         else:  # another layout: the forward variant that also returns these tokens' logits
@@ -454,6 +464,8 @@ class ModelRunner:
             sampled = SamplerOutput(token_ids=greedy_tokens, logprobs=None, top_ids=None, top_logprobs=None)
             self._fed_tokens = sampled.token_ids
             return StepOutput(sampled, expert_counts, context_logits, None, None, enqueue_time)
+        if sampling_buffers is None or sampling_layout is None:
+            raise AssertionError("a step that samples has packed its sampling inputs")
         row_logits = None
         if plan.has_logits_work:
             logits, row_logits = self._post_process(logits, plan)
@@ -468,15 +480,15 @@ class ModelRunner:
             )
         return StepOutput(sampled, expert_counts, context_logits, row_logits, processed, enqueue_time)
 
-    def _packed_layout(self, plan: StepPlan) -> PackedLayout:
-        """The layout of `plan.packed_forward`: `pack`'s for the batch's shapes, found with
-        `pack` once per shape (which also checks that the buffer is what `pack` builds)."""
+    def _packed_layout(self, plan: StepPlan, packed_forward: np.ndarray) -> PackedLayout:
+        """The layout of `packed_forward` (the plan's, when set): `pack`'s for the batch's shapes,
+        found with `pack` once per shape (which also checks that the buffer is what `pack` builds)."""
         batch = plan.batch
         key = (batch.token_ids.shape, batch.block_tables.shape, batch.logits_indices.shape)
         layout = self._packed_layouts.get(key)
         if layout is None:
             (buffer,), layout = pack((batch, plan.feed_index))
-            if not np.array_equal(buffer, plan.packed_forward):
+            if not np.array_equal(buffer, packed_forward):
                 raise RuntimeError("a plan's packed forward inputs differ from its batch and feed index")
             self._packed_layouts[key] = layout
         return layout

@@ -177,7 +177,7 @@ class PlannedStep:
 
     plan: StepPlan
     output: SchedulerOutput
-    entries: list[TokenEntry] = field(default_factory=list)
+    entries: list[TokenEntry] | DecodeEntries = field(default_factory=list)
 
 
 class Planner:
@@ -314,7 +314,7 @@ class Planner:
             generation_tokens=last_tokens,
         )
         if self.lora_slots is not None:
-            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
+            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch, self.lora_slots))
         feed_index = np.full((bucket,), -1, np.int32)
         num_ctx_tokens = num_tokens - num_gen
         in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
@@ -336,12 +336,12 @@ class Planner:
         greedy_only = self.sampling_slots.last_build_plain and not sampling.any_random
         return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens, greedy_only=greedy_only)
 
-    def _lora_token_slots(self, output: SchedulerOutput, batch: StepBatch) -> np.ndarray:
+    def _lora_token_slots(self, output: SchedulerOutput, batch: StepBatch, lora_slots: LoraSlots) -> np.ndarray:
         """int32[T]: each token's adapter slot (-1: none, and for padding)."""
         rows = output.all_requests()
         slots = np.full(batch.token_ids.shape[0], NO_SLOT, np.int32)
         if any(r.lora_adapter is not None for r in rows):
-            per_seq = np.array([self.lora_slots.slot_of(r) for r in rows], np.int32)
+            per_seq = np.array([lora_slots.slot_of(r) for r in rows], np.int32)
             counts = np.diff(batch.cu_q_lens[: len(rows) + 1])
             slots[: int(counts.sum())] = np.repeat(per_seq, counts)
         return slots
@@ -399,6 +399,7 @@ class Planner:
                 feed = np.fromiter(map(_feed_row, gen), np.int32, n)
                 feed_index = np.full((bucket,), -1, np.int32)
                 feed_index[:n] = np.where(in_flight_rows, feed, -1)
+        packed: Optional[np.ndarray]
         batch, feed_index, packed = build_decode_batch(
             self.kv_cache_manager,
             decode.rows,
@@ -411,7 +412,7 @@ class Planner:
             feed_index=feed_index,
         )
         if self.lora_slots is not None:
-            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch))
+            batch = replace(batch, lora_slots=self._lora_token_slots(output, batch, self.lora_slots))
             packed = None  # the adapter slots are an input of their own
         slots = self.sampling_slots
         plain = slots.all_plain(decode.rows)
@@ -467,7 +468,7 @@ class Planner:
     @staticmethod
     def advance(output: SchedulerOutput) -> list[TokenEntry]:
         """`commit` of a general step: every scheduled request moves on by itself."""
-        entries = []
+        entries: list[TokenEntry] = []
         append = entries.append
         for row, request in enumerate(output.all_requests()):
             state = request.state

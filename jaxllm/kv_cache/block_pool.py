@@ -285,7 +285,7 @@ class BlockPool:
                     run = []
             node = new
             nodes.append(node)
-        if run:
+        if events is not None and run:
             events.stored(run_parent if run_parent > ROOT_NODE else None, run, lora_id)
         return nodes
 
@@ -309,7 +309,7 @@ class BlockPool:
             self.priority[block] = DEFAULT_RETENTION_PRIORITY
             self._duration[block] = None
 
-    def cached_prefixes(self) -> dict[int, tuple[int, tuple[int, ...], int]]:
+    def cached_prefixes(self) -> dict[int, tuple[int | None, tuple[int, ...], int]]:
         """Every indexed block as {node: (parent node or None, token ids, priority)} (for tests and
         inspection; O(n))."""
         return {

@@ -26,8 +26,9 @@ class StepPlacement:
 
     manager: KVCacheManager
     version: int  # the manager's free counter when recorded: a later free voids the rows
-    rows: list[int]  # block-table row per scheduled request, context requests first
-    generation_num_tokens: list[int]  # num_tokens of each generation request this step
+    # block-table row per scheduled request, context requests first (arrays on a decode-only step)
+    rows: list[int] | np.ndarray
+    generation_num_tokens: list[int] | np.ndarray  # num_tokens of each generation request this step
     # Set on a decode-only step prepared by `prepare_decode`: the same rows as arrays.
     decode: DecodeRows | None = None
 

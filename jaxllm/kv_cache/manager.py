@@ -454,7 +454,7 @@ class KVCacheManager:
                 f"request {request.request_id} holds {n} blocks but the row has {out_row.shape[0]} entries"
             )
         out_row[:] = 0
-        if n:
+        if seq is not None and n:
             out_row[:n] = self._table.block_ids[seq.row, :n]
 
     # ------------------------------------------------------------- stats

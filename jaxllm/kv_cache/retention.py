@@ -79,7 +79,7 @@ class TokenRangeRetentionConfig:
 
     @property
     def duration_seconds(self) -> float | None:
-        return self._seconds  # type: ignore[attr-defined]
+        return self._seconds  # type: ignore[attr-defined]  # set by __post_init__ (a frozen dataclass)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class KvCacheRetentionConfig:
 
     @property
     def decode_duration_seconds(self) -> float | None:
-        return self._decode_seconds  # type: ignore[attr-defined]
+        return self._decode_seconds  # type: ignore[attr-defined]  # set by __post_init__ (a frozen dataclass)
 
     def prompt_block_retention(self, block_index: int, tokens_per_block: int) -> tuple[int | None, float | None]:
         """(priority, duration in seconds) of prompt block `block_index`, from the range holding

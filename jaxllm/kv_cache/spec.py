@@ -128,7 +128,8 @@ class MhaKvCacheSpec:
 
     def partition_spec(self, rules: ShardingRules) -> MhaLayerCache:
         spec = logical_to_physical(MHA_CACHE_AXES, rules)
-        return MhaLayerCache(spec, spec)
+        # the cache's pytree with PartitionSpec leaves (the shardings jit takes), not arrays
+        return MhaLayerCache(spec, spec)  # type: ignore[arg-type]
 
     def bytes_per_token(self, num_shards: int = 1) -> int:
         """Bytes one token takes across all layers on one device, with the KV heads split in
@@ -211,7 +212,8 @@ class MlaKvCacheSpec:
         return MlaLayerCache(flat.reshape(cache.latent.shape))
 
     def partition_spec(self, rules: ShardingRules) -> MlaLayerCache:
-        return MlaLayerCache(logical_to_physical(MLA_CACHE_AXES, rules))
+        # the cache's pytree with PartitionSpec leaves (the shardings jit takes), not arrays
+        return MlaLayerCache(logical_to_physical(MLA_CACHE_AXES, rules))  # type: ignore[arg-type]
 
     def bytes_per_token(self, num_shards: int = 1) -> int:
         """Bytes one token takes across all layers on one device (the same on every

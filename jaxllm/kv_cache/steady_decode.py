@@ -72,10 +72,10 @@ class DecodeRows:
         due = np.flatnonzero(num_tokens >= self.next_event)
         if due.size:
             requests, next_event = self.requests, self.next_event
-            due = due.tolist()
+            due_rows = due.tolist()
             if flush_rows is not None:
-                flush_rows(due)
-            for i in due:
+                flush_rows(due_rows)
+            for i in due_rows:
                 request = requests[i]
                 seq = seqs[request.request_id]
                 prepare(seq, request, int(num_tokens[i]))

@@ -250,9 +250,9 @@ class SamplingParams:
         lp = self.logits_processor
         if lp is not None and not callable(lp) and not (isinstance(lp, (list, tuple)) and all(callable(f) for f in lp)):
             raise ValueError(f"logits_processor must be a callable or a list of callables, got {_show(lp)}")
-        name = self.logits_post_processor_name
-        if name is not None and not (isinstance(name, str) and name):
-            raise ValueError(f"logits_post_processor_name must be a non-empty string, got {_show(name)}")
+        post_name = self.logits_post_processor_name
+        if post_name is not None and not (isinstance(post_name, str) and post_name):
+            raise ValueError(f"logits_post_processor_name must be a non-empty string, got {_show(post_name)}")
         for name in (
             "end_id",
             "pad_id",

@@ -14,6 +14,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxllm.sampling.tensors import SamplingTensors
@@ -31,9 +32,9 @@ class SamplerOutput:
     the forward's argmax without a sampler run (`StepPlan.greedy_only`: no row wants them)."""
 
     token_ids: jax.Array  # int32[S] sampled token per row
-    logprobs: jax.Array  # f32[S] log-softmax of the raw logits at token_ids
-    top_ids: jax.Array  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)
-    top_logprobs: jax.Array  # f32[S, N] their raw log-softmax values
+    logprobs: Optional[jax.Array]  # f32[S] log-softmax of the raw logits at token_ids
+    top_ids: Optional[jax.Array]  # int32[S, N] N highest raw-logit tokens, best first (N = num_top_logprobs)
+    top_logprobs: Optional[jax.Array]  # f32[S, N] their raw log-softmax values
 
 
 def sample(
@@ -130,7 +131,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return x - adjust
 
 
-def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+def apply_suppression(logits: jax.Array, suppress_ids: np.ndarray | jax.Array) -> jax.Array:
     """Set banned ids (end/stop ids before min_tokens, bad words) to -inf; -1 entries are no-ops."""
     S, V = logits.shape
     idx = jnp.where(suppress_ids >= 0, suppress_ids, V)
@@ -143,7 +144,8 @@ def row_keys(t: SamplingTensors) -> jax.Array:
     def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl=_PRNG_IMPL), step)
 
-    return jax.vmap(one)(t.seed, t.step)
+    # vmap maps host arrays too and hands `one` jax arrays; its typing keeps `one`'s parameter types
+    return jax.vmap(one)(t.seed, t.step)  # type: ignore[arg-type]
 
 
 def _sample_rows(x: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -167,7 +169,9 @@ def _sample_rows(x: jax.Array, t: SamplingTensors) -> jax.Array:
     return first_argmax(filtered + gumbel)
 
 
-def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _top_k_top_p_threshold(
+    scaled: jax.Array, top_k: np.ndarray | jax.Array, top_p: np.ndarray | jax.Array
+) -> jax.Array:
     """Per row, the smallest logit that survives top-k then top-p (-inf when both are off).
 
     Top-p keeps the shortest prefix of the sorted top-k distribution whose probability

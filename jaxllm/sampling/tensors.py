@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import chain
-from typing import Optional
+from typing import Any, Optional, cast
 
 import jax
 import numpy as np
@@ -43,18 +43,20 @@ SAMPLER_VARIANTS: tuple[dict, ...] = tuple(
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingTensors:
-    temperature: np.ndarray  # f32[S]; 0 = greedy
-    top_k: np.ndarray  # int32[S]; 0 = off
-    top_p: np.ndarray  # f32[S]; 1 = off
-    min_p: np.ndarray  # f32[S]; 0 = off
-    repetition_penalty: np.ndarray  # f32[S]; 1 = off
-    presence_penalty: np.ndarray  # f32[S]; 0 = off
-    frequency_penalty: np.ndarray  # f32[S]; 0 = off
-    seed: np.ndarray  # uint32[S, 2] threefry key data (high, low word of the 64-bit seed)
-    step: np.ndarray  # int32[S] index of the output token being generated (folded into the key)
-    suppress_ids: np.ndarray  # int32[S, K] token ids forced to -inf; -1 = unused
-    history_ids: np.ndarray  # int32[S, H] prompt ids then output ids; -1 = unused ([S, 1] without penalties)
-    history_is_output: np.ndarray  # bool[S, H] True where history_ids holds an output token
+    # Host arrays from `build`, device arrays after `as_device` (tracers inside the jitted step).
+    temperature: np.ndarray | jax.Array  # f32[S]; 0 = greedy
+    top_k: np.ndarray | jax.Array  # int32[S]; 0 = off
+    top_p: np.ndarray | jax.Array  # f32[S]; 1 = off
+    min_p: np.ndarray | jax.Array  # f32[S]; 0 = off
+    repetition_penalty: np.ndarray | jax.Array  # f32[S]; 1 = off
+    presence_penalty: np.ndarray | jax.Array  # f32[S]; 0 = off
+    frequency_penalty: np.ndarray | jax.Array  # f32[S]; 0 = off
+    seed: np.ndarray | jax.Array  # uint32[S, 2] threefry key data (high, low word of the 64-bit seed)
+    step: np.ndarray | jax.Array  # int32[S] index of the output token being generated (folded into the key)
+    suppress_ids: np.ndarray | jax.Array  # int32[S, K] token ids forced to -inf; -1 = unused
+    # int32[S, H] prompt ids then output ids; -1 = unused ([S, 1] without penalties)
+    history_ids: np.ndarray | jax.Array
+    history_is_output: np.ndarray | jax.Array  # bool[S, H] True where history_ids holds an output token
     use_penalties: bool = field(default=False, metadata=dict(static=True))  # some row has a penalty
     num_top_logprobs: int = field(default=0, metadata=dict(static=True))  # 0 or MAX_LOGPROBS
     any_random: bool = field(default=False, metadata=dict(static=True))  # some row samples
@@ -65,7 +67,9 @@ class SamplingTensors:
         return int(self.temperature.shape[0])
 
     def as_device(self) -> SamplingTensors:
-        data = {f.name: jax.numpy.asarray(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("static")}
+        data: dict[str, Any] = {
+            f.name: jax.numpy.asarray(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("static")
+        }
         static = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("static")}
         return SamplingTensors(**data, **static)
 
@@ -136,14 +140,15 @@ class SamplingTensors:
         seed = np.zeros((S, 2), np.uint32)
         step = np.zeros(S, np.int32)
         suppress = np.full((S, suppress_width), -1, np.int32)
-        penalty_rows: list[int] = []
+        penalty_rows: list[tuple[int, SamplingParams]] = []
         want_logprobs = False
 
         live = [i for i in range(n) if params[i] is not None]
         if live:
             dense = len(live) == n  # the common case: rows 0..n-1 all live, plain slices work
             at = slice(0, n) if dense else live
-            lp = list(params) if dense else [params[i] for i in live]
+            # the live rows' params (no None: `live` skips the padding rows)
+            lp = cast("list[SamplingParams]", list(params) if dense else [params[i] for i in live])
             rows = [p._row for p in lp]
             v0 = rows[0].values
             if all(r.values is v0 for r in rows):
@@ -157,7 +162,7 @@ class SamplingTensors:
             if seeds is None:
                 seed_list = [p.seed for p in lp]
             else:
-                seed_list = [seeds[i] if seeds[i] is not None else params[i].seed for i in live]
+                seed_list = [seeds[i] if seeds[i] is not None else p.seed for i, p in zip(live, lp)]
             if None in seed_list:
                 for j, s in enumerate(seed_list):
                     if s is None:
@@ -170,14 +175,12 @@ class SamplingTensors:
             seed[at, 0] = (seed_arr >> np.uint64(32)).astype(np.uint32)
             seed[at, 1] = (seed_arr & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
-            penalty_rows = [i for i, r in zip(live, rows) if r.has_penalties]
+            penalty_rows = [(i, p) for i, p, r in zip(live, lp, rows) if r.has_penalties]
             want_logprobs = any(p.wants_top_logprobs for p in lp)
-            for i, r in zip(live, rows):
+            for i, p, r in zip(live, lp, rows):
                 if not r.has_bad_words and num_generated[i] >= r.min_tokens:
                     continue
-                ban = _banned_ids(
-                    params[i], num_generated[i], eos_ids[i], histories[i] if histories is not None else None, i
-                )
+                ban = _banned_ids(p, num_generated[i], eos_ids[i], histories[i] if histories is not None else None, i)
                 if ban:
                     if len(ban) > suppress_width:
                         raise ValueError(
@@ -191,8 +194,8 @@ class SamplingTensors:
                 raise ValueError("histories: requests with penalties need their prompt and output ids")
             history_ids = np.full((S, history_len), -1, np.int32)
             history_is_output = np.zeros((S, history_len), np.bool_)
-            for i in penalty_rows:
-                _fill_history(history_ids, history_is_output, i, params[i], histories[i], history_len)
+            for i, p in penalty_rows:
+                _fill_history(history_ids, history_is_output, i, p, histories[i], history_len)
         else:
             history_ids = np.full((S, 1), -1, np.int32)
             history_is_output = np.zeros((S, 1), np.bool_)

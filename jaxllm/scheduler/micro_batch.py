@@ -105,7 +105,7 @@ class MicroBatchScheduler:
         if self.chunking is None:
             context = self._schedule_whole_prompts(candidates, budget)
         else:
-            context = self._schedule_chunks(candidates, budget)
+            context = self._schedule_chunks(candidates, budget, self.chunking)
         return context, generation
 
     # ------------------------------------------------------------ internal
@@ -114,6 +114,8 @@ class MicroBatchScheduler:
         for req in candidates:
             remaining = req.context_remaining_length
             if budget is not None and remaining > budget:
+                if self.max_num_tokens is None:
+                    raise AssertionError("a token budget is only set under max_num_tokens")
                 if remaining > self.max_num_tokens and budget > 0:
                     req.context_chunk_size = budget  # could never run whole: split it
                     context.append(req)
@@ -124,7 +126,9 @@ class MicroBatchScheduler:
                 budget -= remaining
         return context
 
-    def _schedule_chunks(self, candidates: RequestList, budget: Optional[int]) -> RequestList:
+    def _schedule_chunks(
+        self, candidates: RequestList, budget: Optional[int], chunking: ContextChunkingConfig
+    ) -> RequestList:
         max_len = self.max_context_length
         wanted = 0
         fits_whole = True
@@ -137,8 +141,8 @@ class MicroBatchScheduler:
             for req in candidates:
                 req.context_chunk_size = req.context_remaining_length
             return list(candidates)
-        unit = self.chunking.chunk_unit_size
-        if self.chunking.chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
+        unit = chunking.chunk_unit_size
+        if chunking.chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
             self._chunk_equal_progress(candidates, budget, unit)
         else:
             self._chunk_first_come_first_served(candidates, budget, unit)

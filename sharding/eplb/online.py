@@ -162,6 +162,8 @@ class PlacementWorker:
                     self._wake.wait()
                 if self._closed:
                     return
+                if self._job is None:
+                    raise AssertionError("the worker only wakes for a job or for close()")
                 loads, tables, layers = self._job
                 self._job = None
             try:
@@ -186,7 +188,9 @@ class PlacementWorker:
         runs on the worker thread, also callable directly)."""
         updates = []
         for row, layer in zip(loads, layers):
-            current = tables.get(layer) if layer is not None else None
+            if layer is None:
+                continue
+            current = tables.get(layer)
             if current is None or row.sum() <= 0:
                 continue
             raw = compute_placement(row, self.num_slots, self.ep_size, self.algorithm)
