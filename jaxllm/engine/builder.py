@@ -10,7 +10,6 @@ result; nothing here runs a step.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -50,6 +49,11 @@ def resolve_model_dir(model: str) -> Path:
     return resolve_model(model)
 
 
+HOST_KV_CACHE_BYTES = 4 * 2**30
+"""The KV pool's budget on a backend that reports no device memory (a CPU), unless
+`kv_cache_config.max_tokens` sets the pool's size (vLLM's CPU KV space is 4 GiB too)."""
+
+
 def plan_num_kv_blocks(
     *,
     model_config: ModelConfig,
@@ -66,8 +70,10 @@ def plan_num_kv_blocks(
     On accelerators the budget is `fraction` of the device memory still free after the
     weights are loaded, on the device of the mesh with the least free memory (every
     device holds its share of every block, so the tightest one decides). Hosts report no
-    such figure, so there the pool holds every sequence at full length, capped by a share
-    of the host's available memory.
+    such figure, so there the pool holds every sequence at full length within
+    `HOST_KV_CACHE_BYTES` (or `max_tokens` when given, which may be larger): never a share of
+    the memory free at start-up, so the same flags always give the same pool, the same
+    programs and hits in the compilation cache.
     """
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     bytes_per_block = kv_cache_bytes_per_token(model_config, dtype, mesh) * tokens_per_block
@@ -82,11 +88,8 @@ def plan_num_kv_blocks(
         limits.append(int(free * free_memory_fraction) // bytes_per_block)
     else:
         limits.append(math.ceil(max_batch_size * max_seq_len / tokens_per_block))
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            limits.append(int(available * free_memory_fraction * 0.5) // bytes_per_block)
-        except (ValueError, OSError):
-            pass
+        if max_tokens is None:
+            limits.append(HOST_KV_CACHE_BYTES // bytes_per_block)
     num_blocks = min(limits)
     if num_blocks < 1:
         raise ValueError(
