@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -57,6 +58,7 @@ _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 # Buffers some exporters save that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -120,14 +122,28 @@ class _Header:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         for path in self.files:
-            with safe_open(str(path), framework="np") as f:
-                for name in f.keys():
-                    if name in self.file_of:
-                        raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {path.name}")
-                    sl = f.get_slice(name)
-                    self.file_of[name] = path
-                    self.shape[name] = tuple(sl.get_shape())
-                    self.dtype[name] = sl.get_dtype()
+            self._read(path)
+
+    def _read(self, path: Path) -> None:
+        with safe_open(str(path), framework="np") as f:
+            for name in f.keys():
+                if name in self.file_of:
+                    raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {path.name}")
+                sl = f.get_slice(name)
+                self.file_of[name] = path
+                self.shape[name] = tuple(sl.get_shape())
+                self.dtype[name] = sl.get_dtype()
+
+    def check_layers(self, config: ModelConfig, model_dir: str | Path) -> None:
+        """Every layer the config declares has tensors in the checkpoint (checked before the
+        weights are declared, so an absurd layer count costs nothing)."""
+        present = {int(m.group(1)) for n in self.shape if (m := _LAYER_NAME.match(n))}
+        missing = [i for i in range(config.num_layers) if i not in present]
+        if missing:
+            raise ValueError(
+                f"config.json in {model_dir} declares num_hidden_layers={config.num_layers} but the checkpoint "
+                f"has no tensors for {len(missing)} of them (first: layer {missing[0]})"
+            )
 
 
 def _choose_alternatives(
@@ -249,8 +265,9 @@ def load_params(
         _add_slot_tables(params, config, mesh, assignments)
         return params
     np_dtype = numpy_dtype(dtype or config.dtype)
-    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
+    header.check_layers(config, model_dir)
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     chosen_for = dict(zip((d.path for d in decls), _choose_alternatives(header, decls, config, model_dir)))
     stacks = layer_stacks(config)
     param_decls = stack_declarations(decls, stacks)
