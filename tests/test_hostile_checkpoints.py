@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,9 @@ def test_cli_unbounded_config_is_one_line(tmp_path, tiny):
         ("max_loras", 10**8),
         ("max_lora_rank", 10**8),
         ("max_seq_len", 10**12),
+        ("max_batch_size", "8"),
+        ("max_batch_size", [1]),
+        ("max_batch_size", True),
         ("max_loras", 2.5),
     ],
 )
@@ -136,7 +140,7 @@ def test_engine_limits_are_ints_in_range(field, value):
         EngineConfig(model="tiny-dense", **{field: value})
 
 
-@pytest.mark.parametrize("text", ["max_batch_size: 100000000\n", "max_num_tokens: 1e8\n"])
+@pytest.mark.parametrize("text", ["max_batch_size: 100000000\n", "max_num_tokens: 1e8\n", 'max_batch_size: "8"\n'])
 def test_yaml_config_limits_are_checked(tmp_path, text):
     path = tmp_path / "llm.yaml"
     path.write_text(text)
@@ -161,6 +165,70 @@ def test_implied_allocations_are_checked_against_memory():
     lora = EngineConfig(model="tiny-dense", enable_lora=True, max_loras=1024, max_lora_rank=4096)
     with pytest.raises(ValueError, match="LoRA slots .* lower --max-loras or --max-lora-rank"):
         check_engine_allocations(lora, model_config, 2048, 64, available=2 * GIB)
+
+
+# ----------------------------------------------------------------------------- 2. corrupt files
+def _raw_safetensors(header: object, data: bytes = b"") -> bytes:
+    blob = json.dumps(header).encode()
+    return struct.pack("<Q", len(blob)) + blob + data
+
+
+def _corrupt(tiny: Path, how: str) -> bytes:
+    raw = (tiny / "model.safetensors").read_bytes()
+    if how == "truncated":
+        return raw[: len(raw) // 2]
+    if how == "garbage":
+        return np.random.default_rng(0).bytes(4096)
+    if how == "oversized header":
+        return struct.pack("<Q", 1 << 62) + raw[8:]
+    if how == "shape/offset mismatch":
+        return _raw_safetensors(
+            {"model.embed_tokens.weight": {"dtype": "F32", "shape": [64, 32], "data_offsets": [0, 8]}}, bytes(8)
+        )
+    if how == "header list":
+        return _raw_safetensors([1, 2, 3])
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "oversized header", "shape/offset mismatch", "header list"])
+def test_corrupt_safetensors_is_one_value_error(tmp_path, tiny, how):
+    model = write_model(tmp_path / "m", tensors={})
+    (model / "model.safetensors").write_bytes(_corrupt(tiny, how))
+    with pytest.raises(ValueError, match="model.safetensors") as info:
+        load_params(model, load_model_config(model))
+    assert "\n" not in str(info.value)
+
+
+def test_integer_tensor_is_refused(tmp_path, tiny):
+    tensors = _tensors(tiny)
+    tensors["model.norm.weight"] = np.ones(32, np.int64)
+    model = write_model(tmp_path / "m", tensors=tensors)
+    with pytest.raises(ValueError, match="model.norm.weight in model.safetensors has dtype I64"):
+        load_params(model, load_model_config(model))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("[1, 2, 3]", "must hold a JSON object, got list"), ("[" * 100_000 + "]" * 100_000, "nested too deeply")],
+    ids=["list", "nested 100k deep"],
+)
+def test_config_json_shape_is_checked(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=match) as info:
+        load_model_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_cli_corrupt_checkpoint_is_one_line(tmp_path, tiny):
+    model = write_model(tmp_path / "m", tensors={})
+    (model / "model.safetensors").write_bytes(_corrupt(tiny, "truncated"))
+    assert_one_line_exit_2(cli_generate(model), "model.safetensors")
+
+
+def test_cli_yaml_string_limit_is_one_line(tmp_path, tiny):
+    path = tmp_path / "llm.yaml"
+    path.write_text('max_batch_size: "8"\n')
+    assert_one_line_exit_2(cli_generate(tiny, "--config", str(path)), "max_batch_size must be an integer")
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -198,14 +266,18 @@ _GGUF_TENSORS = {
 
 
 @pytest.mark.parametrize(
-    "meta, match",
+    "meta, tensors, match",
     [
-        ({"llama.block_count": 10**6}, "block_count=1000000 is out of range"),
-        ({"llama.block_count": 3}, "block_count=3 but the file has no tensors"),
+        ({"llama.block_count": 10**6}, {}, "block_count=1000000 is out of range"),
+        ({"llama.block_count": 3}, {}, "block_count=3 but the file has no tensors"),
+        ({"llama.embedding_length": [32, 32]}, {}, "embedding_length must be an integer"),
+        ({"llama.attention.head_count": 0}, {}, "head_count=0 is out of range"),
+        ({}, {"blk.0.ffn_norm.weight": np.ones(32, np.int32)}, "has type I32"),
+        ({}, {"blk.0.ffn_norm.weight": np.ones(32, np.float64)}, "has type F64"),
     ],
 )
-def test_gguf_sizes_are_bounded(tmp_path, meta, match):
-    path = _write_gguf(tmp_path / "m.gguf", {**_GGUF_META, **meta}, _GGUF_TENSORS)
+def test_hostile_gguf_is_one_value_error(tmp_path, meta, tensors, match):
+    path = _write_gguf(tmp_path / "m.gguf", {**_GGUF_META, **meta}, {**_GGUF_TENSORS, **tensors})
     with pytest.raises(ValueError, match=match) as info:
         convert_gguf(path, tmp_path / "out", progress=False)
     assert str(path) in str(info.value)

@@ -81,6 +81,8 @@ _EXPERT_PROJ = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("
 # Dequantized weights are written in shards of about this size (the loader reads sharded checkpoints).
 SHARD_BYTES = 2 * 1024**3
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensor types no weight of a supported model has.
+_REFUSED_TYPES = ("I8", "I16", "I32", "I64", "F64")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$")
 
 
@@ -95,9 +97,16 @@ def _open(path: Path):
     except ImportError as exc:  # declared dependency; only a broken install lands here
         raise ValueError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
     try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as exc:
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # any parse failure of a hostile file (struct, numpy, enum errors) is one line
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name in _REFUSED_TYPES:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}; "
+                "only float (F32, F16, BF16) and quantized weights are supported"
+            )
+    return reader
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -380,11 +389,16 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     except (TypeError, KeyError, IndexError, OverflowError) as exc:
         raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_shards(
-        hf_tensors(reader, config, progress=progress),
-        out_dir,
-        skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
-    )
+    try:
+        _write_shards(
+            hf_tensors(reader, config, progress=progress),
+            out_dir,
+            skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{gguf_path}: {exc}") from None
+    except (TypeError, KeyError, IndexError, OverflowError, NotImplementedError) as exc:
+        raise ValueError(f"{gguf_path}: unreadable tensor data ({type(exc).__name__}: {exc})") from None
     write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}

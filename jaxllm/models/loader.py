@@ -28,7 +28,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
@@ -59,6 +59,8 @@ _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# What safetensors or numpy raise on a truncated, garbled or inconsistent file.
+_FILE_ERRORS = (SafetensorError, OSError, ValueError, TypeError, OverflowError, MemoryError, RecursionError)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -66,7 +68,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, AttributeError, RecursionError, OSError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
@@ -122,7 +127,14 @@ class _Header:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         for path in self.files:
-            self._read(path)
+            try:
+                self._read(path)
+            except ValueError as exc:
+                if str(path) in str(exc) or path.name in str(exc):
+                    raise
+                raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
+            except _FILE_ERRORS as exc:
+                raise ValueError(f"{path} is not a valid safetensors file: {_first_line(exc)}") from None
 
     def _read(self, path: Path) -> None:
         with safe_open(str(path), framework="np") as f:
@@ -144,6 +156,11 @@ class _Header:
                 f"config.json in {model_dir} declares num_hidden_layers={config.num_layers} but the checkpoint "
                 f"has no tensors for {len(missing)} of them (first: layer {missing[0]})"
             )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _choose_alternatives(
@@ -276,7 +293,10 @@ def load_params(
         handles = {path: stack.enter_context(safe_open(str(path), framework="np")) for path in header.files}
 
         def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
-            array = handles[header.file_of[name]].get_slice(name)[slices]
+            try:
+                array = handles[header.file_of[name]].get_slice(name)[slices]
+            except _FILE_ERRORS as exc:
+                raise ValueError(f"tensor {name} in {header.file_of[name]} is unreadable: {_first_line(exc)}") from None
             if slice_hook is not None:
                 slice_hook(name, slices, array)
             return array

@@ -300,6 +300,8 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     archs = hf.get("architectures") or []
     if not archs and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         archs = [next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf["model_type"])]
@@ -421,15 +423,32 @@ def load_model_config(model_dir: str | Path, dtype: Optional[str] = None) -> Mod
     if not path.is_file():
         raise ValueError(f"no config.json in {model_dir}")
     try:
-        config = ModelConfig.from_hf_config(json.loads(path.read_text()), dtype=dtype)
+        config = ModelConfig.from_hf_config(_read_json(path), dtype=dtype)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     except (TypeError, KeyError, AttributeError, IndexError, OverflowError) as exc:
         raise ValueError(f"{path}: malformed field ({type(exc).__name__}: {exc})") from None
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        gen = json.loads(gen_path.read_text())
-        eos = tuple(dict.fromkeys(_token_ids(gen.get("eos_token_id")) + config.eos_token_ids))
-        bos = config.bos_token_id if config.bos_token_id is not None else gen.get("bos_token_id")
-        config = replace(config, eos_token_ids=eos, bos_token_id=None if bos is None else int(bos))
+        try:
+            gen = _read_json(gen_path)
+            if not isinstance(gen, dict):
+                raise ValueError(f"must hold a JSON object, got {type(gen).__name__}")
+            eos = tuple(dict.fromkeys(_token_ids(gen.get("eos_token_id")) + config.eos_token_ids))
+            bos = config.bos_token_id if config.bos_token_id is not None else gen.get("bos_token_id")
+            config = replace(config, eos_token_ids=eos, bos_token_id=None if bos is None else int(bos))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{gen_path}: {exc}") from None
     return config
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`; unreadable, invalid or absurdly nested JSON is a ValueError."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"unreadable: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
