@@ -281,3 +281,49 @@ def test_hostile_gguf_is_one_value_error(tmp_path, meta, tensors, match):
     with pytest.raises(ValueError, match=match) as info:
         convert_gguf(path, tmp_path / "out", progress=False)
     assert str(path) in str(info.value)
+
+
+def test_unaligned_gguf_tensor_is_refused(tmp_path):
+    from gguf import GGUFReader
+
+    path = _write_gguf(tmp_path / "m.gguf", _GGUF_META, _GGUF_TENSORS)
+    first = GGUFReader(str(path)).tensors[0].field  # token_embd: another tensor's data follows it
+    at = first.offset + sum(int(p.nbytes) for p in first.parts[:-1])  # the tensor's data offset (uint64)
+    raw = bytearray(path.read_bytes())
+    (offset,) = struct.unpack_from("<Q", raw, at)
+    struct.pack_into("<Q", raw, at, offset + 4)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="not a multiple of the file's alignment"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
+# ----------------------------------------------------------------------------- 3. silently wrong values
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"rope_theta": float("nan")}, "rope_theta must be finite"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+        ({"vocab_size": "453"}, "vocab_size must be an integer"),
+        ({"vocab_size": 453.7}, "vocab_size must be an integer"),
+        ({"architectures": []}, "exactly one architecture"),
+    ],
+)
+def test_silently_wrong_config_fields_are_refused(tmp_path, overrides, match):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **overrides}))
+    with pytest.raises(ValueError, match=match) as info:
+        load_model_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_weights_are_refused(tmp_path, tiny, bad):
+    tensors = _tensors(tiny)
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+    model = write_model(tmp_path / "m", tensors=tensors)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight in .*model.safetensors holds NaN"):
+        load_params(model, load_model_config(model))
+
+
+def test_cli_nan_rope_theta_is_one_line(tmp_path, tiny):
+    model = write_model(tmp_path / "m", tensors=_tensors(tiny), rope_theta=float("nan"))
+    assert_one_line_exit_2(cli_generate(model), "rope_theta must be finite")

@@ -101,6 +101,11 @@ def _open(path: Path):
     except Exception as exc:  # any parse failure of a hostile file (struct, numpy, enum errors) is one line
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
     for tensor in reader.tensors:
+        if (tensor.data_offset - reader.data_offset) % reader.alignment:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} starts at offset {tensor.data_offset - reader.data_offset}, "
+                f"not a multiple of the file's alignment {reader.alignment}"
+            )
         if tensor.tensor_type.name in _REFUSED_TYPES:
             raise ValueError(
                 f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}; "

@@ -297,6 +297,9 @@ def load_params(
                 array = handles[header.file_of[name]].get_slice(name)[slices]
             except _FILE_ERRORS as exc:
                 raise ValueError(f"tensor {name} in {header.file_of[name]} is unreadable: {_first_line(exc)}") from None
+            # NaN or infinite weights would load silently and make every output garbage.
+            if not np.isfinite(array).all():
+                raise ValueError(f"tensor {name} in {header.file_of[name]} holds NaN or infinite values")
             if slice_hook is not None:
                 slice_hook(name, slices, array)
             return array

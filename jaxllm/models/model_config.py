@@ -26,7 +26,9 @@ from jaxllm.models.config_fields import (
     MAX_LAYERS,
     MAX_POSITIONS,
     MAX_VOCAB,
+    as_float,
     int_field,
+    optional_float,
 )
 from jaxllm.models.deepseek_config import deepseek_config_fields
 
@@ -213,7 +215,7 @@ def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[Rope
                 raise ValueError(f"unsupported rope_scaling {part!r}")
             merged.update(part)
     theta = merged.get("rope_theta", hf.get("rope_theta"))
-    theta = float(theta) if theta is not None else _DEFAULT_ROPE_THETA[model_type]
+    theta = as_float(theta, "rope_theta", positive=True) if theta is not None else _DEFAULT_ROPE_THETA[model_type]
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor={partial} (only full rotary embeddings)")
@@ -302,7 +304,13 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     if not isinstance(hf, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-    archs = hf.get("architectures") or []
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str)):
+        raise ValueError(
+            f"config.json must name exactly one architecture, got architectures={archs!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    archs = archs or []
     if not archs and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         archs = [next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf["model_type"])]
     if len(archs) != 1:
@@ -340,7 +348,7 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     max_pos = int_field(hf, "max_position_embeddings", 0, MAX_POSITIONS, 0) or 2048
     vocab_size = int_field(hf, "vocab_size", 1, MAX_VOCAB, where=where)
     intermediate_size = int_field(hf, "intermediate_size", 0, MAX_INTERMEDIATE, 0)
-    rms_norm_eps = float(hf.get("rms_norm_eps") or _DEFAULT_RMS_EPS[model_type])
+    rms_norm_eps = optional_float(hf, "rms_norm_eps", positive=True) or _DEFAULT_RMS_EPS[model_type]
     theta, scaling = _rope(hf, model_type, max_pos)
 
     moe: dict[str, Any] = {}
