@@ -327,3 +327,29 @@ def test_non_finite_weights_are_refused(tmp_path, tiny, bad):
 def test_cli_nan_rope_theta_is_one_line(tmp_path, tiny):
     model = write_model(tmp_path / "m", tensors=_tensors(tiny), rope_theta=float("nan"))
     assert_one_line_exit_2(cli_generate(model), "rope_theta must be finite")
+
+
+def test_llm_api_refuses_nan_weights_before_compiling(tmp_path, tiny):
+    import jaxllm
+
+    tensors = _tensors(tiny)
+    tensors["model.norm.weight"][0] = np.nan
+    model = write_model(tmp_path / "m", tensors=tensors)
+    with pytest.raises(ValueError, match="model.norm.weight in .* holds NaN"):
+        jaxllm.LLM(str(model))
+
+
+def test_engine_refuses_missing_layers(tmp_path, tiny):
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    model = write_model(tmp_path / "m", tensors=_tensors(tiny), num_hidden_layers=5)
+    with pytest.raises(ValueError, match="declares num_hidden_layers=5"):
+        LLMEngine(EngineConfig(model=str(model)))
+
+
+def test_cli_serve_huge_context_is_one_line(tmp_path, tiny):
+    model = write_model(tmp_path / "m", tensors=_tensors(tiny), max_position_embeddings=10**12)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", str(model), "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert_one_line_exit_2(done, "max_position_embeddings=1000000000000 is out of range")
