@@ -57,8 +57,18 @@ class KvCacheConfig:
     event_buffer_max_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.tokens_per_block < 1 or self.tokens_per_block & (self.tokens_per_block - 1):
-            raise ValueError(f"tokens_per_block must be a positive power of two, got {self.tokens_per_block}")
+        for name in ("tokens_per_block", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(self.free_gpu_memory_fraction, bool) or not isinstance(
+            self.free_gpu_memory_fraction, (int, float)
+        ):
+            raise ValueError(f"free_gpu_memory_fraction must be a number, got {self.free_gpu_memory_fraction!r}")
+        if not 1 <= self.tokens_per_block <= 1 << 16 or self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(
+                f"tokens_per_block must be a positive power of two up to 65536, got {self.tokens_per_block}"
+            )
         if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
             raise ValueError(f"max_tokens must be at least tokens_per_block, got {self.max_tokens}")
         if not 0.0 < self.free_gpu_memory_fraction <= 1.0:

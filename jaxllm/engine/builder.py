@@ -22,6 +22,7 @@ from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_processing import check_batched_processors
+from jaxllm.engine.memory_budget import check_engine_allocations
 from jaxllm.engine.model_runner import ModelRunner
 from jaxllm.engine.planner import Planner
 from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
@@ -138,6 +139,10 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     )
     check_layout(config, model_config, layout)
     attention_dp = parallel.enable_attention_dp
+    max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+    num_ranks = mesh.devices.size if attention_dp else 1
+    # Before any weight or buffer is allocated: the limits' fixed buffers fit the memory.
+    check_engine_allocations(config, model_config, max_seq_len, config.max_batch_size * num_ranks)
     # Expert parallelism: experts are stored as slots, placed as the load balancer config says.
     # Attention DP: attention and dense weights replicated, experts always stored as slots.
     balancer = config.moe_config.load_balancer
@@ -163,7 +168,6 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         if moe_layers
         else None
     )
-    max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     kv_cfg = config.kv_cache_config
     tpb = kv_cfg.tokens_per_block
     # Under attention DP every device is a rank with this many blocks of its own.
@@ -193,7 +197,6 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         if leader_session is None and not layout.multiprocess
         else None
     )
-    num_ranks = len(kv_meshes)
     runner = ModelRunner(
         model_config=model_config,
         params=params,

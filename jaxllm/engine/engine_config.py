@@ -9,6 +9,16 @@ from typing import Any, Optional
 from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from sharding.mesh import ParallelConfig
 
+# Sane ranges of the engine limits: (low, high). A limit outside them is a typo or a hostile
+# config (the implied allocations are checked against memory by jaxllm.engine.memory_budget).
+LIMIT_RANGES = {
+    "max_batch_size": (1, 1 << 16),
+    "max_num_tokens": (1, 1 << 20),
+    "max_seq_len": (2, 1 << 24),
+    "max_loras": (1, 1024),
+    "max_lora_rank": (1, 4096),
+    "min_token_bucket": (1, 1 << 20),
+}
 ATTENTION_BACKENDS = ("xla", "pallas", "triton", "mosaic")  # pallas: mosaic on Hopper, triton elsewhere
 MOE_BACKENDS = ("xla", "pallas", "triton", "mosaic", "tokamax")
 PLAN_CHANNELS = ("kv", "collective")
@@ -79,17 +89,21 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
-        for name in ("max_batch_size", "max_num_tokens", "max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, (low, high) in LIMIT_RANGES.items():
+            value = getattr(self, name)
+            if value is None and name == "max_seq_len":
+                continue
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+            setattr(self, name, int(value))
         if self.compile_workers is not None and (
             not isinstance(self.compile_workers, int)
             or isinstance(self.compile_workers, bool)
             or self.compile_workers < 1
         ):
             raise ValueError(f"compile_workers must be a positive integer, got {self.compile_workers!r}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if (

@@ -24,6 +24,19 @@ from typing import Any, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxllm.models.config_fields import (
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    as_float,
+    as_int,
+)
+
 logger = logging.getLogger(__name__)
 
 # general.architecture -> Hugging Face architecture; Llama files with experts are Mixtral.
@@ -68,6 +81,8 @@ _EXPERT_PROJ = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("
 # Dequantized weights are written in shards of about this size (the loader reads sharded checkpoints).
 SHARD_BYTES = 2 * 1024**3
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensor types no weight of a supported model has.
+_REFUSED_TYPES = ("I8", "I16", "I32", "I64", "F64")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$")
 
 
@@ -82,9 +97,21 @@ def _open(path: Path):
     except ImportError as exc:  # declared dependency; only a broken install lands here
         raise ValueError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
     try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as exc:
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # any parse failure of a hostile file (struct, numpy, enum errors) is one line
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+    for tensor in reader.tensors:
+        if (tensor.data_offset - reader.data_offset) % reader.alignment:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} starts at offset {tensor.data_offset - reader.data_offset}, "
+                f"not a multiple of the file's alignment {reader.alignment}"
+            )
+        if tensor.tensor_type.name in _REFUSED_TYPES:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}; "
+                "only float (F32, F16, BF16) and quantized weights are supported"
+            )
+    return reader
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -104,16 +131,32 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
             raise ValueError(f"GGUF metadata is missing {arch}.{name}")
         return value
 
-    hidden = int(key("embedding_length", required=True))
-    heads = int(key("attention.head_count", required=True))
-    kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
-        raise ValueError("unsupported GGUF with a per-layer attention.head_count_kv")
-    experts = int(key("expert_count", 0) or 0)
+    def size(name: str, low: int, high: int, default: Any = None, required: bool = False) -> Any:
+        value = key(name, default, required)
+        if isinstance(value, list) and name == "attention.head_count_kv":
+            raise ValueError("unsupported GGUF with a per-layer attention.head_count_kv")
+        return None if value is None else as_int(value, f"{arch}.{name}", low, high)
+
+    def number(name: str, default: float) -> float:
+        return as_float(key(name, default), f"{arch}.{name}", positive=True)
+
+    hidden = size("embedding_length", 1, MAX_HIDDEN, required=True)
+    heads = size("attention.head_count", 1, MAX_HEADS, required=True)
+    kv_heads = size("attention.head_count_kv", 1, MAX_HEADS, heads)
+    experts = size("expert_count", 0, MAX_EXPERTS, 0) or 0
+    blocks = size("block_count", 1, MAX_LAYERS, required=True)
+    present = {int(m.group(1)) for n in tensor_names if (m := _LAYER_RE.match(n))}
+    missing = [i for i in range(blocks) if i not in present]
+    if missing:
+        raise ValueError(
+            f"GGUF metadata declares {arch}.block_count={blocks} but the file has no tensors for "
+            f"{len(missing)} of those layers (first: blk.{missing[0]})"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens) if tokens else None)
+    vocab = size("vocab_size", 1, MAX_VOCAB) or (len(tokens) if isinstance(tokens, list) and tokens else None)
     if vocab is None:
         raise ValueError("GGUF metadata names no vocabulary size (no llama.vocab_size, no tokenizer.ggml.tokens)")
+    head_dim = size("attention.key_length", 1, MAX_HEAD_DIM) or size("rope.dimension_count", 1, MAX_HEAD_DIM)
     architecture = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and experts:
         architecture = "MixtralForCausalLM"
@@ -129,14 +172,14 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", 0) or 0),
-        "num_hidden_layers": int(key("block_count", required=True)),
+        "intermediate_size": size("feed_forward_length", 0, MAX_INTERMEDIATE, 0) or 0,
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(key("rope.freq_base", 1000000.0 if model_type == "mixtral" else 10000.0)),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden // heads,
+        "max_position_embeddings": size("context_length", 1, MAX_POSITIONS, 2048),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": number("rope.freq_base", 1000000.0 if model_type == "mixtral" else 10000.0),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": any(name.endswith("attn_q.bias") for name in tensor_names),
@@ -146,14 +189,14 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"unsupported GGUF rope.scaling.type {scaling!r} (only 'linear')")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": number("rope.scaling.factor", 1.0)}
     if experts:
-        config["num_experts_per_tok"] = int(key("expert_used_count", required=True))
+        config["num_experts_per_tok"] = size("expert_used_count", 1, experts, required=True)
         if model_type == "mixtral":
             config["num_local_experts"] = experts
         else:
             config["num_experts"] = experts
-            config["moe_intermediate_size"] = int(key("expert_feed_forward_length", required=True))
+            config["moe_intermediate_size"] = size("expert_feed_forward_length", 1, MAX_INTERMEDIATE, required=True)
             # llama.cpp's qwen3moe graph always renormalises the top-k weights.
             config["norm_topk_prob"] = bool(key("expert_weights_norm", True))
     for name, meta_key in (
@@ -342,15 +385,25 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     reader = _open(gguf_path)
-    meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = hf_config_from_gguf(meta, names)
+    try:
+        meta = read_metadata(reader)
+        names = {t.name for t in reader.tensors}
+        config = hf_config_from_gguf(meta, names)
+    except ValueError as exc:
+        raise ValueError(f"{gguf_path}: {exc}") from None
+    except (TypeError, KeyError, IndexError, OverflowError) as exc:
+        raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_shards(
-        hf_tensors(reader, config, progress=progress),
-        out_dir,
-        skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
-    )
+    try:
+        _write_shards(
+            hf_tensors(reader, config, progress=progress),
+            out_dir,
+            skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{gguf_path}: {exc}") from None
+    except (TypeError, KeyError, IndexError, OverflowError, NotImplementedError) as exc:
+        raise ValueError(f"{gguf_path}: unreadable tensor data ({type(exc).__name__}: {exc})") from None
     write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}

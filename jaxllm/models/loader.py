@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
@@ -57,6 +58,9 @@ _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 # Buffers some exporters save that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# What safetensors or numpy raise on a truncated, garbled or inconsistent file.
+_FILE_ERRORS = (SafetensorError, OSError, ValueError, TypeError, OverflowError, MemoryError, RecursionError)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -64,7 +68,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, AttributeError, RecursionError, OSError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
@@ -120,14 +127,40 @@ class _Header:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         for path in self.files:
-            with safe_open(str(path), framework="np") as f:
-                for name in f.keys():
-                    if name in self.file_of:
-                        raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {path.name}")
-                    sl = f.get_slice(name)
-                    self.file_of[name] = path
-                    self.shape[name] = tuple(sl.get_shape())
-                    self.dtype[name] = sl.get_dtype()
+            try:
+                self._read(path)
+            except ValueError as exc:
+                if str(path) in str(exc) or path.name in str(exc):
+                    raise
+                raise ValueError(f"{path} is not a valid safetensors file: {exc}") from None
+            except _FILE_ERRORS as exc:
+                raise ValueError(f"{path} is not a valid safetensors file: {_first_line(exc)}") from None
+
+    def _read(self, path: Path) -> None:
+        with safe_open(str(path), framework="np") as f:
+            for name in f.keys():
+                if name in self.file_of:
+                    raise ValueError(f"tensor {name} appears in both {self.file_of[name].name} and {path.name}")
+                sl = f.get_slice(name)
+                self.file_of[name] = path
+                self.shape[name] = tuple(sl.get_shape())
+                self.dtype[name] = sl.get_dtype()
+
+    def check_layers(self, config: ModelConfig, model_dir: str | Path) -> None:
+        """Every layer the config declares has tensors in the checkpoint (checked before the
+        weights are declared, so an absurd layer count costs nothing)."""
+        present = {int(m.group(1)) for n in self.shape if (m := _LAYER_NAME.match(n))}
+        missing = [i for i in range(config.num_layers) if i not in present]
+        if missing:
+            raise ValueError(
+                f"config.json in {model_dir} declares num_hidden_layers={config.num_layers} but the checkpoint "
+                f"has no tensors for {len(missing)} of them (first: layer {missing[0]})"
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _choose_alternatives(
@@ -249,8 +282,9 @@ def load_params(
         _add_slot_tables(params, config, mesh, assignments)
         return params
     np_dtype = numpy_dtype(dtype or config.dtype)
-    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     header = _Header(checkpoint_files(model_dir))
+    header.check_layers(config, model_dir)
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
     chosen_for = dict(zip((d.path for d in decls), _choose_alternatives(header, decls, config, model_dir)))
     stacks = layer_stacks(config)
     param_decls = stack_declarations(decls, stacks)
@@ -259,7 +293,13 @@ def load_params(
         handles = {path: stack.enter_context(safe_open(str(path), framework="np")) for path in header.files}
 
         def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
-            array = handles[header.file_of[name]].get_slice(name)[slices]
+            try:
+                array = handles[header.file_of[name]].get_slice(name)[slices]
+            except _FILE_ERRORS as exc:
+                raise ValueError(f"tensor {name} in {header.file_of[name]} is unreadable: {_first_line(exc)}") from None
+            # NaN or infinite weights would load silently and make every output garbage.
+            if not np.isfinite(array).all():
+                raise ValueError(f"tensor {name} in {header.file_of[name]} holds NaN or infinite values")
             if slice_hook is not None:
                 slice_hook(name, slices, array)
             return array

@@ -17,6 +17,19 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
+from jaxllm.models.config_fields import (
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    as_float,
+    int_field,
+    optional_float,
+)
 from jaxllm.models.deepseek_config import deepseek_config_fields
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -187,12 +200,6 @@ class ModelConfig:
         return _from_hf_config(hf, dtype)
 
 
-def _require(hf: dict, key: str, arch: str) -> Any:
-    if hf.get(key) is None:
-        raise ValueError(f"{arch} config is missing required field {key!r}")
-    return hf[key]
-
-
 def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[RopeScaling]]:
     """Read RoPE settings from `rope_parameters` (transformers 5) or `rope_scaling` (hub)."""
     params = hf.get("rope_parameters")
@@ -208,7 +215,7 @@ def _rope(hf: dict, model_type: str, max_pos: int) -> tuple[float, Optional[Rope
                 raise ValueError(f"unsupported rope_scaling {part!r}")
             merged.update(part)
     theta = merged.get("rope_theta", hf.get("rope_theta"))
-    theta = float(theta) if theta is not None else _DEFAULT_ROPE_THETA[model_type]
+    theta = as_float(theta, "rope_theta", positive=True) if theta is not None else _DEFAULT_ROPE_THETA[model_type]
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor={partial} (only full rotary embeddings)")
@@ -295,7 +302,15 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
-    archs = hf.get("architectures") or []
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str)):
+        raise ValueError(
+            f"config.json must name exactly one architecture, got architectures={archs!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    archs = archs or []
     if not archs and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         archs = [next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf["model_type"])]
     if len(archs) != 1:
@@ -318,16 +333,22 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True")
 
-    hidden = int(_require(hf, "hidden_size", arch))
-    num_heads = int(_require(hf, "num_attention_heads", arch))
-    num_kv = int(hf.get("num_key_value_heads") or num_heads)
+    where = f"{arch} config"
+    hidden = int_field(hf, "hidden_size", 1, MAX_HIDDEN, where=where)
+    num_heads = int_field(hf, "num_attention_heads", 1, MAX_HEADS, where=where)
+    num_kv = int_field(hf, "num_key_value_heads", 1, MAX_HEADS, num_heads) or num_heads
     if model_type == "deepseek_v3":
         num_kv = num_heads  # MLA: every head has its own key and value (from the shared latent)
-    num_layers = int(_require(hf, "num_hidden_layers", arch))
-    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    num_layers = int_field(hf, "num_hidden_layers", 1, MAX_LAYERS, where=where)
+    head_dim = int_field(hf, "head_dim", 0, MAX_HEAD_DIM, 0) or hidden // num_heads
     if model_type == "deepseek_v3":
-        head_dim = int(_require(hf, "qk_rope_head_dim", arch))  # the rotary dims (transformers' head_dim)
-    max_pos = int(hf.get("max_position_embeddings") or 2048)
+        head_dim = int_field(hf, "qk_rope_head_dim", 1, MAX_HEAD_DIM, where=where)  # the rotary dims
+    if head_dim < 1:
+        raise ValueError(f"hidden_size={hidden} is smaller than num_attention_heads={num_heads}")
+    max_pos = int_field(hf, "max_position_embeddings", 0, MAX_POSITIONS, 0) or 2048
+    vocab_size = int_field(hf, "vocab_size", 1, MAX_VOCAB, where=where)
+    intermediate_size = int_field(hf, "intermediate_size", 0, MAX_INTERMEDIATE, 0)
+    rms_norm_eps = optional_float(hf, "rms_norm_eps", positive=True) or _DEFAULT_RMS_EPS[model_type]
     theta, scaling = _rope(hf, model_type, max_pos)
 
     moe: dict[str, Any] = {}
@@ -335,11 +356,12 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         num_experts = hf.get("num_experts", hf.get("num_local_experts"))
         if num_experts is None:
             raise ValueError(f"{arch} config is missing required field 'num_experts'")
+        num_experts = int_field({"num_experts": num_experts}, "num_experts", 1, MAX_EXPERTS)
         mlp_only = tuple(sorted(int(i) for i in (hf.get("mlp_only_layers") or ())))
         moe = dict(
             num_experts=int(num_experts),
-            num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
-            moe_intermediate_size=int(_require(hf, "moe_intermediate_size", arch)),
+            num_experts_per_tok=int_field(hf, "num_experts_per_tok", 1, MAX_EXPERTS, where=where),
+            moe_intermediate_size=int_field(hf, "moe_intermediate_size", 1, MAX_INTERMEDIATE, where=where),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
             mlp_only_layers=mlp_only,
@@ -348,11 +370,12 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         num_experts = hf.get("num_local_experts", hf.get("num_experts"))
         if num_experts is None:
             raise ValueError(f"{arch} config is missing required field 'num_local_experts'")
-        inter = int(_require(hf, "intermediate_size", arch))
+        num_experts = int_field({"num_local_experts": num_experts}, "num_local_experts", 1, MAX_EXPERTS)
+        inter = int_field(hf, "intermediate_size", 1, MAX_INTERMEDIATE, where=where)
         # Mixtral's softmax over the top-k logits equals the renormalised full softmax.
         moe = dict(
             num_experts=int(num_experts),
-            num_experts_per_tok=int(_require(hf, "num_experts_per_tok", arch)),
+            num_experts_per_tok=int_field(hf, "num_experts_per_tok", 1, MAX_EXPERTS, where=where),
             moe_intermediate_size=inter,
             norm_topk_prob=True,
             decoder_sparse_step=1,
@@ -360,6 +383,8 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         )
     elif model_type == "deepseek_v3":
         moe = deepseek_config_fields(hf, arch)
+        if not 0 < moe["num_experts"] <= MAX_EXPERTS:
+            raise ValueError(f"n_routed_experts={moe['num_experts']} is out of range [1, {MAX_EXPERTS}]")
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if hf.get(key) and model_type != "deepseek_v3":
             raise ValueError(f"unsupported option {key}={hf[key]!r} (shared experts)")
@@ -376,14 +401,14 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     eos = _token_ids(hf.get("eos_token_id"))
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(_require(hf, "vocab_size", arch)),
+        vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(hf.get("intermediate_size") or 0),
+        intermediate_size=intermediate_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps") or _DEFAULT_RMS_EPS[model_type]),
+        rms_norm_eps=rms_norm_eps,
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
@@ -405,12 +430,33 @@ def load_model_config(model_dir: str | Path, dtype: Optional[str] = None) -> Mod
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {model_dir}")
-    hf = json.loads(path.read_text())
-    config = ModelConfig.from_hf_config(hf, dtype=dtype)
+    try:
+        config = ModelConfig.from_hf_config(_read_json(path), dtype=dtype)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except (TypeError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+        raise ValueError(f"{path}: malformed field ({type(exc).__name__}: {exc})") from None
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        gen = json.loads(gen_path.read_text())
-        eos = tuple(dict.fromkeys(_token_ids(gen.get("eos_token_id")) + config.eos_token_ids))
-        bos = config.bos_token_id if config.bos_token_id is not None else gen.get("bos_token_id")
-        config = replace(config, eos_token_ids=eos, bos_token_id=None if bos is None else int(bos))
+        try:
+            gen = _read_json(gen_path)
+            if not isinstance(gen, dict):
+                raise ValueError(f"must hold a JSON object, got {type(gen).__name__}")
+            eos = tuple(dict.fromkeys(_token_ids(gen.get("eos_token_id")) + config.eos_token_ids))
+            bos = config.bos_token_id if config.bos_token_id is not None else gen.get("bos_token_id")
+            config = replace(config, eos_token_ids=eos, bos_token_id=None if bos is None else int(bos))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{gen_path}: {exc}") from None
     return config
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`; unreadable, invalid or absurdly nested JSON is a ValueError."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"unreadable: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None

@@ -83,7 +83,12 @@ def restore_converted(
     import orbax.checkpoint as ocp
 
     model_dir = Path(model_dir).absolute()
-    marker = json.loads((model_dir / _MARKER).read_text())
+    try:
+        marker = json.loads((model_dir / _MARKER).read_text())
+        if not isinstance(marker, dict):
+            raise ValueError(f"a JSON object is expected, got {type(marker).__name__}")
+    except (ValueError, OSError, RecursionError) as exc:
+        raise ValueError(f"{model_dir / _MARKER} is unreadable: {exc}") from None
     if marker.get("version") != _FORMAT_VERSION:
         raise ValueError(f"{model_dir} was converted by an incompatible version ({marker.get('version')})")
     np_dtype = numpy_dtype(dtype or config.dtype)
@@ -101,7 +106,11 @@ def restore_converted(
         targets.append(
             (before.path, jax.ShapeDtypeStruct(before.shape, before.param_dtype(np_dtype), sharding=sharding))
         )
-    restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
+    try:
+        restored = ocp.StandardCheckpointer().restore(model_dir / _PARAMS_DIR, build_tree(targets))
+    except Exception as exc:  # orbax and tensorstore raise many types for a damaged directory
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{model_dir / _PARAMS_DIR} could not be restored: {first}") from None
     if replicas == 1 and not slot_assignments:
         return restored
     leaves = []
