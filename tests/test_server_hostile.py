@@ -312,6 +312,7 @@ CASES = [
     (CH, _ch(stop_token_ids=[2**40]), 400, "stop_token_ids"),
     (CH, _ch(prompt_logprobs=1), 400, "prompt_logprobs"),
     (C, _c(use_beam_search=True, n=2, temperature=0, length_penalty=1e308), 400, "length_penalty"),
+    (C, _c(prompt_logprobs=21), 400, "prompt_logprobs"),
     (C, _c(use_beam_search=True, n=2, temperature=0, length_penalty=-1e308), 400, "length_penalty"),
     (CH, _ch(model="other-model"), 404, "model"),
     # --- malformed bodies (no field to name: the message says what is wrong with the body)
