@@ -80,11 +80,13 @@ def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax
     is NaN, so a multiplied mask would let one slot's non-finite weights reach every row. At
     the small rank and slot counts of LoRA serving this costs less than gathering a weight
     matrix per token."""
+    selected = onehot > 0
+    h = jnp.einsum("ti,sir->tsr", x, w["a"], precision=precision)
+    h = jnp.where(selected[:, :, None], h, jnp.zeros((), h.dtype))
     delta = None
-    for slot in range(w["a"].shape[0]):
-        h = jnp.einsum("ti,ir->tr", x, w["a"][slot], precision=precision)
-        d = jnp.einsum("tr,ro->to", h, w["b"][slot], precision=precision)
-        d = jnp.where(onehot[:, slot, None] > 0, d, jnp.zeros((), d.dtype))
+    for slot in range(w["b"].shape[0]):  # b's slots one by one: a NaN times a masked 0 is NaN
+        d = jnp.einsum("tr,ro->to", h[:, slot], w["b"][slot], precision=precision)
+        d = jnp.where(selected[:, slot, None], d, jnp.zeros((), d.dtype))
         delta = d if delta is None else delta + d
     return delta
 
