@@ -98,6 +98,42 @@ def test_beam_search_matches_hf_with_inflight_plain_requests(model_and_llm):
     assert llm.executor.call_on_engine(lambda engine: engine.requests.num_beam_search) == 0
 
 
+def test_beam_search_with_one_beam_is_greedy(model_and_llm):
+    """Width 1 runs as a beam search of one beam: Hugging Face's `num_beams=1`, i.e. greedy
+    decoding, with or without an end id met on the way; extreme but allowed length penalties
+    still return a beam, and the engine serves the same greedy tokens afterwards."""
+    import torch
+
+    model, llm = model_and_llm
+    prompts = random_prompts(3, VOCAB, 5, 11, seed=11)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+    end = int(hf[0, len(prompts[0]) + 3])
+    cases = [
+        SamplingParams(use_beam_search=True, n=1, max_tokens=8, ignore_eos=True),
+        SamplingParams(use_beam_search=True, n=1, max_tokens=8, end_id=end),
+        SamplingParams(use_beam_search=True, n=1, best_of=1, max_tokens=8, length_penalty=10.0, ignore_eos=True),
+        SamplingParams(use_beam_search=True, n=1, max_tokens=8, length_penalty=-10.0, ignore_eos=True),
+    ]
+    for params in cases:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out, plain in zip(prompts, outs, before):
+            tokens = out.outputs[0].token_ids
+            if params.ignore_eos:
+                assert tokens == plain
+            else:  # Hugging Face's num_beams=1 is greedy decoding up to the end id
+                with torch.no_grad():
+                    hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=end)
+                expected = hf[0, len(prompt) :].tolist()
+                expected = expected[: expected.index(end) + 1] if end in expected else expected
+                assert tokens == expected
+                assert tokens == (plain[: plain.index(end) + 1] if end in plain else plain)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == before
+    assert llm.executor.call_on_engine(lambda engine: engine.requests.num_beam_search) == 0
+
+
 def test_beam_search_streams_final_beams_and_aborts_cleanly(model_and_llm):
     _, llm = model_and_llm
     prompt = random_prompts(1, VOCAB, 9, 9, seed=11)[0]
@@ -162,6 +198,10 @@ def test_a_beam_request_sits_out_the_next_step_instead_of_draining_the_others(mo
         (dict(n=2, repetition_penalty=1.2), "repetition_penalty"),
         (dict(n=2, stop=["x"]), "stop"),
         (dict(n=2, early_stopping="sometimes"), "early_stopping"),
+        (dict(n=2, length_penalty=1e308), r"length_penalty must be a finite number in \[-10, 10\], got 1e\+308"),
+        (dict(n=2, length_penalty=-1e308), r"length_penalty must be a finite number in \[-10, 10\]"),
+        (dict(n=2, length_penalty=10.5), "length_penalty"),
+        (dict(n=2, length_penalty=float("nan")), "length_penalty"),
     ],
 )
 def test_invalid_beam_search_combinations(kwargs, message):

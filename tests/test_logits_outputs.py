@@ -314,3 +314,55 @@ def test_nothing_for_logits_compiled_after_warmup(llm):
     """With warmup_logits_outputs, every forward variant and row program the module's logits
     requests and host processors used was compiled by warm-up."""
     assert llm.executor.call_on_engine(_compiled, timeout=60) == llm.warmed_up
+
+
+def _reference_prompt_logprobs(logits: np.ndarray, prompt: list[int], k: int) -> list:
+    x = logits[: len(prompt) - 1].astype(np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    out = [None]
+    for i, token in enumerate(prompt[1:]):
+        row = lp[i]
+        top = {int(t): rank + 1 for rank, t in enumerate(np.argsort(-row, kind="stable")[:k])}
+        out.append({t: (row[t], top.get(t, int((row > row[t]).sum()) + 1)) for t in set(top) | {token}})
+    return out
+
+
+def test_prompt_logprobs_are_computed_per_chunk_without_holding_the_context():
+    from jaxllm.engine.logits_outputs import PROMPT_LOGPROBS_ROWS, LogitsRecord
+
+    rng = np.random.default_rng(5)
+    n = 2 * PROMPT_LOGPROBS_ROWS + 22
+    prompt = rng.integers(0, 50, n).tolist()
+    logits = rng.normal(0, 3, (n, 50)).astype(np.float32)
+    record = LogitsRecord(prompt, keep_context=False, prompt_k=4)
+    for lo, hi in ((0, 70), (70, 100), (70, 100), (100, n)):  # a chunk recomputed after a pause
+        record.store_context(lo, logits[lo:hi])
+    assert record.context is None  # only the entries are kept
+    got = record.outputs(SamplingParams(prompt_logprobs=4), 0)["prompt_logprobs"]
+    ref = _reference_prompt_logprobs(logits, prompt, 4)
+    assert len(got) == n and got[0] is None
+    for entry, expected in zip(got[1:], ref[1:]):
+        assert set(entry) == set(expected)
+        for t, lp in entry.items():
+            assert abs(lp.logprob - expected[t][0]) < 1e-5 and lp.rank == expected[t][1]
+
+
+def test_prompt_logprobs_alone_match_those_with_context_logits_and_are_capped(llm, prompts):
+    long = prompts["long"]
+    both, alone = run(
+        llm, [long, long], [greedy(return_context_logits=True, prompt_logprobs=5), greedy(prompt_logprobs=5)]
+    )
+    assert alone.context_logits is None
+    ref = _reference_prompt_logprobs(both.context_logits, long, 5)
+    for lps in (both.prompt_logprobs, alone.prompt_logprobs):
+        assert len(lps) == len(long) and lps[0] is None
+        for entry, expected in zip(lps[1:], ref[1:]):
+            assert set(entry) == set(expected)
+            for t, lp in entry.items():
+                assert abs(lp.logprob - expected[t][0]) < 1e-4 and lp.rank == expected[t][1]
+    with pytest.raises(ValueError, match=r"prompt_logprobs: the prompt \(4097 tokens\) is longer than the 4096"):
+        llm.generate([5] * 4097, greedy(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs must be"):
+        llm.generate(long, greedy(prompt_logprobs=21), use_tqdm=False)
+    assert run(llm, [long], [greedy()])[0].outputs[0].token_ids == alone.outputs[0].token_ids

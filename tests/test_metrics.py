@@ -75,3 +75,40 @@ def test_prometheus_metrics_count_requests_tokens_and_latencies():
         assert first and {"iter", "kvCacheStats", "numActiveRequests"} <= set(first[-1])
         second = client.get("/v1/iteration_stats").json()
         assert second[: len(first)] == first  # reading does not consume
+
+
+def test_aborted_and_disconnected_requests_are_counted_as_abort():
+    """vLLM's finished_reason="abort": a stream whose client went away, and a plain request
+    whose client gave up waiting. Afterwards the same greedy canary as before."""
+    import time
+
+    import httpx
+
+    from server_helpers import LiveServer
+
+    engine = tiny_engine(MODEL, max_batch_size=4, max_seq_len=2048, max_kv_tokens=4096)
+    executor = GenerationExecutor(engine)
+    server = LiveServer(build_app(executor, ServerConfig(served_model_name=MODEL)))
+    canary_body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            canary = http.post("/v1/completions", json=canary_body).json()["choices"][0]["text"]
+            with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as stream:
+                next(stream.iter_lines())  # started; leaving the block closes the connection
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(server.url + "/v1/completions", json=long, timeout=0.5)
+            deadline = time.monotonic() + 30
+            while True:
+                samples = _samples(http.get("/metrics").text)
+                aborted = samples.get(("jaxllm:request_success_total", (("finished_reason", "abort"),)), 0)
+                if aborted >= 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert aborted == 2
+            assert samples[("jaxllm:request_success_total", (("finished_reason", "length"),))] == 1  # the canary
+            assert http.post("/v1/completions", json=canary_body).json()["choices"][0]["text"] == canary
+            assert _samples(http.get("/metrics").text)[("jaxllm:num_requests_running", ())] == 0
+    finally:
+        server.stop()
+        executor.shutdown()

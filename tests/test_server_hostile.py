@@ -311,6 +311,9 @@ CASES = [
     (CH, _ch(temperature="1"), 400, "temperature"),
     (CH, _ch(stop_token_ids=[2**40]), 400, "stop_token_ids"),
     (CH, _ch(prompt_logprobs=1), 400, "prompt_logprobs"),
+    (C, _c(use_beam_search=True, n=2, temperature=0, length_penalty=1e308), 400, "length_penalty"),
+    (C, _c(prompt_logprobs=21), 400, "prompt_logprobs"),
+    (C, _c(use_beam_search=True, n=2, temperature=0, length_penalty=-1e308), 400, "length_penalty"),
     (CH, _ch(model="other-model"), 404, "model"),
     # --- malformed bodies (no field to name: the message says what is wrong with the body)
     (C, b'{"model":', 400, "JSON"),
@@ -435,6 +438,7 @@ PYTHON_CASES = [
     ("params", (), {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("params", (), {"max_tokens": "16"}, "max_tokens"),
     ("params", (), {"n": True}, "n"),
+    ("params", (), {"use_beam_search": True, "n": 2, "length_penalty": 1e308}, "length_penalty"),
 ]
 
 
@@ -449,6 +453,14 @@ def test_python_api_refuses_bad_input_with_value_error(live, http, case):
             llm.generate(*args, use_tqdm=False)
         else:
             llm.generate_async(*args, **kwargs)
+    _assert_still_serving(live, http)
+
+
+def test_beam_search_of_one_beam_gives_the_greedy_canary(live, http):
+    for extra in ({"n": 1}, {"n": 1, "best_of": 1, "length_penalty": -10}):
+        resp = http.post(C, json={**CANARY, "use_beam_search": True, **extra})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == live.canary
     _assert_still_serving(live, http)
 
 

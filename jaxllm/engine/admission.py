@@ -23,6 +23,10 @@ import numpy as np
 from jaxllm.sampling import SUPPRESS_WIDTH, SamplingParams, is_finite_number, resolve_end_ids
 from jaxllm.sampling.params import is_integer
 
+MAX_PROMPT_LOGPROBS_LEN = 4096
+"""Longest prompt a `prompt_logprobs` request may have: its answer is a Python dict of up to
+21 entries per prompt token, built on the engine thread and sent as JSON."""
+
 
 @dataclass(frozen=True)
 class AdmissionLimits:
@@ -134,6 +138,11 @@ def validate_request(
         raise ValueError(f"priority must be a finite number, got {shown}")
     prompt = normalize_prompt(prompt_token_ids, limits.vocab_size)
     _check_logits_request(params, limits)
+    if params.prompt_logprobs is not None and len(prompt) > MAX_PROMPT_LOGPROBS_LEN:
+        raise ValueError(
+            f"prompt_logprobs: the prompt ({len(prompt)} tokens) is longer than the "
+            f"{MAX_PROMPT_LOGPROBS_LEN} tokens prompt_logprobs is served for"
+        )
     vocab = limits.vocab_size
     for name in ("end_id", "pad_id"):
         value = getattr(params, name)

@@ -97,22 +97,23 @@ class BeamSearch:
         # Next running beams: the best k continuations that did not hit a stop.
         running = cand_score + hits.astype(np.float32) * np.float32(_NEG)
         nxt = np.lexsort((np.arange(c), -running))[:k]
-        # Finished hypotheses: continuations that hit, ranked among the first k.
+        # Finished hypotheses: continuations that hit, ranked among the first k. Hugging Face
+        # adds -1e9 to the rest and merges them all; here only real hypotheses are merged (the
+        # same ranking for scores above -1e9), so a strong length penalty that pushes a real
+        # score below -1e9 cannot let an empty slot or an unfinished beam outrank it.
         penalised = cand_score / np.float32(length**self.length_penalty)
         full = all(f for _, _, f in self.finished) and self.early_stopping is True
         just_finished = hits & (np.arange(c) < k)
-        penalised = (
-            penalised
-            + np.float32(_NEG) * np.float32(full)
-            + np.float32(_NEG) * np.float32(not self.heuristic_unsatisfied)
-            + np.float32(_NEG) * (~just_finished).astype(np.float32)
-        )
-        merged = self.finished + [
-            (float(penalised[i]), self.tokens[cand_beam[i]] + [cand_tok[i]], bool(just_finished[i])) for i in range(c)
-        ]
-        merged_scores = np.array([m[0] for m in merged], np.float32)
-        keep = np.lexsort((np.arange(len(merged)), -merged_scores))[:k]
-        self.finished = [merged[i] for i in keep]
+        real = [entry for entry in self.finished if entry[2]]
+        if self.heuristic_unsatisfied and not full:
+            real += [
+                (float(penalised[i]), self.tokens[cand_beam[i]] + [cand_tok[i]], True)
+                for i in range(c)
+                if just_finished[i]
+            ]
+        merged_scores = np.array([m[0] for m in real], np.float32)
+        keep = np.lexsort((np.arange(len(real)), -merged_scores))[:k]
+        self.finished = [real[i] for i in keep] + [(_NEG, [], False)] * (k - min(k, len(real)))
         parents = [(cand_beam[i], cand_tok[i]) for i in nxt]
         self.tokens = [self.tokens[cand_beam[i]] + [cand_tok[i]] for i in nxt]
         self.scores = [float(running[i]) for i in nxt]
@@ -123,10 +124,9 @@ class BeamSearch:
         else:
             best_len = length
         best_possible = np.float32(self.scores[0]) / np.float32(best_len**self.length_penalty)
+        filled = all(f for _, _, f in self.finished)
         worst = min(s for s, _, _ in self.finished)
-        self.heuristic_unsatisfied = self.heuristic_unsatisfied and any(
-            best_possible > (np.float32(worst) if f else np.float32(_NEG)) for _, _, f in self.finished
-        )
+        self.heuristic_unsatisfied = self.heuristic_unsatisfied and (not filled or best_possible > np.float32(worst))
         open_beam = not (all(f for _, _, f in self.finished) and self.early_stopping is True)
         self.done = not (self.heuristic_unsatisfied and open_beam and not hits.all())
         return parents
@@ -197,7 +197,7 @@ def _advance_one(
         leader.output_token_ids[:] = best.token_ids
         requests.finish(leader, best.finish_reason, None, len(best.token_ids))
         return [RequestUpdate(leader, list(best.token_ids), finished=True, beam_outputs=results)]
-    if len(run.requests) == 1:  # the prompt is done: the other beams start from it
+    if len(run.requests) < search.beam_width:  # the prompt is done: the other beams start from it
         beams = []
         for j in range(1, search.beam_width):
             beam = LlmRequest(

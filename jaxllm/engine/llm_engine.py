@@ -286,10 +286,11 @@ class LLMEngine:
         self.requests.add(request)
         return request
 
-    def get_kv_cache_events(self, timeout: Optional[float] = None) -> list[dict]:
-        """KV cache events since the previous call (any thread; waits up to `timeout` seconds
-        for one). Empty unless `kv_cache_config.event_buffer_max_size > 0`."""
-        return [] if self.kv_events is None else self.kv_events.get(timeout)
+    def get_kv_cache_events(self, timeout: Optional[float] = None, max_events: Optional[int] = None) -> list[dict]:
+        """KV cache events since the previous call, at most `max_events` of them, oldest first
+        (any thread; waits up to `timeout` seconds for one). Empty unless
+        `kv_cache_config.event_buffer_max_size > 0`."""
+        return [] if self.kv_events is None else self.kv_events.get(timeout, max_events)
 
     def abort_request(self, request_id: int) -> Optional[LlmRequest]:
         """Finish a request as 'cancelled' and free its blocks at once."""

@@ -49,20 +49,47 @@ def padded_index(values: list[int], size: int) -> np.ndarray:
     return out
 
 
+# Prompt logprobs are computed this many positions at a time (float64 log-softmax
+# temporaries of [rows, vocab]), as each step's context rows arrive.
+PROMPT_LOGPROBS_ROWS = 64
+
+
 @dataclass
 class LogitsRecord:
-    """What one request asked for and what came back so far (host arrays)."""
+    """What one request asked for and what came back so far (host arrays).
+
+    Prompt logprobs are computed from each step's context rows as they arrive and only the
+    entries are kept, so a request that asks for them alone never holds its prompt's
+    [prompt_len, vocab] logits on the host (only `keep_context`, `return_context_logits`,
+    keeps those)."""
 
     prompt_token_ids: list[int]
+    keep_context: bool = True  # keep the [prompt_len, vocab] context logits
+    prompt_k: Optional[int] = None  # prompt_logprobs: top-k per prompt position (None: not asked)
     context: Optional[np.ndarray] = None  # float32 [prompt_len, vocab], filled by position
     context_filled: int = 0  # prompt positions written (recomputation rewrites the same ones)
     generation: list[Optional[np.ndarray]] = field(default_factory=list)  # by output index
+    prompt_entries: Optional[list[Optional[dict[int, Logprob]]]] = None  # by prompt position
 
     def store_context(self, start: int, rows: np.ndarray) -> None:
-        if self.context is None:
-            self.context = np.zeros((len(self.prompt_token_ids), rows.shape[-1]), np.float32)
-        self.context[start : start + len(rows)] = rows
+        if self.prompt_k is not None:
+            self._store_prompt_logprobs(start, rows)
+        if self.keep_context:
+            if self.context is None:
+                self.context = np.zeros((len(self.prompt_token_ids), rows.shape[-1]), np.float32)
+            self.context[start : start + len(rows)] = rows
         self.context_filled = max(self.context_filled, start + len(rows))
+
+    def _store_prompt_logprobs(self, start: int, rows: np.ndarray) -> None:
+        """Entries of the prompt tokens after positions start.. (row i predicts token start+i+1)."""
+        prompt = self.prompt_token_ids
+        if self.prompt_entries is None:
+            self.prompt_entries = [None] * len(prompt)
+        count = min(len(rows), len(prompt) - 1 - start)
+        for lo in range(0, max(count, 0), PROMPT_LOGPROBS_ROWS):
+            hi = min(count, lo + PROMPT_LOGPROBS_ROWS)
+            entries = prompt_logprobs_rows(rows[lo:hi], prompt[start + lo + 1 : start + hi + 1], self.prompt_k)
+            self.prompt_entries[start + lo + 1 : start + hi + 1] = entries
 
     def store_generation(self, index: int, row: np.ndarray) -> None:
         gen = self.generation
@@ -75,8 +102,8 @@ class LogitsRecord:
         out: dict = {}
         if params.return_context_logits and self.context is not None:
             out["context_logits"] = self.context
-        if params.prompt_logprobs is not None and self.context is not None:
-            out["prompt_logprobs"] = prompt_logprobs(self.context, self.prompt_token_ids, params.prompt_logprobs)
+        if params.prompt_logprobs is not None and self.context_filled:
+            out["prompt_logprobs"] = [None] + (self.prompt_entries or [None])[1:]
         if params.return_generation_logits:
             rows = [r for r in self.generation[:num_outputs] if r is not None]
             vocab = self.context.shape[-1] if self.context is not None else (rows[0].shape[-1] if rows else 0)
@@ -90,15 +117,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def prompt_logprobs(context_logits: np.ndarray, prompt: list[int], k: int) -> list[Optional[dict[int, Logprob]]]:
-    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each later token
-    the logprob of the actual token (with its rank among all tokens) and the `k` most likely
-    tokens (ranks 1..k), from the logits of the position before it."""
-    out: list[Optional[dict[int, Logprob]]] = [None]
-    if len(prompt) < 2:
-        return out
-    lps = log_softmax(context_logits[: len(prompt) - 1])
-    for i, token in enumerate(prompt[1:]):
+def prompt_logprobs_rows(logits: np.ndarray, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
+    """The prompt logprob entries of `tokens`, token i predicted by logits row i: the actual
+    token's logprob with its rank among all tokens, and the `k` most likely tokens (ranks 1..k)."""
+    lps = log_softmax(logits[: len(tokens)])
+    out = []
+    for i, token in enumerate(tokens):
         row = lps[i]
         entry: dict[int, Logprob] = {}
         if k:

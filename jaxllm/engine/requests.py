@@ -79,7 +79,11 @@ def new_request(
         or params.logits_processor is not None
         or params.logits_post_processor_name is not None
     ):
-        request.logits_record = LogitsRecord(list(admitted.prompt_token_ids))
+        request.logits_record = LogitsRecord(
+            list(admitted.prompt_token_ids),
+            keep_context=params.return_context_logits,
+            prompt_k=params.prompt_logprobs,
+        )
         request.reuse_prefix = not params.wants_context_logits  # cached blocks have no logits
     return request
 

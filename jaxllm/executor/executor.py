@@ -447,12 +447,15 @@ class GenerationExecutor:
         self._check_open()
         return self._core.call(fn, timeout)
 
-    def get_kv_cache_events(self, timeout: Optional[float] = None) -> list[dict]:
+    def get_kv_cache_events(self, timeout: Optional[float] = None, max_events: Optional[int] = None) -> list[dict]:
         """KV cache events (TensorRT-LLM's serialized shape, `jaxllm.kv_cache.events`) since the
-        previous call; waits up to `timeout` seconds for one. Empty unless the engine was built
-        with `kv_cache_config.event_buffer_max_size > 0`."""
+        previous call, at most `max_events` (oldest first; the rest stay for the next call);
+        waits up to `timeout` seconds for one. Empty unless the engine was built with
+        `kv_cache_config.event_buffer_max_size > 0`."""
         get = getattr(self._engine, "get_kv_cache_events", None)
-        return [] if get is None else get(timeout)
+        if get is None:
+            return []
+        return get(timeout) if max_events is None else get(timeout, max_events)
 
     def get_kv_cache_stats(self, timeout: Optional[float] = 30.0):
         return self.call_on_engine(lambda engine: engine.kv_cache_manager.get_kv_cache_stats(), timeout)

@@ -60,14 +60,18 @@ class KvCacheEventBuffer:
             self._next_id += 1
             self._cond.notify_all()
 
-    def get(self, timeout: float | None = None) -> list[dict]:
-        """Every buffered event, oldest first, emptying the buffer; waits up to `timeout`
-        seconds for one when there is none (None or 0: do not wait)."""
+    def get(self, timeout: float | None = None, max_events: int | None = None) -> list[dict]:
+        """The buffered events, oldest first, taking them from the buffer: all of them, or the
+        oldest `max_events` (the rest stay for the next call). Waits up to `timeout` seconds
+        for one when there is none (None or 0: do not wait)."""
         with self._cond:
             if not self._events and timeout:
                 self._cond.wait(timeout)
-            records = list(self._events)
-            self._events.clear()
+            if max_events is None or max_events >= len(self._events):
+                records = list(self._events)
+                self._events.clear()
+            else:
+                records = [self._events.popleft() for _ in range(max(max_events, 0))]
         return [self._serialize(*record) for record in records]
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ cached prefix of the prompt; `prepare_resources` indexes the prompt blocks its s
 computes, and generated blocks once all their tokens are known on the host (not the token
 fed this step, which an overlapped engine may not have read back yet).
 
-Beam search (`request.beam_width > 1`, `jaxllm.kv_cache.sequence`): `add_beams` adds the
+Beam search (`request.beam` set, one beam included; `jaxllm.kv_cache.sequence`): `add_beams` adds the
 beams of a request whose prompt is computed, and `fork_beams` gives each beam its parent's
 blocks after every step (copy on write for a shared, partly filled last block).
 """
@@ -215,7 +215,7 @@ class KVCacheManager:
         total = len(request.prompt_token_ids) + request.max_new_tokens
         seq = KvSequence(request, self._table.take_row(), self.blocks_for_tokens(total))
         self._seqs[rid] = seq
-        if request.beam_width > 1:
+        if request.beam_width > 1 or request.beam is not None:  # beam search, one beam included
             seq.group = BeamGroup([seq], blocks_to_completion(request, self.tokens_per_block))
             self._reserved += seq.group.total
         else:

@@ -8,8 +8,10 @@ PEFT adds `x @ A.T @ B.T * scaling` to the layer's output, with scaling `lora_al
 
 Here each adapted layer becomes `(a [in, r], b [r, out])` in float32 with the scaling
 folded into `b`, so the model adds `(x @ a) @ b`. Everything that cannot be served that way
-(other target modules, DoRA, trained biases, per-module rank/alpha patterns, MoE experts,
-shapes of another base model, rank above `max_lora_rank`) is refused with a ValueError.
+(other target modules, DoRA, trained biases, MoE experts, shapes of another base model,
+rank above `max_lora_rank`) is refused with a ValueError, and so is everything that would
+let one adapter disturb the rows of others: non-finite or huge weights or scalings, and
+`rank_pattern` / `alpha_pattern` regexes that could backtrack for ages (`patterns.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.lora.lora_request import LoRARequest
+from jaxllm.lora.patterns import check_patterns, is_number, match_patterns
 from jaxllm.models.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -107,12 +110,21 @@ def _read_config(path: Path) -> dict:
             raise ValueError(
                 f"lora_path {str(path)!r}: {key}={config[key]!r} is not supported (supported: {allowed[0]!r})"
             )
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} needs a positive {key!r}, got {value!r}")
+    r = config.get("r")
+    if not is_number(r) or not 0 < r < math.inf or r != int(r):
+        raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} needs a positive integer 'r', got {r!r}")
+    alpha = config.get("lora_alpha")
+    if not is_number(alpha) or not 0 < alpha < math.inf:
+        raise ValueError(f"lora_path {str(path)!r}: {CONFIG_FILE} needs a positive finite 'lora_alpha', got {alpha!r}")
+    for key, value_type in (("rank_pattern", int), ("alpha_pattern", float)):
+        check_patterns(config.get(key), key, value_type, f"lora_path {str(path)!r}")
     return config
 
+
+# Bounds that keep `(x @ a) @ (b * scaling)` finite in float32 and bfloat16 (max ~3.4e38):
+# trained LoRA weights are far below 1 and scalings are small multiples of 1.
+MAX_WEIGHT = 1e4
+MAX_SCALING = 1e4
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 
@@ -165,19 +177,25 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
         raise ValueError(f"{where}: {WEIGHTS_FILE} is missing{pickled}")
     peft = _read_config(path)
     rank_pattern, alpha_pattern = peft.get("rank_pattern") or {}, peft.get("alpha_pattern") or {}
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(peft.get(key) or {}, dict):
-            raise ValueError(f"{where}: {key} must be a mapping, got {peft[key]!r}")
+    matched: dict[str, dict[str, str | None]] = {}
 
     def rank_and_scaling(module_key: str) -> tuple[int, float]:
         """PEFT's per-module rank and scaling: `rank_pattern` / `alpha_pattern` entries whose
         regex matches the end of the module's name override `r` / `lora_alpha`."""
-        r = int(rank_pattern.get(_pattern_key(rank_pattern, module_key), peft["r"]))
-        alpha = float(alpha_pattern.get(_pattern_key(alpha_pattern, module_key), peft["lora_alpha"]))
+        rank_key = matched.get("rank_pattern", {}).get(module_key)
+        alpha_key = matched.get("alpha_pattern", {}).get(module_key)
+        r = int(peft["r"] if rank_key is None else rank_pattern[rank_key])
+        alpha = float(peft["lora_alpha"] if alpha_key is None else alpha_pattern[alpha_key])
+        at = f" of {module_key}" if module_key else ""
         if r > max_rank:
-            at = f" of {module_key}" if module_key else ""
             raise ValueError(f"{where}: adapter rank r={r}{at} exceeds max_lora_rank ({max_rank})")
-        return r, alpha / (math.sqrt(r) if peft.get("use_rslora") else r)
+        scaling = alpha / (math.sqrt(r) if peft.get("use_rslora") else r)
+        if not abs(scaling) <= MAX_SCALING:
+            raise ValueError(
+                f"{where}: LoRA scaling{at} (lora_alpha / r{'' if not peft.get('use_rslora') else ' ** 0.5'}) "
+                f"is {scaling!r}; it must be finite and at most {MAX_SCALING:g} in magnitude"
+            )
+        return r, scaling
 
     rank_and_scaling("")  # the adapter's own r, before any tensor is read
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -204,9 +222,18 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
                 f"{where}: tensor {name!r} adapts MoE layer {layer}'s {module}; expert "
                 "weights are not LoRA targets (attention projections are)"
             )
+        if not np.isfinite(tensor).all() or float(np.abs(tensor).max(initial=0.0)) > MAX_WEIGHT:
+            raise ValueError(
+                f"{where}: tensor {name!r} holds non-finite values or values above {MAX_WEIGHT:g} in "
+                "magnitude (LoRA weights must be finite and bounded so the update stays finite in "
+                "float32 / bfloat16)"
+            )
         pairs.setdefault((layer, target), {})[match.group(4)] = tensor
         module_keys[(layer, target)] = _module_key(name)
 
+    matched = match_patterns(
+        {"rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}, sorted(set(module_keys.values())), where
+    )
     weights = {}
     ranks, scalings = [], []
     for (layer, target), ab in sorted(pairs.items()):
@@ -238,11 +265,3 @@ def _module_key(tensor_name: str) -> str:
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
     name = tensor_name[: tensor_name.index(".lora_")]
     return name[len("base_model.model.") :] if name.startswith("base_model.model.") else name
-
-
-def _pattern_key(patterns: dict, module_key: str) -> str:
-    """PEFT's `get_pattern_key`: the first pattern matching the end of `module_key` (at a dot)."""
-    for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", module_key):
-            return pattern
-    return module_key

@@ -75,11 +75,20 @@ _REFERENCE_ATTENTION = reference_attention()
 
 def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax.lax.Precision]) -> jax.Array:
     """The batched low-rank update of one projection: token t adds `(x[t] @ a[s]) @ b[s]` of its
-    slot s (`onehot` [T, slots]; an all-zero row adds nothing). Every slot's `x @ a` is computed
-    and masked, which at the small rank and slot counts of LoRA serving costs less than
-    gathering a weight matrix per token."""
-    h = jnp.einsum("ti,sir->tsr", x, w["a"], precision=precision) * onehot[:, :, None]
-    return jnp.einsum("tsr,sro->to", h, w["b"], precision=precision)
+    slot s (`onehot` [T, slots]; an all-zero row adds nothing). Every slot's update is computed
+    for every token and selected per token with `where`, not masked by multiplying: `0 * NaN`
+    is NaN, so a multiplied mask would let one slot's non-finite weights reach every row. At
+    the small rank and slot counts of LoRA serving this costs less than gathering a weight
+    matrix per token."""
+    selected = onehot > 0
+    h = jnp.einsum("ti,sir->tsr", x, w["a"], precision=precision)
+    h = jnp.where(selected[:, :, None], h, jnp.zeros((), h.dtype))
+    delta = None
+    for slot in range(w["b"].shape[0]):  # b's slots one by one: a NaN times a masked 0 is NaN
+        d = jnp.einsum("tr,ro->to", h[:, slot], w["b"][slot], precision=precision)
+        d = jnp.where(selected[:, slot, None], d, jnp.zeros((), d.dtype))
+        delta = d if delta is None else delta + d
+    return delta
 
 
 def _attention(

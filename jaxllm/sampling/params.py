@@ -31,6 +31,10 @@ MAX_SEQUENCES = 128
 MAX_BEAM_WIDTH = 8
 """Largest beam width (`best_of`, else `n`, with `use_beam_search`), as in TensorRT-LLM."""
 
+MAX_LENGTH_PENALTY = 10.0
+"""Largest |length_penalty|: a beam's score divides by `length ** length_penalty`, which
+overflows a float (or rounds every score to 0) far beyond the useful range of about +-3."""
+
 EARLY_STOPPING_VALUES = (True, False, "never")
 
 
@@ -198,8 +202,11 @@ class SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_bool("use_beam_search", self.use_beam_search)
-        if not _is_real(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {_show(self.length_penalty)}")
+        if not (_is_real(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY):
+            raise ValueError(
+                f"length_penalty must be a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {_show(self.length_penalty)}"
+            )
         if not any(
             self.early_stopping is v or (isinstance(v, str) and self.early_stopping == v) for v in EARLY_STOPPING_VALUES
         ):

@@ -11,8 +11,10 @@ that disconnects has its request aborted, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,6 +30,26 @@ from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
 from jaxllm.server.serving import OpenAIServer
 
 logger = logging.getLogger(__name__)
+
+KV_EVENTS_PAGE = 1000  # events per /kv_cache_events response unless ?max_events= says otherwise
+MAX_KV_EVENTS_PAGE = 10_000
+
+
+def kv_events_page(value: Optional[str]) -> int:
+    """The `max_events` query parameter of /kv_cache_events (APIError 400 naming it)."""
+    if value is None:
+        return KV_EVENTS_PAGE
+    if not (value.isdecimal() and len(value) <= 6 and 1 <= int(value) <= MAX_KV_EVENTS_PAGE):
+        shown = value[:40]
+        raise APIError(400, f"max_events must be an integer in [1, {MAX_KV_EVENTS_PAGE}], got {shown!r}", "max_events")
+    return int(value)
+
+
+def json_list_bytes(items: list[Any]) -> bytes:
+    """`items` as a JSON list, encoded as `JSONResponse` encodes it but one item at a time:
+    the C encoder holds the GIL for a whole call, and the event loop must get it meanwhile."""
+    encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+    return b"[" + b",".join(encode(item).encode() for item in items) + b"]"
 
 
 def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_executor: bool = False) -> FastAPI:
@@ -106,10 +128,15 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
         return JSONResponse(server.metrics.iteration_stats.read())
 
     @app.post("/kv_cache_events")
-    async def kv_cache_events() -> JSONResponse:
-        """KV cache events since the previous call (trtllm-serve's route; reading drains them);
-        [] unless the engine records them (kv_cache_config.event_buffer_max_size > 0)."""
-        return JSONResponse(executor.get_kv_cache_events(timeout=0))
+    async def kv_cache_events(request: Request) -> Response:
+        """KV cache events since the previous call (trtllm-serve's route; reading drains them),
+        at most `?max_events=` (default and limit in `kv_events_page`) per response, the rest
+        kept for the next call; [] unless the engine records them
+        (kv_cache_config.event_buffer_max_size > 0). Built and encoded off the event loop:
+        thousands of events are megabytes of JSON."""
+        max_events = kv_events_page(request.query_params.get("max_events"))
+        body = await server.off_loop(lambda: json_list_bytes(executor.get_kv_cache_events(0, max_events)))
+        return Response(body, media_type="application/json")
 
     @app.get("/version")
     async def version() -> JSONResponse:

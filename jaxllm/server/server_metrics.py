@@ -1,6 +1,7 @@
 """Server metrics: Prometheus text at /metrics, TensorRT-LLM's iteration stats as JSON.
 
-Per request (observed when a response is released): requests by finish reason, prompt and
+Per request (observed when a response is released): requests by finish reason (vLLM's
+`stop`, `length` and `abort`: a client that disconnected, an explicit abort or a timeout), prompt and
 generation tokens, time to first token, time per output token after the first, and
 end-to-end latency, all from the request's arrival time. Per scrape: running and waiting
 requests and KV cache usage, read from the engine between two steps. Names follow vLLM's
@@ -16,7 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from jaxllm.executor.result import GenerationResult
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+ABORT_REASON = "abort"  # vLLM's finished_reason of requests that ended before stop / length
+ABORTED = frozenset({"cancelled", "timeout", "abort"})  # engine finish reasons counted as ABORT_REASON
 _TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -142,14 +145,21 @@ class ServerMetrics:
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
-    def observe(self, results: Iterable[GenerationResult]) -> None:
-        """Count released results (call once per result); unfinished ones are skipped."""
+    def observe(self, results: Iterable[GenerationResult], aborted: Collection[GenerationResult] = ()) -> None:
+        """Count released results (call once per result). An unfinished one counts only when
+        it is in `aborted` (its response aborted it: it finishes later, unobserved), as `abort`
+        with the tokens it had."""
         now = time.monotonic()
         for result in results:
             if not result.finished:
+                if result in aborted:
+                    self.requests.labels(self.model_name, ABORT_REASON).inc()
+                    self.prompt_tokens.labels(**self._labels).inc(len(result.prompt_token_ids))
+                    self.generation_tokens.labels(**self._labels).inc(sum(len(o.token_ids) for o in result.outputs))
                 continue
             outputs = result.outputs
             reason = outputs[0].finish_reason if outputs else None
+            reason = ABORT_REASON if reason in ABORTED else reason
             self.requests.labels(self.model_name, reason or "unknown").inc()
             self.prompt_tokens.labels(**self._labels).inc(len(result.prompt_token_ids))
             generated = sum(len(o.token_ids) for o in outputs)

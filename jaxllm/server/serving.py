@@ -232,7 +232,7 @@ class OpenAIServer:
     def release(self, results: list[GenerationResult]) -> bool:
         """Forget finished responses; True if the shutdown aborted any of them."""
         aborted = False
-        self.metrics.observe([r for r in results if r in self._live])
+        self.metrics.observe([r for r in results if r in self._live], self._abort_sent)
         for result in results:
             self._live.discard(result)
             if result in self._shutdown_aborted:
