@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -85,6 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind-test `host:port` the way uvicorn binds it (SO_REUSEADDR), before any model loads, so
+    a busy port fails in a moment rather than after loading and compiling (ValueError)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def parse_lora_modules(specs: list[str] | None) -> dict:
     """`--lora-modules name=path ...` (vLLM's form) -> {name: LoRARequest}, ids 1, 2, ... in order."""
     from jaxllm.lora import LoRARequest
@@ -115,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if join_distributed(args):  # not process 0: follow the leader's engine, serve nothing
             return run_follower_command(args)
+        check_port_free(args.host, args.port)
         lora_modules = parse_lora_modules(args.lora_modules)
         if lora_modules:
             args.enable_lora = True
