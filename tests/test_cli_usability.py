@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
+from jaxllm.cli import main
+
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
     from jaxllm.cli.serve import main as serve_main
@@ -19,3 +23,15 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], err
     assert "GGUF" not in err
+
+
+def test_version(capsys):
+    from pathlib import Path
+
+    import tomllib
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert capsys.readouterr().out.strip() == f"jaxllm {pyproject['project']['version']}"
