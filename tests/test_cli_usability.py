@@ -3,6 +3,7 @@ tools' flags, the start-up banner and progress, serve's log lines, Hub errors an
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -35,3 +36,46 @@ def test_version(capsys):
     assert exit_info.value.code == 0
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert capsys.readouterr().out.strip() == f"jaxllm {pyproject['project']['version']}"
+
+
+def option_entries(help_text: str) -> list[str]:
+    """The help text of each option: its `  -x, --xx ...` line and the indented lines under it."""
+    entries: list[str] = []
+    for line in help_text.splitlines():
+        if re.match(r" {2}-", line):
+            entries.append(line)
+        elif entries and line.startswith("   ") and not line.strip().startswith("-"):
+            entries[-1] += " " + line.strip()
+        else:
+            entries.append("")
+    return [entry for entry in entries if entry]
+
+
+def every_help_command() -> list[list[str]]:
+    from jaxllm.cli.bench import BENCHMARKS
+
+    commands = [["chat"], ["generate"], ["serve"], ["worker"], ["convert"]]
+    commands += [["eplb", "report"], ["eplb", "generate-config"]]
+    return commands + [["bench", name] for name in BENCHMARKS]
+
+
+@pytest.mark.parametrize("command", every_help_command(), ids=" ".join)
+def test_no_option_names_two_defaults(capsys, command):
+    try:
+        code = main([*command, "--help"])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code in (0, None)
+    text = capsys.readouterr().out
+    entries = option_entries(text)
+    assert entries, text
+    for entry in entries:
+        assert entry.lower().count("default") <= 1, entry
+
+
+def test_chat_max_seq_len_help_shows_the_default_chat_sets(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    text = capsys.readouterr().out
+    entry = next(e for e in option_entries(text) if e.lstrip().startswith("--max-seq-len"))
+    assert "(default: 2048)" in entry and "unset" not in entry

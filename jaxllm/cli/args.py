@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from typing import Any
 
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
 LOAD_ERRORS = (ValueError, OSError)
+UNSET_CLAUSE = re.compile(r"\s*\(unset: [^()]*\)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -18,9 +20,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     breaks (every jaxllm command uses it)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:  # the help text says what an unset option means
-            return action.help or ""
-        return super()._get_help_string(action)
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "default" in text.lower():
+            return text  # the help text says what an unset option means, or names its default itself
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        # A command that sets a default (chat's --max-seq-len 2048) makes "(unset: ...)" unreachable.
+        return UNSET_CLAUSE.sub("", text) + " (default: %(default)s)"
 
     def _format_action(self, action: argparse.Action) -> str:
         if (
