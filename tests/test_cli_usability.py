@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from jaxllm.cli import main
+from jaxllm.cli import build_parser, main
+from jaxllm.cli.serve import build_parser as serve_parser
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
@@ -79,3 +80,49 @@ def test_chat_max_seq_len_help_shows_the_default_chat_sets(capsys):
     text = capsys.readouterr().out
     entry = next(e for e in option_entries(text) if e.lstrip().startswith("--max-seq-len"))
     assert "(default: 2048)" in entry and "unset" not in entry
+
+
+def parse_exit(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """Exit status and stderr lines of a command line that fails while parsing."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    return exit_info.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_vllm_tp_flag_maps_to_tp_size():
+    args = build_parser().parse_args(["generate", "-tp", "2"])
+    assert args.tensor_parallel_size == 2
+    assert build_parser().parse_args(["chat", "-tp=4"]).tensor_parallel_size == 4
+    assert serve_parser().parse_args(["-tp", "2"]).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("flag", ["--enable-prefix-caching", "--enforce-eager"])
+def test_harmless_vllm_flags_are_accepted_with_a_note(capsys, flag):
+    args = build_parser().parse_args(["generate", flag, "--max-tokens", "3"])
+    assert args.max_tokens == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jaxllm generate: note: {flag} accepted")
+    expected = "on by default" if flag == "--enable-prefix-caching" else "compiled fixed-shape steps"
+    assert expected in err[0]
+
+
+def test_trust_remote_code_is_refused_in_one_line(capsys):
+    code, err = parse_exit(["chat", "--trust-remote-code"], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("jaxllm chat: error: --trust-remote-code") and "never runs" in err[0]
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--trust-remote-code"])
+    assert "safetensors and GGUF" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_one_line_naming_the_closest_known_flag(capsys):
+    code, err = parse_exit(["generate", "--max-seq-lne", "64"], capsys)
+    assert code == 2 and len(err) == 1
+    assert "unknown flag --max-seq-lne" in err[0] and "closest known flag is --max-seq-len" in err[0]
+    code, err = parse_exit(["chat", "--frobnicate"], capsys)
+    assert code == 2 and len(err) == 1 and "unknown flag --frobnicate" in err[0]
+    with pytest.raises(SystemExit) as exit_info:
+        serve_parser().parse_args(["--tensor-paralel-size", "2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2 and len(err) == 1 and "--tensor-parallel-size" in err[0]
+    assert "usage:" not in err[0]

@@ -13,7 +13,7 @@ import importlib.metadata
 import sys
 import time
 
-from jaxllm.cli.args import LOAD_ERRORS, HelpFormatter
+from jaxllm.cli.args import LOAD_ERRORS, ArgumentParser, HelpFormatter
 from jaxllm.cli.chat import add_chat_parser, run_chat
 from jaxllm.cli.generate import add_generate_parser, run_generate
 from jaxllm.cli.startup import join_distributed, quiet_logs, run_follower_command
@@ -41,7 +41,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="jaxllm", description="LLM inference in JAX and Pallas.", formatter_class=HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"jaxllm {package_version()}")

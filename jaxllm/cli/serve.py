@@ -15,6 +15,7 @@ import time
 from jaxllm.cli.args import (
     DEFAULT_MODEL,
     LOAD_ERRORS,
+    ArgumentParser,
     HelpFormatter,
     add_distributed_args,
     add_engine_args,
@@ -24,7 +25,7 @@ from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="jaxllm serve",
         formatter_class=HelpFormatter,
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
