@@ -3,13 +3,16 @@ tools' flags, the start-up banner and progress, serve's log lines, Hub errors an
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
+import types
 
 import pytest
 
 from jaxllm.cli import build_parser, main
 from jaxllm.cli.serve import build_parser as serve_parser
+from jaxllm.cli.startup import engine_banner
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
@@ -126,3 +129,23 @@ def test_unknown_flag_is_one_line_naming_the_closest_known_flag(capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_info.value.code == 2 and len(err) == 1 and "--tensor-parallel-size" in err[0]
     assert "usage:" not in err[0]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from conftest import tiny_engine
+
+    return tiny_engine("tiny-moe", max_num_tokens=32, max_batch_size=4)
+
+
+def test_banner_names_the_parallel_layout(engine):
+    banner = engine_banner(engine, "tiny-moe")
+    line = next(line for line in banner.splitlines() if line.strip().startswith("parallel"))
+    assert line.split() == ["parallel", "tp=1", "ep=1", "moe_tp=1", "attention=tp"]
+    # An EP x attention-DP layout, as `--tp-size 8 --ep-size 8 --enable-attention-dp` gives.
+    wide = dataclasses.replace(
+        engine.config, tensor_parallel_size=8, moe_expert_parallel_size=8, enable_attention_dp=True
+    )
+    view = types.SimpleNamespace(**{**vars(engine), "config": wide})
+    line = next(line for line in engine_banner(view, "m").splitlines() if line.strip().startswith("parallel"))
+    assert line.split() == ["parallel", "tp=8", "ep=8", "moe_tp=1", "attention=dp", "x8"]

@@ -84,10 +84,14 @@ def engine_banner(engine, model: str) -> str:
     tpb = kv.tokens_per_block
     kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
     ec = engine.config
+    layout = ec.parallel_config()
+    attention = f"dp x{layout.tensor_parallel_size}" if layout.enable_attention_dp else "tp"
     return "\n".join(
         [
             f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
             f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
+            f"  parallel  tp={layout.tensor_parallel_size} ep={layout.moe_expert_parallel_size} "
+            f"moe_tp={layout.moe_tensor_parallel_size} attention={attention}",
             f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
             f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, "
             f"{format_bytes(kv_bytes)}",
