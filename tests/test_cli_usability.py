@@ -12,7 +12,7 @@ import pytest
 
 from jaxllm.cli import build_parser, main
 from jaxllm.cli.serve import build_parser as serve_parser
-from jaxllm.cli.startup import engine_banner
+from jaxllm.cli.startup import engine_banner, warm_up
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
@@ -149,3 +149,19 @@ def test_banner_names_the_parallel_layout(engine):
     view = types.SimpleNamespace(**{**vars(engine), "config": wide})
     line = next(line for line in engine_banner(view, "m").splitlines() if line.strip().startswith("parallel"))
     assert line.split() == ["parallel", "tp=8", "ep=8", "moe_tp=1", "attention=dp", "x8"]
+
+
+@pytest.mark.parametrize("all_variants,background", [(True, False), (False, True)])
+def test_compile_progress_total_is_fixed_and_the_bar_ends_full(engine, capsys, all_variants, background):
+    calls: list[tuple[int, int]] = []
+    expected = engine.program_warmup.num_pieces(all_variants, background)
+    engine.warmup(
+        all_variants=all_variants, progress=lambda done, total: calls.append((done, total)), background=background
+    )
+    assert calls and {total for _, total in calls} == {expected}
+    assert calls[-1][0] == expected and [done for done, _ in calls] == sorted(done for done, _ in calls)
+
+    warm_up(engine, all_variants, background)  # the CLI's bar: the same total from its first frame on
+    counts = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
+    assert counts and {int(total) for _, total in counts} == {expected}
+    assert counts[-1] == (str(expected), str(expected))

@@ -104,24 +104,26 @@ def engine_banner(engine, model: str) -> str:
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets..."); with
     `background`, only the decode and the largest buckets and the greedy sampler before
-    returning (see `LLMEngine.warmup`)."""
+    returning (see `LLMEngine.warmup`). The bar's length is known before anything compiles
+    and the bar ends full."""
     from tqdm.auto import tqdm
 
+    plan = engine.program_warmup
     buckets = engine.token_buckets()
-    first = len({engine.decode_bucket(), buckets[-1]})
+    first = len(plan.first_buckets())
     desc = (
         f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
-        if background and len(buckets) > first
+        if plan.in_background(background) and len(buckets) > first
         else f"compiling {len(buckets)} token buckets + sampler"
     )
-    total = (first if background else len(buckets)) + 1
+    total = plan.num_pieces(all_variants, background)
     with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
 
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            bar.update(min(done, bar.total) - bar.n)
 
         engine.warmup(all_variants=all_variants, progress=progress, background=background)
+        bar.update(bar.total - bar.n)
 
 
 def start_executor(
