@@ -4,6 +4,7 @@ tools' flags, the start-up banner and progress, serve's log lines, Hub errors an
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import socket
 import types
@@ -12,7 +13,7 @@ import pytest
 
 from jaxllm.cli import build_parser, main
 from jaxllm.cli.serve import build_parser as serve_parser
-from jaxllm.cli.startup import engine_banner, warm_up
+from jaxllm.cli.startup import engine_banner, serve_logs, status, warm_up
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys):
@@ -165,3 +166,37 @@ def test_compile_progress_total_is_fixed_and_the_bar_ends_full(engine, capsys, a
     counts = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
     assert counts and {int(total) for _, total in counts} == {expected}
     assert counts[-1] == (str(expected), str(expected))
+
+
+@pytest.fixture
+def saved_loggers():
+    """serve_logs reconfigures uvicorn's and JAX's loggers: put them back afterwards."""
+    names = ["uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "jax._src.xla_bridge"]
+    saved = {name: (lg.handlers[:], lg.level, lg.propagate) for name in names if (lg := logging.getLogger(name))}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def test_serve_logs_have_one_format_and_no_tpu_probe(capsys, saved_loggers):
+    serve_logs("info")
+    status("ready in 1.0 s")
+    logging.getLogger("jaxllm.server.lifecycle").warning("draining")
+    logging.getLogger("uvicorn.error").info("Uvicorn running on %s", "http://127.0.0.1:8000")
+    logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/health", "1.1", 200)
+    logging.getLogger("jax._src.xla_bridge").warning("Unable to initialize backend 'tpu': libtpu.so not found")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4, lines
+    line_format = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) [\w.]+: \S")
+    for line in lines:
+        assert line_format.match(line), line
+    assert [line.split()[3] for line in lines] == [
+        "jaxllm.cli:",
+        "jaxllm.server.lifecycle:",
+        "uvicorn.error:",
+        "uvicorn.access:",
+    ]
+    serve_logs("info")  # twice: still one line per record
+    status("again")
+    assert len(capsys.readouterr().err.splitlines()) == 1

@@ -6,7 +6,6 @@ commands never load it."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -21,7 +20,7 @@ from jaxllm.cli.args import (
     add_engine_args,
     engine_kwargs,
 )
-from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, start_executor
+from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, serve_logs, start_executor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.model_pos:
         args.model = args.model_pos
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_logs(args.log_level)
 
     from jaxllm.server.app import build_app
-    from jaxllm.server.lifecycle import serve
+    from jaxllm.server.lifecycle import ManagedServer, make_config
     from jaxllm.server.server_config import ServerConfig
     from sharding import multihost
 
@@ -173,7 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_executor=True,
     )
     try:
-        code = serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        # uvicorn's loggers keep serve_logs' format: no logging configuration of its own.
+        config = make_config(
+            app,
+            args.host,
+            args.port,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+            configure_logging=False,
+        )
+        server = ManagedServer(config, app.state.server, args.shutdown_timeout)
+        server.run()
+        code = server.exit_code
     finally:
         executor.shutdown()
     if code and multihost.is_multiprocess():

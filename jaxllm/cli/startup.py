@@ -11,22 +11,51 @@ import time
 
 from jaxllm.cli.args import distributed_config, engine_kwargs
 
-
 # ----------------------------------------------------------------------------- terminal output
+logger = logging.getLogger("jaxllm.cli")
+# serve's one log format (its lines, uvicorn's and jaxllm's alike).
+SERVE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# JAX logs its failed probe for a TPU backend ("Unable to initialize backend 'tpu' ... libtpu.so")
+# on every start on a machine without one: noise to a user.
+BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+
+
 def status(message: str) -> None:
-    """One progress or status line on stderr (stdout is for generated text)."""
-    print(message, file=sys.stderr, flush=True)
+    """One progress or status line on stderr (stdout is for generated text), through the `jaxllm`
+    logger: a plain line for chat and generate (`quiet_logs`), a log line for serve (`serve_logs`)."""
+    logger.info(message)
 
 
 def quiet_logs(level: str = "warning") -> None:
     """jaxllm's own messages as plain lines on stderr; other libraries only from `level` up."""
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger(BACKEND_PROBE_LOGGER).setLevel(logging.ERROR)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     jax_logger = logging.getLogger("jaxllm")
     jax_logger.handlers[:] = [handler]
     jax_logger.setLevel(logging.INFO)
     jax_logger.propagate = False
+
+
+def serve_logs(level: str = "info") -> logging.Handler:
+    """Every log line of `jaxllm serve` in one format on stderr: one root handler, which jaxllm's
+    and uvicorn's loggers propagate to (uvicorn must then be started without its own logging
+    configuration); JAX's TPU probe silenced. Returns the handler."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(SERVE_LOG_FORMAT))
+    handler.set_name("jaxllm-serve")
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if h.get_name() != handler.get_name()] + [handler]
+    root.setLevel(level.upper())
+    for name in ("jaxllm", *UVICORN_LOGGERS):
+        named = logging.getLogger(name)
+        named.handlers[:] = []
+        named.propagate = True
+        named.setLevel(logging.NOTSET)
+    logging.getLogger(BACKEND_PROBE_LOGGER).setLevel(logging.ERROR)
+    return handler
 
 
 def format_bytes(n: float) -> str:
