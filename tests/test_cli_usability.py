@@ -200,3 +200,27 @@ def test_serve_logs_have_one_format_and_no_tpu_probe(capsys, saved_loggers):
     serve_logs("info")  # twice: still one line per record
     status("again")
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_hub_miss_mentions_hf_hub_offline_only_when_it_is_set(tmp_path, monkeypatch, offline):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from jaxllm.models.resolve import resolve_model
+
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:  # no network: the download finds neither the Hub nor a cached copy
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+        def no_network(*args, **kwargs):
+            raise LocalEntryNotFoundError("cannot reach the Hub")
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    with pytest.raises(ValueError) as info:
+        resolve_model("some-org/absent", hub_cache_dir=str(tmp_path / "hub"))
+    message = str(info.value)
+    assert "hf download some-org/absent" in message
+    assert ("HF_HUB_OFFLINE" in message) == offline
+    assert ("could not be reached" in message) != offline
