@@ -224,3 +224,23 @@ def test_hub_miss_mentions_hf_hub_offline_only_when_it_is_set(tmp_path, monkeypa
     assert "hf download some-org/absent" in message
     assert ("HF_HUB_OFFLINE" in message) == offline
     assert ("could not be reached" in message) != offline
+
+
+def test_more_devices_than_heads_points_at_attention_dp():
+    from jaxllm.models import load_model_config, materialize_preset
+    from sharding.rules import model_rules
+
+    config = load_model_config(materialize_preset("tiny-moe"))  # 4 attention heads
+    with pytest.raises(ValueError) as info:
+        model_rules(
+            tensor_parallel_size=8,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            intermediate_size=config.intermediate_size,
+            moe_intermediate_size=config.moe_intermediate_size,
+            vocab_size=config.vocab_size,
+            expert_parallel_size=8,
+        )
+    message = str(info.value)
+    assert "tensor_parallel_size=8 must divide num_attention_heads=4" in message
+    assert "--enable-attention-dp" in message and "\n" not in message
