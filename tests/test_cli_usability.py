@@ -244,3 +244,30 @@ def test_more_devices_than_heads_points_at_attention_dp():
     message = str(info.value)
     assert "tensor_parallel_size=8 must divide num_attention_heads=4" in message
     assert "--enable-attention-dp" in message and "\n" not in message
+
+
+def test_every_llm_config_class_is_importable_from_jaxllm():
+    import jaxllm
+    from jaxllm import (  # noqa: F401  (the import itself is the test)
+        LLM,
+        CapacitySchedulerPolicy,
+        CompletionOutput,
+        ContextChunkingPolicy,
+        KvCacheConfig,
+        KvCacheRetentionConfig,
+        LoRARequest,
+        MoeConfig,
+        MoeLoadBalancerConfig,
+        RequestOutput,
+        SamplingParams,
+        SchedulerConfig,
+        TokenRangeRetentionConfig,
+    )
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig as defined
+
+    assert MoeLoadBalancerConfig is defined
+    for name in jaxllm.__all__:
+        assert getattr(jaxllm, name) is not None, name
+    assert "MoeLoadBalancerConfig" in jaxllm.__all__ and "SchedulerConfig" in jaxllm.__all__
+    with pytest.raises(AttributeError):
+        jaxllm.NoSuchThing  # noqa: B018
