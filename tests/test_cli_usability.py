@@ -8,6 +8,7 @@ import logging
 import re
 import socket
 import types
+from pathlib import Path
 
 import pytest
 
@@ -271,3 +272,48 @@ def test_every_llm_config_class_is_importable_from_jaxllm():
     assert "MoeLoadBalancerConfig" in jaxllm.__all__ and "SchedulerConfig" in jaxllm.__all__
     with pytest.raises(AttributeError):
         jaxllm.NoSuchThing  # noqa: B018
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def readme_transcript() -> list[str]:
+    """The lines of the README's Quick start transcript (the text block after "The first command prints")."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("The first command prints") :].split("```text\n", 1)[1].split("```", 1)[0]
+    return block.splitlines()
+
+
+def test_readme_transcript_matches_the_banner_and_the_progress_line(engine):
+    from jaxllm.batch_builder import choose_token_bucket, token_buckets
+
+    lines = readme_transcript()
+    banner_labels = [line[2:12].strip() for line in engine_banner(engine, "m").splitlines()[1:]]
+    readme_labels = [line[2:12].strip() for line in lines if line.startswith("  ") and line[2] != " "]
+    assert readme_labels == banner_labels
+    # chat's limits (max_batch_size 4, max_num_tokens 256), the engine's smallest bucket 16:
+    buckets = token_buckets(256, 16)
+    first = len({choose_token_bucket(4, 256, 16), buckets[-1]})
+    progress = next(line for line in lines if line.startswith("compiling"))
+    total = first + 1  # ProgramWarmup.num_pieces in the background mode
+    assert progress.startswith(f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle: ")
+    assert progress.endswith(f"| {total}/{total}")
+
+
+def test_docs_list_every_benchmark():
+    from jaxllm.cli.bench import BENCHMARKS
+
+    text = (ROOT / "docs" / "performance.md").read_text()
+    table = text[text.index("## Benchmarks") :]
+    listed = re.findall(r"^\| `([a-z-]+)` \|", table, flags=re.M)
+    assert sorted(listed) == sorted(BENCHMARKS)
+
+
+def test_license_is_the_apache_2_text_pyproject_declares():
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"]["text"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 190
