@@ -4,6 +4,7 @@ tools' flags, the start-up banner and progress, serve's log lines, Hub errors an
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import re
 import socket
@@ -317,3 +318,114 @@ def test_license_is_the_apache_2_text_pyproject_declares():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 190
+
+
+class InterruptingExecutor:
+    """An executor whose chosen answers raise KeyboardInterrupt (Ctrl-C) after their first piece."""
+
+    def __init__(self, executor, interrupt: set[int]) -> None:
+        self.executor, self.interrupt, self.calls, self.aborted = executor, interrupt, 0, []
+        self.tokenizer, self.max_seq_len = executor.tokenizer, executor.max_seq_len
+
+    def generate_async(self, ids, params, streaming):
+        result = self.executor.generate_async(ids, params, streaming=streaming)
+        self.calls += 1
+        return InterruptedStream(result, self.aborted) if self.calls in self.interrupt else result
+
+
+class InterruptedStream:
+    def __init__(self, result, aborted: list) -> None:
+        self.result, self.aborted = result, aborted
+
+    def __iter__(self):
+        for output in self.result:
+            yield output
+            raise KeyboardInterrupt
+
+    def abort(self) -> None:
+        self.aborted.append(self.result)
+        self.result.abort()
+
+
+def scripted(lines: list):
+    """input() from a script: each item is a line, or an exception to raise (KeyboardInterrupt: Ctrl-C)."""
+    pending = list(lines)
+
+    def read(prompt: str) -> str:
+        if not pending:
+            raise EOFError
+        item = pending.pop(0)
+        if isinstance(item, type) and issubclass(item, BaseException):
+            raise item
+        return item
+
+    return read
+
+
+@pytest.fixture(scope="module")
+def chat_executor():
+    from jaxllm.engine.engine_config import EngineConfig
+    from jaxllm.executor.executor import GenerationExecutor
+    from jaxllm.llm_args import KvCacheConfig
+
+    config = EngineConfig(
+        model="tiny-moe",
+        max_batch_size=2,
+        max_num_tokens=32,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
+    )
+    executor = GenerationExecutor(config)
+    yield executor
+    executor.shutdown()
+
+
+def test_chat_ctrl_c_stops_the_answer_only_and_reset_confirms(chat_executor):
+    from jaxllm import SamplingParams
+    from jaxllm.cli.chat import Conversation
+
+    said: list[str] = []
+    out = io.StringIO()
+    fake = InterruptingExecutor(chat_executor, interrupt={2})
+    conversation = Conversation(fake, SamplingParams(max_tokens=8), system="Be brief.", out=out, say=said.append)
+    read = scripted(["Hi", "Tell me a story", "And then?"])
+    assert conversation.run(read) == 0  # the script ends: end of input quits
+    assert len(fake.aborted) == 1  # the interrupted request was aborted (unless it had just finished)
+    assert fake.aborted[0].result(timeout=60).outputs[0].finish_reason in ("cancelled", "length")
+    assert sum("answer stopped" in line for line in said) == 1
+    roles = [turn["role"] for turn in conversation.history]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [turn["content"] for turn in conversation.history if turn["role"] == "user"] == [
+        "Hi",
+        "Tell me a story",
+        "And then?",
+    ]
+    assert not any(line.startswith("error") for line in said)
+
+    said.clear()
+    assert conversation.run(scripted(["/reset", KeyboardInterrupt, "never read"])) == 0  # Ctrl-C at the prompt quits
+    assert any("history cleared" in line for line in said)
+    assert conversation.history == [{"role": "system", "content": "Be brief."}]
+
+
+def test_chat_drops_the_oldest_turns_when_the_history_outgrows_max_seq_len(chat_executor):
+    from jaxllm import SamplingParams
+    from jaxllm.cli.chat import Conversation
+
+    said: list[str] = []
+    conversation = Conversation(
+        chat_executor, SamplingParams(max_tokens=8), system="Be brief.", out=io.StringIO(), say=said.append
+    )
+    questions = [f"question number {i}: what is {i} plus {i}?" for i in range(8)]
+    assert conversation.run(scripted(questions)) == 0
+    assert not any(line.startswith("error") for line in said), said
+    dropped = [line for line in said if "outgrew max_seq_len 128" in line]
+    assert dropped and all("dropped the oldest" in line for line in dropped)
+    assert conversation.history[0] == {"role": "system", "content": "Be brief."}
+    assert conversation.history[-2] == {"role": "user", "content": questions[-1]}
+    assert conversation.history[1]["content"] != questions[0]  # the first question gave way
+    # A message that cannot fit even alone is one line, and the conversation goes on.
+    said.clear()
+    assert conversation.run(scripted(["word " * 200, "short"])) == 0
+    assert sum(line.startswith("error: ") and "does not fit max_seq_len" in line for line in said) == 1
+    assert conversation.history[-2] == {"role": "user", "content": "short"}
