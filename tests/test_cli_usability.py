@@ -429,3 +429,20 @@ def test_chat_drops_the_oldest_turns_when_the_history_outgrows_max_seq_len(chat_
     assert conversation.run(scripted(["word " * 200, "short"])) == 0
     assert sum(line.startswith("error: ") and "does not fit max_seq_len" in line for line in said) == 1
     assert conversation.history[-2] == {"role": "user", "content": "short"}
+
+
+def test_examples_default_to_a_real_model_and_show_a_cpu_collect_command():
+    import shlex
+
+    from sharding.eplb.statistics import ITER_RANGE_ENV, PATH_ENV
+
+    assert 'default="smollm2"' in (ROOT / "examples" / "generate_offline.py").read_text()
+    text = (ROOT / "examples" / "ep_load_balancer" / "README.md").read_text()
+    collect = text[text.index("XLA_FLAGS=--xla_force_host_platform_device_count=8") :].split("```", 1)[0]
+    words = shlex.split(collect.replace("\\\n", " "))
+    env = dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+    assert {ITER_RANGE_ENV, PATH_ENV, "XLA_FLAGS"} <= set(env)
+    command = words[words.index("jaxllm") + 1 :]
+    args = build_parser().parse_args(command)
+    assert (args.model, args.tensor_parallel_size, args.moe_expert_parallel_size) == ("tiny-moe", 8, 8)
+    assert args.enable_attention_dp
