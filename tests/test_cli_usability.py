@@ -446,3 +446,20 @@ def test_examples_default_to_a_real_model_and_show_a_cpu_collect_command():
     args = build_parser().parse_args(command)
     assert (args.model, args.tensor_parallel_size, args.moe_expert_parallel_size) == ("tiny-moe", 8, 8)
     assert args.enable_attention_dp
+
+
+def test_cost_model_table_columns_fit_long_case_names():
+    from jaxllm.bench.kernels import cost_model_table
+    from pallas_kernels import cost_model
+
+    costs = cost_model.default_cases()[:3]
+    costs.append(dataclasses.replace(costs[0], case="a very long case name " * 5))
+    gpus = [cost_model.GPUS["h100"], cost_model.GPUS["h200"]]
+    lines = cost_model_table(costs, gpus).splitlines()
+    header = lines[0]
+    case_at, grid_at, mb_end = header.index("case"), header.index("grid"), header.index(" MB ") + 3
+    for line, cost in zip(lines[1:], costs, strict=True):
+        assert line[case_at:].startswith(cost.case)
+        grid = "x".join(str(x) for x in cost.grid) if cost.grid else "xla"
+        assert line[grid_at:].startswith(grid + " ") and line[grid_at - 1] == " "
+        assert line[:mb_end].endswith(f" {cost.bytes / 1e6:.2f}")  # numbers right-aligned under their header
