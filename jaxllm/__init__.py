@@ -1,38 +1,45 @@
-"""jaxllm: an LLM inference engine in JAX and Pallas."""
+"""jaxllm: an LLM inference engine in JAX and Pallas.
 
-from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig
+Everything a user passes to `LLM(...)` or `LLM.generate` is importable from here, as from
+TensorRT-LLM's `tensorrt_llm.llmapi`: `from jaxllm import LLM, SamplingParams, KvCacheConfig`."""
+
+import importlib
+
+from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig, MoeConfig, SchedulerConfig
 
 __version__ = "0.1.0"
 
+# Imported on first use so `import jaxllm` stays cheap (e.g. for the CLI's --help): name -> module.
+_LAZY = {
+    "LLM": "jaxllm.llm",
+    "LoRARequest": "jaxllm.lora.lora_request",
+    "SamplingParams": "jaxllm.sampling",
+    "KvCacheRetentionConfig": "jaxllm.kv_cache.retention",
+    "TokenRangeRetentionConfig": "jaxllm.kv_cache.retention",
+    "MoeLoadBalancerConfig": "sharding.eplb.eplb_config",
+    "RequestOutput": "jaxllm.outputs",
+    "CompletionOutput": "jaxllm.outputs",
+}
+
 __all__ = [
     "LLM",
-    "LoRARequest",
     "SamplingParams",
+    "LoRARequest",
     "KvCacheConfig",
     "KvCacheRetentionConfig",
-    "MoeConfig",
-    "SchedulerConfig",
     "TokenRangeRetentionConfig",
+    "SchedulerConfig",
+    "CapacitySchedulerPolicy",
+    "ContextChunkingPolicy",
+    "MoeConfig",
+    "MoeLoadBalancerConfig",
+    "RequestOutput",
+    "CompletionOutput",
     "__version__",
 ]
 
 
 def __getattr__(name: str):
-    # Import the heavy parts lazily so `import jaxllm` stays cheap (e.g. for the CLI's --help).
-    if name == "LLM":
-        from jaxllm.llm import LLM
-
-        return LLM
-    if name == "LoRARequest":
-        from jaxllm.lora.lora_request import LoRARequest
-
-        return LoRARequest
-    if name in ("KvCacheRetentionConfig", "TokenRangeRetentionConfig"):
-        from jaxllm.kv_cache import retention
-
-        return getattr(retention, name)
-    if name == "SamplingParams":
-        from jaxllm.sampling import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

@@ -117,7 +117,15 @@ def model_rules(
         if size and size % tp
     ]
     if problems:
-        raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}")
+        # Attention data parallelism (each device its own requests, the attention weights whole) is
+        # how a model spreads over more devices than it has heads.
+        hint = (
+            "; to spread attention over more devices than heads use --enable-attention-dp "
+            "(enable_attention_dp=True: each device runs attention for its own requests)"
+            if num_heads and num_heads % tp
+            else ""
+        )
+        raise ValueError(f"tensor_parallel_size={tp} must divide {', '.join(problems)}{hint}")
     if moe_intermediate_size and moe_intermediate_size % moe_tp:
         raise ValueError(
             f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size={moe_intermediate_size}"

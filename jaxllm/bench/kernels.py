@@ -34,7 +34,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -535,6 +535,40 @@ def _header() -> str:
     return " ".join(name.ljust(w) if w else name for name, w in _COLUMNS)
 
 
+def align_columns(header: list[str], rows: list[list[str]], right_aligned: Sequence[int] = ()) -> str:
+    """A text table whose column widths come from the content (the widest cell of each column,
+    header included); the last column is left unpadded."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            cell.rjust(width) if i in right_aligned else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(cells[:-1], widths))
+        ]
+        return " ".join([*padded, cells[-1]]).rstrip()
+
+    return "\n".join(line(cells) for cells in [header, *rows])
+
+
+def cost_model_table(costs: Sequence[Any], gpus: Sequence[Any]) -> str:
+    """The launch cost model's table (`--cost-model`): one row per kernel launch, roofline and
+    SM-limited time per GPU; columns as wide as their longest case name or number."""
+    header = ["kernel", "case", "grid", "programs", "working", "MB", "GFLOP", "useful%"]
+    for g in gpus:
+        header += [f"{g.name} us", f"{g.name} SM-lim"]
+    header.append("note")
+    rows = []
+    for c in costs:
+        useful = f"{100 * c.useful_flops / c.flops:.0f}" if c.flops and c.useful_flops else "-"
+        grid = "x".join(str(x) for x in c.grid) if c.grid else "xla"
+        row = [c.kernel, c.case, grid, str(c.programs), str(c.working), f"{c.bytes / 1e6:.2f}", f"{c.flops / 1e9:.2f}"]
+        row.append(useful)
+        for g in gpus:
+            row += [f"{c.roofline_s(g) * 1e6:.1f}", f"{c.sm_limited_s(g) * 1e6:.1f}"]
+        rows.append([*row, c.note])
+    return align_columns(header, rows, right_aligned=range(3, len(header) - 1))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
     from pallas_kernels.triton_backend import filter_triton_deprecation
@@ -585,7 +619,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             costs += cost_model_mosaic.default_cases()
         if args.only != "all":
             costs = [c for c in costs if (c.kernel.startswith("moe")) == (args.only == "moe")]
-        print(cost_model.format_table(costs, gpus))
+        print(cost_model_table(costs, gpus))
         if args.json_path:
             with open(args.json_path, "w") as f:
                 json.dump(

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 import time
 
-from jaxllm.cli.args import LOAD_ERRORS, HelpFormatter
+from jaxllm.cli.args import LOAD_ERRORS, ArgumentParser, HelpFormatter
 from jaxllm.cli.chat import add_chat_parser, run_chat
 from jaxllm.cli.generate import add_generate_parser, run_generate
 from jaxllm.cli.startup import join_distributed, quiet_logs, run_follower_command
@@ -28,10 +29,22 @@ SUBCOMMAND_MODULES = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject's), or the package's own when run from a tree
+    that is not installed."""
+    try:
+        return importlib.metadata.version("jaxllm")
+    except importlib.metadata.PackageNotFoundError:
+        from jaxllm import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="jaxllm", description="LLM inference in JAX and Pallas.", formatter_class=HelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"jaxllm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_chat_parser(sub)
     add_generate_parser(sub)

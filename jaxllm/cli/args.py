@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import re
+import sys
 from typing import Any
 
 DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
 LOAD_ERRORS = (ValueError, OSError)
+UNSET_CLAUSE = re.compile(r"\s*\(unset: [^()]*\)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -18,9 +22,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     breaks (every jaxllm command uses it)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:  # the help text says what an unset option means
-            return action.help or ""
-        return super()._get_help_string(action)
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "default" in text.lower():
+            return text  # the help text says what an unset option means, or names its default itself
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        # A command that sets a default (chat's --max-seq-len 2048) makes "(unset: ...)" unreachable.
+        return UNSET_CLAUSE.sub("", text) + " (default: %(default)s)"
 
     def _format_action(self, action: argparse.Action) -> str:
         if (
@@ -32,6 +40,75 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
             action = copy.copy(action)
             action.help = "default: %(default)s"
         return super()._format_action(action)
+
+
+# Flags of other servers (vLLM) that jaxllm takes without an equivalent: accepted with a note.
+ACCEPTED_FLAGS = {
+    "--enable-prefix-caching": "KV block reuse (prefix caching) is on by default (serve --disable-block-reuse, "
+    "or kv_cache_config: {enable_block_reuse: false} in --config, turns it off)",
+    "--enforce-eager": "jaxllm has no eager mode: it always runs compiled fixed-shape steps (one per token bucket)",
+}
+# vLLM's short spellings of jaxllm flags.
+RENAMED_FLAGS = {"-tp": "--tp-size"}
+REFUSED_FLAGS = {
+    "--trust-remote-code": "jaxllm never runs code from a model repository (it reads safetensors and GGUF "
+    "weights only), so there is nothing to trust; leave the flag out",
+}
+
+
+def translate_other_tools_flags(argv: list[str], prog: str) -> list[str]:
+    """`argv` with vLLM's spellings mapped (-tp N -> --tp-size N) and its harmless flags dropped
+    (a note on stderr each); a refused flag raises ValueError. Nothing after `--` is touched."""
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return out + argv[i:]
+        name, sep, value = token.partition("=")
+        if name in REFUSED_FLAGS:
+            raise ValueError(f"{name}: {REFUSED_FLAGS[name]}")
+        if name in ACCEPTED_FLAGS:
+            print(f"{prog}: note: {name} accepted: {ACCEPTED_FLAGS[name]}", file=sys.stderr)
+        elif name in RENAMED_FLAGS:
+            out.append(RENAMED_FLAGS[name] + sep + value)
+        else:
+            out.append(token)
+    return out
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """jaxllm's parsers: errors are one line (no usage dump); an unknown flag is named with the
+    closest known one; vLLM's spellings are translated first (`translate_other_tools_flags`)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        command = self.command_parser(argv[0] if argv else "")
+        try:
+            argv = translate_other_tools_flags(argv, command.prog)
+        except ValueError as exc:
+            command.error(str(exc))
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            command.reject_unknown(extras)
+        return parsed
+
+    def command_parser(self, name: str) -> ArgumentParser:
+        """The parser of sub-command `name` (this parser when there is no such sub-command)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                return action.choices[name]
+        return self
+
+    def reject_unknown(self, extras: list[str]) -> None:
+        flags = [token.partition("=")[0] for token in extras if token.startswith("-")]
+        if not flags:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        known = [option for action in self._actions for option in action.option_strings]
+        close = difflib.get_close_matches(flags[0], known, n=1, cutoff=0.6)
+        hint = f"; the closest known flag is {close[0]}" if close else "; no known flag is close"
+        self.error(f"unknown flag {flags[0]}{hint}")
 
 
 # ----------------------------------------------------------------------------- engine flags

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, TextIO
 
 from jaxllm.cli.args import (
     DEFAULT_MODEL,
@@ -13,7 +16,6 @@ from jaxllm.cli.args import (
     add_sampling_args,
     sampling_params,
 )
-from jaxllm.cli.generate import print_stream
 from jaxllm.cli.startup import resolve_model_arg, start_executor, status
 
 
@@ -41,41 +43,108 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def stream_answer(result, out: TextIO) -> tuple[str, bool]:
+    """Print a streaming result's text as it arrives. Returns (text so far, interrupted): Ctrl-C
+    (KeyboardInterrupt while streaming) aborts this request only."""
+    text = ""
+    try:
+        for output in result:
+            completion = output.outputs[0]
+            if completion.text_diff:
+                out.write(completion.text_diff)
+                out.flush()
+            text = completion.text
+    except KeyboardInterrupt:
+        result.abort()
+        return text, True
+    return text, False
+
+
+@dataclass
+class Conversation:
+    """A chat's history and how one turn runs on an executor (its `tokenizer`, `max_seq_len` and
+    `generate_async`): the oldest turns give way when the history outgrows max_seq_len, Ctrl-C
+    stops only the answer being streamed."""
+
+    executor: Any
+    params: Any
+    system: Optional[str] = None
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    say: Callable[[str], None] = status
+    history: list[dict[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The prompt of `question` after the history, dropping the oldest user/assistant turns
+        (never the system message) until prompt + max_tokens fits max_seq_len (ValueError when
+        the question alone does not)."""
+        first = 1 if self.system else 0
+        limit = self.executor.max_seq_len - self.params.max_tokens
+        dropped = 0
+        while True:
+            ids = chat_prompt_ids(self.executor.tokenizer, [*self.history, {"role": "user", "content": question}])
+            if len(ids) <= limit:
+                break
+            if len(self.history) <= first:
+                raise ValueError(
+                    f"the message ({len(ids)} tokens with the chat template) + --max-tokens "
+                    f"{self.params.max_tokens} does not fit max_seq_len {self.executor.max_seq_len}"
+                )
+            del self.history[first : first + 2]  # the oldest question and its answer
+            dropped += 1
+        if dropped:
+            self.say(
+                f"chat: the conversation outgrew max_seq_len {self.executor.max_seq_len}: dropped the "
+                f"oldest {dropped} turn{'s' if dropped > 1 else ''}" + (" (the system message kept)" if first else "")
+            )
+        return ids
+
+    def answer(self, question: str) -> bool:
+        """Stream the answer to `question` and keep both in the history; False when Ctrl-C
+        stopped it (what it had said stays in the history)."""
+        ids = self.prompt_ids(question)
+        text, interrupted = stream_answer(self.executor.generate_async(ids, self.params, streaming=True), self.out)
+        print(file=self.out, flush=True)
+        self.history += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
+        if interrupted:
+            self.say("chat: answer stopped (Ctrl-C at the prompt, /exit or Ctrl-D quits)")
+        return not interrupted
+
+    def run(self, read: Callable[[str], str] = input) -> int:
+        """The conversation loop until /exit, end of input or Ctrl-C at the prompt."""
+        self.say("chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits")
+        while True:
+            try:
+                question = read("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=self.out)
+                return 0
+            command = question.strip()
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/reset":
+                self.reset()
+                self.say("chat: history cleared" + (" (the system message kept)" if self.system else ""))
+            elif command:
+                try:
+                    self.answer(question)
+                except ValueError as exc:  # a request the engine refuses: one line, the conversation goes on
+                    self.say(f"error: {exc}")
+
+
 def run_chat(args: argparse.Namespace, started: float) -> int:
     executor = start_executor(
         args, resolve_model_arg(args), all_variants=False, background_warmup=True, started=started
     )
     try:
-        params = sampling_params(args)
-        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-
-        def answer(question: str) -> None:
-            history.append({"role": "user", "content": question})
-            ids = chat_prompt_ids(executor.tokenizer, history)
-            final = print_stream(executor.generate_async(ids, params, streaming=True))
-            print(flush=True)
-            history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
-
+        conversation = Conversation(executor, sampling_params(args), system=args.system)
         if args.prompt:
-            answer(" ".join(args.prompt))
-            return 0
-        status("chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits")
-        while True:
-            try:
-                question = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
-                return 0
-            if question.strip() in ("/exit", "/quit"):
-                return 0
-            if question.strip() == "/reset":
-                del history[1 if args.system else 0 :]
-                continue
-            if question.strip():
-                try:
-                    answer(question)
-                except ValueError as exc:  # e.g. the conversation outgrew max_seq_len
-                    history.pop()
-                    status(f"error: {exc}")
+            return 0 if conversation.answer(" ".join(args.prompt)) else 130
+        return conversation.run()
     finally:
         executor.shutdown()

@@ -6,24 +6,25 @@ commands never load it."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import socket
 import sys
 import time
 
 from jaxllm.cli.args import (
     DEFAULT_MODEL,
     LOAD_ERRORS,
+    ArgumentParser,
     HelpFormatter,
     add_distributed_args,
     add_engine_args,
     engine_kwargs,
 )
-from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, start_executor
+from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, serve_logs, start_executor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="jaxllm serve",
         formatter_class=HelpFormatter,
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
@@ -85,6 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind-test `host:port` the way uvicorn binds it (SO_REUSEADDR), before any model loads, so
+    a busy port fails in a moment rather than after loading and compiling (ValueError)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def parse_lora_modules(specs: list[str] | None) -> dict:
     """`--lora-modules name=path ...` (vLLM's form) -> {name: LoRARequest}, ids 1, 2, ... in order."""
     from jaxllm.lora import LoRARequest
@@ -105,16 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.model_pos:
         args.model = args.model_pos
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_logs(args.log_level)
 
     from jaxllm.server.app import build_app
-    from jaxllm.server.lifecycle import serve
+    from jaxllm.server.lifecycle import ManagedServer, make_config
     from jaxllm.server.server_config import ServerConfig
     from sharding import multihost
 
     try:
         if join_distributed(args):  # not process 0: follow the leader's engine, serve nothing
             return run_follower_command(args)
+        check_port_free(args.host, args.port)
         lora_modules = parse_lora_modules(args.lora_modules)
         if lora_modules:
             args.enable_lora = True
@@ -154,7 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_executor=True,
     )
     try:
-        code = serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        # uvicorn's loggers keep serve_logs' format: no logging configuration of its own.
+        config = make_config(
+            app,
+            args.host,
+            args.port,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+            configure_logging=False,
+        )
+        server = ManagedServer(config, app.state.server, args.shutdown_timeout)
+        server.run()
+        code = server.exit_code
     finally:
         executor.shutdown()
     if code and multihost.is_multiprocess():

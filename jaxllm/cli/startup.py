@@ -11,22 +11,51 @@ import time
 
 from jaxllm.cli.args import distributed_config, engine_kwargs
 
-
 # ----------------------------------------------------------------------------- terminal output
+logger = logging.getLogger("jaxllm.cli")
+# serve's one log format (its lines, uvicorn's and jaxllm's alike).
+SERVE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# JAX logs its failed probe for a TPU backend ("Unable to initialize backend 'tpu' ... libtpu.so")
+# on every start on a machine without one: noise to a user.
+BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+
+
 def status(message: str) -> None:
-    """One progress or status line on stderr (stdout is for generated text)."""
-    print(message, file=sys.stderr, flush=True)
+    """One progress or status line on stderr (stdout is for generated text), through the `jaxllm`
+    logger: a plain line for chat and generate (`quiet_logs`), a log line for serve (`serve_logs`)."""
+    logger.info(message)
 
 
 def quiet_logs(level: str = "warning") -> None:
     """jaxllm's own messages as plain lines on stderr; other libraries only from `level` up."""
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger(BACKEND_PROBE_LOGGER).setLevel(logging.ERROR)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     jax_logger = logging.getLogger("jaxllm")
     jax_logger.handlers[:] = [handler]
     jax_logger.setLevel(logging.INFO)
     jax_logger.propagate = False
+
+
+def serve_logs(level: str = "info") -> logging.Handler:
+    """Every log line of `jaxllm serve` in one format on stderr: one root handler, which jaxllm's
+    and uvicorn's loggers propagate to (uvicorn must then be started without its own logging
+    configuration); JAX's TPU probe silenced. Returns the handler."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(SERVE_LOG_FORMAT))
+    handler.set_name("jaxllm-serve")
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if h.get_name() != handler.get_name()] + [handler]
+    root.setLevel(level.upper())
+    for name in ("jaxllm", *UVICORN_LOGGERS):
+        named = logging.getLogger(name)
+        named.handlers[:] = []
+        named.propagate = True
+        named.setLevel(logging.NOTSET)
+    logging.getLogger(BACKEND_PROBE_LOGGER).setLevel(logging.ERROR)
+    return handler
 
 
 def format_bytes(n: float) -> str:
@@ -84,10 +113,14 @@ def engine_banner(engine, model: str) -> str:
     tpb = kv.tokens_per_block
     kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
     ec = engine.config
+    layout = ec.parallel_config()
+    attention = f"dp x{layout.tensor_parallel_size}" if layout.enable_attention_dp else "tp"
     return "\n".join(
         [
             f"jaxllm: {model} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size})",
             f"  device    {devices[0].platform} x{len(devices)} ({', '.join(kinds)}), jax {jax.__version__}",
+            f"  parallel  tp={layout.tensor_parallel_size} ep={layout.moe_expert_parallel_size} "
+            f"moe_tp={layout.moe_tensor_parallel_size} attention={attention}",
             f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
             f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, "
             f"{format_bytes(kv_bytes)}",
@@ -100,24 +133,26 @@ def engine_banner(engine, model: str) -> str:
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets..."); with
     `background`, only the decode and the largest buckets and the greedy sampler before
-    returning (see `LLMEngine.warmup`)."""
+    returning (see `LLMEngine.warmup`). The bar's length is known before anything compiles
+    and the bar ends full."""
     from tqdm.auto import tqdm
 
+    plan = engine.program_warmup
     buckets = engine.token_buckets()
-    first = len({engine.decode_bucket(), buckets[-1]})
+    first = len(plan.first_buckets())
     desc = (
         f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
-        if background and len(buckets) > first
+        if plan.in_background(background) and len(buckets) > first
         else f"compiling {len(buckets)} token buckets + sampler"
     )
-    total = (first if background else len(buckets)) + 1
+    total = plan.num_pieces(all_variants, background)
     with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:
 
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            bar.update(min(done, bar.total) - bar.n)
 
         engine.warmup(all_variants=all_variants, progress=progress, background=background)
+        bar.update(bar.total - bar.n)
 
 
 def start_executor(

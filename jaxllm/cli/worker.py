@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from jaxllm.cli.args import LOAD_ERRORS, HelpFormatter, add_distributed_args, distributed_config
+from jaxllm.cli.args import LOAD_ERRORS, ArgumentParser, HelpFormatter, add_distributed_args, distributed_config
 from jaxllm.cli.startup import quiet_logs, run_follower_command
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="jaxllm worker",
         formatter_class=HelpFormatter,
         description="A follower of a multi-host run: joins it, builds the engine process 0 opens (each "

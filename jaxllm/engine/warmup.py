@@ -55,14 +55,39 @@ class ProgramWarmup:
         """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
         return choose_token_bucket(self.config.max_batch_size, self.config.max_num_tokens, self.config.min_token_bucket)
 
+    def in_background(self, background: bool) -> bool:
+        """Whether `run(background=background)` leaves buckets for later (it needs a bucket compiler)."""
+        return background and self.bucket_compiler is not None
+
+    def first_buckets(self) -> list[int]:
+        """The buckets a background warm-up compiles before returning: decode and the largest."""
+        return sorted({self.decode_bucket(), self.planner.token_buckets()[-1]})
+
+    def num_pieces(self, all_variants: bool = True, background: bool = False) -> int:
+        """The `total` that `run` reports to `progress`, known before anything compiles (a
+        progress bar's length): one per forward and sampler variant (and context-logits
+        variant) compiled before `run` returns."""
+        if self.in_background(background):
+            return len(self.first_buckets()) + 1
+        buckets = self.planner.token_buckets()
+        variants = len(SAMPLER_VARIANTS) if all_variants else 1
+        return len(buckets) + variants + len(self._logits_variants(buckets))
+
+    def _logits_variants(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """(bucket, rows) of every context-logits forward compiled ahead (none without logits outputs)."""
+        if not self.logits_outputs:
+            return []
+        return [(bucket, rows) for bucket in buckets for rows in token_buckets(bucket, self.config.min_token_bucket)]
+
     def run(self, all_variants: bool = True, progress: Progress = None, background: bool = False) -> None:
-        """Compile (see `LLMEngine.warmup`); `progress(done, total)` after each compiled piece."""
+        """Compile (see `LLMEngine.warmup`); `progress(done, total)` after each compiled piece,
+        `total` being `num_pieces(all_variants, background)` throughout."""
         buckets = self.planner.token_buckets()
         variants = SAMPLER_VARIANTS if all_variants else [dict()]
-        if background and self.bucket_compiler is not None:
+        if self.in_background(background):
             self._in_background(buckets, progress)
         else:
-            self._all(buckets, variants, progress, len(buckets) + len(variants))
+            self._all(buckets, variants, progress, self.num_pieces(all_variants, background))
 
     def _all(self, buckets: list[int], variants: Any, progress: Progress, total: int) -> None:
         runner = self.runner
@@ -76,14 +101,12 @@ class ProgramWarmup:
             progress(done, total)
         if self.logits_outputs:
             # The context-logits variant of every bucket, for every size of its extra output.
-            variants_of_logits = [
-                runner.compile_forward(*batch, np.zeros(rows, np.int32), wait=False)
-                for batch in batches
-                for rows in token_buckets(batch[0].token_ids.shape[-1], self.config.min_token_bucket)
+            batch_of = dict(zip(buckets, batches))
+            pending += [
+                runner.compile_forward(*batch_of[bucket], np.zeros(rows, np.int32), wait=False)
+                for bucket, rows in self._logits_variants(buckets)
             ]
-            pending += variants_of_logits
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
-            total += len(variants_of_logits)
         pending += [runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
         for future in as_completed(pending):
             future.result()
@@ -102,7 +125,7 @@ class ProgramWarmup:
 
     def _in_background(self, buckets: list[int], progress: Progress) -> None:
         runner = self.runner
-        first = sorted({self.decode_bucket(), buckets[-1]})
+        first = self.first_buckets()
         # Both compile at once on the compile threads (on a CPU that is the build's cores, idle).
         for future in [runner.compile_forward(*self.planner.empty_step(bucket), wait=False) for bucket in first]:
             future.result()

@@ -260,9 +260,10 @@ def download_from_hub(
     except LocalEntryNotFoundError:
         rev = f" --revision {revision}" if revision else ""
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        unset = " (or unset HF_HUB_OFFLINE)" if offline else ""
         raise ValueError(
             f"{repo_id} is not in the local Hugging Face cache and {why}: download it first with "
-            f"`hf download {repo_id}{rev}` (or unset HF_HUB_OFFLINE)"
+            f"`hf download {repo_id}{rev}`{unset}"
         ) from None
     except HfHubHTTPError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

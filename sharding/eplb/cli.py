@@ -19,7 +19,13 @@ from sharding.eplb.statistics import load_expert_statistics
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Adds "(default: X)" only where the help text does not already say what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
