@@ -25,7 +25,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         text = action.help or ""
         if action.default is None or "default" in text.lower():
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or text
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
