@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -230,25 +228,24 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
 
     if hasattr(channel, "wait_for"):
         channel.wait_for = lambda: [leaf for leaves in list(latest.values()) for leaf in leaves]
-    compiling: list[Future] = []
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxllm-compile") as pool:
-        while True:
-            message = decode(channel.recv(stop_reason))
-            if message[0] == "stop":
-                return calls
-            kind, method, args = message
-            if method not in (COMPILES if kind == "compile" else MIRRORED):
-                raise ValueError(f"unknown runner call {method!r} from the leader")
-            args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
-            if kind == "compile":
-                compiling.append(pool.submit(getattr(runner, method), *args))
-                continue
-            for future in compiling:  # the program about to run may be among them
-                future.result()
-            compiling.clear()
-            out = getattr(runner, method)(*args)
-            latest[method] = device_leaves(out)
-            calls += 1
+    while True:
+        message = decode(channel.recv(stop_reason))
+        if message[0] == "stop":
+            return calls
+        kind, method, args = message
+        if method not in (COMPILES if kind == "compile" else MIRRORED):
+            raise ValueError(f"unknown runner call {method!r} from the leader")
+        args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
+        if kind == "compile":
+            # Queued on the runner's compile threads, as on the leader. A call that runs a
+            # program waits for that program's compile alone (or compiles it at once if it has
+            # not started), never for the whole queue: the leader is already waiting in the
+            # program's first collective, which gives up after a while.
+            getattr(runner, method)(*args, wait=False)
+            continue
+        out = getattr(runner, method)(*args)
+        latest[method] = device_leaves(out)
+        calls += 1
 
 
 def run_follower() -> int:
