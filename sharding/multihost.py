@@ -231,6 +231,7 @@ class Heartbeats(threading.Thread):
         now = time.monotonic()
         self._seen: dict[int, tuple[str, float]] = {p: ("", now) for p in peers}
         self._stop = threading.Event()
+        self._round_done = now  # when a round of heartbeats last completed (see `_watch_rounds`)
         self.failed: Optional[str] = None
 
     def stop(self) -> None:
@@ -239,11 +240,16 @@ class Heartbeats(threading.Thread):
     def run(self) -> None:
         client = kv_client()
         beat = 0
+        # A stopped (not dead) leader leaves its coordination service's calls hanging rather than
+        # failing: a watchdog ends the process when a round of heartbeats stops completing.
+        self._round_done = time.monotonic()
+        threading.Thread(target=self._watch_rounds, name="jaxllm-heartbeat-watchdog", daemon=True).start()
         while not self._stop.wait(self.config.heartbeat_interval):
             beat += 1
             try:
                 client.key_value_set(f"{KEY_PREFIX}/heartbeat/{self.process_id}", str(beat), allow_overwrite=True)
                 message = self._check(client)
+                self._round_done = time.monotonic()
             except Exception as exc:  # the coordination service is gone: so is the leader
                 if self._stop.is_set():
                     return
@@ -255,6 +261,20 @@ class Heartbeats(threading.Thread):
             if message is not None:
                 self.failed = message
                 report_failure(message)
+                return
+
+    def _watch_rounds(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval):
+            stalled = time.monotonic() - self._round_done
+            if self.failed is None and stalled > self.config.heartbeat_timeout:
+                message = (
+                    f"process {self.process_id}: the coordination service of process 0 has not answered for "
+                    f"{stalled:.0f} s: the leader hung or died; process {self.process_id} stops"
+                )
+                self.failed = message
+                report_failure(message)
+                return
+            if self.failed is not None:
                 return
 
     def _check(self, client) -> Optional[str]:

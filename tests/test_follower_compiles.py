@@ -55,3 +55,56 @@ def test_a_mirrored_call_does_not_wait_for_unrelated_compiles():
             future.set_result(None)
     assert not thread.is_alive() and result == {"calls": 1}, "the forward waited for compiles it does not run"
     assert runner.forwards == 1 and len(runner.queued) == 3
+
+
+def test_a_worker_started_with_another_model_is_refused(tmp_path):
+    import json
+
+    import pytest
+
+    from jaxllm.engine.followers import check_same_model
+    from jaxllm.models import materialize_preset
+
+    moe, dense = str(materialize_preset("tiny-moe")), str(materialize_preset("tiny-dense"))
+    check_same_model(moe, moe)
+    check_same_model(moe, "tiny-moe")  # the leader named the preset, the worker its directory
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps(json.loads(open(f"{moe}/config.json").read())))
+    check_same_model(str(copy), moe)  # another directory with the same model
+    with pytest.raises(ValueError, match="leader serves .*same model"):
+        check_same_model(dense, moe)
+
+
+def test_a_follower_whose_leader_stops_answering_exits_within_the_heartbeat_timeout(monkeypatch):
+    """A stopped leader (SIGSTOP) leaves the coordination service's calls hanging instead of
+    failing: the follower's watchdog reports it once no heartbeat round completes in time."""
+    import time
+
+    from sharding import multihost
+
+    release = threading.Event()
+
+    class _HangingClient:
+        def key_value_set(self, *args, **kwargs):
+            release.wait(30)
+
+        def key_value_try_get(self, key):
+            return "1"
+
+    reported: list[str] = []
+    monkeypatch.setattr(multihost, "kv_client", lambda: _HangingClient())
+    monkeypatch.setattr(multihost, "report_failure", lambda message, grace=None: reported.append(message))
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+    monitor = multihost.Heartbeats(multihost.DistributedConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5))
+    started = time.monotonic()
+    monitor.start()
+    try:
+        while not reported and time.monotonic() - started < 10:
+            time.sleep(0.05)
+    finally:
+        monitor.stop()
+        release.set()
+    assert reported and "has not answered" in reported[0] and "leader hung or died" in reported[0]
+    assert time.monotonic() - started < 3

@@ -94,9 +94,8 @@ def run_follower_command(args: argparse.Namespace) -> int:
     build and mirror each engine the leader opens until it exits."""
     from jaxllm.engine.followers import run_follower
 
-    if getattr(args, "model", None):
-        resolve_model_arg(args)
-    return run_follower()
+    expected = resolve_model_arg(args) if getattr(args, "model", None) else None
+    return run_follower(expected)
 
 
 # ----------------------------------------------------------------------------- engine

@@ -23,15 +23,17 @@ The session ends with `close()` (the executor's shutdown); the run ends when the
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import jax
 
-from jaxllm.engine.builder import build_runner
+from jaxllm.engine.builder import build_runner, resolve_model_dir
 from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
 from jaxllm.engine.step_output import StepOutput
 from sharding import multihost
@@ -248,9 +250,27 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
         calls += 1
 
 
-def run_follower() -> int:
+def check_same_model(expected: str, leader_model: str) -> None:
+    """A worker started with a model of its own (`jaxllm worker --model`) follows only a leader
+    serving that model: the same directory, or one with the same config.json (ValueError)."""
+    mine, theirs = Path(expected), resolve_model_dir(leader_model)
+    if mine.resolve() == theirs.resolve():
+        return
+    try:
+        same = json.loads((mine / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise ValueError(
+            f"this worker was started with --model {expected}, but the leader serves {leader_model}; "
+            "start every process of the run with the same model"
+        )
+
+
+def run_follower(expected_model: Optional[str] = None) -> int:
     """A follower's whole life: build the runner of each engine the leader opens and mirror the
-    leader's runner, until the leader exits. Returns the process exit code."""
+    leader's runner, until the leader exits. Returns the process exit code. `expected_model`:
+    the model this process was started with, if any (a leader serving another is refused)."""
     if multihost.is_leader():
         raise ValueError("process 0 is the leader: it runs the engine, not a follower loop")
     client = multihost.kv_client()
@@ -263,6 +283,8 @@ def run_follower() -> int:
                 break
             _, config = decode(payload)
             logger.info("process %d: building the engine of session %d (%s)", pid, session, config.model)
+            if expected_model is not None:
+                check_same_model(expected_model, config.model)
             runner = build_runner(config).runner
             channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
             calls = follow(runner, channel, client)
