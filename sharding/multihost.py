@@ -112,13 +112,24 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
             heartbeat_timeout_seconds=max(100, int(config.heartbeat_timeout * 4)),
         )
         accepted = inspect.signature(jax.distributed.initialize).parameters  # the options vary across versions
-        jax.distributed.initialize(
-            config.coordinator_address,
-            config.num_processes,
-            config.process_id,
-            local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
-            **{k: v for k, v in options.items() if k in accepted},
-        )
+        # JAX aborts the process (a C++ check failure and a stack dump) when the run does not
+        # assemble in time: it gets a longer deadline, and ours ends the process with one line first.
+        options["initialization_timeout"] = config.initialization_timeout + JAX_DEADLINE_MARGIN
+        joined = threading.Event()
+        watchdog = threading.Timer(config.initialization_timeout, _not_assembled, args=(config, joined))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            jax.distributed.initialize(
+                config.coordinator_address,
+                config.num_processes,
+                config.process_id,
+                local_device_ids=list(config.local_device_ids) if config.local_device_ids else None,
+                **{k: v for k, v in options.items() if k in accepted},
+            )
+        finally:
+            joined.set()
+            watchdog.cancel()
         logger.info(
             "jax.distributed: process %d of %d, %d local / %d global devices",
             jax.process_index(),
@@ -130,6 +141,28 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
         _monitor.start()
         if jax.process_index() == 0:
             atexit.register(end_run)
+
+
+JAX_DEADLINE_MARGIN = 30
+"""Seconds JAX's own start-up deadline lies beyond `initialization_timeout` (ours fires first)."""
+
+NOT_ASSEMBLED_EXIT_CODE = 2
+
+
+def _not_assembled(config: DistributedConfig, joined: threading.Event) -> None:
+    """The run did not assemble within `initialization_timeout`: one line, then exit."""
+    if joined.is_set():
+        return
+    who = "" if config.process_id is None else f"process {config.process_id}: "
+    where = config.coordinator_address or "the coordinator from the environment"
+    print(
+        f"jaxllm: {who}the multi-host run did not assemble within {config.initialization_timeout} s: "
+        f"not every one of the {config.num_processes or 'expected'} processes joined at {where}; start the "
+        "missing ones with the same --coordinator-address and --num-processes (or raise --initialization-timeout)",
+        file=sys.stderr,
+        flush=True,
+    )
+    exit_now(NOT_ASSEMBLED_EXIT_CODE)
 
 
 def is_multiprocess() -> bool:

@@ -293,6 +293,13 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "then fails its requests and exits; followers exit)",
     )
     g.add_argument(
+        "--initialization-timeout",
+        type=int,
+        default=300,
+        help="seconds every process has to join the run; past it a process that is still waiting for "
+        "the others says so in one line and exits with status 2",
+    )
+    g.add_argument(
         "--plan-channel",
         dest="multihost_plan_channel",
         choices=["kv", "collective"],
@@ -313,6 +320,7 @@ def distributed_config(args: argparse.Namespace):
         process_id=getattr(args, "process_id", None),
         local_device_ids=tuple(int(i) for i in ids.split(",")) if ids else None,
         heartbeat_timeout=getattr(args, "heartbeat_timeout", 10.0),
+        initialization_timeout=getattr(args, "initialization_timeout", 300),
     )
 
 
