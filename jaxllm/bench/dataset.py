@@ -207,10 +207,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     vocab, special = args.vocab_size, []
     if args.tokenizer:
-        from jaxllm.engine.llm_engine import resolve_model_dir
+        from jaxllm.models.resolve import resolve_model
         from jaxllm.tokenizer import load_tokenizer
 
-        vocab, special = tokenizer_vocab(load_tokenizer(resolve_model_dir(args.tokenizer)))
+        vocab, special = tokenizer_vocab(load_tokenizer(resolve_model(args.tokenizer)))
     requests = synthetic_dataset(
         args.num_requests or 64,
         input_mean=args.input_mean,

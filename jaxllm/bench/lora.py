@@ -136,10 +136,10 @@ def main(argv=None) -> int:
         parser.error("--adapters must be <= --max-loras (the swapping run uses 2 x --max-loras adapters)")
 
     from jaxllm import LoRARequest
-    from jaxllm.engine.llm_engine import resolve_model_dir
     from jaxllm.models import load_model_config
+    from jaxllm.models.resolve import resolve_model
 
-    config = load_model_config(resolve_model_dir(args.model))
+    config = load_model_config(resolve_model(args.model))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, args.input_len).tolist() for _ in range(args.requests)]
     runs: list[LoraRun] = []

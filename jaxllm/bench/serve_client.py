@@ -172,11 +172,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = args.model or asyncio.run(_served_model(args.url, args.api_key))
     tokenizer = None
     if args.dataset is None:
-        from jaxllm.engine.llm_engine import resolve_model_dir
+        from jaxllm.models.resolve import resolve_model
         from jaxllm.tokenizer import load_tokenizer
 
         try:
-            tokenizer = load_tokenizer(resolve_model_dir(args.tokenizer or model))
+            tokenizer = load_tokenizer(resolve_model(args.tokenizer or model))
         except ValueError as exc:
             raise SystemExit(f"synthetic prompts need a tokenizer (--tokenizer): {exc}") from exc
     requests = dataset_from_args(args, tokenizer)

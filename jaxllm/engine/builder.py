@@ -44,12 +44,6 @@ from sharding.eplb.statistics import ExpertStatisticsWriter
 from sharding.mesh import expert_parallel_size
 from sharding.multihost import agree_min, is_multiprocess
 
-
-def resolve_model_dir(model: str) -> Path:
-    """Preset, downloadable name, .gguf file, model directory or Hub id -> local model directory."""
-    return resolve_model(model)
-
-
 HOST_KV_CACHE_BYTES = 4 * 2**30
 """The KV pool's budget on a backend that reports no device memory (a CPU), unless
 `kv_cache_config.max_tokens` sets the pool's size (vLLM's CPU KV space is 4 GiB too)."""
@@ -124,7 +118,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     """Load the model onto the mesh and size the KV pool: the runner every process of a run
     builds alike (`leader_session`: the multi-host session this leader opened, if any)."""
     compile_cache_dir = enable_compile_cache() if compile_cache_requested(config.compile_cache) else None
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_model(config.model)  # preset, .gguf, directory or Hub id -> a directory
     dtype = resolve_dtype(config.dtype)  # "auto": the checkpoint's dtype, float32 on CPU
     # Layer stacks under lax.scan; attention data parallelism keeps per-layer caches (its
     # per-rank cache layout, jaxllm.models.parallel.attention_dp) and so the per-layer loop.

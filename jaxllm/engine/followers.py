@@ -33,9 +33,10 @@ from typing import Any, Optional
 
 import jax
 
-from jaxllm.engine.builder import build_runner, resolve_model_dir
+from jaxllm.engine.builder import build_runner
 from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
 from jaxllm.engine.step_output import StepOutput
+from jaxllm.models.resolve import resolve_model
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
 def check_same_model(expected: str, leader_model: str) -> None:
     """A worker started with a model of its own (`jaxllm worker --model`) follows only a leader
     serving that model: the same directory, or one with the same config.json (ValueError)."""
-    mine, theirs = Path(expected), resolve_model_dir(leader_model)
+    mine, theirs = Path(expected), resolve_model(leader_model)
     if mine.resolve() == theirs.resolve():
         return
     try:

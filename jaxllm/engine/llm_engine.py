@@ -34,7 +34,7 @@ from jaxllm.engine.admission import (
     check_sequence_index,
     validate_request,
 )
-from jaxllm.engine.builder import build_engine, resolve_model_dir
+from jaxllm.engine.builder import build_engine
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
@@ -52,8 +52,6 @@ from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.lora import LoraAdapter, LoRARequest
 from jaxllm.lora.weights import empty_slot, slot_update
 from jaxllm.sampling import SamplingParams
-
-__all__ = ["EngineTiming", "LLMEngine", "resolve_model_dir"]
 
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 

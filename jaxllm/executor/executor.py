@@ -145,10 +145,10 @@ class GenerationExecutor:
         if config is not None and getattr(config, "tokenizer", None):
             return str(config.tokenizer)
         if config is not None:
-            from jaxllm.engine.llm_engine import resolve_model_dir
+            from jaxllm.models.resolve import resolve_model
 
             try:
-                return str(resolve_model_dir(config.model))
+                return str(resolve_model(config.model))
             except ValueError:
                 pass
         path = getattr(self.tokenizer, "name_or_path", None)
