@@ -227,7 +227,8 @@ def attention_costs(
     """Every launch of one attention layer for `batch` (see `kernel.plan_launches`)."""
     from pallas_kernels.ragged_paged_attention import schedule
     from pallas_kernels.ragged_paged_attention.kernel import plan_launches
-    from pallas_kernels.ragged_paged_attention.tiling import next_pow2
+    from pallas_kernels.ragged_paged_attention.tiling import block_q as tile_tokens
+    from pallas_kernels.ragged_paged_attention.tiling import head_blocks, next_pow2
 
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hkv
@@ -238,7 +239,8 @@ def attention_costs(
     costs = []
     for launch in launches:
         t = launch.tiling
-        block_q = t.block_m // group_pow2
+        block_q = tile_tokens(t.block_m, group_pow2)
+        programs = hkv * head_blocks(t.block_m, group_pow2)  # per tile and split
         build = jax.jit(
             functools.partial(
                 schedule.query_tile_schedule,
@@ -270,10 +272,10 @@ def attention_costs(
                 mine = max(0, min(per_split, chunks - s * per_split))
                 if not mine:
                     continue
-                working += hkv
-                kv_bytes += hkv * mine * t.block_k * d * 2 * itemsize
+                working += programs
+                kv_bytes += programs * mine * t.block_k * d * 2 * itemsize
                 q_bytes += tokens * hq * d * itemsize
-                flops += hkv * mine * 4.0 * t.block_m * t.block_k * d
+                flops += programs * mine * 4.0 * t.block_m * t.block_k * d
         out_bytes = out_rows * d * itemsize
         if t.num_kv_splits > 1:  # f32 partials (acc, max, denom) written, read back by the merge
             out_bytes += 2 * t.num_kv_splits * out_rows * (d + 2) * 4
@@ -292,7 +294,7 @@ def attention_costs(
             LaunchCost(
                 "ragged_paged_attention",
                 case,
-                (launch.num_tiles, hkv, t.num_kv_splits),
+                (launch.num_tiles, programs, t.num_kv_splits),
                 int(working),
                 kv_bytes + q_bytes + out_bytes,
                 flops,

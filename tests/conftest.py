@@ -14,6 +14,7 @@ after warm-up still see anything that was not compiled during warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -75,3 +76,28 @@ def tiny_engine(model: str = "tiny-moe", *, max_kv_tokens: int = 2048, **limits)
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=max_kv_tokens),
     )
     return LLMEngine(EngineConfig(model=model, **{**fields, **limits}))
+
+
+@contextlib.contextmanager
+def verified_triton_lowering():
+    """Runs the MLIR verifier on every Triton module Pallas lowers inside the block.
+
+    Pallas hands the module to XLA unverified, so an op the Triton dialect rejects (a
+    masked atomic whose mask is not in the value's shape, say) otherwise shows up only
+    when a GPU compiles it ("Failed to parse Triton module"). Verifying here turns that
+    into a CPU test failure."""
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    original = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError naming the op
+        return result
+
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield
+    finally:
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original
+        assert lowering.lower_jaxpr_to_triton_module is original

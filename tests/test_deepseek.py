@@ -21,6 +21,7 @@ from jaxllm.models import (  # noqa: E402
     load_model_config,
     load_params,
 )
+from tests.conftest import verified_triton_lowering  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
 
 TOL = 1e-4
@@ -531,9 +532,44 @@ def test_latent_attention_kernel_matches_reference_in_interpret_mode(splits):
     assert not np.asarray(out)[total:].any()
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_latent_attention_kernel_with_head_blocks_matches_reference(splits):
+    """32 heads over one latent with 16-row tiles: each token's heads are cut into two head
+    blocks, one program each (the layout DeepSeek-V3's 128 heads x 576 columns need on a GPU)."""
+    from pallas_kernels.ragged_paged_attention import (
+        AttentionTiling,
+        ragged_paged_latent_attention,
+        ragged_paged_latent_attention_reference,
+    )
+
+    args = _latent_case(
+        1, [5, 1, 1], [12, 7, 22], heads=32, dim=24, tpb=4, num_blocks=24, max_blocks=6, num_tokens=8, num_seq_slots=4
+    )
+    total = 7
+    ref = np.asarray(ragged_paged_latent_attention_reference(*args, sm_scale=0.2, value_dim=16))
+    out = ragged_paged_latent_attention(
+        *args, sm_scale=0.2, value_dim=16, interpret=True, tiling=AttentionTiling(16, 16, splits, 4, 2)
+    )
+    assert rel_err(np.asarray(out)[:total], ref[:total]) < 1e-5
+    assert not np.asarray(out)[total:].any()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_tokens,num_seq_slots", [(64, 64), (512, 64), (1, 1)], ids=["decode", "mixed", "one"])
+def test_latent_attention_tiles_fit_hopper_shared_memory(num_tokens, num_seq_slots, heads):
+    """Every launch at DeepSeek-V3's latent shape asks for at most Hopper's 227 KiB of shared
+    memory per program (the estimate matched the Triton lowering's request on an H200)."""
+    from pallas_kernels.ragged_paged_attention.kernel import plan_launches
+    from pallas_kernels.ragged_paged_attention.tiling import shared_memory_bytes
+
+    for launch in plan_launches(num_tokens, num_seq_slots, heads, 1, 576, 4096, 2):
+        assert shared_memory_bytes(launch.tiling, 576, 512) <= 227 * 1024, launch.tiling
+
+
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("num_tokens,num_seq_slots", [(64, 64), (512, 64)], ids=["decode", "mixed"])
-def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_tokens, num_seq_slots):
-    """Per device under 8-way tensor parallelism: 16 of the 128 heads, latent 512 + 64, bf16."""
+def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_tokens, num_seq_slots, heads):
+    """One device (128 heads) and 8-way tensor parallelism (16 of the 128 heads), latent 512 + 64, bf16."""
     import functools
 
     import jax
@@ -543,7 +579,7 @@ def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_token
 
     s = jax.ShapeDtypeStruct
     specs = (
-        s((num_tokens, 16, 576), jnp.bfloat16),
+        s((num_tokens, heads, 576), jnp.bfloat16),
         s((4096, 32, 576), jnp.bfloat16),
         s((num_seq_slots,), jnp.int32),
         s((num_seq_slots, 128), jnp.int32),
@@ -551,7 +587,8 @@ def test_latent_attention_kernel_lowers_for_cuda_at_deepseek_v3_shapes(num_token
         s((1,), jnp.int32),
     )
     fn = functools.partial(ragged_paged_latent_attention, sm_scale=192**-0.5, value_dim=512)
-    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    with verified_triton_lowering():
+        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, "no Triton kernel in the lowering"
 
 

@@ -38,6 +38,7 @@ from pallas_kernels.ragged_paged_attention import (
 )
 from pallas_kernels.ragged_paged_attention.kernel import attention_forward
 from pallas_kernels.triton_backend import cuda_lowering_target
+from tests.conftest import verified_triton_lowering
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -482,7 +483,7 @@ def test_moe_public_function_default_tiling_inside_jit():
 
 
 def _lower_for_cuda(fn, *specs) -> str:
-    with cuda_lowering_target():
+    with cuda_lowering_target(), verified_triton_lowering():
         text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, "no Triton kernel in the lowering"
     return text

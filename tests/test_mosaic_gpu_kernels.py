@@ -118,14 +118,16 @@ def test_attention_mosaic_window_soft_cap_odd_group_kv_splits():
 
 
 @pytest.mark.parametrize(
-    "num_tokens,num_seq_slots,tpb,window,cap",
+    "num_tokens,num_seq_slots,tpb,window,cap,splits",
     [
-        (512, 64, 32, None, None),  # Llama-3-8B mixed bucket
-        (64, 64, 16, 4096, 50.0),  # decode bucket, window, soft-cap
-        (8, 8, 32, None, None),  # small decode bucket: four KV splits
+        (512, 64, 32, None, None, 1),  # Llama-3-8B mixed bucket
+        (64, 64, 16, 4096, 50.0, 1),  # decode bucket, window, soft-cap
+        (8, 8, 32, None, None, 4),  # small decode bucket: four KV splits
+        (575, 64, 16, None, None, 1),  # 575 tokens x 4 rows: not a whole number of 8-row tiles
+        (1, 1, 16, None, None, 16),  # one token: 4 rows
     ],
 )
-def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window, cap):
+def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window, cap, splits):
     s = jax.ShapeDtypeStruct
     hq, hkv, d, dt = 32, 8, 128, jnp.bfloat16
     specs = (
@@ -137,7 +139,7 @@ def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window
         s((num_seq_slots + 1,), jnp.int32),
         s((1,), jnp.int32),
     )
-    assert default_num_kv_splits(num_tokens, num_seq_slots, hkv, 128 * tpb, tpb) == (4 if num_tokens == 8 else 1)
+    assert default_num_kv_splits(num_tokens, num_seq_slots, hkv, 128 * tpb, tpb) == splits
     fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, sliding_window=window, soft_cap=cap)
     assert _mosaic_calls(jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()) == 1
 

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.bench.error_summary import describe_error
+
 
 @dataclass
 class Row:
@@ -144,7 +146,7 @@ def record_timing(
         if ref_out is not None:
             row.rel_err = _rel_err(out, ref_out)
     except Exception as e:  # noqa: BLE001 - report the failure in the table and go on
-        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+        row.note = f"failed: {describe_error(e, width=80)}"
         out = None
     s.rows.append(row)
     print(_format_row(row), flush=True)

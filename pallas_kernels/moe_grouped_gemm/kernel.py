@@ -206,6 +206,8 @@ def _add_tile(
     if col_mask is not None:
         cols = jnp.minimum(cols, ref.shape[1] - 1)
     value = jnp.where(mask, value, 0.0)
+    # Triton's atomic_rmw wants the mask in the value's own shape (no implicit broadcast).
+    mask = jnp.broadcast_to(mask, value.shape)
     pltriton.atomic_add(ref, (rows[:, None], cols[None, :]), value, mask=None if interpret else mask)
 
 

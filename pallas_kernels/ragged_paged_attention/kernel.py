@@ -12,10 +12,12 @@ head dims are padded to powers of two inside the kernel, with masked loads and s
 at most three grid dims.
 From jax 0.11 the Triton backend is deprecated (see `pallas_kernels.triton_backend`).
 
-Grid: (query tile, kv head, kv split).
+Grid: (query tile, kv head x head block, kv split).
   - A query tile is `block_q` consecutive tokens of one sequence (see `schedule.py`); its
     rows are (token, q head of the GQA group) pairs, `block_m = block_q * group_pow2`, so
-    one K/V tile load serves every q head that shares the kv head (GQA/MQA).
+    one K/V tile load serves every q head that shares the kv head (GQA/MQA). A group too
+    wide for one tile's shared memory (MLA) is cut into head blocks of `block_m` heads,
+    one token per tile, each its own program along the second grid axis.
   - Each program walks its share of the tile's key range `[kv_lo, kv_hi)` in chunks of
     `block_k` keys with an online softmax in f32. Keys are gathered row by row through the
     block table, so a chunk may span pages and pages may have any size.
@@ -53,7 +55,15 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.kernel_io import check_shapes, int32_metadata, merge_splits
-from pallas_kernels.ragged_paged_attention.tiling import AttentionTiling, decode_tiling, default_tiling, next_pow2
+from pallas_kernels.ragged_paged_attention.tiling import (
+    AttentionTiling,
+    block_q,
+    decode_tiling,
+    default_tiling,
+    head_blocks,
+    heads_per_tile,
+    next_pow2,
+)
 from pallas_kernels.triton_backend import compiler_params
 
 _MASK_VALUE = -1e30
@@ -131,7 +141,11 @@ def _attention_kernel(
     num_aliased: int,
 ):
     out_refs = refs[num_aliased:]
-    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile, split = pl.program_id(0), pl.program_id(2)
+    tile_heads = heads_per_tile(block_m, group_pow2)
+    num_head_blocks = head_blocks(block_m, group_pow2)
+    kv_head = pl.program_id(1) // num_head_blocks
+    first_head = (pl.program_id(1) % num_head_blocks) * tile_heads
     q_start = tiles_ref[tile, schedule.Q_START]
     q_end = tiles_ref[tile, schedule.Q_END]
     pos_offset = tiles_ref[tile, schedule.POS_OFFSET]
@@ -141,8 +155,8 @@ def _attention_kernel(
     tile_splits = tiles_ref[tile, schedule.SPLITS]  # split slots this tile uses (<= num_splits)
 
     rows = jnp.arange(block_m, dtype=jnp.int32)
-    token = q_start + jax.lax.div(rows, group_pow2)
-    head_in_group = jax.lax.rem(rows, group_pow2)
+    token = q_start + jax.lax.div(rows, tile_heads)
+    head_in_group = first_head + jax.lax.rem(rows, tile_heads)
     row_valid = (token < q_end) & (head_in_group < group)
     q_row = jnp.where(row_valid, token * num_q_heads + kv_head * group + head_in_group, 0)
     position = token + pos_offset  # absolute position of each row's query token
@@ -243,20 +257,14 @@ def plan_launches(
     explicit = tiling is not None
     if tiling is None:
         tiling = default_tiling(num_tokens, num_seq_slots, *args)
-    for t in (tiling, decode):
-        if t is not None and t.block_m % group_pow2:
-            raise ValueError(
-                f"{t} does not fit GQA group size {num_q_heads // num_kv_heads} "
-                f"(block_m must be a multiple of {group_pow2})"
-            )
     one = Launch(
-        tiling, schedule.max_query_tiles(num_tokens, num_seq_slots, tiling.block_m // group_pow2), None, 0, True
+        tiling, schedule.max_query_tiles(num_tokens, num_seq_slots, block_q(tiling.block_m, group_pow2)), None, 0, True
     )
     if num_tokens <= num_seq_slots or (explicit and decode is None):
         return [one]
     if decode is None:
         decode = decode_tiling(num_seq_slots, *args)
-    decode_q = decode.block_m // group_pow2
+    decode_q = block_q(decode.block_m, group_pow2)
     return [
         Launch(tiling, one.num_tiles, None, decode_q + 1, True),
         Launch(decode, min(num_seq_slots, num_tokens), decode_q, 0, False),
@@ -298,7 +306,7 @@ def _launch(
         kv_lens,
         num_seqs,
         num_tokens=num_tokens,
-        block_q=tiling.block_m // group_pow2,
+        block_q=block_q(tiling.block_m, group_pow2),
         tokens_per_block=tokens_per_block,
         sliding_window=sliding_window,
         max_kv_len=max_blocks * tokens_per_block,
@@ -350,7 +358,7 @@ def _launch(
     raw = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(launch.num_tiles, num_kv_heads, num_splits),
+        grid=(launch.num_tiles, num_kv_heads * head_blocks(tiling.block_m, group_pow2), num_splits),
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=compiler_params(tiling.num_warps, tiling.num_stages),
@@ -455,7 +463,7 @@ def attention_forward(
         # One launch of several (a mixed bucket's): merge (and report) only its own rows.
         if out is None:
             out = jnp.full((rows, out_dim), jnp.nan if poison_outputs else 0.0, q.dtype)
-        mine = _tile_rows(tiles, launch.tiling.block_m // group_pow2, num_q_heads, rows)
+        mine = _tile_rows(tiles, block_q(launch.tiling.block_m, group_pow2), num_q_heads, rows)
         valid = mine < rows
         take = jnp.where(valid, mine, 0)
         o_mine, m_mine, l_mine = o_part[:, take], m_part[:, take], l_part[:, take]

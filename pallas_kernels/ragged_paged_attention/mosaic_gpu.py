@@ -175,12 +175,14 @@ def attention_forward(
         sliding_window=sliding_window,
     )
 
-    # Head-major q: [Hkv, T * G (+ one tile of padding for the last TMA box), D].
+    # Head-major q: [Hkv, T * G (+ at least one tile of padding for the last TMA box,
+    # rounded to whole tiles: the swizzled copy wants rows in multiples of its 8-row tiling), D].
     qh = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_pow2 != group:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, group_pow2 - group), (0, 0)))
     qh = jnp.swapaxes(qh, 0, 1).reshape(num_kv_heads, num_tokens * group_pow2, head_dim)
-    qh = jnp.pad(qh, ((0, 0), (0, _ROWS), (0, 0)))
+    q_rows = -(-num_tokens * group_pow2 // _ROWS) * _ROWS + _ROWS
+    qh = jnp.pad(qh, ((0, 0), (0, q_rows - num_tokens * group_pow2), (0, 0)))
     # Pages as row blocks of a 2-D view: page p of head h is row block h * num_blocks + p.
     k_rows = k_cache.reshape(-1, head_dim)
     v_rows = v_cache.reshape(-1, head_dim)

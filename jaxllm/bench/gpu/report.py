@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from jaxllm.bench.error_summary import describe_error
+
 SCHEMA = "jaxllm.bench.gpu/report"
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "skipped", "timeout")
@@ -200,7 +202,7 @@ class SectionContext:
             self.data.setdefault("case_errors", []).append(
                 {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             )
-            self.note(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            self.note(f"{name}: {describe_error(e)}")
             return False
 
     def table(self, title: str, columns: Sequence[str]) -> Table:
