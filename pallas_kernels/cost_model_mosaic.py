@@ -84,10 +84,10 @@ def mosaic_attention_costs(
     shape: AttentionShape, batch: AttentionBatch, itemsize: int = 2, tokens_per_block: int = 16
 ) -> list[LaunchCost]:
     from pallas_kernels.ragged_paged_attention import schedule
-    from pallas_kernels.ragged_paged_attention.mosaic_gpu import _ROWS, _next_pow2, default_num_kv_splits
+    from pallas_kernels.ragged_paged_attention.mosaic_gpu import _ROWS, default_num_kv_splits, rows_per_token
 
     hq, hkv, d, tpb = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, tokens_per_block
-    group_pow2 = _next_pow2(hq // hkv)
+    group_pow2 = rows_per_token(hq // hkv)
     cu, kv, n = step_metadata(batch)
     splits = default_num_kv_splits(batch.num_tokens, batch.num_seq_slots, hkv, batch.max_kv_len, tpb)
     build = jax.jit(

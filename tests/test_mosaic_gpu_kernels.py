@@ -144,6 +144,17 @@ def test_attention_mosaic_lowers_for_cuda(num_tokens, num_seq_slots, tpb, window
     assert _mosaic_calls(jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()) == 1
 
 
+def test_attention_mosaic_q_tiles_start_on_whole_smem_tiles():
+    """A tile's q copy starts at `first_token * rows_per_token(group)`, and a TMA copy into the
+    8-row tiled buffer must start on a whole tile whatever the first token (jax 0.11's layout
+    inference rejects the kernel otherwise: Llama's 4 q heads per kv head did)."""
+    from pallas_kernels.ragged_paged_attention.mosaic_gpu import rows_per_token
+
+    for group in range(1, 65):
+        rows = rows_per_token(group)
+        assert rows >= group and rows % 8 == 0 and 64 % rows == 0, (group, rows)
+
+
 # ----------------------------------------------------------------------------- MoE
 
 

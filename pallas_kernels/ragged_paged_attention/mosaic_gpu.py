@@ -12,7 +12,8 @@ Grid: (query tile, kv head). A query tile is up to `block_q` consecutive tokens 
 sequence (the device-built work list of `schedule.py`); its 64 rows (one warpgroup's
 wgmma) are (token, q head of the GQA group) pairs, so one page load serves every q head
 sharing the kv head. q is handed to the kernel head-major, `[Hkv, T * G, D]` with the
-group padded to a power of two G, which makes a tile's rows one contiguous TMA box; the
+group padded to a power of two G of at least 8 (`rows_per_token`), which makes a tile's
+rows one contiguous TMA box starting on a whole 8-row tile; the
 output comes back the same way and is transposed in XLA (q-sized, small next to the KV
 reads). Per page: `S = q @ K^T` (wgmma, K transposed in shared memory), causal /
 window / soft-cap masking and an online softmax in f32, `acc += P @ V` (wgmma with P from
@@ -55,6 +56,18 @@ _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+_TMA_ROW_TILE = 8  # rows of the swizzled shared-memory tiling of q (`_smem_transforms`)
+
+
+def rows_per_token(group: int) -> int:
+    """Rows of a q tile per token: the GQA group padded to a power of two and to at least
+    8. A tile's q copy starts at row `first_token * rows_per_token`, and a TMA copy into
+    a tiled buffer must start on a whole tile (8 rows): with 4 rows per token (Llama's
+    32 q / 8 kv heads) a tile starting at an odd token would not. Groups under 8 leave
+    rows of the 64-row wgmma unused, which costs prefill compute, not decode bandwidth."""
+    return max(_TMA_ROW_TILE, _next_pow2(group))
 
 
 @dataclass(frozen=True)
@@ -157,7 +170,7 @@ def attention_forward(
     num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
-    group_pow2 = _next_pow2(group)
+    group_pow2 = rows_per_token(group)
     block_q = _ROWS // group_pow2
     dtype = q.dtype
     num_splits = tiling.num_kv_splits or default_num_kv_splits(
