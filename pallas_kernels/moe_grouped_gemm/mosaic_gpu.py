@@ -73,19 +73,18 @@ def default_tiling(num_rows: int, num_groups: int, hidden: int, inter: int) -> M
     experts' items do work.
     """
     block_m = 128 if num_rows >= 128 * num_groups else 64
-    if num_rows <= 64:
-        # Decode: at most `num_rows` experts have rows, each one item; halving the column
-        # tiles doubles the working CTAs (Qwen3-30B-A3B at batch 1: 8 experts x 24 / 32
-        # tiles instead of x 12 / 16, under H100's 132 SMs) for re-reads of a few rows.
-        gate_up_n = _largest_divisor_tile(inter, (32, 16))
-        down_n = _largest_divisor_tile(hidden, (64, 32, 16))
-    else:
-        gate_up_n = _largest_divisor_tile(inter, (64, 32, 16))
-        down_n = _largest_divisor_tile(hidden, (128, 64, 32, 16))
+    # Column tiles are at least 64 wide (128 bytes, the 128-byte swizzle): on an H200 the
+    # 32-column tiles once used for decode batches (more CTAs for the few active experts)
+    # ended in CUDA_ERROR_MISALIGNED_ADDRESS.
+    gate_up_n = _largest_divisor_tile(inter, (_MIN_BLOCK_N,))
+    down_n = _largest_divisor_tile(hidden, (128, _MIN_BLOCK_N) if num_rows > 64 else (_MIN_BLOCK_N,))
     return MosaicMoeTiling(
         MosaicGemmTiling(block_m, gate_up_n or 64, _block_k(hidden), 4),
         MosaicGemmTiling(block_m, down_n or 128, _block_k(inter), 4),
     )
+
+
+_MIN_BLOCK_N = 64
 
 
 def _largest_divisor_tile(size: int, candidates: Sequence[int]) -> Optional[int]:
@@ -98,7 +97,7 @@ def _block_k(k_size: int) -> int:
 
 def supports(x_dtype, hidden: int, inter: int) -> bool:
     """Whether the Mosaic GPU kernels take this problem (dtype and tile divisibility)."""
-    return jnp.dtype(x_dtype) in SUPPORTED_DTYPES and hidden % 16 == 0 and inter % 16 == 0
+    return jnp.dtype(x_dtype) in SUPPORTED_DTYPES and hidden % _MIN_BLOCK_N == 0 and inter % _MIN_BLOCK_N == 0
 
 
 def _check_tiling(t: MosaicGemmTiling, k_size: int, n_size: int, name: str) -> None:
@@ -106,8 +105,8 @@ def _check_tiling(t: MosaicGemmTiling, k_size: int, n_size: int, name: str) -> N
         raise ValueError(f"{name}: block_m={t.block_m} must be a multiple of 64 (wgmma rows)")
     if k_size % t.block_k or t.block_k % 16:
         raise ValueError(f"{name}: block_k={t.block_k} must be a multiple of 16 dividing K={k_size}")
-    if n_size % t.block_n or t.block_n % 8:
-        raise ValueError(f"{name}: block_n={t.block_n} must be a multiple of 8 dividing N={n_size}")
+    if n_size % t.block_n or t.block_n % _MIN_BLOCK_N:
+        raise ValueError(f"{name}: block_n={t.block_n} must be a multiple of {_MIN_BLOCK_N} dividing N={n_size}")
     if t.max_concurrent_steps < 1:
         raise ValueError(f"{name}: max_concurrent_steps must be >= 1")
 
@@ -240,12 +239,14 @@ def moe_forward(
     padded_rows = -(-num_rows // block_m) * block_m
     pad = ((0, padded_rows - num_rows), (0, 0))
     # `hidden` keeps the padded rows for the down kernel's TMA loads; they are never
-    # written, and only ever land in accumulator rows that are not stored.
+    # written, and only ever land in accumulator rows that are not stored. Both outputs
+    # span whole row tiles (a batch of fewer rows than one tile, e.g. one decode token's
+    # 8 expert rows, gets a full tile's buffer) and are cut back to `num_rows` in XLA.
     hidden = _grouped_gemm(
         sched, jnp.pad(x_sorted, pad), [w_gate, w_up], padded_rows, tiling.gate_up, swiglu=True, interpret=interpret
     )
-    out = _grouped_gemm(sched, hidden, [w_down], num_rows, tiling.down, swiglu=False, interpret=interpret)
-    return out, hidden[:num_rows]
+    out = _grouped_gemm(sched, hidden, [w_down], padded_rows, tiling.down, swiglu=False, interpret=interpret)
+    return out[:num_rows], hidden[:num_rows]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
