@@ -1,7 +1,8 @@
 """Output of `tool_choice="required"` and of a named function: plain JSON that guided decoding
 holds to `tool_choice_schema`, not the model's own tool-call format (as in vLLM).
 
-Required: `[{"name": ..., "parameters": {...}}, ...]` (`"arguments"` is accepted too); a named
+Required: `[{"name": ..., "parameters": {...}}, ...]` (`"arguments"` is accepted too), or one
+such object without parallel tool calls; a named
 function: the arguments object alone. Nothing of such a message is content.
 """
 
@@ -20,12 +21,17 @@ from jaxllm.server.tool_parsers.json_scan import CallObjectStream, call_from_jso
 
 
 class RequiredCallsParser(ToolParser):
-    """A JSON array of calls."""
+    """A JSON array of calls, or one call object."""
 
     name = "required"
 
     def extract(self, text: str) -> ExtractedToolCalls:
         at = skip_ws(text, 0)
+        if text.startswith("{", at):
+            found = call_from_json(text, at)
+            if found is None or text[found[2] :].strip():
+                return ExtractedToolCalls(text)
+            return ExtractedToolCalls(None, [ToolCall(found[0], found[1])])
         if not text.startswith("[", at):
             return ExtractedToolCalls(text or None)
         calls = []
@@ -51,6 +57,7 @@ class RequiredCallsParser(ToolParser):
 class RequiredCallsStream(ToolCallStream):
     def __init__(self) -> None:
         self.state = "open"  # then "item" / "call" / "after", and "done" or "failed"
+        self.single = False  # one call object rather than an array
         self.pending = ""
         self.walker: CallObjectStream | None = None
         self.index = 0
@@ -67,14 +74,17 @@ class RequiredCallsStream(ToolCallStream):
                 if self.walker.failed:
                     self.state = "failed"
                 elif self.walker.end is not None:
-                    self.pending, self.state = self.walker.text[self.walker.end :], "after"
+                    self.pending = self.walker.text[self.walker.end :]
+                    self.state = "done" if self.single else "after"
                 continue
             at = skip_ws(self.pending, 0)
             if at >= len(self.pending):
                 self.pending = ""
                 break
             ch, self.pending = self.pending[at], self.pending[at:]
-            if self.state == "open":
+            if self.state == "open" and ch == "{":
+                self.single, self.state, self.walker, self.index = True, "call", CallObjectStream(), self.calls.start()
+            elif self.state == "open":
                 self.state = "item" if ch == "[" else "failed"
                 self.pending = self.pending[1:]
             elif self.state == "item" and ch == "{":
