@@ -358,3 +358,64 @@ def test_template_messages_give_templates_argument_objects():
         with pytest.raises(APIError) as info:
             template_messages([bad])
         assert info.value.param == param
+
+
+# ---------------------------------------------------------------------------- random calls
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["str", "num", "lit", "list", "obj"] if depth < 3 else ["str", "num", "lit"])
+    if kind == "str":
+        return "".join(
+            rng.choice(['"', "\\", "{", "}", "[", "]", ",", ":", " ", "\n", "a", "é", "日", "<", "/"])
+            for _ in range(rng.randint(0, 8))
+        )
+    if kind == "num":
+        return rng.choice([0, -3, 2.5, 1e21, 10**20])
+    if kind == "lit":
+        return rng.choice([True, False, None])
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    keys = ["k" + str(i) + rng.choice(["", "}", '"']) for i in range(rng.randint(0, 3))]
+    return {k: _random_value(rng, depth + 1) for k in keys}
+
+
+def _dumps(rng: random.Random, value) -> str:
+    return json.dumps(
+        value, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]), separators=rng.choice([None, (",", ":")])
+    )
+
+
+def _format(parser: str, rng: random.Random, calls: list[tuple[str, dict]], prefix: str) -> str:
+    if parser == "hermes":
+        blocks = [f"<tool_call>\n{_dumps(rng, {'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls]
+        return prefix + "\n".join(blocks)
+    if parser == "llama3_json":
+        return rng.choice(["", "<|python_tag|>"]) + "; ".join(
+            _dumps(rng, {"name": n, "parameters": a}) for n, a in calls
+        )
+    blocks = [
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{_dumps(rng, a)}\n```<｜tool▁call▁end｜>"
+        for n, a in calls
+    ]
+    return prefix + "<｜tool▁calls▁begin｜>" + "\n".join(blocks) + "<｜tool▁calls▁end｜>"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "deepseek_v3"])
+def test_random_calls_round_trip_streamed_or_not(parser):
+    rng = random.Random(parser)
+    output = ChatOutput(get_reasoning_parser("deepseek_r1"), get_tool_parser(parser))
+    for _ in range(60):
+        calls = [
+            (rng.choice(["f", "get_weather", "a-b_9"]), _random_value(rng, 2) or {"x": 1})
+            for _ in range(rng.randint(1, 3))
+        ]
+        calls = [(n, a if isinstance(a, dict) else {"v": a}) for n, a in calls]
+        prefix = rng.choice(["", "Sure. ", "{not a call} "]) if parser != "llama3_json" else ""
+        thinking = rng.choice(["", "<think>", "<think>\n"]) + "Plan: call {it}.</think>"
+        text = thinking + _format(parser, rng, calls, prefix)
+        message, _ = output.message(text, "stop")
+        assert message["reasoning_content"].endswith("Plan: call {it}.")
+        assert message["content"] == (prefix or None)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == calls
+        for cuts in [sorted(rng.sample(range(1, len(text)), rng.randint(1, 20))) for _ in range(5)]:
+            got = reassemble(stream_deltas(output, text, cuts))
+            assert got[:3] == message_parts(message), cuts

@@ -5,9 +5,9 @@
     {...}
     ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
-The content is the text before `<｜tool▁calls▁begin｜>`. The markers are special tokens: they reach
-the parser only when the server keeps special tokens in the text, which DeepSeek's tokenizer
-does for these (they are not marked special in its tokenizer.json).
+The content is the text before `<｜tool▁calls▁begin｜>`. The markers are added tokens: a tokenizer
+that marks them special drops them from the text unless the request sets
+`skip_special_tokens: false`.
 """
 
 from __future__ import annotations

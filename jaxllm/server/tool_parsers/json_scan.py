@@ -1,5 +1,5 @@
 """The JSON of a tool call, scanned two ways: as its text arrives (`CallObjectStream`, for
-streaming) and once complete (`call_from_json`, `value_spans`, for whole messages).
+streaming) and once complete (`call_from_json`, `member_spans`, for whole messages).
 
 Arguments are reported as the exact text the model wrote for them (a JSON object), never
 re-serialized, so the streamed fragments add up to the non-streamed `arguments` string.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from json.decoder import scanstring
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 _DECODER = json.JSONDecoder()
@@ -134,10 +133,10 @@ class CallObjectStream:
             if found is None:
                 self.scan_pos = len(t)
                 return False
-            end = self.scan_pos + found
+            closed = self.scan_pos + found
             if self.state == "args":
-                self.args_end = end
-            self.pos, self.state = end, "after"
+                self.args_end = closed
+            self.pos, self.state = closed, "after"
             return True
         if i >= len(t):
             return False
@@ -161,7 +160,7 @@ class CallObjectStream:
             if t[j] != ":":
                 return self._fail()
             try:
-                self.key = scanstring(t, i + 1)[0]
+                self.key = json.loads(t[i:end])
             except ValueError:
                 return self._fail()
             self.pos, self.state = j + 1, "value"
@@ -187,7 +186,7 @@ class CallObjectStream:
             if end is None:
                 return False
             try:
-                self.name = scanstring(t, i + 1)[0]
+                self.name = json.loads(t[i:end])
             except ValueError:
                 return self._fail()
             self.pos, self.state = end, "after"
@@ -231,9 +230,10 @@ def member_spans(text: str, start: int) -> tuple[int, list[tuple[str, int, int]]
         if text[i] == "}":
             return i + 1, members
         while True:
-            if text[i] != '"':
+            end = string_end(text, i) if text[i] == '"' else None
+            if end is None:
                 return None
-            key, i = scanstring(text, i + 1)
+            key, i = json.loads(text[i:end]), end
             i = skip_ws(text, i)
             if text[i] != ":":
                 return None
