@@ -419,3 +419,20 @@ def test_random_calls_round_trip_streamed_or_not(parser):
         for cuts in [sorted(rng.sample(range(1, len(text)), rng.randint(1, 20))) for _ in range(5)]:
             got = reassemble(stream_deltas(output, text, cuts))
             assert got[:3] == message_parts(message), cuts
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--tool-call-parser", "mistral"], "choose from 'deepseek_v3', 'hermes', 'llama3_json'"),
+        (["--reasoning-parser", "r1"], "choose from 'deepseek_r1', 'qwen3'"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    ],
+)
+def test_serve_refuses_unknown_parsers_in_one_line(argv, expected, capsys):
+    from jaxllm.cli.serve import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "tiny-moe", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and expected in err and err.count("\n") == 1, err
