@@ -436,3 +436,24 @@ def test_serve_refuses_unknown_parsers_in_one_line(argv, expected, capsys):
         main(["--model", "tiny-moe", *argv])
     err = capsys.readouterr().err
     assert info.value.code == 2 and expected in err and err.count("\n") == 1, err
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', ":", ",", '"f"',
+    '"\\\\"', "\\", '"', " ", "\n", ";", "<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+    "function", "<｜tool▁sep｜>", "```json\n", "\n```", "<｜tool▁call▁end｜>", "<think>", "</think>", "x", "1", "null",
+]  # fmt: skip
+
+
+def test_arbitrary_text_never_breaks_a_parser():
+    """Malformed markup is content or is dropped, never an exception; every call's arguments is a JSON object."""
+    rng = random.Random(7)
+    parsers = [get_tool_parser(name) for name in REFERENCE] + [RequiredCallsParser()]
+    for _ in range(1500):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 20)))
+        for parser in parsers:
+            output = ChatOutput(get_reasoning_parser("qwen3"), parser)
+            message, _ = output.message(text, "stop")
+            for call in message.get("tool_calls", []):
+                assert isinstance(json.loads(call["function"]["arguments"]), dict)
+            stream_deltas(output, text, sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4))))

@@ -75,9 +75,10 @@ class CallEvents:
 class CallObjectStream:
     """Walks `{"name": "...", "arguments": {...}}` (or `"parameters"`) as its text arrives.
 
-    Reports the name once its string is complete, then the arguments' text as it comes
-    (held back until the name is known), and `end`: the index in everything fed so far past
-    the object's closing brace. Text that cannot be such an object sets `failed`.
+    Reports the name once its string is complete and the arguments object has begun (so a
+    member that is not an object never starts a call), then the arguments' text as it comes,
+    and `end`: the index in everything fed so far past the object's closing brace. Text that
+    cannot be such an object sets `failed`.
     """
 
     def __init__(self, argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> None:
@@ -109,7 +110,7 @@ class CallObjectStream:
         events = CallEvents()
         if self.failed:
             return events
-        if self.name is not None and not self.name_sent:
+        if self.name is not None and self.args_start is not None and not self.name_sent:
             self.name_sent = True
             events.name = self.name
         if self.name_sent and self.args_start is not None:
