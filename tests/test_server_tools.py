@@ -249,19 +249,37 @@ def test_bad_tool_requests_get_400_naming_the_field(servers, server, body, param
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
 
 
+# Schemas whose every valid output is short, so that a guided random model finishes within max_tokens.
+BOUNDED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}}},
+]
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_tool_choice(client, choice):
     """Without guided decoding in the engine these are refused; with it the calls satisfy the tools' schemas."""
+    request = dict(model=MODEL, messages=HISTORY, tools=BOUNDED_TOOLS, tool_choice=choice, parallel_tool_calls=False)
     if not hasattr(jaxllm.sampling, "GuidedDecodingParams"):
         with pytest.raises(openai.BadRequestError, match="structured output") as info:
-            client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=4)
+            client.chat.completions.create(**request, max_tokens=4)
         assert info.value.body["param"] == "tool_choice"
         return
-    full = client.chat.completions.create(
-        model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=200
-    )
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    full = client.chat.completions.create(**request, max_tokens=64)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
     calls = full.choices[0].message.tool_calls
-    assert calls and full.choices[0].finish_reason == "tool_calls"
-    for call in calls:
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert full.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    if isinstance(choice, dict):
+        assert calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
