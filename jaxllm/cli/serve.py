@@ -21,6 +21,8 @@ from jaxllm.cli.args import (
     engine_kwargs,
 )
 from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, serve_logs, start_executor
+from jaxllm.server.reasoning import REASONING_PARSERS
+from jaxllm.server.tool_parsers import TOOL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests supply their own chat template (rendering one can take unbounded time)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, parsed into message.tool_calls",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think>...</think> off into message.reasoning_content",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -119,7 +138,10 @@ def parse_lora_modules(specs: list[str] | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.model_pos:
         args.model = args.model_pos
     serve_logs(args.log_level)
@@ -166,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             trust_request_chat_template=args.trust_request_chat_template,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             shutdown_timeout=args.shutdown_timeout,
             lora_modules=lora_modules,
         ),

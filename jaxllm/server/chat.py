@@ -4,6 +4,9 @@ as JSON or server-sent events.
 Logprobs come in the chat form: exactly `top_logprobs` entries per token, best first, which
 include the chosen token when it is among the most likely. Client-supplied chat templates
 are refused unless the server trusts them (`ServerConfig.trust_request_chat_template`).
+Tools go to the chat template; the generated text is split into reasoning, content and tool
+calls by `chat_output.ChatOutput` (parsers chosen by the server's flags and the request's
+`tool_choice`, checked in `tool_request`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxllm.executor.result import GenerationResult
 from jaxllm.outputs import CompletionOutput
+from jaxllm.server.chat_output import ChatOutput, ChoiceStream, tool_finish_reason
 from jaxllm.server.errors import APIError, bad_request, error_body
 from jaxllm.server.protocol import ChatCompletionRequest
+from jaxllm.server.reasoning import get_reasoning_parser
 from jaxllm.server.serving import OpenAIServer, ranked_logprobs
 from jaxllm.server.streaming import SSE_DONE, SSE_HEADERS, DisconnectAwareStreamingResponse, has_news, sse, usage
+from jaxllm.server.tool_request import ToolPlan, guided_decoding_for_tool_choice, plan_tools, template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -32,30 +38,35 @@ class ChatRoute:
 
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
+        name = server.config.reasoning_parser
+        self.reasoning = get_reasoning_parser(name) if name else None
 
     async def __call__(self, request: Request) -> Response:
         server = self.server
         server.check_admission()
-        body, results = await server.off_loop(self._prepare, await server.read_body(request))
+        body, plan, results = await server.off_loop(self._prepare, await server.read_body(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        output = ChatOutput(self.reasoning, plan.parser, plan.parallel_tool_calls)
         if body.stream:
             return DisconnectAwareStreamingResponse(
-                self._stream(results[0], body, request_id),
+                self._stream(results[0], body, request_id, output),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
                 on_close=lambda: server.close_stream(results),
             )
         out = (await server.gather(request, results))[0]
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = output.message(c.text, c.finish_reason)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c) if body.logprobs else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": request_id,
@@ -67,7 +78,7 @@ class ChatRoute:
             }
         )
 
-    def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, list[GenerationResult]]:
+    def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, ToolPlan, list[GenerationResult]]:
         """Parse, render the template, tokenize and submit (on the API thread pool)."""
         server = self.server
         body = server.parse(ChatCompletionRequest, raw)
@@ -79,6 +90,8 @@ class ChatRoute:
             template = body.requested_chat_template()
         except ValueError as exc:
             raise bad_request(exc, "messages") from None
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, server.config)
+        guided = guided_decoding_for_tool_choice(plan.schema) if plan.schema is not None else None
         if template is not None and not server.config.trust_request_chat_template:
             raise APIError(
                 400,
@@ -87,7 +100,7 @@ class ChatRoute:
                 "chat_template",
             )
         try:
-            prompt = self._apply_chat_template(body, template)
+            prompt = self._apply_chat_template(body, template, plan.tools)
         except ValueError as exc:
             raise bad_request(exc, "messages") from None
         ids = server.encode(prompt, add_special_tokens=False, field="messages") if prompt else []
@@ -95,24 +108,31 @@ class ChatRoute:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
         results = server.submit_all(
             [ids],
-            lambda n: server.sampling_params_for(body, body.requested_max_tokens(), n),
+            lambda n: self._sampling_params(body, n, guided),
             body.stream,
             texts=[prompt],
             field="messages",
             lora_request=lora_request,
             kv_cache_retention_config=retention,
         )
-        return body, results
+        return body, plan, results
 
-    def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None) -> str:
+    def _sampling_params(self, body: ChatCompletionRequest, prompt_len: int, guided: object | None):
+        params = self.server.sampling_params_for(body, body.requested_max_tokens(), prompt_len)
+        if guided is not None:
+            params.guided_decoding = guided  # type: ignore[attr-defined]
+        return params
+
+    def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None, tools: list | None) -> str:
         tokenizer = self.server.tokenizer
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
-        messages = [m.as_template_dict() for m in body.messages]
+        messages = template_messages([m.as_template_dict() for m in body.messages])
         try:
             rendered = tokenizer.apply_chat_template(
                 messages,
                 chat_template=template,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
                 **body.template_variables(),
@@ -128,7 +148,7 @@ class ChatRoute:
         return rendered
 
     async def _stream(
-        self, result: GenerationResult, body: ChatCompletionRequest, request_id: str
+        self, result: GenerationResult, body: ChatCompletionRequest, request_id: str, output: ChatOutput
     ) -> AsyncIterator[str]:
         server = self.server
         created = int(time.time())
@@ -148,6 +168,7 @@ class ChatRoute:
 
         final = None
         ended: set[int] = set()
+        streams: dict[int, ChoiceStream] = {}
         failed = False
         try:
             yield chunk(
@@ -161,12 +182,16 @@ class ChatRoute:
                 for c in out.outputs:
                     if not has_news(c, c.index, ended, body.logprobs):
                         continue
+                    stream = streams.setdefault(c.index, output.stream())
+                    delta = stream.step(c.text_diff, c.finish_reason is not None)
+                    if not delta and c.finish_reason is None and not (body.logprobs and c.token_ids_diff):
+                        continue  # held back: may begin a tag
                     choices.append(
                         {
                             "index": c.index,
-                            "delta": {"content": c.text_diff} if c.text_diff else {},
+                            "delta": delta,
                             "logprobs": self._logprobs(c, diff=True) if body.logprobs else None,
-                            "finish_reason": c.finish_reason,
+                            "finish_reason": tool_finish_reason(c.finish_reason, stream.called),
                             "stop_reason": c.stop_reason,
                         }
                     )

@@ -249,6 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # Checked by `tool_request.plan_tools` (400s naming e.g. `tools[1].function.name`).
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
     response_format: Optional[ResponseFormat] = None
@@ -279,15 +280,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_variables(self) -> dict[str, Any]:
         return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
-
-    _tools = _refuse_if_set("tools", "tools are not supported")
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError("only 'none' is supported")
-        return v
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

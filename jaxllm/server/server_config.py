@@ -24,3 +24,7 @@ class ServerConfig:
     num_api_threads: int = 4  # threads that parse, render templates and tokenize off the event loop
     # LoRA adapters clients select by model name (`NAME` or `served_model_name:NAME`; --lora-modules).
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    # Tool calling and reasoning (vLLM's flags): `tool_choice="auto"` needs both of the first two.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
