@@ -22,6 +22,7 @@ import atexit
 import inspect
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 FAILURE_EXIT_CODE = 1
 KEY_PREFIX = "jaxllm"
 EXIT_KEY = f"{KEY_PREFIX}/exit"  # set by the leader when it exits: followers then exit too
+STOP_KEY = f"{KEY_PREFIX}/stop"  # STOP_KEY/<process>: a follower was asked to stop; the leader drains
 # Environment variables that make `jax.distributed.initialize()` find the cluster by itself.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
@@ -141,6 +143,38 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
         _monitor.start()
         if jax.process_index() == 0:
             atexit.register(end_run)
+        else:
+            _follow_the_leader_on_sigterm()
+
+
+def _follow_the_leader_on_sigterm() -> None:
+    """A follower cannot stop on its own: every step needs every process. Its SIGTERM (which
+    JAX's preemption notifier would otherwise swallow) asks the leader to drain and end the
+    run, and the follower exits with it; a second signal exits at once. When leader and
+    followers are signalled together (a job being stopped), the leader's own drain ends
+    the run and the followers leave through the normal exit path."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    pid = jax.process_index()
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if received:
+            print(f"jaxllm: process {pid}: second signal: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        received.append(signum)
+        logger.warning(
+            "process %d: %s: asking the leader to drain and end the run (a second signal exits now)",
+            pid,
+            signal.Signals(signum).name,
+        )
+        try:
+            kv_client().key_value_set(f"{STOP_KEY}/{pid}", signal.Signals(signum).name, allow_overwrite=True)
+        except Exception as exc:  # the coordination service is gone: nothing to drain
+            print(f"jaxllm: process {pid}: the leader is unreachable ({exc}); exiting", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 JAX_DEADLINE_MARGIN = 30
@@ -266,6 +300,7 @@ class Heartbeats(threading.Thread):
         self._stop = threading.Event()
         self._round_done = now  # when a round of heartbeats last completed (see `_watch_rounds`)
         self.failed: Optional[str] = None
+        self._stop_requested = False  # leader: a follower's stop request was acted on
 
     def stop(self) -> None:
         self._stop.set()
@@ -312,6 +347,8 @@ class Heartbeats(threading.Thread):
 
     def _check(self, client) -> Optional[str]:
         now = time.monotonic()
+        if self.process_id == 0:
+            self._check_stop_requests(client)
         for peer, (last, since) in self._seen.items():
             try:
                 value = client.key_value_try_get(f"{KEY_PREFIX}/heartbeat/{peer}")
@@ -328,6 +365,39 @@ class Heartbeats(threading.Thread):
                     f"process {self.process_id} stops"
                 )
         return None
+
+    def _check_stop_requests(self, client) -> None:
+        """Leader: a follower asked to stop (its SIGTERM): drain as if this process got the
+        signal, once (the server's handler drains; elsewhere SIGTERM's usual effect)."""
+        if self._stop_requested:
+            return
+        for peer in self._seen:
+            try:
+                name = client.key_value_try_get(f"{STOP_KEY}/{peer}")
+            except Exception as exc:
+                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
+                    raise
+                continue
+            if name:
+                self._stop_requested = True
+                reason = f"process {peer} (follower) got {name}"
+                logger.warning("%s: draining and ending the run", reason)
+                if _stop_request_handler is not None:
+                    _stop_request_handler(reason)
+                else:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+
+_stop_request_handler: Optional[Callable[[str], None]] = None
+
+
+def on_stop_request(handler: Optional[Callable[[str], None]]) -> None:
+    """Leader: what a follower's stop request does, called with a reason from the heartbeat
+    thread (default: this process gets SIGTERM). A server passes its drain, so that a job
+    signalling every process at once is not taken for a second signal ("stop now")."""
+    global _stop_request_handler
+    _stop_request_handler = handler
 
 
 def end_run() -> None:

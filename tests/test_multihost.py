@@ -250,6 +250,49 @@ def test_server_on_two_processes_and_peer_failures(tmp_path):
     )
 
 
+def test_sigterm_on_a_follower_or_on_every_process_drains_and_exits_cleanly(tmp_path):
+    """A job being stopped signals every process at once (run a): the leader drains its running
+    stream and every process exits 0. A follower signalled alone (run b) asks the leader to
+    drain and end the run: the same clean exit. (JAX's preemption notifier used to swallow a
+    follower's SIGTERM and fail the shutdown barrier 30 s later, with stack dumps.)"""
+    import httpx
+
+    from tests.server_helpers import free_port
+
+    model = write_model(tmp_path)
+    runs = {}
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        run = ProcessGroup(tmp_path / name)
+        port = free_port()
+        leader = run.start(serve_argv(model, port, run, 0), "serve")
+        follower = run.start(worker_argv(run), "follower")
+        runs[name] = (run, leader, follower, f"http://127.0.0.1:{port}")
+    body = dict(model=str(model), prompt=[5, 17, 42, 9, 100], max_tokens=24, temperature=0, ignore_eos=True)
+    try:
+        for run, _, _, url in runs.values():
+            wait_healthy(url, run)
+        run, leader, follower, url = runs["a"]
+        with httpx.Client(timeout=120) as http:
+            events = stream_events(http, url, body)
+            assert json.loads(next(events))["choices"]
+            leader.send_signal(signal.SIGTERM)
+            follower.send_signal(signal.SIGTERM)
+            rest = [json.loads(e) for e in events if e != "[DONE]"]
+        assert rest and not any("error" in e for e in rest), rest[-2:]
+        assert rest[-1]["choices"][0]["finish_reason"] == "length", rest[-1]
+        assert run.wait(leader, EXIT_BOUND) == 0 and run.wait(follower, EXIT_BOUND) == 0, run.all_logs()
+
+        run, leader, follower, url = runs["b"]
+        follower.send_signal(signal.SIGTERM)
+        assert run.wait(leader, EXIT_BOUND) == 0 and run.wait(follower, EXIT_BOUND) == 0, run.all_logs()
+        assert "asking the leader to drain" in run.log(1), run.all_logs()
+        assert "Check failure" not in run.all_logs()
+    finally:
+        for run, *_ in runs.values():
+            run.close()
+
+
 def test_distributed_detection_and_config_checks():
     from sharding.multihost import DistributedConfig, requested
 

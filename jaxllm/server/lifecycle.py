@@ -26,6 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxllm.server.serving import OpenAIServer
+from sharding import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +108,20 @@ class ManagedServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        multihost.on_stop_request(self.request_drain)  # a follower's SIGTERM (multi-host runs)
         await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:
         if self.api.draining or self._loop is None:
             super().handle_exit(sig, frame)  # a second signal (or one before start-up): stop now
             return
-        logger.info("signal %s: draining for up to %gs", sig, self.shutdown_timeout)
+        self.request_drain(f"signal {sig}")
+
+    def request_drain(self, reason: str) -> None:
+        """Start draining (once; any thread): new requests get 503, running ones may finish."""
+        if self.api.draining or self._loop is None:
+            return
+        logger.info("%s: draining for up to %gs", reason, self.shutdown_timeout)
         self.api.start_draining()
         self._loop.call_soon_threadsafe(self._start_drain)
 
