@@ -38,6 +38,7 @@ FAILURE_EXIT_CODE = 1
 KEY_PREFIX = "jaxllm"
 EXIT_KEY = f"{KEY_PREFIX}/exit"  # set by the leader when it exits: followers then exit too
 STOP_KEY = f"{KEY_PREFIX}/stop"  # STOP_KEY/<process>: a follower was asked to stop; the leader drains
+FAILED_KEY = f"{KEY_PREFIX}/failed"  # FAILED_KEY/<process>: why a follower could not go on
 # Environment variables that make `jax.distributed.initialize()` find the cluster by itself.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
@@ -277,6 +278,36 @@ def report_failure(message: str, grace: Optional[float] = None) -> None:
             logger.exception("peer-failure callback failed")
 
 
+def leave_after_failure(message: str) -> int:
+    """Follower: this process cannot go on (say, building the leader's engine failed here).
+    Publish why (the leader stops at its next heartbeat round, naming this process), then
+    leave the run the way the leader does: through JAX's shutdown barrier once the leader
+    ends the run (a leader that failed the same way, e.g. on the same bad flags, exits at
+    once), or at once if the leader goes away instead. Leaving before the leader reaches
+    the barrier would make JAX abort the leader 30 s later with a stack dump. Returns the
+    exit status."""
+    logger.error("%s", message)
+    print(f"jaxllm: {message}", file=sys.stderr, flush=True)
+    config = _monitor.config if _monitor is not None else DistributedConfig()
+    try:
+        client = kv_client()
+        client.key_value_set(f"{FAILED_KEY}/{jax.process_index()}", message, allow_overwrite=True)
+        deadline = time.monotonic() + config.heartbeat_timeout + config.exit_grace + 5
+        while time.monotonic() < deadline:
+            try:
+                if client.key_value_try_get(EXIT_KEY):
+                    shutdown()
+                    return FAILURE_EXIT_CODE
+            except Exception as exc:
+                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
+                    break  # the coordination service is gone: so is the leader
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the run is already torn down
+        pass
+    exit_now(FAILURE_EXIT_CODE)
+    return FAILURE_EXIT_CODE
+
+
 def exit_now(code: int) -> None:
     """End the process at once: after a peer failure the normal exit would wait in JAX's final
     barrier for a process that will never arrive."""
@@ -326,7 +357,7 @@ class Heartbeats(threading.Thread):
                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                     "the leader died"
                 )
-            if message is not None:
+            if message is not None and not self._stop.is_set():
                 self.failed = message
                 report_failure(message)
                 return
@@ -349,6 +380,9 @@ class Heartbeats(threading.Thread):
         now = time.monotonic()
         if self.process_id == 0:
             self._check_stop_requests(client)
+            failed = self._failed_follower(client)
+            if failed is not None:
+                return failed
         for peer, (last, since) in self._seen.items():
             try:
                 value = client.key_value_try_get(f"{KEY_PREFIX}/heartbeat/{peer}")
@@ -364,6 +398,19 @@ class Heartbeats(threading.Thread):
                     f"process {peer} ({role}) sent no heartbeat for {now - since:.0f} s: it died or hung; "
                     f"process {self.process_id} stops"
                 )
+        return None
+
+    def _failed_follower(self, client) -> Optional[str]:
+        """Leader: the message of a follower that published why it cannot go on, if any."""
+        for peer in self._seen:
+            try:
+                message = client.key_value_try_get(f"{FAILED_KEY}/{peer}")
+            except Exception as exc:
+                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
+                    raise
+                continue
+            if message:
+                return f"{message} (process {peer}, follower); process {self.process_id} stops"
         return None
 
     def _check_stop_requests(self, client) -> None:

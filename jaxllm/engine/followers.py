@@ -284,9 +284,12 @@ def run_follower(expected_model: Optional[str] = None) -> int:
                 break
             _, config = decode(payload)
             logger.info("process %d: building the engine of session %d (%s)", pid, session, config.model)
-            if expected_model is not None:
-                check_same_model(expected_model, config.model)
-            runner = build_runner(config).runner
+            try:
+                if expected_model is not None:
+                    check_same_model(expected_model, config.model)
+                runner = build_runner(config).runner
+            except Exception as exc:  # noqa: BLE001 - this process cannot follow: say why, leave the run cleanly
+                return multihost.leave_after_failure(f"process {pid}: {type(exc).__name__}: {exc}; exiting")
             channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
             calls = follow(runner, channel, client)
             logger.info("process %d: session %d ended after %d steps", pid, session, calls)
