@@ -150,8 +150,8 @@ def initialize(config: DistributedConfig = DistributedConfig()) -> None:
 
 def _follow_the_leader_on_sigterm() -> None:
     """A follower cannot stop on its own: every step needs every process. Its SIGTERM (which
-    JAX's preemption notifier would otherwise swallow) asks the leader to drain and end the
-    run, and the follower exits with it; a second signal exits at once. When leader and
+    JAX's preemption notifier would otherwise swallow) or SIGINT asks the leader to drain and
+    end the run, and the follower exits with it; a second signal exits at once. When leader and
     followers are signalled together (a job being stopped), the leader's own drain ends
     the run and the followers leave through the normal exit path."""
     if threading.current_thread() is not threading.main_thread():
@@ -176,6 +176,7 @@ def _follow_the_leader_on_sigterm() -> None:
             os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigterm)  # Ctrl-C in a terminal reaches every process of the example
 
 
 JAX_DEADLINE_MARGIN = 30
@@ -332,6 +333,7 @@ class Heartbeats(threading.Thread):
         self._round_done = now  # when a round of heartbeats last completed (see `_watch_rounds`)
         self.failed: Optional[str] = None
         self._stop_requested = False  # leader: a follower's stop request was acted on
+        self.leader_exiting = False  # follower: the leader ended the run (its heartbeats stop on purpose)
 
     def stop(self) -> None:
         self._stop.set()
@@ -383,6 +385,11 @@ class Heartbeats(threading.Thread):
             failed = self._failed_follower(client)
             if failed is not None:
                 return failed
+        elif self.leader_exiting or _key_set(client, EXIT_KEY):
+            # The leader is in JAX's shutdown barrier: silence is expected, and this follower
+            # leaves as soon as its main loop sees `leader_exiting()`.
+            self.leader_exiting = True
+            return None
         for peer, (last, since) in self._seen.items():
             try:
                 value = client.key_value_try_get(f"{KEY_PREFIX}/heartbeat/{peer}")
@@ -437,6 +444,23 @@ class Heartbeats(threading.Thread):
 
 
 _stop_request_handler: Optional[Callable[[str], None]] = None
+
+
+def _key_set(client, key: str) -> bool:
+    try:
+        return bool(client.key_value_try_get(key))
+    except Exception as exc:
+        if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
+            raise
+        return False
+
+
+def leader_exiting() -> bool:
+    """Follower: whether the leader has ended the run (seen by the heartbeat thread within a
+    round). A follower still working through calls that need no peer (the sampler, compiles
+    of its own) drops them then: the leader waits for it in JAX's shutdown barrier."""
+    monitor = _monitor
+    return monitor is not None and monitor.leader_exiting
 
 
 def on_stop_request(handler: Optional[Callable[[str], None]]) -> None:

@@ -246,6 +246,8 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
             # program's first collective, which gives up after a while.
             getattr(runner, method)(*args, wait=False)
             continue
+        if multihost.leader_exiting():  # calls the leader ran without this process (the sampler) are moot
+            raise LeaderExited()
         out = getattr(runner, method)(*args)
         latest[method] = device_leaves(out)
         calls += 1
