@@ -79,6 +79,7 @@ class ChatRoute:
             template = body.requested_chat_template()
         except ValueError as exc:
             raise bad_request(exc, "messages") from None
+        server.check_guided_decoding(body)
         if template is not None and not server.config.trust_request_chat_template:
             raise APIError(
                 400,
