@@ -77,7 +77,7 @@ class GuidedMatchers:
     def check(self, guided: GuidedDecodingParams) -> None:
         """Compile `guided` for this tokenizer (cached); ValueError naming the field when it
         does not compile or cannot be served."""
-        self._template(guided)
+        self.template(guided)
 
     def check_request(self, params: Any, end_ids: Sequence[int], *, attention_dp: bool = False) -> None:
         """Admission of a request with `params.guided_decoding` (ValueError naming the field):
@@ -109,7 +109,9 @@ class GuidedMatchers:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos)
         return self._ll_tokenizer
 
-    def _template(self, guided: GuidedDecodingParams) -> Any:
+    def template(self, guided: GuidedDecodingParams) -> Any:
+        """The matcher every request with this constraint starts from (built once, cached);
+        ValueError naming the field when it does not compile."""
         grammar = compile_grammar(guided)
         with self._lock:
             template = self._templates.get(grammar)
@@ -137,7 +139,7 @@ class GuidedMatchers:
         state = self._active.get(request.request_id)
         if state is None:
             guided = request.sampling_params.guided_decoding
-            state = self._active[request.request_id] = _RequestMatcher(self._template(guided).deep_copy())
+            state = self._active[request.request_id] = _RequestMatcher(self.template(guided).deep_copy())
         out = request.output_token_ids
         if state.consumed > len(out):  # outputs were cut back: start over
             state.matcher.reset()
