@@ -131,6 +131,20 @@ class GuidedMatchers:
             return template
 
     # ------------------------------------------------------------------ each step
+    def sit_out(self, candidates: list[LlmRequest], in_flight: Any) -> list[LlmRequest]:
+        """The candidates of the next step under the overlap scheduler: a constrained request
+        whose token is still on the device sits this step out (its mask needs that token), so
+        the others stay overlapped and its mask is filled while the device runs this step.
+        When every candidate would sit out, all are returned (the engine then reads the step
+        back first)."""
+        if not self._active:
+            return candidates
+        busy = {id(entry[0]) for entry in in_flight if entry[0].request_id in self._active}
+        if not busy:
+            return candidates
+        free = [r for r in candidates if id(r) not in busy]
+        return free if free else candidates
+
     def release(self, request: LlmRequest) -> None:
         """Drop the matcher of a request that ended (no-op for one without)."""
         self._active.pop(request.request_id, None)

@@ -357,6 +357,10 @@ class LLMEngine:
             waiting = {id(entry[0].beam) for entry in pending.beam_entries or ()}
             held = {id(r) for r in pending.processor_requests}
             candidates = [r for r in candidates if id(r) not in held and (r.beam is None or id(r.beam) not in waiting)]
+        sat_out = False  # a constrained request waits for its token (jaxllm.engine.guided_matchers)
+        if pending is not None and self.guided.num_active:
+            kept = self.guided.sit_out(candidates, pending.entries)
+            sat_out, candidates = len(kept) < len(candidates), kept
         if (
             pending is not None
             and self.requests.num_needing_history
@@ -375,7 +379,7 @@ class LLMEngine:
             updates += self.readback.process(self._pending)
         self._pending = dispatched
         self._steady_candidates = None
-        if dispatched is not None and dispatched.decode is not None:
+        if dispatched is not None and dispatched.decode is not None and not sat_out:
             decode = dispatched.decode
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
             if not self.readback.stops_of(decode, dispatched.decode_index).length_due(dispatched.decode_index):
