@@ -88,6 +88,14 @@ def test_a_constraint_that_does_not_compile_is_a_value_error_naming_it(engine, g
     assert engine.guided.num_active == 0
 
 
+def test_structural_tags_compile():
+    tag = {
+        "structures": [{"begin": "<f=add>", "schema": {"type": "object"}, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    assert "<f=" in compile_grammar(GuidedDecodingParams(structural_tag=tag))
+
+
 def test_grammars_are_cached_by_their_text():
     schema = {"type": "object", "properties": {"cached": {"type": "integer"}}}
     compile_grammar(GuidedDecodingParams(json=schema))
@@ -149,6 +157,12 @@ def test_constrained_outputs_follow_their_constraints(engine):
             lambda t: re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", t) or 1 / 0,
         ),
     ]
+    cases.append(
+        (
+            GuidedDecodingParams(grammar='root ::= "yes" | "no" | "maybe"'),
+            lambda t: t in ("yes", "no", "maybe") or 1 / 0,
+        )
+    )
     batch = []
     for i, (guided, _) in enumerate(cases):
         for sampled in (False, True):
