@@ -97,12 +97,27 @@ def test_structural_tags_compile():
 
 
 def test_grammars_are_cached_by_their_text():
-    schema = {"type": "object", "properties": {"cached": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"cached": {"type": "integer"}, "b": {"type": "string"}}}
     compile_grammar(GuidedDecodingParams(json=schema))
     before = grammar_cache_info().hits
-    compile_grammar(GuidedDecodingParams(json=json.dumps(schema, sort_keys=True, separators=(",", ":"))))
-    compile_grammar(GuidedDecodingParams(json=dict(reversed(list(schema.items())))))
+    compile_grammar(GuidedDecodingParams(json=schema))
+    compile_grammar(GuidedDecodingParams(json=json.dumps(schema, indent=2)))
     assert grammar_cache_info().hits == before + 2
+    # Property order is the output's order: another order is another grammar.
+    reordered = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    assert compile_grammar(GuidedDecodingParams(json=reordered)) != compile_grammar(GuidedDecodingParams(json=schema))
+
+
+def test_json_keys_come_in_the_schema_order(engine):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}},
+        "required": ["zeta", "alpha"],
+    }
+    (request,) = _run(
+        engine, [([5, 6], SamplingParams(max_tokens=30, guided_decoding=GuidedDecodingParams(json=schema)))]
+    )
+    assert list(json.loads(_text(engine, request))) == ["zeta", "alpha"]
 
 
 def test_requests_that_cannot_end_are_refused(engine):

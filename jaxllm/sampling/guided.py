@@ -103,13 +103,20 @@ class GuidedDecodingParams:
         return next(name for name in _FIELDS if self._is_set(name))
 
     def cache_key(self) -> tuple[str, str]:
-        """(field, canonical text of its value): equal constraints share one grammar."""
+        """(field, canonical text of its value): equal constraints share one grammar. JSON is
+        re-serialised compactly but keeps its key order (a schema's property order is the
+        order the output writes them in)."""
         name = self.field
         value = getattr(self, name)
         if name == "json_object":
             return name, ""
+        if isinstance(value, str) and name in ("json", "structural_tag"):
+            try:
+                value = _json.loads(value)
+            except ValueError:
+                return name, value  # refused by the compile, with the parser's message
         if isinstance(value, (dict, list, tuple)):
-            return name, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return name, _json.dumps(value, separators=(",", ":"))
         return name, value
 
 
