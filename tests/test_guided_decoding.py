@@ -124,8 +124,10 @@ def test_requests_that_cannot_end_are_refused(engine):
     guided = GuidedDecodingParams(regex="[a-z]+")
     with pytest.raises(ValueError, match="ignore_eos"):
         engine.add_request([5, 6], SamplingParams(max_tokens=4, ignore_eos=True, guided_decoding=guided))
-    with pytest.raises(ValueError, match="end id"):
+    with pytest.raises(ValueError, match="end_id"):
         engine.add_request([5, 6], SamplingParams(max_tokens=4, end_id=-1, guided_decoding=guided))
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=4, min_tokens=2, guided_decoding=guided))
 
 
 # ---------------------------------------------------------------------------- the mask

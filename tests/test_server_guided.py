@@ -165,6 +165,7 @@ def test_max_tokens_too_small_is_length(client):
         ("completions", {"guided_choice": []}, "guided_choice"),
         ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ("chat", {"guided_regex": "[a-z]+", "ignore_eos": True}, "ignore_eos"),
+        ("completions", {"guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field_and_the_server_goes_on(live, client, route, body, param):

@@ -81,16 +81,20 @@ class GuidedMatchers:
 
     def check_request(self, params: Any, end_ids: Sequence[int], *, attention_dp: bool = False) -> None:
         """Admission of a request with `params.guided_decoding` (ValueError naming the field):
-        it must be able to end (an end id, not ignored) and its grammar must compile."""
+        it must be able to end when its structure does (an end id, not ignored or banned by
+        min_tokens) and its grammar must compile."""
         guided = params.guided_decoding
         if guided is None:
             return
         if attention_dp:
             raise ValueError("guided_decoding is not supported with enable_attention_dp")
-        if params.ignore_eos or not end_ids:
+        if params.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with guided_decoding (the output ends at an end id)")
+        if not end_ids:
+            raise ValueError("end_id: guided_decoding needs an end id to finish the output, not end_id=-1")
+        if params.min_tokens:
             raise ValueError(
-                "guided_decoding needs an end id to finish the structure: it cannot be combined with "
-                "ignore_eos or end_id=-1"
+                "min_tokens: cannot be combined with guided_decoding (a finished structure allows only an end id)"
             )
         self.check(guided)
 

@@ -166,8 +166,6 @@ class OpenAIServer:
             raise bad_request(exc) from None
         if guided is None or field is None:
             return
-        if body.ignore_eos:
-            raise APIError(400, f"ignore_eos: cannot be combined with {field} (the output must end)", "ignore_eos")
         matchers = getattr(self.executor.engine, "guided", None)
         try:
             compile_grammar(guided)
