@@ -25,7 +25,7 @@ import pytest
 
 from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import GuidedDecodingParams, SamplingParams
 from jaxllm.server.app import build_app
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
 from jaxllm.server.server_config import ServerConfig
@@ -454,6 +454,9 @@ PYTHON_CASES = [
     ("params", (), {"max_tokens": "16"}, "max_tokens"),
     ("params", (), {"n": True}, "n"),
     ("params", (), {"use_beam_search": True, "n": 2, "length_penalty": 1e308}, "length_penalty"),
+    ("params", (), {"guided_decoding": GuidedDecodingParams(json={"type": "nonsense"})}, "guided_decoding.json"),
+    ("params", (), {"guided_decoding": GuidedDecodingParams(grammar="start: (")}, "guided_decoding.grammar"),
+    ("params", (), {"guided_decoding": {"regex": "a+"}}, "guided_decoding"),
 ]
 
 
