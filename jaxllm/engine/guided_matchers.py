@@ -182,22 +182,17 @@ class GuidedMatchers:
         if not constrained:
             return None
         start = time.perf_counter()
+        # llguidance's vocabulary is max(model's, tokenizer's) (see `_tokenizer`): its rows hold
+        # at least the model's words, and ids past the tokenizer's are never allowed by it.
         ll_words = (self._tokenizer().vocab_size + 31) // 32
-        buffer = np.full((max_batch_size, max(ll_words, self.words)), -1, np.int32)
+        buffer = np.full((max_batch_size, ll_words), -1, np.int32)
         targets = [(self._matcher_of(r).matcher, i) for i, r in constrained]
         if len(targets) == 1:
             llnp.fill_next_token_bitmask(targets[0][0], buffer, targets[0][1])
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
-            # llguidance writes ll_words words per row: give it rows of exactly that width.
-            view = buffer if ll_words == buffer.shape[1] else np.full((max_batch_size, ll_words), -1, np.int32)
-            llnp.fill_next_token_bitmask_par(self._executor, targets, view)
-            if view is not buffer:
-                buffer[:, :ll_words] = view
-        if ll_words < self.words:  # model ids past the tokenizer's: no token, never allowed
-            for i, _ in constrained:
-                buffer[i, ll_words:] = 0
+            llnp.fill_next_token_bitmask_par(self._executor, targets, buffer)
         mask = np.ascontiguousarray(buffer[:, : self.words])
         bits = mask.view(np.uint32)
         ll_eos = self._tokenizer().eos_tokens
