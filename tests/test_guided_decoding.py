@@ -210,6 +210,26 @@ def test_unconstrained_rows_are_unchanged_by_constrained_ones(engine):
     assert [list(r.output_token_ids) for r in free] == alone_tokens
 
 
+def test_a_constrained_request_sits_out_every_other_step_and_the_others_keep_pace(engine):
+    """Under the overlap scheduler a constrained request's mask needs its previous token, so it
+    runs every other step while the free requests get a token every step; alone, it runs every
+    step (each step is read back before the next)."""
+    assert engine.overlap
+    free = [engine.add_request([5, 6, 7 + i], SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)]
+    guided = engine.add_request(
+        [5, 6, 9], SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex="[a-z]{300}"))
+    )
+    for _ in range(20):
+        engine.step()
+    engine.planner.materialize_tokens()
+    assert all(len(r.output_token_ids) == 20 for r in free)  # one token per step (the last in flight)
+    assert 9 <= len(guided.output_token_ids) <= 11
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert guided.finish_reason == "length" and len(guided.output_token_ids) == 40
+    assert re.fullmatch("[a-z]+", _text(engine, guided))
+
+
 def test_max_tokens_inside_an_unfinished_structure_is_length(engine):
     (request,) = _run(
         engine, [([5, 6, 7], SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(json=SCHEMA)))]
