@@ -99,40 +99,51 @@ class GuidedMatchers:
         self.check(guided)
 
     def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            tok = self.tokenizer
-            if tok is None or not hasattr(tok, "backend_tokenizer"):
-                raise ValueError(
-                    "guided_decoding needs the model's Hugging Face fast tokenizer (tokenizer.json); "
-                    "this engine has none"
-                )
-            import llguidance.hf
+        if self._ll_tokenizer is not None:
+            return self._ll_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                tok = self.tokenizer
+                if tok is None or not hasattr(tok, "backend_tokenizer"):
+                    raise ValueError(
+                        "guided_decoding needs the model's Hugging Face fast tokenizer (tokenizer.json); "
+                        "this engine has none"
+                    )
+                import llguidance.hf
 
-            n_vocab = max(self.vocab_size, len(tok))
-            eos = list(self.eos_ids) or tok.eos_token_id
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos)
+                n_vocab = max(self.vocab_size, len(tok))
+                eos = list(self.eos_ids) or tok.eos_token_id
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos)
         return self._ll_tokenizer
 
     def template(self, guided: GuidedDecodingParams) -> Any:
         """The matcher every request with this constraint starts from (built once, cached);
-        ValueError naming the field when it does not compile."""
+        ValueError naming the field when it does not compile. A cached one is returned without
+        waiting for a compile under way on another thread (the engine's thread never waits on
+        an API thread's new grammar)."""
         grammar = compile_grammar(guided)
+        template = self._templates.get(grammar)
+        if template is not None:
+            if self._lock.acquire(blocking=False):  # recency, when nobody else holds the cache
+                try:
+                    if grammar in self._templates:
+                        self._templates.move_to_end(grammar)
+                finally:
+                    self._lock.release()
+            return template
+        start = time.perf_counter()
+        # llguidance drops the GIL while it builds the lexer and parser.
+        template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=parser_limits())
+        if template.is_error():
+            message = " ".join(template.get_error().split())
+            raise ValueError(f"guided_decoding.{guided.field}: {message}")
         with self._lock:
-            template = self._templates.get(grammar)
-            if template is not None:
-                self._templates.move_to_end(grammar)
-                return template
-            start = time.perf_counter()
-            template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=parser_limits())
             self.compile_seconds += time.perf_counter() - start
-            if template.is_error():
-                message = " ".join(template.get_error().split())
-                raise ValueError(f"guided_decoding.{guided.field}: {message}")
             self.templates_built += 1
-            self._templates[grammar] = template
+            template = self._templates.setdefault(grammar, template)
             while len(self._templates) > TEMPLATE_CACHE_SIZE:
                 self._templates.popitem(last=False)
-            return template
+        return template
 
     # ------------------------------------------------------------------ each step
     def sit_out(self, candidates: list[LlmRequest], in_flight: Any) -> list[LlmRequest]:
