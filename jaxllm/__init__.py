@@ -14,6 +14,7 @@ _LAZY = {
     "LLM": "jaxllm.llm",
     "LoRARequest": "jaxllm.lora.lora_request",
     "SamplingParams": "jaxllm.sampling",
+    "GuidedDecodingParams": "jaxllm.sampling",
     "KvCacheRetentionConfig": "jaxllm.kv_cache.retention",
     "TokenRangeRetentionConfig": "jaxllm.kv_cache.retention",
     "MoeLoadBalancerConfig": "sharding.eplb.eplb_config",
@@ -24,6 +25,7 @@ _LAZY = {
 __all__ = [
     "LLM",
     "SamplingParams",
+    "GuidedDecodingParams",
     "LoRARequest",
     "KvCacheConfig",
     "KvCacheRetentionConfig",

@@ -327,8 +327,12 @@ BAD_CHAT = [
         "max_completion_tokens",
     ),
     (
-        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-        "response_format",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        "response_format.json_schema.schema",
     ),
 ]
 

@@ -25,7 +25,7 @@ import pytest
 
 from jaxllm.executor import GenerationExecutor
 from jaxllm.llm import LLM
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import GuidedDecodingParams, SamplingParams
 from jaxllm.server.app import build_app
 from jaxllm.server.lifecycle import ENGINE_DEAD_EXIT_CODE
 from jaxllm.server.server_config import ServerConfig
@@ -270,7 +270,10 @@ CASES = [
     (C, _c(logits_processors=["my_module.Ban"]), 400, "logits_processors"),
     (C, _c(logits_post_processor_name="ban"), 400, "logits_post_processor_name"),
     (CH, _ch(logits_processor="x"), 400, "logits_processor"),
-    (C, _c(guided_json={"type": "object"}), 400, "guided_json"),
+    (C, _c(guided_json={"type": "nonsense"}), 400, "guided_json"),
+    (C, _c(guided_regex="(" * 50), 400, "guided_regex"),
+    (C, _c(structured_outputs={"grammar": "start: " + "a " * 10}), 400, "structured_outputs.grammar"),
+    (C, _c(guided_choice="yes"), 400, "guided_choice"),
     (C, _c(not_a_field=1), 400, "not_a_field"),
     (C, _c(model=5), 400, "model"),
     (C, {"prompt": "hi"}, 400, "model"),
@@ -303,7 +306,19 @@ CASES = [
     (CH, _ch(max_tokens="5"), 400, "max_tokens"),
     (CH, _ch(tools=[{"type": "function"}]), 400, "tools"),
     (CH, _ch(tool_choice="required"), 400, "tool_choice"),
-    (CH, _ch(response_format={"type": "json_object"}), 400, "response_format"),
+    (
+        CH,
+        _ch(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        CH,
+        _ch(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(40)}}),
+        400,
+        "response_format",
+    ),
+    (CH, _ch(response_format={"type": "xml"}), 400, "response_format"),
     (CH, _ch(n="2"), 400, "n"),
     (CH, _ch(stream="yes"), 400, "stream"),
     (CH, _ch(add_generation_prompt="no"), 400, "add_generation_prompt"),
@@ -439,6 +454,9 @@ PYTHON_CASES = [
     ("params", (), {"max_tokens": "16"}, "max_tokens"),
     ("params", (), {"n": True}, "n"),
     ("params", (), {"use_beam_search": True, "n": 2, "length_penalty": 1e308}, "length_penalty"),
+    ("params", (), {"guided_decoding": GuidedDecodingParams(json={"type": "nonsense"})}, "guided_decoding.json"),
+    ("params", (), {"guided_decoding": GuidedDecodingParams(grammar="start: (")}, "guided_decoding.grammar"),
+    ("params", (), {"guided_decoding": {"regex": "a+"}}, "guided_decoding"),
 ]
 
 

@@ -18,7 +18,6 @@ import jsonschema
 import openai
 import pytest
 
-import jaxllm.sampling
 from jaxllm.executor import GenerationExecutor
 from jaxllm.server.app import build_app
 from jaxllm.server.chat_output import ChatOutput
@@ -269,13 +268,8 @@ BOUNDED_TOOLS = [
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_tool_choice(client, choice):
-    """Without guided decoding in the engine these are refused; with it the calls satisfy the tools' schemas."""
+    """Guided decoding holds random weights to the tools' schemas: the call always parses and validates."""
     request = dict(model=MODEL, messages=HISTORY, tools=BOUNDED_TOOLS, tool_choice=choice, parallel_tool_calls=False)
-    if not hasattr(jaxllm.sampling, "GuidedDecodingParams"):
-        with pytest.raises(openai.BadRequestError, match="structured output") as info:
-            client.chat.completions.create(**request, max_tokens=4)
-        assert info.value.body["param"] == "tool_choice"
-        return
     full = client.chat.completions.create(**request, max_tokens=64)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
     calls = full.choices[0].message.tool_calls
@@ -283,3 +277,26 @@ def test_required_and_named_tool_choice(client, choice):
     if isinstance(choice, dict):
         assert calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
+
+
+def test_required_tool_choice_with_parallel_calls_and_conflicts(client):
+    """`required` with parallel calls: one or more calls, each naming a tool and validating against
+    its schema; combined with response_format it is a 400 naming tool_choice."""
+    request = dict(model=MODEL, messages=HISTORY, tools=BOUNDED_TOOLS, tool_choice="required")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    # Random weights may keep the array open until max_tokens ("length"); sampled choices
+    # close it on most seeds, and every closed array must hold valid calls.
+    finished = 0
+    for seed in range(4):
+        full = client.chat.completions.create(**request, max_tokens=128, temperature=1.0, seed=seed)
+        if full.choices[0].finish_reason == "length":
+            continue
+        calls = full.choices[0].message.tool_calls
+        assert full.choices[0].finish_reason == "tool_calls" and calls, full
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        finished += 1
+    assert finished, "no sampled call array closed within 128 tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request, max_tokens=8, response_format={"type": "json_object"})
+    assert info.value.body["param"] == "tool_choice"

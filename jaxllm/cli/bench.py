@@ -26,9 +26,12 @@ BENCHMARKS = {
     "lora": "jaxllm.bench.lora",
     "beam": "jaxllm.bench.beam",
     "logits": "jaxllm.bench.logits",
+    "structured": "jaxllm.bench.structured",
     "gpu": "jaxllm.bench.gpu",
 }
 BENCHMARK_HELP = {
+    "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
+    "of a batch following a JSON schema; grammar compile time cold and cached",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
     "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
+from jaxllm.sampling.guided import GUIDED_DECODING_BACKENDS
 from sharding.mesh import ParallelConfig
 
 # Sane ranges of the engine limits: (low, high). A limit outside them is a typo or a hostile
@@ -80,6 +81,8 @@ class EngineConfig:
     # the forward variants returning context logits; the row gathers and scatters), so such
     # requests compile nothing later. Off: those compile on first use, and warm-up costs no more.
     warmup_logits_outputs: bool = False
+    # Structured output (SamplingParams.guided_decoding): the library enforcing grammars.
+    guided_decoding_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
@@ -118,6 +121,11 @@ class EngineConfig:
         if self.multihost_plan_channel not in PLAN_CHANNELS:
             raise ValueError(
                 f"multihost_plan_channel must be one of {PLAN_CHANNELS}, got {self.multihost_plan_channel!r}"
+            )
+        if self.guided_decoding_backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(
+                f"guided_decoding_backend must be one of {GUIDED_DECODING_BACKENDS}, "
+                f"got {self.guided_decoding_backend!r}"
             )
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")

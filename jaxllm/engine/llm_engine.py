@@ -38,6 +38,7 @@ from jaxllm.engine.builder import build_engine
 from jaxllm.engine.compile_ahead import BucketCompiler
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
+from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
@@ -106,8 +107,15 @@ class LLMEngine:
             not config.disable_overlap_scheduler
             and config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION
         )
+        # Grammar matchers of structured-output requests (jaxllm.engine.guided_matchers).
+        self.guided = GuidedMatchers(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        if not self.attention_dp:
+            self.planner.guided_matchers = self.guided
         self.requests = RequestTable(
-            planner=self.planner, kv_cache_manager=self.kv_cache_manager, lora_slots=self.lora_slots
+            planner=self.planner,
+            kv_cache_manager=self.kv_cache_manager,
+            lora_slots=self.lora_slots,
+            guided_matchers=self.guided,
         )
         self.readback = TokenReadback(
             requests=self.requests,
@@ -232,6 +240,8 @@ class LLMEngine:
             prompt_token_ids, params, self.admission_limits, priority=priority, tokenizer=self.tokenizer
         )
         self.resolve_lora(lora_request)
+        if params.guided_decoding is not None:
+            self.guided.check_request(params, admitted.end_ids, attention_dp=self.attention_dp)
         if params.use_beam_search:  # validate_request checked it is SamplingParams
             kv = self.kv_cache_manager
             self.capabilities.check_beam_search(
@@ -347,6 +357,10 @@ class LLMEngine:
             waiting = {id(entry[0].beam) for entry in pending.beam_entries or ()}
             held = {id(r) for r in pending.processor_requests}
             candidates = [r for r in candidates if id(r) not in held and (r.beam is None or id(r.beam) not in waiting)]
+        sat_out = False  # a constrained request waits for its token (jaxllm.engine.guided_matchers)
+        if pending is not None and self.guided.num_active:
+            kept = self.guided.sit_out(candidates, pending.entries)
+            sat_out, candidates = len(kept) < len(candidates), kept
         if (
             pending is not None
             and self.requests.num_needing_history
@@ -365,7 +379,7 @@ class LLMEngine:
             updates += self.readback.process(self._pending)
         self._pending = dispatched
         self._steady_candidates = None
-        if dispatched is not None and dispatched.decode is not None:
+        if dispatched is not None and dispatched.decode is not None and not sat_out:
             decode = dispatched.decode
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
             if not self.readback.stops_of(decode, dispatched.decode_index).length_due(dispatched.decode_index):

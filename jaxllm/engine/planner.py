@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.batch_builder import build_decode_batch, build_step_batch, choose_token_bucket, token_buckets
+from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.manager import DecodeRows
@@ -205,6 +206,8 @@ class Planner:
         self.max_seq_len = max_seq_len
         # Sampling settings per KV slot, gathered each step instead of re-read from each request.
         self.sampling_slots = SamplingSlots(kv_cache_manager.block_table.shape[0])
+        # Matchers of requests with guided decoding: their rows' token bitmask (set by the engine).
+        self.guided_matchers: Optional[GuidedMatchers] = None
         self._options = PlannerOptions()  # of the step being planned (see `schedule`)
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
@@ -430,7 +433,7 @@ class Planner:
         """Sampling tensors from every request's parameters (any setting)."""
         params = [r.sampling_params for r in rows]
         needs_history = any(p.needs_history for p in params)
-        return SamplingTensors.build(
+        sampling = SamplingTensors.build(
             params,
             [len(r.output_token_ids) for r in rows],
             [(r.prompt_token_ids[: r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
@@ -439,6 +442,11 @@ class Planner:
             self.max_seq_len,
             seeds=[r.seed for r in rows],
         )
+        if needs_history and self.guided_matchers is not None:
+            bitmask = self.guided_matchers.fill(rows, self.max_batch_size)
+            if bitmask is not None:
+                sampling = sampling.with_token_bitmask(bitmask)
+        return sampling
 
     def commit(self, output: SchedulerOutput) -> list[TokenEntry] | DecodeEntries:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each

@@ -101,12 +101,16 @@ def _needs(request: LlmRequest) -> _Needs:
 class RequestTable:
     """Active requests by id, their counts, and finishing / failing them."""
 
-    def __init__(self, *, planner: Any, kv_cache_manager: Any, lora_slots: Any = None) -> None:
+    def __init__(
+        self, *, planner: Any, kv_cache_manager: Any, lora_slots: Any = None, guided_matchers: Any = None
+    ) -> None:
         """`planner`: its `materialize_tokens` writes logged tokens into the requests before a
-        request's outputs are cut; `kv_cache_manager` / `lora_slots` free what a request held."""
+        request's outputs are cut; `kv_cache_manager` / `lora_slots` / `guided_matchers` free
+        what a request held."""
         self._planner = planner
         self._kv = kv_cache_manager
         self._lora_slots = lora_slots
+        self._guided_matchers = guided_matchers
         self._active: dict[int, LlmRequest] = {}
         self.num_needing_history = 0  # sampling reads every previous token (penalties, bad words)
         self.num_wanting_logprobs = 0
@@ -171,6 +175,8 @@ class RequestTable:
         self._kv.free_resources(request)
         if self._lora_slots is not None:
             self._lora_slots.release(request)
+        if self._guided_matchers is not None:
+            self._guided_matchers.release(request)
         if self._active.pop(request.request_id, None) is not None:
             self._count(request, -1)
 

@@ -1,5 +1,6 @@
 """Sampling parameters, their per-step device tensors, the jittable sampler and stop checks."""
 
+from jaxllm.sampling.guided import GuidedDecodingParams
 from jaxllm.sampling.params import (
     GREEDY_TEMPERATURE_EPS,
     INT32_MAX,
@@ -16,6 +17,7 @@ from jaxllm.sampling.tensors import SAMPLER_VARIANTS, SUPPRESS_WIDTH, SamplingTe
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
+    "GuidedDecodingParams",
     "INT32_MAX",
     "MAX_LOGPROBS",
     "MAX_SEQUENCES",

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
+from jaxllm.sampling.guided import GuidedDecodingParams
+
 MAX_LOGPROBS = 20
 """Largest top-N logprob count a request may ask for (the sampler always computes this many)."""
 
@@ -48,7 +50,7 @@ class _Row(NamedTuple):
     greedy: bool
     has_penalties: bool
     has_bad_words: bool  # bans tokens at every step
-    needs_history: bool  # penalties, multi-token bad words or a host logits processor read the token history
+    needs_history: bool  # penalties, bad words, a host logits processor or a grammar read the token history
     min_tokens: int  # bans end/stop ids while fewer outputs exist
 
 
@@ -174,6 +176,9 @@ class SamplingParams:
     # (`EngineConfig.logits_post_processors`), selected by name (TensorRT-LLM's
     # `logits_post_processor_name`); see `jaxllm.engine.logits_processing`.
     logits_post_processor_name: Optional[str] = None
+    # Structured output: the output must match this schema / regex / grammar / choice
+    # (`jaxllm.sampling.guided`); its grammar is compiled and checked at admission.
+    guided_decoding: Optional[GuidedDecodingParams] = None
     # Token ids of the `bad` strings, filled by `setup(tokenizer)`.
     _bad_word_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -249,6 +254,12 @@ class SamplingParams:
         ):
             if unsupported:
                 raise ValueError(f"{name}: {_show(getattr(self, name))} is not supported")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValueError(
+                    f"guided_decoding must be a jaxllm.GuidedDecodingParams, got {type(self.guided_decoding).__name__}"
+                )
+            self.guided_decoding.validate()
         if self.use_beam_search:
             self._check_beam_search()
         elif self.length_penalty != 1.0 or self.early_stopping is not False:
@@ -314,6 +325,7 @@ class SamplingParams:
                 ("stop_token_ids", bool(self.stop_token_ids)),
                 ("logprobs", self.logprobs is not None),
                 ("logits_processor", self.logits_processor is not None),
+                ("guided_decoding", self.guided_decoding is not None),
             )
             if on
         ]
@@ -413,7 +425,12 @@ class SamplingParams:
             has_penalties=rep != 1.0 or pres != 0.0 or freq != 0.0,
             has_bad_words=bool(self.bad_token_ids or self.bad),
             needs_history=bool(
-                rep != 1.0 or pres != 0.0 or freq != 0.0 or self.bad or self.logits_processor is not None
+                rep != 1.0
+                or pres != 0.0
+                or freq != 0.0
+                or self.bad
+                or self.logits_processor is not None
+                or self.guided_decoding is not None
             ),
             min_tokens=self.min_tokens,
         )

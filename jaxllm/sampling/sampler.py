@@ -1,7 +1,7 @@
 """The on-device sampler: one fixed-shape, fully vectorised function called inside the
 jitted step, with no host synchronisation.
 
-Order (vLLM / TensorRT-LLM): penalties -> suppression -> greedy rows take the argmax;
+Order (vLLM / TensorRT-LLM): penalties -> suppression -> grammar bitmask -> greedy rows take the argmax;
 sampled rows: temperature -> top-k -> top-p -> min-p -> categorical draw. The draw uses the
 Gumbel-max trick with a key derived only from (request seed, output token index), so a
 request's tokens do not depend on its row or on the other requests in the batch.
@@ -60,6 +60,8 @@ def sample(
 
     x = apply_penalties(raw, t) if penalties else raw
     x = apply_suppression(x, t.suppress_ids)
+    if t.use_token_bitmask:
+        x = apply_token_bitmask(x, t.token_bitmask)
 
     greedy_ids = first_argmax(x)
     if t.any_random:
@@ -136,6 +138,17 @@ def apply_suppression(logits: jax.Array, suppress_ids: np.ndarray | jax.Array) -
     S, V = logits.shape
     idx = jnp.where(suppress_ids >= 0, suppress_ids, V)
     return logits.at[jnp.arange(S)[:, None], idx].set(-jnp.inf, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: np.ndarray | jax.Array) -> jax.Array:
+    """Set every token whose bit is 0 in `bitmask` int32[S, ceil(V / 32)] (bit t % 32 of word
+    t // 32, llguidance's layout) to -inf."""
+    S, V = logits.shape
+    words = jnp.asarray(bitmask, jnp.int32)
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = lax.shift_right_logical(words[:, :, None], shifts[None, None, :]) & 1
+    allowed = bits.reshape(S, -1)[:, :V].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def row_keys(t: SamplingTensors) -> jax.Array:

@@ -5,7 +5,10 @@ greedy with no penalties and no suppression, so they cost nothing and change not
 
 Whether whole computations run at all is decided here on the host and recorded as static
 metadata (part of the jit cache key): `use_penalties` (also switches the history shape),
-`num_top_logprobs`, `any_random` and `use_top_k_top_p` (the vocabulary sort). Branching
+`num_top_logprobs`, `any_random`, `use_top_k_top_p` (the vocabulary sort) and
+`use_token_bitmask` (some row follows a grammar: its allowed tokens come as a bitmask
+`int32[S, ceil(V / 32)]`, a [S, 1] dummy otherwise, set by the engine with
+`with_token_bitmask`; those variants compile on first use). Branching
 on device instead (lax.cond) would make the GPU runtime read the predicate back to the
 host mid-step, stalling the host until the model forward finishes. The price is 12
 compiled variants of the sampler (2 x 2 x 3, `SAMPLER_VARIANTS`); the sampler is compiled
@@ -57,10 +60,14 @@ class SamplingTensors:
     # int32[S, H] prompt ids then output ids; -1 = unused ([S, 1] without penalties)
     history_ids: np.ndarray | jax.Array
     history_is_output: np.ndarray | jax.Array  # bool[S, H] True where history_ids holds an output token
+    # int32[S, ceil(V / 32)] allowed tokens (bit t % 32 of word t // 32), -1 words for rows
+    # without a grammar; int32[S, 1] unused without `use_token_bitmask`.
+    token_bitmask: np.ndarray | jax.Array = field(default_factory=lambda: np.full((1, 1), -1, np.int32))
     use_penalties: bool = field(default=False, metadata=dict(static=True))  # some row has a penalty
     num_top_logprobs: int = field(default=0, metadata=dict(static=True))  # 0 or MAX_LOGPROBS
     any_random: bool = field(default=False, metadata=dict(static=True))  # some row samples
     use_top_k_top_p: bool = field(default=False, metadata=dict(static=True))  # some sampled row filters
+    use_token_bitmask: bool = field(default=False, metadata=dict(static=True))  # some row follows a grammar
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +79,14 @@ class SamplingTensors:
         }
         static = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("static")}
         return SamplingTensors(**data, **static)
+
+    def with_token_bitmask(self, bitmask: np.ndarray) -> SamplingTensors:
+        """These tensors with the rows' allowed tokens `bitmask` int32[S, ceil(V / 32)]."""
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != self.batch_size:
+            raise ValueError(
+                f"token_bitmask must be int32[{self.batch_size}, words], got {bitmask.dtype}{list(bitmask.shape)}"
+            )
+        return replace(self, token_bitmask=bitmask, use_token_bitmask=True)
 
     @classmethod
     def empty(
@@ -242,6 +257,7 @@ class SamplingTensors:
             suppress_ids=suppress_ids,
             history_ids=history_ids,
             history_is_output=history_is_output,
+            token_bitmask=np.full((scalars.shape[0], 1), -1, np.int32),
             use_penalties=use_penalties,
             num_top_logprobs=num_top_logprobs,
             any_random=bool(sampled.any()),

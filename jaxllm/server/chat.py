@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxllm.executor.result import GenerationResult
 from jaxllm.outputs import CompletionOutput
+from jaxllm.sampling.guided import GuidedDecodingParams
 from jaxllm.server.chat_output import ChatOutput, ChoiceStream, tool_finish_reason
 from jaxllm.server.errors import APIError, bad_request, error_body
 from jaxllm.server.protocol import ChatCompletionRequest
@@ -90,8 +91,18 @@ class ChatRoute:
             template = body.requested_chat_template()
         except ValueError as exc:
             raise bad_request(exc, "messages") from None
+        server.check_guided_decoding(body)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, server.config)
-        guided = guided_decoding_for_tool_choice(plan.schema) if plan.schema is not None else None
+        guided = None
+        if plan.schema is not None:
+            if body.guided_decoding()[0] is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: 'required' or a named function already constrains the output; "
+                    "it cannot be combined with response_format or guided_* fields",
+                    "tool_choice",
+                )
+            guided = guided_decoding_for_tool_choice(plan.schema)
         if template is not None and not server.config.trust_request_chat_template:
             raise APIError(
                 400,
@@ -117,10 +128,10 @@ class ChatRoute:
         )
         return body, plan, results
 
-    def _sampling_params(self, body: ChatCompletionRequest, prompt_len: int, guided: object | None):
+    def _sampling_params(self, body: ChatCompletionRequest, prompt_len: int, guided: GuidedDecodingParams | None):
         params = self.server.sampling_params_for(body, body.requested_max_tokens(), prompt_len)
         if guided is not None:
-            params.guided_decoding = guided  # type: ignore[attr-defined]
+            params.guided_decoding = guided
         return params
 
     def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None, tools: list | None) -> str:

@@ -95,6 +95,7 @@ class CompletionsRoute:
             retention = body.retention_config()
         except ValueError as exc:
             raise bad_request(exc) from None
+        server.check_guided_decoding(body)
         results = server.submit_all(
             prompts,
             lambda n: server.sampling_params_for(body, body.max_tokens, n),

@@ -66,6 +66,11 @@ REQUEST_FIELDS = frozenset(
         "logits_processors",
         "logits_processor",
         "logits_post_processor_name",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
     }
 )
 
@@ -98,9 +103,10 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def param_of(message: str, candidates: Iterable[str] = REQUEST_FIELDS) -> str | None:
-    """The request field a ValueError message is about (messages start with the field name)."""
+    """The request field a ValueError message is about (messages start with the field name,
+    or a path into it such as `response_format.json_schema`)."""
     head = message.split(":", 1)[0].split(" ", 1)[0].strip("'\"`")
-    return head if head in candidates else None
+    return head if head.split(".", 1)[0] in candidates else None
 
 
 def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:

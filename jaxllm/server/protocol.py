@@ -9,12 +9,13 @@ cheaper than pydantic models per chunk.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import GuidedDecodingParams, SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -68,6 +69,60 @@ class KvCacheRetentionBody(StrictModel):
             raise ValueError(f"kv_cache_retention_config: {exc}") from None
 
 
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema` (OpenAI): the schema the output follows."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` extra field (exactly one constraint)."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[dict[str, Any], str]] = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+# The fields that constrain the output; at most one may be set per request.
+GUIDED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def _guided(kind: str, value: Any, field: str) -> GuidedDecodingParams:
+    """GuidedDecodingParams(kind=value), its ValueError naming the request `field` instead."""
+    try:
+        return GuidedDecodingParams(**{kind: value})
+    except ValueError as exc:
+        raise ValueError(f"{field}: {strip_guided_prefix(str(exc))}") from None
+
+
+def strip_guided_prefix(message: str) -> str:
+    """A guided-decoding error message without its leading `guided_decoding.<field>` name."""
+    return re.sub(r"^guided_decoding(\.\w+)?:?\s*", "", message)
+
+
 class _SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -102,6 +157,65 @@ class _SamplingFields(StrictModel):
     logits_processors: Optional[Any] = None
     logits_processor: Optional[Any] = None
     logits_post_processor_name: Optional[Any] = None
+    # Structured output (jaxllm.sampling.guided): OpenAI's response_format, vLLM's extra fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def guided_decoding(self) -> tuple[Optional[GuidedDecodingParams], Optional[str]]:
+        """The output constraint and the request field it came from (None, None without one);
+        ValueError naming the field for a malformed one."""
+        found = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.type == "text" and rf.json_schema is None:
+            found.remove("response_format")  # free text: no constraint
+        if len(found) > 1:
+            raise ValueError(f"{found[1]}: only one of {', '.join(found)} may be set")
+        if not found:
+            return None, None
+        name = found[0]
+        if name == "response_format":
+            return self._response_format_constraint()
+        if name == "structured_outputs":
+            return self._structured_outputs_constraint()
+        return _guided(name.removeprefix("guided_"), getattr(self, name), name), name
+
+    def _response_format_constraint(self) -> tuple[GuidedDecodingParams, str]:
+        rf = self.response_format
+        assert rf is not None
+        if rf.type == "json_object":
+            if rf.json_schema is not None:
+                raise ValueError("response_format.json_schema: only allowed with type json_schema")
+            return GuidedDecodingParams(json_object=True), "response_format"
+        field = "response_format.json_schema"
+        if rf.type != "json_schema" or rf.json_schema is None:
+            raise ValueError(f"{field}: required with type json_schema (and only allowed with it)")
+        schema = rf.json_schema.schema_
+        # OpenAI: a json_schema without a schema allows any JSON value.
+        return GuidedDecodingParams(json=schema if schema is not None else {}), field + ".schema"
+
+    def _structured_outputs_constraint(self) -> tuple[GuidedDecodingParams, str]:
+        so = self.structured_outputs
+        assert so is not None
+        values = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": so.json_object or None,
+            "structural_tag": so.structural_tag,
+        }
+        given = [k for k, v in values.items() if v is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: exactly one of {', '.join(values)} must be set, got {', '.join(given) or 'none'}"
+            )
+        kind = given[0]
+        field = f"structured_outputs.{kind}"
+        return _guided(kind, values[kind], field), field
 
     def retention_config(self) -> Optional[KvCacheRetentionConfig]:
         body = self.kv_cache_retention_config
@@ -153,6 +267,7 @@ class _SamplingFields(StrictModel):
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            guided_decoding=self.guided_decoding()[0],
         )
 
 
@@ -221,10 +336,6 @@ class ChatMessage(BaseModel):
         return data
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text"]
-
-
 # Arguments of `apply_chat_template` that would change what the call returns, not the text.
 _RESERVED_TEMPLATE_KWARGS = {
     "conversation",
@@ -252,7 +363,6 @@ class ChatCompletionRequest(_SamplingFields):
     # Checked by `tool_request.plan_tools` (400s naming e.g. `tools[1].function.name`).
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
-    response_format: Optional[ResponseFormat] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None  # refused unless the server trusts request templates

@@ -30,8 +30,10 @@ from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
+from jaxllm.sampling.guided import compile_grammar
 from jaxllm.server.errors import APIError, bad_request, param_of, validation_error
 from jaxllm.server.guard import BodyTooLarge, parse_json_body
+from jaxllm.server.protocol import strip_guided_prefix
 from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.server_metrics import ServerMetrics
 from jaxllm.server.streaming import wait_for_disconnect
@@ -153,6 +155,24 @@ class OpenAIServer:
             return body.to_sampling_params(self.max_tokens_for(requested, prompt_len))
         except ValueError as exc:
             raise bad_request(exc) from None
+
+    def check_guided_decoding(self, body: Any) -> None:
+        """Compile the body's output constraint now (cached by its text), so that one that does
+        not compile is a 400 naming its request field (`response_format.json_schema.schema`,
+        `guided_regex`, ...) before anything is submitted."""
+        try:
+            guided, field = body.guided_decoding()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        if guided is None or field is None:
+            return
+        matchers = getattr(self.executor.engine, "guided", None)
+        try:
+            compile_grammar(guided)
+            if matchers is not None:
+                matchers.check(guided)
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {strip_guided_prefix(str(exc))}", field) from None
 
     def submit_all(
         self,

@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 
-import jaxllm.sampling
+from jaxllm.sampling.guided import GuidedDecodingParams
 from jaxllm.server.errors import APIError
 from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.tool_parsers import NamedFunctionParser, RequiredCallsParser, ToolParser, get_tool_parser
@@ -155,18 +155,10 @@ def tool_choice_schema(tools: list[dict], tool_choice: str | dict, parallel_tool
     return {"type": "array", "minItems": 1, "items": call}
 
 
-def guided_decoding_for_tool_choice(schema: dict) -> Any:
+def guided_decoding_for_tool_choice(schema: dict) -> GuidedDecodingParams:
     """The sampling constraint that holds the output to `schema` (set as
-    `SamplingParams.guided_decoding`); a 400 while the engine has no structured output."""
-    guided = getattr(jaxllm.sampling, "GuidedDecodingParams", None)
-    if guided is None:
-        raise APIError(
-            400,
-            "tool_choice: 'required' / named functions need structured output support "
-            "(guided decoding), which this server does not have; use tool_choice \"auto\"",
-            "tool_choice",
-        )
-    return guided(json=schema)
+    `SamplingParams.guided_decoding`): calls whose arguments always parse and validate."""
+    return GuidedDecodingParams(json=schema)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
