@@ -283,3 +283,38 @@ def test_llm_generate_with_guided_decoding():
             llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(regex="(")))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("required", [True, False], ids=["deepseek_r1", "qwen3"])
+def test_constraint_applies_after_the_reasoning(required):
+    """With a reasoning span the thinking is free text up to the first `</think>` (required, as
+    DeepSeek-R1's prompt opens it; optional `<think>...</think>`, as Qwen3 writes it), then the
+    schema holds. Checked with llguidance's own matcher on reference strings, the answer part
+    with jsonschema."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from jaxllm.models import materialize_preset
+    from jaxllm.sampling.guided import ReasoningSpan
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tokenizer = AutoTokenizer.from_pretrained(str(materialize_preset("tiny-moe")))
+    grammar = compile_grammar(GuidedDecodingParams(json=schema, reasoning=ReasoningSpan(required=required)))
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    cases = {
+        'I weigh it up.</think>\n\n{"a": 12}': required,
+        '<think>Let me see { "a": x }</think> {"a": 3}': True,
+        '{"a": 12}': not required,
+        'so</think> and </think>{"a": 1}': False,  # the first </think> ends the thinking
+        '<think>no answer</think>{"b": 1}': False,
+    }
+    for text, expected in cases.items():
+        assert accepted(text) == expected, text
+        if expected:
+            jsonschema.validate(json.loads(text.rpartition("</think>")[2] or text), schema)

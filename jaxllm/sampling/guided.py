@@ -47,6 +47,29 @@ def parser_limits() -> llguidance.LLParserLimits:
     )
 
 
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Thinking the constraint leaves free: text up to the first `end` (from the output's start,
+    which may repeat `start`; or, when not `required`, an optional `start` ... `end` block),
+    then optional whitespace, then the constrained output. A reasoning model's answer is
+    held to the schema while its thinking is not."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    required: bool = True  # DeepSeek-R1: the prompt opens the thinking; Qwen3: optional
+
+    def lark_rules(self) -> str:
+        start, end = _lark_regex_literal(self.start), _lark_regex_literal(self.end)
+        if self.required:
+            return f"start: think gap? @constraint\nthink[lazy]: /(.|\\n)*{end}/\ngap: /[ \\t\\r\\n]+/\n"
+        return f"start: (think gap?)? @constraint\nthink[lazy]: /{start}(.|\\n)*{end}/\ngap: /[ \\t\\r\\n]+/\n"
+
+
+def _lark_regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return "".join("\\" + c if c in "\\.^$|?*+()[]{}/" else c for c in text)
+
+
 @dataclass
 class GuidedDecodingParams:
     """What a request's output must match; exactly one field is set.
@@ -64,6 +87,9 @@ class GuidedDecodingParams:
     choice: Optional[list[str]] = None
     json_object: bool = False
     structural_tag: Optional[Union[str, dict]] = None
+    # Not a constraint of its own: thinking that comes before the constrained output (set by a
+    # server with a reasoning parser, so the constraint applies after the reasoning ends).
+    reasoning: Optional[ReasoningSpan] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,7 +150,24 @@ def compile_grammar(guided: GuidedDecodingParams) -> str:
     """The llguidance grammar of `guided`, checked (ValueError `guided_decoding.<field>: <why>`
     when it does not compile), cached by the constraint's text."""
     guided.validate()
+    if guided.reasoning is not None:
+        return _after_reasoning_cached(guided.cache_key(), guided.reasoning)
     return _compile_cached(*guided.cache_key())
+
+
+@lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _after_reasoning_cached(key: tuple[str, str], reasoning: ReasoningSpan) -> str:
+    """The constraint's grammar as a sub-grammar after free thinking (`ReasoningSpan`)."""
+    text = _compile_cached(*key)
+    # llguidance grammars are either its JSON form (a list of grammars, the first the start)
+    # or plain Lark text.
+    inner = _json.loads(text)["grammars"] if text.lstrip().startswith("{") else [{"lark_grammar": text}]
+    inner[0] = dict(inner[0], name="constraint")
+    grammar = _json.dumps({"grammars": [{"lark_grammar": reasoning.lark_rules()}, *inner]})
+    error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
+    if error:
+        raise ValueError(f"guided_decoding.{key[0]}: after reasoning: {_one_line(error)}")
+    return grammar
 
 
 def grammar_cache_info() -> Any:
@@ -134,6 +177,7 @@ def grammar_cache_info() -> Any:
 
 def clear_grammar_cache() -> None:
     _compile_cached.cache_clear()
+    _after_reasoning_cached.cache_clear()
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)

@@ -12,6 +12,7 @@ calls by `chat_output.ChatOutput` (parsers chosen by the server's flags and the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -132,6 +133,9 @@ class ChatRoute:
         params = self.server.sampling_params_for(body, body.requested_max_tokens(), prompt_len)
         if guided is not None:
             params.guided_decoding = guided
+        if params.guided_decoding is not None and self.reasoning is not None:
+            # The thinking stays free; the constraint holds the answer after it.
+            params.guided_decoding = dataclasses.replace(params.guided_decoding, reasoning=self.reasoning.span)
         return params
 
     def _apply_chat_template(self, body: ChatCompletionRequest, template: str | None, tools: list | None) -> str:

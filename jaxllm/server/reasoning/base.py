@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jaxllm.sampling.guided import ReasoningSpan
 from jaxllm.server.text_markers import held_back
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -68,6 +69,7 @@ class ReasoningStream:
 
 class ReasoningParser(ABC):
     name: ClassVar[str]
+    span: ClassVar[ReasoningSpan]  # where the thinking is, for constraints that apply after it
 
     @abstractmethod
     def extract(self, text: str) -> tuple[str | None, str | None]:

@@ -5,11 +5,14 @@ thinking block in the prompt and the whole message is content. Thinking cut off 
 
 from __future__ import annotations
 
+from jaxllm.sampling.guided import ReasoningSpan
 from jaxllm.server.reasoning.base import THINK_END, THINK_START, ReasoningParser, ReasoningStream
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    # Structured output and tool calls are held to their grammar after the thinking.
+    span = ReasoningSpan(THINK_START, THINK_END, required=False)
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         before, opened, rest = text.partition(THINK_START)
