@@ -306,6 +306,17 @@ CASES = [
     (CH, _ch(max_tokens="5"), 400, "max_tokens"),
     (CH, _ch(tools=[{"type": "function"}]), 400, "tools"),
     (CH, _ch(tool_choice="required"), 400, "tool_choice"),
+    (CH, _ch(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools[0].function.name"),
+    (CH, _ch(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), 400, "tools[0]"),
+    (
+        CH,
+        _ch(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+    ),
     (
         CH,
         _ch(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
