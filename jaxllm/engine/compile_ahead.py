@@ -11,8 +11,13 @@ When the best fit is compiled is a rent-or-buy choice: padding costs a little on
 compiling costs once, and on a CPU the compile takes the cores the steps run on. So a bucket
 compiles on the runner's compile threads once the steps that wanted it have spent as much wall
 time as a compile takes (the mean of those so far), or as soon as the engine is idle. That holds
-for a background warm-up's buckets too: it compiles the decode and the largest buckets first and
-`defer`s the others to the engine's idle time (or to the steps that pay for them). At most
+for a background warm-up's buckets too: it compiles the buckets a lone user needs first and
+`defer`s the others to the engine's idle time (or to the steps that pay for them).
+
+A second compiler of the same kind keeps the small decode buckets (`sizes`: row counts, see
+`EngineConfig.decode_batch_sizes`): a decode step whose best decode bucket is not compiled runs
+in the smallest compiled decode bucket holding it, or, when none does, in a token bucket
+(`choose` returns None), which a warm-up always compiles. At most
 `max_in_flight` buckets compile at once. Programs compiled this way are the same programs,
 under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a
 step's matmuls (not which tokens are valid), as batching with other requests does.
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional
 
-from jaxllm.batch_builder import choose_token_bucket
+from jaxllm.batch_builder import choose_decode_rows, choose_token_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +49,13 @@ class BucketCompiler:
         compile_bucket: Callable[[int], Future],
         compile_seconds: Callable[[], float],
         max_in_flight: int = 1,
+        sizes: Optional[list[int]] = None,
     ) -> None:
         """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
         threads and returns its future; `compile_seconds()` is what one compile is expected to
-        take (the mean so far)."""
+        take (the mean so far). `sizes`: the buckets (ascending) when they are the decode
+        buckets rather than the token buckets."""
+        self.sizes = sizes
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
         self._compile_bucket = compile_bucket
@@ -106,7 +114,22 @@ class BucketCompiler:
 
     def choose(self, num_tokens: int) -> int:
         """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
-        best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        bucket = self._choose(num_tokens)
+        if bucket is None:
+            raise AssertionError("a token bucket compiler always has a bucket")
+        return bucket
+
+    def choose_decode(self, num_rows: int) -> Optional[int]:
+        """The decode bucket a decode step of `num_rows` rows runs in; None: a token bucket."""
+        return self._choose(num_rows)
+
+    def _choose(self, num_tokens: int) -> Optional[int]:
+        if self.sizes is None:
+            best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        else:
+            best = choose_decode_rows(num_tokens, self.sizes)
+            if best is None:
+                return None
         now = time.perf_counter()
         step_seconds = 0.0 if self._last_step is None else min(now - self._last_step, self.MAX_STEP_SECONDS)
         self._last_step = now
@@ -115,7 +138,7 @@ class BucketCompiler:
             if best in ready or best in self._failed:
                 return best
             fitting = next((b for b in ready if b >= num_tokens), None)
-            if fitting is None:  # the step compiles `best` itself (or waits for its compile)
+            if fitting is None and self.sizes is None:  # the step compiles `best` itself (or waits for it)
                 self._add_ready(best)
                 return best
             if best not in self._in_flight and best not in self._wanted:
@@ -127,7 +150,7 @@ class BucketCompiler:
                     if best in self._deferred:
                         self._deferred.remove(best)
             to_start = self._take_startable()
-            self.padded_steps += 1
+            self.padded_steps += fitting is not None
         self._start(to_start)
         return fitting
 

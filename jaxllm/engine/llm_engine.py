@@ -91,6 +91,19 @@ class LLMEngine:
                 compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
                 max_in_flight=self.runner.compile_workers - 1,
             )
+        # The small decode buckets (EngineConfig.decode_batch_sizes), under the same rule.
+        self.decode_compiler: Optional[BucketCompiler] = None
+        if self.bucket_compiler is not None and self.planner.decode_batch_sizes:
+            self.decode_compiler = BucketCompiler(
+                max_num_tokens=config.max_batch_size,
+                min_token_bucket=1,
+                compile_bucket=lambda rows: self.step_runner.compile_forward(
+                    *self.planner.empty_decode_step(rows), wait=False
+                ),
+                compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
+                max_in_flight=self.runner.compile_workers - 1,
+                sizes=self.planner.decode_batch_sizes,
+            )
         self.program_warmup = ProgramWarmup(
             runner=self.step_runner,
             planner=self.planner,
@@ -100,6 +113,7 @@ class LLMEngine:
             bucket_compiler=self.bucket_compiler,
             logits_outputs=self.capabilities.logits_outputs is None,
             attention_dp=self.attention_dp,
+            decode_compiler=self.decode_compiler,
         )
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
@@ -216,6 +230,8 @@ class LLMEngine:
         """Nothing to run: compile, on the compile threads, the buckets steps asked for and
         those a background warm-up left for idle time. Called after a run (`step`) and by the
         engine's driver when no request arrived for a while."""
+        if self.decode_compiler is not None:
+            self.decode_compiler.on_idle()
         if self.bucket_compiler is not None:
             self.bucket_compiler.on_idle()
 
@@ -392,6 +408,9 @@ class LLMEngine:
             # A steady batch keeps its tokens in a log unless a request needs them every step.
             defer_tokens=self.token_log and not self.requests.needs_host_tokens,
             choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose,
+            # Logits outputs and post-processors take max_batch_size rows: token buckets only.
+            decode_buckets=not self.requests.num_logits_requests,
+            choose_decode_rows=None if self.decode_compiler is None else self.decode_compiler.choose_decode,
         )
 
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[PendingStep]:
@@ -492,8 +511,9 @@ class LLMEngine:
         """Write pending statistics, stop the load balancer's placement thread and the compile
         threads, and end the multi-host session (the followers drop their runner)."""
         self.close_statistics()
-        if self.bucket_compiler is not None:
-            self.bucket_compiler.close()
+        for compiler in (self.decode_compiler, self.bucket_compiler):
+            if compiler is not None:
+                compiler.close()
         if self.load_balancer is not None:
             self.load_balancer.close()
         self.step_runner.close()
