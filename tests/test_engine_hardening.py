@@ -213,7 +213,10 @@ def test_no_compilation_after_warmup(llm, canary_tokens):
     buckets = on_engine(llm, lambda e: e.token_buckets())
     assert buckets == [16, 32, 64]
     variants = on_engine(llm, lambda e: (e.runner.num_forward_variants, e.runner.num_sampler_variants))
-    assert variants == (len(buckets), 12)  # every bucket x forward, every sampler variant
+    sizes = on_engine(llm, lambda e: e.program_warmup.decode_sizes())
+    rows = on_engine(llm, lambda e: {e.num_sampler_rows, *sizes})
+    assert sizes  # the small decode buckets: a forward each, and each sampler variant for their rows
+    assert variants == (len(buckets) + len(sizes), 12 * len(rows))  # every bucket x forward, every sampler variant
     compiles = []
 
     def listener(event, duration, **kwargs):
