@@ -122,7 +122,7 @@ def engine_banner(engine, model: str) -> str:
             f"moe_tp={layout.moe_tensor_parallel_size} attention={attention}",
             f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
             f"  KV cache  {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)} ({kv.num_blocks} blocks x {tpb} "
-            f"tokens; {kv_cache_sizing(devices[0])})",
+            f"tokens): {kv_cache_sizing(devices[0])}",
             f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
             f"max_seq_len={engine.max_seq_len}",
             f"  compiled  {compiled_buckets(engine)}",
@@ -131,13 +131,13 @@ def engine_banner(engine, model: str) -> str:
 
 
 def kv_cache_sizing(device) -> str:
-    """How the KV cache got its size and the flags that change it."""
+    """What sizes the KV cache, by the flags that change it."""
     try:
         has_stats = bool(device.memory_stats())
     except Exception:  # a backend without memory statistics raises or returns None
         has_stats = False
-    share = "--kv-cache-free-gpu-memory-fraction sets its share of free memory" if has_stats else "4 GiB on a CPU"
-    return f"{share}; --kv-cache-max-tokens caps it, --tokens-per-block sets the block"
+    budget = "--kv-cache-free-gpu-memory-fraction of free memory" if has_stats else "4 GiB on a CPU"
+    return f"the least of --kv-cache-max-tokens, --max-batch-size x --max-seq-len and {budget}"
 
 
 def compiled_buckets(engine) -> str:
