@@ -143,7 +143,7 @@ def kv_cache_sizing(device) -> str:
 def compiled_buckets(engine) -> str:
     """The compiled model forwards: one per token bucket and per small decode bucket."""
     plan = engine.program_warmup
-    buckets, rows = engine.token_buckets(), plan.decode_sizes()
+    buckets, rows = plan.planner.token_buckets(), plan.decode_sizes()
     text = f"{plan.num_forwards()} forwards: token buckets {','.join(map(str, buckets))}"
     if rows:
         text += f" + decode buckets of {','.join(map(str, rows))} rows (--decode-batch-sizes)"
