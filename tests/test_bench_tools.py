@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxllm.bench import latency, serve_client, throughput
+from jaxllm.bench import latency, serve_client, startup, throughput
 from jaxllm.bench.dataset import BenchRequest, load_dataset, save_dataset, synthetic_dataset
 from jaxllm.bench.request_metrics import RequestRecord, distribution, format_table, summarize
 from jaxllm.executor import GenerationExecutor
@@ -225,6 +225,9 @@ def test_serving_client_load_shapes(engine, tmp_path, capsys):
             seed=4,
         )
         expected = sum(r.output_tokens for r in requests)
+        # `jaxllm bench startup`'s first requests: streamed completions sent at once, each timed.
+        ttfts = startup.first_ttfts(server.url, startup.first_request_prompts(2))
+        assert len(ttfts) == 2 and all(0 < t < 60 for t in ttfts)
         for load, kwargs in (("all", {}), ("concurrency", {"concurrency": 3}), ("poisson", {"request_rate": 40.0})):
             started = time.perf_counter()
             records, wall = asyncio.run(

@@ -98,7 +98,7 @@ class LLMEngine:
                 max_num_tokens=config.max_batch_size,
                 min_token_bucket=1,
                 compile_bucket=lambda rows: self.step_runner.compile_forward(
-                    *self.planner.empty_decode_step(rows), wait=False
+                    *self.planner.empty_step(0, rows), wait=False
                 ),
                 compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
                 max_in_flight=self.runner.compile_workers - 1,

@@ -129,12 +129,11 @@ class PlannerOptions:
     # num_tokens -> the token bucket a step runs in (None: the smallest that holds them); set to
     # run in a compiled bucket while the best fit compiles (`jaxllm.engine.compile_ahead`).
     choose_bucket: Optional[Callable[[int], int]] = None
-    # Decode-only steps run in the small decode buckets (`Planner.decode_batch_sizes`); off for
-    # steps whose rows ask for logits outputs or post-processors (their programs take
-    # `max_batch_size` rows).
+    # Decode-only steps run in the small decode buckets (`Planner.decode_batch_sizes`; off while
+    # rows ask for logits outputs or post-processors, whose programs take max_batch_size rows).
+    # `choose_decode_rows(rows)`: the decode bucket, None for a token bucket (None: the smallest
+    # holding them); set while some compile.
     decode_buckets: bool = True
-    # num_rows -> the decode bucket (rows) a decode-only step runs in, None for a token bucket
-    # (None: the smallest of `decode_batch_sizes` holding them); set while some compile.
     choose_decode_rows: Optional[Callable[[int], Optional[int]]] = None
 
 
@@ -320,9 +319,7 @@ class Planner:
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        rows_bucket = None if output.context_requests else self._decode_rows(num_gen)
-        bucket = self._bucket(num_tokens) if rows_bucket is None else rows_bucket
-        num_rows = self.max_batch_size if rows_bucket is None else rows_bucket
+        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
@@ -369,40 +366,32 @@ class Planner:
         """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
         return build_isolating_failures(self, output, in_flight)
 
-    def empty_step(self, bucket: int) -> tuple[StepBatch, np.ndarray]:
-        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of traffic)."""
+    def empty_step(self, bucket: int, rows: Optional[int] = None) -> tuple[StepBatch, np.ndarray]:
+        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of
+        traffic); `rows`: of the decode bucket of that many rows (and tokens) instead."""
         batch = build_step_batch(
             SchedulerOutput([], [], []),
             self.kv_cache_manager,
-            token_bucket=bucket,
-            max_batch_size=self.max_batch_size,
+            token_bucket=bucket if rows is None else rows,
+            max_batch_size=self.max_batch_size if rows is None else rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
         )
-        return replace(batch, lora_slots=self.empty_lora_slots(bucket)), np.full((bucket,), -1, np.int32)
+        size = batch.token_ids.shape[0]
+        return replace(batch, lora_slots=self.empty_lora_slots(size)), np.full((size,), -1, np.int32)
 
     def empty_lora_slots(self, bucket: int) -> Optional[np.ndarray]:
         """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
-    def empty_decode_step(self, rows: int) -> tuple[StepBatch, np.ndarray]:
-        """An all-padding step of the decode bucket of `rows` rows and its feed index."""
-        batch = build_step_batch(
-            SchedulerOutput([], [], []),
-            self.kv_cache_manager,
-            token_bucket=rows,
-            max_batch_size=rows,
-            max_blocks_per_seq=self.max_blocks_per_seq,
-        )
-        return replace(batch, lora_slots=self.empty_lora_slots(rows)), np.full((rows,), -1, np.int32)
-
-    def _decode_rows(self, num_rows: int) -> Optional[int]:
-        """The decode bucket of a decode-only step of `num_rows` rows (None: a token bucket)."""
-        options = self._options
-        if not self.decode_batch_sizes or not options.decode_buckets or options.beam_search:
-            return None
-        if options.choose_decode_rows is not None:
-            return options.choose_decode_rows(num_rows)
-        return choose_decode_rows(num_rows, self.decode_batch_sizes)
+    def _step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+        """(tokens, rows) of a step's buffers: a decode-only step of `decode_rows` rows runs in
+        the decode bucket chosen for it, if any, any other in a token bucket of max_batch_size rows."""
+        options, rows = self._options, None
+        if decode_rows is not None and self.decode_batch_sizes and options.decode_buckets and not options.beam_search:
+            choose = options.choose_decode_rows
+            sizes = self.decode_batch_sizes
+            rows = choose(decode_rows) if choose is not None else choose_decode_rows(decode_rows, sizes)
+        return (self._bucket(num_tokens), self.max_batch_size) if rows is None else (rows, rows)
 
     def _bucket(self, num_tokens: int) -> int:
         return (
@@ -417,9 +406,7 @@ class Planner:
         """`build` of a steady decode step, from the per-slot arrays `schedule` prepared."""
         gen = output.generation_requests
         n = len(gen)
-        rows_bucket = self._decode_rows(n)
-        bucket = self._bucket(n) if rows_bucket is None else rows_bucket
-        num_rows = self.max_batch_size if rows_bucket is None else rows_bucket
+        bucket, num_rows = self._step_shape(n, n)
         feed_index = None  # all -1
         if in_flight is not None and in_flight is decode.entries:
             # The previous step was committed from these rows and is still in flight: every

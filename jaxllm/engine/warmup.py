@@ -6,7 +6,7 @@ and the sampler of every variant of its static switches for each number of rows 
 background mode, only the programs a lone user needs first, the one-row decode bucket and the
 decode token bucket, which holds a short prompt, leaving the rest to idle time and to the
 rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from all-padding
-steps (`Planner.empty_step`, `Planner.empty_decode_step`), which write nothing to the KV cache.
+steps (`Planner.empty_step`), which write nothing to the KV cache.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class ProgramWarmup:
     def _all(self, buckets: list[int], variants: Any, progress: Progress, total: int) -> None:
         runner = self.runner
         batches = [self.planner.empty_step(bucket) for bucket in buckets]
-        decode_batches = [self.planner.empty_decode_step(rows) for rows in self.decode_sizes()]
+        decode_batches = [self.planner.empty_step(0, rows) for rows in self.decode_sizes()]
         samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags) for flags in variants]
         pending = [runner.compile_forward(*batch, wait=False) for batch in decode_batches + batches[1:]]
         logits = runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
@@ -165,7 +165,7 @@ class ProgramWarmup:
         runner = self.runner
         first = self.first_buckets()
         first_rows = self.first_decode_sizes()
-        steps = [self.planner.empty_decode_step(rows) for rows in first_rows]
+        steps = [self.planner.empty_step(0, rows) for rows in first_rows]
         steps += [self.planner.empty_step(bucket) for bucket in first]
         # They compile at once on the compile threads (on a CPU that is the build's cores, idle).
         for future in [runner.compile_forward(*step, wait=False) for step in steps]:
