@@ -9,7 +9,9 @@ Peers on the same weights and prompts, in the same run:
   * jaxllm with small decode buckets off (`decode_batch_sizes=[]`): the same engine, decode
     steps in token buckets of max_batch_size rows.
 Ratio columns are jaxllm / HF (tok/s above 1 and ITL below 1 favour jaxllm). The engines warm
-up fully (greedy sampler) before timing, so no compile is timed.
+up fully (greedy sampler) before timing, so no compile is timed. The peers take turns level by
+level (all of them at c=1, then at c=4, ...), so a load that changes during the run (a shared
+machine) weighs on each level's rows alike; the load average is printed with the table.
 
     jaxllm bench latency --model smollm2 --num-requests 8 --output-len 32
     jaxllm bench latency --model tiny-moe --concurrency 1 4 16 --peers hf
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any, Optional
 
 import numpy as np
@@ -65,24 +70,27 @@ def level_requests(requests: list[BenchRequest], num: int, concurrency: int) -> 
     return requests[: max(num, concurrency)]
 
 
-def run_engine_levels(engine, requests: list[BenchRequest], args: argparse.Namespace) -> dict[int, list]:
-    """Records per concurrency of one engine (after `--warmup-requests` untimed requests)."""
+def engine_runner(stack: ExitStack, engine, requests: list[BenchRequest], args: argparse.Namespace) -> Callable:
+    """concurrency -> records of one engine behind its executor (after `--warmup-requests`
+    untimed requests); the executor and the engine close with `stack`."""
     from jaxllm.executor.executor import ExecutorConfig, GenerationExecutor
 
-    out = {}
-    try:
-        with GenerationExecutor(engine, ExecutorConfig(num_postprocess_workers=args.num_postprocess_workers)) as ex:
-            if args.warmup_requests:
-                run_executor(ex, requests[: args.warmup_requests], concurrency=1, detokenize=False, progress=False)
-            for c in args.concurrency:
-                reqs = level_requests(requests, args.num_requests, c)
-                out[c] = run_executor(ex, reqs, concurrency=c, detokenize=False, progress=not args.no_progress)
-    finally:
-        engine.close()
-    return out
+    stack.callback(engine.close)
+    ex = stack.enter_context(
+        GenerationExecutor(engine, ExecutorConfig(num_postprocess_workers=args.num_postprocess_workers))
+    )
+    if args.warmup_requests:
+        run_executor(ex, requests[: args.warmup_requests], concurrency=1, detokenize=False, progress=False)
+
+    def level(c: int) -> list:
+        reqs = level_requests(requests, args.num_requests, c)
+        return run_executor(ex, reqs, concurrency=c, detokenize=False, progress=not args.no_progress)
+
+    return level
 
 
-def run_hf_levels(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> dict[int, list]:
+def hf_runner(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> Callable:
+    """concurrency -> records of HF transformers on the same weights and prompts."""
     from jaxllm.bench.hf_latency import load_hf_model, run_hf
     from jaxllm.models.resolve import resolve_model
 
@@ -90,7 +98,7 @@ def run_hf_levels(model: str, requests: list[BenchRequest], args: argparse.Names
     prompts = [list(r.input_ids or ()) for r in requests]
     if args.warmup_requests:
         run_hf(hf, prompts[:1], 2, 1)
-    return {c: run_hf(hf, prompts[: max(args.num_requests, c)], args.output_len, c) for c in args.concurrency}
+    return lambda c: run_hf(hf, prompts[: max(args.num_requests, c)], args.output_len, c)
 
 
 def _stats(records: list[RequestRecord]) -> dict[str, Any]:
@@ -154,16 +162,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.concurrency) < 1 or args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise SystemExit("jaxllm bench latency: --concurrency, --num-requests, --input-len, --output-len must be >= 1")
-    engine = build_engine(args)
-    num = max(args.num_requests, *args.concurrency)
-    requests = workload(engine.model_config.vocab_size, num, args.input_len, args.output_len, args.seed)
-    raw: dict[str, dict[int, list]] = {JAXLLM: run_engine_levels(engine, requests, args)}
-    if "no-decode-buckets" in args.peers:
-        raw[NO_DECODE_BUCKETS] = run_engine_levels(build_engine(args, decode_buckets=False), requests, args)
-    if "hf" in args.peers:
-        raw["HF transformers"] = run_hf_levels(args.model, requests, args)
-    results = {name: {c: _stats(records) for c, records in levels.items()} for name, levels in raw.items()}
-    hf_mode = "HF: c requests at a time as one batched generate, torch CPU float32"
+    with ExitStack() as stack:
+        engine = build_engine(args)
+        num = max(args.num_requests, *args.concurrency)
+        requests = workload(engine.model_config.vocab_size, num, args.input_len, args.output_len, args.seed)
+        runners = {JAXLLM: engine_runner(stack, engine, requests, args)}
+        if "no-decode-buckets" in args.peers:
+            runners[NO_DECODE_BUCKETS] = engine_runner(stack, build_engine(args, decode_buckets=False), requests, args)
+        if "hf" in args.peers:
+            runners["HF transformers"] = hf_runner(args.model, requests, args)
+        results: dict[str, dict[int, dict]] = {name: {} for name in runners}
+        loads = []
+        for c in args.concurrency:  # the peers take turns at each level
+            for name, run in runners.items():
+                results[name][c] = _stats(run(c))
+                loads.append(os.getloadavg()[0])
+    hf_mode = (
+        "HF: c requests at a time as one batched generate, torch CPU float32; "
+        f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs"
+    )
     print(format_table(results, args.model, args.concurrency, hf_mode))
     if args.report_json:
         with open(args.report_json, "w", encoding="utf-8") as f:
