@@ -8,6 +8,7 @@ Peers on the same weights and prompts, in the same run:
     (`jaxllm.bench.hf_latency`);
   * jaxllm with small decode buckets off (`decode_batch_sizes=[]`): the same engine, decode
     steps in token buckets of max_batch_size rows.
+With --repeat N each level runs N passes and a row shows the pass of median tok/s.
 Ratio columns are jaxllm / HF (tok/s above 1 and ITL below 1 favour jaxllm). The engines warm
 up fully (greedy sampler) before timing, so no compile is timed. The peers take turns level by
 level (all of them at c=1, then at c=4, ...), so a load that changes during the run (a shared
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=32, help="output tokens of every request")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS), help="peers run next to jaxllm")
     parser.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before each engine's levels")
+    parser.add_argument("--repeat", type=int, default=1, help="passes per level; a row shows the median pass")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-json", default=None)
     parser.add_argument("--no-progress", action="store_true")
@@ -160,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if min(args.concurrency) < 1 or args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
-        raise SystemExit("jaxllm bench latency: --concurrency, --num-requests, --input-len, --output-len must be >= 1")
+    if min(args.concurrency, default=0) < 1 or min(args.num_requests, args.input_len, args.output_len, args.repeat) < 1:
+        raise SystemExit("jaxllm bench latency: counts and lengths must be >= 1")
     with ExitStack() as stack:
         engine = build_engine(args)
         num = max(args.num_requests, *args.concurrency)
@@ -171,12 +173,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             runners[NO_DECODE_BUCKETS] = engine_runner(stack, build_engine(args, decode_buckets=False), requests, args)
         if "hf" in args.peers:
             runners["HF transformers"] = hf_runner(args.model, requests, args)
-        results: dict[str, dict[int, dict]] = {name: {} for name in runners}
+        passes: dict[str, dict[int, list]] = {name: {c: [] for c in args.concurrency} for name in runners}
         loads = []
-        for c in args.concurrency:  # the peers take turns at each level
-            for name, run in runners.items():
-                results[name][c] = _stats(run(c))
-                loads.append(os.getloadavg()[0])
+        for c in args.concurrency:  # the peers take turns at each level, pass after pass
+            for _ in range(args.repeat):
+                for name, run in runners.items():
+                    passes[name][c].append(_stats(run(c)))
+                    loads.append(os.getloadavg()[0])
+    # Each row: the pass of median output tok/s.
+    results = {
+        name: {c: sorted(runs, key=lambda r: r["tok_per_s"])[(len(runs) - 1) // 2] for c, runs in levels.items()}
+        for name, levels in passes.items()
+    }
     hf_mode = (
         "HF: c requests at a time as one batched generate, torch CPU float32; "
         f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs"
