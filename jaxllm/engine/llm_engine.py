@@ -203,8 +203,8 @@ class LLMEngine:
         self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None, background: bool = False
     ) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
-        the model forward for every token bucket and the sampler for every variant of its
-        static switches (`all_variants=False`: only the default greedy sampler). Runs empty
+        the model forward for every token bucket and small decode bucket and the sampler for
+        every variant of its static switches (`all_variants=False`: only the default greedy sampler). Runs empty
         batches, which write nothing to the KV cache. `progress(done, total)` is called after
         each compiled piece (for a progress bar).
 
@@ -212,9 +212,9 @@ class LLMEngine:
         (`EngineConfig.compile_workers`); the samplers once the smallest bucket's forward gave
         the logits they take. Then each runs once.
 
-        `background`: return once the buckets of the common steps are compiled, the decode
-        bucket (the smallest holding `max_batch_size` tokens: every decoding step fits it) and
-        the largest (which holds any step), with the greedy sampler. Nothing else compiles
+        `background`: return once what a lone user needs is compiled, the decode token bucket
+        (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
+        it) and the one-row decode bucket, with the greedy sampler. Nothing else compiles
         while the engine is busy unless it pays for itself: a step whose best bucket is not
         compiled runs padded in a compiled one until its padding cost a compile (see
         `jaxllm.engine.compile_ahead`), and another sampler variant compiles on the step of the
