@@ -37,10 +37,24 @@ from jaxllm.batch_builder import choose_decode_rows, choose_token_bucket
 logger = logging.getLogger(__name__)
 
 
-class BucketCompiler:
+class StepClock:
+    """Wall time since the previous step, shared by an engine's compilers (token and decode
+    buckets), so a step that asked only one of them still counts for the other's next step."""
+
     # A gap between two steps longer than this is idle time, not time spent on a padded step.
     MAX_STEP_SECONDS = 1.0
 
+    def __init__(self) -> None:
+        self._last: Optional[float] = None
+
+    def tick(self) -> float:
+        now = time.perf_counter()
+        seconds = 0.0 if self._last is None else min(now - self._last, self.MAX_STEP_SECONDS)
+        self._last = now
+        return seconds
+
+
+class BucketCompiler:
     def __init__(
         self,
         *,
@@ -50,11 +64,13 @@ class BucketCompiler:
         compile_seconds: Callable[[], float],
         max_in_flight: int = 1,
         sizes: Optional[list[int]] = None,
+        clock: Optional[StepClock] = None,
     ) -> None:
         """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
         threads and returns its future; `compile_seconds()` is what one compile is expected to
         take (the mean so far). `sizes`: the buckets (ascending) when they are the decode
-        buckets rather than the token buckets."""
+        buckets rather than the token buckets; `clock`: the step clock it shares with the
+        engine's other compiler."""
         self.sizes = sizes
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
@@ -65,7 +81,7 @@ class BucketCompiler:
         self._ready: list[int] = []  # compiled buckets, ascending
         # Buckets steps wanted, with the wall time of those padded steps, until it pays a compile.
         self._asked: dict[int, float] = {}
-        self._last_step: Optional[float] = None
+        self._clock = StepClock() if clock is None else clock
         self._wanted: list[int] = []  # buckets to compile, not started yet (first come, first started)
         self._deferred: list[int] = []  # buckets to compile once the engine is idle (a background warm-up's)
         self._in_flight: set[int] = set()
@@ -130,9 +146,7 @@ class BucketCompiler:
             best = choose_decode_rows(num_tokens, self.sizes)
             if best is None:
                 return None
-        now = time.perf_counter()
-        step_seconds = 0.0 if self._last_step is None else min(now - self._last_step, self.MAX_STEP_SECONDS)
-        self._last_step = now
+        step_seconds = self._clock.tick()
         with self._lock:
             ready = self._ready
             if best in ready or best in self._failed:
@@ -207,3 +221,33 @@ class BucketCompiler:
                 self._failed.add(bucket)
             to_start = self._take_startable()
         self._start(to_start)
+
+
+def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any) -> tuple:
+    """(token-bucket compiler, decode-bucket compiler or None) of an engine: `planner` builds the
+    empty steps, `step_runner` compiles them, `runner` says what a compile takes."""
+    clock = StepClock()
+
+    def mean_compile_seconds() -> float:
+        return runner.compile_seconds / max(1, runner.num_compiled_variants)
+
+    tokens = BucketCompiler(
+        max_num_tokens=config.max_num_tokens,
+        min_token_bucket=config.min_token_bucket,
+        compile_bucket=lambda bucket: step_runner.compile_forward(*planner.empty_step(bucket), wait=False),
+        compile_seconds=mean_compile_seconds,
+        max_in_flight=runner.compile_workers - 1,
+        clock=clock,
+    )
+    if not planner.decode_batch_sizes:
+        return tokens, None
+    rows = BucketCompiler(
+        max_num_tokens=config.max_batch_size,
+        min_token_bucket=1,
+        compile_bucket=lambda size: step_runner.compile_forward(*planner.empty_step(0, size), wait=False),
+        compile_seconds=mean_compile_seconds,
+        max_in_flight=runner.compile_workers - 1,
+        sizes=planner.decode_batch_sizes,
+        clock=clock,
+    )
+    return tokens, rows

@@ -35,7 +35,7 @@ from jaxllm.engine.admission import (
     validate_request,
 )
 from jaxllm.engine.builder import build_engine
-from jaxllm.engine.compile_ahead import BucketCompiler
+from jaxllm.engine.compile_ahead import engine_compilers
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.logits_outputs import plan_step_logits
@@ -80,30 +80,12 @@ class LLMEngine:
         # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
         # not under attention DP (its planner picks one bucket for all ranks) nor on a multi-host
         # leader (its followers compile on demand).
-        self.bucket_compiler: Optional[BucketCompiler] = None
-        if config.compile_ahead and session is None and not self.attention_dp:
-            self.bucket_compiler = BucketCompiler(
-                max_num_tokens=config.max_num_tokens,
-                min_token_bucket=config.min_token_bucket,
-                compile_bucket=lambda bucket: self.step_runner.compile_forward(
-                    *self.planner.empty_step(bucket), wait=False
-                ),
-                compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
-                max_in_flight=self.runner.compile_workers - 1,
-            )
-        # The small decode buckets (EngineConfig.decode_batch_sizes), under the same rule.
-        self.decode_compiler: Optional[BucketCompiler] = None
-        if self.bucket_compiler is not None and self.planner.decode_batch_sizes:
-            self.decode_compiler = BucketCompiler(
-                max_num_tokens=config.max_batch_size,
-                min_token_bucket=1,
-                compile_bucket=lambda rows: self.step_runner.compile_forward(
-                    *self.planner.empty_step(0, rows), wait=False
-                ),
-                compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
-                max_in_flight=self.runner.compile_workers - 1,
-                sizes=self.planner.decode_batch_sizes,
-            )
+        # The small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own.
+        self.bucket_compiler, self.decode_compiler = (
+            engine_compilers(config, self.planner, self.step_runner, self.runner)
+            if config.compile_ahead and session is None and not self.attention_dp
+            else (None, None)
+        )
         self.program_warmup = ProgramWarmup(
             runner=self.step_runner,
             planner=self.planner,
