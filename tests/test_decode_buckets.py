@@ -36,6 +36,17 @@ def test_bad_decode_batch_sizes_are_refused(sizes, match):
         EngineConfig(model="tiny-moe", decode_batch_sizes=sizes)
 
 
+def test_the_flag_takes_row_counts_or_off():
+    import argparse
+
+    from jaxllm.cli.args import decode_batch_sizes_flag
+
+    assert decode_batch_sizes_flag("1,2,4") == [1, 2, 4] and decode_batch_sizes_flag("off") == []
+    for bad in ("1,x", "0,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            decode_batch_sizes_flag(bad)
+
+
 def _staggered_run(**limits) -> tuple[list, list, dict]:
     """Requests join so that 1, then 3, then 8 decode together, then 2 are left (steps cross
     the buckets); returns each request's tokens and logprobs and the steps per token bucket."""
