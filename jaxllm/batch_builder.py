@@ -47,6 +47,20 @@ def choose_token_bucket(num_tokens: int, max_num_tokens: int, min_bucket: int = 
     return min(bucket, max_num_tokens)
 
 
+def decode_batch_sizes(max_batch_size: int, decode_bucket: int, sizes: Optional[Sequence[int]] = None) -> list[int]:
+    """The row counts of the small decode buckets (`EngineConfig.decode_batch_sizes`): `sizes`
+    (None: powers of two from 1), keeping those up to `max_batch_size` and below the decode
+    token bucket (a step of more rows runs in that bucket), ascending."""
+    if sizes is None:
+        sizes = [1 << i for i in range(max(1, max_batch_size).bit_length())]
+    return sorted({int(s) for s in sizes if 1 <= s <= max_batch_size and s < decode_bucket})
+
+
+def choose_decode_rows(num_rows: int, sizes: Sequence[int]) -> Optional[int]:
+    """The smallest of `sizes` (ascending) holding `num_rows`; None when none does."""
+    return next((size for size in sizes if size >= num_rows), None)
+
+
 def build_step_batch(
     output: SchedulerOutput,
     kv: KVCacheManager,

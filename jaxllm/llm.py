@@ -31,7 +31,7 @@ class LLM:
     """Loads a model and generates for batches of prompts with in-flight batching.
 
     `warmup` says what compiles before the constructor returns: "background" (default) the
-    steps every run needs, the decode and the largest token bucket with the greedy sampler,
+    steps a lone user needs, the decode token bucket and the one-row decode bucket with the greedy sampler,
     the rest when they pay for themselves or the engine is idle (`LLMEngine.warmup`); "all"
     every bucket and sampler variant; "none" nothing (each program compiles when first needed).
     """

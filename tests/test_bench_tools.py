@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxllm.bench import latency, serve_client, throughput
+from jaxllm.bench import latency, serve_client, startup, throughput
 from jaxllm.bench.dataset import BenchRequest, load_dataset, save_dataset, synthetic_dataset
 from jaxllm.bench.request_metrics import RequestRecord, distribution, format_table, summarize
 from jaxllm.executor import GenerationExecutor
@@ -174,30 +174,39 @@ def test_throughput_cli_runs_every_backend(reuse_engine, tmp_path, capsys):
     assert rc == 0 and len(load_dataset(tmp_path / "syn.jsonl")) == 4
 
 
-def test_latency_cli(reuse_engine, tmp_path, capsys):
+def test_latency_cli(monkeypatch, tmp_path, capsys):
+    # Fresh tiny engines (each run closes its engine), compiled on demand.
+    monkeypatch.setattr(
+        latency,
+        "build_engine",
+        lambda args, decode_buckets=True: tiny_engine(**({} if decode_buckets else {"decode_batch_sizes": []})),
+    )
     report = tmp_path / "latency.json"
     rc = latency.main(
         ENGINE_ARGS
         + [
-            "--num-requests",
-            "3",
-            "--input-mean",
-            "8",
-            "--output-mean",
-            "6",
-            "--dist",
-            "constant",
-            "--warmup-requests",
+            "--concurrency",
             "1",
+            "3",
+            "--num-requests",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
             "--report-json",
             str(report),
         ]
     )
     assert rc == 0
-    summary = json.loads(report.read_text())
-    assert summary["num_completed"] == 3 and summary["total_output_tokens"] == 18
-    assert summary["ttft_ms"]["p95"] is not None
-    assert "latency (concurrency 1)" in capsys.readouterr().out
+    results = json.loads(report.read_text())["results"]
+    assert set(results) == {"jaxllm", "jaxllm, decode buckets off", "HF transformers"}
+    for levels in results.values():
+        # Level 3 runs 3 requests (at least its concurrency), each exactly 6 tokens.
+        assert [levels[c]["output_tokens"] for c in ("1", "3")] == [12, 18]
+        assert levels["3"]["ttft_p99"] is not None and levels["3"]["itl_p50"] is not None
+    table = capsys.readouterr().out
+    assert "tok/s ÷HF" in table and "batched generate" in table
 
 
 def test_serving_client_load_shapes(engine, tmp_path, capsys):
@@ -216,6 +225,9 @@ def test_serving_client_load_shapes(engine, tmp_path, capsys):
             seed=4,
         )
         expected = sum(r.output_tokens for r in requests)
+        # `jaxllm bench startup`'s first requests: streamed completions sent at once, each timed.
+        ttfts = startup.first_ttfts(server.url, startup.first_request_prompts(2))
+        assert len(ttfts) == 2 and all(0 < t < 60 for t in ttfts)
         for load, kwargs in (("all", {}), ("concurrency", {"concurrency": 3}), ("poisson", {"request_rate": 40.0})):
             started = time.perf_counter()
             records, wall = asyncio.run(

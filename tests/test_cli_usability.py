@@ -286,7 +286,7 @@ def readme_transcript() -> list[str]:
 
 
 def test_readme_transcript_matches_the_banner_and_the_progress_line(engine):
-    from jaxllm.batch_builder import choose_token_bucket, token_buckets
+    from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes, token_buckets
 
     lines = readme_transcript()
     banner_labels = [line[2:12].strip() for line in engine_banner(engine, "m").splitlines()[1:]]
@@ -294,10 +294,22 @@ def test_readme_transcript_matches_the_banner_and_the_progress_line(engine):
     assert readme_labels == banner_labels
     # chat's limits (max_batch_size 4, max_num_tokens 256), the engine's smallest bucket 16:
     buckets = token_buckets(256, 16)
-    first = len({choose_token_bucket(4, 256, 16), buckets[-1]})
+    decode_bucket = choose_token_bucket(4, 256, 16)
+    rows = decode_batch_sizes(4, decode_bucket)
+    assert next(line for line in lines if line.startswith("  compiled")).split()[1:7] == [
+        str(len(buckets) + len(rows)),
+        "forwards:",
+        "token",
+        "buckets",
+        ",".join(map(str, buckets)),
+        "+",
+    ]
+    first = 2  # the decode token bucket and the one-row decode bucket
+    forwards = len(buckets) + len(rows)
     progress = next(line for line in lines if line.startswith("compiling"))
     total = first + 1  # ProgramWarmup.num_pieces in the background mode
-    assert progress.startswith(f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle: ")
+    later = forwards - first
+    assert progress.startswith(f"compiling {first} of {forwards} forwards + sampler, {later} more when idle: ")
     assert progress.endswith(f"| {total}/{total}")
 
 

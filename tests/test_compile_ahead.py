@@ -1,8 +1,8 @@
 """Compiling on demand without a warm-up (jaxllm.engine.compile_ahead): a step whose best token
 bucket is not compiled runs padded in a compiled larger one while the best fit compiles in the
 background; only buckets steps need are compiled, none twice, and the tokens are HF's. The
-background warm-up (`LLM(...)`'s default) compiles the decode and largest buckets, nothing more
-while the engine is busy, and the other buckets once it is idle. Compilations are counted, never
+background warm-up (`LLM(...)`'s default) compiles the decode token bucket and the one-row decode
+bucket, nothing more while the engine is busy, and the other buckets once it is idle. Compilations are counted, never
 timed."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _run(engine: LLMEngine, requests: list) -> None:
 def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(qwen3):
     path, model = qwen3
     jax.clear_caches()  # an identical program compiled by an earlier test in this process is no compile
-    engine = LLMEngine(EngineConfig(model=str(path), compile_cache=False, **LIMITS))
+    # Token buckets only: decode steps of few rows would run in decode buckets otherwise.
+    engine = LLMEngine(EngineConfig(model=str(path), compile_cache=False, decode_batch_sizes=[], **LIMITS))
     assert engine.token_buckets() == [16, 32, 64]
     compiles = []
     listener = _counting_compiles(compiles)
@@ -96,7 +97,7 @@ def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(qwen3):
     assert len(compiles) == 2, f"{len(compiles)} XLA compilations for 2 programs"
 
 
-def test_background_warm_up_compiles_the_decode_and_largest_buckets_and_the_rest_when_idle(qwen3):
+def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_idle(qwen3):
     path, model = qwen3
     jax.clear_caches()
     engine = LLMEngine(EngineConfig(model=str(path), compile_cache=False, **LIMITS))
@@ -104,15 +105,19 @@ def test_background_warm_up_compiles_the_decode_and_largest_buckets_and_the_rest
     listener = _counting_compiles(compiles)
     try:
         engine.warmup(background=True)
-        # Decode bucket (4 rows -> 16) and the largest (64), the greedy sampler; 32 left for idle time.
+        # The decode token bucket (4 rows -> 16) and the one-row decode bucket, the greedy
+        # sampler; the largest token bucket first, then 32, and decode buckets 2 and 4 left for
+        # idle time.
         assert engine.decode_bucket() == 16
-        assert engine.bucket_compiler.ready == [16, 64] and engine.bucket_compiler.deferred == [32]
+        assert engine.bucket_compiler.ready == [16] and engine.bucket_compiler.deferred == [64, 32]
+        assert engine.decode_compiler.ready == [1] and engine.decode_compiler.deferred == [2, 4]
         assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (2, 1)
         assert engine.runner.compiles_in_flight == 0
 
-        # First step: 20 + 3 x 3 prompt tokens (best fit 32, runs padded in 64), then decoding
-        # steps of 4 tokens in 16. One request samples: its sampler variant compiles on its step.
-        prompts = [random_prompts(1, VOCAB, 20, 20, seed=4)[0]] + random_prompts(3, VOCAB, 3, 3, seed=5)
+        # First step: 10 + 3 x 2 prompt tokens in 16, then decoding steps of 4 rows, whose
+        # decode bucket is not compiled: they run in token bucket 16. One request samples: its
+        # sampler variant compiles on its step.
+        prompts = [random_prompts(1, VOCAB, 10, 10, seed=4)[0]] + random_prompts(3, VOCAB, 2, 2, seed=5)
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         requests = [engine.add_request(p, greedy) for p in prompts[:3]]
         requests.append(
@@ -124,19 +129,20 @@ def test_background_warm_up_compiles_the_decode_and_largest_buckets_and_the_rest
             busy_in_flight.add(engine.runner.compiles_in_flight)
             engine.step()
         assert busy_forwards == {2} and busy_in_flight == {0}  # nothing compiled while busy
-        assert engine.bucket_compiler.padded_steps == 1 and engine.runner.steps_per_bucket[64] == 1
+        assert engine.bucket_compiler.padded_steps == 0 and engine.runner.steps_per_bucket[16] == 6
         assert engine.runner.num_sampler_variants == 2
         for prompt, request in zip(prompts[:3], requests):
             hf_teacher_forcing_check(model, prompt, request.output_token_ids)
 
-        _wait_for_compiles(engine)  # the last step found the engine idle: 32 compiled then
+        _wait_for_compiles(engine)  # the last step found the engine idle: the rest compiled then
         assert engine.bucket_compiler.ready == [16, 32, 64] and engine.bucket_compiler.deferred == []
+        assert engine.decode_compiler.ready == [1, 2, 4] and engine.decode_compiler.deferred == []
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         engine.close()
-    assert engine.runner.num_forward_variants == 3
-    # 3 forwards, 2 samplers and the (empty) KV block copy, each compiled once.
-    assert len(compiles) == 6, f"{len(compiles)} XLA compilations for 6 programs"
+    assert engine.runner.num_forward_variants == 6
+    # 6 forwards, 2 samplers and the (empty) KV block copy, each compiled once.
+    assert len(compiles) == 9, f"{len(compiles)} XLA compilations for 9 programs"
 
 
 def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
@@ -149,17 +155,17 @@ def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
         def state(e):
             return e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants
 
-        assert llm.executor.call_on_engine(state) == ([16, 64], 2, 1)
-        # No request comes: after EngineCore.IDLE_SECONDS the engine compiles bucket 32. (Each
+        assert llm.executor.call_on_engine(state) == ([16], 2, 1)
+        # No request comes: after EngineCore.IDLE_SECONDS the engine compiles the rest. (Each
         # look at the engine is a command that restarts the idle clock, so look rarely.)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             time.sleep(3)
             if llm.executor.call_on_engine(
-                lambda e: e.runner.compiles_in_flight == 0 and len(e.bucket_compiler.ready) == 3
+                lambda e: e.runner.compiles_in_flight == 0 and e.runner.num_forward_variants == 6
             ):
                 break
-        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 3, 1)
+        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 6, 1)
     finally:
         llm.shutdown()
 

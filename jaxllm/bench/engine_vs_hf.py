@@ -10,7 +10,7 @@ are counted.
 
 Cold is the first call of a fresh engine, compilation included, with an empty compilation
 cache (the run points JAX's persistent cache at a new temporary directory). `LLM(...)` compiles
-the decode and the largest token buckets before it returns (its default background warm-up), so
+the decode token bucket and the one-row decode bucket before it returns (its default background warm-up), so
 the table also shows "build + cold": the engine build (weights, KV cache, those compiles) plus
 the first call, next to HF's model load plus its first call. During the cold call steps run in a
 compiled token bucket while better-fitting ones compile once they pay for themselves

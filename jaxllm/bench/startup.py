@@ -9,6 +9,11 @@ seconds it reports for loading and compiling are shown next to the total, so the
 says what dominates a cold start. The model itself (downloads, dequantized GGUF) is
 resolved once before timing, so neither row pays for a download.
 
+Then, on the same server, the first `--requests` streamed completions (prompts of several
+lengths, sent at once) right after "ready", and the same requests again `--settle` seconds
+later, once the programs a background warm-up leaves for idle time have compiled: their TTFTs
+side by side say what a user arriving at "ready" pays for an early ready.
+
     jaxllm bench startup --model tiny-moe smollm2
     jaxllm bench startup --model smollm2 --serve-args "--max-num-tokens 512 --max-seq-len 2048"
 """
@@ -16,6 +21,7 @@ resolved once before timing, so neither row pays for a download.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -23,11 +29,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 
 @dataclass
@@ -38,6 +47,8 @@ class StartupTiming:
     ready_seconds: float  # the server's own "ready in X s" (engine build + warm-up)
     model_seconds: float  # the server's "model NAME: ... (X s)" line (resolving and loading)
     compile_entries: int  # files in the compilation cache after this start
+    ttft_ready: list[float] = field(default_factory=list)  # seconds, the first requests right after ready
+    ttft_settled: list[float] = field(default_factory=list)  # the same requests once settled
 
 
 def _free_port() -> int:
@@ -59,8 +70,63 @@ def _seconds(pattern: str, text: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
-def time_start(model: str, cache_dir: Path, serve_args: list[str], timeout: float, log: Path) -> StartupTiming:
-    """Start one server, wait until /health answers, stop it; raises if it dies or times out."""
+# Prompt lengths (words) of the first requests: short chat turns and a few longer ones, so they
+# need token buckets a background warm-up has not compiled yet.
+PROMPT_WORDS = (6, 20, 45, 90, 180, 360, 12, 30)
+
+
+def first_request_prompts(num: int) -> list[str]:
+    return [" ".join(["hello"] * PROMPT_WORDS[i % len(PROMPT_WORDS)]) for i in range(num)]
+
+
+def _ttft(base: str, prompt: str, max_tokens: int = 8) -> float:
+    """Seconds until the first streamed chunk of one completion (raises on a failed request)."""
+    body = {"model": _served_model(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("a streamed completion returned no chunk")
+    return first
+
+
+def _served_model(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def first_ttfts(base: str, prompts: list[str]) -> list[float]:
+    """TTFT of each prompt, all sent at once (one thread each)."""
+    out: list[float] = [float("nan")] * len(prompts)
+
+    def one(i: int) -> None:
+        out[i] = _ttft(base, prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def time_start(
+    model: str,
+    cache_dir: Path,
+    serve_args: list[str],
+    timeout: float,
+    log: Path,
+    requests: int = 0,
+    settle: float = 60.0,
+) -> StartupTiming:
+    """Start one server, wait until /health answers, time the first `requests` completions then
+    and `settle` seconds later, stop it; raises if it dies or times out."""
     port = _free_port()
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAXLLM_COMPILE_CACHE="1")
     cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", model, "--port", str(port), *serve_args]
@@ -77,6 +143,12 @@ def time_start(model: str, cache_dir: Path, serve_args: list[str], timeout: floa
                     raise RuntimeError(f"jaxllm serve was not healthy within {timeout:.0f} s; see {log}")
                 time.sleep(0.05)
             healthy = time.perf_counter() - start
+            ttft_ready, ttft_settled = [], []
+            if requests:
+                base, prompts = url.removesuffix("/health"), first_request_prompts(requests)
+                ttft_ready = first_ttfts(base, prompts)
+                time.sleep(settle)
+                ttft_settled = first_ttfts(base, prompts)
         finally:
             proc.terminate()
             try:
@@ -92,6 +164,8 @@ def time_start(model: str, cache_dir: Path, serve_args: list[str], timeout: floa
         _seconds(r"ready in ([0-9.]+) s", text),
         _seconds(r"(?m)^model .*\(([0-9.]+) s\)\s*$", text),
         sum(1 for p in cache_dir.rglob("*") if p.is_file()),
+        ttft_ready,
+        ttft_settled,
     )
 
 
@@ -109,6 +183,24 @@ def format_table(rows: list[StartupTiming]) -> str:
     return "\n".join(lines)
 
 
+def format_ttft_table(rows: list[StartupTiming], settle: float) -> str:
+    """TTFT (ms) of the first requests right after ready and `settle` s later, per start."""
+    header = (
+        f"{'model':<12} {'compile cache':<13} {'n':>3} {'ready p50':>9} {'ready max':>9} "
+        f"{'+' + format(settle, '.0f') + ' s p50':>10} {'max':>8} {'p50 ratio':>9}"
+    )
+    lines = ["TTFT ms of the first requests (sent at once) right after ready and later", header, "-" * len(header)]
+    for r in rows:
+        if not r.ttft_ready:
+            continue
+        ready, later = np.asarray(r.ttft_ready) * 1e3, np.asarray(r.ttft_settled) * 1e3
+        lines.append(
+            f"{r.model:<12} {r.cache:<13} {len(ready):>3} {np.median(ready):>9.0f} {ready.max():>9.0f} "
+            f"{np.median(later):>10.0f} {later.max():>8.0f} {np.median(ready) / np.median(later):>9.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxllm.cli.args import HelpFormatter
 
@@ -122,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-args", default="", help="extra `jaxllm serve` flags, one shell-quoted string")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for one start")
     parser.add_argument("--logs", default=None, help="directory for the servers' stderr (default: a temporary one)")
+    parser.add_argument("--requests", type=int, default=8, help="first requests timed after ready (0: none)")
+    parser.add_argument("--settle", type=float, default=60.0, help="seconds before the same requests run again")
     args = parser.parse_args(argv)
     serve_args = shlex.split(args.serve_args)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="jaxllm-startup-logs-"))
@@ -134,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="jaxllm-startup-xla-") as cache_dir:
             for attempt in ("empty", "populated"):
                 log = logs / f"{model.replace('/', '_')}-{attempt}.log"
-                rows.append(time_start(model, Path(cache_dir), serve_args, args.timeout, log))
+                rows.append(
+                    time_start(model, Path(cache_dir), serve_args, args.timeout, log, args.requests, args.settle)
+                )
                 print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print(format_table(rows))
+    if args.requests:
+        print(format_ttft_table(rows, args.settle))
     print(f"server logs: {logs}")
     return 0
 

@@ -171,6 +171,15 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
     )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV cache block")
     g.add_argument(
+        "--decode-batch-sizes",
+        "--cuda-graph-sizes",
+        dest="decode_batch_sizes",
+        type=decode_batch_sizes_flag,
+        default=None,
+        help="rows of the small decode buckets a decode-only step of few rows runs in, comma-separated "
+        "(unset: 1,2,4,... below the decode token bucket; 'off': token buckets only)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["xla", "pallas", "triton", "mosaic"],
         default=None,
@@ -342,6 +351,19 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def decode_batch_sizes_flag(text: str) -> list[int]:
+    """--decode-batch-sizes: 'off' or comma-separated positive row counts."""
+    if text.strip().lower() in ("off", "none", ""):
+        return []
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers or 'off', got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"row counts must be positive, got {text!r}")
+    return sizes
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the flags, then the --config file on top."""
     from dataclasses import fields
@@ -366,6 +388,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         moe_tensor_parallel_size=getattr(args, "moe_tensor_parallel_size", None),
         enable_attention_dp=getattr(args, "enable_attention_dp", False),
         multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"),
+        decode_batch_sizes=getattr(args, "decode_batch_sizes", None),
     )
     if getattr(args, "enable_lora", False):
         kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

@@ -42,12 +42,12 @@ BENCHMARK_HELP = {
     "and with more adapters than slots (compiles after warm-up counted)",
     "throughput": "offline throughput: a synthetic dataset through the engine, executor or LLM.generate "
     "(output tokens/s, TTFT/ITL)",
-    "latency": "one request at a time on an idle engine, streamed: TTFT, TPOT, ITL, end-to-end",
+    "latency": "TTFT, inter-token latency and tok/s at concurrency 1, 4 and 16 next to HF and to no decode buckets",
     "serve": "load generator for a running `jaxllm serve` (all at once, fixed concurrency or Poisson rate)",
     "engine": "LLM.generate tokens/s next to Hugging Face generate on the same weights (needs torch: the test extra)",
     "scheduler": "host time of one scheduling step (schedulers, KV block manager, step packing), no model",
     "host": "host time and device idle time per engine step with N requests decoding (overlap on and off)",
-    "startup": "seconds from starting `jaxllm serve` to healthy, with an empty and a populated compilation cache",
+    "startup": "seconds from `jaxllm serve` to healthy (empty and populated compilation cache); first TTFTs",
     "kernels": "Pallas attention and MoE kernels against their peers and the device's ceilings (GPU; "
     "--smoke runs tiny shapes on CPU)",
     "xla-kernels": "the plain-XLA attention and MoE kernels (the CPU backends) next to their references at a "

@@ -121,28 +121,49 @@ def engine_banner(engine, model: str) -> str:
             f"  parallel  tp={layout.tensor_parallel_size} ep={layout.moe_expert_parallel_size} "
             f"moe_tp={layout.moe_tensor_parallel_size} attention={attention}",
             f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
-            f"  KV cache  {kv.num_blocks} blocks x {tpb} tokens = {kv.num_blocks * tpb} tokens, "
-            f"{format_bytes(kv_bytes)}",
+            f"  KV cache  {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)} ({kv.num_blocks} blocks x {tpb} "
+            f"tokens): {kv_cache_sizing(devices[0])}",
             f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
             f"max_seq_len={engine.max_seq_len}",
+            f"  compiled  {compiled_buckets(engine)}",
         ]
     )
 
 
+def kv_cache_sizing(device) -> str:
+    """What sizes the KV cache, by the flags that change it."""
+    try:
+        has_stats = bool(device.memory_stats())
+    except Exception:  # a backend without memory statistics raises or returns None
+        has_stats = False
+    budget = "--kv-cache-free-gpu-memory-fraction of free memory" if has_stats else "4 GiB on a CPU"
+    return f"the least of --kv-cache-max-tokens, --max-batch-size x --max-seq-len and {budget}"
+
+
+def compiled_buckets(engine) -> str:
+    """The compiled model forwards: one per token bucket and per small decode bucket."""
+    plan = engine.program_warmup
+    buckets, rows = plan.planner.token_buckets(), plan.decode_sizes()
+    text = f"{plan.num_forwards()} forwards: token buckets {','.join(map(str, buckets))}"
+    if rows:
+        text += f" + decode buckets of {','.join(map(str, rows))} rows (--decode-batch-sizes)"
+    return text
+
+
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets..."); with
-    `background`, only the decode and the largest buckets and the greedy sampler before
+    `background`, only the one-row decode bucket, the decode token bucket and the greedy sampler before
     returning (see `LLMEngine.warmup`). The bar's length is known before anything compiles
     and the bar ends full."""
     from tqdm.auto import tqdm
 
     plan = engine.program_warmup
-    buckets = engine.token_buckets()
-    first = len(plan.first_buckets())
+    forwards = plan.num_forwards()
+    first = len(plan.first_buckets()) + len(plan.first_decode_sizes())
     desc = (
-        f"compiling {first} token buckets + sampler, {len(buckets) - first} more when idle"
-        if plan.in_background(background) and len(buckets) > first
-        else f"compiling {len(buckets)} token buckets + sampler"
+        f"compiling {first} of {forwards} forwards + sampler, {forwards - first} more when idle"
+        if plan.in_background(background) and forwards > first
+        else f"compiling {forwards} forwards + sampler"
     )
     total = plan.num_pieces(all_variants, background)
     with tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=True) as bar:

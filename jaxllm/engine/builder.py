@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import jax
 
+from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.engine_config import EngineConfig
@@ -250,6 +251,12 @@ class EngineParts:
     load_balancer: Optional[OnlineLoadBalancer]
 
 
+def engine_decode_batch_sizes(config: EngineConfig) -> list[int]:
+    """The small decode buckets of `config` (`EngineConfig.decode_batch_sizes`), as rows."""
+    decode_bucket = choose_token_bucket(config.max_batch_size, config.max_num_tokens, config.min_token_bucket)
+    return decode_batch_sizes(config.max_batch_size, decode_bucket, config.decode_batch_sizes)
+
+
 def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) -> EngineParts:
     """Everything `LLMEngine` drives, built from `config`."""
     device = build_runner(config, leader_session=leader_session)
@@ -296,6 +303,8 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
             max_blocks_per_seq=device.max_blocks_per_seq,
             max_seq_len=device.max_seq_len,
             lora_slots=lora_slots,
+            # Attention DP runs one bucket for all ranks: token buckets only.
+            decode_batch_sizes=[] if config.enable_attention_dp else engine_decode_batch_sizes(config),
         )
 
     if config.enable_attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.ranked_planner)

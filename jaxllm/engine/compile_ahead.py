@@ -11,8 +11,13 @@ When the best fit is compiled is a rent-or-buy choice: padding costs a little on
 compiling costs once, and on a CPU the compile takes the cores the steps run on. So a bucket
 compiles on the runner's compile threads once the steps that wanted it have spent as much wall
 time as a compile takes (the mean of those so far), or as soon as the engine is idle. That holds
-for a background warm-up's buckets too: it compiles the decode and the largest buckets first and
-`defer`s the others to the engine's idle time (or to the steps that pay for them). At most
+for a background warm-up's buckets too: it compiles the buckets a lone user needs first and
+`defer`s the others to the engine's idle time (or to the steps that pay for them).
+
+A second compiler of the same kind keeps the small decode buckets (`sizes`: row counts, see
+`EngineConfig.decode_batch_sizes`): a decode step whose best decode bucket is not compiled runs
+in the smallest compiled decode bucket holding it, or, when none does, in a token bucket
+(`choose` returns None), which a warm-up always compiles. At most
 `max_in_flight` buckets compile at once. Programs compiled this way are the same programs,
 under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a
 step's matmuls (not which tokens are valid), as batching with other requests does.
@@ -27,15 +32,29 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional
 
-from jaxllm.batch_builder import choose_token_bucket
+from jaxllm.batch_builder import choose_decode_rows, choose_token_bucket
 
 logger = logging.getLogger(__name__)
 
 
-class BucketCompiler:
+class StepClock:
+    """Wall time since the previous step, shared by an engine's compilers (token and decode
+    buckets), so a step that asked only one of them still counts for the other's next step."""
+
     # A gap between two steps longer than this is idle time, not time spent on a padded step.
     MAX_STEP_SECONDS = 1.0
 
+    def __init__(self) -> None:
+        self._last: Optional[float] = None
+
+    def tick(self) -> float:
+        now = time.perf_counter()
+        seconds = 0.0 if self._last is None else min(now - self._last, self.MAX_STEP_SECONDS)
+        self._last = now
+        return seconds
+
+
+class BucketCompiler:
     def __init__(
         self,
         *,
@@ -44,10 +63,15 @@ class BucketCompiler:
         compile_bucket: Callable[[int], Future],
         compile_seconds: Callable[[], float],
         max_in_flight: int = 1,
+        sizes: Optional[list[int]] = None,
+        clock: Optional[StepClock] = None,
     ) -> None:
         """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
         threads and returns its future; `compile_seconds()` is what one compile is expected to
-        take (the mean so far)."""
+        take (the mean so far). `sizes`: the buckets (ascending) when they are the decode
+        buckets rather than the token buckets; `clock`: the step clock it shares with the
+        engine's other compiler."""
+        self.sizes = sizes
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
         self._compile_bucket = compile_bucket
@@ -57,7 +81,7 @@ class BucketCompiler:
         self._ready: list[int] = []  # compiled buckets, ascending
         # Buckets steps wanted, with the wall time of those padded steps, until it pays a compile.
         self._asked: dict[int, float] = {}
-        self._last_step: Optional[float] = None
+        self._clock = StepClock() if clock is None else clock
         self._wanted: list[int] = []  # buckets to compile, not started yet (first come, first started)
         self._deferred: list[int] = []  # buckets to compile once the engine is idle (a background warm-up's)
         self._in_flight: set[int] = set()
@@ -106,16 +130,29 @@ class BucketCompiler:
 
     def choose(self, num_tokens: int) -> int:
         """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
-        best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
-        now = time.perf_counter()
-        step_seconds = 0.0 if self._last_step is None else min(now - self._last_step, self.MAX_STEP_SECONDS)
-        self._last_step = now
+        bucket = self._choose(num_tokens)
+        if bucket is None:
+            raise AssertionError("a token bucket compiler always has a bucket")
+        return bucket
+
+    def choose_decode(self, num_rows: int) -> Optional[int]:
+        """The decode bucket a decode step of `num_rows` rows runs in; None: a token bucket."""
+        return self._choose(num_rows)
+
+    def _choose(self, num_tokens: int) -> Optional[int]:
+        if self.sizes is None:
+            best = choose_token_bucket(num_tokens, self.max_num_tokens, self.min_token_bucket)
+        else:
+            best = choose_decode_rows(num_tokens, self.sizes)
+            if best is None:
+                return None
+        step_seconds = self._clock.tick()
         with self._lock:
             ready = self._ready
             if best in ready or best in self._failed:
                 return best
             fitting = next((b for b in ready if b >= num_tokens), None)
-            if fitting is None:  # the step compiles `best` itself (or waits for its compile)
+            if fitting is None and self.sizes is None:  # the step compiles `best` itself (or waits for it)
                 self._add_ready(best)
                 return best
             if best not in self._in_flight and best not in self._wanted:
@@ -127,7 +164,7 @@ class BucketCompiler:
                     if best in self._deferred:
                         self._deferred.remove(best)
             to_start = self._take_startable()
-            self.padded_steps += 1
+            self.padded_steps += fitting is not None
         self._start(to_start)
         return fitting
 
@@ -184,3 +221,33 @@ class BucketCompiler:
                 self._failed.add(bucket)
             to_start = self._take_startable()
         self._start(to_start)
+
+
+def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any) -> tuple:
+    """(token-bucket compiler, decode-bucket compiler or None) of an engine: `planner` builds the
+    empty steps, `step_runner` compiles them, `runner` says what a compile takes."""
+    clock = StepClock()
+
+    def mean_compile_seconds() -> float:
+        return runner.compile_seconds / max(1, runner.num_compiled_variants)
+
+    tokens = BucketCompiler(
+        max_num_tokens=config.max_num_tokens,
+        min_token_bucket=config.min_token_bucket,
+        compile_bucket=lambda bucket: step_runner.compile_forward(*planner.empty_step(bucket), wait=False),
+        compile_seconds=mean_compile_seconds,
+        max_in_flight=runner.compile_workers - 1,
+        clock=clock,
+    )
+    if not planner.decode_batch_sizes:
+        return tokens, None
+    rows = BucketCompiler(
+        max_num_tokens=config.max_batch_size,
+        min_token_bucket=1,
+        compile_bucket=lambda size: step_runner.compile_forward(*planner.empty_step(0, size), wait=False),
+        compile_seconds=mean_compile_seconds,
+        max_in_flight=runner.compile_workers - 1,
+        sizes=planner.decode_batch_sizes,
+        clock=clock,
+    )
+    return tokens, rows

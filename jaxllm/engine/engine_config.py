@@ -83,6 +83,12 @@ class EngineConfig:
     warmup_logits_outputs: bool = False
     # Structured output (SamplingParams.guided_decoding): the library enforcing grammars.
     guided_decoding_backend: str = "llguidance"
+    # Small decode buckets (TensorRT-LLM's cuda_graph_config.batch_sizes, vLLM's
+    # cudagraph_capture_sizes): a decode-only step of n rows runs in a forward of the smallest
+    # of these row counts holding n (k tokens and k rows) instead of a token bucket of
+    # `max_batch_size` rows, so one user decoding alone pays for one row. None: powers of two
+    # from 1 below the decode token bucket; []: off. One compiled forward each.
+    decode_batch_sizes: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_config, dict):
@@ -101,6 +107,19 @@ class EngineConfig:
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
             setattr(self, name, int(value))
+        if self.decode_batch_sizes is not None:
+            sizes = self.decode_batch_sizes
+            if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+                raise ValueError(f"decode_batch_sizes must be a list of integers, got {sizes!r}")
+            sizes = list(sizes)
+            bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+            if bad:
+                raise ValueError(f"decode_batch_sizes must be positive integers, got {bad[0]!r}")
+            if any(s > self.max_batch_size for s in sizes):
+                raise ValueError(
+                    f"decode_batch_sizes must be at most max_batch_size ({self.max_batch_size}), got {max(sizes)}"
+                )
+            self.decode_batch_sizes = sorted(set(sizes))
         if self.compile_workers is not None and (
             not isinstance(self.compile_workers, int)
             or isinstance(self.compile_workers, bool)

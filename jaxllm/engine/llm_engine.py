@@ -35,7 +35,7 @@ from jaxllm.engine.admission import (
     validate_request,
 )
 from jaxllm.engine.builder import build_engine
-from jaxllm.engine.compile_ahead import BucketCompiler
+from jaxllm.engine.compile_ahead import engine_compilers
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.guided_matchers import GuidedMatchers
@@ -81,17 +81,12 @@ class LLMEngine:
         # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
         # not under attention DP (its planner picks one bucket for all ranks) nor on a multi-host
         # leader (its followers compile on demand).
-        self.bucket_compiler: Optional[BucketCompiler] = None
-        if config.compile_ahead and session is None and not self.attention_dp:
-            self.bucket_compiler = BucketCompiler(
-                max_num_tokens=config.max_num_tokens,
-                min_token_bucket=config.min_token_bucket,
-                compile_bucket=lambda bucket: self.step_runner.compile_forward(
-                    *self.planner.empty_step(bucket), wait=False
-                ),
-                compile_seconds=lambda: self.runner.compile_seconds / max(1, self.runner.num_compiled_variants),
-                max_in_flight=self.runner.compile_workers - 1,
-            )
+        # The small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own.
+        self.bucket_compiler, self.decode_compiler = (
+            engine_compilers(config, self.planner, self.step_runner, self.runner)
+            if config.compile_ahead and session is None and not self.attention_dp
+            else (None, None)
+        )
         self.program_warmup = ProgramWarmup(
             runner=self.step_runner,
             planner=self.planner,
@@ -101,6 +96,7 @@ class LLMEngine:
             bucket_compiler=self.bucket_compiler,
             logits_outputs=self.capabilities.logits_outputs is None,
             attention_dp=self.attention_dp,
+            decode_compiler=self.decode_compiler,
         )
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
@@ -197,8 +193,8 @@ class LLMEngine:
         self, all_variants: bool = True, progress: Optional[Callable[[int, int], None]] = None, background: bool = False
     ) -> None:
         """Compile everything a request can reach before serving, so nothing compiles later:
-        the model forward for every token bucket and the sampler for every variant of its
-        static switches (`all_variants=False`: only the default greedy sampler). Runs empty
+        the model forward for every token bucket and small decode bucket and the sampler for
+        every variant of its static switches (`all_variants=False`: only the default greedy sampler). Runs empty
         batches, which write nothing to the KV cache. `progress(done, total)` is called after
         each compiled piece (for a progress bar).
 
@@ -206,9 +202,9 @@ class LLMEngine:
         (`EngineConfig.compile_workers`); the samplers once the smallest bucket's forward gave
         the logits they take. Then each runs once.
 
-        `background`: return once the buckets of the common steps are compiled, the decode
-        bucket (the smallest holding `max_batch_size` tokens: every decoding step fits it) and
-        the largest (which holds any step), with the greedy sampler. Nothing else compiles
+        `background`: return once what a lone user needs is compiled, the decode token bucket
+        (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
+        it) and the one-row decode bucket, with the greedy sampler. Nothing else compiles
         while the engine is busy unless it pays for itself: a step whose best bucket is not
         compiled runs padded in a compiled one until its padding cost a compile (see
         `jaxllm.engine.compile_ahead`), and another sampler variant compiles on the step of the
@@ -224,6 +220,8 @@ class LLMEngine:
         """Nothing to run: compile, on the compile threads, the buckets steps asked for and
         those a background warm-up left for idle time. Called after a run (`step`) and by the
         engine's driver when no request arrived for a while."""
+        if self.decode_compiler is not None:
+            self.decode_compiler.on_idle()
         if self.bucket_compiler is not None:
             self.bucket_compiler.on_idle()
 
@@ -406,6 +404,9 @@ class LLMEngine:
             # A steady batch keeps its tokens in a log unless a request needs them every step.
             defer_tokens=self.token_log and not self.requests.needs_host_tokens,
             choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose,
+            # Logits outputs and post-processors take max_batch_size rows: token buckets only.
+            decode_buckets=not self.requests.num_logits_requests,
+            choose_decode_rows=None if self.decode_compiler is None else self.decode_compiler.choose_decode,
         )
 
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[PendingStep]:
@@ -506,8 +507,9 @@ class LLMEngine:
         """Write pending statistics, stop the load balancer's placement thread and the compile
         threads, and end the multi-host session (the followers drop their runner)."""
         self.close_statistics()
-        if self.bucket_compiler is not None:
-            self.bucket_compiler.close()
+        for compiler in (self.decode_compiler, self.bucket_compiler):
+            if compiler is not None:
+                compiler.close()
         if self.load_balancer is not None:
             self.load_balancer.close()
         self.step_runner.close()

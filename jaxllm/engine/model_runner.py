@@ -70,6 +70,7 @@ def _forward_step(
     moe_options: Optional[EpMoeOptions] = None,
     moe_stats: bool = False,
     attention_dp_specs: Any = None,
+    fed_rows: int = 0,
 ):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
@@ -78,7 +79,9 @@ def _forward_step(
     and each row's greedy token int32 [S], the sampler's own argmax, so that a step whose
     rows all decode greedily with no processing needs no sampler program).
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
-    the batch then has a leading rank axis and the logits are [ranks * S, V]."""
+    the batch then has a leading rank axis and the logits are [ranks * S, V]. The greedy
+    tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
+    takes its fed tokens in, whichever bucket of rows ran."""
     kv_cache, logits, counts, context = _model_step(
         params,
         kv_cache,
@@ -93,7 +96,12 @@ def _forward_step(
         moe_stats=moe_stats,
         attention_dp_specs=attention_dp_specs,
     )
-    return kv_cache, logits, counts, context, first_argmax(logits)
+    return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows)
+
+
+def _pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
+    """int32[S] tokens as int32[max(S, rows)] (a small decode bucket's tokens, padded with 0)."""
+    return jnp.pad(tokens, (0, max(0, rows - tokens.shape[0])))
 
 
 def _model_step(
@@ -187,8 +195,9 @@ def _copy_pages(kv_cache, src: jax.Array, dst: jax.Array, *, num_blocks: int):
     return [layer(c) for c in kv_cache] if isinstance(kv_cache, list) else layer(kv_cache)
 
 
-def _sample_step(logits, inputs: tuple, *, layout: PackedLayout) -> SamplerOutput:
-    return sample(logits, unpack(inputs, layout))
+def _sample_step(logits, inputs: tuple, *, layout: PackedLayout, fed_rows: int = 0) -> SamplerOutput:
+    out = sample(logits, unpack(inputs, layout))
+    return replace(out, token_ids=_pad_rows(out.token_ids, fed_rows))
 
 
 class ModelRunner:
@@ -242,14 +251,16 @@ class ModelRunner:
             moe_options=moe_options,
             moe_stats=moe_stats,
             attention_dp_specs=param_partition_specs(params) if attention_dp else None,
+            fed_rows=max_batch_size,
         )
+        sample_step = functools.partial(_sample_step, fed_rows=max_batch_size)
         # Stored programs: the key text of each program's function and static arguments (the
         # layout and argument shapes are added per program); a program without one is not stored.
         store_keys = {}
         if executable_store is not None:
             for kind, fn, options in (
                 ("forward", forward_step, "static_argnames=layout donate_argnums=1"),
-                ("sampler", _sample_step, "static_argnames=layout"),
+                ("sampler", sample_step, "static_argnames=layout"),
             ):
                 key = executable_store.entry_key(kind, fn, options)
                 if key is not None:
@@ -257,7 +268,7 @@ class ModelRunner:
         self.programs = ProgramCache(
             {
                 "forward": jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,)),
-                "sampler": jax.jit(_sample_step, static_argnames=("layout",)),
+                "sampler": jax.jit(sample_step, static_argnames=("layout",)),
             },
             replicated=self._replicated,
             compile_workers=compile_workers,

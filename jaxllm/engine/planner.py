@@ -15,14 +15,20 @@ that will get a token carry a placeholder until the runner's output is read back
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter, itemgetter
 from typing import Optional
 
 import numpy as np
 
-from jaxllm.batch_builder import build_decode_batch, build_step_batch, choose_token_bucket, token_buckets
+from jaxllm.batch_builder import (
+    build_decode_batch,
+    build_step_batch,
+    choose_decode_rows,
+    choose_token_bucket,
+    token_buckets,
+)
 from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.token_log import PLACEHOLDER_TOKEN, DecodeTokenLog
 from jaxllm.kv_cache import KVCacheManager
@@ -124,6 +130,12 @@ class PlannerOptions:
     # num_tokens -> the token bucket a step runs in (None: the smallest that holds them); set to
     # run in a compiled bucket while the best fit compiles (`jaxllm.engine.compile_ahead`).
     choose_bucket: Optional[Callable[[int], int]] = None
+    # Decode-only steps run in the small decode buckets (`Planner.decode_batch_sizes`; off while
+    # rows ask for logits outputs or post-processors, whose programs take max_batch_size rows).
+    # `choose_decode_rows(rows)`: the decode bucket, None for a token bucket (None: the smallest
+    # holding them); set while some compile.
+    decode_buckets: bool = True
+    choose_decode_rows: Optional[Callable[[int], Optional[int]]] = None
 
 
 @dataclass
@@ -193,9 +205,12 @@ class Planner:
         max_blocks_per_seq: int,
         max_seq_len: int,
         lora_slots: Optional[LoraSlots] = None,
+        decode_batch_sizes: Sequence[int] = (),
     ) -> None:
         """`lora_slots`: the adapter slots when the engine serves LoRA adapters (every plan then
-        carries each token's slot, `StepBatch.lora_slots`)."""
+        carries each token's slot, `StepBatch.lora_slots`). `decode_batch_sizes`: the row counts
+        of the small decode buckets (a decode-only step of n rows runs in the smallest holding n,
+        as n' tokens and n' rows; see `jaxllm.batch_builder.decode_batch_sizes`)."""
         self.scheduler = scheduler
         self.lora_slots = lora_slots
         self.kv_cache_manager = kv_cache_manager
@@ -204,6 +219,7 @@ class Planner:
         self.min_token_bucket = min_token_bucket
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
+        self.decode_batch_sizes = sorted(decode_batch_sizes)
         # Sampling settings per KV slot, gathered each step instead of re-read from each request.
         self.sampling_slots = SamplingSlots(kv_cache_manager.block_table.shape[0])
         # Matchers of requests with guided decoding: their rows' token bitmask (set by the engine).
@@ -306,13 +322,13 @@ class Planner:
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        bucket = self._bucket(num_tokens)
+        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
             self.kv_cache_manager,
             token_bucket=bucket,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=num_rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
             generation_tokens=last_tokens,
         )
@@ -334,7 +350,7 @@ class Planner:
             else kv.get_table_rows(rows)
         )
         sampling = self.sampling_slots.build(
-            rows, slots, self.max_batch_size, self.max_seq_len, lambda: self._build_sampling(rows)
+            rows, slots, num_rows, self.max_seq_len, lambda: self._build_sampling(rows, num_rows)
         )
         greedy_only = self.sampling_slots.last_build_plain and not sampling.any_random
         return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens, greedy_only=greedy_only)
@@ -353,20 +369,32 @@ class Planner:
         """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
         return build_isolating_failures(self, output, in_flight)
 
-    def empty_step(self, bucket: int) -> tuple[StepBatch, np.ndarray]:
-        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of traffic)."""
+    def empty_step(self, bucket: int, rows: Optional[int] = None) -> tuple[StepBatch, np.ndarray]:
+        """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of
+        traffic); `rows`: of the decode bucket of that many rows (and tokens) instead."""
         batch = build_step_batch(
             SchedulerOutput([], [], []),
             self.kv_cache_manager,
-            token_bucket=bucket,
-            max_batch_size=self.max_batch_size,
+            token_bucket=bucket if rows is None else rows,
+            max_batch_size=self.max_batch_size if rows is None else rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
         )
-        return replace(batch, lora_slots=self.empty_lora_slots(bucket)), np.full((bucket,), -1, np.int32)
+        size = batch.token_ids.shape[0]
+        return replace(batch, lora_slots=self.empty_lora_slots(size)), np.full((size,), -1, np.int32)
 
     def empty_lora_slots(self, bucket: int) -> Optional[np.ndarray]:
         """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
+
+    def _step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+        """(tokens, rows) of a step's buffers: a decode-only step of `decode_rows` rows runs in
+        the decode bucket chosen for it, if any, any other in a token bucket of max_batch_size rows."""
+        options, rows = self._options, None
+        if decode_rows is not None and self.decode_batch_sizes and options.decode_buckets and not options.beam_search:
+            choose = options.choose_decode_rows
+            sizes = self.decode_batch_sizes
+            rows = choose(decode_rows) if choose is not None else choose_decode_rows(decode_rows, sizes)
+        return (self._bucket(num_tokens), self.max_batch_size) if rows is None else (rows, rows)
 
     def _bucket(self, num_tokens: int) -> int:
         return (
@@ -381,7 +409,7 @@ class Planner:
         """`build` of a steady decode step, from the per-slot arrays `schedule` prepared."""
         gen = output.generation_requests
         n = len(gen)
-        bucket = self._bucket(n)
+        bucket, num_rows = self._step_shape(n, n)
         feed_index = None  # all -1
         if in_flight is not None and in_flight is decode.entries:
             # The previous step was committed from these rows and is still in flight: every
@@ -410,7 +438,7 @@ class Planner:
             last_tokens,
             gen,
             token_bucket=bucket,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=num_rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
             feed_index=feed_index,
         )
@@ -421,16 +449,16 @@ class Planner:
         plain = slots.all_plain(decode.rows)
         if plain:  # the rows were filled by the step that recorded `decode`
             # The index of the token sampled now: the output length before this step's commit.
-            sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, self.max_batch_size)
+            sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, num_rows)
         else:
             self.materialize_tokens()
-            sampling = self._build_sampling(gen)
+            sampling = self._build_sampling(gen, num_rows)
         return StepPlan(
             batch, sampling, feed_index, n, 0, packed_forward=packed, greedy_only=plain and not sampling.any_random
         )
 
-    def _build_sampling(self, rows: list[LlmRequest]) -> SamplingTensors:
-        """Sampling tensors from every request's parameters (any setting)."""
+    def _build_sampling(self, rows: list[LlmRequest], num_rows: int) -> SamplingTensors:
+        """Sampling tensors of `num_rows` rows from every request's parameters (any setting)."""
         params = [r.sampling_params for r in rows]
         needs_history = any(p.needs_history for p in params)
         sampling = SamplingTensors.build(
@@ -438,12 +466,12 @@ class Planner:
             [len(r.output_token_ids) for r in rows],
             [(r.prompt_token_ids[: r.orig_prompt_len], r.output_token_ids) for r in rows] if needs_history else None,
             [r.end_ids for r in rows],
-            self.max_batch_size,
+            num_rows,
             self.max_seq_len,
             seeds=[r.seed for r in rows],
         )
         if needs_history and self.guided_matchers is not None:
-            bitmask = self.guided_matchers.fill(rows, self.max_batch_size)
+            bitmask = self.guided_matchers.fill(rows, num_rows)
             if bitmask is not None:
                 sampling = sampling.with_token_bitmask(bitmask)
         return sampling

@@ -151,6 +151,7 @@ class AttentionDpPlanner:
         self.min_token_bucket = first.min_token_bucket
         self.max_blocks_per_seq = first.max_blocks_per_seq
         self.max_seq_len = first.max_seq_len
+        self.decode_batch_sizes: list[int] = []  # no small decode buckets: one bucket for all ranks
 
     @property
     def num_ranks(self) -> int:

@@ -1,10 +1,12 @@
 """Compiling before serving: which programs compile when, so that requests seldom wait.
 
 `ProgramWarmup.run` compiles what a request can reach before the engine serves: the model
-forward of every token bucket and the sampler of every variant of its static switches (or,
-in the background mode, only the programs of the common steps, leaving the rest to idle time
-and to the rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from
-all-padding steps (`Planner.empty_step`), which write nothing to the KV cache.
+forward of every token bucket and of every small decode bucket (`EngineConfig.decode_batch_sizes`)
+and the sampler of every variant of its static switches for each number of rows (or, in the
+background mode, only the programs a lone user needs first, the one-row decode bucket and the
+decode token bucket, which holds a short prompt, leaving the rest to idle time and to the
+rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from all-padding
+steps (`Planner.empty_step`), which write nothing to the KV cache.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ProgramWarmup:
         bucket_compiler: Optional[BucketCompiler],
         logits_outputs: bool,
         attention_dp: bool,
+        decode_compiler: Optional[BucketCompiler] = None,
     ) -> None:
         """`runner`: where programs compile and run (the mirrored runner on a multi-host
         leader); `logits_outputs`: whether requests may ask for logits (their programs are
@@ -48,6 +51,7 @@ class ProgramWarmup:
         self.num_sampler_rows = num_sampler_rows
         self.max_seq_len = max_seq_len
         self.bucket_compiler = bucket_compiler
+        self.decode_compiler = decode_compiler  # the small decode buckets' (None: none, or no compile-ahead)
         self.logits_outputs = logits_outputs and config.warmup_logits_outputs
         self.attention_dp = attention_dp
 
@@ -59,19 +63,34 @@ class ProgramWarmup:
         """Whether `run(background=background)` leaves buckets for later (it needs a bucket compiler)."""
         return background and self.bucket_compiler is not None
 
+    def decode_sizes(self) -> list[int]:
+        """The row counts of the small decode buckets (one compiled forward each)."""
+        return list(self.planner.decode_batch_sizes)
+
+    def num_forwards(self) -> int:
+        """Model forwards a full warm-up compiles: one per token bucket and per decode bucket."""
+        return len(self.planner.token_buckets()) + len(self.decode_sizes())
+
     def first_buckets(self) -> list[int]:
-        """The buckets a background warm-up compiles before returning: decode and the largest."""
-        return sorted({self.decode_bucket(), self.planner.token_buckets()[-1]})
+        """The token buckets a background warm-up compiles before returning: the decode bucket
+        (every decode step fits it, and so does a short prompt)."""
+        return [self.decode_bucket()]
+
+    def first_decode_sizes(self) -> list[int]:
+        """The decode buckets a background warm-up compiles before returning: the smallest (one
+        user decoding alone)."""
+        return self.decode_sizes()[:1] if self.decode_compiler is not None else []
 
     def num_pieces(self, all_variants: bool = True, background: bool = False) -> int:
         """The `total` that `run` reports to `progress`, known before anything compiles (a
         progress bar's length): one per forward and sampler variant (and context-logits
         variant) compiled before `run` returns."""
         if self.in_background(background):
-            return len(self.first_buckets()) + 1
+            return len(self.first_buckets()) + len(self.first_decode_sizes()) + 1
         buckets = self.planner.token_buckets()
         variants = len(SAMPLER_VARIANTS) if all_variants else 1
-        return len(buckets) + variants + len(self._logits_variants(buckets))
+        rows = 1 + len(self.decode_sizes())
+        return self.num_forwards() + variants * rows + len(self._logits_variants(buckets))
 
     def _logits_variants(self, buckets: list[int]) -> list[tuple[int, int]]:
         """(bucket, rows) of every context-logits forward compiled ahead (none without logits outputs)."""
@@ -92,8 +111,9 @@ class ProgramWarmup:
     def _all(self, buckets: list[int], variants: Any, progress: Progress, total: int) -> None:
         runner = self.runner
         batches = [self.planner.empty_step(bucket) for bucket in buckets]
+        decode_batches = [self.planner.empty_step(0, rows) for rows in self.decode_sizes()]
         samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags) for flags in variants]
-        pending = [runner.compile_forward(*batch, wait=False) for batch in batches[1:]]
+        pending = [runner.compile_forward(*batch, wait=False) for batch in decode_batches + batches[1:]]
         logits = runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
         runner.compile_batched_processors(logits)
         done = 1
@@ -108,14 +128,22 @@ class ProgramWarmup:
             ]
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
         pending += [runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
-        for future in as_completed(pending):
-            future.result()
-            done += 1
-            if progress is not None:
-                progress(done, total)
+        done = self._wait(pending, done, progress, total)
+        # The samplers of the decode buckets' logits [rows, V], from each one's forward (a
+        # mirrored runner refers to a device array as its latest output).
+        pending = []
+        for rows, batch in zip(self.decode_sizes(), decode_batches):
+            rows_logits = runner.forward(*batch, None)
+            pending += [
+                runner.compile_sampler(rows_logits, SamplingTensors.empty(rows, self.max_seq_len, **flags), wait=False)
+                for flags in variants
+            ]
+        self._wait(pending, done, progress, total)
         if self.bucket_compiler is not None:
             self.bucket_compiler.mark_ready(buckets)
-        for batch in batches[1:]:
+        if self.decode_compiler is not None:
+            self.decode_compiler.mark_ready(self.decode_sizes())
+        for batch in batches[1:] if not decode_batches else batches:  # the samplers take the latest
             logits = runner.forward(*batch, None)
         outputs = [runner.sample(logits, sampling) for sampling in samplings]
         if not self.attention_dp:
@@ -123,21 +151,39 @@ class ProgramWarmup:
         for out in outputs:
             np.asarray(out.token_ids)
 
+    @staticmethod
+    def _wait(pending: list, done: int, progress: Progress, total: int) -> int:
+        """Wait for compiles, reporting each; returns the pieces done."""
+        for future in as_completed(pending):
+            future.result()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        return done
+
     def _in_background(self, buckets: list[int], progress: Progress) -> None:
         runner = self.runner
         first = self.first_buckets()
-        # Both compile at once on the compile threads (on a CPU that is the build's cores, idle).
-        for future in [runner.compile_forward(*self.planner.empty_step(bucket), wait=False) for bucket in first]:
+        first_rows = self.first_decode_sizes()
+        steps = [self.planner.empty_step(0, rows) for rows in first_rows]
+        steps += [self.planner.empty_step(bucket) for bucket in first]
+        # They compile at once on the compile threads (on a CPU that is the build's cores, idle).
+        for future in [runner.compile_forward(*step, wait=False) for step in steps]:
             future.result()
-        for bucket in first:  # each runs once (empty batches write nothing)
-            logits = runner.forward(*self.planner.empty_step(bucket), None)
+        for step in steps:  # each runs once (empty batches write nothing); a token bucket last
+            logits = runner.forward(*step, None)
         runner.compile_batched_processors(logits)
         greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
         out = runner.sample(logits, greedy)
         runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
         np.asarray(out.token_ids)
         self.bucket_compiler.mark_ready(first)
-        self.bucket_compiler.defer([bucket for bucket in buckets if bucket not in first])
+        # The largest token bucket (which holds any step) first, then the smaller ones.
+        rest = [bucket for bucket in buckets if bucket not in first]
+        self.bucket_compiler.defer(rest[-1:] + rest[:-1])
+        if self.decode_compiler is not None:
+            self.decode_compiler.mark_ready(first_rows)
+            self.decode_compiler.defer([rows for rows in self.decode_sizes() if rows not in first_rows])
         # Another sampler variant compiles on the step of the first request that needs it (in a
         # fraction of a forward's compile time), not ahead: most runs never use most variants.
         if self.logits_outputs:
@@ -146,4 +192,4 @@ class ProgramWarmup:
                 for rows in token_buckets(bucket, self.config.min_token_bucket):
                     runner.compile_forward(*self.planner.empty_step(bucket), np.zeros(rows, np.int32), wait=False)
         if progress is not None:
-            progress(len(first) + 1, len(first) + 1)
+            progress(len(steps) + 1, len(steps) + 1)
