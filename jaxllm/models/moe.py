@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.quantization import act_quant, dense, is_quantized
 
 MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -143,5 +144,16 @@ def moe_block(
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
     weights, ids = route_layer(x, p, config)
-    out = grouped_expert_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn, valid=valid)
-    return out, ids
+    xq, w_gate, w_up, w_down = expert_operands(x, p)
+    out = grouped_expert_ffn(xq, ids, weights, w_gate, w_up, w_down, moe_fn=moe_fn, valid=valid)
+    return out.astype(x.dtype), ids
+
+
+def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(x, w_gate, w_up, w_down) as the grouped FFN backends take them: FP8 expert weights
+    dequantized here (the backends, the Pallas kernels included, take float weights), and x
+    quantized per token-group of 128 when the weights ask for dynamic activations."""
+    w_gate = p["w_gate"]
+    if is_quantized(w_gate) and w_gate.dynamic_activations:
+        x = act_quant(x, 1)
+    return (x,) + tuple(dense(p[n], x.dtype) for n in ("w_gate", "w_up", "w_down"))  # type: ignore[return-value]

@@ -34,6 +34,8 @@ def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Shardin
 def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """Weights under attention DP: everything but the experts replicated; slots over
     `expert`, each expert's FFN columns over `tensor`."""
+    if config.quantization is not None:
+        raise ValueError("attention data parallelism with quantized (FP8) weights is not supported yet")
     moe_tp = int(mesh.shape[TENSOR_AXIS])
     if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
         raise ValueError(

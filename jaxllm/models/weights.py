@@ -50,14 +50,16 @@ KV head j // (Hq / Hkv).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
+from jaxllm.models.quantization import QuantizedWeight, WeightQuant, param_blocks
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
@@ -83,9 +85,15 @@ class WeightDecl:
     rows_from: Optional[tuple[int, ...]] = None
     source_rows: int = 0
     dtype: Optional[str] = None  # kept in this dtype whatever the model's (DeepSeek's float32 router bias)
+    quant: Optional[WeightQuant] = None  # stored quantized (FP8 values + block scales)
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return numpy_dtype(self.dtype or model_dtype)
+
+    def nbytes(self, model_dtype: Any) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes(self.shape)
+        return int(np.prod(self.shape)) * self.param_dtype(model_dtype).itemsize
 
     @property
     def checkpoint_names(self) -> set[str]:
@@ -252,7 +260,37 @@ def declare_weights(
             "linear",
             gain=3.0,
         )
-    return decls
+    return [quantized_decl(d, c) for d in decls] if c.quantization is not None else decls
+
+
+# Linear weights that stay unquantized in every FP8 scheme: the router decides which experts
+# run (DeepSeek keeps it in bf16) and the LM head sets the logits.
+_NEVER_QUANTIZED = ("router", "lm_head")
+
+
+def quantized_decl(decl: WeightDecl, config: ModelConfig) -> WeightDecl:
+    """`decl` stored quantized when `config.quantization` covers it: every linear projection of
+    attention, dense MLPs, shared and routed experts (torch [out, in] sources), not the
+    embedding, norms, router or LM head, nor modules the quantization config leaves out."""
+    qc = config.quantization
+    canonical = decl.alternatives[0]
+    src = canonical[0]
+    if (
+        qc is None
+        or decl.init != "linear"
+        or decl.path[-1] in _NEVER_QUANTIZED
+        or len(src.shape) != 2
+        or any(qc.keeps_float(s.name) for s in canonical)
+    ):
+        return decl
+    blocks = param_blocks(src, qc.block_for(*src.shape))
+    lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
+    quant = WeightQuant((1,) * lead + blocks, qc.dynamic_activations)
+    return replace(decl, quant=quant)
+
+
+def unquantized(decl: WeightDecl) -> WeightDecl:
+    return replace(decl, quant=None)
 
 
 def _declare_experts(
@@ -339,6 +377,13 @@ class StackedDecl:
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return self.members[0].param_dtype(model_dtype)
+
+    @property
+    def quant(self) -> Optional[WeightQuant]:
+        return self.members[0].quant
+
+    def nbytes(self, model_dtype: Any) -> int:
+        return sum(m.nbytes(model_dtype) for m in self.members)
 
 
 ParamDecl = Union[WeightDecl, StackedDecl]
@@ -459,16 +504,44 @@ def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
     dt = dtype or config.dtype
     return build_params(
-        ((w.path, jax.ShapeDtypeStruct(w.shape, w.param_dtype(dt))) for w in declare_params(config, kv_replicas)),
-        config,
-        layer_stacks(config),
+        ((w.path, param_shape(w, dt)) for w in declare_params(config, kv_replicas)), config, layer_stacks(config)
     )
 
 
+def param_shape(decl: ParamDecl, dtype: Any) -> Any:
+    """One parameter as `jax.ShapeDtypeStruct`s (a `QuantizedWeight` of two when quantized)."""
+    if decl.quant is None:
+        return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
+    q = decl.quant
+    return QuantizedWeight(
+        jax.ShapeDtypeStruct(decl.shape, np.dtype(q.dtype)),
+        jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
+        q.blocks,
+        q.dynamic_activations,
+    )
+
+
+def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """A quantized weight's scales split like the weight (`spec`), except along an axis with
+    fewer scale blocks than that split's ranks divide evenly (those scales are replicated)."""
+    out = []
+    for axis, n in zip(tuple(spec) + (None,) * (len(scale_shape) - len(spec)), scale_shape):
+        names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        ranks = int(np.prod([mesh_shape[a] for a in names], dtype=np.int64))
+        out.append(axis if n % ranks == 0 else None)
+    return PartitionSpec(*out)
+
+
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
-    """The parameter pytree as PartitionSpecs (under `rules`)."""
+    """The parameter pytree as PartitionSpecs (under `rules`; a quantized weight's scales as its
+    values, see `scale_spec` for the mesh's uneven splits)."""
+
+    def spec(w: ParamDecl) -> Any:
+        s = logical_to_physical(w.axes, rules)
+        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.dynamic_activations)
+
     return build_params(
-        ((w.path, logical_to_physical(w.axes, rules)) for w in declare_params(config, kv_replicas)),
+        ((w.path, spec(w)) for w in declare_params(config, kv_replicas)),
         config,
         layer_stacks(config),
     )
@@ -477,7 +550,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
     """Bytes of all parameters (replicated KV heads counted once per copy)."""
     dt = dtype or config.dtype
-    return sum(int(np.prod(w.shape)) * w.param_dtype(dt).itemsize for w in declare_weights(config, kv_replicas))
+    return sum(w.nbytes(dt) for w in declare_weights(config, kv_replicas))
 
 
 def num_params(config: ModelConfig) -> int:

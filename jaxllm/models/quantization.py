@@ -1,0 +1,247 @@
+"""FP8 weights kept quantized on the device and dequantized inside the jitted step.
+
+A quantized parameter is a `QuantizedWeight`: its value in float8_e4m3fn, in the parameter's
+own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and float32 scales
+in the same axis order, one per block of `blocks[j]` consecutive entries along each axis
+j. The blocks come from the checkpoint's [128, 128] blocks of the torch [out, in] weight
+through the declared layout change (`param_blocks`): an axis that is a whole stored
+dimension keeps 128, head axes split out of a stored dimension get whole heads or the
+finest block that never straddles a stored block (DeepSeek's 192-wide q heads: 64).
+
+`dense(w, dtype)` dequantizes (XLA fuses the scale multiply into the matmul's operand);
+`qeinsum` also quantizes the activations dynamically per token and group of 128 along
+the contraction (DeepSeek's `act_quant`) when the weight says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
+from jaxllm.models.weight_layout import Source
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one declared parameter is stored quantized: `dtype` values and float32 scales, one
+    per block of `blocks[j]` entries along parameter axis j."""
+
+    blocks: tuple[int, ...]
+    dynamic_activations: bool = True
+    dtype: str = FP8_DTYPE
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        lead = len(shape) - len(self.blocks)  # stacked layers: a leading axis with blocks of 1
+        blocks = (1,) * lead + self.blocks
+        return tuple(-(-int(n) // b) for n, b in zip(shape, blocks))
+
+    def nbytes(self, shape: Sequence[int]) -> int:
+        return int(np.prod(shape)) * np.dtype(ml_dtypes.float8_e4m3fn).itemsize + 4 * int(
+            np.prod(self.scale_shape(shape))
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """A parameter leaf pair: `value` (float8_e4m3fn) and `scale` (float32), with the static
+    block of each trailing axis and whether matmuls quantize their activations."""
+
+    def __init__(self, value: Any, scale: Any, blocks: tuple[int, ...], dynamic_activations: bool = True) -> None:
+        self.value, self.scale = value, scale
+        self.blocks, self.dynamic_activations = tuple(blocks), bool(dynamic_activations)
+
+    def tree_flatten(self):
+        return (self.value, self.scale), (self.blocks, self.dynamic_activations)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], children[1], *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(shape={getattr(self.value, 'shape', '?')}, blocks={self.blocks})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks in parameter layout
+
+
+def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
+    groups, axis = [], 0
+    for size in stored:
+        group, prod = [], 1
+        while prod < size or (not group and axis < len(view)):
+            group.append(axis)
+            prod *= view[axis]
+            axis += 1
+        groups.append(group)
+    return groups
+
+
+def param_blocks(src: Source, stored_block: tuple[int, int]) -> tuple[int, ...]:
+    """The block of each parameter axis (those `src` maps) such that every block lies inside one
+    `stored_block` of the stored [out, in] tensor: scales indexed per parameter block are then
+    exactly the checkpoint's."""
+    lay = src.layout
+    offset = lay.offset or (0,) * len(lay.view)
+    view_block = [1] * len(lay.view)
+    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+        rem = stored_block[k] or src.shape[k]
+        for a in reversed(group):
+            n, off = lay.view[a], offset[a]
+            if rem % n == 0 and off == 0 and a != group[0]:
+                view_block[a], rem = n, rem // n
+                continue
+            view_block[a] = math.gcd(rem, n if a != group[0] else 0, off)
+            break
+    blocks = []
+    for a in lay.perm:
+        b = view_block[a]
+        if a == lay.repeat_axis and lay.repeat > 1:
+            b *= lay.repeat
+        blocks.append(b)
+    return tuple(blocks)
+
+
+def checkpoint_scales(
+    src: Source, extent: Sequence[int], blocks: Sequence[int], scale: np.ndarray, stored_block: tuple[int, int]
+) -> np.ndarray:
+    """The scales of the parameter (part) `src` fills, in parameter layout: entry i holds the
+    checkpoint scale of the stored block that parameter entry i * blocks covers."""
+    lay = src.layout
+    offset = lay.offset or (0,) * len(lay.view)
+    rank = len(lay.perm)
+    view_coord: dict[int, tuple[int, np.ndarray]] = {}
+    for j, (a, n, b) in enumerate(zip(lay.perm, extent, blocks)):
+        c = np.arange(-(-int(n) // b)) * b
+        if a == lay.repeat_axis and lay.repeat > 1:
+            c = c // lay.repeat
+        view_coord[a] = (j, c + offset[a])
+    index = []
+    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+        stored = np.zeros((1,) * rank, dtype=np.int64)
+        for pos, a in enumerate(group):
+            stride = int(np.prod([lay.view[x] for x in group[pos + 1 :]], dtype=np.int64))
+            j, c = view_coord[a]
+            shape = [1] * rank
+            shape[j] = len(c)
+            stored = stored + (c * stride).reshape(shape)
+        index.append(stored // stored_block[k])
+    return np.asarray(scale, np.float32)[tuple(index)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side quantization (quantize on load, tests)
+
+
+def _blocked(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """x padded to whole blocks and viewed as [n0/b0, b0, n1/b1, b1, ...]."""
+    blocks = (1,) * (x.ndim - len(blocks)) + tuple(blocks)
+    pad = [(0, -n % b) for n, b in zip(x.shape, blocks)]
+    xp = np.pad(x, pad)
+    shape = [d for n, b in zip(xp.shape, blocks) for d in (n // b, b)]
+    return xp.reshape(shape), blocks
+
+
+def quantize_blocks(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(float8_e4m3fn values, float32 scales) with scale = amax / 448 per block (1 for an
+    all-zero block): `x ~= values * scales` expanded over the blocks."""
+    x = np.asarray(x, np.float32)
+    xb, full = _blocked(x, blocks)
+    amax = np.abs(xb).max(axis=tuple(range(1, xb.ndim, 2)), keepdims=True)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = (xb / scale).astype(FP8).reshape([n + (-n % b) for n, b in zip(x.shape, full)])
+    q = q[tuple(slice(0, n) for n in x.shape)]
+    return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
+
+
+def dequantize_np(value: np.ndarray, scale: np.ndarray, blocks: Sequence[int]) -> np.ndarray:
+    """Host-side `value * scale` expanded over the blocks (float32)."""
+    blocks = (1,) * (value.ndim - len(blocks)) + tuple(blocks)
+    s = scale
+    for axis, b in enumerate(blocks):
+        s = np.repeat(s, b, axis=axis)
+    return value.astype(np.float32) * s[tuple(slice(0, n) for n in value.shape)]
+
+
+# ---------------------------------------------------------------------------------------------
+# In the jitted step
+
+
+def dense(w: Any, dtype: Any = None) -> jax.Array:
+    """The weight as a plain array: a `QuantizedWeight` dequantized (value * scale per block,
+    in float32, then cast to `dtype`, by default the scale's float32), anything else as is."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    blocks = (1,) * (w.value.ndim - len(w.blocks)) + w.blocks
+    s = w.scale
+    for axis, b in enumerate(blocks):
+        if b > 1:
+            s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
+    s = s[tuple(slice(0, n) for n in w.value.shape)]
+    return (w.value.astype(jnp.float32) * s).astype(dtype or jnp.float32)
+
+
+def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Array:
+    """x with its last `num_contracted` axes (flattened) quantized to e4m3 per group of `group`
+    (one scale amax / 448 per token and group, DeepSeek's `act_quant`) and dequantized again,
+    so the matmul that follows sees exactly what an FP8 GEMM multiplies."""
+    lead = x.shape[: x.ndim - num_contracted]
+    flat = x.reshape(lead + (-1,)).astype(jnp.float32)
+    k = flat.shape[-1]
+    g = min(group, k)
+    pad = -k % g
+    if pad:
+        flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
+    grouped = flat.reshape(lead + (-1, g))
+    amax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = (grouped / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    return q.reshape(lead + (-1,))[..., :k].reshape(x.shape).astype(x.dtype)
+
+
+def qeinsum(spec: str, x: jax.Array, w: Any, *, precision: Any = None, **kwargs: Any) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a plain or quantized weight `w`. With a quantized weight the
+    weight is dequantized to x's dtype and, when it asks for dynamic activations, x is
+    quantized per group of 128 along the axes the einsum contracts (x's trailing axes)."""
+    if isinstance(w, QuantizedWeight):
+        inputs, out = spec.split("->")
+        xs = inputs.split(",")[0]
+        contracted = sum(1 for c in xs if c not in out)
+        if w.dynamic_activations:
+            x = act_quant(x, contracted)
+        w = dense(w, x.dtype)
+    return jnp.einsum(spec, x, w, precision=precision, **kwargs)
+
+
+def dense_tree(p: dict, names: Sequence[str], dtype: Any) -> list:
+    """`dense` of several entries of a layer's params."""
+    return [dense(p[n], dtype) for n in names]
+
+
+def is_quantized(w: Any) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def map_values(fn: Callable[[Any], Any], w: Any) -> Any:
+    """`fn` applied to a plain weight, or to both arrays of a quantized one."""
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(fn(w.value), fn(w.scale), w.blocks, w.dynamic_activations)
+    return fn(w)
+
+
+def quant_of(w: Any) -> Optional[QuantizedWeight]:
+    return w if isinstance(w, QuantizedWeight) else None
