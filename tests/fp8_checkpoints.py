@@ -111,14 +111,15 @@ def load_meant_weights(model, meant: dict[str, torch.Tensor]) -> None:
 
 def act_quant(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     """DeepSeek's `act_quant` followed by the dequantization an FP8 GEMM applies: per token and
-    group of `group` features, scale = amax / 448, x -> e4m3(x / scale) * scale."""
+    group of `group` features, scale = amax / 448, x -> e4m3(x / scale) * scale (both
+    divisions as products with the float32 reciprocal, the engine's stated rounding)."""
     k = x.shape[-1]
     g = min(group, k)
     pad = -k % g
     xf = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], -1, g)
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    scale = torch.where(amax > 0, amax * torch.tensor(1.0 / 448.0, dtype=torch.float32), torch.ones_like(amax))
+    q = (xf * (1.0 / scale)).to(torch.float8_e4m3fn).float() * scale  # x / scale as the engine rounds it
     return q.reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
 
 

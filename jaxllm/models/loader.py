@@ -178,6 +178,10 @@ def _choose_alternatives(
     and dtypes from the headers alone (before any tensor data is read). `scales`: the scale
     tensors a float8 checkpoint may hold (checked by `quantized_loading.check_quantized`)."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
+    if config.quantization is None:
+        fp8 = sorted(n for n, dt in header.dtype.items() if dt == FP8_SOURCE)
+        if fp8:
+            raise ValueError(f"tensor {fp8[0]} is float8_e4m3fn but config.json has no quantization_config")
     if config.model_type == "deepseek_v3":
         mtp = mtp_tensor_names(config, [n for n in header.shape if n not in known])
         if mtp:

@@ -208,8 +208,11 @@ def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Arra
         flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
     grouped = flat.reshape(lead + (-1, g))
     amax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = (grouped / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    # amax * (1 / 448) and x * (1 / scale), spelled out: XLA turns these divisions into such
+    # products anyway (one ulp from the quotient, which can move a value across an e4m3
+    # rounding midpoint), so the numerics are stated here rather than left to the compiler.
+    scale = jnp.where(amax > 0, amax * jnp.float32(1.0 / FP8_MAX), 1.0)
+    q = (grouped * (1.0 / scale)).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
     return q.reshape(lead + (-1,))[..., :k].reshape(x.shape).astype(x.dtype)
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import jax
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.quant_config import on_load_quant_config
 from jaxllm.models.quantization import FP8, QuantizedWeight, checkpoint_scales, quantize_blocks
 from jaxllm.models.weight_layout import Source
 from jaxllm.models.weights import ParamDecl, StackedDecl, WeightDecl, scale_spec, unquantized
@@ -166,3 +169,13 @@ def assemble_quantized(
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def with_quantization(config: ModelConfig, method: Optional[str], activation_scheme: str = "dynamic") -> ModelConfig:
+    """`config` with the weight quantization asked for at load time (`quantization="fp8"`): an
+    FP8 checkpoint keeps its own; an unquantized one is quantized while it loads."""
+    if config.quantization is not None:
+        if method is not None and method != "fp8":
+            raise ValueError(f"quantization={method!r}: the checkpoint is already quantized (FP8)")
+        return replace(config, quantization=replace(config.quantization, activation_scheme=activation_scheme))
+    return replace(config, quantization=on_load_quant_config(method, activation_scheme))
