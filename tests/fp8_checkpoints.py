@@ -92,6 +92,58 @@ def write_fp8_checkpoint(directory: Path, model, drop: tuple[str, ...] = ()) -> 
     return meant
 
 
+# compressed-tensors' float-quantized FP8 with dynamic per-token activations, as llm-compressor
+# writes it ("FP8-dynamic" checkpoints of Llama / Qwen).
+COMPRESSED_TENSORS_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+}
+
+
+def channel_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [out, in], float32 weight_scale [out, 1] = amax of the row / 448)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
+def write_channel_fp8_checkpoint(directory: Path, model) -> dict[str, torch.Tensor]:
+    """Save `model` as a compressed-tensors FP8 per-channel checkpoint (`weight_scale` [out, 1]);
+    returns the weights it means."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, meant = {}, {}
+    for name, t in hub_state_dict(model).items():
+        if QUANTIZED.search(name) and t.ndim == 2:
+            q, s = channel_quantize(t)
+            tensors[name], tensors[name[: -len("weight")] + "weight_scale"] = q, s
+            meant[name] = q.float() * s
+        else:
+            tensors[name] = meant[name] = t
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = COMPRESSED_TENSORS_CONFIG
+    config["torch_dtype"] = "float32"
+    (directory / "config.json").write_text(json.dumps(config))
+    return meant
+
+
 def load_meant_weights(model, meant: dict[str, torch.Tensor]) -> None:
     """Put the dequantized hub weights back into `model` (experts fused as transformers holds them)."""
     state = model.state_dict()
@@ -123,13 +175,15 @@ def act_quant(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     return q.reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
 
 
-def simulate_dynamic_activations(model, skip: tuple[str, ...] = ("kv_b_proj",)) -> list:
+def simulate_dynamic_activations(model, skip: tuple[str, ...] = ("kv_b_proj",), group: int = BLOCK) -> list:
     """Forward pre-hooks quantizing the inputs of every quantized linear (and of the routed
-    experts' gate/up projections) as `act_quant` does; returns the hook handles."""
+    experts' gate/up projections) as `act_quant` does, per `group` features (a group as wide
+    as the hidden size or wider: per token); returns the hook handles."""
     handles = []
     for name, module in model.named_modules():
         is_linear = isinstance(module, torch.nn.Linear) and QUANTIZED.search(name + ".weight")
         is_experts = type(module).__name__.endswith("Experts")
         if (is_linear and not any(s in name for s in skip)) or is_experts:
-            handles.append(module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]),) + tuple(args[1:])))
+            hook = lambda m, args: (act_quant(args[0], group),) + tuple(args[1:])  # noqa: E731
+            handles.append(module.register_forward_pre_hook(hook))
     return handles

@@ -212,6 +212,32 @@ def test_quantize_on_load_equals_hf_on_block_quantized_weights_and_halves_bytes(
     assert ours_total < 0.75 * sum(a.nbytes for a in full)
 
 
+def test_compressed_tensors_fp8_per_channel_checkpoint_matches_hf(tmp_path):
+    """Llama in compressed-tensors' FP8 per-channel format: weights-only logits equal HF on the
+    dequantized weights; with its dynamic per-token activations, the torch simulation's."""
+    from tests.fp8_checkpoints import write_channel_fp8_checkpoint
+
+    hf = _randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), seed=4)
+    load_meant_weights(hf, write_channel_fp8_checkpoint(tmp_path, hf))
+    config = load_model_config(tmp_path)
+    assert config.quantization.method == "fp8_channel" and config.quantization.activation_group == -1
+    tokens = _tokens(20, seed=6)
+    ref = _logits(hf, tokens)
+    weights_only = with_quantization(config, None, "none")
+    params = load_params(tmp_path, weights_only)
+    assert params["layer_stacks"][0]["attn"]["q"].scale.shape == (2, 1, 4, 64)  # one scale per output channel
+    assert rel_err(_ours(params, weights_only, tokens), ref) < TOL
+    handles = simulate_dynamic_activations(hf, group=1 << 30)
+    try:
+        sim = _logits(hf, tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    per_token = np.abs(_ours(load_params(tmp_path, config), config, tokens) - sim).max(-1) / np.abs(sim).max()
+    assert np.mean(per_token < 1e-4) >= 0.5 and np.mean(per_token < 0.1) >= 0.95
+    assert rel_err(sim, ref) > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad checkpoints
 

@@ -154,6 +154,6 @@ def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Ar
     dequantized here (the backends, the Pallas kernels included, take float weights), and x
     quantized per token-group of 128 when the weights ask for dynamic activations."""
     w_gate = p["w_gate"]
-    if is_quantized(w_gate) and w_gate.dynamic_activations:
-        x = act_quant(x, 1)
+    if is_quantized(w_gate) and w_gate.act_group:
+        x = act_quant(x, 1, w_gate.act_group)
     return (x,) + tuple(dense(p[n], x.dtype) for n in ("w_gate", "w_up", "w_down"))  # type: ignore[return-value]

@@ -53,6 +53,14 @@ class QuantConfig:
     def dynamic_activations(self) -> bool:
         return self.activation_scheme == "dynamic"
 
+    @property
+    def activation_group(self) -> int:
+        """Features per activation scale: 128 (DeepSeek's token-groups), -1 (per token, the
+        compressed-tensors dynamic scheme) or 0 (activations not quantized)."""
+        if not self.dynamic_activations:
+            return 0
+        return BLOCK if self.method == "fp8_block" else -1
+
     def block_for(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (rows, cols) block of one torch [out, in] weight."""
         if self.method == "fp8_channel":
@@ -112,8 +120,12 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
             f"unsupported compressed-tensors weights.strategy={weights.get('strategy')!r}; only 'channel' loads"
         )
     acts = group.get("input_activations")
-    if acts is not None and not (isinstance(acts, dict) and acts.get("dynamic") is True):
-        raise ValueError("unsupported compressed-tensors input_activations: only dynamic (or none) is implemented")
+    if acts is not None and not (
+        isinstance(acts, dict) and acts.get("dynamic") is True and acts.get("strategy", "token") == "token"
+    ):
+        raise ValueError(
+            "unsupported compressed-tensors input_activations: only dynamic per-token (or none) is implemented"
+        )
     scheme = "dynamic" if acts else "none"
     return QuantConfig("fp8_channel", (1, 0), scheme, "weight_scale", True, _ignored(qc, "ignore"))
 

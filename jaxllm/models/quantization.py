@@ -37,7 +37,7 @@ class WeightQuant:
     per block of `blocks[j]` entries along parameter axis j."""
 
     blocks: tuple[int, ...]
-    dynamic_activations: bool = True
+    act_group: int = BLOCK  # activations quantized per token-group of this many (-1: whole token, 0: not)
     dtype: str = FP8_DTYPE
 
     def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
@@ -54,14 +54,15 @@ class WeightQuant:
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
     """A parameter leaf pair: `value` (float8_e4m3fn) and `scale` (float32), with the static
-    block of each trailing axis and whether matmuls quantize their activations."""
+    block of each trailing axis and how matmuls quantize their activations (`act_group`:
+    per token-group of that many features, -1 per whole token, 0 not at all)."""
 
-    def __init__(self, value: Any, scale: Any, blocks: tuple[int, ...], dynamic_activations: bool = True) -> None:
+    def __init__(self, value: Any, scale: Any, blocks: tuple[int, ...], act_group: int = BLOCK) -> None:
         self.value, self.scale = value, scale
-        self.blocks, self.dynamic_activations = tuple(blocks), bool(dynamic_activations)
+        self.blocks, self.act_group = tuple(blocks), int(act_group)
 
     def tree_flatten(self):
-        return (self.value, self.scale), (self.blocks, self.dynamic_activations)
+        return (self.value, self.scale), (self.blocks, self.act_group)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -197,12 +198,13 @@ def dense(w: Any, dtype: Any = None) -> jax.Array:
 
 def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Array:
     """x with its last `num_contracted` axes (flattened) quantized to e4m3 per group of `group`
-    (one scale amax / 448 per token and group, DeepSeek's `act_quant`) and dequantized again,
+    features (-1: one group per token), one scale amax / 448 per token and group (DeepSeek's
+    `act_quant`; compressed-tensors' dynamic per-token scheme), and dequantized again,
     so the matmul that follows sees exactly what an FP8 GEMM multiplies."""
     lead = x.shape[: x.ndim - num_contracted]
     flat = x.reshape(lead + (-1,)).astype(jnp.float32)
     k = flat.shape[-1]
-    g = min(group, k)
+    g = k if group < 0 else min(group, k)
     pad = -k % g
     if pad:
         flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
@@ -224,8 +226,8 @@ def qeinsum(spec: str, x: jax.Array, w: Any, *, precision: Any = None, **kwargs:
         inputs, out = spec.split("->")
         xs = inputs.split(",")[0]
         contracted = sum(1 for c in xs if c not in out)
-        if w.dynamic_activations:
-            x = act_quant(x, contracted)
+        if w.act_group:
+            x = act_quant(x, contracted, w.act_group)
         w = dense(w, x.dtype)
     return jnp.einsum(spec, x, w, precision=precision, **kwargs)
 
@@ -242,7 +244,7 @@ def is_quantized(w: Any) -> bool:
 def map_values(fn: Callable[[Any], Any], w: Any) -> Any:
     """`fn` applied to a plain weight, or to both arrays of a quantized one."""
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(fn(w.value), fn(w.scale), w.blocks, w.dynamic_activations)
+        return QuantizedWeight(fn(w.value), fn(w.scale), w.blocks, w.act_group)
     return fn(w)
 
 

@@ -164,7 +164,7 @@ def assemble_quantized(
         value = _put(host, value_sharding)
         del host
     scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
-    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.dynamic_activations)
+    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group)
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -177,5 +177,7 @@ def with_quantization(config: ModelConfig, method: Optional[str], activation_sch
     if config.quantization is not None:
         if method is not None and method != "fp8":
             raise ValueError(f"quantization={method!r}: the checkpoint is already quantized (FP8)")
-        return replace(config, quantization=replace(config.quantization, activation_scheme=activation_scheme))
+        if activation_scheme == "none":  # otherwise the checkpoint's own scheme
+            return replace(config, quantization=replace(config.quantization, activation_scheme="none"))
+        return config
     return replace(config, quantization=on_load_quant_config(method, activation_scheme))

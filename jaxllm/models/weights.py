@@ -285,7 +285,7 @@ def quantized_decl(decl: WeightDecl, config: ModelConfig) -> WeightDecl:
         return decl
     blocks = param_blocks(src, qc.block_for(*src.shape))
     lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
-    quant = WeightQuant((1,) * lead + blocks, qc.dynamic_activations)
+    quant = WeightQuant((1,) * lead + blocks, qc.activation_group)
     return replace(decl, quant=quant)
 
 
@@ -517,7 +517,7 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
         jax.ShapeDtypeStruct(decl.shape, np.dtype(q.dtype)),
         jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
         q.blocks,
-        q.dynamic_activations,
+        q.act_group,
     )
 
 
@@ -538,7 +538,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.dynamic_activations)
+        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group)
 
     return build_params(
         ((w.path, spec(w)) for w in declare_params(config, kv_replicas)),
