@@ -99,3 +99,37 @@ def test_compressed_tensors_fp8_per_channel_checkpoint_matches_hf(tmp_path):
     per_token = np.abs(_ours(load_params(tmp_path, config), config, tokens) - sim).max(-1) / np.abs(sim).max()
     assert np.mean(per_token < 1e-4) >= 0.5 and np.mean(per_token < 0.1) >= 0.95
     assert rel_err(sim, ref) > 1e-3
+
+
+def test_cli_flags_and_refused_combinations():
+    import argparse
+
+    from jaxllm.cli.args import add_engine_args, engine_kwargs
+    from jaxllm.engine.capabilities import Layout, check_layout
+    from jaxllm.engine.engine_config import EngineConfig
+    from jaxllm.llm_args import MoeConfig
+    from jaxllm.models.partitioning import attention_dp_rules
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--quantization", "fp8", "--fp8-activation-scheme", "none"]))
+    assert kwargs["quantization"] == "fp8" and kwargs["fp8_activation_scheme"] == "none"
+    with pytest.raises(ValueError, match="quantization must be 'fp8' or None, got 'int4'"):
+        EngineConfig(model="tiny-moe", quantization="int4")
+    with pytest.raises(ValueError, match="fp8_activation_scheme must be"):
+        EngineConfig(model="tiny-moe", fp8_activation_scheme="static")
+    config = with_quantization(load_model_config(_tiny_moe_dir()), "fp8")
+    online = MoeConfig(load_balancer=MoeLoadBalancerConfig(num_slots=8, layer_updates_per_iter=1))
+    engine = EngineConfig(model="tiny-moe", moe_config=online)
+    with pytest.raises(ValueError, match="does not move quantized"):
+        check_layout(engine, config, Layout("cpu", 1, False))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("attn_dp", "expert", "tensor"))
+    with pytest.raises(ValueError, match="attention data parallelism with quantized"):
+        attention_dp_rules(config, mesh)
+
+
+def _tiny_moe_dir():
+    from jaxllm.models import materialize_preset
+
+    return materialize_preset("tiny-moe")

@@ -34,8 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help=f"a model directory, its config.json, a preset, or a known name ({', '.join(KNOWN_CONFIGS)})",
     )
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="devices the model spans")
-    p.add_argument("--ep", "--moe-expert-parallel-size", dest="ep", type=int, default=None, help="expert parallelism")
+    p.add_argument(
+        "--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1, help="devices the model spans"
+    )
+    p.add_argument(
+        "--ep", "--ep-size", "--moe-expert-parallel-size", dest="ep", type=int, default=None, help="expert parallelism"
+    )
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_BYTES), default="h200", help="device memory per GPU")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (a multiple of --tp; default --tp)")
     p.add_argument(
