@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
-from jaxllm.models.quantization import FP8
-from jaxllm.models.weights import WeightDecl, declare_weights, scale_spec
+from jaxllm.models.quantization import FP8, scale_spec
+from jaxllm.models.weights import WeightDecl, declare_weights
 from sharding.mesh import ATTN_DP_AXIS, EXPERT_AXIS, TENSOR_AXIS, ParallelConfig
 from sharding.rules import kv_head_replicas, logical_to_physical, model_rules
 from sharding.slot_table import resolve_assignments

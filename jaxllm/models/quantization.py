@@ -16,14 +16,15 @@ the contraction (DeepSeek's `act_quant`) when the weight says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
 from jaxllm.models.weight_layout import Source
@@ -145,6 +146,51 @@ def checkpoint_scales(
 
 
 # ---------------------------------------------------------------------------------------------
+# The declaration's quantized weights
+
+
+# Linear weights that stay unquantized in every FP8 scheme: the router decides which experts
+# run (DeepSeek keeps it in bf16) and the LM head sets the logits.
+_NEVER_QUANTIZED = ("router", "lm_head")
+
+
+def quantized_decl(decl: Any, config: Any) -> Any:
+    """`decl` stored quantized when `config.quantization` covers it: every linear projection of
+    attention, dense MLPs, shared and routed experts (torch [out, in] sources), not the
+    embedding, norms, router or LM head, nor modules the quantization config leaves out."""
+    qc = config.quantization
+    canonical = decl.alternatives[0]
+    src = canonical[0]
+    if (
+        qc is None
+        or decl.init != "linear"
+        or decl.path[-1] in _NEVER_QUANTIZED
+        or len(src.shape) != 2
+        or any(qc.keeps_float(s.name) for s in canonical)
+    ):
+        return decl
+    blocks = param_blocks(src, qc.block_for(*src.shape))
+    lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
+    quant = WeightQuant((1,) * lead + blocks, qc.activation_group)
+    return replace(decl, quant=quant)
+
+
+def unquantized(decl: Any) -> Any:
+    return replace(decl, quant=None)
+
+
+def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """A quantized weight's scales split like the weight (`spec`), except along an axis with
+    fewer scale blocks than that split's ranks divide evenly (those scales are replicated)."""
+    out = []
+    for axis, n in zip(tuple(spec) + (None,) * (len(scale_shape) - len(spec)), scale_shape):
+        names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        ranks = int(np.prod([mesh_shape[a] for a in names], dtype=np.int64))
+        out.append(axis if n % ranks == 0 else None)
+    return PartitionSpec(*out)
+
+
+# ---------------------------------------------------------------------------------------------
 # Host-side quantization (quantize on load, tests)
 
 
@@ -167,15 +213,6 @@ def quantize_blocks(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, n
     q = (xb / scale).astype(FP8).reshape([n + (-n % b) for n, b in zip(x.shape, full)])
     q = q[tuple(slice(0, n) for n in x.shape)]
     return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
-
-
-def dequantize_np(value: np.ndarray, scale: np.ndarray, blocks: Sequence[int]) -> np.ndarray:
-    """Host-side `value * scale` expanded over the blocks (float32)."""
-    blocks = (1,) * (value.ndim - len(blocks)) + tuple(blocks)
-    s = scale
-    for axis, b in enumerate(blocks):
-        s = np.repeat(s, b, axis=axis)
-    return value.astype(np.float32) * s[tuple(slice(0, n) for n in value.shape)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,21 +269,5 @@ def qeinsum(spec: str, x: jax.Array, w: Any, *, precision: Any = None, **kwargs:
     return jnp.einsum(spec, x, w, precision=precision, **kwargs)
 
 
-def dense_tree(p: dict, names: Sequence[str], dtype: Any) -> list:
-    """`dense` of several entries of a layer's params."""
-    return [dense(p[n], dtype) for n in names]
-
-
 def is_quantized(w: Any) -> bool:
     return isinstance(w, QuantizedWeight)
-
-
-def map_values(fn: Callable[[Any], Any], w: Any) -> Any:
-    """`fn` applied to a plain weight, or to both arrays of a quantized one."""
-    if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(fn(w.value), fn(w.scale), w.blocks, w.act_group)
-    return fn(w)
-
-
-def quant_of(w: Any) -> Optional[QuantizedWeight]:
-    return w if isinstance(w, QuantizedWeight) else None

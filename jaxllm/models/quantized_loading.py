@@ -21,9 +21,16 @@ import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.quant_config import on_load_quant_config
-from jaxllm.models.quantization import FP8, QuantizedWeight, checkpoint_scales, quantize_blocks
+from jaxllm.models.quantization import (
+    FP8,
+    QuantizedWeight,
+    checkpoint_scales,
+    quantize_blocks,
+    scale_spec,
+    unquantized,
+)
 from jaxllm.models.weight_layout import Source
-from jaxllm.models.weights import ParamDecl, StackedDecl, WeightDecl, scale_spec, unquantized
+from jaxllm.models.weights import ParamDecl, StackedDecl, WeightDecl
 
 FP8_SOURCE = "F8_E4M3"
 

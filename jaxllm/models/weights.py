@@ -50,16 +50,15 @@ KV head j // (Hq / Hkv).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
-from jaxllm.models.quantization import QuantizedWeight, WeightQuant, param_blocks
+from jaxllm.models.quantization import QuantizedWeight, WeightQuant, quantized_decl
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
@@ -261,36 +260,6 @@ def declare_weights(
             gain=3.0,
         )
     return [quantized_decl(d, c) for d in decls] if c.quantization is not None else decls
-
-
-# Linear weights that stay unquantized in every FP8 scheme: the router decides which experts
-# run (DeepSeek keeps it in bf16) and the LM head sets the logits.
-_NEVER_QUANTIZED = ("router", "lm_head")
-
-
-def quantized_decl(decl: WeightDecl, config: ModelConfig) -> WeightDecl:
-    """`decl` stored quantized when `config.quantization` covers it: every linear projection of
-    attention, dense MLPs, shared and routed experts (torch [out, in] sources), not the
-    embedding, norms, router or LM head, nor modules the quantization config leaves out."""
-    qc = config.quantization
-    canonical = decl.alternatives[0]
-    src = canonical[0]
-    if (
-        qc is None
-        or decl.init != "linear"
-        or decl.path[-1] in _NEVER_QUANTIZED
-        or len(src.shape) != 2
-        or any(qc.keeps_float(s.name) for s in canonical)
-    ):
-        return decl
-    blocks = param_blocks(src, qc.block_for(*src.shape))
-    lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
-    quant = WeightQuant((1,) * lead + blocks, qc.activation_group)
-    return replace(decl, quant=quant)
-
-
-def unquantized(decl: WeightDecl) -> WeightDecl:
-    return replace(decl, quant=None)
 
 
 def _declare_experts(
@@ -519,17 +488,6 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
         q.blocks,
         q.act_group,
     )
-
-
-def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
-    """A quantized weight's scales split like the weight (`spec`), except along an axis with
-    fewer scale blocks than that split's ranks divide evenly (those scales are replicated)."""
-    out = []
-    for axis, n in zip(tuple(spec) + (None,) * (len(scale_shape) - len(spec)), scale_shape):
-        names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
-        ranks = int(np.prod([mesh_shape[a] for a in names], dtype=np.int64))
-        out.append(axis if n % ranks == 0 else None)
-    return PartitionSpec(*out)
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
