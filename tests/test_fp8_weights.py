@@ -212,3 +212,12 @@ def test_missing_scale_tensor_and_fp8_without_config_name_the_tensor(tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"tensor model\.layers\.\d+\..* is float8_e4m3fn but config.json has no"):
         load_params(tmp_path / "b", load_model_config(tmp_path / "b"))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    bad = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
+    tensors[bad] = torch.ones(3, 3)
+    tensors[missing] = torch.ones(1, 1)
+    save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"scale tensor {bad} has shape \[3, 3\], expected \[1, 1\]"):
+        load_params(tmp_path / "a", load_model_config(tmp_path / "a"))

@@ -116,6 +116,8 @@ def check_quantized(
             name = scale_name(config, src.name)
             if name not in shapes:
                 raise ValueError(f"scale tensor {name} of float8 weight {src.name} is missing from the checkpoint")
+            if dtypes.get(name) not in ("F32", "BF16", "F16", "F64"):
+                raise ValueError(f"scale tensor {name} has dtype {dtypes.get(name)}; scales must be float")
             want = expected_scale_shape(config, src.shape)  # type: ignore[arg-type]
             if tuple(shapes[name]) != want:
                 raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
