@@ -101,19 +101,20 @@ def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_
     q = config.quantization
     weights = "fp8 (e4m3, 128x128 block scales)" if q else config.dtype
     num_gpus = args.num_gpus or args.tp
+    unit, unit_name = (GB, "GiB") if plan.weights_per_device >= GB else (2**20, "MiB")
     lines = [
         f"model      {config.architecture}  weights {weights}",
         f"layout     TP {plan.parallel.tensor_parallel_size} x EP {plan.parallel.moe_expert_parallel_size} "
         f"on {args.gpu.upper()} ({plan.device_bytes / GB:.1f} GiB each), "
         f"{num_gpus // args.tp} replica(s) over {num_gpus} GPU(s)",
         "",
-        f"{'weights per device':<24}{'GiB':>10}",
+        f"{'weights per device':<24}{unit_name:>10}",
     ]
     for kind, nbytes in plan.weight_bytes.items():
-        lines.append(f"  {kind:<22}{nbytes / GB:>10.2f}")
+        lines.append(f"  {kind:<22}{nbytes / unit:>10.2f}")
     if plan.scale_bytes:
-        lines.append(f"  {'(of which FP8 scales)':<22}{plan.scale_bytes / GB:>10.2f}")
-    lines.append(f"  {'total':<22}{plan.weights_per_device / GB:>10.2f}")
+        lines.append(f"  {'(of which FP8 scales)':<22}{plan.scale_bytes / unit:>10.2f}")
+    lines.append(f"  {'total':<22}{plan.weights_per_device / unit:>10.2f}")
     lines += [
         "",
         f"KV cache   {plan.kv_bytes_per_token} bytes/token/device ({config.dtype}); "
