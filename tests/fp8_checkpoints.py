@@ -175,15 +175,50 @@ def act_quant(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     return q.reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
 
 
+class _Restore:
+    """A handle whose `remove()` puts a module's own forward back."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        del self.module.forward
+
+
+def _quantized_experts_forward(group: int):
+    """transformers' fused-experts loop (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) with the
+    input of every projection quantized by `act_quant`: the token rows, and the SwiGLU output
+    before the down projection, as DeepSeek's FP8 experts run."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        x = act_quant(hidden_states, group)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            if len(token) == 0:
+                continue
+            gate, up = torch.nn.functional.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = act_quant(self.act_fn(gate) * up, group)
+            y = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    return forward
+
+
 def simulate_dynamic_activations(model, skip: tuple[str, ...] = ("kv_b_proj",), group: int = BLOCK) -> list:
-    """Forward pre-hooks quantizing the inputs of every quantized linear (and of the routed
-    experts' gate/up projections) as `act_quant` does, per `group` features (a group as wide
-    as the hidden size or wider: per token); returns the hook handles."""
-    handles = []
+    """Quantize, as `act_quant` does per `group` features (a group as wide as the features or
+    wider: per token), the input of every quantized linear (forward pre-hooks) and of every
+    routed expert projection (the experts' forward replaced); returns handles to undo it."""
+    import types
+
+    handles: list = []
     for name, module in model.named_modules():
-        is_linear = isinstance(module, torch.nn.Linear) and QUANTIZED.search(name + ".weight")
-        is_experts = type(module).__name__.endswith("Experts")
-        if (is_linear and not any(s in name for s in skip)) or is_experts:
-            hook = lambda m, args: (act_quant(args[0], group),) + tuple(args[1:])  # noqa: E731
-            handles.append(module.register_forward_pre_hook(hook))
+        if type(module).__name__.endswith("Experts"):
+            module.forward = types.MethodType(_quantized_experts_forward(group), module)
+            handles.append(_Restore(module))
+        elif isinstance(module, torch.nn.Linear) and QUANTIZED.search(name + ".weight"):
+            if not any(s in name for s in skip):
+                hook = lambda m, args: (act_quant(args[0], group),) + tuple(args[1:])  # noqa: E731
+                handles.append(module.register_forward_pre_hook(hook))
     return handles

@@ -108,7 +108,7 @@ def test_cli_flags_and_refused_combinations():
     from jaxllm.engine.capabilities import Layout, check_layout
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.llm_args import MoeConfig
-    from jaxllm.models.partitioning import attention_dp_rules
+    from jaxllm.models.partitioning import attention_dp_rules, check_quantized_split
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
 
     parser = argparse.ArgumentParser()
@@ -127,6 +127,10 @@ def test_cli_flags_and_refused_combinations():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("attn_dp", "expert", "tensor"))
     with pytest.raises(ValueError, match="attention data parallelism with quantized"):
         attention_dp_rules(config, mesh)
+    # tiny-moe's 64 expert columns over MoE TP 2: 32 per rank, not whole groups of 128
+    with pytest.raises(ValueError, match="leaves 32 columns per rank, not a multiple of 128"):
+        check_quantized_split(config, 2)
+    check_quantized_split(with_quantization(config, "fp8", "none"), 2)
 
 
 def _tiny_moe_dir():

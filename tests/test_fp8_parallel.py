@@ -60,7 +60,8 @@ def test_fp8_tensor_and_expert_parallel_match_single_device(tmp_path):
     from tests.test_deepseek import build_hf
     from tests.test_fp8_weights import DS
 
-    write_fp8_checkpoint(tmp_path / "ds", build_hf(DS, seed=3))
+    # 256 expert columns: 128 per rank at MoE TP 2, whole activation-quantization groups.
+    write_fp8_checkpoint(tmp_path / "ds", build_hf(dict(DS, moe_intermediate_size=256), seed=3))
     preset = materialize_preset("tiny-moe")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (preset / name).exists():

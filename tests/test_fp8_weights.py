@@ -139,10 +139,10 @@ def _top1(logits: np.ndarray) -> np.ndarray:
 
 
 def test_deepseek_fp8_dynamic_activations_match_a_torch_simulation_of_the_scheme(deepseek):
-    """Simulation: forward pre-hooks on the HF model quantize the inputs of every quantized
-    projection (and of the routed experts) per token-group of 128 to e4m3 and back, as
-    DeepSeek's `act_quant`; kv_b (used dequantized, as DeepSeek's absorbed MLA does) and the
-    routed experts' down-projection inputs stay float, as here."""
+    """Simulation: on the HF model, forward pre-hooks quantize the input of every quantized
+    projection per token-group of 128 to e4m3 and back (DeepSeek's `act_quant`), and the
+    routed experts run with their input and SwiGLU output so quantized; kv_b stays float
+    (used dequantized, as DeepSeek's absorbed MLA does), as here."""
     directory, hf = deepseek
     config = load_model_config(directory)
     params = load_params(directory, config)

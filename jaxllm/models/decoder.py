@@ -58,7 +58,7 @@ from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, moe_block
+from jaxllm.models.moe import MoeFn, moe_block, quantized_moe_fn
 from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.partitioning import rules_for
 from jaxllm.models.quantization import qeinsum
@@ -284,6 +284,7 @@ def decode_layers_with_moe_stats(
     `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
     MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
     whole decoder per device, see `jaxllm.models.parallel.attention_dp`)."""
+    moe_fn = quantized_moe_fn(moe_fn, config)
     if config.is_mla:
         if slot_moe_layer is not None:
             raise ValueError("attention data parallelism does not support multi-head latent attention models yet")

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
+from jaxllm.models.partitioning import check_quantized_split
 from jaxllm.models.quantization import FP8, scale_spec
 from jaxllm.models.weights import WeightDecl, declare_weights
 from sharding.mesh import ATTN_DP_AXIS, EXPERT_AXIS, TENSOR_AXIS, ParallelConfig
@@ -109,6 +110,7 @@ def plan_memory(
     """The per-device weight bytes of `config` split as `parallel` says (experts as slots under
     expert parallelism, `num_slots` of them), and the KV tokens that fit in `device_bytes`."""
     tp, ep = parallel.tensor_parallel_size, parallel.moe_expert_parallel_size or 1
+    check_quantized_split(config, tp // ep)
     mesh_shape = {ATTN_DP_AXIS: 1, EXPERT_AXIS: ep, TENSOR_AXIS: tp // ep}
     rules = model_rules(
         tensor_parallel_size=tp,

@@ -16,6 +16,7 @@ sorted past the last group so the backend sees them as padding rows and skips th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Optional
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.quantization import act_quant, dense, is_quantized
+from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
 
 MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -147,6 +150,18 @@ def moe_block(
     xq, w_gate, w_up, w_down = expert_operands(x, p)
     out = grouped_expert_ffn(xq, ids, weights, w_gate, w_up, w_down, moe_fn=moe_fn, valid=valid)
     return out.astype(x.dtype), ids
+
+
+def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:
+    """`moe_fn` quantizing the experts' SwiGLU output before the down projection (per token-group,
+    as the FP8 weights' dynamic activation scheme asks) where the backend takes a `hidden_fn`:
+    the plain-XLA backends (the tiled `xla` one and the ragged_dot reference). The Pallas
+    kernels run the down projection on the float hidden activations."""
+    group = config.quantization.activation_group if config.quantization is not None else 0
+    base = getattr(moe_fn, "func", moe_fn)
+    if not group or base not in (moe_grouped_ffn_reference, moe_grouped_ffn_tiled):
+        return moe_fn
+    return functools.partial(moe_fn, hidden_fn=functools.partial(act_quant, num_contracted=1, group=group))
 
 
 def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
