@@ -27,8 +27,11 @@ BENCHMARKS = {
     "beam": "jaxllm.bench.beam",
     "logits": "jaxllm.bench.logits",
     "gpu": "jaxllm.bench.gpu",
+    "quant": "jaxllm.bench.quant",
 }
 BENCHMARK_HELP = {
+    "quant": "FP8 weights (weights-only and with dynamic FP8 activations) next to the float model: weight "
+    "bytes on the device, teacher-forced top-1 agreement, decode tokens/s",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
     "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "
