@@ -22,13 +22,13 @@ def check_all(root: Path) -> None:
     """Subprocess entry point (8 devices)."""
     import jax
 
+    from jaxllm.bench.quant import held_weight_bytes
     from jaxllm.llm_args import MoeConfig
     from jaxllm.models.memory_plan import plan_memory
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
     from sharding.mesh import ParallelConfig
     from tests.parallel_workload import small_engine
     from tests.test_deepseek import _engine_outputs, staggered_prompts
-    from tests.test_memory_plan import engine_weight_bytes
 
     assert len(jax.devices()) == 8
     directory = root / "ds"
@@ -42,7 +42,7 @@ def check_all(root: Path) -> None:
         engine = small_engine(directory, directory, tensor_parallel_size=tp, moe_expert_parallel_size=ep, **extra)
         tokens = _engine_outputs(engine, arrivals, max_tokens=MAX_TOKENS)
         plan = plan_memory(engine.model_config, ParallelConfig(tp, ep), num_slots=slots)
-        held = engine_weight_bytes(engine.runner.params)
+        held = held_weight_bytes(engine.runner.params)
         engine.close()
         return dict(
             tp=tp, ep=ep, tokens={str(k): v for k, v in sorted(tokens.items())}, plan=plan.weights_per_device, held=held

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from jaxllm.bench.quant import held_weight_bytes
 from jaxllm.cli.plan import main as plan_main
 from jaxllm.models.known_configs import DEEPSEEK_V3
 from jaxllm.models.memory_plan import GPU_MEMORY_BYTES, plan_memory
@@ -14,18 +15,6 @@ from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.quantization import QuantizedWeight
 from sharding.mesh import ParallelConfig
 from tests.conftest import tiny_engine
-
-
-def engine_weight_bytes(params) -> int:
-    """Bytes of declared weights on the most loaded device (slot tables and LoRA slots left out)."""
-    per_device: dict = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        if "slots" in keys or "lora" in keys:
-            continue
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
 
 
 def test_plan_equals_what_the_engine_allocates_for_a_quantized_tiny_moe():
@@ -39,7 +28,7 @@ def test_plan_equals_what_the_engine_allocates_for_a_quantized_tiny_moe():
         ]
         assert quantized and all(w.value.dtype == jax.numpy.float8_e4m3fn for w in quantized)
         plan = plan_memory(engine.model_config, ParallelConfig())
-        assert plan.weights_per_device == engine_weight_bytes(params)
+        assert plan.weights_per_device == held_weight_bytes(params)
         assert plan.scale_bytes == sum(w.scale.nbytes for w in quantized)
     finally:
         engine.close()
