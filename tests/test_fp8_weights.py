@@ -221,3 +221,11 @@ def test_missing_scale_tensor_and_fp8_without_config_name_the_tensor(tmp_path):
     save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"scale tensor {bad} has shape \[3, 3\], expected \[1, 1\]"):
         load_params(tmp_path / "a", load_model_config(tmp_path / "a"))
+
+
+def test_convert_refuses_fp8_checkpoints(deepseek):
+    from jaxllm.models.convert import convert_checkpoint
+
+    directory, _ = deepseek
+    with pytest.raises(ValueError, match="holds FP8 weights; converting quantized checkpoints"):
+        convert_checkpoint(directory, directory.parent / "converted")
