@@ -1,4 +1,4 @@
-"""Command line: `jaxllm chat | generate | serve | worker | bench | eplb | convert`.
+"""Command line: `jaxllm chat | generate | serve | worker | bench | eplb | plan | convert`.
 
 Model-loading problems (unknown model, missing file, offline Hub miss, unsupported
 checkpoint) print one line on stderr and exit with status 2, never a traceback.
@@ -26,6 +26,7 @@ SUBCOMMAND_MODULES = {
     "convert": "jaxllm.models.convert",
     "serve": "jaxllm.cli.serve",
     "worker": "jaxllm.cli.worker",
+    "plan": "jaxllm.cli.plan",
 }
 
 
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "eplb",
         help="expert load balancing: load report and placement YAML from recorded statistics (jaxllm eplb --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan",
+        help="per-device weight bytes and KV tokens of a layout, from config.json (jaxllm plan --help)",
         add_help=False,
     )
     sub.add_parser(

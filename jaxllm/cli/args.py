@@ -136,6 +136,20 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         help="auto: the checkpoint's dtype on GPU, float32 on CPU",
     )
     g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: quantize an unquantized checkpoint to FP8 (128x128 block scales) while loading "
+        "(FP8 checkpoints such as DeepSeek-V3's load quantized without it)",
+    )
+    g.add_argument(
+        "--fp8-activation-scheme",
+        default="dynamic",
+        choices=["dynamic", "none"],
+        help="FP8 weights: quantize activations per token-group of 128 (dynamic, as an FP8 deployment) "
+        "or keep them in float (none)",
+    )
+    g.add_argument(
         "--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64, help="sequences per step"
     )
     g.add_argument(
@@ -378,6 +392,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype,
+        quantization=getattr(args, "quantization", None),
+        fp8_activation_scheme=getattr(args, "fp8_activation_scheme", "dynamic"),
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,

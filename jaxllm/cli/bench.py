@@ -28,10 +28,13 @@ BENCHMARKS = {
     "logits": "jaxllm.bench.logits",
     "structured": "jaxllm.bench.structured",
     "gpu": "jaxllm.bench.gpu",
+    "quant": "jaxllm.bench.quant",
 }
 BENCHMARK_HELP = {
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
     "of a batch following a JSON schema; grammar compile time cold and cached",
+    "quant": "FP8 weights (weights-only and with dynamic FP8 activations) next to the float model: weight "
+    "bytes on the device, teacher-forced top-1 agreement, decode tokens/s",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
     "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "

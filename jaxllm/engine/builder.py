@@ -37,6 +37,7 @@ from jaxllm.models.backends import resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.model_config import numpy_dtype
 from jaxllm.models.partitioning import attention_dp_rules
+from jaxllm.models.quantized_loading import with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
 from jaxllm.tokenizer import load_tokenizer
@@ -126,6 +127,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     model_config = replace(
         load_model_config(model_dir, dtype=dtype), scan_layers=config.scan_layers and not config.enable_attention_dp
     )
+    model_config = with_quantization(model_config, config.quantization, config.fp8_activation_scheme)
     kv_dtype = numpy_dtype(model_config.dtype)
     parallel = config.parallel_config()
     mesh = make_mesh(parallel)  # every weight and the KV cache are sharded over it at load time

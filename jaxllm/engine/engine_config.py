@@ -62,6 +62,12 @@ class EngineConfig:
     # Runs of identical layers as one lax.scan over stacked weights (compile time independent
     # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
     scan_layers: bool = True
+    # Weights: "fp8" quantizes an unquantized checkpoint to FP8 with 128 x 128 block scales as it
+    # loads (checkpoints that are FP8 already load as they are); `fp8_activation_scheme`
+    # "dynamic" (default, as an FP8 deployment runs) quantizes activations per token-group of
+    # 128 before each FP8 matmul, "none" multiplies dequantized weights with float activations.
+    quantization: Optional[str] = None
+    fp8_activation_scheme: str = "dynamic"
     # Compiling on demand (no warm-up): a step whose best-fitting token bucket is not compiled
     # runs padded in a compiled larger one while the best fit compiles on the compile threads
     # (jaxllm.engine.compile_ahead); False: each bucket compiles on the step that first needs it.
@@ -98,6 +104,10 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.fp8_activation_scheme not in ("dynamic", "none"):
+            raise ValueError(f"fp8_activation_scheme must be 'dynamic' or 'none', got {self.fp8_activation_scheme!r}")
         for name, (low, high) in LIMIT_RANGES.items():
             value = getattr(self, name)
             if value is None and name == "max_seq_len":

@@ -20,6 +20,10 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str
         raise ValueError(f"output directory {output_dir} exists and is not empty")
     # Stored per layer (the format does not depend on scan_layers); restoring stacks them.
     config = replace(load_model_config(model_dir, dtype), scan_layers=False)
+    if config.quantization is not None:
+        raise ValueError(
+            f"{model_dir} holds FP8 weights; converting quantized checkpoints to orbax is not supported yet"
+        )
     params = load_params(model_dir, config)
     return write_converted(params, model_dir, output_dir, config.dtype)
 

@@ -58,9 +58,10 @@ from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, moe_block
+from jaxllm.models.moe import MoeFn, moe_block, quantized_moe_fn
 from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.partitioning import rules_for
+from jaxllm.models.quantization import qeinsum
 from jaxllm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxllm.models.weights import Params
 from jaxllm.step_batch import StepBatch
@@ -106,9 +107,9 @@ def _attention(
     onehot: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, MhaLayerCache]:
     prec = matmul_precision(config)
-    q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=prec)
-    k = jnp.einsum("th,hnd->tnd", x, p["k"], precision=prec)
-    v = jnp.einsum("th,hnd->tnd", x, p["v"], precision=prec)
+    q = qeinsum("th,hnd->tnd", x, p["q"], precision=prec)
+    k = qeinsum("th,hnd->tnd", x, p["k"], precision=prec)
+    v = qeinsum("th,hnd->tnd", x, p["v"], precision=prec)
     if lora is not None:
         q = q + lora_delta(x, lora["q"], onehot, prec).reshape(q.shape)
         k = k + lora_delta(x, lora["k"], onehot, prec).reshape(k.shape)
@@ -121,7 +122,7 @@ def _attention(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_fn(cache, (k, v), md.slot_mapping)
     out = attention_fn(q, cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window)
-    y = jnp.einsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
+    y = qeinsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
     if lora is not None:
         y = y + lora_delta(out.astype(x.dtype).reshape(out.shape[0], -1), lora["o"], onehot, prec)
     if config.o_proj_bias:
@@ -133,13 +134,13 @@ def _mlp(
     x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
 ) -> jax.Array:
     prec = matmul_precision(config)
-    gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=prec)
-    up = jnp.einsum("th,hi->ti", x, p["up"], precision=prec)
+    gate = qeinsum("th,hi->ti", x, p["gate"], precision=prec)
+    up = qeinsum("th,hi->ti", x, p["up"], precision=prec)
     if lora is not None:
         gate = gate + lora_delta(x, lora["gate"], onehot, prec)
         up = up + lora_delta(x, lora["up"], onehot, prec)
     act = jax.nn.silu(gate) * up
-    y = jnp.einsum("ti,ih->th", act, p["down"], precision=prec)
+    y = qeinsum("ti,ih->th", act, p["down"], precision=prec)
     if lora is not None:
         y = y + lora_delta(act, lora["down"], onehot, prec)
     return y
@@ -283,6 +284,7 @@ def decode_layers_with_moe_stats(
     `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
     MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
     whole decoder per device, see `jaxllm.models.parallel.attention_dp`)."""
+    moe_fn = quantized_moe_fn(moe_fn, config)
     if config.is_mla:
         if slot_moe_layer is not None:
             raise ValueError("attention data parallelism does not support multi-head latent attention models yet")

@@ -44,6 +44,7 @@ from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
 from jaxllm.models.numerics import matmul_precision, rms_norm
 from jaxllm.models.partitioning import rules_for
+from jaxllm.models.quantization import qeinsum
 from jaxllm.models.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from jaxllm.step_batch import StepBatch
 from sharding.expert_load import MoeStepStats, count_experts
@@ -53,9 +54,9 @@ from sharding.rules import logical_to_physical
 
 
 def _mlp(x: jax.Array, p: dict, precision: Optional[jax.lax.Precision]) -> jax.Array:
-    gate = jnp.einsum("th,hi->ti", x, p["gate"], precision=precision)
-    up = jnp.einsum("th,hi->ti", x, p["up"], precision=precision)
-    return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=precision)
+    gate = qeinsum("th,hi->ti", x, p["gate"], precision=precision)
+    up = qeinsum("th,hi->ti", x, p["up"], precision=precision)
+    return qeinsum("ti,ih->th", jax.nn.silu(gate) * up, p["down"], precision=precision)
 
 
 def _backends(

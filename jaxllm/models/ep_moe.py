@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, combine, expert_rows_ffn, route_layer
+from jaxllm.models.moe import MoeFn, combine, expert_operands, expert_rows_ffn, route_layer
 from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
@@ -207,6 +207,7 @@ def ep_moe_block(
     """
     table: SlotTable = p["slots"]
     weights, ids = route_layer(x, p, config)
+    x, w_gate, w_up, w_down = expert_operands(x, p)
     counts = count_experts(ids, config.num_experts, valid)
     slots = choose_slots(ids, table, valid)
     num_tokens = x.shape[0]
@@ -223,5 +224,5 @@ def ep_moe_block(
     down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
     out, dropped = jax.shard_map(
         body, mesh=mesh, in_specs=(tok, tok, tok, up_spec, up_spec, down_spec), out_specs=(tok, P()), check_vma=False
-    )(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
+    )(x, slots, weights, w_gate, w_up, w_down)
     return out[:num_tokens].astype(x.dtype), counts, dropped[0]

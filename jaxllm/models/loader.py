@@ -35,6 +35,14 @@ from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
+from jaxllm.models.quantization import FP8
+from jaxllm.models.quantized_loading import (
+    FP8_SOURCE,
+    Fp8Files,
+    assemble_quantized,
+    check_quantized,
+    scale_candidates,
+)
 from jaxllm.models.weight_layout import Source
 from jaxllm.models.weight_reading import read_parameter_view, read_stacked_view
 from jaxllm.models.weights import (
@@ -57,7 +65,7 @@ _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
 _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 # Buffers some exporters save that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # What safetensors or numpy raise on a truncated, garbled or inconsistent file.
 _FILE_ERRORS = (SafetensorError, OSError, ValueError, TypeError, OverflowError, MemoryError, RecursionError)
@@ -164,11 +172,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _choose_alternatives(
-    header: _Header, decls: list[WeightDecl], config: ModelConfig, model_dir: str | Path
+    header: _Header, decls: list[WeightDecl], config: ModelConfig, model_dir: str | Path, scales: set[str]
 ) -> list[Sequence[Source]]:
     """For each parameter, the one spelling the checkpoint uses, after checking names, shapes
-    and dtypes from the headers alone (before any tensor data is read)."""
+    and dtypes from the headers alone (before any tensor data is read). `scales`: the scale
+    tensors a float8 checkpoint may hold (checked by `quantized_loading.check_quantized`)."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
+    if config.quantization is None:
+        fp8 = sorted(n for n, dt in header.dtype.items() if dt == FP8_SOURCE)
+        if fp8:
+            raise ValueError(f"tensor {fp8[0]} is float8_e4m3fn but config.json has no quantization_config")
     if config.model_type == "deepseek_v3":
         mtp = mtp_tensor_names(config, [n for n in header.shape if n not in known])
         if mtp:
@@ -180,6 +193,7 @@ def _choose_alternatives(
         n
         for n in header.shape
         if n not in known
+        and n not in scales
         and n not in known_or_skipped
         and not (config.tie_word_embeddings and n == "lm_head.weight")
         and not n.endswith(_IGNORED_SUFFIXES)
@@ -192,10 +206,10 @@ def _choose_alternatives(
         where = header.file_of[name].name
         if shape != known[name].shape:
             raise ValueError(f"tensor {name} in {where} has shape {list(shape)}, expected {list(known[name].shape)}")
-        if header.dtype[name] not in _FLOAT_SOURCES:
+        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,):
             raise ValueError(
                 f"tensor {name} in {where} has dtype {header.dtype[name]}; "
-                "only unquantized float checkpoints are supported"
+                "only float and float8_e4m3fn checkpoints are supported"
             )
     chosen, missing = [], []
     for decl in decls:
@@ -277,6 +291,10 @@ def load_params(
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
     if is_converted(model_dir):
+        if config.quantization is not None:
+            raise ValueError(
+                f"{model_dir} is a converted (orbax) checkpoint: quantized weights load from safetensors only"
+            )
         restored = restore_converted(model_dir, config, dtype, mesh=mesh, rules=rules, slot_assignments=assignments)
         params = stack_params(restored, config, mesh, rules, delete_layers=True)
         _add_slot_tables(params, config, mesh, assignments)
@@ -285,16 +303,22 @@ def load_params(
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
-    chosen_for = dict(zip((d.path for d in decls), _choose_alternatives(header, decls, config, model_dir)))
+    chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config))
+    decls, _ = check_quantized(decls, chosen, header.shape, header.dtype, config)
+    chosen_for = dict(zip((d.path for d in decls), chosen))
     stacks = layer_stacks(config)
     param_decls = stack_declarations(decls, stacks)
+    fp8_files = Fp8Files(header.files) if any(dt == FP8_SOURCE for dt in header.dtype.values()) else None
     total_bytes = sum(int(np.prod(s)) * _ITEMSIZE.get(header.dtype[n], 1) for n, s in header.shape.items())
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="np")) for path in header.files}
 
         def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
             try:
-                array = handles[header.file_of[name]].get_slice(name)[slices]
+                if fp8_files is not None and name in fp8_files:
+                    array = fp8_files.read(name, slices)
+                else:
+                    array = handles[header.file_of[name]].get_slice(name)[slices]
             except _FILE_ERRORS as exc:
                 raise ValueError(f"tensor {name} in {header.file_of[name]} is unreadable: {_first_line(exc)}") from None
             # NaN or infinite weights would load silently and make every output garbage.
@@ -309,12 +333,46 @@ def load_params(
                 return read_stacked_view(decl, [chosen_for[m.path] for m in decl.members], index, read)
             return read_parameter_view(decl, chosen_for[decl.path], index, read)
 
-        leaves = []
+        def read_full(name: str) -> np.ndarray:
+            return read(name, tuple(slice(None) for _ in header.shape[name]))
+
+        def read_param(decl: WeightDecl | StackedDecl) -> np.ndarray:
+            block, perm = read_box(decl, tuple(slice(None) for _ in decl.shape))
+            return np.ascontiguousarray(block.transpose(perm)).astype(np.float32, copy=False)
+
+        leaves: list[tuple[tuple, Any]] = []
         with tqdm(
             total=len(param_decls), desc="Loading weights", unit="tensor", disable=total_bytes < _PROGRESS_MIN_BYTES
         ) as bar:
             for decl in param_decls:
                 sharding = named_sharding(mesh, decl.axes, rules)
+                if decl.quant is not None:
+                    if isinstance(decl, StackedDecl) and len({m.quant for m in decl.members}) > 1:
+                        raise ValueError(f"layers of stack {decl.path[1]} mix float8 and float {decl.path[2:]} weights")
+                    alts = (
+                        [chosen_for[m.path] for m in decl.members]
+                        if isinstance(decl, StackedDecl)
+                        else [chosen_for[decl.path]]
+                    )
+                    leaves.append(
+                        (
+                            decl.path,
+                            assemble_quantized(
+                                decl,
+                                alts,
+                                config,
+                                mesh,
+                                sharding.spec,
+                                read_full,
+                                functools.partial(
+                                    assemble_array, decl.shape, sharding, functools.partial(read_box, decl), FP8
+                                ),
+                                functools.partial(read_param, decl),
+                            ),
+                        )
+                    )
+                    bar.update(1)
+                    continue
                 leaves.append(
                     (
                         decl.path,

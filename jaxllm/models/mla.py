@@ -44,6 +44,7 @@ from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, latent_attention_of
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.numerics import rms_norm
+from jaxllm.models.quantization import dense, qeinsum
 from jaxllm.models.rope import yarn_softmax_scale
 
 MLA_MODES = ("auto", "absorbed", "expanded")
@@ -81,14 +82,14 @@ def mla_projections(
     """(q_nope [T, Hq, Dn], RoPE'd q_rope [T, Hq, Dr], the cache entries [T, R + Dr])."""
     c = config
     if c.q_lora_rank is not None:
-        qa = jnp.einsum("th,hr->tr", x, p["q_a"], precision=precision)
+        qa = qeinsum("th,hr->tr", x, p["q_a"], precision=precision)
         qa = rms_norm(qa, p["q_a_norm"], c.rms_norm_eps)
-        q = jnp.einsum("tr,rnd->tnd", qa, p["q_b"], precision=precision)
+        q = qeinsum("tr,rnd->tnd", qa, p["q_b"], precision=precision)
     else:
-        q = jnp.einsum("th,hnd->tnd", x, p["q"], precision=precision)
+        q = qeinsum("th,hnd->tnd", x, p["q"], precision=precision)
     q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-    latent = rms_norm(jnp.einsum("th,hr->tr", x, p["kv_a"], precision=precision), p["kv_a_norm"], c.rms_norm_eps)
-    k_rope = jnp.einsum("th,hd->td", x, p["k_rope"], precision=precision)
+    latent = rms_norm(qeinsum("th,hr->tr", x, p["kv_a"], precision=precision), p["kv_a_norm"], c.rms_norm_eps)
+    k_rope = qeinsum("th,hd->td", x, p["k_rope"], precision=precision)
     q_rope = apply_mla_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_mla_rope(k_rope, cos, sin, c.rope_interleave)
     return q_nope, q_rope, jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
@@ -107,10 +108,11 @@ def absorbed_attention(
     precision: Optional[jax.lax.Precision],
 ) -> jax.Array:
     """Attention in latent space: [T, Hq, Dv]."""
-    q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, p["k_b"], precision=precision)
+    q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, dense(p["k_b"], q_nope.dtype), precision=precision)
     q = jnp.concatenate([q_latent.astype(q_rope.dtype), q_rope], axis=-1)
     out_latent = latent_fn(q, cache, md, sm_scale=sm_scale, value_dim=kv_lora_rank)
-    return jnp.einsum("tnr,rnv->tnv", out_latent.astype(q_nope.dtype), p["v_b"], precision=precision)
+    v_b = dense(p["v_b"], q_nope.dtype)
+    return jnp.einsum("tnr,rnv->tnv", out_latent.astype(q_nope.dtype), v_b, precision=precision)
 
 
 def expanded_attention(
@@ -129,8 +131,8 @@ def expanded_attention(
     num_seqs, max_blocks = md.block_tables.shape
     pages = cache.latent[md.block_tables.reshape(-1)]  # [S * MB, tpb, R + Dr]
     latent, k_rope = pages[..., :kv_lora_rank], pages[..., kv_lora_rank:]
-    k_nope = jnp.einsum("bpr,rnd->nbpd", latent, p["k_b"], precision=precision)
-    v = jnp.einsum("bpr,rnv->nbpv", latent, p["v_b"], precision=precision)
+    k_nope = jnp.einsum("bpr,rnd->nbpd", latent, dense(p["k_b"], latent.dtype), precision=precision)
+    v = jnp.einsum("bpr,rnv->nbpv", latent, dense(p["v_b"], latent.dtype), precision=precision)
     heads = k_nope.shape[0]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[None], (heads,) + k_rope.shape).astype(k_nope.dtype)], -1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
@@ -175,7 +177,7 @@ def mla_attention(
         out = expanded()
     else:
         out = jax.lax.cond(decode_only, absorbed, expanded)
-    y = jnp.einsum("tnv,nvh->th", out.astype(x.dtype), p["o"], precision=precision)
+    y = qeinsum("tnv,nvh->th", out.astype(x.dtype), p["o"], precision=precision)
     return y, cache
 
 

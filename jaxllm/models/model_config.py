@@ -31,6 +31,7 @@ from jaxllm.models.config_fields import (
     optional_float,
 )
 from jaxllm.models.deepseek_config import deepseek_config_fields
+from jaxllm.models.quant_config import QuantConfig, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -162,6 +163,8 @@ class ModelConfig:
     # Run runs of identical layers as one lax.scan over stacked weights and one KV page pool for
     # all layers (compile time independent of depth); off: a per-layer loop over per-layer caches.
     scan_layers: bool = True
+    # Weights stored quantized (FP8 values + scales; see jaxllm.models.quant_config), or None.
+    quantization: Optional[QuantConfig] = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -322,11 +325,7 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     model_type = SUPPORTED_ARCHITECTURES[arch]
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(
-            f"unsupported quantization_config (quant_method={method!r}); only unquantized checkpoints load"
-        )
+    quantization = parse_quantization_config(hf["quantization_config"]) if hf.get("quantization_config") else None
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -420,6 +419,7 @@ def _from_hf_config(hf: dict, dtype: Optional[str]) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=None if hf.get("bos_token_id") is None else int(hf["bos_token_id"]),
         dtype=normalize_dtype(dtype),
+        quantization=quantization,
         **moe,
     )
 

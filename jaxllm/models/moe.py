@@ -16,6 +16,7 @@ sorted past the last group so the backend sees them as padding rows and skips th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Optional
 
@@ -23,6 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.quantization import act_quant, dense, is_quantized
+from pallas_kernels.moe_grouped_gemm.reference import moe_grouped_ffn_reference
+from pallas_kernels.moe_grouped_gemm.tiled_xla import moe_grouped_ffn_tiled
 
 MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -143,5 +147,28 @@ def moe_block(
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
     weights, ids = route_layer(x, p, config)
-    out = grouped_expert_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"], moe_fn=moe_fn, valid=valid)
-    return out, ids
+    xq, w_gate, w_up, w_down = expert_operands(x, p)
+    out = grouped_expert_ffn(xq, ids, weights, w_gate, w_up, w_down, moe_fn=moe_fn, valid=valid)
+    return out.astype(x.dtype), ids
+
+
+def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:
+    """`moe_fn` quantizing the experts' SwiGLU output before the down projection (per token-group,
+    as the FP8 weights' dynamic activation scheme asks) where the backend takes a `hidden_fn`:
+    the plain-XLA backends (the tiled `xla` one and the ragged_dot reference). The Pallas
+    kernels run the down projection on the float hidden activations."""
+    group = config.quantization.activation_group if config.quantization is not None else 0
+    base = getattr(moe_fn, "func", moe_fn)
+    if not group or base not in (moe_grouped_ffn_reference, moe_grouped_ffn_tiled):
+        return moe_fn
+    return functools.partial(moe_fn, hidden_fn=functools.partial(act_quant, num_contracted=1, group=group))
+
+
+def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(x, w_gate, w_up, w_down) as the grouped FFN backends take them: FP8 expert weights
+    dequantized here (the backends, the Pallas kernels included, take float weights), and x
+    quantized per token-group of 128 when the weights ask for dynamic activations."""
+    w_gate = p["w_gate"]
+    if is_quantized(w_gate) and w_gate.act_group:
+        x = act_quant(x, 1, w_gate.act_group)
+    return (x,) + tuple(dense(p[n], x.dtype) for n in ("w_gate", "w_up", "w_down"))  # type: ignore[return-value]

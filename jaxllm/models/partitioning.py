@@ -12,6 +12,7 @@ from sharding.rules import ShardingRules, kv_head_replicas, model_rules
 
 def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """The default sharding rules of `config` on `mesh` (checks the split sizes divide)."""
+    check_quantized_split(config, int(mesh.shape[TENSOR_AXIS]))
     return model_rules(
         tensor_parallel_size=tensor_parallel_size(mesh),
         num_heads=config.num_heads,
@@ -21,6 +22,21 @@ def rules_for(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
         vocab_size=config.vocab_size,
         expert_parallel_size=expert_parallel_size(mesh),
     )
+
+
+def check_quantized_split(config: ModelConfig, moe_tp: int) -> None:
+    """With FP8 activations quantized per group of 128, each expert's FFN columns on one device
+    must be whole groups: the grouped FFN quantizes its device's share of the hidden activations."""
+    q = config.quantization
+    if q is None or q.activation_group <= 0 or moe_tp <= 1 or not config.moe_intermediate_size:
+        return
+    share = config.moe_intermediate_size // moe_tp
+    if share % q.activation_group:
+        raise ValueError(
+            f"FP8 dynamic activations: moe_intermediate_size={config.moe_intermediate_size} over "
+            f"{moe_tp} MoE tensor-parallel ranks leaves {share} columns per rank, not a multiple of "
+            f"{q.activation_group}; use more expert parallelism or fp8_activation_scheme='none'"
+        )
 
 
 def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None) -> int:
@@ -34,6 +50,8 @@ def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Shardin
 def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """Weights under attention DP: everything but the experts replicated; slots over
     `expert`, each expert's FFN columns over `tensor`."""
+    if config.quantization is not None:
+        raise ValueError("attention data parallelism with quantized (FP8) weights is not supported yet")
     moe_tp = int(mesh.shape[TENSOR_AXIS])
     if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
         raise ValueError(

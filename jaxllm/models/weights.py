@@ -11,6 +11,10 @@ that turns each into the parameter. From that list come:
   checkpoint through `jaxllm.models.weight_reading.read_parameter_view`,
 - random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
 
+With `config.quantization` the linear projections are declared quantized (`WeightDecl.quant`:
+FP8 values and float32 block scales in the parameter's axis order, `jaxllm.models.quantization`);
+shapes, specs and bytes then give a `QuantizedWeight` pair per such parameter.
+
 Parameter layout (the decoder's pytree):
 
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
@@ -58,6 +62,7 @@ import numpy as np
 
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
+from jaxllm.models.quantization import QuantizedWeight, WeightQuant, quantized_decl
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
@@ -83,9 +88,15 @@ class WeightDecl:
     rows_from: Optional[tuple[int, ...]] = None
     source_rows: int = 0
     dtype: Optional[str] = None  # kept in this dtype whatever the model's (DeepSeek's float32 router bias)
+    quant: Optional[WeightQuant] = None  # stored quantized (FP8 values + block scales)
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return numpy_dtype(self.dtype or model_dtype)
+
+    def nbytes(self, model_dtype: Any) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes(self.shape)
+        return int(np.prod(self.shape)) * self.param_dtype(model_dtype).itemsize
 
     @property
     def checkpoint_names(self) -> set[str]:
@@ -252,7 +263,7 @@ def declare_weights(
             "linear",
             gain=3.0,
         )
-    return decls
+    return [quantized_decl(d, c) for d in decls] if c.quantization is not None else decls
 
 
 def _declare_experts(
@@ -339,6 +350,13 @@ class StackedDecl:
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return self.members[0].param_dtype(model_dtype)
+
+    @property
+    def quant(self) -> Optional[WeightQuant]:
+        return self.members[0].quant
+
+    def nbytes(self, model_dtype: Any) -> int:
+        return sum(m.nbytes(model_dtype) for m in self.members)
 
 
 ParamDecl = Union[WeightDecl, StackedDecl]
@@ -459,16 +477,33 @@ def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
     dt = dtype or config.dtype
     return build_params(
-        ((w.path, jax.ShapeDtypeStruct(w.shape, w.param_dtype(dt))) for w in declare_params(config, kv_replicas)),
-        config,
-        layer_stacks(config),
+        ((w.path, param_shape(w, dt)) for w in declare_params(config, kv_replicas)), config, layer_stacks(config)
+    )
+
+
+def param_shape(decl: ParamDecl, dtype: Any) -> Any:
+    """One parameter as `jax.ShapeDtypeStruct`s (a `QuantizedWeight` of two when quantized)."""
+    if decl.quant is None:
+        return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
+    q = decl.quant
+    return QuantizedWeight(
+        jax.ShapeDtypeStruct(decl.shape, np.dtype(q.dtype)),
+        jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
+        q.blocks,
+        q.act_group,
     )
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
-    """The parameter pytree as PartitionSpecs (under `rules`)."""
+    """The parameter pytree as PartitionSpecs (under `rules`; a quantized weight's scales as its
+    values, see `scale_spec` for the mesh's uneven splits)."""
+
+    def spec(w: ParamDecl) -> Any:
+        s = logical_to_physical(w.axes, rules)
+        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group)
+
     return build_params(
-        ((w.path, logical_to_physical(w.axes, rules)) for w in declare_params(config, kv_replicas)),
+        ((w.path, spec(w)) for w in declare_params(config, kv_replicas)),
         config,
         layer_stacks(config),
     )
@@ -477,7 +512,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
     """Bytes of all parameters (replicated KV heads counted once per copy)."""
     dt = dtype or config.dtype
-    return sum(int(np.prod(w.shape)) * w.param_dtype(dt).itemsize for w in declare_weights(config, kv_replicas))
+    return sum(w.nbytes(dt) for w in declare_weights(config, kv_replicas))
 
 
 def num_params(config: ModelConfig) -> int:

@@ -8,6 +8,9 @@ FFN; `moe_fused_ffn_reference` is the whole sort, FFN, unsort and weighted combi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -18,12 +21,17 @@ def moe_grouped_ffn_reference(
     w_gate: jax.Array,  # [E, H, I]
     w_up: jax.Array,  # [E, H, I]
     w_down: jax.Array,  # [E, I, H]
+    *,
+    hidden_fn: Optional[Callable[[jax.Array], jax.Array]] = None,
 ) -> jax.Array:
+    """`hidden_fn` (row-wise) transforms the SwiGLU output before the down projection."""
     f32 = jnp.float32
     group_sizes = group_sizes.astype(jnp.int32)
     gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes, preferred_element_type=f32)
     up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes, preferred_element_type=f32)
     hidden = (jax.nn.silu(gate) * up).astype(x_sorted.dtype)
+    if hidden_fn is not None:
+        hidden = hidden_fn(hidden)
     out = jax.lax.ragged_dot(hidden, w_down, group_sizes, preferred_element_type=f32)
     valid = jnp.arange(x_sorted.shape[0]) < group_sizes.sum()
     return jnp.where(valid[:, None], out, 0.0).astype(x_sorted.dtype)

@@ -11,6 +11,7 @@ padding rows cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import jax
@@ -31,7 +32,10 @@ def moe_grouped_ffn_tiled(
     w_down: jax.Array,  # [E, I, H]
     *,
     tile_rows: Optional[int] = None,
+    hidden_fn: Optional[Callable[[jax.Array], jax.Array]] = None,
 ) -> jax.Array:
+    """`hidden_fn` (row-wise) transforms the SwiGLU output before the down projection (FP8
+    deployments quantize it there)."""
     num_rows, hidden = x_sorted.shape
     num_groups = group_sizes.shape[0]
     tile = tile_rows or default_tile_rows(num_rows, num_groups)
@@ -58,6 +62,8 @@ def moe_grouped_ffn_tiled(
         gate = jnp.dot(xt, w_gate[g], preferred_element_type=f32)
         up = jnp.dot(xt, w_up[g], preferred_element_type=f32)
         hidden_act = (jax.nn.silu(gate) * up).astype(x_sorted.dtype)
+        if hidden_fn is not None:
+            hidden_act = hidden_fn(hidden_act)
         y = jnp.dot(hidden_act, w_down[g], preferred_element_type=f32).astype(out.dtype)
         current = jax.lax.dynamic_slice_in_dim(out, first, tile)
         y = jnp.where(row_in_tile < tile_rows_valid[i], y, current)

@@ -1,0 +1,146 @@
+"""How a model's weights are quantized: read from a checkpoint's `quantization_config`, or
+asked for at load time (`LLM(..., quantization="fp8")`).
+
+Two FP8 (e4m3) schemes are understood:
+
+- block-scaled, DeepSeek-V3/R1's native format: `{"quant_method": "fp8", "fmt": "e4m3",
+  "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`; every quantized linear
+  `<name>.weight` (float8_e4m3fn, torch [out, in]) has `<name>.weight_scale_inv` (float32
+  [ceil(out/128), ceil(in/128)]), the dequantized weight being `weight * scale_inv` per block;
+- per-output-channel, compressed-tensors' float-quantized format (`quant_method:
+  "compressed-tensors"`, weights `{num_bits: 8, type: float, strategy: channel}`), with
+  `<name>.weight_scale` float32 [out, 1].
+
+Activations: "dynamic" quantizes each token's activations per group of 128 to e4m3 at run
+time (DeepSeek's `act_quant`), so the numerics match an FP8 deployment; "none" multiplies
+the dequantized weights with the unquantized activations (weights-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FP8_DTYPE = "float8_e4m3fn"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = 128
+ACTIVATION_SCHEMES = ("dynamic", "none")
+# Values of `LLM(quantization=...)` / `--quantization`.
+QUANTIZATION_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One model's weight quantization.
+
+    `weight_block_size` (rows, cols) of the torch [out, in] weight share one scale; (1, 0)
+    means one scale per output channel. `scale_suffix` names each weight's scale tensor in
+    the checkpoint (empty when weights are quantized at load time). `ignored` lists
+    checkpoint module prefixes kept unquantized (`modules_to_not_convert` / `ignore`)."""
+
+    method: str  # "fp8_block" | "fp8_channel"
+    weight_block_size: tuple[int, int] = (BLOCK, BLOCK)
+    activation_scheme: str = "dynamic"
+    scale_suffix: str = "weight_scale_inv"
+    from_checkpoint: bool = True
+    ignored: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {self.activation_scheme!r}")
+
+    @property
+    def dynamic_activations(self) -> bool:
+        return self.activation_scheme == "dynamic"
+
+    @property
+    def activation_group(self) -> int:
+        """Features per activation scale: 128 (DeepSeek's token-groups), -1 (per token, the
+        compressed-tensors dynamic scheme) or 0 (activations not quantized)."""
+        if not self.dynamic_activations:
+            return 0
+        return BLOCK if self.method == "fp8_block" else -1
+
+    def block_for(self, out_features: int, in_features: int) -> tuple[int, int]:
+        """The (rows, cols) block of one torch [out, in] weight."""
+        if self.method == "fp8_channel":
+            return (1, in_features)
+        return self.weight_block_size
+
+    def keeps_float(self, tensor_name: str) -> bool:
+        return any(tensor_name == p or tensor_name.startswith(p.rstrip(".") + ".") for p in self.ignored)
+
+
+def parse_quantization_config(qc: Any) -> QuantConfig:
+    """The `QuantConfig` of a checkpoint's `quantization_config`; anything not understood is a
+    ValueError naming the field."""
+    if not isinstance(qc, dict):
+        raise ValueError(f"quantization_config must be a JSON object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _parse_fp8_block(qc)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(qc)
+    raise ValueError(
+        f"unsupported quantization_config.quant_method={method!r}; supported: 'fp8' (DeepSeek block-scaled "
+        "FP8) and 'compressed-tensors' (FP8 per-channel)"
+    )
+
+
+def _parse_fp8_block(qc: dict) -> QuantConfig:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"unsupported quantization_config.fmt={fmt!r}; only 'e4m3' FP8 weights load")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"unsupported quantization_config.activation_scheme={scheme!r}; only 'dynamic' is implemented")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise ValueError("quantization_config.weight_block_size is missing; only [128, 128] block scales load")
+    if not isinstance(block, (list, tuple)) or [*block] != [BLOCK, BLOCK]:
+        raise ValueError(f"unsupported quantization_config.weight_block_size={block!r}; only [128, 128] is implemented")
+    return QuantConfig("fp8_block", (BLOCK, BLOCK), "dynamic", "weight_scale_inv", True, _ignored(qc))
+
+
+def _parse_compressed_tensors(qc: dict) -> QuantConfig:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ValueError("quantization_config.config_groups must hold exactly one group")
+    group = next(iter(groups.values()))
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(weights, dict):
+        raise ValueError("quantization_config.config_groups.*.weights is missing")
+    if weights.get("num_bits") != 8 or weights.get("type") != "float":
+        raise ValueError(
+            "unsupported compressed-tensors weights "
+            f"(num_bits={weights.get('num_bits')!r}, type={weights.get('type')!r}); only 8-bit float loads"
+        )
+    if weights.get("strategy") != "channel":
+        raise ValueError(
+            f"unsupported compressed-tensors weights.strategy={weights.get('strategy')!r}; only 'channel' loads"
+        )
+    acts = group.get("input_activations")
+    if acts is not None and not (
+        isinstance(acts, dict) and acts.get("dynamic") is True and acts.get("strategy", "token") == "token"
+    ):
+        raise ValueError(
+            "unsupported compressed-tensors input_activations: only dynamic per-token (or none) is implemented"
+        )
+    scheme = "dynamic" if acts else "none"
+    return QuantConfig("fp8_channel", (1, 0), scheme, "weight_scale", True, _ignored(qc, "ignore"))
+
+
+def _ignored(qc: dict, key: str = "modules_to_not_convert") -> tuple[str, ...]:
+    names = qc.get(key) or ()
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"quantization_config.{key} must be a list of module names")
+    return tuple(n for n in names if n != "lm_head")
+
+
+def on_load_quant_config(method: Optional[str], activation_scheme: str = "dynamic") -> Optional[QuantConfig]:
+    """The `QuantConfig` for quantizing an unquantized checkpoint while loading it."""
+    if method is None:
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    return QuantConfig("fp8_block", (BLOCK, BLOCK), activation_scheme, "", False)

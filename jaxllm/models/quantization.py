@@ -1,0 +1,273 @@
+"""FP8 weights kept quantized on the device and dequantized inside the jitted step.
+
+A quantized parameter is a `QuantizedWeight`: its value in float8_e4m3fn, in the parameter's
+own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and float32 scales
+in the same axis order, one per block of `blocks[j]` consecutive entries along each axis
+j. The blocks come from the checkpoint's [128, 128] blocks of the torch [out, in] weight
+through the declared layout change (`param_blocks`): an axis that is a whole stored
+dimension keeps 128, head axes split out of a stored dimension get whole heads or the
+finest block that never straddles a stored block (DeepSeek's 192-wide q heads: 64).
+
+`dense(w, dtype)` dequantizes (XLA fuses the scale multiply into the matmul's operand);
+`qeinsum` also quantizes the activations dynamically per token and group of 128 along
+the contraction (DeepSeek's `act_quant`) when the weight says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
+from jaxllm.models.weight_layout import Source
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one declared parameter is stored quantized: `dtype` values and float32 scales, one
+    per block of `blocks[j]` entries along parameter axis j."""
+
+    blocks: tuple[int, ...]
+    act_group: int = BLOCK  # activations quantized per token-group of this many (-1: whole token, 0: not)
+    dtype: str = FP8_DTYPE
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        lead = len(shape) - len(self.blocks)  # stacked layers: a leading axis with blocks of 1
+        blocks = (1,) * lead + self.blocks
+        return tuple(-(-int(n) // b) for n, b in zip(shape, blocks))
+
+    def nbytes(self, shape: Sequence[int]) -> int:
+        return int(np.prod(shape)) * np.dtype(ml_dtypes.float8_e4m3fn).itemsize + 4 * int(
+            np.prod(self.scale_shape(shape))
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """A parameter leaf pair: `value` (float8_e4m3fn) and `scale` (float32), with the static
+    block of each trailing axis and how matmuls quantize their activations (`act_group`:
+    per token-group of that many features, -1 per whole token, 0 not at all)."""
+
+    def __init__(self, value: Any, scale: Any, blocks: tuple[int, ...], act_group: int = BLOCK) -> None:
+        self.value, self.scale = value, scale
+        self.blocks, self.act_group = tuple(blocks), int(act_group)
+
+    def tree_flatten(self):
+        return (self.value, self.scale), (self.blocks, self.act_group)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], children[1], *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(shape={getattr(self.value, 'shape', '?')}, blocks={self.blocks})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks in parameter layout
+
+
+def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
+    groups, axis = [], 0
+    for size in stored:
+        group, prod = [], 1
+        while prod < size or (not group and axis < len(view)):
+            group.append(axis)
+            prod *= view[axis]
+            axis += 1
+        groups.append(group)
+    return groups
+
+
+def param_blocks(src: Source, stored_block: tuple[int, int]) -> tuple[int, ...]:
+    """The block of each parameter axis (those `src` maps) such that every block lies inside one
+    `stored_block` of the stored [out, in] tensor: scales indexed per parameter block are then
+    exactly the checkpoint's."""
+    lay = src.layout
+    offset = lay.offset or (0,) * len(lay.view)
+    view_block = [1] * len(lay.view)
+    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+        rem = stored_block[k] or src.shape[k]
+        for a in reversed(group):
+            n, off = lay.view[a], offset[a]
+            if rem % n == 0 and off == 0 and a != group[0]:
+                view_block[a], rem = n, rem // n
+                continue
+            view_block[a] = math.gcd(rem, n if a != group[0] else 0, off)
+            break
+    blocks = []
+    for a in lay.perm:
+        b = view_block[a]
+        if a == lay.repeat_axis and lay.repeat > 1:
+            b *= lay.repeat
+        blocks.append(b)
+    return tuple(blocks)
+
+
+def checkpoint_scales(
+    src: Source, extent: Sequence[int], blocks: Sequence[int], scale: np.ndarray, stored_block: tuple[int, int]
+) -> np.ndarray:
+    """The scales of the parameter (part) `src` fills, in parameter layout: entry i holds the
+    checkpoint scale of the stored block that parameter entry i * blocks covers."""
+    lay = src.layout
+    offset = lay.offset or (0,) * len(lay.view)
+    rank = len(lay.perm)
+    view_coord: dict[int, tuple[int, np.ndarray]] = {}
+    for j, (a, n, b) in enumerate(zip(lay.perm, extent, blocks)):
+        c = np.arange(-(-int(n) // b)) * b
+        if a == lay.repeat_axis and lay.repeat > 1:
+            c = c // lay.repeat
+        view_coord[a] = (j, c + offset[a])
+    index = []
+    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+        stored = np.zeros((1,) * rank, dtype=np.int64)
+        for pos, a in enumerate(group):
+            stride = int(np.prod([lay.view[x] for x in group[pos + 1 :]], dtype=np.int64))
+            j, c = view_coord[a]
+            shape = [1] * rank
+            shape[j] = len(c)
+            stored = stored + (c * stride).reshape(shape)
+        index.append(stored // stored_block[k])
+    return np.asarray(scale, np.float32)[tuple(index)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The declaration's quantized weights
+
+
+# Linear weights that stay unquantized in every FP8 scheme: the router decides which experts
+# run (DeepSeek keeps it in bf16) and the LM head sets the logits.
+_NEVER_QUANTIZED = ("router", "lm_head")
+
+
+def quantized_decl(decl: Any, config: Any) -> Any:
+    """`decl` stored quantized when `config.quantization` covers it: every linear projection of
+    attention, dense MLPs, shared and routed experts (torch [out, in] sources), not the
+    embedding, norms, router or LM head, nor modules the quantization config leaves out."""
+    qc = config.quantization
+    canonical = decl.alternatives[0]
+    src = canonical[0]
+    if (
+        qc is None
+        or decl.init != "linear"
+        or decl.path[-1] in _NEVER_QUANTIZED
+        or len(src.shape) != 2
+        or any(qc.keeps_float(s.name) for s in canonical)
+    ):
+        return decl
+    blocks = param_blocks(src, qc.block_for(*src.shape))
+    lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
+    quant = WeightQuant((1,) * lead + blocks, qc.activation_group)
+    return replace(decl, quant=quant)
+
+
+def unquantized(decl: Any) -> Any:
+    return replace(decl, quant=None)
+
+
+def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """A quantized weight's scales split like the weight (`spec`), except along an axis with
+    fewer scale blocks than that split's ranks divide evenly (those scales are replicated)."""
+    out = []
+    for axis, n in zip(tuple(spec) + (None,) * (len(scale_shape) - len(spec)), scale_shape):
+        names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        ranks = int(np.prod([mesh_shape[a] for a in names], dtype=np.int64))
+        out.append(axis if n % ranks == 0 else None)
+    return PartitionSpec(*out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side quantization (quantize on load, tests)
+
+
+def _blocked(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """x padded to whole blocks and viewed as [n0/b0, b0, n1/b1, b1, ...]."""
+    blocks = (1,) * (x.ndim - len(blocks)) + tuple(blocks)
+    pad = [(0, -n % b) for n, b in zip(x.shape, blocks)]
+    xp = np.pad(x, pad)
+    shape = [d for n, b in zip(xp.shape, blocks) for d in (n // b, b)]
+    return xp.reshape(shape), blocks
+
+
+def quantize_blocks(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(float8_e4m3fn values, float32 scales) with scale = amax / 448 per block (1 for an
+    all-zero block): `x ~= values * scales` expanded over the blocks."""
+    x = np.asarray(x, np.float32)
+    xb, full = _blocked(x, blocks)
+    amax = np.abs(xb).max(axis=tuple(range(1, xb.ndim, 2)), keepdims=True)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = (xb / scale).astype(FP8).reshape([n + (-n % b) for n, b in zip(x.shape, full)])
+    q = q[tuple(slice(0, n) for n in x.shape)]
+    return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
+
+
+# ---------------------------------------------------------------------------------------------
+# In the jitted step
+
+
+def dense(w: Any, dtype: Any = None) -> jax.Array:
+    """The weight as a plain array: a `QuantizedWeight` dequantized (value * scale per block,
+    in float32, then cast to `dtype`, by default the scale's float32), anything else as is."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    blocks = (1,) * (w.value.ndim - len(w.blocks)) + w.blocks
+    s = w.scale
+    for axis, b in enumerate(blocks):
+        if b > 1:
+            s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
+    s = s[tuple(slice(0, n) for n in w.value.shape)]
+    return (w.value.astype(jnp.float32) * s).astype(dtype or jnp.float32)
+
+
+def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Array:
+    """x with its last `num_contracted` axes (flattened) quantized to e4m3 per group of `group`
+    features (-1: one group per token), one scale amax / 448 per token and group (DeepSeek's
+    `act_quant`; compressed-tensors' dynamic per-token scheme), and dequantized again,
+    so the matmul that follows sees exactly what an FP8 GEMM multiplies."""
+    lead = x.shape[: x.ndim - num_contracted]
+    flat = x.reshape(lead + (-1,)).astype(jnp.float32)
+    k = flat.shape[-1]
+    g = k if group < 0 else min(group, k)
+    pad = -k % g
+    if pad:
+        flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
+    grouped = flat.reshape(lead + (-1, g))
+    amax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
+    # amax * (1 / 448) and x * (1 / scale), spelled out: XLA turns these divisions into such
+    # products anyway (one ulp from the quotient, which can move a value across an e4m3
+    # rounding midpoint), so the numerics are stated here rather than left to the compiler.
+    scale = jnp.where(amax > 0, amax * jnp.float32(1.0 / FP8_MAX), 1.0)
+    q = (grouped * (1.0 / scale)).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    return q.reshape(lead + (-1,))[..., :k].reshape(x.shape).astype(x.dtype)
+
+
+def qeinsum(spec: str, x: jax.Array, w: Any, *, precision: Any = None, **kwargs: Any) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a plain or quantized weight `w`. With a quantized weight the
+    weight is dequantized to x's dtype and, when it asks for dynamic activations, x is
+    quantized per group of 128 along the axes the einsum contracts (x's trailing axes)."""
+    if isinstance(w, QuantizedWeight):
+        inputs, out = spec.split("->")
+        xs = inputs.split(",")[0]
+        contracted = sum(1 for c in xs if c not in out)
+        if w.act_group:
+            x = act_quant(x, contracted, w.act_group)
+        w = dense(w, x.dtype)
+    return jnp.einsum(spec, x, w, precision=precision, **kwargs)
+
+
+def is_quantized(w: Any) -> bool:
+    return isinstance(w, QuantizedWeight)

@@ -1,0 +1,192 @@
+"""Loading quantized weights: FP8 checkpoints (values and their scale tensors) and quantizing an
+unquantized checkpoint while it loads.
+
+What is quantized and how comes from the weight declaration (`WeightDecl.quant`); this module
+checks the checkpoint against it from the headers alone, reads the float8 tensors (which the
+safetensors numpy reader does not decode) straight from the file, and builds each quantized
+parameter as a `QuantizedWeight` of two sharded arrays, the scales split like their weight.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.quant_config import on_load_quant_config
+from jaxllm.models.quantization import (
+    FP8,
+    QuantizedWeight,
+    checkpoint_scales,
+    quantize_blocks,
+    scale_spec,
+    unquantized,
+)
+from jaxllm.models.weight_layout import Source
+from jaxllm.models.weights import ParamDecl, StackedDecl, WeightDecl
+
+FP8_SOURCE = "F8_E4M3"
+
+
+class Fp8Files:
+    """float8_e4m3fn tensors of safetensors files, memory-mapped from their headers."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self._where: dict[str, tuple[Path, int, tuple[int, ...]]] = {}
+        self._maps: dict[Path, np.memmap] = {}
+        for path in files:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, meta in header.items():
+                if name != "__metadata__" and meta.get("dtype") == FP8_SOURCE:
+                    begin, end = meta["data_offsets"]
+                    shape = tuple(int(n) for n in meta["shape"])
+                    if end - begin != int(np.prod(shape)):
+                        raise ValueError(f"tensor {name} in {path.name}: data size does not match shape {list(shape)}")
+                    self._where[name] = (path, 8 + size + begin, shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> np.ndarray:
+        path, start, shape = self._where[name]
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        flat = self._maps[path][start : start + int(np.prod(shape))]
+        return np.asarray(flat.reshape(shape)[slices]).view(FP8)
+
+
+def scale_name(config: ModelConfig, weight_name: str) -> str:
+    """The checkpoint's scale tensor of a quantized `<module>.weight`."""
+    assert config.quantization is not None
+    return weight_name[: -len("weight")] + config.quantization.scale_suffix
+
+
+def expected_scale_shape(config: ModelConfig, stored: tuple[int, int]) -> tuple[int, int]:
+    assert config.quantization is not None
+    rows, cols = config.quantization.block_for(*stored)
+    return (-(-stored[0] // rows), -(-stored[1] // cols))
+
+
+def scale_candidates(decls: Sequence[WeightDecl], config: ModelConfig) -> set[str]:
+    """The scale tensor names a float8 checkpoint may hold for these declarations."""
+    qc = config.quantization
+    if qc is None or not qc.from_checkpoint:
+        return set()
+    return {scale_name(config, src.name) for d in decls if d.quant is not None for src in d.alternatives[0]}
+
+
+def check_quantized(
+    decls: list[WeightDecl],
+    chosen: list[Sequence[Source]],
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str],
+    config: ModelConfig,
+) -> tuple[list[WeightDecl], set[str]]:
+    """The declarations as this checkpoint stores them (a weight the checkpoint keeps in float
+    stays float) and the names of the scale tensors they read. Raises ValueError naming the
+    tensor for float8 weights without scales, scales of the wrong shape, or float8 tensors
+    where the declaration has none."""
+    qc = config.quantization
+    out, scales = [], set()
+    for decl, alt in zip(decls, chosen):
+        fp8 = [src.name for src in alt if dtypes.get(src.name) == FP8_SOURCE]
+        if decl.quant is None or qc is None or not qc.from_checkpoint:
+            if fp8:
+                why = "config.json has no quantization_config" if qc is None else "it is never quantized"
+                raise ValueError(f"tensor {fp8[0]} is float8_e4m3fn but {why}")
+            out.append(decl)
+            continue
+        if not fp8:
+            out.append(unquantized(decl))  # what the checkpoint keeps in bf16 stays bf16
+            continue
+        if len(fp8) != len(alt) or alt is not decl.alternatives[0]:
+            raise ValueError(
+                f"tensor {fp8[0]}: float8 weights load only in the per-module layout, every part quantized"
+            )
+        for src in alt:
+            name = scale_name(config, src.name)
+            if name not in shapes:
+                raise ValueError(f"scale tensor {name} of float8 weight {src.name} is missing from the checkpoint")
+            if dtypes.get(name) not in ("F32", "BF16", "F16", "F64"):
+                raise ValueError(f"scale tensor {name} has dtype {dtypes.get(name)}; scales must be float")
+            want = expected_scale_shape(config, src.shape)  # type: ignore[arg-type]
+            if tuple(shapes[name]) != want:
+                raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
+            scales.add(name)
+        out.append(decl)
+    return out, scales
+
+
+def _member_scales(
+    decl: WeightDecl, alt: Sequence[Source], config: ModelConfig, read_full: Callable[[str], np.ndarray]
+) -> np.ndarray:
+    """One declared weight's scales in parameter layout, from the checkpoint's scale tensors."""
+    assert decl.quant is not None
+    part = alt[0].part is not None
+    blocks = decl.quant.blocks[1:] if part else decl.quant.blocks
+    extent = decl.shape[1:] if part else decl.shape
+
+    def scales_of(src: Source) -> np.ndarray:
+        stored_block = config.quantization.block_for(*src.shape)  # type: ignore[union-attr]
+        return checkpoint_scales(src, extent, blocks, read_full(scale_name(config, src.name)), stored_block)
+
+    if not part:
+        return scales_of(alt[0])
+    by_part = {src.part: src for src in alt}
+    rows = decl.rows_from if decl.rows_from is not None else range(decl.shape[0])
+    return np.stack([scales_of(by_part[r]) for r in rows])
+
+
+def assemble_quantized(
+    decl: ParamDecl,
+    alternatives: Sequence[Sequence[Source]],
+    config: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    spec: jax.sharding.PartitionSpec,
+    read_full: Callable[[str], np.ndarray],
+    assemble_value: Callable[[], jax.Array],
+    read_param: Callable[[], np.ndarray],
+) -> QuantizedWeight:
+    """A quantized parameter on the mesh: the checkpoint's float8 values (each device's box read
+    by `assemble_value`) and scales, or, quantizing on load, the whole parameter read in float
+    (`read_param`, in parameter layout) quantized here to 128 x 128 blocks."""
+    q = decl.quant
+    assert q is not None
+    members = decl.members if isinstance(decl, StackedDecl) else (decl,)
+    value_sharding = jax.sharding.NamedSharding(mesh, spec)
+    if config.quantization is not None and config.quantization.from_checkpoint:
+        value = assemble_value()
+        scale = np.stack([_member_scales(m, a, config, read_full) for m, a in zip(members, alternatives)])
+        if not isinstance(decl, StackedDecl):
+            scale = scale[0]
+    else:
+        host, scale = quantize_blocks(read_param(), q.blocks)
+        value = _put(host, value_sharding)
+        del host
+    scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
+    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group)
+
+
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def with_quantization(config: ModelConfig, method: Optional[str], activation_scheme: str = "dynamic") -> ModelConfig:
+    """`config` with the weight quantization asked for at load time (`quantization="fp8"`): an
+    FP8 checkpoint keeps its own; an unquantized one is quantized while it loads."""
+    if config.quantization is not None:
+        if method is not None and method != "fp8":
+            raise ValueError(f"quantization={method!r}: the checkpoint is already quantized (FP8)")
+        if activation_scheme == "none":  # otherwise the checkpoint's own scheme
+            return replace(config, quantization=replace(config.quantization, activation_scheme="none"))
+        return config
+    return replace(config, quantization=on_load_quant_config(method, activation_scheme))
