@@ -137,7 +137,7 @@ def test_chat_and_generate_end_to_end(capsys, monkeypatch):
         "dtype=float32",
         "blocks x 8 tokens",
         "max_batch_size=2 max_num_tokens=16 max_seq_len=128",
-        "compiling 1 token buckets",
+        "forwards + sampler",
         "ready in",
     ):
         assert expected in captured.err, expected
