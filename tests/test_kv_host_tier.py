@@ -1,0 +1,185 @@
+"""The host KV tier (`KvCacheConfig.host_cache_size`): evicted reusable blocks wait in host
+memory and are copied back on a prefix hit. Oracles: the engine with the tier off (same
+greedy tokens), HF transformers (teacher forcing), and the pools' own indexes (events)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kv_tier_workload import context_tokens, interleaved_prefixes
+
+from jaxllm.engine.engine_config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
+from jaxllm.llm_args import KvCacheConfig, parse_byte_size
+from jaxllm.sampling import SamplingParams
+
+from engine_helpers import hf_teacher_forcing_check, make_hf_model
+
+VOCAB = 256
+TPB = 8
+DEVICE_TOKENS = 160  # 20 blocks: less than the 36 prefix blocks of the workload
+WORKLOAD = dict(num_prefixes=6, prefix_len=48, waves=3, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_tier")
+    return path, make_hf_model("qwen3", path, VOCAB)
+
+
+def _engine(path, host: int | None, **kv) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            max_batch_size=8,
+            max_num_tokens=64,
+            max_seq_len=128,
+            kv_cache_config=KvCacheConfig(tokens_per_block=TPB, max_tokens=DEVICE_TOKENS, host_cache_size=host, **kv),
+        )
+    )
+
+
+def _check(engine: LLMEngine) -> None:
+    engine.kv_cache_manager.check_invariants()
+
+
+def test_tier_gives_the_same_tokens_with_more_reuse_and_less_prefill_and_leaks_nothing(qwen3):
+    path, hf = qwen3
+    off = _engine(path, None)
+    tokens_off = interleaved_prefixes(off, **WORKLOAD, step=_check)
+    on = _engine(path, 4 << 20)
+    kv = on.kv_cache_manager
+    host = kv.host_tier
+    free_device, free_host = kv.num_free_blocks, host.num_free
+    tokens_on = interleaved_prefixes(on, **WORKLOAD, step=_check)
+    assert tokens_on == tokens_off
+    stats_off, stats_on = off.iteration_stats[-1]["kvCacheStats"], on.iteration_stats[-1]["kvCacheStats"]
+    assert stats_on["reusedBlocks"] > stats_off["reusedBlocks"] + 20
+    assert stats_on["onboardedBlocks"] > 20 and stats_on["offloadedBlocks"] >= stats_on["onboardedBlocks"]
+    assert stats_on["onboardedBytes"] == stats_on["onboardedBlocks"] * host.bytes_per_block
+    assert context_tokens(on) < context_tokens(off) * 0.6
+    # Nothing leaks: every device block is free or cached, every host slot free or cached.
+    assert kv.num_free_blocks == free_device == kv.num_blocks
+    assert host.num_pending == 0 and host.num_free + host.num_cached == free_host
+    kv.check_invariants()
+    # HF agrees with the tokens of the last wave (all of whose prefixes came back from the host).
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prefixes = [[int(t) for t in rng.integers(3, VOCAB, 48)] for _ in range(6)]
+    for i in (0, 3, 5):
+        hf_teacher_forcing_check(hf, prefixes[i] + [5, 3 + i], tokens_on[12 + i])
+
+
+def test_events_replay_both_tiers_under_eviction_with_retention_priorities(qwen3):
+    path, _ = qwen3
+    from jaxllm.models import load_model_config
+
+    config = load_model_config(path, "float32")
+    block = config.num_layers * 2 * config.num_kv_heads * config.head_dim * TPB * 4  # keys and values, f32
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            max_batch_size=4,
+            max_num_tokens=64,
+            max_seq_len=128,
+            kv_cache_config=KvCacheConfig(
+                tokens_per_block=TPB,
+                max_tokens=96,
+                host_cache_size=10 * block + block // 2,
+                event_buffer_max_size=100_000,
+                secondary_offload_min_priority=30,
+            ),
+        )
+    )
+    kv = engine.kv_cache_manager
+    host = kv.host_tier
+    assert host.num_slots == 10 and host.bytes_per_block == block
+    events = engine.get_kv_cache_events()
+    assert events[0]["data"] == {"type": "created", "num_blocks_per_cache_level": [12, 10]}
+    live: dict = {}  # block hash -> (parent, tokens, priority, cache level)
+    levels_seen = set()
+
+    def replay_and_compare(engine) -> None:
+        for event in engine.get_kv_cache_events():
+            data = event["data"]
+            if data["type"] == "stored":
+                parent = data["parent_hash"]
+                for block in data["blocks"]:
+                    assert block["block_hash"] not in live
+                    tokens = tuple(t["token_id"] for t in block["tokens"])
+                    live[block["block_hash"]] = (parent, tokens, block["priority"], block["cache_level"])
+                    parent = block["block_hash"]
+            elif data["type"] == "removed":
+                for h in data["block_hashes"]:
+                    del live[h]
+            elif data["type"] == "updated":
+                parent, tokens, priority, level = live[data["block_hash"]]
+                if data["cache_level"] is not None:
+                    assert data["cache_level"]["old_value"] == level
+                    level = data["cache_level"]["new_value"]
+                    levels_seen.add((data["cache_level"]["old_value"], level))
+                if data["priority"] is not None:
+                    assert data["priority"]["old_value"] == priority
+                    priority = data["priority"]["new_value"]
+                live[data["block_hash"]] = (parent, tokens, priority, level)
+        device = {h: v[:3] for h, v in live.items() if v[3] == 0}
+        on_host = {h: v[:3] for h, v in live.items() if v[3] == 1}
+        assert device == kv.block_pool.cached_prefixes()
+        assert on_host == host.cached_prefixes()
+        kv.check_invariants()
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    prefixes = [[int(t) for t in rng.integers(3, VOCAB, 32)] for _ in range(5)]
+    low = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, None, 10)])  # below the offload minimum
+    high = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 16, 90)])
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for wave in range(4):
+        for i, p in enumerate(prefixes):
+            config = low if i == 4 else high if i == 0 else None
+            engine.add_request(p + [3 + wave], params, kv_cache_retention_config=config)
+        while engine.has_unfinished_requests():
+            engine.step()
+            replay_and_compare(engine)
+    assert {(0, 1), (1, 0)} <= levels_seen
+    assert host.dropped_blocks > 0 and kv.block_pool.num_evictions > 0
+    # A low-priority prefix is never offloaded.
+    low_first = tuple(prefixes[4][:TPB])
+    assert all(tokens != low_first for _, tokens, _ in host.cached_prefixes().values())
+    assert {p for _, _, p in host.cached_prefixes().values()} >= {35}
+
+
+def test_byte_sizes_and_bad_configuration_are_refused_with_the_field_named(qwen3):
+    path, _ = qwen3
+    assert parse_byte_size("x", "8GiB") == 8 * 2**30
+    assert parse_byte_size("x", "512MB") == 512 * 10**6
+    assert parse_byte_size("x", 4096) == 4096
+    with pytest.raises(ValueError, match="host_cache_size must be a byte count"):
+        KvCacheConfig(host_cache_size="lots")
+    with pytest.raises(ValueError, match="host_cache_size=.* more than this machine's memory"):
+        KvCacheConfig(host_cache_size=1 << 60)
+    with pytest.raises(ValueError, match="secondary_offload_min_priority"):
+        KvCacheConfig(secondary_offload_min_priority=101)
+    with pytest.raises(ValueError, match=r"host_cache_size=100 bytes is smaller than one KV block \(\d+ bytes\)"):
+        _engine(path, 100)
+    with pytest.raises(ValueError, match="host_cache_size needs enable_block_reuse"):
+        _engine(path, 1 << 20, enable_block_reuse=False)
+
+
+def test_cli_refuses_a_bad_host_size_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllm", "serve", "--model", "tiny-moe", "--kv-cache-host-size", "8 lots"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "jaxllm serve: error: host_cache_size must be a byte count such as 8GiB or 512MB, got '8 lots'"
