@@ -28,8 +28,11 @@ BENCHMARKS = {
     "logits": "jaxllm.bench.logits",
     "structured": "jaxllm.bench.structured",
     "gpu": "jaxllm.bench.gpu",
+    "kv-tier": "jaxllm.bench.kv_tier",
 }
 BENCHMARK_HELP = {
+    "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
+    "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
     "of a batch following a JSON schema; grammar compile time cold and cached",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "

@@ -155,6 +155,19 @@ class KvOffloader:
             self.counts.onboarded_bytes += len(blocks) * per_block
         self.counts.copy_seconds += time.perf_counter() - started
 
+    def warmup(self, max_blocks: int) -> None:
+        """Compile the copy programs for every padded batch size up to `max_blocks` (copies
+        nothing: the reads are discarded, every write is dropped)."""
+        size = _MIN_BATCH
+        while True:
+            self._gather_jit(self.runner.kv_cache, np.zeros(size, np.int32))
+            data = [np.zeros((size,) + b.shape[1:], b.dtype) for b in self.buffers]
+            dst = np.full(size, _NO_BLOCK, np.int32)
+            self.runner.kv_cache = self._scatter_jit(self.runner.kv_cache, dst, data)
+            if size >= max_blocks:
+                break
+            size *= 2
+
     def stats(self) -> dict:
         """Host-tier fields added to the iteration statistics' `kvCacheStats`."""
         tier, c = self.tier, self.counts
