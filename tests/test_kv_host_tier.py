@@ -30,7 +30,7 @@ def qwen3(tmp_path_factory):
     return path, make_hf_model("qwen3", path, VOCAB)
 
 
-def _engine(path, host: int | None, **kv) -> LLMEngine:
+def _engine(path, host: int | None, scan_layers: bool = True, **kv) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(path),
@@ -38,6 +38,7 @@ def _engine(path, host: int | None, **kv) -> LLMEngine:
             max_batch_size=8,
             max_num_tokens=64,
             max_seq_len=128,
+            scan_layers=scan_layers,
             kv_cache_config=KvCacheConfig(tokens_per_block=TPB, max_tokens=DEVICE_TOKENS, host_cache_size=host, **kv),
         )
     )
@@ -73,6 +74,17 @@ def test_tier_gives_the_same_tokens_with_more_reuse_and_less_prefill_and_leaks_n
     prefixes = [[int(t) for t in rng.integers(3, VOCAB, 48)] for _ in range(6)]
     for i in (0, 3, 5):
         hf_teacher_forcing_check(hf, prefixes[i] + [5, 3 + i], tokens_on[12 + i])
+
+
+def test_per_layer_caches_move_too(qwen3):
+    """Layers run as a loop (one cache per layer, not one scanned page pool)."""
+    path, _ = qwen3
+    workload = dict(WORKLOAD, num_prefixes=4, waves=2)
+    off = interleaved_prefixes(_engine(path, None, scan_layers=False), **workload)
+    on_engine = _engine(path, 4 << 20, scan_layers=False)
+    assert isinstance(on_engine.runner.kv_cache, list)
+    assert interleaved_prefixes(on_engine, **workload, step=_check) == off
+    assert on_engine.kv_offload.counts.onboarded_blocks > 5
 
 
 def test_events_replay_both_tiers_under_eviction_with_retention_priorities(qwen3):
@@ -171,6 +183,10 @@ def test_byte_sizes_and_bad_configuration_are_refused_with_the_field_named(qwen3
         _engine(path, 100)
     with pytest.raises(ValueError, match="host_cache_size needs enable_block_reuse"):
         _engine(path, 1 << 20, enable_block_reuse=False)
+    from jaxllm.engine.kv_offload import build_host_tier
+
+    with pytest.raises(ValueError, match="host_cache_size is not supported with enable_attention_dp yet"):
+        build_host_tier(KvCacheConfig(host_cache_size=1 << 20), None, 16, attention_dp=True, events=None)
 
 
 def test_cli_refuses_a_bad_host_size_in_one_line():
