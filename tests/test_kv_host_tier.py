@@ -199,3 +199,16 @@ def test_cli_refuses_a_bad_host_size_in_one_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1] == "jaxllm serve: error: host_cache_size must be a byte count such as 8GiB or 512MB, got '8 lots'"
+
+
+def test_cli_flag_and_config_file_reach_the_kv_cache_config(tmp_path):
+    from jaxllm.cli import build_parser
+    from jaxllm.cli.args import engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--kv-cache-host-size", "1GiB"])
+    assert engine_kwargs(args)["kv_cache_config"].host_cache_size == 2**30
+    config = tmp_path / "llm.yaml"
+    config.write_text("kv_cache_config:\n  host_cache_size: 256MB\n  secondary_offload_min_priority: 50\n")
+    kv = engine_kwargs(build_parser().parse_args(["generate", "--config", str(config)]))["kv_cache_config"]
+    assert (kv.host_cache_size, kv.secondary_offload_min_priority) == (256 * 10**6, 50)
+    assert engine_kwargs(build_parser().parse_args(["generate"]))["kv_cache_config"].host_cache_size is None
