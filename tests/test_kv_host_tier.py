@@ -212,3 +212,41 @@ def test_cli_flag_and_config_file_reach_the_kv_cache_config(tmp_path):
     kv = engine_kwargs(build_parser().parse_args(["generate", "--config", str(config)]))["kv_cache_config"]
     assert (kv.host_cache_size, kv.secondary_offload_min_priority) == (256 * 10**6, 50)
     assert engine_kwargs(build_parser().parse_args(["generate"]))["kv_cache_config"].host_cache_size is None
+
+
+def test_eviction_order_across_tiers_with_priorities():
+    """The device evicts lowest priority first; blocks under the offload minimum are dropped;
+    a full host evicts its own lowest priority, oldest first; a slot reused within one batch is
+    written by its last offload only; a prefix already on the host is not offloaded twice."""
+    from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
+    from jaxllm.kv_cache.host_tier import HostTier
+
+    pool = BlockPool(4)
+    host = HostTier(2, 100, min_priority=20)
+    pool.offload = host.offload
+    blocks = pool.allocate_many(4)
+    nodes = [pool.register(b, ROOT_NODE, (b,), priority) for b, priority in zip(blocks, (10, 50, 35, 35))]
+    for b in blocks:
+        pool.release(b)
+    pool.allocate()  # evicts priority 10: below the minimum, dropped
+    assert host.num_cached == 0 and host.dropped_blocks == 1
+    pool.allocate()  # priority 35, released first: offloaded
+    pool.allocate()  # the other 35: offloaded, the host is full
+    assert set(host.cached_prefixes()) == {nodes[2], nodes[3]}
+    pool.allocate()  # priority 50: offloaded over the host's oldest lowest-priority block
+    assert host.cached_prefixes() == {nodes[3]: (None, (blocks[3],), 35), nodes[1]: (None, (blocks[1],), 50)}
+    offloads, onboards = host.take_transfers()
+    assert sorted(offloads) == sorted(
+        [(blocks[3], host.lookup(ROOT_NODE, (blocks[3],))), (blocks[1], host.lookup(ROOT_NODE, (blocks[1],)))]
+    )
+    assert onboards == []
+    host.check_invariants()
+    # The same prefix computed again on the device, then evicted: the host keeps its copy.
+    pool2 = BlockPool(1)
+    pool2.offload = host.offload
+    block = pool2.allocate()
+    pool2.register(block, ROOT_NODE, (blocks[3],), 35)
+    pool2.release(block)
+    pool2.allocate()
+    assert host.num_cached == 2 and host.num_pending == 0
+    host.check_invariants()

@@ -82,9 +82,13 @@ class HostTier:
     # -------------------------------------------------------------- offload
     def offload(self, block: int, key: BlockKey, node: int, priority: int) -> bool:
         """Keep the device block being evicted in a host slot; False when it is dropped
-        (priority below the minimum, no slot, or its own onboarding has not run yet)."""
+        (priority below the minimum, no slot, the prefix already on the host, or its own
+        onboarding has not run yet)."""
         if block in self._onboards:  # its bytes are not on the device yet: drop it
             del self._onboards[block]
+            self.dropped_blocks += 1
+            return False
+        if key in self._slot_of_key:  # the host holds this prefix already (computed again meanwhile)
             self.dropped_blocks += 1
             return False
         if self.min_priority is not None and priority < self.min_priority:
