@@ -250,3 +250,38 @@ def test_eviction_order_across_tiers_with_priorities():
     pool2.allocate()
     assert host.num_cached == 2 and host.num_pending == 0
     host.check_invariants()
+
+
+def test_a_block_evicted_before_its_onboarding_copy_ran_is_dropped_not_offloaded():
+    """Onboarding queues a host -> device copy made before the next step; if the block is freed
+    and evicted before that, its device bytes were never written: it must not go back to the host."""
+    from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
+    from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
+    from jaxllm.kv_cache.host_tier import HostTier, match_and_onboard
+    from jaxllm.llm_request import LlmRequest
+
+    buffer = KvCacheEventBuffer(100, window_size=64)
+    events = KvEventRecorder(buffer)
+    pool = BlockPool(2, events=events, num_secondary_blocks=2)
+    host = HostTier(2, 1, events=events)
+    pool.offload = host.offload
+    block = pool.allocate()
+    node = pool.register(block, ROOT_NODE, (1, 2, 3, 4))
+    pool.release(block)
+    owned = pool.allocate_many(2)  # evicts the cached block: offloaded
+    assert host.take_transfers() == ([(block, 0)], [])
+    for b in owned:
+        pool.release(b)
+    matched = match_and_onboard(pool, host, LlmRequest(1, [1, 2, 3, 4, 5], 1), 4, 8)
+    assert len(matched) == 1 and pool.node_of(matched[0]) == node and host.num_cached == 0
+    pool.release(matched[0])
+    pool.allocate_many(2)  # evicts it again before the onboarding copy ran
+    assert host.take_transfers() == ([], []) and host.num_cached == 0
+    host.check_invariants()
+    kinds = [(e["data"]["type"], e["data"].get("cache_level")) for e in buffer.get()]
+    assert kinds == [
+        ("created", None),
+        ("updated", {"type": "event_diff", "old_value": 0, "new_value": 1}),
+        ("updated", {"type": "event_diff", "old_value": 1, "new_value": 0}),
+        ("removed", None),
+    ]
