@@ -76,17 +76,6 @@ def test_tier_gives_the_same_tokens_with_more_reuse_and_less_prefill_and_leaks_n
         hf_teacher_forcing_check(hf, prefixes[i] + [5, 3 + i], tokens_on[12 + i])
 
 
-def test_per_layer_caches_move_too(qwen3):
-    """Layers run as a loop (one cache per layer, not one scanned page pool)."""
-    path, _ = qwen3
-    workload = dict(WORKLOAD, num_prefixes=4, waves=2)
-    off = interleaved_prefixes(_engine(path, None, scan_layers=False), **workload)
-    on_engine = _engine(path, 4 << 20, scan_layers=False)
-    assert isinstance(on_engine.runner.kv_cache, list)
-    assert interleaved_prefixes(on_engine, **workload, step=_check) == off
-    assert on_engine.kv_offload.counts.onboarded_blocks > 5
-
-
 def test_events_replay_both_tiers_under_eviction_with_retention_priorities(qwen3):
     path, _ = qwen3
     from jaxllm.models import load_model_config
