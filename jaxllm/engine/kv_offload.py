@@ -8,8 +8,9 @@ the copies are DMA transfers; `_host_buffer` is the one place that decides where
 
 Copies are batched: `flush` makes all of a step's offloads with one gather program and all
 its onboards with one scatter program (block counts padded to powers of two, so few shapes
-compile), on the engine thread before the step is launched. Overlapping them with the step
-that runs before is not done yet.
+compile), on the engine thread before the step is launched. An offload's bytes land in the
+host buffer later (`land`), so it does not wait for the step in flight; overlapping the copies
+with the running step is not done yet.
 """
 
 from __future__ import annotations
@@ -123,11 +124,30 @@ class KvOffloader:
             functools.partial(_scatter, num_blocks=num_blocks), donate_argnums=(0,), out_shardings=shardings
         )
         self.counts = TransferCounts()
+        # Offloaded blocks read from the device but not yet in `buffers`: (slots, device arrays).
+        # Waiting for them right away would wait for the step in flight (the overlap scheduler's).
+        self._in_flight: list[tuple[list[int], list[jax.Array]]] = []
+
+    @property
+    def num_in_flight(self) -> int:
+        """Offloaded blocks whose bytes are still on their way to the host buffer."""
+        return sum(len(slots) for slots, _ in self._in_flight)
+
+    def land(self) -> None:
+        """Write the offloaded blocks read earlier into the host buffer (waits for their reads)."""
+        for slots, arrays in self._in_flight:
+            for buffer, values in zip(self.buffers, arrays):
+                buffer[slots] = np.asarray(values)[: len(slots)]
+        self._in_flight.clear()
 
     def flush(self) -> None:
-        """Make every queued copy: offloads (device reads) first, then onboards."""
+        """Make every queued copy: offloads (device reads) first, then onboards. The offloads'
+        bytes reach the host buffer at the next flush with onboards (or the one after), so
+        this flush does not wait for the step in flight unless a block comes back."""
         offloads, onboards = self.tier.take_transfers()
         if not offloads and not onboards:
+            if self._in_flight and all(a.is_ready() for _, arrays in self._in_flight for a in arrays):
+                self.land()
             return
         started = time.perf_counter()
         per_block = self.tier.bytes_per_block
@@ -136,11 +156,13 @@ class KvOffloader:
             src = np.zeros(_padded(len(blocks)), np.int32)
             src[: len(blocks)] = blocks
             out = self._gather_jit(self.runner.kv_cache, src)
-            for buffer, values in zip(self.buffers, out):
-                buffer[list(slots)] = np.asarray(values)[: len(slots)]
+            for values in out:
+                values.copy_to_host_async()
+            self._in_flight.append((list(slots), out))
             self.counts.offloaded_blocks += len(blocks)
             self.counts.offloaded_bytes += len(blocks) * per_block
         if onboards:
+            self.land()  # an onboarded slot may have been offloaded in this or an earlier batch
             slots, blocks = zip(*onboards)
             size = _padded(len(blocks))
             dst = np.full(size, _NO_BLOCK, np.int32)
