@@ -274,3 +274,67 @@ def test_a_block_evicted_before_its_onboarding_copy_ran_is_dropped_not_offloaded
         ("updated", {"type": "event_diff", "old_value": 1, "new_value": 0}),
         ("removed", None),
     ]
+
+
+@pytest.mark.parametrize("layout", ["pool", "per_layer", "mla"])
+def test_copies_bring_back_the_exact_bytes_of_every_layer(layout):
+    """Offload blocks of a cache whose every element is distinct, reuse a host slot across
+    batches, then onboard into other device blocks: each comes back bit for bit, every layer."""
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.engine.kv_offload import KvOffloader, block_bytes
+    from jaxllm.kv_cache.host_tier import HostTier
+    from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
+
+    num_blocks, layers = 6, 3
+
+    def values(shape, seed):
+        return jnp.asarray(np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + seed * 1e6)
+
+    if layout == "pool":  # [heads, layers * blocks, tokens, dim]
+        cache = MhaLayerCache(values((2, layers * num_blocks, 4, 8), 1), values((2, layers * num_blocks, 4, 8), 2))
+    elif layout == "per_layer":
+        cache = [
+            MhaLayerCache(values((2, num_blocks, 4, 8), 2 * i), values((2, num_blocks, 4, 8), 2 * i + 1))
+            for i in range(layers)
+        ]
+    else:  # [layers * blocks, tokens, latent]
+        cache = MlaLayerCache(values((layers * num_blocks, 4, 24), 7))
+    runner = types.SimpleNamespace(kv_cache=cache)
+    original = [np.asarray(a) for a in jax_leaves(cache)]
+    tier = HostTier(2, block_bytes(cache, num_blocks))
+    offloader = KvOffloader(runner, tier, num_blocks)
+    assert tier.offload(1, (0, (1,)), 101, 35) and tier.offload(2, (0, (2,)), 102, 35)
+    offloader.flush()
+    assert tier.offload(4, (0, (4,)), 104, 35)  # the host is full: block 1's slot now holds block 4
+    offloader.flush()
+    assert offloader.num_in_flight > 0
+    for block, target in ((2, 0), (4, 5)):
+        slot = tier.lookup(0, (block,))
+        tier.take(slot)
+        tier.queue_onboard(slot, target, 100 + block)
+    offloader.flush()
+    restored = [np.asarray(a) for a in jax_leaves(runner.kv_cache)]
+    for before, after in zip(original, restored):
+        per_layer = before.shape[-3] // num_blocks if before.ndim == 3 else before.shape[1] // num_blocks
+        for layer in range(per_layer):
+            for src, dst in ((2, 0), (4, 5)):
+                s, d = layer * num_blocks + src, layer * num_blocks + dst
+                if before.ndim == 3:
+                    assert np.array_equal(after[d], before[s])
+                else:
+                    assert np.array_equal(after[:, d], before[:, s])
+        untouched = [b for b in range(num_blocks) if b not in (0, 5)]
+        for layer in range(per_layer):
+            idx = [layer * num_blocks + b for b in untouched]
+            assert np.array_equal(np.take(after, idx, axis=after.ndim - 3), np.take(before, idx, axis=before.ndim - 3))
+    assert offloader.counts.onboarded_blocks == 2 and offloader.counts.offloaded_blocks == 3
+
+
+def jax_leaves(cache):
+    import jax
+
+    return jax.tree_util.tree_leaves(cache)
