@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from kv_tier_workload import context_tokens, interleaved_prefixes
@@ -178,16 +179,29 @@ def test_byte_sizes_and_bad_configuration_are_refused_with_the_field_named(qwen3
         build_host_tier(KvCacheConfig(host_cache_size=1 << 20), None, 16, attention_dp=True, events=None)
 
 
-def test_cli_refuses_a_bad_host_size_in_one_line():
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ("8 lots", "host_cache_size must be a byte count such as 8GiB or 512MB, got '8 lots'"),
+        ("100", r"kv_cache_config.host_cache_size=100 bytes is smaller than one KV block \(\d+ bytes\)"),
+    ],
+)
+def test_cli_refuses_a_bad_host_size_in_one_line(size, message):
+    """A size that is not one (refused with the flags) or holds no block (refused when the
+    engine is built): one line, exit status 2."""
+    import os
+    import re
+
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxllm", "serve", "--model", "tiny-moe", "--kv-cache-host-size", "8 lots"],
+        [sys.executable, "-m", "jaxllm", "serve", "--model", "tiny-moe", "--kv-cache-host-size", size, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1] == "jaxllm serve: error: host_cache_size must be a byte count such as 8GiB or 512MB, got '8 lots'"
+    assert re.fullmatch("jaxllm serve: error: " + message, lines[-1]), lines[-3:]
 
 
 def test_cli_flag_and_config_file_reach_the_kv_cache_config(tmp_path):
