@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-tokens", type=int, default=1024, help="the device KV pool of `off` and `host`")
     parser.add_argument("--host-size", default="64MiB", help="host tier size (units such as 8GiB)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="skip compiling before the runs (TTFT then counts the compiles)"
+    )
     args = parser.parse_args(argv)
     for name in ("conversations", "turns", "concurrency", "system_len", "user_len", "output_len"):
         if getattr(args, name) < 1:
@@ -162,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 kv_cache_config=KvCacheConfig(tokens_per_block=tpb, max_tokens=device_tokens, host_cache_size=host),
             )
         )
-        engine.warmup()
-        if engine.kv_offload is not None:
+        if not args.no_warmup:
+            engine.warmup()
+        if engine.kv_offload is not None and not args.no_warmup:
             engine.kv_offload.warmup(engine.kv_cache_manager.num_blocks)
         rows.append(run_chat(engine, args, mode))
         engine.close()
