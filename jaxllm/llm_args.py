@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -55,8 +57,24 @@ class KvCacheConfig:
     free_gpu_memory_fraction: float = 0.9
     enable_block_reuse: bool = True
     event_buffer_max_size: int = 0
+    # Host (secondary) tier: bytes of host memory that keep reusable blocks evicted from the
+    # device (`jaxllm.kv_cache.host_tier`); 0 turns it off. Units such as "8GiB" are accepted.
+    host_cache_size: Optional[int] = None
+    # Blocks below this retention priority are dropped on eviction, not offloaded.
+    secondary_offload_min_priority: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.host_cache_size is not None:
+            self.host_cache_size = parse_byte_size("host_cache_size", self.host_cache_size)
+            ram = physical_memory_bytes()
+            if ram is not None and self.host_cache_size > ram:
+                raise ValueError(
+                    f"host_cache_size={self.host_cache_size} bytes is more than this machine's memory ({ram} bytes)"
+                )
+        if self.secondary_offload_min_priority is not None:
+            value = self.secondary_offload_min_priority
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+                raise ValueError(f"secondary_offload_min_priority must be an int in [0, 100], got {value!r}")
         for name in ("tokens_per_block", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not hasattr(type(value), "__index__")):
@@ -81,6 +99,31 @@ class KvCacheConfig:
             raise ValueError(
                 f"event_buffer_max_size must be an int >= 0 (0: no KV cache events), got {self.event_buffer_max_size!r}"
             )
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
+_BYTE_UNITS.update({"g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40})
+
+
+def parse_byte_size(name: str, value: Any) -> int:
+    """A byte count: a non-negative int, or a string such as "8GiB", "512MB", "1.5g"."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _BYTE_UNITS:
+            raise ValueError(f"{name} must be a byte count such as 8GiB or 512MB, got {value!r}")
+        return int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
+    return value
+
+
+def physical_memory_bytes() -> Optional[int]:
+    """This machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 MOE_DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")  # the last: not on XLA:CPU

@@ -175,6 +175,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         help="cap on the KV cache size in tokens (unset: sized by memory)",
     )
     g.add_argument(
+        "--kv-cache-host-size",
+        dest="kv_cache_host_size",
+        default=None,
+        metavar="BYTES",
+        help="host memory for a second KV tier that keeps reusable blocks evicted from the device "
+        "(KvCacheConfig.host_cache_size; units such as 8GiB or 512MB; unset: no host tier)",
+    )
+    g.add_argument(
         "--kv-cache-free-gpu-memory-fraction",
         "--kv_cache_free_gpu_memory_fraction",
         "--gpu-memory-utilization",
@@ -388,6 +396,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kv = dict(
         tokens_per_block=args.tokens_per_block,
         max_tokens=args.kv_cache_max_tokens,
+        host_cache_size=getattr(args, "kv_cache_host_size", None),
         free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9),
     )
     kwargs: dict[str, Any] = dict(

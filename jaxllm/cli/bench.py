@@ -29,8 +29,11 @@ BENCHMARKS = {
     "structured": "jaxllm.bench.structured",
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
+    "kv-tier": "jaxllm.bench.kv_tier",
 }
 BENCHMARK_HELP = {
+    "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
+    "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
     "of a batch following a JSON schema; grammar compile time cold and cached",
     "quant": "FP8 weights (weights-only and with dynamic FP8 activations) next to the float model: weight "

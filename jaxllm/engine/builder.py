@@ -21,6 +21,7 @@ from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
+from jaxllm.engine.kv_offload import KvOffloader, build_host_tier
 from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_processing import check_batched_processors
 from jaxllm.engine.memory_budget import check_engine_allocations
@@ -29,6 +30,7 @@ from jaxllm.engine.planner import Planner
 from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
+from jaxllm.kv_cache.host_tier import HostTier
 from jaxllm.lora import LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
@@ -251,6 +253,7 @@ class EngineParts:
     adapters: Optional[AdapterCache]
     kv_events: Optional[KvCacheEventBuffer]
     load_balancer: Optional[OnlineLoadBalancer]
+    kv_offload: Optional[KvOffloader] = None  # the host KV tier's copies (kv_cache_config.host_cache_size)
 
 
 def engine_decode_batch_sizes(config: EngineConfig) -> list[int]:
@@ -278,8 +281,15 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
         else None
     )
 
+    host_tiers: list[HostTier] = []
+
     def rank_planner(rank: Optional[int] = None) -> Planner:
         events = None if kv_events is None else KvEventRecorder(kv_events, rank)
+        host_tier = build_host_tier(
+            kv_cfg, device.runner.kv_cache, device.num_blocks, attention_dp=config.enable_attention_dp, events=events
+        )
+        if host_tier is not None:
+            host_tiers.append(host_tier)
         kv = KVCacheManager(
             device.num_blocks,
             kv_cfg.tokens_per_block,
@@ -287,6 +297,7 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
             enable_block_reuse=kv_cfg.enable_block_reuse,
             max_num_sequences=config.max_batch_size,
             events=events,
+            host_tier=host_tier,
         )
         scheduler = make_scheduler(
             config.scheduler_config,
@@ -345,4 +356,5 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
         adapters=adapters,
         kv_events=kv_events,
         load_balancer=load_balancer,
+        kv_offload=KvOffloader(device.runner, host_tiers[0], device.num_blocks) if host_tiers else None,
     )

@@ -75,6 +75,7 @@ class LLMEngine:
         self.capabilities = parts.capabilities
         self.lora_slots, self._adapters, self.kv_events = parts.lora_slots, parts.adapters, parts.kv_events
         self.load_balancer = parts.load_balancer
+        self.kv_offload = parts.kv_offload  # host KV tier: its copies run before each launch
         # Programs are launched through this: on a multi-host leader every call is first sent
         # to the followers, which make it too (`jaxllm.engine.followers`).
         self.step_runner = mirror(self.runner, session, config.multihost_plan_channel)
@@ -117,7 +118,7 @@ class LLMEngine:
             requests=self.requests,
             kv_cache_manager=self.kv_cache_manager,
             planner=self.planner,
-            copy_blocks=self.runner.copy_blocks,
+            copy_blocks=self._copy_blocks,
             expert_statistics=self.expert_statistics,
             load_balancer=self.load_balancer,
         )
@@ -448,6 +449,8 @@ class LLMEngine:
         hook = None
         if targets is not None and targets.processors:
             hook = host_processor_hook([request for request, _ in targets.processors], processor_failures)
+        if self.kv_offload is not None:
+            self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
         if self.on_dispatch is not None:
@@ -514,6 +517,13 @@ class LLMEngine:
             self.load_balancer.close()
         self.step_runner.close()
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Beam forks' block copies; queued host-tier copies go first (they read blocks the
+        fork may overwrite)."""
+        if self.kv_offload is not None:
+            self.kv_offload.flush()
+        self.runner.copy_blocks(pairs)
+
     def _record_stats(self, stats: dict) -> None:
         self.iteration += 1
         stats.update(
@@ -528,5 +538,7 @@ class LLMEngine:
                 "kvCacheStats": self.kv_cache_manager.get_kv_cache_stats().to_dict(),
             }
         )
+        if self.kv_offload is not None:
+            stats["kvCacheStats"].update(self.kv_offload.stats())
         self.iteration_stats.append(stats)
         del self.iteration_stats[: -self.max_iteration_stats]

@@ -38,8 +38,16 @@ class BlockPool:
     """Reference counts, the free list, the evictable cache and the prefix index."""
 
     def __init__(
-        self, num_blocks: int, *, events: KvEventRecorder | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        num_blocks: int,
+        *,
+        events: KvEventRecorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        num_secondary_blocks: int = 0,
     ) -> None:
+        """`num_secondary_blocks`: slots of a host tier, reported in the `created` event; the
+        tier sets `offload`, called with (block, key, node, priority) of each evicted indexed
+        block, True when it kept the block (then no `removed` event is reported)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -62,7 +70,8 @@ class BlockPool:
         self.num_evictions = 0
         self.events = events
         if events is not None:
-            events.created(num_blocks)
+            events.created(num_blocks, num_secondary_blocks)
+        self.offload: Callable[[int, BlockKey, int, int], bool] | None = None
 
     # ----------------------------------------------------------------- counts
     @property
@@ -92,7 +101,7 @@ class BlockPool:
             block = self._free.pop()
         elif self._num_evictable:
             block, node = self._evict()
-            if self.events is not None:
+            if self.events is not None and node is not None:
                 self.events.removed([node])
         else:
             raise RuntimeError("KV cache pool exhausted: no free or evictable block left")
@@ -117,16 +126,17 @@ class BlockPool:
             removed = []
             for _ in range(count - take):
                 block, node = self._evict()
-                removed.append(node)
+                if node is not None:
+                    removed.append(node)
                 ref[block] = 1
                 blocks.append(block)
-            if self.events is not None:
+            if self.events is not None and removed:
                 self.events.removed(removed)
         return blocks
 
-    def _evict(self) -> tuple[int, int]:
+    def _evict(self) -> tuple[int, int | None]:
         """Unindex the evictable block to reuse (lowest priority, then oldest); returns it and
-        the prefix node it held."""
+        the prefix node it held (None when the host tier took that node over)."""
         if self._expiring:
             self._expire()
         nonempty = self._nonempty
@@ -138,9 +148,12 @@ class BlockPool:
         self._num_evictable -= 1
         self._expiry[block] = 0.0
         node = self._node_of[block]
+        offload = self.offload
+        key = self._key_of[block]
+        kept = offload is not None and key is not None and offload(block, key, node, self.priority[block])
         self._unregister(block)
         self.num_evictions += 1
-        return block, node
+        return block, None if kept else node
 
     def _expire(self) -> None:
         """Move released blocks whose priority duration has passed to the default priority."""
@@ -288,6 +301,16 @@ class BlockPool:
         if events is not None and run:
             events.stored(run_parent if run_parent > ROOT_NODE else None, run, lora_id)
         return nodes
+
+    def register_onboarded(self, block: int, key: BlockKey, node: int, priority: int) -> None:
+        """Index an owned block coming back from the host tier under its old key and node."""
+        if self._key_of[block] is not None or key in self._block_of_key:
+            raise RuntimeError(f"block {block}: onboarding a prefix that is already on the device")
+        self._key_of[block] = key
+        self._node_of[block] = node
+        self._block_of_key[key] = block
+        self.priority[block] = priority
+        self._duration[block] = None
 
     def is_registered(self, block: int) -> bool:
         return self._key_of[block] is not None

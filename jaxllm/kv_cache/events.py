@@ -14,6 +14,8 @@ with `data` one of
     {"type": "removed", "block_hashes": [int, ...]}
     {"type": "updated", "block_hash": int, "cache_level": None,
      "priority": {"type": "event_diff", "old_value": int, "new_value": int}}
+    {"type": "updated", "block_hash": int, "priority": None,
+     "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1}}   (host tier)
 
 A block hash is the block's prefix-node id (`BlockPool`): unique for the engine's life and
 exact (two different prefixes never share one), so `parent_hash` chains identify a prefix;
@@ -23,6 +25,9 @@ consecutive blocks of one sequence that entered the cache together; a block is r
 it is evicted (or withdrawn before its KV was written); an `updated` event reports a
 priority change: a request reusing the block with its own retention priority, or a
 priority duration running out (applied lazily, at the latest when a block is next evicted).
+With a host tier (`jaxllm.kv_cache.host_tier`) `created` lists [device blocks, host blocks];
+an evicted block kept on the host is not removed but `updated` with `cache_level` 0 -> 1
+(1 -> 0 when it comes back); a block dropped from the host is `removed`.
 
 The engine thread records events; any thread takes them (`KvCacheEventBuffer.get`). The
 buffer is bounded: when full, the oldest events are dropped (and counted). With
@@ -105,8 +110,17 @@ class KvCacheEventBuffer:
                 "cache_level": None,
                 "priority": {"type": "event_diff", "old_value": old, "new_value": new},
             }
+        elif kind == "level":
+            block_hash, old, new = payload
+            data = {
+                "type": "updated",
+                "block_hash": block_hash,
+                "cache_level": {"type": "event_diff", "old_value": old, "new_value": new},
+                "priority": None,
+            }
         else:  # created
-            data = {"type": "created", "num_blocks_per_cache_level": [payload[0]]}
+            levels = [payload[0]] if not payload[1] else [payload[0], payload[1]]
+            data = {"type": "created", "num_blocks_per_cache_level": levels}
         event = {"event_id": event_id, "data": data, "window_size": self.window_size}
         if rank is not None:
             event["attention_dp_rank"] = rank
@@ -122,8 +136,8 @@ class KvEventRecorder:
         self.buffer = buffer
         self.rank = rank
 
-    def created(self, num_blocks: int) -> None:
-        self.buffer.record("created", (num_blocks,), self.rank)
+    def created(self, num_blocks: int, num_secondary_blocks: int = 0) -> None:
+        self.buffer.record("created", (num_blocks, num_secondary_blocks), self.rank)
 
     def stored(
         self, parent_hash: int | None, blocks: list[tuple[int, tuple[int, ...], int]], lora_id: int | None = None
@@ -136,3 +150,7 @@ class KvEventRecorder:
 
     def priority_updated(self, block_hash: int, old: int, new: int) -> None:
         self.buffer.record("updated", (block_hash, old, new), self.rank)
+
+    def cache_level_updated(self, block_hash: int, old: int, new: int) -> None:
+        """The block moved between tiers (0: device, 1: host)."""
+        self.buffer.record("level", (block_hash, old, new), self.rank)

@@ -35,6 +35,7 @@ import numpy as np
 from jaxllm.kv_cache.block_pool import BlockPool
 from jaxllm.kv_cache.block_table import BlockTable, StepPlacement
 from jaxllm.kv_cache.events import KvEventRecorder
+from jaxllm.kv_cache.host_tier import HostTier, claim_matched, match_and_onboard
 from jaxllm.kv_cache.invariants import check_manager_invariants
 from jaxllm.kv_cache.prefix_reuse import PrefixReuse, num_computed_tokens
 from jaxllm.kv_cache.sequence import BeamGroup, KvSequence, blocks_to_completion
@@ -68,7 +69,9 @@ class KVCacheManager:
         max_num_sequences: int = 64,
         events: KvEventRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_tier: HostTier | None = None,
     ) -> None:
+        """`host_tier`: a second tier that keeps evicted reusable blocks (`jaxllm.kv_cache.host_tier`)."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         if max_blocks_per_seq < 1:
@@ -76,7 +79,12 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self.max_blocks_per_seq = max_blocks_per_seq
         self.enable_block_reuse = enable_block_reuse
-        self._pool = BlockPool(num_blocks, events=events, clock=clock)
+        self._pool = BlockPool(
+            num_blocks, events=events, clock=clock, num_secondary_blocks=0 if host_tier is None else host_tier.num_slots
+        )
+        self.host_tier = host_tier
+        if host_tier is not None:
+            self._pool.offload = host_tier.offload
         self._prefix = PrefixReuse(self._pool, tokens_per_block, max_blocks_per_seq)
         self._seqs: dict[int, KvSequence] = {}
         self._table = BlockTable(max(1, max_num_sequences), max_blocks_per_seq)
@@ -222,10 +230,16 @@ class KVCacheManager:
             self._reserved += seq.total_blocks
         num_prompt_blocks = self.blocks_for_tokens(len(request.prompt_token_ids))
         matched: list[int] = []
+        host = self.host_tier
         if reuse and self.enable_block_reuse and request.reuse_prefix:
-            matched = self._prefix.match(request)
+            if host is None:
+                matched = self._prefix.match(request)
+                if matched:
+                    self._prefix.claim(seq, matched)
+            else:
+                matched = match_and_onboard(self._pool, host, request, self.tokens_per_block, self.max_blocks_per_seq)
+                claim_matched(self._pool, seq, matched, self.tokens_per_block)
         if matched:
-            self._prefix.claim(seq, matched)
             k = len(matched)
             self._table.extend_row(seq.row, 0, matched)
             reused_tokens = k * self.tokens_per_block
@@ -465,6 +479,8 @@ class KVCacheManager:
         """Raise AssertionError if free + owned + cached != pool, a block is lost or in two
         places, reference counts disagree with the block tables, or a table row is stale."""
         check_manager_invariants(self._seqs, self._table, self._pool, self._reserved, self.tokens_per_block)
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
 
     # ----------------------------------------------------------- internal
     def _grow(self, seq: KvSequence, num_blocks: int) -> int:

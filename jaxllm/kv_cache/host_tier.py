@@ -1,0 +1,247 @@
+"""The host (secondary) KV tier: reusable blocks evicted from the device wait here and come
+back ("onboarding") on a prefix hit instead of being recomputed (TensorRT-LLM's
+`KvCacheConfig.host_cache_size`).
+
+This module keeps the bookkeeping only; the bytes are moved by `jaxllm.engine.kv_offload`.
+When the device pool evicts a full, indexed block whose retention priority is at least
+`secondary_offload_min_priority`, `offload` gives it a host slot under the *same* prefix
+key and node id (so device blocks that continue the prefix stay reachable through it) and
+queues a device -> host copy. `match_and_onboard` walks a new prompt through both tiers;
+each host hit takes a device block, is indexed there again under its node and queues a
+host -> device copy. The queued copies are made in one batch before the next step runs
+(`take_transfers`): first every offload's read of the device, then every onboard's write,
+so a device block evicted and reused in the same step is read before it is overwritten.
+Host slots left by onboarding stay unused until that batch ran, so no offload of the same
+batch writes over a slot an onboard still has to read.
+
+The host tier has its own eviction order: the lowest retention priority first, then the
+least recently offloaded (priorities are kept as they were at offload; durations that ran
+out on the device were applied before the block was chosen for eviction). Events: an
+offload or onboard is an `updated` event whose `cache_level` goes 0 -> 1 or 1 -> 0, as
+TensorRT-LLM reports them; a block dropped from the host is `removed`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockKey, BlockPool
+from jaxllm.kv_cache.events import KvEventRecorder
+from jaxllm.kv_cache.prefix_reuse import prefix_root
+from jaxllm.kv_cache.retention import MAX_RETENTION_PRIORITY
+from jaxllm.kv_cache.sequence import KvSequence
+from jaxllm.llm_request import LlmRequest
+
+PRIMARY_LEVEL, SECONDARY_LEVEL = 0, 1  # TensorRT-LLM's cache levels
+
+
+class HostTier:
+    """Host slots holding offloaded blocks: prefix index, eviction order and queued copies."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        bytes_per_block: int,
+        *,
+        min_priority: int | None = None,
+        events: KvEventRecorder | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+        self.num_slots = num_slots
+        self.bytes_per_block = bytes_per_block
+        self.min_priority = min_priority
+        self.events = events
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._released: list[int] = []  # onboarded this batch: free once the copies ran
+        self._buckets: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(MAX_RETENTION_PRIORITY + 1)]
+        self._key_of: list[BlockKey | None] = [None] * num_slots
+        self._node_of: list[int] = [ROOT_NODE] * num_slots
+        self._priority: list[int] = [0] * num_slots
+        self._slot_of_key: dict[BlockKey, int] = {}
+        self._offloads: dict[int, int] = {}  # host slot -> device block to read
+        self._onboards: dict[int, int] = {}  # device block -> host slot to read
+        self.offloaded_blocks = 0
+        self.onboarded_blocks = 0
+        self.dropped_blocks = 0  # evicted from the host (or not offloaded: no room, low priority)
+
+    # ----------------------------------------------------------------- counts
+    @property
+    def num_cached(self) -> int:
+        return len(self._slot_of_key)
+
+    @property
+    def num_free(self) -> int:
+        """Slots holding nothing (free now or once the queued copies ran)."""
+        return len(self._free) + len(self._released)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._offloads) + len(self._onboards)
+
+    # -------------------------------------------------------------- offload
+    def offload(self, block: int, key: BlockKey, node: int, priority: int) -> bool:
+        """Keep the device block being evicted in a host slot; False when it is dropped
+        (priority below the minimum, no slot, the prefix already on the host, or its own
+        onboarding has not run yet)."""
+        if block in self._onboards:  # its bytes are not on the device yet: drop it
+            del self._onboards[block]
+            self.dropped_blocks += 1
+            return False
+        if key in self._slot_of_key:  # the host holds this prefix already (computed again meanwhile)
+            self.dropped_blocks += 1
+            return False
+        if self.min_priority is not None and priority < self.min_priority:
+            self.dropped_blocks += 1
+            return False
+        slot = self._take_slot()
+        if slot is None:
+            self.dropped_blocks += 1
+            return False
+        self._key_of[slot], self._node_of[slot], self._priority[slot] = key, node, priority
+        self._slot_of_key[key] = slot
+        self._buckets[priority][slot] = None
+        self._offloads[slot] = block
+        self.offloaded_blocks += 1
+        if self.events is not None:
+            self.events.cache_level_updated(node, PRIMARY_LEVEL, SECONDARY_LEVEL)
+        return True
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for bucket in self._buckets:  # lowest priority first, then the oldest
+            if bucket:
+                slot, _ = bucket.popitem(last=False)
+                node = self._node_of[slot]
+                self._unindex(slot)
+                self.dropped_blocks += 1
+                if self.events is not None:
+                    self.events.removed([node])
+                return slot
+        return None
+
+    def _unindex(self, slot: int) -> None:
+        key = self._key_of[slot]
+        if key is not None:
+            del self._slot_of_key[key]
+        self._key_of[slot], self._node_of[slot] = None, ROOT_NODE
+
+    # -------------------------------------------------------------- onboard
+    def lookup(self, parent_node: int, tokens: tuple[int, ...]) -> int | None:
+        return self._slot_of_key.get((parent_node, tokens))
+
+    def node_of(self, slot: int) -> int:
+        return self._node_of[slot]
+
+    def take(self, slot: int) -> tuple[BlockKey, int, int]:
+        """Remove a matched slot from the index (it is being onboarded): its key, node and priority."""
+        key, node, priority = self._key_of[slot], self._node_of[slot], self._priority[slot]
+        assert key is not None
+        del self._buckets[priority][slot]
+        self._unindex(slot)
+        self._released.append(slot)
+        return key, node, priority
+
+    def queue_onboard(self, slot: int, block: int, node: int) -> None:
+        self._onboards[block] = slot
+        self.onboarded_blocks += 1
+        if self.events is not None:
+            self.events.cache_level_updated(node, SECONDARY_LEVEL, PRIMARY_LEVEL)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The queued copies, emptied: (device block, host slot) offloads to make first, then
+        (host slot, device block) onboards. The slots onboarding left become free."""
+        offloads = [(block, slot) for slot, block in self._offloads.items()]
+        onboards = [(slot, block) for block, slot in self._onboards.items()]
+        self._offloads.clear()
+        self._onboards.clear()
+        self._free.extend(self._released)
+        self._released.clear()
+        return offloads, onboards
+
+    # ------------------------------------------------------------- inspection
+    def cached_prefixes(self) -> dict[int, tuple[int | None, tuple[int, ...], int]]:
+        """Every host block as {node: (parent node or None, token ids, priority)} (tests)."""
+        return {
+            self._node_of[s]: (key[0] if key[0] > ROOT_NODE else None, key[1], self._priority[s])
+            for s, key in enumerate(self._key_of)
+            if key is not None
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless each slot is free, released or cached exactly once."""
+        place = [0] * self.num_slots
+        for s in self._free + self._released:
+            place[s] += 1
+            if self._key_of[s] is not None:
+                raise AssertionError(f"host slot {s} is free but still indexed")
+        for priority, bucket in enumerate(self._buckets):
+            for s in bucket:
+                place[s] += 1
+                if self._priority[s] != priority or self._key_of[s] is None:
+                    raise AssertionError(f"host slot {s} is listed under the wrong priority or without a key")
+        if any(p != 1 for p in place):
+            raise AssertionError(f"host slots lost or doubled: {[s for s, p in enumerate(place) if p != 1][:10]}")
+        for key, s in self._slot_of_key.items():
+            if self._key_of[s] != key:
+                raise AssertionError(f"host index points at slot {s} which holds another key")
+
+
+def match_and_onboard(
+    pool: BlockPool, host: HostTier, request: LlmRequest, tokens_per_block: int, max_blocks_per_seq: int
+) -> list[int]:
+    """The longest prefix of the prompt cached in either tier (leaving >= 1 token), as device
+    blocks: device hits are acquired, host hits get a new device block (indexed under their
+    node, the copy queued). Returns the blocks, owned by the caller."""
+    prompt = request.prompt_token_ids
+    limit = min((len(prompt) - 1) // tokens_per_block, max_blocks_per_seq)
+    node = prefix_root(request)
+    found: list[tuple[int, bool]] = []  # (device block or host slot, on the host)
+    for i in range(limit):
+        tokens = tuple(prompt[i * tokens_per_block : (i + 1) * tokens_per_block])
+        block = pool.lookup(node, tokens)
+        if block is not None:
+            found.append((block, False))
+            node = pool.node_of(block)
+            continue
+        slot = host.lookup(node, tokens)
+        if slot is None:
+            break
+        found.append((slot, True))
+        node = host.node_of(slot)
+    # Own the device hits and unindex the host hits before allocating: the allocation may
+    # evict (and offload), and must not take a block or slot of this very prefix.
+    taken = []
+    for index, on_host in found:
+        if on_host:
+            taken.append(host.take(index))
+        else:
+            pool.acquire(index)
+    fresh = iter(pool.allocate_many(len(taken)) if taken else ())
+    moved = iter(taken)
+    blocks = []
+    for index, on_host in found:
+        if not on_host:
+            blocks.append(index)
+            continue
+        block = next(fresh)
+        key, node, priority = next(moved)
+        pool.register_onboarded(block, key, node, priority)
+        host.queue_onboard(index, block, node)
+        blocks.append(block)
+    return blocks
+
+
+def claim_matched(pool: BlockPool, seq: KvSequence, blocks: list[int], tokens_per_block: int) -> None:
+    """Make owned matched blocks the start of the sequence (with the request's retention)."""
+    request = seq.request
+    config = request.kv_cache_retention_config
+    if config is not None:
+        plen = request.orig_prompt_len
+        for i, block in enumerate(blocks):
+            priority, duration = config.block_retention(i, tokens_per_block, plen)
+            if priority is not None:
+                pool.set_retention(block, priority, duration)
+    seq.blocks = blocks
+    seq.nodes = [pool.node_of(b) for b in blocks]
