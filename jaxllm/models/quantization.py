@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
-from jaxllm.models.weight_layout import Source
+from jaxllm.models.weight_layout import Source, view_groups
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -81,18 +81,6 @@ class QuantizedWeight:
 # Blocks in parameter layout
 
 
-def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
-    groups, axis = [], 0
-    for size in stored:
-        group, prod = [], 1
-        while prod < size or (not group and axis < len(view)):
-            group.append(axis)
-            prod *= view[axis]
-            axis += 1
-        groups.append(group)
-    return groups
-
-
 def param_blocks(src: Source, stored_block: tuple[int, int]) -> tuple[int, ...]:
     """The block of each parameter axis (those `src` maps) such that every block lies inside one
     `stored_block` of the stored [out, in] tensor: scales indexed per parameter block are then
@@ -100,7 +88,7 @@ def param_blocks(src: Source, stored_block: tuple[int, int]) -> tuple[int, ...]:
     lay = src.layout
     offset = lay.offset or (0,) * len(lay.view)
     view_block = [1] * len(lay.view)
-    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+    for k, group in enumerate(view_groups(src.shape, lay.view)):
         rem = stored_block[k] or src.shape[k]
         for a in reversed(group):
             n, off = lay.view[a], offset[a]
@@ -133,7 +121,7 @@ def checkpoint_scales(
             c = c // lay.repeat
         view_coord[a] = (j, c + offset[a])
     index = []
-    for k, group in enumerate(_view_groups(src.shape, lay.view)):
+    for k, group in enumerate(view_groups(src.shape, lay.view)):
         stored = np.zeros((1,) * rank, dtype=np.int64)
         for pos, a in enumerate(group):
             stride = int(np.prod([lay.view[x] for x in group[pos + 1 :]], dtype=np.int64))

@@ -32,3 +32,18 @@ class Source:
     shape: tuple[int, ...]  # as stored in the checkpoint
     layout: Layout
     part: int | None = None
+
+
+def view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
+    """For each stored dimension, the view axes it splits into (in order)."""
+    groups, axis = [], 0
+    for size in stored:
+        group, prod = [], 1
+        while prod < size or (not group and axis < len(view)):
+            group.append(axis)
+            prod *= view[axis]
+            axis += 1
+        if prod != size:
+            raise ValueError(f"view {view} does not split stored shape {stored}")
+        groups.append(group)
+    return groups

@@ -13,23 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from jaxllm.models.weight_layout import Source
+from jaxllm.models.weight_layout import Source, view_groups
 from jaxllm.models.weights import SliceReader, StackedDecl, WeightDecl
-
-
-def _view_groups(stored: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
-    """For each stored dimension, the view axes it splits into (in order)."""
-    groups, axis = [], 0
-    for size in stored:
-        group, prod = [], 1
-        while prod < size or (not group and axis < len(view)):
-            group.append(axis)
-            prod *= view[axis]
-            axis += 1
-        if prod != size:
-            raise ValueError(f"view {view} does not split stored shape {stored}")
-        groups.append(group)
-    return groups
 
 
 def read_source_view(
@@ -57,7 +42,7 @@ def read_source_view(
             start, stop = start // lay.repeat, (stop - 1) // lay.repeat + 1 if stop > start else start // lay.repeat
         lo[a], hi[a] = start + offset[a], stop + offset[a]
     # View box -> stored box: a stored dimension is read from its outer view axis' range.
-    groups = _view_groups(src.shape, lay.view)
+    groups = view_groups(src.shape, lay.view)
     stored_slices, sub = [], []
     for group in groups:
         inner = int(np.prod([lay.view[a] for a in group[1:]], dtype=np.int64))
