@@ -2,29 +2,23 @@
 (warm-up on, process 0 serving, process 1 following), one completion, then Ctrl-C (SIGINT to
 the whole process group, as a terminal sends it): both processes must exit 0, without JAX's
 shutdown-barrier abort. Run by .ci/run with the base install's `jaxllm` first on PATH; small
-serving flags keep the warm-up to about a minute on two cores. Standard library only.
+serving flags keep the warm-up to about a minute on two cores. Standard library only (and
+smoke_serve.py's helpers).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from smoke_serve import free_port, post_json, wait_healthy  # .ci/, this script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -44,26 +38,10 @@ def main() -> int:
             start_new_session=True,  # its own process group, as in a terminal
         )
     try:
-        started = time.monotonic()
-        while True:
-            if run.poll() is not None:
-                raise SystemExit(f"the example exited with {run.returncode} before it was ready:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - started > 600:
-                raise SystemExit(f"not ready within 600 s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
-        ready = time.monotonic() - started
-        body = json.dumps({"model": "tiny-moe", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}).encode()
-        request = urllib.request.Request(
-            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        ready = wait_healthy(url, run, 600, what="the example", log=log)
+        reply = post_json(
+            url + "/v1/completions", {"model": "tiny-moe", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
         )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            reply = json.loads(response.read())
         assert reply["usage"]["completion_tokens"] == 5, reply
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C
         stopped = time.monotonic()

@@ -21,6 +21,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, what: str, log=None) -> float:
+    """Seconds until `url`/health answers 200; SystemExit if `proc` ends first or time runs out
+    (with the tail of `log`, a Path, when given)."""
+    started = time.monotonic()
+    tail = (lambda: "\n" + log.read_text()[-4000:]) if log is not None else (lambda: "")
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode} before it was ready{tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        if time.monotonic() - started > timeout:
+            raise SystemExit(f"{what} not ready within {timeout:.0f} s{tail()}")
+        time.sleep(0.5)
+
+
+def post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
 def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -49,32 +74,16 @@ def main() -> int:
     ]
     server = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"server exited with {server.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("server not ready within 300 s")
-            time.sleep(0.5)
-        body = json.dumps(
+        wait_healthy(url, server, 300, what="server")
+        reply = post_json(
+            url + "/v1/chat/completions",
             {
                 "model": "tiny-moe",
                 "messages": [{"role": "user", "content": "Hello!"}],
                 "max_tokens": 8,
                 "ignore_eos": True,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            },
         )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            reply = json.loads(response.read())
         choice = reply["choices"][0]
         assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length", reply
         assert reply["usage"]["completion_tokens"] == 8, reply

@@ -459,22 +459,12 @@ def test_arbitrary_text_never_breaks_a_parser():
             stream_deltas(output, text, sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4))))
 
 
-def test_guided_decoding_for_tool_choice(monkeypatch):
-    """Refused while `jaxllm.sampling` has no GuidedDecodingParams; built from the schema once it has."""
-    import dataclasses
-
-    import jaxllm.sampling
+def test_guided_decoding_for_tool_choice():
+    """The constraint for `required` / named tool choice is the JSON schema of the calls."""
+    from jaxllm.sampling import GuidedDecodingParams
     from jaxllm.server.tool_request import guided_decoding_for_tool_choice
 
     schema = tool_choice_schema(TOOLS, "required", True)
-    if not hasattr(jaxllm.sampling, "GuidedDecodingParams"):
-        with pytest.raises(APIError, match="structured output") as info:
-            guided_decoding_for_tool_choice(schema)
-        assert info.value.status == 400 and info.value.param == "tool_choice"
-
-        @dataclasses.dataclass
-        class GuidedDecodingParams:  # the engine's shape: one JSON schema
-            json: dict
-
-        monkeypatch.setattr(jaxllm.sampling, "GuidedDecodingParams", GuidedDecodingParams, raising=False)
+    guided = guided_decoding_for_tool_choice(schema)
+    assert isinstance(guided, GuidedDecodingParams) and guided.field == "json"
     assert guided_decoding_for_tool_choice(schema).json == schema
