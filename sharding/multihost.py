@@ -296,12 +296,11 @@ def leave_after_failure(message: str) -> int:
         deadline = time.monotonic() + config.heartbeat_timeout + config.exit_grace + 5
         while time.monotonic() < deadline:
             try:
-                if client.key_value_try_get(EXIT_KEY):
+                if try_get(client, EXIT_KEY):
                     shutdown()
                     return FAILURE_EXIT_CODE
-            except Exception as exc:
-                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
-                    break  # the coordination service is gone: so is the leader
+            except Exception:  # noqa: BLE001 - the coordination service is gone: so is the leader
+                break
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - the run is already torn down
         pass
@@ -385,18 +384,13 @@ class Heartbeats(threading.Thread):
             failed = self._failed_follower(client)
             if failed is not None:
                 return failed
-        elif self.leader_exiting or _key_set(client, EXIT_KEY):
+        elif self.leader_exiting or try_get(client, EXIT_KEY):
             # The leader is in JAX's shutdown barrier: silence is expected, and this follower
             # leaves as soon as its main loop sees `leader_exiting()`.
             self.leader_exiting = True
             return None
         for peer, (last, since) in self._seen.items():
-            try:
-                value = client.key_value_try_get(f"{KEY_PREFIX}/heartbeat/{peer}")
-            except Exception as exc:
-                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
-                    raise
-                value = ""
+            value = try_get(client, f"{KEY_PREFIX}/heartbeat/{peer}")
             if value != last:
                 self._seen[peer] = (value, now)
             elif now - since > self.config.heartbeat_timeout:
@@ -410,12 +404,7 @@ class Heartbeats(threading.Thread):
     def _failed_follower(self, client) -> Optional[str]:
         """Leader: the message of a follower that published why it cannot go on, if any."""
         for peer in self._seen:
-            try:
-                message = client.key_value_try_get(f"{FAILED_KEY}/{peer}")
-            except Exception as exc:
-                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
-                    raise
-                continue
+            message = try_get(client, f"{FAILED_KEY}/{peer}")
             if message:
                 return f"{message} (process {peer}, follower); process {self.process_id} stops"
         return None
@@ -426,12 +415,7 @@ class Heartbeats(threading.Thread):
         if self._stop_requested:
             return
         for peer in self._seen:
-            try:
-                name = client.key_value_try_get(f"{STOP_KEY}/{peer}")
-            except Exception as exc:
-                if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
-                    raise
-                continue
+            name = try_get(client, f"{STOP_KEY}/{peer}")
             if name:
                 self._stop_requested = True
                 reason = f"process {peer} (follower) got {name}"
@@ -446,13 +430,14 @@ class Heartbeats(threading.Thread):
 _stop_request_handler: Optional[Callable[[str], None]] = None
 
 
-def _key_set(client, key: str) -> bool:
+def try_get(client, key: str) -> str:
+    """The value of `key` in the coordination store, "" while it is unset (other errors raise)."""
     try:
-        return bool(client.key_value_try_get(key))
+        return client.key_value_try_get(key)
     except Exception as exc:
         if "NOT_FOUND" not in str(exc) and "not found" not in str(exc).lower():
             raise
-        return False
+        return ""
 
 
 def leader_exiting() -> bool:
