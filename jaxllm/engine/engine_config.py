@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
+from jaxllm.llm_args import CacheTransceiverConfig, KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from jaxllm.sampling.guided import GUIDED_DECODING_BACKENDS
 from sharding.mesh import ParallelConfig
 
@@ -95,8 +95,14 @@ class EngineConfig:
     # `max_batch_size` rows, so one user decoding alone pays for one row. None: powers of two
     # from 1 below the decode token bucket; []: off. One compiled forward each.
     decode_batch_sizes: Optional[list[int]] = None
+    # Disaggregated serving (jaxllm.engine.kv_transceiver): context-only requests keep their
+    # KV blocks for a generation worker, generation-only requests take them over. None: off.
+    cache_transceiver_config: Optional[CacheTransceiverConfig] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.cache_transceiver_config, dict):
+            check_known_fields(CacheTransceiverConfig, self.cache_transceiver_config)
+            self.cache_transceiver_config = CacheTransceiverConfig(**self.cache_transceiver_config)
         if isinstance(self.kv_cache_config, dict):
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
         if isinstance(self.scheduler_config, dict):
