@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             reasoning_parser=args.reasoning_parser,
             shutdown_timeout=args.shutdown_timeout,
             lora_modules=lora_modules,
+            kv_transfer_host=args.host,
         ),
         shutdown_executor=True,
     )
