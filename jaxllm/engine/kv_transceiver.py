@@ -239,6 +239,19 @@ class CacheTransceiver:
         ) * len(entry.blocks)
         return exported
 
+    def warmup(self, max_blocks: int) -> None:
+        """Compile the block reads and writes for every padded block count up to `max_blocks`
+        (one request's), so a hand-over compiles nothing while serving (reads are discarded,
+        every write is dropped)."""
+        size = padded_block_count(1)
+        while True:
+            self._gather(self.runner.kv_cache, np.zeros(size, np.int32))
+            data = [np.zeros((size, *shape), _np_dtype(dtype)) for shape, dtype in self.layout]
+            self.runner.kv_cache = self._scatter(self.runner.kv_cache, np.full(size, NO_BLOCK, np.int32), data)
+            if size >= max_blocks:
+                break
+            size *= 2
+
     def _release(self, blocks: list[int]) -> None:
         pool = self.kv.block_pool
         for block in reversed(blocks):

@@ -218,6 +218,8 @@ class LLMEngine:
         first request that needs it. The other buckets compile when the engine is idle
         (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
         self.program_warmup.run(all_variants, progress, background)
+        if self.kv_transceiver is not None:  # the hand-over's block reads and writes
+            self.kv_transceiver.warmup(self.max_blocks_per_seq)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
         if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds

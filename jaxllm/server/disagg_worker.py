@@ -104,13 +104,9 @@ class DisaggregatedWorker:
         if params.context_only and body.stream:
             raise APIError(400, f"{_FIELD}: a context_only request cannot stream (it returns one token)", _FIELD)
         if params.generation_only:
-            timeout = self.transceiver.config.kv_transfer_timeout_ms / 1e3
             try:
                 payload = fetch_kv(
-                    str(params.ctx_info_endpoint),
-                    int(params.ctx_request_id or 0),
-                    str(params.opaque_state),
-                    timeout=timeout,
+                    str(params.ctx_info_endpoint), int(params.ctx_request_id or 0), str(params.opaque_state)
                 )
             except ValueError as exc:
                 raise APIError(400, str(exc), _FIELD) from None
