@@ -30,8 +30,11 @@ BENCHMARKS = {
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
     "kv-tier": "jaxllm.bench.kv_tier",
+    "disagg": "jaxllm.bench.disagg",
 }
 BENCHMARK_HELP = {
+    "disagg": "disaggregated vs aggregated serving on real worker processes: ITL p50/p99 of decoding requests "
+    "while long prompts arrive, side by side; KV transfer time and bytes per request",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
     "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
