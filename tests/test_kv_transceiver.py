@@ -101,6 +101,14 @@ def test_dense_hand_over_equals_one_engine_and_frees_everything():
     assert ctx.kv_transceiver.expire(now=0.0) == 0
     assert ctx.kv_transceiver.expire(now=float("inf")) == 1
     assert ctx.kv_cache_manager.num_free_blocks == free
+    # An answer that ended after all (a stop string) drops its hold: the next expiry frees it.
+    ctx.add_request(
+        PROMPTS[2], SamplingParams(max_tokens=1), request_id=9, disaggregated_params=DisaggregatedParams("context_only")
+    )
+    _run(ctx)
+    ctx.kv_transceiver.drop(9)
+    assert ctx.kv_transceiver.next_deadline() == 0.0
+    assert ctx.kv_transceiver.expire() == 1 and ctx.kv_cache_manager.num_free_blocks == free
     with pytest.raises(KeyError, match="not held here"):
         ctx.kv_transceiver.export(7, ctx.kv_transceiver.opaque_state(7))
 

@@ -136,6 +136,14 @@ class CacheTransceiver:
         with self._lock:
             return min((h.deadline for h in self._held.values()), default=None)
 
+    def drop(self, request_id: int) -> None:
+        """Let a held request expire now (its answer ended it after all, e.g. on a stop string
+        found after the engine finished it on its length): the next `expire` frees its blocks."""
+        with self._lock:
+            entry = self._held.get(request_id)
+            if entry is not None:
+                entry.deadline = 0.0
+
     def counts(self) -> dict:
         """Counts for the metrics (iteration stats' `kvCacheStats` names)."""
         s = self.stats

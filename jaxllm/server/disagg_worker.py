@@ -121,6 +121,8 @@ class DisaggregatedWorker:
         a generation worker claims its blocks with (held only when it ended on its length)."""
         assert self.transceiver is not None
         rid = result.engine_request_ids[0]
+        if finish_reason != "length":  # no generation phase follows: free its blocks now if they were held
+            self.transceiver.drop(rid)
         return {
             "request_type": "context_only",
             "first_gen_tokens": list(token_ids[:1]),
