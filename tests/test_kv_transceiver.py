@@ -137,6 +137,8 @@ def test_dense_hand_over_equals_one_engine_and_frees_everything():
         plain.add_request(
             PROMPTS[0], SamplingParams(max_tokens=1), disaggregated_params=DisaggregatedParams("context_only")
         )
+    for engine in (ctx, gen, plain):
+        engine.close()
 
 
 def test_mla_hand_over_equals_one_engine(tmp_path):
@@ -151,6 +153,8 @@ def test_mla_hand_over_equals_one_engine(tmp_path):
         "qk_rope_head_dim"
     ]
     _check_hand_over(ctx, gen, [[3 + (i * 7) % 200 for i in range(30)], list(range(10, 22))], max_tokens=6)
+    ctx.close()
+    gen.close()
 
 
 @pytest.mark.parametrize(
