@@ -301,3 +301,20 @@ def test_generation_worker_dying_fails_its_requests_and_the_router_serves_on(clu
         got = list(pool.map(lambda p: _complete(urls["router"], p, False), PROMPTS[:4]))
     assert got == [_complete(urls["gen1"], p, False) for p in PROMPTS[:4]]
     _assert_pools_back(cluster, ("ctx", "gen1"))
+
+
+def test_context_workers_keep_a_prompt_prefix_unless_it_is_busy():
+    from jaxllm.server.disagg_router import WorkerPool, _prompt_prefix
+
+    pool = WorkerPool("context", [f"http://w{i}:1" for i in range(4)])
+    prefix = _prompt_prefix({"prompt": "You are a helpful assistant. " * 20 + "question 1"})
+    assert prefix == _prompt_prefix({"prompt": "You are a helpful assistant. " * 20 + "question 2"})
+    home = pool.candidates(set(), prefix)[0]
+    assert all(pool.candidates(set(), prefix)[0] is home for _ in range(8))
+    home.in_flight = WorkerPool.PREFIX_SLACK + 1  # busier than the others by more than the slack
+    assert pool.candidates(set(), prefix)[0] is not home
+    home.in_flight, home.up = 0, False
+    assert pool.candidates(set(), prefix)[0] is not home
+    assert pool.candidates(set(), prefix)[-1] is home  # a worker marked down is tried last
+    others = {pool.candidates(set())[0].url for _ in range(8)}
+    assert len(others) == 3  # without a prefix: least loaded, ties in turn

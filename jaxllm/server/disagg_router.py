@@ -9,8 +9,10 @@ passed through as it comes. A request that ends with its first token (an end tok
 string, max_tokens=1) is answered from the context worker alone.
 
 Routing: among the workers of a phase, the one with the fewest requests in flight that is not
-marked down (ties in turn). A worker that cannot be reached is marked down until a health
-check (`/health`, every `health_check_interval_s`) finds it up again. A context worker that
+marked down (ties in turn); for context workers, the one the prompt's start hashes to while it is
+not much busier than the rest (its prefix cache may hold the prompt). A worker that cannot be
+reached is marked down until a health check (`/health`, every `health_check_interval_s`) finds it
+up again. A context worker that
 fails before its answer is retried on another; a generation worker that cannot be reached
 is retried on another too (it never saw the handle); one that fails once it has the request
 fails that request alone (a 502, or an error event in the stream). `/health` is 200 while a
@@ -24,6 +26,7 @@ import itertools
 import json
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -58,18 +61,29 @@ class Worker:
 class WorkerPool:
     """The workers of one phase: least requests in flight first, unreachable ones left out."""
 
+    # A prompt's prefix keeps to its worker (whose KV cache may hold it) while that worker has at
+    # most this many requests in flight more than the least loaded one.
+    PREFIX_SLACK = 2
+
     def __init__(self, phase: str, urls: list[str]) -> None:
         self.phase = phase
         self.workers = [Worker(url, phase) for url in urls]
         self._turn = itertools.count()
 
-    def candidates(self, exclude: set[str]) -> list[Worker]:
-        """Workers to try, best first: those up by load (ties in turn), then those marked down."""
+    def candidates(self, exclude: set[str], prefix: Optional[str] = None) -> list[Worker]:
+        """Workers to try, best first: those up by load (ties in turn), then those marked down.
+        With `prefix` (the start of the prompt), the worker it hashes to comes first unless it
+        is down or busier than the least loaded by more than `PREFIX_SLACK`."""
         turn = next(self._turn)
         n = len(self.workers)
         ordered = [self.workers[(turn + i) % n] for i in range(n)]
-        ordered = [w for w in ordered if w.url not in exclude]
-        return sorted(ordered, key=lambda w: (not w.up, w.in_flight))
+        ordered = sorted((w for w in ordered if w.url not in exclude), key=lambda w: (not w.up, w.in_flight))
+        if prefix is not None and ordered:
+            home = self.workers[zlib.crc32(prefix.encode()) % n]
+            if home in ordered and home.up and home.in_flight <= ordered[0].in_flight + self.PREFIX_SLACK:
+                ordered.remove(home)
+                ordered.insert(0, home)
+        return ordered
 
     @property
     def any_up(self) -> bool:
@@ -189,7 +203,7 @@ class DisaggRouter:
         ctx_body.pop("max_completion_tokens", None)
         tried: set[str] = set()
         pool = self.pools[CONTEXT]
-        for attempt, worker in enumerate(pool.candidates(tried)):
+        for attempt, worker in enumerate(pool.candidates(tried, _prompt_prefix(body))):
             if attempt:
                 self.metrics.retries.labels(CONTEXT).inc()
             tried.add(worker.url)
@@ -339,6 +353,18 @@ class DisaggRouter:
             except httpx.HTTPError:
                 continue
         raise APIError(503, "no generation worker is reachable", None, "service_unavailable")
+
+
+PREFIX_CHARS = 256
+
+
+def _prompt_prefix(body: dict) -> Optional[str]:
+    """The start of a request's prompt (text, token ids or messages), for prefix affinity."""
+    prompt = body.get("prompt", body.get("messages"))
+    if prompt is None:
+        return None
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"), default=str)
+    return text[:PREFIX_CHARS]
 
 
 def _max_tokens(path: str, body: dict) -> Any:
