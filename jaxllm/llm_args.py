@@ -170,9 +170,10 @@ CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM")  # accepted names; DEFAUL
 @dataclass
 class CacheTransceiverConfig:
     """A worker that hands KV blocks over to another (disaggregated prefill and decode), as
-    TensorRT-LLM's `cache_transceiver_config`. `backend`: how the blocks travel ("DEFAULT"
-    picks the best available: "TCP", a host-memory stream that works between processes and
-    hosts; "SHM", shared memory between processes on one host, is not implemented yet).
+    TensorRT-LLM's `cache_transceiver_config`. `backend`: how a generation worker pulls the
+    blocks: "TCP", a host-memory stream that works between processes and hosts; "SHM", a
+    shared-memory segment when the context worker is on the same host, TCP otherwise;
+    "DEFAULT" picks the best available (SHM).
     `max_tokens_in_buffer`: the most tokens' worth of blocks staged in host memory at once
     per transfer (None: a whole request). `kv_transfer_timeout_ms`: how long a context-only
     request's blocks stay held for a generation worker to claim them."""
@@ -188,9 +189,7 @@ class CacheTransceiverConfig:
                 f"cache_transceiver_config.backend must be one of {', '.join(CACHE_TRANSCEIVER_BACKENDS)}, "
                 f"got {self.backend!r}"
             )
-        if backend == "SHM":
-            raise ValueError("cache_transceiver_config.backend=SHM is not implemented yet; use TCP or DEFAULT")
-        self.backend = "TCP" if backend == "DEFAULT" else backend
+        self.backend = "SHM" if backend == "DEFAULT" else backend
         tokens = self.max_tokens_in_buffer
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(

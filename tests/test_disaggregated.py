@@ -40,9 +40,9 @@ def _env(**extra: str) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
 
 
-def _start_worker(tmp: Path, name: str, tp: int) -> tuple[subprocess.Popen, str]:
+def _start_worker(tmp: Path, name: str, tp: int, backend: str = "DEFAULT") -> tuple[subprocess.Popen, str]:
     config = tmp / f"{name}.yaml"
-    config.write_text(f"cache_transceiver_config:\n  backend: DEFAULT\n  kv_transfer_timeout_ms: {TIMEOUT_MS}\n")
+    config.write_text(f"cache_transceiver_config:\n  backend: {backend}\n  kv_transfer_timeout_ms: {TIMEOUT_MS}\n")
     port = free_port()
     env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
     cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", MODEL, "--port", str(port), "--config", str(config)]
@@ -104,7 +104,7 @@ def cluster(tmp_path_factory):
         for name, tp in (("ctx", 1), ("gen2", 2)):
             procs[name], urls[name] = _start_worker(tmp, name, tp)
         _wait_healthy(procs["ctx"], urls["ctx"], tmp / "ctx.log")
-        procs["gen1"], urls["gen1"] = _start_worker(tmp, "gen1", 1)
+        procs["gen1"], urls["gen1"] = _start_worker(tmp, "gen1", 1, backend="TCP")
         for name in ("gen2", "gen1"):
             _wait_healthy(procs[name], urls[name], tmp / f"{name}.log")
         port = free_port()
@@ -180,9 +180,9 @@ def test_router_answers_equal_aggregated_serving_under_concurrency(cluster):
         streamed = list(pool.map(lambda p: _complete(urls["router"], p, True), PROMPTS))
     assert got == want
     assert streamed == want
-    # Both generation workers took requests: TP 1 -> TP 1 and TP 1 -> TP 2 hand-overs.
-    for name in ("gen1", "gen2"):
-        assert _metric(urls[name], "jaxllm:kv_transfer_bytes_total") > 0, name
+    # Both generation workers took requests: TP 1 -> TP 1 over TCP, TP 1 -> TP 2 through shared memory.
+    for name, backend in (("gen1", "TCP"), ("gen2", "SHM")):
+        assert _metric(urls[name], f'jaxllm:kv_transfer_requests_total{{backend="{backend}",model_name="{MODEL}"}}') > 0
     client = openai.OpenAI(base_url=urls["router"] + "/v1", api_key="unused", max_retries=0)
     direct = openai.OpenAI(base_url=urls["gen2"] + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "tell me a story about a fox"}]

@@ -161,7 +161,6 @@ def test_mla_hand_over_equals_one_engine(tmp_path):
     "fields, message",
     [
         ({"backend": "NIXL"}, "backend must be one of DEFAULT, TCP, SHM, got 'NIXL'"),
-        ({"backend": "SHM"}, "backend=SHM is not implemented yet"),
         ({"max_tokens_in_buffer": 0}, "max_tokens_in_buffer must be a positive integer, got 0"),
         ({"kv_transfer_timeout_ms": "soon"}, "kv_transfer_timeout_ms must be a positive integer, got 'soon'"),
     ],
@@ -180,7 +179,8 @@ def test_config_file_and_disaggregated_params_checks(tmp_path):
     path.write_text("cache_transceiver_config:\n  backend: DEFAULT\n  max_tokens_in_buffer: 4096\n")
     kwargs = engine_kwargs(build_parser().parse_args(["generate", "--config", str(path)]))
     config = EngineConfig(model="tiny-dense", **kwargs).cache_transceiver_config
-    assert (config.backend, config.max_tokens_in_buffer, config.kv_transfer_timeout_ms) == ("TCP", 4096, 60_000)
+    assert (config.backend, config.max_tokens_in_buffer, config.kv_transfer_timeout_ms) == ("SHM", 4096, 60_000)
+    assert CacheTransceiverConfig(backend="tcp").backend == "TCP"
     with pytest.raises(ValueError, match="unknown argument.*: timeout"):
         EngineConfig(model="tiny-dense", cache_transceiver_config={"timeout": 3})
     with pytest.raises(ValueError, match="generation_only request needs first_gen_tokens, ctx_request_id"):

@@ -72,6 +72,7 @@ class KvPayload:
     layout: list[LeafLayout]
     arrays: list[np.ndarray]
     transfer_seconds: float = 0.0
+    backend: str = "TCP"  # how the blocks came: "TCP" or "SHM"
 
     @property
     def num_bytes(self) -> int:

@@ -18,7 +18,7 @@ import socket
 from typing import Any, Optional
 
 from jaxllm.engine.kv_transceiver import CacheTransceiver
-from jaxllm.engine.kv_transfer import KvTransferError, KvTransferServer, fetch_kv
+from jaxllm.engine.kv_transfer import KvTransferError, KvTransferServer, fetch_kv, is_local, parse_endpoint
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
 from jaxllm.llm_args import DisaggregatedParams
@@ -105,14 +105,14 @@ class DisaggregatedWorker:
             raise APIError(400, f"{_FIELD}: a context_only request cannot stream (it returns one token)", _FIELD)
         if params.generation_only:
             try:
-                payload = fetch_kv(
-                    str(params.ctx_info_endpoint), int(params.ctx_request_id or 0), str(params.opaque_state)
-                )
+                endpoint = str(params.ctx_info_endpoint)
+                shared = self.transceiver.config.backend == "SHM" and is_local(parse_endpoint(endpoint)[0])
+                payload = fetch_kv(endpoint, int(params.ctx_request_id or 0), str(params.opaque_state), shared=shared)
             except ValueError as exc:
                 raise APIError(400, str(exc), _FIELD) from None
             except KvTransferError as exc:
                 raise APIError(502, str(exc), _FIELD, "server_error") from None
-            self.metrics.observe_kv_transfer(payload.transfer_seconds, payload.num_bytes)
+            self.metrics.observe_kv_transfer(payload.transfer_seconds, payload.num_bytes, payload.backend)
             params.kv_payload = payload
         return params
 

@@ -162,6 +162,12 @@ class ServerMetrics:
         self.kv_transfer_bytes = Counter(
             "jaxllm:kv_transfer_bytes", "KV bytes pulled from context workers.", labels, registry=r
         )
+        self.kv_transfers = Counter(
+            "jaxllm:kv_transfer_requests",
+            "Requests whose KV blocks were pulled, by transport (TCP, SHM).",
+            ["model_name", "backend"],
+            registry=r,
+        )
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
@@ -194,10 +200,11 @@ class ServerMetrics:
                 if per_seq > 1:
                     self.tpot.labels(**self._labels).observe(max(0.0, finished - first) / (per_seq - 1))
 
-    def observe_kv_transfer(self, seconds: float, num_bytes: int) -> None:
+    def observe_kv_transfer(self, seconds: float, num_bytes: int, backend: str) -> None:
         """One generation-only request's blocks pulled from its context worker."""
         self.kv_transfer_seconds.labels(**self._labels).observe(seconds)
         self.kv_transfer_bytes.labels(**self._labels).inc(num_bytes)
+        self.kv_transfers.labels(self.model_name, backend).inc()
 
     def _engine_state(self) -> Optional[dict]:
         """Running/waiting requests and KV blocks, read on the engine thread between steps."""
