@@ -64,7 +64,7 @@ def _worker(args, name: str, tmp: Path, transceiver: bool, devices: Optional[str
     cmd += ["--max-seq-len", str(args.max_seq_len), "--log-level", "warning"]
     if transceiver:
         config = tmp / f"{name}.yaml"
-        config.write_text("cache_transceiver_config:\n  backend: DEFAULT\n")
+        config.write_text(f"cache_transceiver_config:\n  backend: {args.backend}\n")
         cmd += ["--config", str(config)]
     env = dict(os.environ)
     if devices is not None:
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-devices", default=None, help="CUDA_VISIBLE_DEVICES of the context worker")
     parser.add_argument("--generation-devices", default=None, help="CUDA_VISIBLE_DEVICES of the generation worker")
     parser.add_argument("--aggregated-devices", default=None, help="CUDA_VISIBLE_DEVICES of the aggregated worker")
+    parser.add_argument(
+        "--backend", default="DEFAULT", choices=["DEFAULT", "TCP", "SHM"], help="the workers' cache transceiver"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.long_len + args.long_output_len > args.max_seq_len:
@@ -247,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model}: {args.decode_streams} decoding streams ({args.decode_prompt_len}-token prompts, "
         f"{args.decode_len} tokens each) while {args.num_long} prompts of {args.long_len} tokens arrive every "
-        f"{args.long_interval}s; workers: max_batch_size {args.max_batch_size}, max_num_tokens {args.max_num_tokens}"
+        f"{args.long_interval}s; workers: max_batch_size {args.max_batch_size}, max_num_tokens {args.max_num_tokens}, "
+        f"KV transfer backend {args.backend}"
     )
     print(format_table(rows))
     print(f"same greedy answers in both modes: {same}")
