@@ -318,3 +318,32 @@ def test_context_workers_keep_a_prompt_prefix_unless_it_is_busy():
     assert pool.candidates(set(), prefix)[-1] is home  # a worker marked down is tried last
     others = {pool.candidates(set())[0].url for _ in range(8)}
     assert len(others) == 3  # without a prefix: least loaded, ties in turn
+
+
+def test_router_api_key_health_and_no_workers():
+    """The API key guards /v1/ as on `jaxllm serve`; with no reachable worker /health is 503 and a
+    request gets a 503 in OpenAI's error shape; a client may not set disaggregated_params."""
+    from fastapi.testclient import TestClient
+
+    from jaxllm.server.disagg_config import DisaggConfig
+    from jaxllm.server.disagg_router import build_router_app
+
+    dead = f"127.0.0.1:{free_port()}"
+    config = DisaggConfig.from_dict(
+        {"context_servers": {"urls": [dead]}, "generation_servers": {"urls": [dead]}, "api_key": "k"}
+    )
+    with TestClient(build_router_app(config)) as client:
+        assert client.get("/health").status_code == 503
+        body = {"model": MODEL, "prompt": "hi"}
+        assert client.post("/v1/completions", json=body).status_code == 401
+        auth = {"Authorization": "Bearer k"}
+        answer = client.post("/v1/completions", json=body, headers=auth)
+        assert (
+            answer.status_code == 503
+            and answer.json()["error"]["message"] == "no context worker could take the request"
+        )
+        refused = client.post(
+            "/v1/completions", json={**body, "disaggregated_params": {"request_type": "context_only"}}, headers=auth
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "disaggregated_params"
+        assert "jaxllm:disagg_worker_up" in client.get("/metrics").text
