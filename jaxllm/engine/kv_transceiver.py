@@ -28,7 +28,7 @@ import hmac
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import jax
@@ -95,7 +95,6 @@ class TransceiverStats:
     imported_requests: int = 0
     imported_bytes: int = 0
     import_seconds: float = 0.0  # pulling the blocks (network) plus writing them, generation side
-    recent_transfer_ms: list[float] = field(default_factory=list)
 
 
 class CacheTransceiver:
@@ -209,14 +208,6 @@ class CacheTransceiver:
         self.stats.expired_requests += len(entries)
         return len(entries)
 
-    def release_all(self) -> None:
-        """Free every held block (the worker shuts down)."""
-        with self._lock:
-            entries = list(self._held.values())
-            self._held.clear()
-        for entry in entries:
-            self._release(entry.blocks)
-
     def export(self, request_id: int, opaque_state: str) -> ExportedKv:
         """Claim a held request: dispatch the reads of its blocks and drop the hold (KeyError
         for a handle that is unknown, already claimed or expired)."""
@@ -326,9 +317,7 @@ class CacheTransceiver:
         s = self.stats
         s.imported_requests += 1
         s.imported_bytes += payload.num_bytes
-        elapsed = payload.transfer_seconds + time.perf_counter() - started
-        s.import_seconds += elapsed
-        s.recent_transfer_ms = (s.recent_transfer_ms + [elapsed * 1e3])[-1000:]
+        s.import_seconds += payload.transfer_seconds + time.perf_counter() - started
         return RequestUpdate(request, [first])
 
 
