@@ -56,7 +56,7 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_at
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
-from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
+from jaxllm.models.layer_runner import LayerCapture, cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block, quantized_moe_fn
 from jaxllm.models.numerics import matmul_precision, rms_norm
@@ -284,6 +284,35 @@ def decode_layers_with_moe_stats(
     `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
     MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
     whole decoder per device, see `jaxllm.models.parallel.attention_dp`)."""
+    x, kv_cache, stats, _ = decode_layers_capturing(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        slot_moe_layer=slot_moe_layer,
+    )
+    return x, kv_cache, stats
+
+
+def decode_layers_capturing(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    moe_fn: MoeFn,
+    mesh: Optional[jax.sharding.Mesh],
+    moe_options: Optional[EpMoeOptions],
+    slot_moe_layer: Optional[Callable] = None,
+    capture: Optional[LayerCapture] = None,
+) -> tuple[jax.Array, KVCache, Optional[MoeStepStats], Optional[jax.Array]]:
+    """`decode_layers_with_moe_stats` plus, with `capture`, the residual rows entering the
+    captured layers [E, K, H] (see `layer_runner.LayerCapture`; None without)."""
     moe_fn = quantized_moe_fn(moe_fn, config)
     if config.is_mla:
         if slot_moe_layer is not None:
@@ -297,6 +326,7 @@ def decode_layers_with_moe_stats(
             moe_fn=moe_fn,
             mesh=mesh,
             moe_options=moe_options,
+            capture=capture,
         )
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn
@@ -330,6 +360,7 @@ def decode_layers_with_moe_stats(
         config,
         lambda x, layer, cache, index: _decoder_layer(x, layer, cache, index, ctx),
         lora=lora,
+        capture=capture,
     )
 
 
@@ -459,3 +490,36 @@ def forward_all_logits(
         moe_options=moe_options,
     )
     return compute_logits(params, residual, config), kv_cache
+
+
+def forward_with_hidden_states(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    rows: jax.Array,
+    *,
+    config: ModelConfig,
+    aux_layers: tuple[int, ...] = (),
+    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
+    moe_fn: MoeFn = moe_grouped_ffn_reference,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    moe_options: Optional[EpMoeOptions] = None,
+) -> tuple[jax.Array, KVCache, jax.Array, Optional[jax.Array]]:
+    """`forward` plus the hidden states draft models run on, at the packed tokens `rows`
+    int32[E]: the final residual before the final norm [E, H] (DeepSeek-V3's MTP layers) and,
+    with `aux_layers`, the residual entering each of those layers [E, len(aux_layers), H]
+    (EAGLE-3's low/mid/high features, `jaxllm.models.eagle3.default_aux_layers`), else None.
+    Returned, not kept anywhere; `forward` itself traces exactly as before."""
+    capture = LayerCapture(rows, tuple(aux_layers)) if aux_layers else None
+    residual, kv_cache, _, aux = decode_layers_capturing(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        capture=capture,
+    )
+    return compute_logits(params, residual[batch.logits_indices], config), kv_cache, residual[rows], aux
