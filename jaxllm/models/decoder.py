@@ -92,7 +92,7 @@ def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax
     return delta
 
 
-def _attention(
+def attention_block(
     x: jax.Array,
     p: dict,
     cache: MhaLayerCache,
@@ -106,6 +106,8 @@ def _attention(
     lora: Optional[dict] = None,
     onehot: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, MhaLayerCache]:
+    """Self-attention of one layer over its paged cache (RoPE, KV write, attention, o_proj): the
+    output [T, H] and the cache. Its q/k/v weights set the input width (EAGLE-3's take 2H)."""
     prec = matmul_precision(config)
     q = qeinsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = qeinsum("th,hnd->tnd", x, p["k"], precision=prec)
@@ -130,9 +132,10 @@ def _attention(
     return y, cache
 
 
-def _mlp(
+def mlp_block(
     x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
 ) -> jax.Array:
+    """The SwiGLU FFN of a dense layer."""
     prec = matmul_precision(config)
     gate = qeinsum("th,hi->ti", x, p["gate"], precision=prec)
     up = qeinsum("th,hi->ti", x, p["up"], precision=prec)
@@ -150,7 +153,7 @@ def _cache_keys(kv_cache: KVCache) -> jax.Array:
     return kv_cache[0].k if isinstance(kv_cache, list) else kv_cache.k
 
 
-def _backends(
+def attention_backends(
     config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh]
 ) -> tuple[AttentionFn, Callable, MoeFn]:
     """The attention, KV-write and MoE functions of one step; under a mesh, wrapped in shard_map."""
@@ -226,7 +229,7 @@ def _decoder_layer(
         md = layer_metadata(md, index, ctx.pool_blocks, ctx.tokens_per_block, config.num_layers)
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
     lora = layer.get("lora")
-    h, cache = _attention(
+    h, cache = attention_block(
         h,
         layer["attn"],
         cache,
@@ -265,7 +268,7 @@ def _decoder_layer(
             )
         y, ids = moe_block(h, layer["moe"], config=config, moe_fn=ctx.moe_fn, valid=ctx.valid)
         return x + y, cache, count_experts(ids, config.num_experts, ctx.valid), jnp.zeros((), jnp.int32)
-    return x + _mlp(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
+    return x + mlp_block(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
 
 
 def decode_layers_with_moe_stats(
@@ -330,7 +333,7 @@ def decode_layers_capturing(
         )
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn
-    attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
+    attention_fn, write_fn, moe_fn = attention_backends(config, kv_cache, attention_fn, moe_fn, mesh)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), x.dtype)
     num_tokens = batch.token_ids.shape[0]
