@@ -8,11 +8,12 @@ import contextlib
 import functools
 
 import jax
+import numpy as np
 import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
-from tests.model_helpers import build_step_batch
+from tests.model_helpers import SeqChunk, build_step_batch, random_block_table
 
 CONFIG = dict(
     vocab_size=128,
@@ -133,3 +134,13 @@ def step_batch(chunks):
         max_seqs=2,
         max_blocks_per_seq=MAX_BLOCKS,
     )
+
+
+def draft_inputs(vocab: int, seed: int):
+    """A 9-token prompt as the target's step batch and the draft's (shifted by one, same pages)."""
+    rng = np.random.default_rng(seed)
+    prompt = [int(t) for t in rng.integers(0, vocab, 9)]
+    table = random_block_table(rng, NUM_BLOCKS, MAX_BLOCKS)
+    target = step_batch([SeqChunk(prompt[:-1], 0, table)])
+    draft = step_batch([SeqChunk(prompt[1:], 0, table)])
+    return target, draft, len(prompt) - 1
