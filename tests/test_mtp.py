@@ -71,6 +71,17 @@ def test_config_reads_mtp_layers_and_the_default_load_skips_them(checkpoint, cap
         load_params(directory, config, load_mtp=True, num_slots=8)
 
 
+def test_draft_batch_shifts_each_sequence_by_one_token():
+    from jaxllm.models.draft_chain import draft_batch
+
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    target = step_batch([SeqChunk(a, 3, [0, 1, 2]), SeqChunk(b, 0, [3])])
+    shifted = draft_batch(target, jnp.asarray([40, 41], jnp.int32))
+    expected = step_batch([SeqChunk(a[1:] + [40], 3, [0, 1, 2]), SeqChunk(b[1:] + [41], 0, [3])])
+    for field in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "logits_indices"):
+        np.testing.assert_array_equal(np.asarray(getattr(shifted, field)), getattr(expected, field), field)
+
+
 def test_target_hidden_side_outputs_and_logits_match_hf(checkpoint):
     _, config, model, _, params = checkpoint
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 11)]

@@ -16,6 +16,7 @@ token bucket and draft length.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Optional
 
 import jax
@@ -25,6 +26,18 @@ from jaxllm.step_batch import StepBatch
 
 # (cache, batch, hidden [T, H], step) -> (logits [S, V'] at batch.logits_indices, hidden [T, H], cache)
 DraftStep = Callable[[Any, StepBatch, jax.Array, int], tuple[jax.Array, jax.Array, Any]]
+
+
+def draft_batch(batch: StepBatch, next_tokens: jax.Array) -> StepBatch:
+    """The first draft step's batch from the target's: the same positions and slots, each
+    sequence's tokens shifted left by one and its last one replaced by `next_tokens` [S] (the
+    token the target just produced, or the prompt's next token after a partial chunk)."""
+    num_tokens = batch.token_ids.shape[0]
+    live = jnp.arange(batch.logits_indices.shape[0], dtype=jnp.int32) < batch.num_seqs[0]
+    last = jnp.where(live, batch.logits_indices, num_tokens)
+    shifted = jnp.roll(jnp.asarray(batch.token_ids), -1).at[last].set(next_tokens.astype(jnp.int32), mode="drop")
+    valid = jnp.arange(num_tokens, dtype=jnp.int32) < batch.cu_q_lens[batch.num_seqs[0]]
+    return replace(batch, token_ids=jnp.where(valid, shifted, 0).astype(jnp.int32))
 
 
 def follow_up_batch(
