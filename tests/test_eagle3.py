@@ -238,9 +238,9 @@ def _features(setup, tokens):
     batch = _batch([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(9), NUM_BLOCKS, MAX_BLOCKS))])
     cache = PagedModel(params, config, TOKENS_PER_BLOCK, NUM_BLOCKS).empty_cache()
     rows = jnp.arange(len(tokens), dtype=jnp.int32)
-    _, _, _, aux = _jitted(forward_with_hidden_states, "aux_layers")(
+    aux = _jitted(forward_with_hidden_states, "aux_layers")(
         params, cache, batch, rows, config=config, aux_layers=layers
-    )
+    ).aux_hidden
     with torch.no_grad():
         hf = setup["target"](torch.tensor([tokens]), output_hidden_states=True, use_cache=False).hidden_states
     ref = torch.cat([hf[i] for i in layers], dim=-1)[0]

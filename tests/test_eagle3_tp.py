@@ -32,9 +32,9 @@ def _drafts_eagle3(root: Path, mesh) -> tuple[list, np.ndarray]:
     cache = init_kv_cache(config, NUM_BLOCKS, TOKENS_PER_BLOCK, "float32", mesh)
     rows = jnp.arange(target.token_ids.shape[0], dtype=jnp.int32)
     layers = aux_layers_for(head_config, config.num_layers)
-    _, _, _, aux = jitted(forward_with_hidden_states, "aux_layers", "mesh")(
+    aux = jitted(forward_with_hidden_states, "aux_layers", "mesh")(
         params, cache, target, rows, config=config, aux_layers=layers, mesh=mesh
-    )
+    ).aux_hidden
     features = aux.reshape(aux.shape[0], -1)
     head_cache = init_eagle3_kv_cache(head_config, NUM_BLOCKS, TOKENS_PER_BLOCK, "float32", mesh)
     drafts, _, logits = jitted(eagle3_draft, "num_draft_tokens", "return_logits", "mesh")(

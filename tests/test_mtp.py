@@ -90,8 +90,13 @@ def test_target_hidden_side_outputs_and_logits_match_hf(checkpoint):
     batch = step_batch([SeqChunk(tokens, 0, table)])
     rows = jnp.arange(len(tokens), dtype=jnp.int32)
     cache = PagedModel(params, config, TOKENS_PER_BLOCK, NUM_BLOCKS).empty_cache()
-    fn = jitted(forward_with_hidden_states, "aux_layers")
-    logits, _, hidden, aux = fn(params, cache, batch, rows, config=config, aux_layers=(0, 1))
+    fn = jitted(forward_with_hidden_states, "aux_layers", "moe_stats")
+    logits, _, hidden, aux, stats = fn(params, cache, batch, rows, config=config, aux_layers=(0, 1), moe_stats=True)
+    # one MoE layer (layer 1): every token picks num_experts_per_tok experts
+    assert (
+        np.asarray(stats.expert_counts).shape == (1, 8)
+        and int(np.asarray(stats.expert_counts).sum()) == len(tokens) * 2
+    )
     assert rel_err(np.asarray(hidden), pre_norm[0].double().numpy()) < TOL
     for k, layer in enumerate((0, 1)):  # transformers' hidden_states[i]: the input of layer i
         assert rel_err(np.asarray(aux[:, k]), out.hidden_states[layer][0].double().numpy()) < TOL

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -495,6 +495,16 @@ def forward_all_logits(
     return compute_logits(params, residual, config), kv_cache
 
 
+class HiddenStatesOutput(NamedTuple):
+    """What `forward_with_hidden_states` returns (a tuple, so jit returns it as is)."""
+
+    logits: jax.Array  # float32 [S, V] at batch.logits_indices, as `forward`
+    kv_cache: KVCache
+    hidden: jax.Array  # [E, H] the final residual (before the final norm) at the chosen rows
+    aux_hidden: Optional[jax.Array]  # [E, K, H] the residual entering each of aux_layers, or None
+    moe_stats: Optional[MoeStepStats]  # with moe_stats=True (MoE models), else None
+
+
 def forward_with_hidden_states(
     params: Params,
     kv_cache: KVCache,
@@ -507,14 +517,16 @@ def forward_with_hidden_states(
     moe_fn: MoeFn = moe_grouped_ffn_reference,
     mesh: Optional[jax.sharding.Mesh] = None,
     moe_options: Optional[EpMoeOptions] = None,
-) -> tuple[jax.Array, KVCache, jax.Array, Optional[jax.Array]]:
+    moe_stats: bool = False,
+) -> HiddenStatesOutput:
     """`forward` plus the hidden states draft models run on, at the packed tokens `rows`
     int32[E]: the final residual before the final norm [E, H] (DeepSeek-V3's MTP layers) and,
     with `aux_layers`, the residual entering each of those layers [E, len(aux_layers), H]
-    (EAGLE-3's low/mid/high features, `jaxllm.models.eagle3.default_aux_layers`), else None.
-    Returned, not kept anywhere; `forward` itself traces exactly as before."""
+    (EAGLE-3's low/mid/high features, `jaxllm.models.eagle3.default_aux_layers`); with
+    `moe_stats` also the step's MoE statistics. Returned, not kept anywhere; `forward` itself
+    traces exactly as before."""
     capture = LayerCapture(rows, tuple(aux_layers)) if aux_layers else None
-    residual, kv_cache, _, aux = decode_layers_capturing(
+    residual, kv_cache, stats, aux = decode_layers_capturing(
         params,
         kv_cache,
         batch,
@@ -525,4 +537,5 @@ def forward_with_hidden_states(
         moe_options=moe_options,
         capture=capture,
     )
-    return compute_logits(params, residual[batch.logits_indices], config), kv_cache, residual[rows], aux
+    logits = compute_logits(params, residual[batch.logits_indices], config)
+    return HiddenStatesOutput(logits, kv_cache, residual[rows], aux, stats if moe_stats else None)
