@@ -20,7 +20,6 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers.models.llama import modeling_llama as hf_llama  # noqa: E402
 
 from jaxllm.models import load_model_config, load_params  # noqa: E402
-from jaxllm.models.decoder import forward_with_hidden_states  # noqa: E402
 from jaxllm.models.eagle3 import (  # noqa: E402
     aux_layers_for,
     default_aux_layers,
@@ -33,6 +32,7 @@ from jaxllm.models.eagle3_weights import (  # noqa: E402
     load_eagle3_config,
     load_eagle3_params,
 )
+from jaxllm.models.hidden_states import forward_with_hidden_states  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, build_step_batch, random_block_table, rel_err  # noqa: E402
 
 TOL = 1e-4

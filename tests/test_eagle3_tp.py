@@ -19,9 +19,9 @@ def _drafts_eagle3(root: Path, mesh) -> tuple[list, np.ndarray]:
     import jax.numpy as jnp
 
     from jaxllm.models import init_kv_cache, load_model_config, load_params
-    from jaxllm.models.decoder import forward_with_hidden_states
     from jaxllm.models.eagle3 import aux_layers_for, eagle3_draft, init_eagle3_kv_cache
     from jaxllm.models.eagle3_weights import load_eagle3_config, load_eagle3_params
+    from jaxllm.models.hidden_states import forward_with_hidden_states
     from tests.mtp_helpers import NUM_BLOCKS, TOKENS_PER_BLOCK, draft_inputs, jitted
 
     config = load_model_config(root / "target")

@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from jaxllm.models import load_model_config, load_params  # noqa: E402
-from jaxllm.models.decoder import forward_with_hidden_states  # noqa: E402
+from jaxllm.models.hidden_states import forward_with_hidden_states  # noqa: E402
 from jaxllm.models.mtp import init_mtp_kv_cache, mtp_draft, mtp_forward, mtp_kv_cache_spec, mtp_logits  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
 from tests.mtp_helpers import (  # noqa: E402

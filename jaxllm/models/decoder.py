@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -493,49 +493,3 @@ def forward_all_logits(
         moe_options=moe_options,
     )
     return compute_logits(params, residual, config), kv_cache
-
-
-class HiddenStatesOutput(NamedTuple):
-    """What `forward_with_hidden_states` returns (a tuple, so jit returns it as is)."""
-
-    logits: jax.Array  # float32 [S, V] at batch.logits_indices, as `forward`
-    kv_cache: KVCache
-    hidden: jax.Array  # [E, H] the final residual (before the final norm) at the chosen rows
-    aux_hidden: Optional[jax.Array]  # [E, K, H] the residual entering each of aux_layers, or None
-    moe_stats: Optional[MoeStepStats]  # with moe_stats=True (MoE models), else None
-
-
-def forward_with_hidden_states(
-    params: Params,
-    kv_cache: KVCache,
-    batch: StepBatch,
-    rows: jax.Array,
-    *,
-    config: ModelConfig,
-    aux_layers: tuple[int, ...] = (),
-    attention_fn: AttentionFn = _REFERENCE_ATTENTION,
-    moe_fn: MoeFn = moe_grouped_ffn_reference,
-    mesh: Optional[jax.sharding.Mesh] = None,
-    moe_options: Optional[EpMoeOptions] = None,
-    moe_stats: bool = False,
-) -> HiddenStatesOutput:
-    """`forward` plus the hidden states draft models run on, at the packed tokens `rows`
-    int32[E]: the final residual before the final norm [E, H] (DeepSeek-V3's MTP layers) and,
-    with `aux_layers`, the residual entering each of those layers [E, len(aux_layers), H]
-    (EAGLE-3's low/mid/high features, `jaxllm.models.eagle3.default_aux_layers`); with
-    `moe_stats` also the step's MoE statistics. Returned, not kept anywhere; `forward` itself
-    traces exactly as before."""
-    capture = LayerCapture(rows, tuple(aux_layers)) if aux_layers else None
-    residual, kv_cache, stats, aux = decode_layers_capturing(
-        params,
-        kv_cache,
-        batch,
-        config=config,
-        attention_fn=attention_fn,
-        moe_fn=moe_fn,
-        mesh=mesh,
-        moe_options=moe_options,
-        capture=capture,
-    )
-    logits = compute_logits(params, residual[batch.logits_indices], config)
-    return HiddenStatesOutput(logits, kv_cache, residual[rows], aux, stats if moe_stats else None)

@@ -12,7 +12,7 @@ of the layers before, the same tensors) and the embedding of the next token t_{i
 
 and x (before `norm`) is the hidden state the next draft step is fed instead of the fused
 features (no `fc` then). The target gives the features through
-`jaxllm.models.decoder.forward_with_hidden_states(aux_layers=...)`; the embedding is the
+`jaxllm.models.hidden_states.forward_with_hidden_states(aux_layers=...)`; the embedding is the
 head's own when its checkpoint has one, else the target's. The head's keys and values live
 in its own one-layer page pool (`init_eagle3_kv_cache`), addressed by the target's block ids
 and positions, through the same attention backends as the target's layers
