@@ -67,8 +67,8 @@ def test_config_reads_mtp_layers_and_the_default_load_skips_them(checkpoint, cap
 
     with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         load_params(directory, replace(config, num_nextn_predict_layers=0), load_mtp=True)
-    with pytest.raises(ValueError, match="expert parallelism"):
-        load_params(directory, config, load_mtp=True, num_slots=8)
+    slotted = load_params(directory, config, load_mtp=True, num_slots=10)  # experts as slots: the MTP layer's too
+    assert slotted["mtp"][0]["moe"]["w_up"].shape == (10, 32, 16) and "slots" in slotted["mtp"][0]["moe"]
 
 
 def test_draft_batch_shifts_each_sequence_by_one_token():

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's MTP layer under tensor parallelism (2 fake CPU devices, in a subprocess): fed
+"""DeepSeek-V3's MTP layer under tensor parallelism and expert parallelism (its experts as slots,
+dispatched to the rank owning each), on 2 fake CPU devices in a subprocess: fed
 the target's final hidden states (transformers', written beside the checkpoint), it drafts the
 same tokens with the same logits as on one device. (The hidden-state side output under tensor
 parallelism is checked in `test_eagle3_tp.py`.)"""
@@ -43,12 +44,16 @@ def check_all(root: Path) -> None:
 
     assert len(jax.devices()) == 2
     one_tokens, one_logits = _drafts_mtp(root / "ds", None)
-    tp_tokens, tp_logits = _drafts_mtp(root / "ds", make_mesh(ParallelConfig(tensor_parallel_size=2)))
-    err = float(np.abs(tp_logits - one_logits).max() / np.abs(one_logits).max())
-    print(json.dumps(dict(one=one_tokens, tp=tp_tokens, err=err)), flush=True)
+    for name, parallel in (
+        ("tp", ParallelConfig(tensor_parallel_size=2)),
+        ("ep", ParallelConfig(tensor_parallel_size=2, moe_expert_parallel_size=2)),
+    ):
+        tokens, logits = _drafts_mtp(root / "ds", make_mesh(parallel))
+        err = float(np.abs(logits - one_logits).max() / np.abs(one_logits).max())
+        print(json.dumps(dict(name=name, one=one_tokens, tokens=tokens, err=err)), flush=True)
 
 
-def test_mtp_drafts_under_tensor_parallelism_match_one_device(tmp_path):
+def test_mtp_drafts_under_tensor_and_expert_parallelism_match_one_device(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.mtp_helpers import draft_inputs, hf_with_mtp, saved_with, target_hidden
@@ -59,6 +64,8 @@ def test_mtp_drafts_under_tensor_parallelism_match_one_device(tmp_path):
     target, _, n = draft_inputs(model.config.vocab_size, 5)
     _, pre_norm = target_hidden(model, [int(t) for t in target.token_ids[:n]])
     np.save(tmp_path / "ds" / "hidden.npy", pre_norm[0].numpy())
-    (result,) = run_on_cpu_devices("test_mtp_tp", "check_all", tmp_path, num_devices=2)
-    assert result["tp"] == result["one"] and len(result["one"]) == NUM_DRAFTS, result
-    assert result["err"] < 1e-4, result
+    results = run_on_cpu_devices("test_mtp_tp", "check_all", tmp_path, num_devices=2)
+    assert [r["name"] for r in results] == ["tp", "ep"]
+    for r in results:
+        assert r["tokens"] == r["one"] and len(r["one"]) == NUM_DRAFTS, r
+        assert r["err"] < 1e-4, r

@@ -58,7 +58,7 @@ from jaxllm.models.weights import (
 )
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh
 from sharding.rules import ShardingRules, named_sharding
-from sharding.slot_table import make_slot_table, make_stacked_slot_table, resolve_assignments
+from sharding.slot_table import default_assignment, make_slot_table, make_stacked_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
@@ -302,13 +302,13 @@ def load_params(
     (see `jaxllm.models.weights`), each device piece stacked on the host from the layers' boxes.
     `slice_hook(name, slices, array)` sees every read from the files (for measurements).
     `load_mtp` also reads DeepSeek-V3's multi-token-prediction layers into `params["mtp"]`
-    (`jaxllm.models.mtp`; their experts stored whole, not as slots); by default they are skipped.
+    (`jaxllm.models.mtp`; under expert parallelism their experts in the default placement of
+    the main layers' slot count); by default they are skipped.
     """
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
-    if load_mtp:
-        _check_mtp_loadable(config, model_dir, mesh, assignments)
+    mtp_assignments = _check_mtp_loadable(config, model_dir, mesh, assignments) if load_mtp else {}
     if is_converted(model_dir):
         if config.quantization is not None:
             raise ValueError(
@@ -321,7 +321,8 @@ def load_params(
     np_dtype = numpy_dtype(dtype or config.dtype)
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
-    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments, mtp=load_mtp)
+    all_assignments = None if assignments is None else {**assignments, **mtp_assignments}
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), all_assignments, mtp=load_mtp)
     chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config), load_mtp)
     decls, _ = check_quantized(decls, chosen, header.shape, header.dtype, config)
     chosen_for = dict(zip((d.path for d in decls), chosen))
@@ -403,21 +404,31 @@ def load_params(
                 bar.update(1)
     params = build_params(leaves, config, stacks)
     _add_slot_tables(params, config, mesh, assignments)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for layer, slot_to_expert in mtp_assignments.items():
+        moe = params["mtp"][layer - config.num_layers]["moe"]
+        moe["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
     return params
 
 
 def _check_mtp_loadable(
     config: ModelConfig, model_dir: str | Path, mesh: jax.sharding.Mesh, assignments: Optional[dict]
-) -> None:
+) -> dict[int, np.ndarray]:
+    """The MTP layers' expert slots (layer -> expert of each slot) when the main layers have
+    slots, else none; refuses configs without MTP layers and converted checkpoints."""
     if config.model_type != "deepseek_v3" or not config.num_nextn_predict_layers:
         raise ValueError(
             f"load_mtp: {config.architecture} config in {model_dir} has no multi-token-prediction layers "
             "(num_nextn_predict_layers)"
         )
-    if assignments is not None or expert_parallel_size(mesh) > 1:
-        raise ValueError("load_mtp: multi-token-prediction layers do not load under expert parallelism yet")
     if is_converted(model_dir):
         raise ValueError(f"load_mtp: {model_dir} is a converted (orbax) checkpoint; MTP layers load from safetensors")
+    if assignments is None:
+        return {}
+    num_slots = len(next(iter(assignments.values()))) if assignments else config.num_experts
+    ep = expert_parallel_size(mesh)
+    layers = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
+    return {layer: default_assignment(config.num_experts, num_slots, ep) for layer in layers}
 
 
 def _add_slot_tables(

@@ -189,7 +189,7 @@ def declare_weights(
         for j in range(c.num_nextn_predict_layers):
             mtp_add = _moved(add, c.num_layers + j, ("mtp", j))
             declare_mtp_extras(mtp_add, c, c.num_layers + j)
-            _declare_layer(mtp_add, c, c.num_layers + j, kv_replicas, None)
+            _declare_layer(mtp_add, c, c.num_layers + j, kv_replicas, (slot_assignments or {}).get(c.num_layers + j))
     return [quantized_decl(d, c) for d in decls] if c.quantization is not None else decls
 
 
