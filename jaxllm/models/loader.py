@@ -308,7 +308,7 @@ def load_params(
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
-    mtp_assignments = _check_mtp_loadable(config, model_dir, mesh, assignments) if load_mtp else {}
+    mtp_assignments = _mtp_slot_assignments(config, model_dir, mesh, assignments) if load_mtp else {}
     if is_converted(model_dir):
         if config.quantization is not None:
             raise ValueError(
@@ -411,7 +411,7 @@ def load_params(
     return params
 
 
-def _check_mtp_loadable(
+def _mtp_slot_assignments(
     config: ModelConfig, model_dir: str | Path, mesh: jax.sharding.Mesh, assignments: Optional[dict]
 ) -> dict[int, np.ndarray]:
     """The MTP layers' expert slots (layer -> expert of each slot) when the main layers have
