@@ -159,6 +159,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # shared experts (one FFN of n * moe_intermediate_size) in every MoE layer
+    # DeepSeek-V3 multi-token-prediction layers the checkpoint carries after the decoder layers
+    # (`model.layers.{num_hidden_layers + j}`); loaded only when asked (`load_params(load_mtp=True)`).
+    num_nextn_predict_layers: int = 0
     mla_attention: str = "auto"  # MLA form: "auto" (absorbed for decode-only steps), "absorbed", "expanded"
     # Run runs of identical layers as one lax.scan over stacked weights and one KV page pool for
     # all layers (compile time independent of depth); off: a per-layer loop over per-layer caches.
