@@ -183,6 +183,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "(KvCacheConfig.host_cache_size; units such as 8GiB or 512MB; unset: no host tier)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        dest="kv_cache_dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="KvCacheConfig.dtype: auto (the model's dtype) or fp8 (float8_e4m3fn with per-layer scales: "
+        "the checkpoint's k_scale/v_scale, else 1.0)",
+    )
+    g.add_argument(
         "--kv-cache-free-gpu-memory-fraction",
         "--kv_cache_free_gpu_memory_fraction",
         "--gpu-memory-utilization",
@@ -398,6 +406,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_tokens=args.kv_cache_max_tokens,
         host_cache_size=getattr(args, "kv_cache_host_size", None),
         free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9),
+        dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype,

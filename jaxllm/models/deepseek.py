@@ -38,6 +38,7 @@ from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import kv_cache_spec
+from jaxllm.models.kv_quant import layer_kv_scales
 from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention
 from jaxllm.models.model_config import ModelConfig
@@ -128,6 +129,7 @@ def decode_layers(
             write_fn=write_fn,
             decode_only=decode_only,
             precision=prec,
+            kv_scale=None if config.kv_cache_quant is None else layer_kv_scales(config, index)[0],
         )
         x = x + h
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)

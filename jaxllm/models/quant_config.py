@@ -144,3 +144,34 @@ def on_load_quant_config(method: Optional[str], activation_scheme: str = "dynami
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     return QuantConfig("fp8_block", (BLOCK, BLOCK), activation_scheme, "", False)
+
+
+# Checkpoint tensors holding one layer's KV cache scale (compressed-tensors / ModelOpt names):
+# read by `jaxllm.models.kv_quant`, not weights.
+KV_SCALE_SUFFIXES = (
+    "self_attn.k_scale",
+    "self_attn.v_scale",
+    "k_proj.k_scale",
+    "v_proj.v_scale",
+    "k_proj.output_scale",
+    "v_proj.output_scale",
+)
+
+
+@dataclass(frozen=True)
+class KvCacheQuant:
+    """An FP8 (e4m3) KV cache: one float32 scale per layer for its keys and one for its values
+    (the MLA latent cache uses the key scale), the cached value being `fp8 * scale`. `source`
+    says where they came from: "checkpoint" (`k_scale` / `v_scale` tensors) or "unit" (1.0,
+    vLLM's default when a checkpoint carries none)."""
+
+    k_scales: tuple[float, ...]
+    v_scales: tuple[float, ...]
+    source: str = "unit"
+
+    def __post_init__(self) -> None:
+        if len(self.k_scales) != len(self.v_scales):
+            raise ValueError("k_scales and v_scales need one entry per layer each")
+        bad = [s for s in self.k_scales + self.v_scales if not (s > 0 and s < float("inf"))]
+        if bad:
+            raise ValueError(f"KV cache scales must be positive finite numbers, got {bad[0]!r}")

@@ -186,7 +186,7 @@ def _attention_kernel(
         page = jnp.clip(page, 0, num_blocks - 1)  # a bad block-table id must not leave the cache
         in_page = jax.lax.rem(key_pos, tokens_per_block)
         cache_row = jnp.where(key_valid, cache_row_base + page * tokens_per_block + in_page, 0)
-        k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2)
+        k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2).astype(q.dtype)  # an fp8 page: widened here
         scores = _dot(q, k, contract_b=1) * sm_scale  # [block_m, block_k]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -198,7 +198,7 @@ def _attention_kernel(
         probs = jnp.where(allowed, jnp.exp(scores - new_max[:, None]), 0.0)
         correction = jnp.exp(running_max - new_max)
         denom = denom * correction + jnp.sum(probs, axis=1)
-        v = _load_rows(v_ref, cache_row, key_valid, value_dim_pow2, value_dim)
+        v = _load_rows(v_ref, cache_row, key_valid, value_dim_pow2, value_dim).astype(q.dtype)
         pv = _dot(probs.astype(v.dtype), v, contract_b=0)
         return acc * correction[:, None] + pv, new_max, denom
 
