@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import schedule
-from pallas_kernels.ragged_paged_attention.kernel_io import check_shapes, int32_metadata, merge_splits
+from pallas_kernels.ragged_paged_attention.kernel_io import FP8_CACHE, check_shapes, int32_metadata, merge_splits
 from pallas_kernels.ragged_paged_attention.tiling import (
     AttentionTiling,
     block_q,
@@ -95,7 +95,10 @@ def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int, num_cols: Opti
     with a slice, and Triton sees the same contiguous column offsets either way.
     """
     cols = jnp.arange(width, dtype=jnp.int32)
-    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width, num_cols), other=0)
+    other = 0.0 if ref.dtype == FP8_CACHE else 0  # Triton lowering casts no integer to fp8
+    return pltriton.load(
+        ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width, num_cols), other=other
+    )
 
 
 def _store_rows(ref, rows: jax.Array, value: jax.Array, mask: jax.Array) -> None:
