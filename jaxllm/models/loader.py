@@ -208,10 +208,11 @@ def _choose_alternatives(
         where = header.file_of[name].name
         if shape != known[name].shape:
             raise ValueError(f"tensor {name} in {where} has shape {list(shape)}, expected {list(known[name].shape)}")
-        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,):
+        quantized = (config.quantization.checkpoint_dtype,) if config.quantization is not None else ()
+        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,) + quantized:
             raise ValueError(
                 f"tensor {name} in {where} has dtype {header.dtype[name]}; "
-                "only float and float8_e4m3fn checkpoints are supported"
+                "only float and float8_e4m3fn checkpoints (and GGUF's int8 values) are supported"
             )
     chosen, missing = [], []
     for decl in decls:
@@ -367,7 +368,11 @@ def load_params(
                                 sharding.spec,
                                 read_full,
                                 functools.partial(
-                                    assemble_array, decl.shape, sharding, functools.partial(read_box, decl), FP8
+                                    assemble_array,
+                                    decl.shape,
+                                    sharding,
+                                    functools.partial(read_box, decl),
+                                    FP8 if decl.quant.dtype == FP8.name else np.dtype(np.int8),
                                 ),
                                 functools.partial(read_param, decl),
                             ),

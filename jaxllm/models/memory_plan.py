@@ -18,7 +18,7 @@ import numpy as np
 from jaxllm.models.kv_cache_spec import kv_cache_spec
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.partitioning import check_quantized_split
-from jaxllm.models.quantization import FP8, scale_spec
+from jaxllm.models.quantization import scale_spec
 from jaxllm.models.weights import WeightDecl, declare_weights
 from sharding.mesh import ATTN_DP_AXIS, EXPERT_AXIS, TENSOR_AXIS, ParallelConfig
 from sharding.rules import kv_head_replicas, logical_to_physical, model_rules
@@ -95,7 +95,8 @@ def device_bytes_of(decl: WeightDecl, dtype: Any, rules: Any, mesh_shape: Mappin
         return math.prod(shard) * decl.param_dtype(dtype).itemsize, 0
     scale_shape = decl.quant.scale_shape(decl.shape)
     scales = math.prod(shard_shape(scale_shape, scale_spec(spec, scale_shape, mesh_shape), mesh_shape)) * 4
-    return math.prod(shard) * FP8.itemsize + scales, scales
+    values = math.prod(shard) * decl.quant.value_dtype().itemsize
+    return (values // 2 if decl.quant.packed else values) + scales, scales
 
 
 def plan_memory(

@@ -25,6 +25,7 @@ from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
     checkpoint_scales,
+    pack_int4,
     quantize_blocks,
     scale_spec,
     unquantized,
@@ -98,7 +99,8 @@ def check_quantized(
     qc = config.quantization
     out, scales = [], set()
     for decl, alt in zip(decls, chosen):
-        fp8 = [src.name for src in alt if dtypes.get(src.name) == FP8_SOURCE]
+        stored_quantized = qc.checkpoint_dtype if qc is not None else FP8_SOURCE
+        fp8 = [src.name for src in alt if dtypes.get(src.name) == stored_quantized]
         if decl.quant is None or qc is None or not qc.from_checkpoint:
             if fp8:
                 why = "config.json has no quantization_config" if qc is None else "it is never quantized"
@@ -165,6 +167,8 @@ def assemble_quantized(
     value_sharding = jax.sharding.NamedSharding(mesh, spec)
     if config.quantization is not None and config.quantization.from_checkpoint:
         value = assemble_value()
+        if q.packed:  # int4 read as int8 values, packed two to a byte on the device
+            value = jax.jit(pack_int4, out_shardings=value_sharding)(value)
         scale = np.stack([_member_scales(m, a, config, read_full) for m, a in zip(members, alternatives)])
         if not isinstance(decl, StackedDecl):
             scale = scale[0]
@@ -173,7 +177,7 @@ def assemble_quantized(
         value = _put(host, value_sharding)
         del host
     scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
-    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group)
+    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group, q.packed)
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
