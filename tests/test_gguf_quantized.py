@@ -145,3 +145,33 @@ def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
     assert all(len(t) == 8 for t in one["tokens"])
     assert two["tokens"] == one["tokens"]
     assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype):
+    """`quantization="int8"` / `"int4"` on a float checkpoint holds, for every linear projection,
+    the very values and scales of the GGUF file `gguf.quantize` (ggml's reference quantizer)
+    writes from it, so they are GGUF's Q8_0 / Q4_0 blocks."""
+    import gguf
+
+    from jaxllm.models.quantization import quantize_blocks_int
+    from jaxllm.models.quantized_loading import with_quantization
+
+    x = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    values, scales = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
+    ours, our_scales = quantize_blocks_int(x, (1, 32), 8 if qtype == "Q8_0" else 4)
+    np.testing.assert_array_equal(ours, values)
+    np.testing.assert_array_equal(our_scales, scales)
+
+    _, _, directory = _write(tmp_path, "llama", qtype)
+    from_file = load_params(directory, load_model_config(directory, dtype="float32"))
+    float_dir = tmp_path / "hf"
+    method = "int8" if qtype == "Q8_0" else "int4"
+    on_load = load_params(float_dir, with_quantization(load_model_config(float_dir, dtype="float32"), method))
+    a, b = _quantized(from_file), _quantized(on_load)
+    assert len(a) == len(b) >= 7
+    for w, v in zip(a, b):
+        assert w.packed == v.packed == (method == "int4") and w.blocks == v.blocks
+        np.testing.assert_array_equal(np.asarray(w.value), np.asarray(v.value))
+        np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))

@@ -138,9 +138,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["fp8"],
+        choices=["fp8", "int8", "int4"],
         help="fp8: quantize an unquantized checkpoint to FP8 (128x128 block scales) while loading "
-        "(FP8 checkpoints such as DeepSeek-V3's load quantized without it)",
+        "(FP8 checkpoints such as DeepSeek-V3's load quantized without it); int8 / int4: weight-only "
+        "integers with one scale per 32 inputs (GGUF Q8_0 / Q4_0 blocks; GGUF files in those types load so)",
     )
     g.add_argument(
         "--fp8-activation-scheme",

@@ -107,7 +107,11 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
 
 def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_seq_len: int) -> str:
     q = config.quantization
-    weights = "fp8 (e4m3, 128x128 block scales)" if q else config.dtype
+    weights = (
+        config.dtype
+        if q is None
+        else f"{q.value_dtype} (scales per {q.weight_block_size[0]}x{q.weight_block_size[1] or 'row'} block)"
+    )
     num_gpus = args.num_gpus or args.tp
     unit, unit_name = (GB, "GiB") if plan.weights_per_device >= GB else (2**20, "MiB")
     lines = [
@@ -121,7 +125,7 @@ def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_
     for kind, nbytes in plan.weight_bytes.items():
         lines.append(f"  {kind:<22}{nbytes / unit:>10.2f}")
     if plan.scale_bytes:
-        lines.append(f"  {'(of which FP8 scales)':<22}{plan.scale_bytes / unit:>10.2f}")
+        lines.append(f"  {'(of which scales)':<22}{plan.scale_bytes / unit:>10.2f}")
     lines.append(f"  {'total':<22}{plan.weights_per_device / unit:>10.2f}")
     lines += [
         "",

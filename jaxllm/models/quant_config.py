@@ -25,8 +25,9 @@ FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128
 ACTIVATION_SCHEMES = ("dynamic", "none")
-# Values of `LLM(quantization=...)` / `--quantization`.
-QUANTIZATION_METHODS = ("fp8",)
+# Values of `LLM(quantization=...)` / `--quantization`: FP8 with 128 x 128 block scales, or
+# weight-only int8 / int4 with one scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks).
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,8 @@ def on_load_quant_config(method: Optional[str], activation_scheme: str = "dynami
         return None
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    if method in ("int8", "int4"):
+        return QuantConfig(f"{method}_block", (1, GGUF_BLOCK), "none", "", False)
     return QuantConfig("fp8_block", (BLOCK, BLOCK), activation_scheme, "", False)
 
 

@@ -226,6 +226,33 @@ def quantize_blocks(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, n
     return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
 
 
+def quantize_blocks_int(x: np.ndarray, blocks: Sequence[int], bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values, float32 scales) per block as llama.cpp's reference quantizers make GGUF's
+    blocks: 8 bits (`quantize_row_q8_0`): scale amax / 127, values round(x / scale); 4 bits
+    (`quantize_row_q4_0`): scale = the block's largest-magnitude value / -8, values
+    min(15, trunc(x / scale + 8.5)) - 8, in [-8, 7]."""
+    x = np.asarray(x, np.float32)
+    xb, full = _blocked(x, blocks)
+    axes = tuple(range(1, xb.ndim, 2))
+    if bits == 8:
+        scale = np.abs(xb).max(axis=axes, keepdims=True) / np.float32(127)
+    else:
+        flat = np.moveaxis(xb, axes, range(xb.ndim - len(axes), xb.ndim)).reshape(*xb.shape[::2], -1)
+        peak = np.take_along_axis(flat, np.abs(flat).argmax(-1)[..., None], -1)[..., 0]
+        scale = np.expand_dims(peak / np.float32(-8), axes)
+    # The values divide by the float32 scale; the block keeps it rounded to float16.
+    inv = np.where(scale == 0, 0, 1 / np.where(scale == 0, 1, scale)).astype(np.float32)
+    if bits == 8:
+        a = np.abs(xb * inv)
+        q = np.sign(xb) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))  # roundf: half away from zero
+    else:
+        q = np.clip(np.trunc(xb * inv + np.float32(8.5)), 0, 15) - 8
+    scale = scale.astype(np.float16).astype(np.float32)
+    q = q.astype(np.int8).reshape([n + (-n % b) for n, b in zip(x.shape, full)])
+    q = q[tuple(slice(0, n) for n in x.shape)]
+    return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
+
+
 # ---------------------------------------------------------------------------------------------
 # In the jitted step
 
