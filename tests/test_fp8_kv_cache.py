@@ -160,6 +160,9 @@ def test_llama_fp8_kv_cache_with_checkpoint_scales_matches_a_torch_simulation(ll
     assert rel_err(unquantized, ref) < 1e-4  # the float cache is HF's model
     sim = np.concatenate([_hf_logits(hf, t, _rounding_cache(k_scales, v_scales)) for t in PROMPTS])
     _check_against_simulation(ours, sim, ref, "llama (checkpoint scales)")
+    # Layers unrolled over per-layer caches (static layer index) read the same scales as the scan.
+    unrolled, _ = _ours(directory, "fp8", scan_layers=False)
+    assert rel_err(unrolled, ours) < 1e-5
 
 
 @pytest.mark.parametrize("scale", [None, 0.02])
