@@ -179,3 +179,34 @@ def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype
         assert w.packed == v.packed == (method == "int4") and w.blocks == v.blocks
         np.testing.assert_array_equal(np.asarray(w.value), np.asarray(v.value))
         np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))
+
+
+def test_a_mixed_k_quant_file_keeps_its_q8_0_linears_and_dequantizes_the_rest(tmp_path):
+    """Q4_K / Q6_K attention and MLP weights (random valid blocks) next to Q8_0 down projections:
+    the down projections stay int8, the K-quants are listed in `modules_to_not_convert` and load
+    dequantized, and the logits are transformers' on the same file."""
+    import json
+
+    path = tmp_path / "hf"
+    path.mkdir()
+    model, tokenizer = make_tiny_hf(
+        "llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384
+    )
+    gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
+    directory = convert_gguf(gguf_path, tmp_path / "conv", progress=False)
+    qc = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert qc["weight_type"] == "Q8_0" and "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    config = load_model_config(directory, dtype="float32")
+    params = load_params(directory, config)
+    (stack,) = params["layer_stacks"]
+    assert isinstance(stack["mlp"]["down"], QuantizedWeight) and stack["mlp"]["down"].value.dtype == np.int8
+    assert not isinstance(stack["attn"]["q"], QuantizedWeight) and not isinstance(stack["mlp"]["gate"], QuantizedWeight)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.config.vocab_size, 24)]
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    paged = PagedModel(params, config, num_blocks=64, max_blocks_per_seq=16, token_bucket=64)
+    ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
+    assert rel_err(ours, ref) < 1e-4

@@ -333,7 +333,10 @@ def _float_linears(reader, config: dict[str, Any], keep: str) -> list[str]:
     for tensor in reader.tensors:
         if is_linear(tensor.name) and tensor.tensor_type.name != keep:
             data = np.zeros((tensor.data.shape[0],) + (1,) * (tensor.data.ndim - 1), np.float32)  # names only
-            names += [n.removesuffix(".weight") for n, _ in _renamed(tensor.name, data, config, False, False, [])]
+            names += [
+                n.removesuffix(".weight")
+                for n, _ in _renamed(tensor.name, data, config, False, config["model_type"] == "mixtral", [])
+            ]
     return names
 
 
