@@ -183,3 +183,11 @@ def test_bad_kv_cache_dtype_is_one_line_and_the_cli_flag_reaches_the_config():
     assert KvCacheConfig(dtype="fp8_e4m3").dtype == "fp8" and KvCacheConfig().dtype == "auto"
     args = build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8"])
     assert engine_kwargs(args)["kv_cache_config"].dtype == "fp8"
+
+
+def test_plan_cli_int4_weights(capsys):
+    from jaxllm.cli.plan import main as plan_main
+
+    assert plan_main(["--model", "tiny-dense", "--quantization", "int4", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights int4 (scales per 1x32 block)" in out and "(float8_e4m3fn)" in out

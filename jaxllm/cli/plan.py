@@ -45,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (a multiple of --tp; default --tp)")
     p.add_argument(
         "--quantization",
-        choices=["fp8", "none"],
+        choices=["fp8", "int8", "int4", "none"],
         default=None,
-        help="fp8: weights in FP8 with 128x128 block scales; none: the checkpoint's float dtype even if it "
-        "ships FP8 (default: as the checkpoint is)",
+        help="fp8: weights in FP8 with 128x128 block scales; int8 / int4: weight-only with one scale per 32 "
+        "inputs (GGUF Q8_0 / Q4_0); none: the checkpoint's float dtype even if it ships quantized (default: as "
+        "the checkpoint is)",
     )
     p.add_argument("--dtype", default=None, help="float dtype of unquantized weights and the KV cache")
     p.add_argument(
@@ -88,6 +89,8 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
         config = replace(config, quantization=None)
     elif args.quantization == "fp8":
         config = with_quantization(config, "fp8")
+    elif args.quantization is not None:  # int8 / int4 blocks instead of what the checkpoint ships
+        config = with_quantization(replace(config, quantization=None), args.quantization)
     config = with_kv_cache_dtype(config, None, args.kv_cache_dtype)
     parallel = ParallelConfig(tensor_parallel_size=args.tp, moe_expert_parallel_size=args.ep)
     num_gpus = args.num_gpus or args.tp
