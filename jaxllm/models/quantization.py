@@ -275,14 +275,16 @@ def dense(w: Any, dtype: Any = None) -> jax.Array:
 def pack_int4(x: Any) -> Any:
     """int values in [-8, 7], [..., 2n] -> uint8 [..., n]: entry 2i in the low nibble, 2i + 1 in
     the high one (numpy or jax arrays)."""
-    xp = jnp if isinstance(x, jax.Array) else np
-    lo, hi = x[..., 0::2].astype(xp.uint8) & 0xF, x[..., 1::2].astype(xp.uint8) & 0xF
-    return lo | (hi << 4)
+    if isinstance(x, jax.Array):
+        u = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8)  # two's complement bytes
+    else:
+        u = np.asarray(x, np.int8).view(np.uint8)
+    return (u[..., 0::2] & 0xF) | ((u[..., 1::2] & 0xF) << 4)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
     """The inverse of `pack_int4`: int8 [..., 2n] (nibbles sign-extended)."""
-    v = packed.astype(jnp.int8)
+    v = jax.lax.bitcast_convert_type(packed, jnp.int8)
     lo, hi = jnp.left_shift(v, 4) >> 4, v >> 4  # arithmetic shifts of int8 sign-extend
     return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
