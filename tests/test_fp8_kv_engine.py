@@ -191,3 +191,31 @@ def test_plan_cli_int4_weights(capsys):
     assert plan_main(["--model", "tiny-dense", "--quantization", "int4", "--kv-cache-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "weights int4 (scales per 1x32 block)" in out and "(float8_e4m3fn)" in out
+
+
+def test_mla_engine_with_an_fp8_latent_cache(tmp_path):
+    """DeepSeek-V3 (MLA) in the engine with an FP8 latent cache: in-flight batching (mixed
+    prefill and absorbed decode steps, prefix reuse) gives the tokens of one request at a time,
+    and the latent pool is the planner's bytes."""
+    pytest.importorskip("torch")
+    from tests.parallel_workload import small_engine
+    from tests.test_deepseek import ENGINE, _engine_outputs, staggered_prompts, write_checkpoint
+
+    write_checkpoint(tmp_path / "ds", ENGINE, seed=3, tokenizer=True)
+    engine = small_engine(
+        tmp_path / "ds", tmp_path / "ds", kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512, dtype="fp8")
+    )
+    try:
+        leaves = jax.tree.leaves(engine.runner.kv_cache)
+        assert all(a.dtype == FP8_KV for a in leaves)
+        plan = plan_memory(engine.model_config, ParallelConfig())
+        assert plan.kv_bytes_per_token * engine.kv_cache_manager.num_blocks * 8 == sum(a.nbytes for a in leaves)
+        arrivals = staggered_prompts(ENGINE["vocab_size"])
+        batched = _engine_outputs(engine, arrivals, max_tokens=6)
+        assert engine.kv_cache_manager.get_kv_cache_stats().reused_blocks > 0
+        alone = {}
+        for p in [p for step in sorted(arrivals) for p in arrivals[step]]:
+            alone.update(_engine_outputs(engine, {0: [p]}, max_tokens=6))
+        assert [batched[i] for i in sorted(batched)] == [alone[i] for i in sorted(alone)]
+    finally:
+        engine.close()
