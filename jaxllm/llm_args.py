@@ -48,6 +48,19 @@ class SchedulerConfig:
         )
 
 
+# Values of `KvCacheConfig.dtype` / `--kv-cache-dtype` (TensorRT-LLM's and vLLM's names): "auto"
+# stores the KV cache in the model's dtype; "fp8" (or vLLM's "fp8_e4m3") as float8_e4m3fn.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def normalize_kv_cache_dtype(value: Any) -> str:
+    """'auto' or 'fp8' from an accepted spelling; anything else is a ValueError naming it."""
+    name = value.lower() if isinstance(value, str) else value
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_config.dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {value!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 @dataclass
 class KvCacheConfig:
     """Paged KV cache sizing. The smaller of `max_tokens` and the memory fraction wins."""
@@ -62,8 +75,12 @@ class KvCacheConfig:
     host_cache_size: Optional[int] = None
     # Blocks below this retention priority are dropped on eviction, not offloaded.
     secondary_offload_min_priority: Optional[int] = None
+    # "auto" (the model's dtype) or "fp8": K/V stored as float8_e4m3fn with per-layer scales
+    # (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bfloat16 per token.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.dtype = normalize_kv_cache_dtype(self.dtype)
         if self.host_cache_size is not None:
             self.host_cache_size = parse_byte_size("host_cache_size", self.host_cache_size)
             ram = physical_memory_bytes()

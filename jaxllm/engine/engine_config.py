@@ -63,7 +63,8 @@ class EngineConfig:
     # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
     scan_layers: bool = True
     # Weights: "fp8" quantizes an unquantized checkpoint to FP8 with 128 x 128 block scales as it
-    # loads (checkpoints that are FP8 already load as they are); `fp8_activation_scheme`
+    # loads (checkpoints that are FP8 already load as they are), "int8" / "int4" to weight-only
+    # integers with one scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks); `fp8_activation_scheme`
     # "dynamic" (default, as an FP8 deployment runs) quantizes activations per token-group of
     # 128 before each FP8 matmul, "none" multiplies dequantized weights with float activations.
     quantization: Optional[str] = None
@@ -110,8 +111,8 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise ValueError(f"quantization must be 'fp8', 'int8', 'int4' or None, got {self.quantization!r}")
         if self.fp8_activation_scheme not in ("dynamic", "none"):
             raise ValueError(f"fp8_activation_scheme must be 'dynamic' or 'none', got {self.fp8_activation_scheme!r}")
         for name, (low, high) in LIMIT_RANGES.items():

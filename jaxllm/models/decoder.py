@@ -56,6 +56,7 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_at
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
+from jaxllm.models.kv_quant import KvScales, layer_kv_scales, quantize_entries, scale_outputs, scale_queries
 from jaxllm.models.layer_runner import LayerCapture, cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block, quantized_moe_fn
@@ -105,6 +106,7 @@ def attention_block(
     write_fn: Callable,
     lora: Optional[dict] = None,
     onehot: Optional[jax.Array] = None,
+    kv_scales: KvScales = None,
 ) -> tuple[jax.Array, MhaLayerCache]:
     """Self-attention of one layer over its paged cache (RoPE, KV write, attention, o_proj): the
     output [T, H] and the cache. Its q/k/v weights set the input width (EAGLE-3's take 2H)."""
@@ -122,8 +124,12 @@ def attention_block(
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = write_fn(cache, (k, v), md.slot_mapping)
-    out = attention_fn(q, cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window)
+    cache = write_fn(cache, quantize_entries(k, v, kv_scales), md.slot_mapping)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    out = attention_fn(
+        scale_queries(q, k_scale), cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window
+    )
+    out = scale_outputs(out, v_scale)
     y = qeinsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
     if lora is not None:
         y = y + lora_delta(out.astype(x.dtype).reshape(out.shape[0], -1), lora["o"], onehot, prec)
@@ -241,6 +247,7 @@ def _decoder_layer(
         write_fn=ctx.write_fn,
         lora=lora,
         onehot=ctx.lora_onehot,
+        kv_scales=layer_kv_scales(config, index),
     )
     x = x + h
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)

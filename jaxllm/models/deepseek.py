@@ -40,6 +40,7 @@ from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import kv_cache_spec
+from jaxllm.models.kv_quant import layer_kv_scales
 from jaxllm.models.layer_runner import LayerCapture, cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention
 from jaxllm.models.model_config import ModelConfig
@@ -157,6 +158,8 @@ def mla_decoder_layer(
         write_fn=step.write_fn,
         decode_only=step.decode_only,
         precision=prec,
+        # MTP layers (named by a string index) keep their own unquantized page pool
+        kv_scale=None if config.kv_cache_quant is None or isinstance(index, str) else layer_kv_scales(config, index)[0],
     )
     x = x + h
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)

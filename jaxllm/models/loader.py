@@ -35,6 +35,7 @@ from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_shared_copies, m
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
+from jaxllm.models.quant_config import KV_SCALE_SUFFIXES
 from jaxllm.models.quantization import FP8
 from jaxllm.models.quantized_loading import (
     FP8_SOURCE,
@@ -63,8 +64,9 @@ from sharding.slot_table import default_assignment, make_slot_table, make_stacke
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
 _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
-# Buffers some exporters save that carry no weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers some exporters save that carry no weights, and KV cache scales (read by
+# `jaxllm.models.kv_quant` for an FP8 KV cache).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # What safetensors or numpy raise on a truncated, garbled or inconsistent file.
@@ -220,10 +222,11 @@ def _choose_alternatives(
         where = header.file_of[name].name
         if shape != known[name].shape:
             raise ValueError(f"tensor {name} in {where} has shape {list(shape)}, expected {list(known[name].shape)}")
-        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,):
+        quantized = (config.quantization.checkpoint_dtype,) if config.quantization is not None else ()
+        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,) + quantized:
             raise ValueError(
                 f"tensor {name} in {where} has dtype {header.dtype[name]}; "
-                "only float and float8_e4m3fn checkpoints are supported"
+                "only float and float8_e4m3fn checkpoints (and GGUF's int8 values) are supported"
             )
     chosen, missing = [], []
     for decl in decls:
@@ -385,7 +388,11 @@ def load_params(
                                 sharding.spec,
                                 read_full,
                                 functools.partial(
-                                    assemble_array, decl.shape, sharding, functools.partial(read_box, decl), FP8
+                                    assemble_array,
+                                    decl.shape,
+                                    sharding,
+                                    functools.partial(read_box, decl),
+                                    FP8 if decl.quant.dtype == FP8.name else np.dtype(np.int8),
                                 ),
                                 functools.partial(read_param, decl),
                             ),

@@ -31,7 +31,7 @@ from jaxllm.models.config_fields import (
     optional_float,
 )
 from jaxllm.models.deepseek_config import deepseek_config_fields
-from jaxllm.models.quant_config import QuantConfig, parse_quantization_config
+from jaxllm.models.quant_config import KvCacheQuant, QuantConfig, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -168,6 +168,8 @@ class ModelConfig:
     scan_layers: bool = True
     # Weights stored quantized (FP8 values + scales; see jaxllm.models.quant_config), or None.
     quantization: Optional[QuantConfig] = None
+    # KV cache stored as FP8 with per-layer scales (jaxllm.models.kv_quant), or None: the model's dtype.
+    kv_cache_quant: Optional[KvCacheQuant] = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

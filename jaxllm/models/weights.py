@@ -88,7 +88,7 @@ class WeightDecl:
     rows_from: Optional[tuple[int, ...]] = None
     source_rows: int = 0
     dtype: Optional[str] = None  # kept in this dtype whatever the model's (DeepSeek's float32 router bias)
-    quant: Optional[WeightQuant] = None  # stored quantized (FP8 values + block scales)
+    quant: Optional[WeightQuant] = None  # stored quantized (FP8 / int8 / int4 values + block scales)
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return numpy_dtype(self.dtype or model_dtype)
@@ -526,10 +526,11 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
         return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
     q = decl.quant
     return QuantizedWeight(
-        jax.ShapeDtypeStruct(decl.shape, np.dtype(q.dtype)),
+        jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()),
         jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
         q.blocks,
         q.act_group,
+        q.packed,
     )
 
 
@@ -539,7 +540,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group)
+        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group, w.quant.packed)
 
     return build_params(
         ((w.path, spec(w)) for w in declare_params(config, kv_replicas, mtp=mtp)),
