@@ -227,6 +227,9 @@ class Planner:
         self._options = PlannerOptions()  # of the step being planned (see `schedule`)
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
+        # Speculative decoding: draft tokens of this step's generation requests by request id
+        # (`set_drafts`, between `schedule` and `build`; cleared by `commit`).
+        self._drafts: dict[int, list[int]] = {}
         self.token_log_capacity = 64  # steps a log holds before writing them into the requests
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
@@ -306,13 +309,19 @@ class Planner:
         if decode is not None and decode.log is not None:
             decode.log.materialize()
 
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Draft tokens (by request id) that this step's generation requests verify: each such
+        row runs its last token and its drafts (`jaxllm.engine.speculation`)."""
+        self._drafts = drafts
+
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""
         placement = output.kv_placement
         kv = self.kv_cache_manager
         if (
-            placement is not None
+            not self._drafts
+            and placement is not None
             and placement.decode is not None
             and not output.context_requests
             and kv.placement_is_current(placement)
@@ -322,7 +331,14 @@ class Planner:
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
+        draft_lens, draft_tokens = None, None
+        if self._drafts:
+            drafts = [self._drafts.get(r.request_id, ()) for r in gen]
+            draft_lens = np.array([len(d) for d in drafts], np.int32).reshape(num_gen)
+            draft_tokens = np.fromiter((t for d in drafts for t in d), np.int32)
+            num_tokens += int(draft_lens.sum())
+        speculating = draft_tokens is not None and draft_tokens.size > 0
+        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests or speculating else num_gen)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
@@ -331,13 +347,17 @@ class Planner:
             max_batch_size=num_rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
             generation_tokens=last_tokens,
+            draft_lens=draft_lens,
+            draft_tokens=draft_tokens,
         )
         if self.lora_slots is not None:
             batch = replace(batch, lora_slots=self._lora_token_slots(output, batch, self.lora_slots))
         feed_index = np.full((bucket,), -1, np.int32)
-        num_ctx_tokens = num_tokens - num_gen
+        num_ctx_tokens = num_tokens - num_gen - (0 if draft_tokens is None else draft_tokens.size)
         in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
         if in_flight_rows.any():
+            if speculating:
+                raise ValueError("a speculative step needs every generation request's last token on the host")
             # The previous step's row of each such request (set by `commit`).
             if not in_flight:
                 raise ValueError("a generation request waits for a token of a step that is not in flight")
@@ -480,6 +500,7 @@ class Planner:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
         request that gets a token (generation, or a finished prompt) carries a placeholder.
         Returns the step's token entries (`DecodeEntries` for a steady decode step)."""
+        self._drafts = {}
         placement = output.kv_placement
         decode = None if placement is None else placement.decode
         if decode is not None and not output.context_requests:
