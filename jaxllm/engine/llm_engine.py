@@ -231,7 +231,9 @@ class LLMEngine:
         (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
         self.program_warmup.run(all_variants, progress, background)
         if self.speculation is not None:
-            self.speculation.warmup(self.step_runner, self.planner, self.num_sampler_rows, self.max_seq_len)
+            self.speculation.warmup(
+                self.step_runner, self.planner, self.num_sampler_rows, self.max_seq_len, all_variants
+            )
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
         if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds

@@ -413,14 +413,19 @@ class Speculation:
         return update
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, runner: Any, planner: Planner, num_sampler_rows: int, max_seq_len: int) -> None:
+    def warmup(
+        self, runner: Any, planner: Planner, num_sampler_rows: int, max_seq_len: int, all_variants: bool = True
+    ) -> None:
         """Compile, and run once on empty steps, the context-logits forward of every token
-        bucket and the verification program of every sampler variant it can see."""
+        bucket and the verification program of every sampler variant it can see (only the
+        greedy one without `all_variants`, as the engine's warm-up does for the sampler)."""
         variants = [
             dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
             for top in (0, MAX_LOGPROBS)
             for random, sort in ((False, False), (True, False), (True, True))
         ]
+        if not all_variants:
+            variants = variants[:1]
         for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket):
             size = self.verify_rows(bucket)
             batch, feed = planner.empty_step(bucket)
