@@ -30,8 +30,11 @@ BENCHMARKS = {
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
     "kv-tier": "jaxllm.bench.kv_tier",
+    "spec": "jaxllm.bench.spec",
 }
 BENCHMARK_HELP = {
+    "spec": "speculative decoding (--method ngram) next to the same engine without it on a workload whose "
+    "output repeats its input: tokens/s, speed-up and acceptance length at concurrency 1/8/32",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
     "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
