@@ -34,6 +34,7 @@ grammars, host logits processors), beam search and logits outputs do not draft.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -53,6 +54,8 @@ from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_accept
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import NGramDecodingConfig, SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
@@ -180,7 +183,7 @@ class Speculation:
         ):
             return 0
         out = len(request.output_token_ids)
-        k = min(self.max_draft_len, params.max_tokens - out - 1)
+        k = min(self.max_draft_len, params.max_tokens - out - 1, request.max_new_tokens - out - 1)
         if out < params.min_tokens:  # end ids are banned before min_tokens: stay on one side of it
             k = min(k, params.min_tokens - 1 - out)
         if self.adaptive:
@@ -201,16 +204,28 @@ class Speculation:
         num_ctx = sum(r.context_chunk_size for r in output.context_requests)
         budget = self.max_num_tokens - num_ctx - len(gen)
         drafts: dict[int, list[int]] = {}
+        kv = self.kv
+        free_blocks = kv.num_free_blocks
         for request in gen:
             if budget <= 0:
                 break
             k = min(self._eligible_len(request), budget)
             if k <= 0:
                 continue
-            draft = self.proposer.propose(request.request_id, request.all_token_ids, k)
-            if draft:
+            try:
+                draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
+            except Exception:  # a proposer's failure costs the drafts, nothing else
+                logger.exception("the draft proposer failed for request %s", request.request_id)
+                continue
+            # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
+            # step may have left none to spare: then the request does not draft).
+            extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
+                kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
+            )
+            if draft and extra <= free_blocks:
                 drafts[request.request_id] = draft
                 budget -= len(draft)
+                free_blocks -= max(extra, 0)
         self._forget_finished(active)
         if drafts and self.adaptive and not self._worth_it(output, drafts, num_ctx):
             drafts = {}
