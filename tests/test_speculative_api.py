@@ -10,8 +10,9 @@ from jaxllm import LLM, KvCacheConfig, NGramDecodingConfig, SamplingParams
 
 LIMITS = dict(
     max_batch_size=8,
-    max_num_tokens=64,
+    max_num_tokens=32,
     max_seq_len=160,
+    decode_batch_sizes=[],
     compile_ahead=False,
     warmup="none",
     kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),

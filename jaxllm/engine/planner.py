@@ -230,6 +230,10 @@ class Planner:
         # Speculative decoding: draft tokens of this step's generation requests by request id
         # (`set_drafts`, between `schedule` and `build`; cleared by `commit`).
         self._drafts: dict[int, list[int]] = {}
+        # Query tokens per row of a speculative decode bucket (1 + max_draft_len; 0: none): a
+        # generation-only speculative step of n rows runs in the decode bucket of n' rows with
+        # n' * this many tokens, so its logits stay [n', V] (see `spec_step_shape`).
+        self.spec_tokens_per_row = 0
         self.token_log_capacity = 64  # steps a log holds before writing them into the requests
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
@@ -338,7 +342,10 @@ class Planner:
             draft_tokens = np.fromiter((t for d in drafts for t in d), np.int32)
             num_tokens += int(draft_lens.sum())
         speculating = draft_tokens is not None and draft_tokens.size > 0
-        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests or speculating else num_gen)
+        if speculating and not output.context_requests:
+            bucket, num_rows = self.spec_step_shape(num_tokens, num_gen)
+        else:
+            bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
@@ -389,13 +396,33 @@ class Planner:
         """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
         return build_isolating_failures(self, output, in_flight)
 
-    def empty_step(self, bucket: int, rows: Optional[int] = None) -> tuple[StepBatch, np.ndarray]:
+    def spec_step_shape(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """(tokens, rows) of a generation-only speculative step of `num_tokens` tokens in
+        `num_rows` rows: the decode bucket of n' rows with n' * `spec_tokens_per_row` tokens
+        when there is one that holds them, else a token bucket of max_batch_size rows."""
+        options, per_row = self._options, self.spec_tokens_per_row
+        sizes = self.decode_batch_sizes
+        if per_row and sizes and options.decode_buckets and not options.beam_search:
+            choose = options.choose_decode_rows
+            rows = choose(num_rows) if choose is not None else choose_decode_rows(num_rows, sizes)
+            if rows is not None and num_tokens <= rows * per_row <= self.max_num_tokens:
+                return rows * per_row, rows
+        return self._step_shape(num_tokens, None)
+
+    def step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+        """(tokens, rows) of a step of `num_tokens` tokens (`decode_rows`: generation-only, that
+        many rows) without drafts, under the options of the step being planned."""
+        return self._step_shape(num_tokens, decode_rows)
+
+    def empty_step(
+        self, bucket: int, rows: Optional[int] = None, tokens: Optional[int] = None
+    ) -> tuple[StepBatch, np.ndarray]:
         """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of
-        traffic); `rows`: of the decode bucket of that many rows (and tokens) instead."""
+        traffic); `rows`: of the decode bucket of that many rows (and tokens, or `tokens`) instead."""
         batch = build_step_batch(
             SchedulerOutput([], [], []),
             self.kv_cache_manager,
-            token_bucket=bucket if rows is None else rows,
+            token_bucket=bucket if rows is None else (tokens or rows),
             max_batch_size=self.max_batch_size if rows is None else rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
         )

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxllm.batch_builder import choose_decode_rows, choose_token_bucket, token_buckets
+from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.step_updates import RequestUpdate
@@ -131,6 +131,7 @@ class Speculation:
         self.max_draft_len = config.max_draft_len
         self.proposer = NGramProposer(config)
         self.planner = planner
+        planner.spec_tokens_per_row = 1 + config.max_draft_len
         self.kv = planner.kv_cache_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -237,15 +238,13 @@ class Speculation:
         return drafts
 
     def _plain_key(self, num_ctx: int, gen: list[LlmRequest]) -> tuple:
-        sizes = self.planner.decode_batch_sizes
-        rows = choose_decode_rows(len(gen), sizes) if not num_ctx and sizes else None
-        if rows is not None:
-            return ("plain", "rows", rows)
-        return ("plain", choose_token_bucket(num_ctx + len(gen), self.max_num_tokens, self.min_token_bucket))
+        return ("plain", *self.planner.step_shape(num_ctx + len(gen), None if num_ctx else len(gen)))
 
     def _spec_key(self, num_ctx: int, gen: list[LlmRequest], drafts: dict[int, list[int]]) -> tuple:
         tokens = num_ctx + len(gen) + sum(map(len, drafts.values()))
-        return ("spec", choose_token_bucket(tokens, self.max_num_tokens, self.min_token_bucket))
+        if num_ctx:
+            return ("spec", *self.planner.step_shape(tokens, None))
+        return ("spec", *self.planner.spec_step_shape(tokens, len(gen)))
 
     def _worth_it(self, output: SchedulerOutput, drafts: dict[int, list[int]], num_ctx: int) -> bool:
         """Whether drafting this step is expected to emit more tokens per second than not."""
@@ -441,10 +440,15 @@ class Speculation:
         ]
         if not all_variants:
             variants = variants[:1]
-        for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket):
+        shapes = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
+        per_row = planner.spec_tokens_per_row
+        shapes += [
+            (rows * per_row, rows) for rows in planner.decode_batch_sizes if rows * per_row <= self.max_num_tokens
+        ]
+        for bucket, rows in shapes:
             size = self.verify_rows(bucket)
-            batch, feed = planner.empty_step(bucket)
-            sampling = SamplingTensors.empty(num_sampler_rows, max_seq_len)
+            batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows, bucket)
+            sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
             plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
             result = runner.execute(plan)
             for flags in variants:
