@@ -105,7 +105,8 @@ class LLMEngine:
             decode_compiler=self.decode_compiler,
         )
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
-        # token on the host, so a speculating engine runs without overlap and steady decode.
+        # token on the host, so a step that drafts is not overlapped (the step before it is read
+        # back first, and it is read back at once), and the steady-decode fast path is off.
         self.speculation: Optional[Speculation] = None
         if config.speculative_config is not None:
             self.speculation = Speculation(
@@ -119,7 +120,6 @@ class LLMEngine:
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
             not config.disable_overlap_scheduler
-            and self.speculation is None
             and config.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION
         )
         # Grammar matchers of structured-output requests (jaxllm.engine.guided_matchers).
@@ -393,6 +393,11 @@ class LLMEngine:
                 updates += self._read_back(pending)
                 self._pending = None
                 candidates = self._schedulable()
+        if pending is not None and self._pending is not None and self.speculation is not None:
+            if self.speculation.wants_drafts():  # drafts need every last token on the host
+                updates += self._read_back(pending)
+                self._pending = None
+                candidates = self._schedulable()
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
@@ -405,7 +410,7 @@ class LLMEngine:
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
             if not self.readback.stops_of(decode, dispatched.decode_index).length_due(dispatched.decode_index):
                 self._steady_candidates = (decode.requests, self.requests.changes)
-        if self._pending is not None and not self.overlap:
+        if self._pending is not None and (not self.overlap or self._pending.speculative is not None):
             updates += self._read_back(self._pending)
             self._pending = None
         elapsed = time.perf_counter() - started
@@ -454,7 +459,12 @@ class LLMEngine:
             self._failed += self.requests.fail(candidates, exc, "scheduling a step")
             return None
         spec, drafts = self.speculation, {}
-        if spec is not None and not self.requests.num_logits_requests and not self.requests.num_beam_search:
+        if (
+            spec is not None
+            and self._pending is None
+            and not self.requests.num_logits_requests
+            and not self.requests.num_beam_search
+        ):
             drafts = spec.propose(output, self.requests)
             self.planner.set_drafts(drafts)
         built = self.planner.build_step(output, None if self._pending is None else self._pending.entries)
@@ -466,6 +476,8 @@ class LLMEngine:
         verify_inputs = None
         if drafts and spec is not None:
             plan, verify_inputs = spec.prepare(plan, output, drafts)
+        if spec is not None:
+            spec.planned(plan)
         if self.lora_slots is not None:  # adapters newly given a slot: written before the step reads them
             for slot, adapter in self.lora_slots.take_loads():
                 self.runner.write_lora_slot(slot, self._slot_update(adapter))

@@ -65,6 +65,7 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 MIN_DRAFT_ACCEPTANCE = 0.2
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before it verified anything
 EXPLORE_EVERY = 50  # decisions between steps of the shape not chosen (keeps both estimates fresh)
+MAX_BACKOFF = 32  # most steps run without trying to draft after drafting was not worth it
 
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
@@ -145,6 +146,11 @@ class Speculation:
         self._costs: dict[tuple, float] = {}
         self._last_key: Optional[tuple] = None
         self._decisions = 0
+        # Steps left before drafting is tried again, and the next back-off (doubling up to
+        # MAX_BACKOFF while drafting is not worth it): the engine keeps the overlap scheduler
+        # for those steps and reads back before a step that drafts.
+        self._skip = 0
+        self._backoff = 1
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -198,7 +204,6 @@ class Speculation:
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
         token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
-        self._last_key = None
         gen = output.generation_requests
         if not gen:
             return {}
@@ -234,8 +239,26 @@ class Speculation:
             draft = drafts.get(request.request_id)
             if draft:
                 self.kv.grow_for_drafts(request, request.num_tokens + len(draft))
-        self._last_key = self._spec_key(num_ctx, gen, drafts) if drafts else self._plain_key(num_ctx, gen)
+        if drafts:
+            self._backoff = 1
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF)
         return drafts
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step should try drafting (then the engine has every last token
+        read back first); counts down the back-off otherwise."""
+        if not self.adaptive:
+            return True
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def planned(self, plan: StepPlan) -> None:
+        """The shape of the step just dispatched (its time is observed next)."""
+        kind = "spec" if plan.context_index is not None else "plain"
+        self._last_key = (kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
 
     def _plain_key(self, num_ctx: int, gen: list[LlmRequest]) -> tuple:
         return ("plain", *self.planner.step_shape(num_ctx + len(gen), None if num_ctx else len(gen)))
@@ -267,7 +290,8 @@ class Speculation:
         return worth
 
     def observe(self, seconds: float) -> None:
-        """The wall time of the step last proposed for (the engine's step, not overlapped)."""
+        """The wall time of the engine's step that dispatched the step last `planned` (with
+        the overlap scheduler: about the device time of the step before it)."""
         key = self._last_key
         if key is None:
             return
