@@ -207,6 +207,10 @@ def test_greedy_output_equals_the_engine_without_speculation(reference):
         assert 40 < spec.num_accepted_tokens - accepted < spec.num_draft_tokens - drafted
         _assert_same(got, expected)
         assert spec_steps < plain_steps
+        # Adaptive drafting: plain steps overlapped, a read-back before each drafting step.
+        spec.adaptive = True
+        got, _ = _workload(engine)
+        _assert_same(got, expected)
         stats = [s["specDecodingStats"] for s in engine.iteration_stats if "specDecodingStats" in s]
         assert stats and max(s["acceptanceLength"] for s in stats) > 2
         kv.check_invariants()

@@ -472,6 +472,8 @@ class LLMEngine:
             self._failed += self.requests.fail(failed, exc, "building a step")
         plan, output = built.plan, built.output
         if plan is None:
+            if drafts:
+                self.planner.set_drafts({})
             return None
         verify_inputs = None
         if drafts and spec is not None:
