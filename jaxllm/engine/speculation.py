@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxllm.batch_builder import token_buckets
+from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.step_updates import RequestUpdate
@@ -59,13 +60,6 @@ logger = logging.getLogger(__name__)
 
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
-
-# A draft token is proposed while the estimated chance that it is accepted (the request's
-# acceptance rate to the power of its position) is at least this.
-MIN_DRAFT_ACCEPTANCE = 0.2
-PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before it verified anything
-EXPLORE_EVERY = 50  # decisions between steps of the shape not chosen (keeps both estimates fresh)
-MAX_BACKOFF = 32  # most steps run without trying to draft after drafting was not worth it
 
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
@@ -91,27 +85,6 @@ class SpeculativeStep:
     output: VerifyOutput  # device arrays
     wants_logprobs: bool
     stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Acceptance:
-    """A request's decayed counts of accepted and tried drafts."""
-
-    accepted: float = 0.0
-    tried: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE) / (self.tried + 1.0)
-
-    def update(self, accepted: int, tried: int, decay: float = 0.8) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.tried = self.tried * decay + tried
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Expected tokens a row of k drafts emits when each is accepted with probability `rate`."""
-    return float(sum(rate**j for j in range(k + 1)))
 
 
 class Speculation:
@@ -140,17 +113,8 @@ class Speculation:
         # How a sampled entry accepts its draft (a parameter so a test can swap in a wrong rule).
         self.acceptance_rule: AcceptanceRule = exact_acceptance
         self._jits: dict[Callable, Any] = {}
-        # Adaptive drafting: per-request acceptance, measured step seconds per step shape.
-        self.adaptive = True
-        self._acceptance: dict[int, _Acceptance] = {}
-        self._costs: dict[tuple, float] = {}
-        self._last_key: Optional[tuple] = None
-        self._decisions = 0
-        # Steps left before drafting is tried again, and the next back-off (doubling up to
-        # MAX_BACKOFF while drafting is not worth it): the engine keeps the overlap scheduler
-        # for those steps and reads back before a step that drafts.
-        self._skip = 0
-        self._backoff = 1
+        # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
+        self.policy = DraftPolicy(planner)
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -193,13 +157,7 @@ class Speculation:
         k = min(self.max_draft_len, params.max_tokens - out - 1, request.max_new_tokens - out - 1)
         if out < params.min_tokens:  # end ids are banned before min_tokens: stay on one side of it
             k = min(k, params.min_tokens - 1 - out)
-        if self.adaptive:
-            rate = self._acceptance.get(request.request_id, _Acceptance()).rate
-            j = 0
-            while j < k and rate ** (j + 1) >= MIN_DRAFT_ACCEPTANCE:
-                j += 1
-            k = j
-        return max(k, 0)
+        return self.policy.draft_len(request.request_id, max(k, 0))
 
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
@@ -233,76 +191,39 @@ class Speculation:
                 budget -= len(draft)
                 free_blocks -= max(extra, 0)
         self._forget_finished(active)
-        if drafts and self.adaptive and not self._worth_it(output, drafts, num_ctx):
+        if drafts and not self.policy.worth_it(output, drafts, num_ctx):
             drafts = {}
         for request in gen:
             draft = drafts.get(request.request_id)
             if draft:
                 self.kv.grow_for_drafts(request, request.num_tokens + len(draft))
-        if drafts:
-            self._backoff = 1
-        else:
-            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF)
+        self.policy.proposed(bool(drafts))
         return drafts
 
     def wants_drafts(self) -> bool:
-        """Whether the next step should try drafting (then the engine has every last token
-        read back first); counts down the back-off otherwise."""
-        if not self.adaptive:
-            return True
-        if self._skip > 0:
-            self._skip -= 1
-            return False
-        return True
+        """Whether the next step should try drafting (the engine then reads back first)."""
+        return self.policy.wants_drafts()
 
     def planned(self, plan: StepPlan) -> None:
         """The shape of the step just dispatched (its time is observed next)."""
         kind = "spec" if plan.context_index is not None else "plain"
-        self._last_key = (kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
-
-    def _plain_key(self, num_ctx: int, gen: list[LlmRequest]) -> tuple:
-        return ("plain", *self.planner.step_shape(num_ctx + len(gen), None if num_ctx else len(gen)))
-
-    def _spec_key(self, num_ctx: int, gen: list[LlmRequest], drafts: dict[int, list[int]]) -> tuple:
-        tokens = num_ctx + len(gen) + sum(map(len, drafts.values()))
-        if num_ctx:
-            return ("spec", *self.planner.step_shape(tokens, None))
-        return ("spec", *self.planner.spec_step_shape(tokens, len(gen)))
-
-    def _worth_it(self, output: SchedulerOutput, drafts: dict[int, list[int]], num_ctx: int) -> bool:
-        """Whether drafting this step is expected to emit more tokens per second than not."""
-        gen = output.generation_requests
-        plain_cost = self._costs.get(self._plain_key(num_ctx, gen))
-        spec_cost = self._costs.get(self._spec_key(num_ctx, gen, drafts))
-        self._decisions += 1
-        if plain_cost is None:
-            return False  # measure the plain step first
-        if spec_cost is None:
-            return True
-        prior = _Acceptance()
-        gain = sum(
-            expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
-            for r in gen
-        )
-        worth = gain / spec_cost > len(gen) / plain_cost
-        if self._decisions % EXPLORE_EVERY == 0:
-            return not worth  # refresh the estimate of the shape not chosen
-        return worth
+        self.policy.planned(kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
 
     def observe(self, seconds: float) -> None:
-        """The wall time of the engine's step that dispatched the step last `planned` (with
-        the overlap scheduler: about the device time of the step before it)."""
-        key = self._last_key
-        if key is None:
-            return
-        old = self._costs.get(key)
-        self._costs[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        self._last_key = None
+        """The wall time of the engine's step that dispatched the step last `planned`."""
+        self.policy.observe(seconds)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether drafting adapts (False: every eligible row drafts every step it can)."""
+        return self.policy.adaptive
+
+    @adaptive.setter
+    def adaptive(self, value: bool) -> None:
+        self.policy.adaptive = value
 
     def _forget_finished(self, active: Container[int]) -> None:
-        if len(self._acceptance) > 4 * self.max_batch_size:
-            for rid in [rid for rid in self._acceptance if rid not in active]:
-                del self._acceptance[rid]
+        self.policy.forget(active, 4 * self.max_batch_size)
         texts = self.proposer.request_ids()
         if len(texts) > 4 * self.max_batch_size:
             for rid in [rid for rid in texts if rid not in active]:
@@ -385,9 +306,7 @@ class Speculation:
             k = len(draft)
             run = accepted[start : start + k]
             n_accepted = int(np.argmin(run)) if not run.all() else k
-            self._acceptance.setdefault(request.request_id, _Acceptance()).update(
-                n_accepted, n_accepted + (1 if n_accepted < k else 0)
-            )
+            self.policy.verified(request.request_id, n_accepted, k)
             drafted += k
             accepted_total += n_accepted
             outputs = request.output_token_ids
