@@ -9,7 +9,7 @@ token (a compute-bound CPU, a large batch) it may not. `DraftPolicy` keeps:
   `MIN_DRAFT_ACCEPTANCE`;
 * per step shape (kind, tokens, rows), the measured seconds of the engine's steps: a step
   drafts only when its expected tokens (sum over rows of 1 + rate + rate^2 + ...) per second
-  beat the plain step's tokens per second, trying the shape not chosen every `EXPLORE_EVERY`
+  beat the plain step's tokens per second by `MIN_GAIN`, trying the shape not chosen every `EXPLORE_EVERY`
   decisions so both estimates stay fresh;
 * a back-off: after a step that did not draft, drafting is not tried for 1, 2, 4, ... up to
   `MAX_BACKOFF` steps (those steps keep the overlap scheduler; trying needs a read-back).
@@ -28,6 +28,9 @@ MIN_DRAFT_ACCEPTANCE = 0.2
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before it verified anything
 EXPLORE_EVERY = 50
 MAX_BACKOFF = 32
+# A drafting step must promise this much more tokens per second than the plain step (step times
+# are noisy; a wrong choice for drafting costs more than a wrong choice against it).
+MIN_GAIN = 1.1
 
 
 @dataclass
@@ -113,7 +116,7 @@ class DraftPolicy:
             expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
             for r in gen
         )
-        worth = gain / spec_cost > len(gen) / plain_cost
+        worth = gain / spec_cost > MIN_GAIN * len(gen) / plain_cost
         if self._decisions % EXPLORE_EVERY == 0:
             return not worth  # refresh the estimate of the shape not chosen
         return worth
