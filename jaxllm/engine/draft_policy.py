@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MIN_DRAFT_ACCEPTANCE = 0.2
-PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before it verified anything
+PRIOR_ACCEPTANCE = 0.6  # a request's acceptance rate before it verified anything (3 drafts)
 EXPLORE_EVERY = 50
 MAX_BACKOFF = 32
 # A drafting step must promise this much more tokens per second than the plain step (step times

@@ -393,11 +393,14 @@ class LLMEngine:
                 updates += self._read_back(pending)
                 self._pending = None
                 candidates = self._schedulable()
+        drained = 0.0  # seconds spent reading back the step before a drafting step
         if pending is not None and self._pending is not None and self.speculation is not None:
             if self.speculation.wants_drafts():  # drafts need every last token on the host
+                drain_start = time.perf_counter()
                 updates += self._read_back(pending)
                 self._pending = None
                 candidates = self._schedulable()
+                drained = time.perf_counter() - drain_start
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
@@ -414,8 +417,8 @@ class LLMEngine:
             updates += self._read_back(self._pending)
             self._pending = None
         elapsed = time.perf_counter() - started
-        if self.speculation is not None:
-            self.speculation.observe(elapsed)
+        if self.speculation is not None:  # the previous step's device time is not this step's
+            self.speculation.observe(elapsed - drained)
         waited = self.readback.take_wait_seconds()
         self.timing.steps += 1
         self.timing.host_seconds += elapsed - waited
