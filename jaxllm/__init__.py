@@ -28,6 +28,10 @@ _LAZY = {
     "MoeLoadBalancerConfig": "sharding.eplb.eplb_config",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
+    "NGramDecodingConfig": "jaxllm.speculative_config",
+    "MTPDecodingConfig": "jaxllm.speculative_config",
+    "DraftTargetDecodingConfig": "jaxllm.speculative_config",
+    "EagleDecodingConfig": "jaxllm.speculative_config",
 }
 
 __all__ = [
@@ -47,6 +51,10 @@ __all__ = [
     "DisaggregatedParams",
     "RequestOutput",
     "CompletionOutput",
+    "NGramDecodingConfig",
+    "MTPDecodingConfig",
+    "DraftTargetDecodingConfig",
+    "EagleDecodingConfig",
     "__version__",
 ]
 

@@ -69,6 +69,8 @@ def build_step_batch(
     max_batch_size: int,
     max_blocks_per_seq: int,
     generation_tokens: Optional[np.ndarray] = None,
+    draft_lens: Optional[np.ndarray] = None,
+    draft_tokens: Optional[np.ndarray] = None,
 ) -> StepBatch:
     """Pack the scheduled requests (context chunks first, then generation tokens) into a
     `StepBatch` of numpy int32 arrays (views of one buffer allocated per call, so nothing
@@ -80,6 +82,9 @@ def build_step_batch(
     generation request contributes its last output token at position `num_tokens - 1`.
     Each sequence's logits index is its last token in the buffer. `generation_tokens`: the
     generation requests' last output tokens when the caller already gathered them.
+    `draft_lens` int[n_gen] / `draft_tokens` (their concatenation): speculative decoding's
+    drafts, which follow each generation request's last token at the next positions (a row
+    of 1 + k query tokens, packed like a context chunk).
     """
     ctx = output.context_requests
     gen = output.generation_requests
@@ -100,7 +105,8 @@ def build_step_batch(
         and len(placement.rows) == n
         and len(placement.generation_num_tokens) == n_gen
     )
-    if prepared and placement.decode is not None and not n_ctx:
+    speculating = draft_lens is not None and bool(np.any(draft_lens))
+    if prepared and placement.decode is not None and not n_ctx and not speculating:
         return build_decode_batch(
             kv,
             placement.rows,
@@ -122,13 +128,15 @@ def build_step_batch(
     q_lens = np.ones(n, dtype=np.int32)
     if n_ctx:
         q_lens[:n_ctx] = chunks
+    if speculating:
+        q_lens[n_ctx:] += np.asarray(draft_lens, np.int32)
 
     batch = _zero_batch(T, S, MB)
     token_ids, positions, slot_mapping = batch.token_ids, batch.positions, batch.slot_mapping
     cu_q_lens, kv_lens, block_tables = batch.cu_q_lens, batch.kv_lens, batch.block_tables
     num_seqs, logits_indices = batch.num_seqs, batch.logits_indices
 
-    if n_ctx:
+    if n_ctx or speculating:
         np.cumsum(q_lens, out=cu_q_lens[1 : n + 1])
         total = int(cu_q_lens[n])
     else:  # generation only: one token per sequence
@@ -156,7 +164,8 @@ def build_step_batch(
         if width > MB and n and int(held_tokens.max()) > MB * tpb:
             raise ValueError(f"a sequence holds more than max_blocks_per_seq ({MB}) blocks")
 
-    n_ctx_tokens = total - n_gen
+    n_gen_tokens = int(q_lens[n_ctx:].sum())
+    n_ctx_tokens = total - n_gen_tokens
     if n_ctx:
         pieces = [r.prompt_array()[p : p + c] for r, p, c in zip(ctx, ctx_starts, chunks)]
         ctx_tokens = np.concatenate(pieces)
@@ -166,12 +175,27 @@ def build_step_batch(
         seq_of_token = np.repeat(np.arange(n_ctx), q_lens[:n_ctx])
         offset = starts_a[:n_ctx] - cu_q_lens[:n_ctx]  # position = token index + offset
         np.add(np.arange(n_ctx_tokens, dtype=np.int32), offset[seq_of_token], out=positions[:n_ctx_tokens])
-        positions[n_ctx_tokens:total] = starts_a[n_ctx:]
+        if not speculating:
+            positions[n_ctx_tokens:total] = starts_a[n_ctx:]
         token_rows = np.concatenate((rows[seq_of_token], rows[n_ctx:]))
     else:
-        positions[:total] = starts_a
+        if not speculating:
+            positions[:total] = starts_a
         token_rows = rows
-    if n_gen:
+    if speculating:
+        # Generation rows of 1 + k tokens: the last token, then its drafts at the next positions.
+        gen_lens = q_lens[n_ctx:]
+        seq_of_gen = np.repeat(np.arange(n_gen), gen_lens)
+        first = cu_q_lens[n_ctx:n] - n_ctx_tokens  # each row's first token, counted from the generation tokens
+        offset = np.arange(n_gen_tokens, dtype=np.int32) - first[seq_of_gen]
+        positions[n_ctx_tokens:total] = starts_a[n_ctx:][seq_of_gen] + offset
+        token_rows = np.concatenate((token_rows[:n_ctx_tokens], rows[n_ctx:][seq_of_gen]))
+        gen_tokens = token_ids[n_ctx_tokens:total]
+        gen_tokens[offset > 0] = np.asarray(draft_tokens, np.int32)
+        gen_tokens[first] = (
+            generation_tokens if generation_tokens is not None else [r.output_token_ids[-1] for r in gen]
+        )
+    elif n_gen:
         token_ids[n_ctx_tokens:total] = (
             generation_tokens if generation_tokens is not None else [r.output_token_ids[-1] for r in gen]
         )

@@ -211,6 +211,16 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "(unset: 1,2,4,... below the decode token bucket; 'off': token buckets only)",
     )
     g.add_argument(
+        "--speculative-config",
+        "--speculative_config",
+        dest="speculative_config",
+        type=speculative_config_flag,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 3} (or TensorRT-LLM\'s {"decoding_type": "NGram", "max_draft_len": 4}); unset: off',
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["xla", "pallas", "triton", "mosaic"],
         default=None,
@@ -382,6 +392,16 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def speculative_config_flag(text: str) -> Any:
+    """--speculative-config: a JSON object (see `jaxllm.speculative_config.parse_speculative_config`)."""
+    from jaxllm.speculative_config import parse_speculative_config
+
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def decode_batch_sizes_flag(text: str) -> list[int]:
     """--decode-batch-sizes: 'off' or comma-separated positive row counts."""
     if text.strip().lower() in ("off", "none", ""):
@@ -424,6 +444,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_attention_dp=getattr(args, "enable_attention_dp", False),
         multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"),
         decode_batch_sizes=getattr(args, "decode_batch_sizes", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
     if getattr(args, "enable_lora", False):
         kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

@@ -30,9 +30,12 @@ BENCHMARKS = {
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
     "kv-tier": "jaxllm.bench.kv_tier",
+    "spec": "jaxllm.bench.spec",
     "disagg": "jaxllm.bench.disagg",
 }
 BENCHMARK_HELP = {
+    "spec": "speculative decoding (--method ngram) next to the same engine without it on a workload whose "
+    "output repeats its input: tokens/s, speed-up and acceptance length at concurrency 1/8/32",
     "disagg": "disaggregated vs aggregated serving on real worker processes: ITL p50/p99 of decoding requests "
     "while long prompts arrive, side by side; KV transfer time and bytes per request",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "

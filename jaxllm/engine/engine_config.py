@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from jaxllm.llm_args import CacheTransceiverConfig, KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from jaxllm.sampling.guided import GUIDED_DECODING_BACKENDS
+from jaxllm.speculative_config import SpeculativeConfig, parse_speculative_config
 from sharding.mesh import ParallelConfig
 
 # Sane ranges of the engine limits: (low, high). A limit outside them is a typo or a hostile
@@ -96,11 +97,15 @@ class EngineConfig:
     # `max_batch_size` rows, so one user decoding alone pays for one row. None: powers of two
     # from 1 below the decode token bucket; []: off. One compiled forward each.
     decode_batch_sizes: Optional[list[int]] = None
+    # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
+    # `decoding_type` or vLLM's `method` is converted). None: off.
+    speculative_config: Optional[SpeculativeConfig] = None
     # Disaggregated serving (jaxllm.engine.kv_transceiver): context-only requests keep their
     # KV blocks for a generation worker, generation-only requests take them over. None: off.
     cache_transceiver_config: Optional[CacheTransceiverConfig] = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if isinstance(self.cache_transceiver_config, dict):
             check_known_fields(CacheTransceiverConfig, self.cache_transceiver_config)
             self.cache_transceiver_config = CacheTransceiverConfig(**self.cache_transceiver_config)

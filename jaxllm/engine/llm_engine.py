@@ -44,6 +44,7 @@ from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
+from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
@@ -63,6 +64,10 @@ class LLMEngine:
         self.config = config
         # Multi-host leader: the followers build this same runner from the config (None otherwise).
         session = open_session(config)
+        if config.speculative_config is not None:
+            check_speculative_support(
+                config.speculative_config, attention_dp=config.enable_attention_dp, multihost=session is not None
+            )
         parts = build_engine(config, leader_session=session)
         device = parts.device
         self.model_config, self.mesh, self.runner = device.model_config, device.mesh, device.runner
@@ -100,6 +105,19 @@ class LLMEngine:
             attention_dp=self.attention_dp,
             decode_compiler=self.decode_compiler,
         )
+        # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
+        # token on the host, so a step that drafts is not overlapped (the step before it is read
+        # back first, and it is read back at once), and the steady-decode fast path is off.
+        self.speculation: Optional[Speculation] = None
+        if config.speculative_config is not None:
+            self.speculation = Speculation(
+                config.speculative_config,
+                planner=self.planner,
+                max_batch_size=config.max_batch_size,
+                max_num_tokens=config.max_num_tokens,
+                min_token_bucket=config.min_token_bucket,
+            )
+            self.planner.steady_decode = False
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
             not config.disable_overlap_scheduler
@@ -218,6 +236,10 @@ class LLMEngine:
         first request that needs it. The other buckets compile when the engine is idle
         (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
         self.program_warmup.run(all_variants, progress, background)
+        if self.speculation is not None:
+            self.speculation.warmup(
+                self.step_runner, self.planner, self.num_sampler_rows, self.max_seq_len, all_variants
+            )
         if self.kv_transceiver is not None:  # the hand-over's block reads and writes
             self.kv_transceiver.warmup(self.max_blocks_per_seq)
         if self.load_balancer is not None:
@@ -388,9 +410,17 @@ class LLMEngine:
             in_flight = {id(entry[0]) for entry in pending.entries}
             if any(r.sampling_params.needs_history and id(r) in in_flight for r in candidates):
                 # Penalties and bad-word lists need every previous token on the host: no overlap here.
-                updates += self.readback.process(pending)
+                updates += self._read_back(pending)
                 self._pending = None
                 candidates = self._schedulable()
+        drained = 0.0  # seconds spent reading back the step before a drafting step
+        if pending is not None and self._pending is not None and self.speculation is not None:
+            if self.speculation.wants_drafts():  # drafts need every last token on the host
+                drain_start = time.perf_counter()
+                updates += self._read_back(pending)
+                self._pending = None
+                candidates = self._schedulable()
+                drained = time.perf_counter() - drain_start
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
@@ -398,7 +428,7 @@ class LLMEngine:
             updates += self.kv_transceiver.handed_over
             self.kv_transceiver.handed_over = []
         if self._pending is not None:
-            updates += self.readback.process(self._pending)
+            updates += self._read_back(self._pending)
         self._pending = dispatched
         self._steady_candidates = None
         if dispatched is not None and dispatched.decode is not None and not sat_out:
@@ -406,10 +436,12 @@ class LLMEngine:
             # Each request now holds index + 1 outputs; it stays a candidate below max_tokens.
             if not self.readback.stops_of(decode, dispatched.decode_index).length_due(dispatched.decode_index):
                 self._steady_candidates = (decode.requests, self.requests.changes)
-        if self._pending is not None and not self.overlap:
-            updates += self.readback.process(self._pending)
+        if self._pending is not None and (not self.overlap or self._pending.speculative is not None):
+            updates += self._read_back(self._pending)
             self._pending = None
         elapsed = time.perf_counter() - started
+        if self.speculation is not None:  # the previous step's device time is not this step's
+            self.speculation.observe(elapsed - drained)
         waited = self.readback.take_wait_seconds()
         self.timing.steps += 1
         self.timing.host_seconds += elapsed - waited
@@ -420,6 +452,13 @@ class LLMEngine:
             dispatched.stats["iterLatencyMS"] = elapsed * 1e3
             dispatched.stats["numCompletedRequests"] = updates.num_finished
             self._record_stats(dispatched.stats)
+        return updates
+
+    def _read_back(self, pending: PendingStep) -> StepUpdates:
+        """The updates of a dispatched step: its rows, then its speculating rows."""
+        updates = self.readback.process(pending)
+        if pending.speculative is not None and self.speculation is not None:
+            updates += self.speculation.read_back(pending.speculative, self.requests)
         return updates
 
     def _planner_options(self) -> PlannerOptions:
@@ -445,12 +484,28 @@ class LLMEngine:
         except Exception as exc:  # no request to single out: those that could run fail
             self._failed += self.requests.fail(candidates, exc, "scheduling a step")
             return None
+        spec, drafts = self.speculation, {}
+        if (
+            spec is not None
+            and self._pending is None
+            and not self.requests.num_logits_requests
+            and not self.requests.num_beam_search
+        ):
+            drafts = spec.propose(output, self.requests)
+            self.planner.set_drafts(drafts)
         built = self.planner.build_step(output, None if self._pending is None else self._pending.entries)
         for failed, exc in built.failures:
             self._failed += self.requests.fail(failed, exc, "building a step")
         plan, output = built.plan, built.output
         if plan is None:
+            if drafts:
+                self.planner.set_drafts({})
             return None
+        verify_inputs = None
+        if drafts and spec is not None:
+            plan, verify_inputs = spec.prepare(plan, output, drafts)
+        if spec is not None:
+            spec.planned(plan)
         if self.lora_slots is not None:  # adapters newly given a slot: written before the step reads them
             for slot, adapter in self.lora_slots.take_loads():
                 self.runner.write_lora_slot(slot, self._slot_update(adapter))
@@ -476,6 +531,9 @@ class LLMEngine:
             self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
+        verified = None
+        if verify_inputs is not None and spec is not None:
+            verified = spec.launch(result.context_logits, verify_inputs[3], verify_inputs[4])
         if self.on_dispatch is not None:
             self.on_dispatch(result.enqueue_time, result.sampled)
         if balancer is not None:
@@ -488,6 +546,9 @@ class LLMEngine:
         )
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
+        spec_entries = None
+        if verify_inputs is not None and spec is not None:
+            entries, spec_entries = spec.split_entries(entries, verify_inputs[0])
         beam_entries = None
         if self.requests.num_beam_search:
             beam_entries = [e for e in entries if e[0].beam is not None]
@@ -511,6 +572,10 @@ class LLMEngine:
         )
         if decode is not None:
             pending.decode, pending.decode_index = decode, entries.index
+        if spec_entries is not None and verified is not None and verify_inputs is not None:
+            pending.speculative = SpeculativeStep(
+                spec_entries, verify_inputs[1], verify_inputs[2], verified, wants_logprobs, stats
+            )
         if targets is not None and targets.processors:
             pending.processor_requests = tuple(request for request, _ in targets.processors)
             pending.processor_rows = tuple(row for _, row in targets.processors)

@@ -227,6 +227,13 @@ class Planner:
         self._options = PlannerOptions()  # of the step being planned (see `schedule`)
         # Per-slot arrays of the last decode-only step (see `schedule`).
         self._decode: Optional[DecodeRows] = None
+        # Speculative decoding: draft tokens of this step's generation requests by request id
+        # (`set_drafts`, between `schedule` and `build`; cleared by `commit`).
+        self._drafts: dict[int, list[int]] = {}
+        # Query tokens per row of a speculative decode bucket (1 + max_draft_len; 0: none): a
+        # generation-only speculative step of n rows runs in the decode bucket of n' rows with
+        # n' * this many tokens, so its logits stay [n', V] (see `spec_step_shape`).
+        self.spec_tokens_per_row = 0
         self.token_log_capacity = 64  # steps a log holds before writing them into the requests
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
@@ -306,13 +313,19 @@ class Planner:
         if decode is not None and decode.log is not None:
             decode.log.materialize()
 
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Draft tokens (by request id) that this step's generation requests verify: each such
+        row runs its last token and its drafts (`jaxllm.engine.speculation`)."""
+        self._drafts = drafts
+
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""
         placement = output.kv_placement
         kv = self.kv_cache_manager
         if (
-            placement is not None
+            not self._drafts
+            and placement is not None
             and placement.decode is not None
             and not output.context_requests
             and kv.placement_is_current(placement)
@@ -322,7 +335,17 @@ class Planner:
         gen = output.generation_requests
         num_gen = len(gen)
         num_tokens = sum(r.context_chunk_size for r in output.context_requests) + num_gen
-        bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
+        draft_lens, draft_tokens = None, None
+        if self._drafts:
+            drafts = [self._drafts.get(r.request_id, ()) for r in gen]
+            draft_lens = np.array([len(d) for d in drafts], np.int32).reshape(num_gen)
+            draft_tokens = np.fromiter((t for d in drafts for t in d), np.int32)
+            num_tokens += int(draft_lens.sum())
+        speculating = draft_tokens is not None and draft_tokens.size > 0
+        if speculating and not output.context_requests:
+            bucket, num_rows = self.spec_step_shape(num_tokens, num_gen)
+        else:
+            bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
@@ -331,13 +354,17 @@ class Planner:
             max_batch_size=num_rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
             generation_tokens=last_tokens,
+            draft_lens=draft_lens,
+            draft_tokens=draft_tokens,
         )
         if self.lora_slots is not None:
             batch = replace(batch, lora_slots=self._lora_token_slots(output, batch, self.lora_slots))
         feed_index = np.full((bucket,), -1, np.int32)
-        num_ctx_tokens = num_tokens - num_gen
+        num_ctx_tokens = num_tokens - num_gen - (0 if draft_tokens is None else draft_tokens.size)
         in_flight_rows = last_tokens == PLACEHOLDER_TOKEN
         if in_flight_rows.any():
+            if speculating:
+                raise ValueError("a speculative step needs every generation request's last token on the host")
             # The previous step's row of each such request (set by `commit`).
             if not in_flight:
                 raise ValueError("a generation request waits for a token of a step that is not in flight")
@@ -369,13 +396,33 @@ class Planner:
         """`build`, leaving out the requests that make it fail (`build_isolating_failures`)."""
         return build_isolating_failures(self, output, in_flight)
 
-    def empty_step(self, bucket: int, rows: Optional[int] = None) -> tuple[StepBatch, np.ndarray]:
+    def spec_step_shape(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """(tokens, rows) of a generation-only speculative step of `num_tokens` tokens in
+        `num_rows` rows: the decode bucket of n' rows with n' * `spec_tokens_per_row` tokens
+        when there is one that holds them, else a token bucket of max_batch_size rows."""
+        options, per_row = self._options, self.spec_tokens_per_row
+        sizes = self.decode_batch_sizes
+        if per_row and sizes and options.decode_buckets and not options.beam_search:
+            choose = options.choose_decode_rows
+            rows = choose(num_rows) if choose is not None else choose_decode_rows(num_rows, sizes)
+            if rows is not None and num_tokens <= rows * per_row <= self.max_num_tokens:
+                return rows * per_row, rows
+        return self._step_shape(num_tokens, None)
+
+    def step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+        """(tokens, rows) of a step of `num_tokens` tokens (`decode_rows`: generation-only, that
+        many rows) without drafts, under the options of the step being planned."""
+        return self._step_shape(num_tokens, decode_rows)
+
+    def empty_step(
+        self, bucket: int, rows: Optional[int] = None, tokens: Optional[int] = None
+    ) -> tuple[StepBatch, np.ndarray]:
         """An all-padding step of `bucket` tokens and its feed index (for compiling ahead of
-        traffic); `rows`: of the decode bucket of that many rows (and tokens) instead."""
+        traffic); `rows`: of the decode bucket of that many rows (and tokens, or `tokens`) instead."""
         batch = build_step_batch(
             SchedulerOutput([], [], []),
             self.kv_cache_manager,
-            token_bucket=bucket if rows is None else rows,
+            token_bucket=bucket if rows is None else (tokens or rows),
             max_batch_size=self.max_batch_size if rows is None else rows,
             max_blocks_per_seq=self.max_blocks_per_seq,
         )
@@ -480,6 +527,7 @@ class Planner:
         """Advance the scheduled requests as if the step ran: prompt chunks move on, and each
         request that gets a token (generation, or a finished prompt) carries a placeholder.
         Returns the step's token entries (`DecodeEntries` for a steady decode step)."""
+        self._drafts = {}
         placement = output.kv_placement
         decode = None if placement is None else placement.decode
         if decode is not None and not output.context_requests:

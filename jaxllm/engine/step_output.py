@@ -78,6 +78,9 @@ class PendingStep:
     # Steps where some row asks for logits: who gets which rows, and the device arrays.
     logits_targets: Optional[StepLogitsTargets] = None
     context_logits: Any = None
+    # The speculating rows of a speculative step and their verification output
+    # (`jaxllm.engine.speculation.SpeculativeStep`), read back after the other rows.
+    speculative: Any = None
     row_logits: Any = None
     # A steady decode step (entry i is row i of `decode.requests`): the rows and the index in
     # output_token_ids each row's token goes to, so reading back needs no pass over entries.

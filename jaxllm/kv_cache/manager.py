@@ -334,6 +334,35 @@ class KVCacheManager:
         ):
             seq.refresh_next_event(tpb, self.enable_block_reuse)
 
+    # ------------------------------------------------------- speculative decoding
+    def grow_for_drafts(self, request: LlmRequest, num_tokens: int) -> int:
+        """Give a generation request blocks for `num_tokens` tokens (its fed token plus the
+        draft tokens a speculative step verifies); nothing is indexed (drafts are not known
+        tokens). Returns the number of new blocks. Stays within the request's reservation as
+        long as the drafts do not run past max_tokens."""
+        seq = self._seqs[request.request_id]
+        return self._grow(seq, -(-num_tokens // self.tokens_per_block))
+
+    def roll_back(self, request: LlmRequest, num_tokens: int) -> int:
+        """Keep only the blocks of the first `num_tokens` tokens (never an indexed one): the
+        blocks taken by `grow_for_drafts` for drafts that were rejected go back to the pool.
+        Returns the number of blocks released."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None or seq.request is not request or seq.group is not None:
+            return 0
+        keep = max(-(-num_tokens // self.tokens_per_block), len(seq.nodes))
+        extra = seq.blocks[keep:]
+        if not extra:
+            return 0
+        del seq.blocks[keep:]
+        for block in reversed(extra):
+            self._pool.release(block)
+        self._table.assign_row(seq.row, seq.blocks)
+        self._reserved += len(extra)
+        self._version += 1
+        seq.refresh_next_event(self.tokens_per_block, self.enable_block_reuse)
+        return len(extra)
+
     # -------------------------------------------------------- steady decode
     def decode_rows(self, scheduler_output: SchedulerOutput) -> DecodeRows:
         """The per-slot arrays of a generation-only step just prepared by

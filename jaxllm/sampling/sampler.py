@@ -164,6 +164,15 @@ def row_keys(t: SamplingTensors) -> jax.Array:
 def _sample_rows(x: jax.Array, t: SamplingTensors) -> jax.Array:
     """A draw for every row from its temperature-scaled, top-k/top-p/min-p filtered logits."""
     S, V = x.shape
+    filtered = filtered_logits(x, t)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(t))
+    return first_argmax(filtered + gumbel)
+
+
+def filtered_logits(x: jax.Array, t: SamplingTensors) -> jax.Array:
+    """The logits a sampled row draws from: temperature-scaled, top-k/top-p/min-p filtered
+    (-inf outside); their softmax is the row's target distribution."""
+    S, V = x.shape
     temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
     scaled = x / temp[:, None]
 
@@ -176,10 +185,7 @@ def _sample_rows(x: jax.Array, t: SamplingTensors) -> jax.Array:
     row_max = jnp.max(scaled, axis=-1)
     thr_min_p = jnp.where(t.min_p > 0, row_max + jnp.log(jnp.maximum(t.min_p, 1e-38)), -jnp.inf)
     thr = jnp.maximum(thr, thr_min_p)
-    filtered = jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
-
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(t))
-    return first_argmax(filtered + gumbel)
+    return jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
 
 
 def _top_k_top_p_threshold(

@@ -1,0 +1,153 @@
+"""Adaptive drafting: which rows draft how many tokens, and whether a step drafts at all.
+
+Speculation pays only when a verifying step emits more tokens per second than the step
+without drafts; on a device where a forward of 1 + k tokens per row costs much more than one
+token (a compute-bound CPU, a large batch) it may not. `DraftPolicy` keeps:
+
+* per request, decayed counts of accepted and tried drafts: a row drafts only the positions
+  whose estimated acceptance (its rate to the power of the position) is at least
+  `MIN_DRAFT_ACCEPTANCE`;
+* per step shape (kind, tokens, rows), the measured seconds of the engine's steps: a step
+  drafts only when its expected tokens (sum over rows of 1 + rate + rate^2 + ...) per second
+  beat the plain step's tokens per second by `MIN_GAIN`, trying the shape not chosen every `EXPLORE_EVERY`
+  decisions so both estimates stay fresh;
+* a back-off: after a step that did not draft, drafting is not tried for 1, 2, 4, ... up to
+  `MAX_BACKOFF` steps (those steps keep the overlap scheduler; trying needs a read-back).
+
+TensorRT-LLM and vLLM adapt the draft length too (by acceptance and by batch size); this one
+measures the step times instead of assuming a cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MIN_DRAFT_ACCEPTANCE = 0.2
+PRIOR_ACCEPTANCE = 0.6  # a request's acceptance rate before it verified anything (3 drafts)
+EXPLORE_EVERY = 50
+MAX_BACKOFF = 32
+# A drafting step must promise this much more tokens per second than the plain step (step times
+# are noisy; a wrong choice for drafting costs more than a wrong choice against it).
+MIN_GAIN = 1.1
+
+
+@dataclass
+class Acceptance:
+    """A request's decayed counts of accepted and tried drafts."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE) / (self.tried + 1.0)
+
+    def update(self, accepted: int, tried: int, decay: float = 0.8) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.tried = self.tried * decay + tried
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Expected tokens a row of k drafts emits when each is accepted with probability `rate`."""
+    return float(sum(rate**j for j in range(k + 1)))
+
+
+class DraftPolicy:
+    """Decides drafting per row and per step (engine thread only)."""
+
+    def __init__(self, planner: Any) -> None:
+        """`planner`: gives the shapes steps run in (`step_shape`, `spec_step_shape`)."""
+        self.planner = planner
+        self.adaptive = True  # False: every eligible row drafts all it can, every step
+        self._acceptance: dict[int, Acceptance] = {}
+        self._costs: dict[tuple, float] = {}
+        self._last_key: Optional[tuple] = None
+        self._decisions = 0
+        self._skip = 0  # steps left before drafting is tried again
+        self._backoff = 1  # the next back-off
+
+    def draft_len(self, request_id: int, k: int) -> int:
+        """How many of at most `k` drafts the request should verify."""
+        if not self.adaptive:
+            return k
+        rate = self._acceptance.get(request_id, Acceptance()).rate
+        j = 0
+        while j < k and rate ** (j + 1) >= MIN_DRAFT_ACCEPTANCE:
+            j += 1
+        return j
+
+    def verified(self, request_id: int, accepted: int, drafted: int) -> None:
+        """A row verified `drafted` drafts and accepted the first `accepted`."""
+        tried = accepted + (1 if accepted < drafted else 0)
+        self._acceptance.setdefault(request_id, Acceptance()).update(accepted, tried)
+
+    def forget(self, active: Container[int], keep: int) -> None:
+        """Drop finished requests' rates once more than `keep` are kept."""
+        if len(self._acceptance) > keep:
+            for rid in [rid for rid in self._acceptance if rid not in active]:
+                del self._acceptance[rid]
+
+    def _plain_key(self, num_ctx: int, num_gen: int) -> tuple:
+        return ("plain", *self.planner.step_shape(num_ctx + num_gen, None if num_ctx else num_gen))
+
+    def _spec_key(self, num_ctx: int, num_gen: int, num_drafts: int) -> tuple:
+        tokens = num_ctx + num_gen + num_drafts
+        if num_ctx:
+            return ("spec", *self.planner.step_shape(tokens, None))
+        return ("spec", *self.planner.spec_step_shape(tokens, num_gen))
+
+    def worth_it(self, output: Any, drafts: dict[int, list[int]], num_ctx: int) -> bool:
+        """Whether drafting `drafts` this step is expected to emit more tokens per second than
+        the same step without them."""
+        if not self.adaptive:
+            return True
+        gen = output.generation_requests
+        plain_cost = self._costs.get(self._plain_key(num_ctx, len(gen)))
+        spec_cost = self._costs.get(self._spec_key(num_ctx, len(gen), sum(map(len, drafts.values()))))
+        self._decisions += 1
+        if plain_cost is None:
+            return False  # measure the plain step first
+        if spec_cost is None:
+            return True
+        prior = Acceptance()
+        gain = sum(
+            expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
+            for r in gen
+        )
+        worth = gain / spec_cost > MIN_GAIN * len(gen) / plain_cost
+        if self._decisions % EXPLORE_EVERY == 0:
+            return not worth  # refresh the estimate of the shape not chosen
+        return worth
+
+    def proposed(self, drafted: bool) -> None:
+        """A step was proposed for: it drafts (back-off reset) or not (back-off grows)."""
+        if drafted:
+            self._backoff = 1
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF)
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step should try drafting (then the engine has every last token
+        read back first); counts the back-off down otherwise."""
+        if not self.adaptive:
+            return True
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def planned(self, kind: str, tokens: int, rows: int) -> None:
+        """The shape of the step just dispatched (its time is observed next)."""
+        self._last_key = (kind, tokens, rows)
+
+    def observe(self, seconds: float) -> None:
+        """The wall time of the engine's step that dispatched the step last `planned` (with
+        the overlap scheduler: about the device time of the step before it)."""
+        key = self._last_key
+        if key is None:
+            return
+        old = self._costs.get(key)
+        self._costs[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._last_key = None

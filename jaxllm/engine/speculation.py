@@ -1,0 +1,435 @@
+"""Speculative decoding inside the in-flight batch: drafts in, verified tokens out.
+
+One step of a speculating engine (built with `EngineConfig.speculative_config`):
+
+1. `propose` (after scheduling): each eligible generation request gets up to
+   `max_draft_len` draft tokens from the proposer (`jaxllm.spec_decode`), its KV sequence
+   grows to hold them (`KVCacheManager.grow_for_drafts`), and the planner packs its row as its
+   last token followed by the drafts (`Planner.set_drafts`): 1 + k query tokens, like a
+   context chunk, in the same fixed token buckets.
+2. `prepare` adds to the plan the packed indices of those tokens (`context_index`): the
+   forward variant that returns their logits runs (one per token bucket, compiled at
+   warm-up, with a fixed number of verification entries per bucket: `verify_rows`).
+3. `launch` runs the verification program (`jaxllm.sampling.rejection.verify_drafts`) over
+   those logits with each entry's sampling settings at the output index it produces.
+4. `read_back` (after the step's other rows are read back) writes each speculating
+   request's accepted drafts plus the target's next token, one token at a time through the
+   same stop checks as without speculation (end ids, stop token ids, max_tokens, min_tokens),
+   with their logprobs, and rolls the KV sequence back to the tokens kept
+   (`KVCacheManager.roll_back`): rejected drafts' KV is overwritten later, and blocks taken
+   only for them go back to the pool.
+
+Which requests draft, and how many tokens, adapts per step: a request drafts only the tokens
+whose estimated acceptance (its own running acceptance rate, to the power of the draft
+position) is high enough, and the step speculates only when its expected tokens per second,
+from the measured time of steps of each shape, beats the step without drafts (TensorRT-LLM's
+and vLLM's adaptive draft lengths do the same in spirit); otherwise it runs as a plain step.
+
+Speculation runs without the overlap scheduler and without the steady-decode fast path (a
+draft needs the previous token on the host), which the engine turns off when a speculative
+config is set. Requests that need their token history on the device (penalties, bad words,
+grammars, host logits processors), beam search and logits outputs do not draft.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxllm.batch_builder import token_buckets
+from jaxllm.engine.draft_policy import DraftPolicy
+from jaxllm.engine.logits_outputs import padded_index
+from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.llm_request import LlmRequest, LlmRequestState
+from jaxllm.outputs import Logprob
+from jaxllm.sampling import SamplingTensors, check_stop
+from jaxllm.sampling.params import MAX_LOGPROBS
+from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
+from jaxllm.scheduler import SchedulerOutput
+from jaxllm.spec_decode import NGramProposer
+from jaxllm.speculative_config import NGramDecodingConfig, SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
+_COMPLETE = LlmRequestState.GENERATION_COMPLETE
+
+
+def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
+    """ValueError naming what an engine cannot combine with `config`."""
+    if not isinstance(config, NGramDecodingConfig):
+        raise ValueError(
+            f"speculative_config: {type(config).__name__} (decoding_type {config.decoding_type}) is not "
+            "supported yet; NGramDecodingConfig is"
+        )
+    if attention_dp:
+        raise ValueError("speculative_config is not supported with enable_attention_dp yet")
+    if multihost:
+        raise ValueError("speculative_config is not supported in multi-host runs yet")
+
+
+@dataclass
+class SpeculativeStep:
+    """What a dispatched speculative step needs when its tokens are read back."""
+
+    entries: list[TokenEntry]  # the speculating rows: (request, row, output index)
+    drafts: list[list[int]]  # each row's drafts
+    starts: list[int]  # each row's first verification entry
+    output: VerifyOutput  # device arrays
+    wants_logprobs: bool
+    stats: dict = field(default_factory=dict)
+
+
+class Speculation:
+    """Proposes, verifies and applies drafts for one engine (engine thread only)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        planner: Planner,
+        max_batch_size: int,
+        max_num_tokens: int,
+        min_token_bucket: int,
+    ) -> None:
+        if not isinstance(config, NGramDecodingConfig):
+            raise ValueError(f"{type(config).__name__} is not supported yet")
+        self.config = config
+        self.max_draft_len = config.max_draft_len
+        self.proposer = NGramProposer(config)
+        self.planner = planner
+        planner.spec_tokens_per_row = 1 + config.max_draft_len
+        self.kv = planner.kv_cache_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.min_token_bucket = min_token_bucket
+        # How a sampled entry accepts its draft (a parameter so a test can swap in a wrong rule).
+        self.acceptance_rule: AcceptanceRule = exact_acceptance
+        self._jits: dict[Callable, Any] = {}
+        # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
+        self.policy = DraftPolicy(planner)
+        # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_speculative_steps = 0
+        self.num_verified_rows = 0
+
+    # ------------------------------------------------------------------ shapes
+    def verify_rows(self, bucket: int) -> int:
+        """Verification entries of a speculative step in token bucket `bucket` (fixed per
+        bucket: one compiled forward variant and verifier each)."""
+        return min(bucket, self.max_batch_size * (self.max_draft_len + 1))
+
+    def _verifier(self) -> Any:
+        rule = self.acceptance_rule
+        jitted = self._jits.get(rule)
+        if jitted is None:
+            jitted = self._jits[rule] = jax.jit(functools.partial(verify_drafts, acceptance_rule=rule))
+        return jitted
+
+    @property
+    def num_compiled(self) -> int:
+        """Compiled verification programs (every shape and variant seen)."""
+        return sum(j._cache_size() for j in self._jits.values())
+
+    # ------------------------------------------------------------------ propose
+    def _eligible_len(self, request: LlmRequest) -> int:
+        """The most drafts `request` may verify this step (0: it does not draft)."""
+        params = request.sampling_params
+        if (
+            request.state is not _GENERATION_IN_PROGRESS
+            or request.beam is not None
+            or request.beam_width > 1
+            or params.needs_history
+            or params.logits_post_processor_name is not None
+            or params.return_generation_logits
+            or request.logits_record is not None
+        ):
+            return 0
+        out = len(request.output_token_ids)
+        k = min(self.max_draft_len, params.max_tokens - out - 1, request.max_new_tokens - out - 1)
+        if out < params.min_tokens:  # end ids are banned before min_tokens: stay on one side of it
+            k = min(k, params.min_tokens - 1 - out)
+        return self.policy.draft_len(request.request_id, max(k, 0))
+
+    def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
+        """Drafts of the scheduled generation requests (by request id), within the step's
+        token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
+        gen = output.generation_requests
+        if not gen:
+            return {}
+        num_ctx = sum(r.context_chunk_size for r in output.context_requests)
+        budget = self.max_num_tokens - num_ctx - len(gen)
+        drafts: dict[int, list[int]] = {}
+        kv = self.kv
+        free_blocks = kv.num_free_blocks
+        for request in gen:
+            if budget <= 0:
+                break
+            k = min(self._eligible_len(request), budget)
+            if k <= 0:
+                continue
+            try:
+                draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
+            except Exception:  # a proposer's failure costs the drafts, nothing else
+                logger.exception("the draft proposer failed for request %s", request.request_id)
+                continue
+            # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
+            # step may have left none to spare: then the request does not draft).
+            extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
+                kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
+            )
+            if draft and extra <= free_blocks:
+                drafts[request.request_id] = draft
+                budget -= len(draft)
+                free_blocks -= max(extra, 0)
+        self._forget_finished(active)
+        if drafts and not self.policy.worth_it(output, drafts, num_ctx):
+            drafts = {}
+        for request in gen:
+            draft = drafts.get(request.request_id)
+            if draft:
+                self.kv.grow_for_drafts(request, request.num_tokens + len(draft))
+        self.policy.proposed(bool(drafts))
+        return drafts
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step should try drafting (the engine then reads back first)."""
+        return self.policy.wants_drafts()
+
+    def planned(self, plan: StepPlan) -> None:
+        """The shape of the step just dispatched (its time is observed next)."""
+        kind = "spec" if plan.context_index is not None else "plain"
+        self.policy.planned(kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
+
+    def observe(self, seconds: float) -> None:
+        """The wall time of the engine's step that dispatched the step last `planned`."""
+        self.policy.observe(seconds)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether drafting adapts (False: every eligible row drafts every step it can)."""
+        return self.policy.adaptive
+
+    @adaptive.setter
+    def adaptive(self, value: bool) -> None:
+        self.policy.adaptive = value
+
+    def _forget_finished(self, active: Container[int]) -> None:
+        self.policy.forget(active, 4 * self.max_batch_size)
+        texts = self.proposer.request_ids()
+        if len(texts) > 4 * self.max_batch_size:
+            for rid in [rid for rid in texts if rid not in active]:
+                self.proposer.release(rid)
+
+    # ------------------------------------------------------------------ verify
+    def prepare(
+        self, plan: StepPlan, output: SchedulerOutput, drafts: dict[int, list[int]]
+    ) -> tuple[StepPlan, Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]]]:
+        """The plan with the verification tokens' indices (`context_index`), and the inputs of
+        the verification program: (speculating rows, their drafts, their first entries,
+        per-entry sampling tensors, per-entry draft ids)."""
+        rows = output.all_requests()
+        cu = plan.batch.cu_q_lens
+        size = self.verify_rows(plan.batch.token_ids.shape[0])
+        index: list[int] = []
+        entry_rows: list[int] = []
+        entry_steps: list[int] = []
+        draft_ids: list[int] = []
+        spec_rows, spec_drafts, starts = [], [], []
+        step = np.asarray(plan.sampling.step)
+        for row, request in enumerate(rows):
+            draft = drafts.get(request.request_id)
+            if not draft or row < len(output.context_requests):
+                continue
+            first = int(cu[row])
+            spec_rows.append(row)
+            spec_drafts.append(draft)
+            starts.append(len(index))
+            index.extend(range(first, first + len(draft) + 1))
+            entry_rows.extend([row] * (len(draft) + 1))
+            entry_steps.extend(int(step[row]) + j for j in range(len(draft) + 1))
+            draft_ids.extend(draft)
+            draft_ids.append(-1)
+        if not spec_rows:
+            return plan, None
+        if len(index) > size:
+            raise ValueError(f"{len(index)} verification entries exceed the bucket's {size}")
+        pad = size - len(index)
+        entry_rows += [0] * pad
+        entry_steps += [0] * pad
+        draft_ids += [-1] * pad
+        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32))
+        plan = replace(plan, context_index=padded_index(index, size))
+        return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32))
+
+    def launch(self, context_logits: Any, tensors: SamplingTensors, draft_ids: np.ndarray) -> VerifyOutput:
+        """Dispatch the verification program (not waited for)."""
+        return self._verifier()(context_logits, tensors, draft_ids)
+
+    @staticmethod
+    def split_entries(entries: list[TokenEntry], spec_rows: list[int]) -> tuple[list[TokenEntry], list[TokenEntry]]:
+        """(the step's other entries, the speculating rows' entries in `spec_rows` order)."""
+        by_row = {row: i for i, row in enumerate(spec_rows)}
+        spec: list[Optional[TokenEntry]] = [None] * len(spec_rows)
+        plain = []
+        for entry in entries:
+            i = by_row.get(entry[1])
+            if i is None:
+                plain.append(entry)
+            else:
+                spec[i] = entry
+        if any(e is None for e in spec):
+            raise RuntimeError("a speculating row has no token entry")
+        return plain, spec  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ read back
+    def read_back(self, step: SpeculativeStep, requests: Any) -> list[RequestUpdate]:
+        """Apply a speculative step's verified tokens (see module docstring); `requests`: the
+        engine's `RequestTable` (finishes requests that stop)."""
+        out = step.output
+        token_ids = np.asarray(out.token_ids).tolist()
+        accepted = np.asarray(out.accepted)
+        logprobs = None
+        if step.wants_logprobs:
+            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        updates: list[RequestUpdate] = []
+        drafted = accepted_total = 0
+        for (request, _row, index), draft, start in zip(step.entries, step.drafts, step.starts):
+            k = len(draft)
+            run = accepted[start : start + k]
+            n_accepted = int(np.argmin(run)) if not run.all() else k
+            self.policy.verified(request.request_id, n_accepted, k)
+            drafted += k
+            accepted_total += n_accepted
+            outputs = request.output_token_ids
+            if request.state is _COMPLETE or index >= len(outputs):
+                continue  # aborted while the step ran
+            try:
+                tokens = token_ids[start : start + n_accepted + 1]
+                updates.append(self._apply(requests, request, index, tokens, start, logprobs))
+            except Exception as exc:  # host bookkeeping of one request: fail it alone
+                updates += requests.fail([request], exc, "applying verified tokens")
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted_total
+        self.num_speculative_steps += 1
+        self.num_verified_rows += len(step.entries)
+        rows = len(step.entries)
+        step.stats["specDecodingStats"] = {
+            "numDraftTokens": drafted,
+            "numAcceptedTokens": accepted_total,
+            "numRequestsWithDraftTokens": rows,
+            "acceptanceLength": (accepted_total + rows) / rows if rows else 0.0,
+        }
+        return updates
+
+    def _apply(
+        self,
+        requests: Any,
+        request: LlmRequest,
+        index: int,
+        tokens: list[int],
+        start: int,
+        logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    ) -> RequestUpdate:
+        """Write a row's tokens one at a time (over its placeholder, then appended), stopping
+        at the first that ends the request; roll its KV back to what it keeps."""
+        outputs = request.output_token_ids
+        params = request.sampling_params
+        update = RequestUpdate(request, [])
+        for j, token in enumerate(tokens):
+            i = index + j
+            if i < len(outputs):
+                outputs[i] = token
+            else:
+                outputs.append(token)
+            update.new_token_ids.append(token)
+            if params.logprobs is not None and logprobs is not None:
+                chosen, top_ids, top_lps = logprobs
+                e = start + j
+                entry = {
+                    int(top_ids[e, rank]): Logprob(float(top_lps[e, rank]), rank + 1) for rank in range(params.logprobs)
+                }
+                if token not in entry:
+                    entry[token] = Logprob(float(chosen[e]))
+                update.new_logprobs.append(entry)
+                request.cumulative_logprob += float(chosen[e])
+            reason, stop_reason = check_stop(params, outputs, request.end_ids, num_outputs=i + 1)
+            if reason is not None:
+                requests.finish(request, reason, stop_reason, i + 1)
+                update.finished = True
+                return update
+        self.kv.roll_back(request, request.num_tokens)
+        return update
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(
+        self, runner: Any, planner: Planner, num_sampler_rows: int, max_seq_len: int, all_variants: bool = True
+    ) -> None:
+        """Compile, and run once on empty steps, the context-logits forward of every token
+        bucket and the verification program of every sampler variant it can see (only the
+        greedy one without `all_variants`, as the engine's warm-up does for the sampler)."""
+        variants = [
+            dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
+            for top in (0, MAX_LOGPROBS)
+            for random, sort in ((False, False), (True, False), (True, True))
+        ]
+        if not all_variants:
+            variants = variants[:1]
+        shapes = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
+        per_row = planner.spec_tokens_per_row
+        shapes += [
+            (rows * per_row, rows) for rows in planner.decode_batch_sizes if rows * per_row <= self.max_num_tokens
+        ]
+        for bucket, rows in shapes:
+            size = self.verify_rows(bucket)
+            batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows, bucket)
+            sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
+            plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
+            result = runner.execute(plan)
+            for flags in variants:
+                tensors = entry_tensors(
+                    SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
+                    np.zeros(size, np.int64),
+                    np.zeros(size, np.int32),
+                )
+                tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
+                out = self.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
+            jax.block_until_ready(out.token_ids)
+
+
+def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
+    """Per-entry sampling tensors: entry e has the settings of row `rows[e]` at output index
+    `steps[e]` (no penalties or grammar: rows that need them do not draft)."""
+
+    def take(a: Any) -> np.ndarray:
+        return np.asarray(a)[rows]
+
+    E = rows.shape[0]
+    temperature = take(t.temperature)
+    any_random = bool((temperature > 0).any())
+    return SamplingTensors(
+        temperature=temperature,
+        top_k=take(t.top_k),
+        top_p=take(t.top_p),
+        min_p=take(t.min_p),
+        repetition_penalty=np.ones(E, np.float32),
+        presence_penalty=np.zeros(E, np.float32),
+        frequency_penalty=np.zeros(E, np.float32),
+        seed=take(t.seed),
+        step=steps.astype(np.int32),
+        suppress_ids=take(t.suppress_ids),
+        history_ids=np.full((E, 1), -1, np.int32),
+        history_is_output=np.zeros((E, 1), np.bool_),
+        use_penalties=False,
+        num_top_logprobs=t.num_top_logprobs,
+        any_random=any_random,
+        use_top_k_top_p=bool(t.use_top_k_top_p and any_random),
+    )

@@ -1,0 +1,117 @@
+"""Verifying draft tokens on the device (speculative sampling), one fixed-shape program.
+
+The verification entries of a step are E target distributions, each with the draft token it
+verifies: entry j of a speculating request holds the target's logits after its fed token and
+drafts 1..j, and verifies draft j+1 (the last entry, after every draft, verifies nothing and
+gives the bonus token). Every entry is processed exactly as the sampler processes a row
+(`jaxllm.sampling.sampler`: penalties, suppression, grammar bitmask, temperature, top-k,
+top-p, min-p) with the sampling tensors of its request at the output index it produces, so
+the target distribution is the one sampling without drafts would draw from.
+
+* Greedy entries accept the draft when it is the target's argmax; the emitted token is the
+  argmax (equal to the draft when accepted).
+* Sampled entries use rejection sampling for a deterministic draft (the draft's distribution
+  is a one-hot, as for n-gram drafts): accept draft d with probability p(d); on rejection
+  draw from the residual norm(max(p - onehot(d), 0)), which is p without d, renormalised.
+  An entry without a draft draws from p with the sampler's own key. Together they emit a
+  token distributed exactly as p (Leviathan et al. 2023; vLLM's and TensorRT-LLM's rejection
+  samplers reduce to this for one-hot drafts).
+
+The host takes each request's accepted prefix (entries up to and including the first that
+did not accept) from the returned `accepted` and `token_ids`. Random numbers derive from
+(request seed, output index), as the sampler's, so a result does not depend on the batch.
+`acceptance_rule(u, p_draft)` decides acceptance from a uniform draw and the draft's target
+probability; it is a parameter so that a test can show a biased rule changes the output
+distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxllm.sampling.sampler import (
+    apply_penalties,
+    apply_suppression,
+    apply_token_bitmask,
+    filtered_logits,
+    first_argmax,
+    row_keys,
+)
+from jaxllm.sampling.tensors import SamplingTensors
+
+AcceptanceRule = Callable[[jax.Array, jax.Array], jax.Array]
+
+_ACCEPT_STREAM = 1  # fold-in constants of the per-entry key: the acceptance draw, the residual draw
+_RESIDUAL_STREAM = 2
+
+
+def exact_acceptance(u: jax.Array, p_draft: jax.Array) -> jax.Array:
+    """Accept a one-hot draft with probability p_target(draft): keeps the target distribution."""
+    return u < p_draft
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class VerifyOutput:
+    token_ids: jax.Array  # int32[E] the token each entry emits (its draft when accepted)
+    accepted: jax.Array  # bool[E] the entry accepted its draft (False for entries without one)
+    logprobs: jax.Array  # f32[E] raw log-softmax at token_ids
+    top_ids: jax.Array  # int32[E, N]
+    top_logprobs: jax.Array  # f32[E, N]
+
+
+def verify_drafts(
+    logits: jax.Array,
+    t: SamplingTensors,
+    draft_ids: jax.Array,
+    *,
+    acceptance_rule: AcceptanceRule = exact_acceptance,
+) -> VerifyOutput:
+    """Verify `draft_ids` int32[E] (-1: no draft) against `logits` [E, V] with the per-entry
+    sampling tensors `t` (E rows; `t.step` is the output index each entry emits)."""
+    raw = logits.astype(jnp.float32)
+    E, V = raw.shape
+    x = apply_penalties(raw, t) if t.use_penalties else raw
+    x = apply_suppression(x, t.suppress_ids)
+    if t.use_token_bitmask:
+        x = apply_token_bitmask(x, t.token_bitmask)
+    has_draft = draft_ids >= 0
+    draft = jnp.where(has_draft, draft_ids, 0)
+    greedy_ids = first_argmax(x)
+    accepted = has_draft & (greedy_ids == draft)
+    token_ids = greedy_ids
+    if t.any_random:
+        filtered = filtered_logits(x, t)
+        probs = jax.nn.softmax(filtered, axis=-1)
+        p_draft = jnp.take_along_axis(probs, draft[:, None], axis=-1)[:, 0]
+        keys = row_keys(t)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, _ACCEPT_STREAM), (), jnp.float32))(keys)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        residual_gumbel = jax.vmap(
+            lambda k: jax.random.gumbel(jax.random.fold_in(k, _RESIDUAL_STREAM), (V,), jnp.float32)
+        )(keys)
+        fresh = first_argmax(filtered + gumbel)  # no draft: the sampler's own draw
+        without_draft = filtered.at[jnp.arange(E), draft].set(-jnp.inf)
+        residual = first_argmax(without_draft + residual_gumbel)
+        sampled_accept = has_draft & acceptance_rule(u, p_draft)
+        sampled_token = jnp.where(has_draft, jnp.where(sampled_accept, draft, residual), fresh)
+        is_random = t.temperature > 0.0
+        accepted = jnp.where(is_random, sampled_accept, accepted)
+        token_ids = jnp.where(is_random, sampled_token, greedy_ids)
+    m = jnp.max(raw, axis=-1, keepdims=True)
+    shifted = raw - m
+    log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    chosen = jnp.take_along_axis(shifted, token_ids[:, None], axis=-1)[:, 0] - log_z[:, 0]
+    n_top = t.num_top_logprobs
+    if n_top > 0:
+        top_vals, top_ids = lax.top_k(shifted, n_top)
+        top_logprobs = top_vals - log_z
+    else:
+        top_ids = jnp.zeros((E, 0), jnp.int32)
+        top_logprobs = jnp.zeros((E, 0), jnp.float32)
+    return VerifyOutput(token_ids.astype(jnp.int32), accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
