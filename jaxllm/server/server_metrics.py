@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxllm.engine.background_compiles import compile_counts
+
 if TYPE_CHECKING:
     from jaxllm.executor.executor import GenerationExecutor
     from jaxllm.executor.result import GenerationResult
@@ -142,6 +144,15 @@ class ServerMetrics:
             "jaxllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", labels, registry=r
         )
         self.kv_blocks = Gauge("jaxllm:kv_cache_blocks", "KV cache blocks in the pool.", labels, registry=r)
+        self.compiles_pending = Gauge(
+            "jaxllm:num_compiles_pending",
+            "Programs left to compile in the background after ready (queued, under way or held for idle time).",
+            labels,
+            registry=r,
+        )
+        self.compiles_done = Gauge(
+            "jaxllm:num_compiles_done", "Programs compiled in the background after ready.", labels, registry=r
+        )
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
@@ -180,11 +191,14 @@ class ServerMetrics:
         def read(engine) -> dict:
             kv = engine.kv_cache_manager.get_kv_cache_stats()
             waiting = engine.num_queued
+            compiles = compile_counts(engine)
             return {
                 "running": len(engine.active) - waiting,
                 "waiting": waiting,
                 "used": kv.used_num_blocks,
                 "total": kv.max_num_blocks,
+                "compiles_pending": compiles["pending"],
+                "compiles_done": compiles["done"],
             }
 
         if not self.executor.is_healthy:
@@ -212,4 +226,7 @@ class ServerMetrics:
             self.waiting.labels(**self._labels).set(state["waiting"])
             self.kv_blocks.labels(**self._labels).set(state["total"])
             self.kv_usage.labels(**self._labels).set(state["used"] / state["total"] if state["total"] else 0.0)
+            if "compiles_pending" in state:  # read from the engine (not from the latest iteration)
+                self.compiles_pending.labels(**self._labels).set(state["compiles_pending"])
+                self.compiles_done.labels(**self._labels).set(state["compiles_done"])
         return generate_latest(self.registry)
