@@ -30,8 +30,11 @@ BENCHMARKS = {
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
     "kv-tier": "jaxllm.bench.kv_tier",
+    "settings": "jaxllm.bench.new_settings",
 }
 BENCHMARK_HELP = {
+    "settings": "a greedy stream's worst inter-token gap while requests with new sampling settings arrive, "
+    "next to the engine that compiles each sampler variant on the step; compiles on the engine thread",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
     "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "

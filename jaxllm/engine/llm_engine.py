@@ -229,8 +229,9 @@ class LLMEngine:
 
     def on_idle(self) -> None:
         """Nothing to run: compile, on the compile threads, the buckets steps asked for and
-        those a background warm-up left for idle time. Called after a run (`step`) and by the
-        engine's driver when no request arrived for a while."""
+        those a background warm-up left for idle time. Called by the engine's driver when no
+        request arrived for a while (not at the end of every run: an engine that gets its next
+        request at once never stayed idle)."""
         if self.decode_compiler is not None:
             self.decode_compiler.on_idle()
         if self.bucket_compiler is not None:
@@ -403,11 +404,8 @@ class LLMEngine:
         self.timing.steps += 1
         self.timing.host_seconds += elapsed - waited
         self.timing.device_wait_seconds += waited
-        if self.bucket_compiler is not None:
-            busy = self.has_unfinished_requests()
-            ACTIVITY.set_busy(self, busy)  # background compiles wait while engines are busy
-            if not busy:
-                self.on_idle()
+        if self.bucket_compiler is not None:  # idle-time compiles wait while engines are busy
+            ACTIVITY.set_busy(self, self.has_unfinished_requests())
         if dispatched is not None:
             dispatched.stats["iterLatencyMS"] = elapsed * 1e3
             dispatched.stats["numCompletedRequests"] = updates.num_finished
