@@ -70,12 +70,16 @@ class BucketCompiler:
         max_in_flight: int = 1,
         sizes: Optional[list[int]] = None,
         clock: Optional[StepClock] = None,
+        min_budget: int = 1,
     ) -> None:
         """`compile_bucket(bucket, idle)` starts compiling the forward of a bucket in the
         background (`idle`: for idle time, not paid by steps) and returns its future;
         `compile_seconds()` is what one compile is expected to take (the mean so far).
         `sizes`: the buckets (ascending) when they are the decode buckets rather than the token
-        buckets; `clock`: the step clock it shares with the engine's other compiler."""
+        buckets; `clock`: the step clock it shares with the engine's other compiler;
+        `min_budget`: the smallest token budget a step can run with (a KV block: prompt chunks
+        are whole blocks), below which `token_budget` caps nothing."""
+        self.min_budget = min_budget
         self.sizes = sizes
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
@@ -148,8 +152,9 @@ class BucketCompiler:
         if self.sizes is None:
             largest = choose_token_bucket(self.max_num_tokens, self.max_num_tokens, self.min_token_bucket)
             with self._lock:
-                if self._ready and self._ready[-1] < largest and largest not in self._failed:
-                    cap = self._ready[-1]
+                ready = self._ready
+                if ready and self.min_budget <= ready[-1] < largest and largest not in self._failed:
+                    cap = ready[-1]
         self._cap = cap
         return cap
 
@@ -283,6 +288,7 @@ def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any, s
         compile_seconds=mean_compile_seconds,
         max_in_flight=runner.compile_workers - 1,
         clock=clock,
+        min_budget=planner.kv_cache_manager.tokens_per_block,
     )
     if not planner.decode_batch_sizes:
         return tokens, None

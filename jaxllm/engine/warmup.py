@@ -77,8 +77,11 @@ class ProgramWarmup:
 
     def first_buckets(self) -> list[int]:
         """The token buckets a background warm-up compiles before returning: the decode bucket
-        (every decode step fits it, and so does a short prompt)."""
-        return [self.decode_bucket()]
+        (every decode step fits it, and so does a short prompt), or the smallest holding a KV
+        block when that is larger (steps are held to the compiled buckets, and a prompt chunk
+        is whole blocks)."""
+        tokens = max(self.config.max_batch_size, self.planner.kv_cache_manager.tokens_per_block)
+        return [choose_token_bucket(tokens, self.config.max_num_tokens, self.config.min_token_bucket)]
 
     def first_decode_sizes(self) -> list[int]:
         """The decode buckets a background warm-up compiles before returning: the smallest (one
