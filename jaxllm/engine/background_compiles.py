@@ -5,9 +5,11 @@ larger bucket, the general sampler variant: `jaxllm.engine.sampler_variants`), s
 compiled later only makes steps cheaper. On a CPU backend the steps' XLA threads use every
 core, so such compiles must not compete with them:
 
-- they run on a bounded number of threads (`max_workers`, one by default) whose OS priority
-  is lowered (nice 19 through `os.setpriority` on the thread's native id, on Linux): a compile
-  gets the cycles the steps leave idle;
+- they run on a bounded number of threads (`max_workers`, one by default), and XLA's compile,
+  the part that takes the cores, on one thread whose OS priority is lowered (nice 19 through
+  `os.setpriority` on the thread's native id, on Linux): it gets the cycles the steps leave
+  idle. Tracing and lowering (Python, under the GIL) stay at the normal priority: a thread
+  holding the GIL at a low priority would stall the step loop waiting for it;
 - a compile queued as idle work (a background warm-up's remaining buckets, variants steps asked
   for without paying for them) starts only once no engine of this process has been busy for
   `settle_seconds`, on a CPU backend (elsewhere a compile does not share the device);
@@ -26,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,19 @@ class BackgroundCompiles:
         self._threads: list[threading.Thread] = []
         self._running = 0
         self._closed = False
+        self._low: Optional[ThreadPoolExecutor] = None  # the low-priority thread (`at_low_priority`)
         self.done = 0  # tasks finished (compiled, or failed)
+
+    def at_low_priority(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the low-priority thread (one at a time), waited for: what a task does
+        that takes the cores without holding the GIL (XLA's compile)."""
+        with self._lock:
+            if self._low is None:
+                self._low = ThreadPoolExecutor(
+                    1, thread_name_prefix="jaxllm-background-xla", initializer=lower_thread_priority
+                )
+            low = self._low
+        return low.submit(fn, *args).result()
 
     @property
     def pending(self) -> int:
@@ -145,6 +159,8 @@ class BackgroundCompiles:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join()
+        if self._low is not None:
+            self._low.shutdown(wait=True)
 
     def _next(self) -> Optional[_Task]:
         """The next task to run, waiting while only idle tasks are queued and an engine is busy;
@@ -165,7 +181,6 @@ class BackgroundCompiles:
             self._activity.wait(max(0.05, self.settle_seconds - quiet))
 
     def _work(self) -> None:
-        lower_thread_priority()
         while True:
             task = self._next()
             if task is None:

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -143,9 +144,17 @@ class ProgramCache:
             logger.warning("a %s variant is not stored: its key could not be built (%r)", kind, exc)
         return None
 
-    def _run_compile(self, kind: str, abstract_args: tuple, layout: PackedLayout, future: Future) -> None:
+    def _run_compile(
+        self,
+        kind: str,
+        abstract_args: tuple,
+        layout: PackedLayout,
+        future: Future,
+        run: Callable[..., Any] = lambda fn, *args: fn(*args),
+    ) -> None:
         """Compile one program (or load it from the executable store, which skips tracing and
-        lowering too) and hand it to `future`; a compiled program is stored afterwards."""
+        lowering too) and hand it to `future`; a compiled program is stored afterwards. `run(fn,
+        *args)` runs XLA's compile (`BackgroundCompiles.at_low_priority` for a background one)."""
         start = time.perf_counter()
         entry = None
         try:
@@ -153,7 +162,7 @@ class ProgramCache:
             exe = self._store.load(key) if key is not None else None
             loaded = exe is not None
             if exe is None:
-                exe, compiled_here = compile_here(self._jitted[kind].lower(*abstract_args, layout=layout))
+                exe, compiled_here = run(compile_here, self._jitted[kind].lower(*abstract_args, layout=layout))
                 if key is not None and not compiled_here:  # from one of JAX's caches: not storable
                     self._store.count_from_jax_cache()
                 elif key is not None:  # serialized before anything runs it (XLA:CPU cannot after)
@@ -196,8 +205,15 @@ class ProgramCache:
                         self._background = BackgroundCompiles(
                             max(1, self.compile_workers // 2), hold_while_busy=self._on_cpu()
                         )
-                    task = self._background.submit(
-                        self._run_compile, kind, self.abstract(args), layout, future, idle=idle
+                    background = self._background
+                    task = background.submit(
+                        self._run_compile,
+                        kind,
+                        self.abstract(args),
+                        layout,
+                        future,
+                        background.at_low_priority,
+                        idle=idle,
                     )
                     self._queued[(kind, layout)] = task
                     return future
