@@ -224,6 +224,7 @@ class LLMEngine:
         self.program_warmup.run(all_variants, progress, background)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
+        self.guided.prepare()  # the first constrained request does not build the grammar tokenizer
         if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
             self.runner.write_lora_slot(0, self._slot_update(self.lora_slots.adapter_in(0)))
 
