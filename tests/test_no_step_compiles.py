@@ -99,7 +99,7 @@ def test_general_sampler_variant_gives_the_tokens_of_each_variant_also_when_they
             logits = variants.logits_struct(8)
             for flags in [f for f in SAMPLER_VARIANTS if f["use_penalties"] and f["num_top_logprobs"]]:
                 sampling = SamplingTensors.empty(8, engine.max_seq_len, **flags)
-                engine.runner.compile_sampler(logits, sampling, wait=True, background=True)
+                engine.runner.compile_sampler(logits, sampling, wait=True)
 
         ours = _run(engine, prompts, params, compile_variants)
         general_before, runs_before = compiled[0]

@@ -10,11 +10,13 @@ core, so such compiles must not compete with them:
   `os.setpriority` on the thread's native id, on Linux): it gets the cycles the steps leave
   idle. Tracing and lowering (Python, under the GIL) stay at the normal priority: a thread
   holding the GIL at a low priority would stall the step loop waiting for it;
-- a compile queued as idle work (a background warm-up's remaining buckets, variants steps asked
-  for without paying for them) starts only once no engine of this process has been busy for
-  `settle_seconds`, on a CPU backend (elsewhere a compile does not share the device);
-- a compile that steps paid for (the rent-or-buy rule of `jaxllm.engine.compile_ahead`) starts
-  without waiting for idle time, at the same low priority.
+- on a CPU backend a compile starts only once no engine of this process has been busy for
+  `settle_seconds` (elsewhere a compile does not share the device): tracing and lowering a
+  forward take the GIL in long stretches, and a compile takes a core, either of which stalls a
+  running stream for a second or more on a small machine. Compiles that steps paid for (the
+  rent-or-buy rule of `jaxllm.engine.compile_ahead`) go first; those queued as idle work (a
+  background warm-up's remaining buckets, variants steps asked for without paying for them) are
+  queued only once the engine's driver found it idle.
 
 A compile under way is never stopped (XLA cannot pause one); a step that needs a program still
 queued here takes it over (`ProgramCache.get` cancels the queued task and compiles it itself).
@@ -94,8 +96,8 @@ class BackgroundCompiles:
     """A small pool of low-priority threads running compile tasks (see the module docstring).
 
     `submit(fn, *args, idle=...)` returns a `Future` that can be cancelled until its task
-    starts. Paid tasks start first, in order; idle tasks wait for `settle_seconds` of quiet when
-    `hold_while_busy` (a CPU backend)."""
+    starts. Tasks wait for `settle_seconds` of quiet when `hold_while_busy` (a CPU backend);
+    paid ones start first, in order."""
 
     def __init__(
         self,
@@ -163,21 +165,19 @@ class BackgroundCompiles:
             self._low.shutdown(wait=True)
 
     def _next(self) -> Optional[_Task]:
-        """The next task to run, waiting while only idle tasks are queued and an engine is busy;
-        None once closed or when nothing is queued."""
+        """The next task to run, waiting while an engine is busy (see `hold_while_busy`); None
+        once closed or when nothing is queued."""
         while True:
             with self._lock:
                 if self._closed:
                     return None
                 self._paid = [t for t in self._paid if not t.future.cancelled()]
                 self._idle = [t for t in self._idle if not t.future.cancelled()]
-                if self._paid:
-                    return self._paid.pop(0)
-                if not self._idle:
+                if not self._paid and not self._idle:
                     return None
                 quiet = self._activity.quiet_for() if self.hold_while_busy else self.settle_seconds
                 if quiet >= self.settle_seconds:
-                    return self._idle.pop(0)
+                    return (self._paid or self._idle).pop(0)
             self._activity.wait(max(0.05, self.settle_seconds - quiet))
 
     def _work(self) -> None:
