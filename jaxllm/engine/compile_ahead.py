@@ -17,11 +17,10 @@ for a background warm-up's buckets too: it compiles the buckets a lone user need
 A second compiler of the same kind keeps the small decode buckets (`sizes`: row counts, see
 `EngineConfig.decode_batch_sizes`): a decode step whose best decode bucket is not compiled runs
 in the smallest compiled decode bucket holding it, or, when none does, in a token bucket
-(`choose` returns None), which a warm-up always compiles. At most
-`max_in_flight` buckets compile at once, on the low-priority threads of
-`jaxllm.engine.background_compiles` (those started for idle time wait there until the engines
-of the process stay idle). While a token bucket larger than every compiled one is not compiled,
-`token_budget` caps a step's tokens at the largest compiled bucket (a longer prompt runs in
+(`choose` returns None), which a warm-up always compiles. At most `max_in_flight` buckets
+compile at once, in the background of `jaxllm.engine.background_compiles` (on a CPU, once no
+engine of the process is busy). While a token bucket larger than every compiled one is not
+compiled, `token_budget` caps a step's tokens at the largest compiled bucket (a longer prompt runs in
 chunks), so no step waits for a compile once a warm-up compiled the decode bucket; steps held
 to the cap pay toward the next bucket up. Programs compiled this way are the same programs,
 under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a

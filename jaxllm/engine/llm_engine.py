@@ -215,12 +215,12 @@ class LLMEngine:
 
         `background`: return once what a lone user needs is compiled, the decode token bucket
         (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
-        it) and the one-row decode bucket, with the greedy sampler. Nothing else compiles
-        while the engine is busy unless it pays for itself: a step whose best bucket is not
-        compiled runs padded in a compiled one until its padding cost a compile (see
-        `jaxllm.engine.compile_ahead`), and another sampler variant compiles on the step of the
-        first request that needs it. The other buckets compile when the engine is idle
-        (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
+        it) and the one-row decode bucket, with the greedy and the general sampler. A step whose
+        best bucket is not compiled runs padded in a compiled one (see
+        `jaxllm.engine.compile_ahead`), one whose sampler variant is not compiled runs the
+        general one (`jaxllm.engine.sampler_variants`); the better fits compile in the
+        background (`on_idle`, `jaxllm.engine.background_compiles`). Needs `compile_ahead`
+        (else everything compiles before returning)."""
         self.program_warmup.run(all_variants, progress, background)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)

@@ -203,8 +203,8 @@ class ProgramWarmup:
         if self.decode_compiler is not None:
             self.decode_compiler.mark_ready(first_rows)
             self.decode_compiler.defer([rows for rows in self.decode_sizes() if rows not in first_rows])
-        # Another sampler variant compiles on the step of the first request that needs it (in a
-        # fraction of a forward's compile time), not ahead: most runs never use most variants.
+        # Another sampler variant is not compiled ahead (most runs never use most variants): a
+        # step that needs one runs the general variant while it compiles (sampler_variants).
         if self.logits_outputs:
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
             for bucket in buckets:
