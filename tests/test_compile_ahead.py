@@ -33,9 +33,18 @@ def _counting_compiles(compiles: list):
     return listener
 
 
-def _wait_for_compiles(engine: LLMEngine) -> None:
+def _wait_for_compiles(engine: LLMEngine, decode_sizes: tuple = ()) -> None:
+    """Until nothing compiles and the decode buckets `decode_sizes` are ready (a decode bucket's
+    general sampler starts compiling once its forward is done)."""
     deadline = time.monotonic() + 600
-    while engine.runner.compiles_in_flight and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        decode = engine.decode_compiler
+        if not engine.runner.compiles_in_flight and (
+            decode is None or decode.ready == list(decode_sizes or decode.ready)
+        ):
+            time.sleep(0.2)
+            if not engine.runner.compiles_in_flight:
+                return
         time.sleep(0.1)
 
 
@@ -81,6 +90,7 @@ def test_steps_run_in_a_compiled_bucket_while_the_best_fit_compiles(qwen3):
         for prompt, request in zip(prompts, requests):
             hf_teacher_forcing_check(model, prompt, request.output_token_ids)
 
+        engine.on_idle()  # what the engine's driver calls once idle: bucket 16, if steps did not pay it yet
         _wait_for_compiles(engine)
         assert engine.bucket_compiler.ready == [16, 64]
         padded = engine.bucket_compiler.padded_steps
@@ -106,17 +116,17 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
     try:
         engine.warmup(background=True)
         # The decode token bucket (4 rows -> 16) and the one-row decode bucket, the greedy
-        # sampler; the largest token bucket first, then 32, and decode buckets 2 and 4 left for
-        # idle time.
+        # sampler and the general sampler of 4 rows and of 1 row; the largest token bucket first,
+        # then 32, and decode buckets 2 and 4 left for idle time.
         assert engine.decode_bucket() == 16
         assert engine.bucket_compiler.ready == [16] and engine.bucket_compiler.deferred == [64, 32]
         assert engine.decode_compiler.ready == [1] and engine.decode_compiler.deferred == [2, 4]
-        assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (2, 1)
+        assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (2, 3)
         assert engine.runner.compiles_in_flight == 0
 
         # First step: 10 + 3 x 2 prompt tokens in 16, then decoding steps of 4 rows, whose
         # decode bucket is not compiled: they run in token bucket 16. One request samples: its
-        # sampler variant compiles on its step.
+        # steps run the general sampler variant, and its own variant compiles once idle.
         prompts = [random_prompts(1, VOCAB, 10, 10, seed=4)[0]] + random_prompts(3, VOCAB, 2, 2, seed=5)
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         requests = [engine.add_request(p, greedy) for p in prompts[:3]]
@@ -130,19 +140,23 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
             engine.step()
         assert busy_forwards == {2} and busy_in_flight == {0}  # nothing compiled while busy
         assert engine.bucket_compiler.padded_steps == 0 and engine.runner.steps_per_bucket[16] == 6
-        assert engine.runner.num_sampler_variants == 2
+        assert engine.runner.num_sampler_variants == 3 and engine.sampler_variants.general_steps == 6
         for prompt, request in zip(prompts[:3], requests):
             hf_teacher_forcing_check(model, prompt, request.output_token_ids)
 
-        _wait_for_compiles(engine)  # the last step found the engine idle: the rest compiled then
+        engine.on_idle()  # what the engine's driver calls once no request came for a while
+        _wait_for_compiles(engine, (1, 2, 4))
         assert engine.bucket_compiler.ready == [16, 32, 64] and engine.bucket_compiler.deferred == []
         assert engine.decode_compiler.ready == [1, 2, 4] and engine.decode_compiler.deferred == []
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         engine.close()
     assert engine.runner.num_forward_variants == 6
-    # 6 forwards, 2 samplers and the (empty) KV block copy, each compiled once.
-    assert len(compiles) == 9, f"{len(compiles)} XLA compilations for 9 programs"
+    # 6 forwards, 5 samplers (greedy, the sampled request's, the general one of 4, 1 and 2 rows:
+    # decode bucket 4 shares the token buckets' rows) and the (empty) KV block copy, each
+    # compiled once.
+    assert engine.runner.num_sampler_variants == 5
+    assert len(compiles) == 12, f"{len(compiles)} XLA compilations for 12 programs"
 
 
 def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
@@ -155,7 +169,7 @@ def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
         def state(e):
             return e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants
 
-        assert llm.executor.call_on_engine(state) == ([16], 2, 1)
+        assert llm.executor.call_on_engine(state) == ([16], 2, 3)
         # No request comes: after EngineCore.IDLE_SECONDS the engine compiles the rest. (Each
         # look at the engine is a command that restarts the idle clock, so look rarely.)
         deadline = time.monotonic() + 600
@@ -165,7 +179,8 @@ def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
                 lambda e: e.runner.compiles_in_flight == 0 and e.runner.num_forward_variants == 6
             ):
                 break
-        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 6, 1)
+        # With each decode bucket its general sampler variant (4 rows: the token buckets' one).
+        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 6, 4)
     finally:
         llm.shutdown()
 

@@ -216,7 +216,8 @@ def test_no_compilation_after_warmup(llm, canary_tokens):
     sizes = on_engine(llm, lambda e: e.program_warmup.decode_sizes())
     rows = on_engine(llm, lambda e: {e.num_sampler_rows, *sizes})
     assert sizes  # the small decode buckets: a forward each, and each sampler variant for their rows
-    assert variants == (len(buckets) + len(sizes), 12 * len(rows))  # every bucket x forward, every sampler variant
+    # Every bucket x forward; the 12 sampler variants and the general one (grammar rows) per row count.
+    assert variants == (len(buckets) + len(sizes), 13 * len(rows))
     compiles = []
 
     def listener(event, duration, **kwargs):

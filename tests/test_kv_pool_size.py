@@ -42,3 +42,24 @@ def test_max_tokens_sets_the_pool_beyond_the_default_budget(model_config):
     tokens = (budget + 100) * 8
     assert _blocks(model_config, max_tokens=tokens, max_batch_size=10**4, max_seq_len=10**5) == budget + 100
     assert _blocks(model_config, max_tokens=64) == 8
+
+
+def test_two_engines_with_the_same_flags_get_the_same_pool_under_different_free_memory(monkeypatch):
+    from jaxllm.engine.engine_config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.llm_args import KvCacheConfig
+
+    page = 4096
+    sizes = []
+    for free_bytes in (1 * 2**30, 100 * 2**30):
+        monkeypatch.setattr(os, "sysconf", lambda name, pages=free_bytes // page: pages if "PAGES" in name else page)
+        engine = LLMEngine(
+            EngineConfig(
+                model="tiny-moe", max_batch_size=4, max_num_tokens=32, max_seq_len=64, kv_cache_config=KvCacheConfig()
+            )
+        )
+        try:
+            sizes.append(engine.kv_cache_manager.get_max_resource_count())
+        finally:
+            engine.close()
+    assert sizes[0] == sizes[1]

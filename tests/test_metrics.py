@@ -112,3 +112,25 @@ def test_aborted_and_disconnected_requests_are_counted_as_abort():
     finally:
         server.stop()
         executor.shutdown()
+
+
+def test_background_compiles_pending_and_done():
+    import time
+
+    engine = tiny_engine(MODEL, max_batch_size=2, max_seq_len=64, max_kv_tokens=512)
+    engine.warmup(background=True)  # decode bucket 2 is left for idle time
+    executor = GenerationExecutor(engine)
+    with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
+        ready = _samples(client.get("/metrics").text)
+        assert ready[("jaxllm:num_compiles_pending", ())] == 1
+        assert ready[("jaxllm:num_compiles_done", ())] == 0
+        # Idle for 2 s, the engine compiles it (each scrape is a command: scrape rarely).
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(4)
+            later = _samples(client.get("/metrics").text)
+            if later[("jaxllm:num_compiles_pending", ())] == 0:
+                break
+        assert later[("jaxllm:num_compiles_pending", ())] == 0
+        # Its forward (its general sampler, of 2 rows, is the token buckets' one: compiled already).
+        assert later[("jaxllm:num_compiles_done", ())] == 1

@@ -173,7 +173,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "--kv-cache-max-tokens",
         type=int,
         default=None,
-        help="cap on the KV cache size in tokens (unset: sized by memory)",
+        help="the KV cache size in tokens (unset: max-batch-size x max-seq-len within a share of the free device "
+        "memory, or within a fixed 4 GiB on a CPU: never from the RAM free at start-up)",
     )
     g.add_argument(
         "--kv-cache-host-size",

@@ -32,12 +32,15 @@ BENCHMARKS = {
     "kv-tier": "jaxllm.bench.kv_tier",
     "spec": "jaxllm.bench.spec",
     "disagg": "jaxllm.bench.disagg",
+    "settings": "jaxllm.bench.new_settings",
 }
 BENCHMARK_HELP = {
     "spec": "speculative decoding (--method ngram) next to the same engine without it on a workload whose "
     "output repeats its input: tokens/s, speed-up and acceptance length at concurrency 1/8/32",
     "disagg": "disaggregated vs aggregated serving on real worker processes: ITL p50/p99 of decoding requests "
     "while long prompts arrive, side by side; KV transfer time and bytes per request",
+    "settings": "a greedy stream's worst inter-token gap while requests with new sampling settings arrive, "
+    "next to the engine that compiles each sampler variant on the step; compiles on the engine thread",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
     "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "

@@ -17,8 +17,12 @@ for a background warm-up's buckets too: it compiles the buckets a lone user need
 A second compiler of the same kind keeps the small decode buckets (`sizes`: row counts, see
 `EngineConfig.decode_batch_sizes`): a decode step whose best decode bucket is not compiled runs
 in the smallest compiled decode bucket holding it, or, when none does, in a token bucket
-(`choose` returns None), which a warm-up always compiles. At most
-`max_in_flight` buckets compile at once. Programs compiled this way are the same programs,
+(`choose` returns None), which a warm-up always compiles. At most `max_in_flight` buckets
+compile at once, in the background of `jaxllm.engine.background_compiles` (on a CPU, once no
+engine of the process is busy). While a token bucket larger than every compiled one is not
+compiled, `token_budget` caps a step's tokens at the largest compiled bucket (a longer prompt runs in
+chunks), so no step waits for a compile once a warm-up compiled the decode bucket; steps held
+to the cap pay toward the next bucket up. Programs compiled this way are the same programs,
 under the same persistent-cache keys, as a warm-up's. Padding changes the float rounding of a
 step's matmuls (not which tokens are valid), as batching with other requests does.
 """
@@ -60,17 +64,21 @@ class BucketCompiler:
         *,
         max_num_tokens: int,
         min_token_bucket: int,
-        compile_bucket: Callable[[int], Future],
+        compile_bucket: Callable[[int, bool], Future],
         compile_seconds: Callable[[], float],
         max_in_flight: int = 1,
         sizes: Optional[list[int]] = None,
         clock: Optional[StepClock] = None,
+        min_budget: int = 1,
     ) -> None:
-        """`compile_bucket(bucket)` starts compiling the forward of a bucket on the compile
-        threads and returns its future; `compile_seconds()` is what one compile is expected to
-        take (the mean so far). `sizes`: the buckets (ascending) when they are the decode
-        buckets rather than the token buckets; `clock`: the step clock it shares with the
-        engine's other compiler."""
+        """`compile_bucket(bucket, idle)` starts compiling the forward of a bucket in the
+        background (`idle`: for idle time, not paid by steps) and returns its future;
+        `compile_seconds()` is what one compile is expected to take (the mean so far).
+        `sizes`: the buckets (ascending) when they are the decode buckets rather than the token
+        buckets; `clock`: the step clock it shares with the engine's other compiler;
+        `min_budget`: the smallest token budget a step can run with (a KV block: prompt chunks
+        are whole blocks), below which `token_budget` caps nothing."""
+        self.min_budget = min_budget
         self.sizes = sizes
         self.max_num_tokens = max_num_tokens
         self.min_token_bucket = min_token_bucket
@@ -85,6 +93,8 @@ class BucketCompiler:
         self._wanted: list[int] = []  # buckets to compile, not started yet (first come, first started)
         self._deferred: list[int] = []  # buckets to compile once the engine is idle (a background warm-up's)
         self._in_flight: set[int] = set()
+        self._idle: set[int] = set()  # wanted for idle time, not paid for by steps
+        self._cap: Optional[int] = None  # the token budget of the step being planned (`token_budget`)
         self._closed = False
         self._failed: set[int] = set()  # compiled ahead with an error: the step compiles it (and reports)
         self.padded_steps = 0  # steps run in a larger bucket than their best fit
@@ -111,6 +121,12 @@ class BucketCompiler:
         self._asked.pop(bucket, None)
 
     @property
+    def num_waiting(self) -> int:
+        """Buckets to compile that have not started: deferred to idle time, or wanted."""
+        with self._lock:
+            return len(self._deferred) + len(self._wanted)
+
+    @property
     def deferred(self) -> list[int]:
         with self._lock:
             return list(self._deferred)
@@ -127,6 +143,23 @@ class BucketCompiler:
                     and bucket not in self._deferred
                 ):
                     self._deferred.append(bucket)
+
+    def token_budget(self) -> Optional[int]:
+        """The most tokens a step may take now: the largest compiled token bucket while a larger
+        one is not compiled (None: no cap, `max_num_tokens`; also before any bucket is compiled)."""
+        cap = None
+        if self.sizes is None:
+            largest = choose_token_bucket(self.max_num_tokens, self.max_num_tokens, self.min_token_bucket)
+            with self._lock:
+                ready = self._ready
+                if ready and self.min_budget <= ready[-1] < largest and largest not in self._failed:
+                    cap = ready[-1]
+        self._cap = cap
+        return cap
+
+    def _above(self, bucket: int) -> int:
+        """The token bucket after `bucket`."""
+        return choose_token_bucket(bucket + 1, self.max_num_tokens, self.min_token_bucket)
 
     def choose(self, num_tokens: int) -> int:
         """The bucket a step of `num_tokens` tokens runs in (see the module docstring)."""
@@ -150,21 +183,29 @@ class BucketCompiler:
         with self._lock:
             ready = self._ready
             if best in ready or best in self._failed:
-                return best
-            fitting = next((b for b in ready if b >= num_tokens), None)
-            if fitting is None and self.sizes is None:  # the step compiles `best` itself (or waits for it)
-                self._add_ready(best)
-                return best
-            if best not in self._in_flight and best not in self._wanted:
-                paid = self._asked.get(best, 0.0) + step_seconds
-                self._asked[best] = paid
+                fitting = best
+                # A step held to the token cap pays toward the bucket that would lift it.
+                cap = self._cap if self.sizes is None else None
+                want = self._above(cap) if cap is not None and num_tokens >= cap else None
+                if want is None or want in ready or want in self._failed:
+                    return best
+            else:
+                fitting = next((b for b in ready if b >= num_tokens), None)
+                if fitting is None and self.sizes is None:  # the step compiles `best` itself (or waits for it)
+                    self._add_ready(best)
+                    return best
+                want = best
+                self.padded_steps += fitting is not None
+            if want not in self._in_flight and want not in self._wanted:
+                paid = self._asked.get(want, 0.0) + step_seconds
+                self._asked[want] = paid
                 if paid >= self._compile_seconds():
-                    del self._asked[best]
-                    self._wanted.append(best)
-                    if best in self._deferred:
-                        self._deferred.remove(best)
+                    del self._asked[want]
+                    self._wanted.append(want)
+                    self._idle.discard(want)
+                    if want in self._deferred:
+                        self._deferred.remove(want)
             to_start = self._take_startable()
-            self.padded_steps += fitting is not None
         self._start(to_start)
         return fitting
 
@@ -176,6 +217,7 @@ class BucketCompiler:
             for bucket in [*self._asked, *self._deferred]:
                 if bucket not in self._wanted and bucket not in self._in_flight:
                     self._wanted.append(bucket)
+                    self._idle.add(bucket)
             self._asked.clear()
             self._deferred.clear()
             to_start = self._take_startable()
@@ -201,8 +243,11 @@ class BucketCompiler:
 
     def _start(self, buckets: list[int]) -> None:
         for bucket in buckets:
+            with self._lock:
+                idle = bucket in self._idle
+                self._idle.discard(bucket)
             try:
-                future = self._compile_bucket(bucket)
+                future = self._compile_bucket(bucket, idle)
             except Exception as exc:  # closing, or exiting: a step that needs it compiles it
                 logger.debug("could not start compiling token bucket %d ahead: %r", bucket, exc)
                 self._done(bucket, None)
@@ -223,9 +268,11 @@ class BucketCompiler:
         self._start(to_start)
 
 
-def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any) -> tuple:
+def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any, sampler_variants: Any = None) -> tuple:
     """(token-bucket compiler, decode-bucket compiler or None) of an engine: `planner` builds the
-    empty steps, `step_runner` compiles them, `runner` says what a compile takes."""
+    empty steps, `step_runner` compiles them, `runner` says what a compile takes;
+    `sampler_variants` (`jaxllm.engine.sampler_variants`): a decode bucket is ready once its
+    general sampler is compiled too."""
     clock = StepClock()
 
     def mean_compile_seconds() -> float:
@@ -234,20 +281,37 @@ def engine_compilers(config: Any, planner: Any, step_runner: Any, runner: Any) -
     tokens = BucketCompiler(
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
-        compile_bucket=lambda bucket: step_runner.compile_forward(*planner.empty_step(bucket), wait=False),
+        compile_bucket=lambda bucket, idle: step_runner.compile_forward(
+            *planner.empty_step(bucket), wait=False, background=True, idle=idle
+        ),
         compile_seconds=mean_compile_seconds,
         max_in_flight=runner.compile_workers - 1,
         clock=clock,
+        min_budget=planner.kv_cache_manager.tokens_per_block,
     )
     if not planner.decode_batch_sizes:
         return tokens, None
+
+    def compile_rows(size: int, idle: bool) -> Future:
+        forward = step_runner.compile_forward(*planner.empty_step(0, size), wait=False, background=True, idle=idle)
+        return forward if sampler_variants is None else sampler_variants.with_general_sampler(forward, size, idle)
+
     rows = BucketCompiler(
         max_num_tokens=config.max_batch_size,
         min_token_bucket=1,
-        compile_bucket=lambda size: step_runner.compile_forward(*planner.empty_step(0, size), wait=False),
+        compile_bucket=compile_rows,
         compile_seconds=mean_compile_seconds,
         max_in_flight=runner.compile_workers - 1,
         sizes=planner.decode_batch_sizes,
         clock=clock,
     )
     return tokens, rows
+
+
+def cap_token_budget(scheduler: Any, cap: Optional[int]) -> None:
+    """Hold the scheduler's steps to `cap` tokens (None: lift the cap), when it can be capped
+    (the built-in micro-batch scheduler can)."""
+    micro = getattr(scheduler, "micro_batch_scheduler", None)
+    cap_tokens = getattr(micro, "cap_tokens", None)
+    if cap_tokens is not None:
+        cap_tokens(cap)

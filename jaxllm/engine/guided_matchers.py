@@ -79,6 +79,15 @@ class GuidedMatchers:
         does not compile or cannot be served."""
         self.template(guided)
 
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now (half a second for a 49K vocabulary), so
+        the first constrained request does not pay it while other requests stream; nothing
+        when the tokenizer cannot serve structured output (such a request is refused later)."""
+        try:
+            self._tokenizer()
+        except Exception:  # no fast tokenizer, or no llguidance: the request names the problem
+            pass
+
     def check_request(self, params: Any, end_ids: Sequence[int], *, attention_dp: bool = False) -> None:
         """Admission of a request with `params.guided_decoding` (ValueError naming the field):
         it must be able to end when its structure does (an end id, not ignored or banned by

@@ -34,8 +34,9 @@ from jaxllm.engine.admission import (
     check_sequence_index,
     validate_request,
 )
+from jaxllm.engine.background_compiles import ACTIVITY
 from jaxllm.engine.builder import build_engine
-from jaxllm.engine.compile_ahead import engine_compilers
+from jaxllm.engine.compile_ahead import cap_token_budget, engine_compilers
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.guided_matchers import GuidedMatchers
@@ -44,6 +45,7 @@ from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
+from jaxllm.engine.sampler_variants import engine_sampler_variants
 from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
@@ -88,10 +90,17 @@ class LLMEngine:
         # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
         # not under attention DP (its planner picks one bucket for all ranks) nor on a multi-host
         # leader (its followers compile on demand).
-        # The small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own.
+        # The small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own;
+        # a step whose sampler variant is not compiled runs the general one (sampler_variants).
+        compile_ahead = config.compile_ahead and session is None and not self.attention_dp
+        self.sampler_variants = (
+            engine_sampler_variants(self.runner, self.max_seq_len, self.model_config.vocab_size)
+            if compile_ahead
+            else None
+        )
         self.bucket_compiler, self.decode_compiler = (
-            engine_compilers(config, self.planner, self.step_runner, self.runner)
-            if config.compile_ahead and session is None and not self.attention_dp
+            engine_compilers(config, self.planner, self.step_runner, self.runner, self.sampler_variants)
+            if compile_ahead
             else (None, None)
         )
         self.program_warmup = ProgramWarmup(
@@ -104,6 +113,7 @@ class LLMEngine:
             logits_outputs=self.capabilities.logits_outputs is None,
             attention_dp=self.attention_dp,
             decode_compiler=self.decode_compiler,
+            general_sampler=None if self.sampler_variants is None else self.sampler_variants.general,
         )
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
         # token on the host, so a step that drafts is not overlapped (the step before it is read
@@ -229,12 +239,12 @@ class LLMEngine:
 
         `background`: return once what a lone user needs is compiled, the decode token bucket
         (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
-        it) and the one-row decode bucket, with the greedy sampler. Nothing else compiles
-        while the engine is busy unless it pays for itself: a step whose best bucket is not
-        compiled runs padded in a compiled one until its padding cost a compile (see
-        `jaxllm.engine.compile_ahead`), and another sampler variant compiles on the step of the
-        first request that needs it. The other buckets compile when the engine is idle
-        (`on_idle`). Needs `compile_ahead` (else everything compiles before returning)."""
+        it) and the one-row decode bucket, with the greedy and the general sampler. A step whose
+        best bucket is not compiled runs padded in a compiled one (see
+        `jaxllm.engine.compile_ahead`), one whose sampler variant is not compiled runs the
+        general one (`jaxllm.engine.sampler_variants`); the better fits compile in the
+        background (`on_idle`, `jaxllm.engine.background_compiles`). Needs `compile_ahead`
+        (else everything compiles before returning)."""
         self.program_warmup.run(all_variants, progress, background)
         if self.speculation is not None:
             self.speculation.warmup(
@@ -244,17 +254,21 @@ class LLMEngine:
             self.kv_transceiver.warmup(self.max_blocks_per_seq)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
+        self.guided.prepare()  # the first constrained request does not build the grammar tokenizer
         if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
             self.runner.write_lora_slot(0, self._slot_update(self.lora_slots.adapter_in(0)))
 
     def on_idle(self) -> None:
         """Nothing to run: compile, on the compile threads, the buckets steps asked for and
-        those a background warm-up left for idle time. Called after a run (`step`) and by the
-        engine's driver when no request arrived for a while."""
+        those a background warm-up left for idle time. Called by the engine's driver when no
+        request arrived for a while (not at the end of every run: an engine that gets its next
+        request at once never stayed idle)."""
         if self.decode_compiler is not None:
             self.decode_compiler.on_idle()
         if self.bucket_compiler is not None:
             self.bucket_compiler.on_idle()
+        if self.sampler_variants is not None:
+            self.sampler_variants.on_idle()
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
@@ -446,8 +460,8 @@ class LLMEngine:
         self.timing.steps += 1
         self.timing.host_seconds += elapsed - waited
         self.timing.device_wait_seconds += waited
-        if self.bucket_compiler is not None and not self.has_unfinished_requests():
-            self.on_idle()
+        if self.bucket_compiler is not None:  # idle-time compiles wait while engines are busy
+            ACTIVITY.set_busy(self, self.has_unfinished_requests())
         if dispatched is not None:
             dispatched.stats["iterLatencyMS"] = elapsed * 1e3
             dispatched.stats["numCompletedRequests"] = updates.num_finished
@@ -477,6 +491,8 @@ class LLMEngine:
         (collected in `self._failed`); the step runs for the others."""
         if not candidates:
             return None
+        if self.bucket_compiler is not None:  # no step waits for a larger bucket to compile
+            cap_token_budget(self.scheduler, self.bucket_compiler.token_budget())
         try:
             output = self.planner.schedule(candidates, self._planner_options())
             if output is None:
@@ -521,6 +537,8 @@ class LLMEngine:
             )
             if targets is not None:
                 plan = replace(plan, **fields)
+        if self.sampler_variants is not None:  # the general variant while its own compiles
+            plan = self.sampler_variants.choose(plan)
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
         dispatch_start = time.perf_counter()
@@ -598,9 +616,10 @@ class LLMEngine:
         """Write pending statistics, stop the load balancer's placement thread and the compile
         threads, and end the multi-host session (the followers drop their runner)."""
         self.close_statistics()
-        for compiler in (self.decode_compiler, self.bucket_compiler):
+        for compiler in (self.decode_compiler, self.bucket_compiler, self.sampler_variants):
             if compiler is not None:
                 compiler.close()
+        ACTIVITY.set_busy(self, False)
         if self.load_balancer is not None:
             self.load_balancer.close()
         self.step_runner.close()

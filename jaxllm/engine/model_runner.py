@@ -355,26 +355,36 @@ class ModelRunner:
         return tuple(put_on_mesh(buffers, self._replicated)), layout
 
     def compile_forward(
-        self, batch: StepBatch, feed_index: np.ndarray, context_index: Optional[np.ndarray] = None, *, wait: bool = True
+        self,
+        batch: StepBatch,
+        feed_index: np.ndarray,
+        context_index: Optional[np.ndarray] = None,
+        *,
+        wait: bool = True,
+        background: bool = False,
+        idle: bool = False,
     ) -> Optional[Future]:
         """Compile, without running, the model forward of `batch`'s shape (with `context_index`:
         its variant returning those tokens' logits too), on the compile threads (XLA compiles
         without holding the GIL, so several compile at once). `wait=False`: return the
         compile's future at once (the step that needs it waits for it, and nothing compiles
-        twice)."""
+        twice). `background`, `idle`: see `ProgramCache.start`."""
         tree = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
         inputs, layout = pack(tree)
-        future = self.programs.start("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
+        args = (self.params, self.kv_cache, inputs, self._zero_tokens)
+        future = self.programs.start("forward", args, layout, background=background, idle=idle)
         if not wait:
             return future
         future.result()
         return None
 
-    def compile_sampler(self, logits: Any, sampling: SamplingTensors, *, wait: bool = True) -> Optional[Future]:
+    def compile_sampler(
+        self, logits: Any, sampling: SamplingTensors, *, wait: bool = True, background: bool = False, idle: bool = False
+    ) -> Optional[Future]:
         """Compile, without running, the sampler of `sampling`'s static switches over `logits`
-        (an array or a `jax.ShapeDtypeStruct` with its sharding); `wait` as in `compile_forward`."""
+        (an array or a `jax.ShapeDtypeStruct` with its sharding); the rest as in `compile_forward`."""
         inputs, layout = pack(sampling)
-        future = self.programs.start("sampler", (logits, inputs), layout)
+        future = self.programs.start("sampler", (logits, inputs), layout, background=background, idle=idle)
         if not wait:
             return future
         future.result()

@@ -6,6 +6,8 @@ holding the GIL, so several run at once), or in the step's own thread when a ste
 program nobody has started; a program under way is waited for, never compiled twice. With an
 executable store (`jaxllm.engine.executable_store`) a program stored by an earlier process is
 loaded instead, skipping tracing and lowering as well, and each one compiled here is stored.
+A compile started with `background=True` (after "ready": it only makes steps cheaper) runs on
+the low-priority threads of `jaxllm.engine.background_compiles` instead.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from jaxllm.engine.background_compiles import BackgroundCompiles
 from jaxllm.engine.executable_store import ExecutableStore, UnstableKey, compile_here, describe, describe_arguments
 from jaxllm.engine.host_transfer import PackedLayout
 
@@ -55,15 +59,34 @@ class ProgramCache:
         self._compiling: dict[tuple[str, PackedLayout], Future] = {}
         self._queued: dict[tuple[str, PackedLayout], Future] = {}  # the compile threads' tasks
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._background: Optional[BackgroundCompiles] = None
         self._closed = False  # no more background compiles (a step may still compile its own)
         self._lock = threading.Lock()
         self.compile_workers = compile_workers or default_compile_workers()
         self.compile_seconds = 0.0  # summed over programs (several compile at once), loads included
         self.compile_wait_seconds = 0.0  # time steps spent waiting for a program to compile
         self.programs_loaded = 0  # programs loaded from the executable store (not traced or compiled)
+        # Programs compiled (or loaded) per thread name: a step's own compiles are on its thread.
+        self.compiles_by_thread: dict[str, int] = {}
 
     def num_variants(self, kind: str) -> int:
         return len(self._exes[kind])
+
+    def has(self, kind: str, layout: PackedLayout) -> bool:
+        """Whether program `kind` is compiled for `layout`."""
+        return layout in self._exes[kind]
+
+    @property
+    def background_pending(self) -> int:
+        """Background compiles queued or under way."""
+        background = self._background
+        return 0 if background is None else background.pending
+
+    @property
+    def background_done(self) -> int:
+        """Background compiles finished."""
+        background = self._background
+        return 0 if background is None else background.done
 
     def executables(self, kind: str) -> dict[PackedLayout, Any]:
         """Program `kind`'s executables by layout (a copy)."""
@@ -121,9 +144,17 @@ class ProgramCache:
             logger.warning("a %s variant is not stored: its key could not be built (%r)", kind, exc)
         return None
 
-    def _run_compile(self, kind: str, abstract_args: tuple, layout: PackedLayout, future: Future) -> None:
+    def _run_compile(
+        self,
+        kind: str,
+        abstract_args: tuple,
+        layout: PackedLayout,
+        future: Future,
+        run: Callable[..., Any] = lambda fn, *args: fn(*args),
+    ) -> None:
         """Compile one program (or load it from the executable store, which skips tracing and
-        lowering too) and hand it to `future`; a compiled program is stored afterwards."""
+        lowering too) and hand it to `future`; a compiled program is stored afterwards. `run(fn,
+        *args)` runs XLA's compile (`BackgroundCompiles.at_low_priority` for a background one)."""
         start = time.perf_counter()
         entry = None
         try:
@@ -131,7 +162,7 @@ class ProgramCache:
             exe = self._store.load(key) if key is not None else None
             loaded = exe is not None
             if exe is None:
-                exe, compiled_here = compile_here(self._jitted[kind].lower(*abstract_args, layout=layout))
+                exe, compiled_here = run(compile_here, self._jitted[kind].lower(*abstract_args, layout=layout))
                 if key is not None and not compiled_here:  # from one of JAX's caches: not storable
                     self._store.count_from_jax_cache()
                 elif key is not None:  # serialized before anything runs it (XLA:CPU cannot after)
@@ -144,9 +175,11 @@ class ProgramCache:
             return
         elapsed = time.perf_counter() - start
         logger.debug("%s a %s variant in %.2fs", "loaded" if loaded else "compiled", kind, elapsed)
+        thread = threading.current_thread().name
         with self._lock:
             self.compile_seconds += elapsed
             self.programs_loaded += loaded
+            self.compiles_by_thread[thread] = self.compiles_by_thread.get(thread, 0) + 1
             self._exes[kind][layout] = exe
             self._compiling.pop((kind, layout), None)
             self._queued.pop((kind, layout), None)
@@ -154,8 +187,12 @@ class ProgramCache:
         if entry is not None:
             self._store.write(key, entry)
 
-    def start(self, kind: str, args: tuple, layout: PackedLayout) -> Future:
-        """Compile on the compile threads (see `_claim`); returns the compile's future."""
+    def start(
+        self, kind: str, args: tuple, layout: PackedLayout, *, background: bool = False, idle: bool = False
+    ) -> Future:
+        """Compile on the compile threads (see `_claim`); returns the compile's future.
+        `background`: on the low-priority background threads instead, `idle` there: only
+        once the engines of this process are idle (see `jaxllm.engine.background_compiles`)."""
         future, mine = self._claim(kind, layout)
         if mine:
             with self._lock:
@@ -163,11 +200,34 @@ class ProgramCache:
                     self._compiling.pop((kind, layout), None)
                     future.set_exception(RuntimeError("the model runner is closed"))
                     return future
+                if background:
+                    if self._background is None:
+                        self._background = BackgroundCompiles(
+                            max(1, self.compile_workers // 2), hold_while_busy=self._on_cpu()
+                        )
+                    background = self._background
+                    task = background.submit(
+                        self._run_compile,
+                        kind,
+                        self.abstract(args),
+                        layout,
+                        future,
+                        background.at_low_priority,
+                        idle=idle,
+                    )
+                    self._queued[(kind, layout)] = task
+                    return future
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.compile_workers, thread_name_prefix="jaxllm-compile")
                 pool = self._pool
             self._queued[(kind, layout)] = pool.submit(self._run_compile, kind, self.abstract(args), layout, future)
         return future
+
+    def _on_cpu(self) -> bool:
+        """Whether the programs run on CPU devices (whose cores the compiles share)."""
+        mesh = getattr(self._replicated, "mesh", None)
+        devices = mesh.devices.flat if mesh is not None else jax.local_devices()
+        return any(d.platform == "cpu" for d in devices)
 
     def get(self, kind: str, args: tuple, layout: PackedLayout) -> Any:
         """The executable for `layout`. A program not compiled yet is compiled in this thread
@@ -193,6 +253,7 @@ class ProgramCache:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
+            background, self._background = self._background, None
             queued, self._queued = self._queued, {}
         for key, task in queued.items():
             if task.cancel():
@@ -202,3 +263,5 @@ class ProgramCache:
                     future.set_exception(RuntimeError("the model runner was closed before this program compiled"))
         if pool is not None:
             pool.shutdown(wait=True)
+        if background is not None:
+            background.close()

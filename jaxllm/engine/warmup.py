@@ -41,10 +41,13 @@ class ProgramWarmup:
         logits_outputs: bool,
         attention_dp: bool,
         decode_compiler: Optional[BucketCompiler] = None,
+        general_sampler: Optional[Callable[[int], SamplingTensors]] = None,
     ) -> None:
         """`runner`: where programs compile and run (the mirrored runner on a multi-host
         leader); `logits_outputs`: whether requests may ask for logits (their programs are
-        then compiled too, with `EngineConfig.warmup_logits_outputs`)."""
+        then compiled too, with `EngineConfig.warmup_logits_outputs`); `general_sampler(rows)`:
+        the tensors of the general sampler variant, compiled for every number of rows a step
+        compiled here can have (`jaxllm.engine.sampler_variants`; None: not compiled)."""
         self.runner = runner
         self.planner = planner
         self.config = config
@@ -54,6 +57,7 @@ class ProgramWarmup:
         self.decode_compiler = decode_compiler  # the small decode buckets' (None: none, or no compile-ahead)
         self.logits_outputs = logits_outputs and config.warmup_logits_outputs
         self.attention_dp = attention_dp
+        self.general_sampler = general_sampler
 
     def decode_bucket(self) -> int:
         """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
@@ -73,8 +77,11 @@ class ProgramWarmup:
 
     def first_buckets(self) -> list[int]:
         """The token buckets a background warm-up compiles before returning: the decode bucket
-        (every decode step fits it, and so does a short prompt)."""
-        return [self.decode_bucket()]
+        (every decode step fits it, and so does a short prompt), or the smallest holding a KV
+        block when that is larger (steps are held to the compiled buckets, and a prompt chunk
+        is whole blocks)."""
+        tokens = max(self.config.max_batch_size, self.planner.kv_cache_manager.tokens_per_block)
+        return [choose_token_bucket(tokens, self.config.max_num_tokens, self.config.min_token_bucket)]
 
     def first_decode_sizes(self) -> list[int]:
         """The decode buckets a background warm-up compiles before returning: the smallest (one
@@ -85,10 +92,11 @@ class ProgramWarmup:
         """The `total` that `run` reports to `progress`, known before anything compiles (a
         progress bar's length): one per forward and sampler variant (and context-logits
         variant) compiled before `run` returns."""
+        general = self.general_sampler is not None
         if self.in_background(background):
             return len(self.first_buckets()) + len(self.first_decode_sizes()) + 1
         buckets = self.planner.token_buckets()
-        variants = len(SAMPLER_VARIANTS) if all_variants else 1
+        variants = (len(SAMPLER_VARIANTS) if all_variants else 1) + general
         rows = 1 + len(self.decode_sizes())
         return self.num_forwards() + variants * rows + len(self._logits_variants(buckets))
 
@@ -108,11 +116,16 @@ class ProgramWarmup:
         else:
             self._all(buckets, variants, progress, self.num_pieces(all_variants, background))
 
+    def _samplings(self, rows: int, variants: Any) -> list[SamplingTensors]:
+        """Empty sampling tensors of `rows` rows for each variant, and the general one."""
+        samplings = [SamplingTensors.empty(rows, self.max_seq_len, **flags) for flags in variants]
+        return samplings + ([self.general_sampler(rows)] if self.general_sampler is not None else [])
+
     def _all(self, buckets: list[int], variants: Any, progress: Progress, total: int) -> None:
         runner = self.runner
         batches = [self.planner.empty_step(bucket) for bucket in buckets]
         decode_batches = [self.planner.empty_step(0, rows) for rows in self.decode_sizes()]
-        samplings = [SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len, **flags) for flags in variants]
+        samplings = self._samplings(self.num_sampler_rows, variants)
         pending = [runner.compile_forward(*batch, wait=False) for batch in decode_batches + batches[1:]]
         logits = runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
         runner.compile_batched_processors(logits)
@@ -135,8 +148,8 @@ class ProgramWarmup:
         for rows, batch in zip(self.decode_sizes(), decode_batches):
             rows_logits = runner.forward(*batch, None)
             pending += [
-                runner.compile_sampler(rows_logits, SamplingTensors.empty(rows, self.max_seq_len, **flags), wait=False)
-                for flags in variants
+                runner.compile_sampler(rows_logits, sampling, wait=False)
+                for sampling in self._samplings(rows, variants)
             ]
         self._wait(pending, done, progress, total)
         if self.bucket_compiler is not None:
@@ -170,11 +183,17 @@ class ProgramWarmup:
         # They compile at once on the compile threads (on a CPU that is the build's cores, idle).
         for future in [runner.compile_forward(*step, wait=False) for step in steps]:
             future.result()
+        generals = []
         for step in steps:  # each runs once (empty batches write nothing); a token bucket last
             logits = runner.forward(*step, None)
+            if self.general_sampler is not None:  # any sampling setting runs without a compile
+                rows = int(logits.shape[0])
+                generals.append(runner.compile_sampler(logits, self.general_sampler(rows), wait=False))
         runner.compile_batched_processors(logits)
         greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
         out = runner.sample(logits, greedy)
+        for future in generals:
+            future.result()
         runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
         np.asarray(out.token_ids)
         self.bucket_compiler.mark_ready(first)
@@ -184,8 +203,8 @@ class ProgramWarmup:
         if self.decode_compiler is not None:
             self.decode_compiler.mark_ready(first_rows)
             self.decode_compiler.defer([rows for rows in self.decode_sizes() if rows not in first_rows])
-        # Another sampler variant compiles on the step of the first request that needs it (in a
-        # fraction of a forward's compile time), not ahead: most runs never use most variants.
+        # Another sampler variant is not compiled ahead (most runs never use most variants): a
+        # step that needs one runs the general variant while it compiles (sampler_variants).
         if self.logits_outputs:
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
             for bucket in buckets:

@@ -13,9 +13,10 @@ from jaxllm.sampling.params import (
 )
 from jaxllm.sampling.sampler import SamplerOutput, apply_penalties, apply_suppression, sample
 from jaxllm.sampling.stopping import check_stop
-from jaxllm.sampling.tensors import SAMPLER_VARIANTS, SUPPRESS_WIDTH, SamplingTensors
+from jaxllm.sampling.tensors import GENERAL_VARIANT, SAMPLER_VARIANTS, SUPPRESS_WIDTH, SamplingTensors
 
 __all__ = [
+    "GENERAL_VARIANT",
     "GREEDY_TEMPERATURE_EPS",
     "GuidedDecodingParams",
     "INT32_MAX",

@@ -42,6 +42,11 @@ SAMPLER_VARIANTS: tuple[dict, ...] = tuple(
 )
 """Every combination of the static switches `build` can produce (keywords of `empty`)."""
 
+GENERAL_VARIANT: dict = dict(
+    use_penalties=True, num_top_logprobs=MAX_LOGPROBS, any_random=True, use_top_k_top_p=True, use_token_bitmask=True
+)
+"""The variant with every switch on: it handles any setting (`SamplingTensors.generalized`)."""
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -87,6 +92,23 @@ class SamplingTensors:
                 f"token_bitmask must be int32[{self.batch_size}, words], got {bitmask.dtype}{list(bitmask.shape)}"
             )
         return replace(self, token_bitmask=bitmask, use_token_bitmask=True)
+
+    def generalized(self, history_len: int, bitmask_words: int) -> SamplingTensors:
+        """These rows as the general variant (`GENERAL_VARIANT`: every switch on), which samples
+        the same tokens: an empty history penalizes nothing, an all-ones bitmask allows every
+        token, a greedy row ignores the draw and a row without top-k / top-p keeps every token.
+        One compiled program then serves any setting while the best-fitting one compiles."""
+        S = self.batch_size
+        history_ids, history_is_output = self.history_ids, self.history_is_output
+        if not self.use_penalties:
+            history_ids = np.full((S, history_len), -1, np.int32)
+            history_is_output = np.zeros((S, history_len), np.bool_)
+        bitmask = self.token_bitmask
+        if not self.use_token_bitmask:
+            bitmask = np.full((S, bitmask_words), -1, np.int32)
+        return replace(
+            self, history_ids=history_ids, history_is_output=history_is_output, token_bitmask=bitmask, **GENERAL_VARIANT
+        )
 
     @classmethod
     def empty(

@@ -69,6 +69,20 @@ class MicroBatchScheduler:
         self.max_num_tokens = max_num_tokens
         self.chunking = chunking
         self.max_context_length = max_context_length
+        self._token_cap: Optional[int] = None  # a lower budget for now (`cap_tokens`)
+
+    def cap_tokens(self, cap: Optional[int]) -> None:
+        """Take at most `cap` tokens per step until called again (None: `max_num_tokens`); the
+        engine holds steps to its largest compiled bucket while larger ones compile."""
+        if cap is not None and cap < 1:
+            raise ValueError(f"a token cap must be >= 1, got {cap}")
+        self._token_cap = cap
+
+    @property
+    def token_limit(self) -> Optional[int]:
+        """The token budget of a step now: `max_num_tokens`, or the cap when lower."""
+        cap, limit = self._token_cap, self.max_num_tokens
+        return limit if cap is None else cap if limit is None else min(cap, limit)
 
     def schedule(
         self, active_requests: RequestList, inflight_request_ids: Optional[set[int]] = None
@@ -76,7 +90,7 @@ class MicroBatchScheduler:
         """Returns `(context_requests, generation_requests)`."""
         inflight = inflight_request_ids or ()
         max_batch = self.max_batch_size
-        max_tokens = self.max_num_tokens
+        max_tokens = self.token_limit
         # Generation requests cost one token (and batch row) per beam, `beam_width` for beam
         # search as in the reference; the first over a limit stops them.
         gen_limit = max_batch if max_tokens is None else min(max_batch, max_tokens)
@@ -114,9 +128,10 @@ class MicroBatchScheduler:
         for req in candidates:
             remaining = req.context_remaining_length
             if budget is not None and remaining > budget:
-                if self.max_num_tokens is None:
+                limit = self.token_limit
+                if limit is None:
                     raise AssertionError("a token budget is only set under max_num_tokens")
-                if remaining > self.max_num_tokens and budget > 0:
+                if remaining > limit and budget > 0:
                     req.context_chunk_size = budget  # could never run whole: split it
                     context.append(req)
                 break

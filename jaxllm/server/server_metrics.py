@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxllm.engine.background_compiles import compile_counts
+
 if TYPE_CHECKING:
     from jaxllm.executor.executor import GenerationExecutor
     from jaxllm.executor.result import GenerationResult
@@ -168,6 +170,15 @@ class ServerMetrics:
             ["model_name", "backend"],
             registry=r,
         )
+        self.compiles_pending = Gauge(
+            "jaxllm:num_compiles_pending",
+            "Programs left to compile in the background after ready (queued, under way or held for idle time).",
+            labels,
+            registry=r,
+        )
+        self.compiles_done = Gauge(
+            "jaxllm:num_compiles_done", "Programs compiled in the background after ready.", labels, registry=r
+        )
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
@@ -213,6 +224,7 @@ class ServerMetrics:
             kv = engine.kv_cache_manager.get_kv_cache_stats()
             waiting = engine.num_queued
             transceiver = getattr(engine, "kv_transceiver", None)
+            compiles = compile_counts(engine)
             return {
                 "running": len(engine.active) - waiting,
                 "waiting": waiting,
@@ -220,6 +232,8 @@ class ServerMetrics:
                 "total": kv.max_num_blocks,
                 "free": kv.free_num_blocks,
                 "held": None if transceiver is None else transceiver.num_held,
+                "compiles_pending": compiles["pending"],
+                "compiles_done": compiles["done"],
             }
 
         if not self.executor.is_healthy:
@@ -252,4 +266,7 @@ class ServerMetrics:
             self.kv_free_blocks.labels(**self._labels).set(state["free"])
             if state["held"] is not None:
                 self.kv_held.labels(**self._labels).set(state["held"])
+            if "compiles_pending" in state:  # read from the engine (not from the latest iteration)
+                self.compiles_pending.labels(**self._labels).set(state["compiles_pending"])
+                self.compiles_done.labels(**self._labels).set(state["compiles_done"])
         return generate_latest(self.registry)
