@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generation-devices", default=None, help="CUDA_VISIBLE_DEVICES of the generation worker")
     parser.add_argument("--aggregated-devices", default=None, help="CUDA_VISIBLE_DEVICES of the aggregated worker")
     parser.add_argument(
-        "--backend", default="DEFAULT", choices=["DEFAULT", "TCP", "SHM"], help="the workers' cache transceiver"
+        "--backend",
+        default="DEFAULT",
+        choices=["DEFAULT", "TCP", "SHM"],
+        metavar="BACKEND",
+        help="the workers' cache transceiver: TCP, SHM, or the best available for the hosts (%(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
