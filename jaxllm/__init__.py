@@ -5,7 +5,15 @@ TensorRT-LLM's `tensorrt_llm.llmapi`: `from jaxllm import LLM, SamplingParams, K
 
 import importlib
 
-from jaxllm.llm_args import CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig, MoeConfig, SchedulerConfig
+from jaxllm.llm_args import (
+    CacheTransceiverConfig,
+    CapacitySchedulerPolicy,
+    ContextChunkingPolicy,
+    DisaggregatedParams,
+    KvCacheConfig,
+    MoeConfig,
+    SchedulerConfig,
+)
 
 __version__ = "0.1.0"
 
@@ -39,6 +47,8 @@ __all__ = [
     "ContextChunkingPolicy",
     "MoeConfig",
     "MoeLoadBalancerConfig",
+    "CacheTransceiverConfig",
+    "DisaggregatedParams",
     "RequestOutput",
     "CompletionOutput",
     "NGramDecodingConfig",

@@ -17,6 +17,7 @@ from jaxllm.executor.executor import EXECUTOR_FIELDS, ExecutorConfig, Generation
 from jaxllm.executor.inputs import PromptInput, is_single_prompt, normalize_inputs
 from jaxllm.executor.result import GenerationResult
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
+from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
@@ -136,10 +137,12 @@ class LLM:
         timeout: Optional[float] = None,
         lora_request: Optional[LoRARequest] = None,
         kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
+        disaggregated_params: Optional[DisaggregatedParams] = None,
     ) -> GenerationResult:
         """Submit one prompt and return its `GenerationResult` at once (stream it, or await it);
         `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
-        priorities of its cached KV blocks."""
+        priorities of its cached KV blocks; `disaggregated_params`: a context-only or
+        generation-only request (the LLM needs cache_transceiver_config)."""
         self._check_open()
         if not is_single_prompt(inputs):
             raise ValueError("generate_async takes one prompt (a str or a list of int token ids)")
@@ -151,6 +154,7 @@ class LLM:
             timeout=timeout,
             lora_request=lora_request,
             kv_cache_retention_config=kv_cache_retention_config,
+            disaggregated_params=disaggregated_params,
         )
 
     def get_stats(self, timeout: Optional[float] = 2.0) -> list[dict]:

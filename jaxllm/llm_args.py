@@ -48,6 +48,19 @@ class SchedulerConfig:
         )
 
 
+# Values of `KvCacheConfig.dtype` / `--kv-cache-dtype` (TensorRT-LLM's and vLLM's names): "auto"
+# stores the KV cache in the model's dtype; "fp8" (or vLLM's "fp8_e4m3") as float8_e4m3fn.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def normalize_kv_cache_dtype(value: Any) -> str:
+    """'auto' or 'fp8' from an accepted spelling; anything else is a ValueError naming it."""
+    name = value.lower() if isinstance(value, str) else value
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_config.dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {value!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 @dataclass
 class KvCacheConfig:
     """Paged KV cache sizing. The smaller of `max_tokens` and the memory fraction wins."""
@@ -62,8 +75,12 @@ class KvCacheConfig:
     host_cache_size: Optional[int] = None
     # Blocks below this retention priority are dropped on eviction, not offloaded.
     secondary_offload_min_priority: Optional[int] = None
+    # "auto" (the model's dtype) or "fp8": K/V stored as float8_e4m3fn with per-layer scales
+    # (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bfloat16 per token.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.dtype = normalize_kv_cache_dtype(self.dtype)
         if self.host_cache_size is not None:
             self.host_cache_size = parse_byte_size("host_cache_size", self.host_cache_size)
             ram = physical_memory_bytes()
@@ -162,3 +179,90 @@ def check_known_fields(cls, kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown argument(s) for {cls.__name__}: {', '.join(unknown)}")
+
+
+CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM")  # accepted names; DEFAULT: the best available here
+
+
+@dataclass
+class CacheTransceiverConfig:
+    """A worker that hands KV blocks over to another (disaggregated prefill and decode), as
+    TensorRT-LLM's `cache_transceiver_config`. `backend`: how a generation worker pulls the
+    blocks: "TCP", a host-memory stream that works between processes and hosts; "SHM", a
+    shared-memory segment when the context worker is on the same host, TCP otherwise;
+    "DEFAULT" picks the best available (SHM).
+    `max_tokens_in_buffer`: the most tokens' worth of blocks staged in host memory at once
+    per transfer (None: a whole request). `kv_transfer_timeout_ms`: how long a context-only
+    request's blocks stay held for a generation worker to claim them."""
+
+    backend: str = "DEFAULT"
+    max_tokens_in_buffer: Optional[int] = None
+    kv_transfer_timeout_ms: int = 60_000
+
+    def __post_init__(self) -> None:
+        backend = str(self.backend).upper()
+        if backend not in CACHE_TRANSCEIVER_BACKENDS:
+            raise ValueError(
+                f"cache_transceiver_config.backend must be one of {', '.join(CACHE_TRANSCEIVER_BACKENDS)}, "
+                f"got {self.backend!r}"
+            )
+        self.backend = "SHM" if backend == "DEFAULT" else backend
+        tokens = self.max_tokens_in_buffer
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(
+                f"cache_transceiver_config.max_tokens_in_buffer must be a positive integer, got {tokens!r}"
+            )
+        timeout = self.kv_transfer_timeout_ms
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+            raise ValueError(
+                f"cache_transceiver_config.kv_transfer_timeout_ms must be a positive integer, got {timeout!r}"
+            )
+
+
+REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+
+
+@dataclass
+class DisaggregatedParams:
+    """Per-request fields of disaggregated serving (TensorRT-LLM's `DisaggregatedParams`).
+
+    A `context_only` request prefills, returns its first token and keeps its KV blocks for a
+    generation worker; the answer carries `ctx_request_id`, `opaque_state` (the claim's
+    secret) and `ctx_info_endpoint` (where the blocks are served). A `generation_only`
+    request carries those back with `first_gen_tokens`; the worker pulls the blocks and
+    decodes from there. `kv_payload` is set by the generation worker once it pulled them."""
+
+    request_type: str = "context_and_generation"
+    first_gen_tokens: Optional[list[int]] = None
+    ctx_request_id: Optional[int] = None
+    opaque_state: Optional[str] = None
+    ctx_info_endpoint: Optional[str] = None
+    draft_tokens: Optional[list[int]] = None
+    kv_payload: Any = None
+
+    def __post_init__(self) -> None:
+        if self.request_type not in REQUEST_TYPES:
+            raise ValueError(
+                f"disaggregated_params.request_type must be one of {', '.join(REQUEST_TYPES)}, "
+                f"got {self.request_type!r}"
+            )
+        if self.draft_tokens:
+            raise ValueError("disaggregated_params.draft_tokens is not supported")
+        if self.request_type == "generation_only":
+            missing = [
+                name
+                for name in ("first_gen_tokens", "ctx_request_id", "opaque_state", "ctx_info_endpoint")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(f"disaggregated_params: a generation_only request needs {', '.join(missing)}")
+            if len(self.first_gen_tokens or ()) != 1:
+                raise ValueError("disaggregated_params.first_gen_tokens must hold exactly one token id")
+
+    @property
+    def context_only(self) -> bool:
+        return self.request_type == "context_only"
+
+    @property
+    def generation_only(self) -> bool:
+        return self.request_type == "generation_only"

@@ -115,8 +115,8 @@ def test_cli_flags_and_refused_combinations():
     add_engine_args(parser)
     kwargs = engine_kwargs(parser.parse_args(["--quantization", "fp8", "--fp8-activation-scheme", "none"]))
     assert kwargs["quantization"] == "fp8" and kwargs["fp8_activation_scheme"] == "none"
-    with pytest.raises(ValueError, match="quantization must be 'fp8' or None, got 'int4'"):
-        EngineConfig(model="tiny-moe", quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int8', 'int4' or None, got 'nf4'"):
+        EngineConfig(model="tiny-moe", quantization="nf4")
     with pytest.raises(ValueError, match="fp8_activation_scheme must be"):
         EngineConfig(model="tiny-moe", fp8_activation_scheme="static")
     config = with_quantization(load_model_config(_tiny_moe_dir()), "fp8")

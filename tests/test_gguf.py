@@ -74,6 +74,21 @@ def _stacked(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def _dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Q8_0 / Q4_0 linears stay quantized (int8 values + `weight_scale` per 32 inputs): folded
+    back to float here, as the step does before each matmul."""
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith(".weight_scale"):
+            continue
+        scale = tensors.get(name + "_scale")
+        if scale is not None:
+            assert value.dtype == np.int8
+            value = (value.reshape(*scale.shape, 32).astype(np.float32) * scale[..., None]).reshape(value.shape)
+        out[name] = value
+    return out
+
+
 def _oracle(path: Path, gguf_name: str, config):
     # The original config gives the shapes: transformers' GGUF config reader ignores
     # attention.key_length for qwen3 and expert_feed_forward_length for qwen3moe.
@@ -86,7 +101,9 @@ def _oracle(path: Path, gguf_name: str, config):
 def test_weights_match_transformers_gguf_loader(tiny, tmp_path, arch, qtype):
     path, model, tokenizer = tiny(arch)
     gguf_path = write_gguf(model, tokenizer, arch, path / f"{qtype}.gguf", qtype)
-    ours = _stacked(load_file(str(convert_gguf(gguf_path, tmp_path / "hf", progress=False) / "model.safetensors")))
+    ours = _stacked(
+        _dequantized(load_file(str(convert_gguf(gguf_path, tmp_path / "hf", progress=False) / "model.safetensors")))
+    )
     reference = _oracle(path, gguf_path.name, model.config)
     theirs = _stacked({k: v.float().numpy() for k, v in reference.state_dict().items()})
     if model.config.tie_word_embeddings:
@@ -121,7 +138,7 @@ def test_k_quant_weights_match_transformers_gguf_loader(tmp_path):
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors}
     assert {types["blk.0.attn_q.weight"], types["blk.0.attn_k.weight"]} == {"Q4_K", "Q6_K"}
     assert types["blk.0.ffn_down.weight"] == "Q8_0"
-    ours = load_file(str(convert_gguf(gguf_path, tmp_path / "hf", progress=False) / "model.safetensors"))
+    ours = _dequantized(load_file(str(convert_gguf(gguf_path, tmp_path / "hf", progress=False) / "model.safetensors")))
     theirs = {k: v.float().numpy() for k, v in _oracle(path, gguf_path.name, model.config).state_dict().items()}
     assert sorted(ours) == sorted(theirs)
     for name, value in theirs.items():
@@ -236,7 +253,7 @@ def test_mixtral_gguf_is_llama_with_experts(tiny, tmp_path, monkeypatch):
     gguf_path = write_gguf(model, tokenizer, "mixtral", path / "F32.gguf", "F32")
     converted = convert_gguf(gguf_path, tmp_path / "hf", progress=False)
     assert json.loads((converted / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
-    ours = _stacked(load_file(str(converted / "model.safetensors")))
+    ours = _stacked(_dequantized(load_file(str(converted / "model.safetensors"))))
     original = _stacked({k: v.float().numpy() for k, v in model.state_dict().items()})
     assert sorted(ours) == sorted(original)
     for name, value in original.items():

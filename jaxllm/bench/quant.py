@@ -1,13 +1,16 @@
-"""FP8 weights next to the float model (`jaxllm bench quant`): weight bytes on the device,
-teacher-forced top-1 agreement with the float model, and decode tokens/s.
+"""Quantized weights and KV cache next to the float model (`jaxllm bench quant`): weight
+bytes on the device, KV cache bytes per token, teacher-forced top-1 agreement with the float
+model, and decode tokens/s.
 
-Four engines on the same checkpoint: the float model (`dtype="auto"`: float32 on CPU), the
-same in bfloat16, FP8 weights with float activations (`fp8_activation_scheme="none"`), and
-FP8 weights with dynamic per-token-group FP8 activations (the default). Agreement: each engine's
-context logits over one fixed English passage, argmax compared position by position with
-the float model's. Bytes: every array the engine holds as weights (FP8 values and float32
-scales included), on the most loaded device. Speed is a GPU figure; on CPU the FP8 rows also
-pay for dequantizing inside the step.
+Engines on the same checkpoint: the float model (`dtype="auto"`: float32 on CPU), the same
+in bfloat16, FP8 weights with float activations (`fp8_activation_scheme="none"`) and with
+dynamic per-token-group FP8 activations (the default), weight-only int8 and int4 with one
+scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks, `quantization="int8"` / `"int4"`), and the
+float model with an FP8 KV cache (`KvCacheConfig(dtype="fp8")`, scales 1.0). Agreement: each
+engine's context logits over one fixed English passage, argmax compared position by position
+with the float model's. Bytes: every array the engine holds as weights (quantized values and
+float32 scales included), on the most loaded device. Speed is a GPU figure; on CPU the
+quantized rows also pay for dequantizing inside the step.
 
     jaxllm bench quant --model smollm2
 """
@@ -30,12 +33,15 @@ PASSAGE = (
     "water to fall again. In the dry months the river shrinks to a thin line of water between wide "
     "banks of pale gravel, and children walk across it to reach the fields on the other side."
 )
-# (row, dtype, quantization, fp8_activation_scheme)
+# (row, dtype, quantization, fp8_activation_scheme, KV cache dtype)
 VARIANTS = (
-    ("float", "auto", None, "dynamic"),
-    ("bfloat16", "bfloat16", None, "dynamic"),
-    ("fp8 weights-only", "auto", "fp8", "none"),
-    ("fp8 dynamic", "auto", "fp8", "dynamic"),
+    ("float", "auto", None, "dynamic", "auto"),
+    ("bfloat16", "bfloat16", None, "dynamic", "auto"),
+    ("fp8 weights-only", "auto", "fp8", "none", "auto"),
+    ("fp8 dynamic", "auto", "fp8", "dynamic", "auto"),
+    ("int8 (Q8_0)", "auto", "int8", "none", "auto"),
+    ("int4 (Q4_0)", "auto", "int4", "none", "auto"),
+    ("fp8 KV cache", "auto", None, "dynamic", "fp8"),
 )
 
 
@@ -53,14 +59,16 @@ def held_weight_bytes(params: Any) -> int:
     return max(per_device.values())
 
 
-def run_variant(args: argparse.Namespace, dtype: str, quantization: Any, scheme: str) -> dict:
-    from jaxllm import LLM, SamplingParams
+def run_variant(args: argparse.Namespace, dtype: str, quantization: Any, scheme: str, kv_dtype: str) -> dict:
+    from jaxllm import LLM, KvCacheConfig, SamplingParams
+    from jaxllm.models import kv_cache_bytes_per_token
 
     llm = LLM(
         args.model,
         dtype=dtype,
         quantization=quantization,
         fp8_activation_scheme=scheme,
+        kv_cache_config=KvCacheConfig(dtype=kv_dtype),
         max_batch_size=args.batch,
         max_num_tokens=512,
         max_seq_len=512,
@@ -68,6 +76,7 @@ def run_variant(args: argparse.Namespace, dtype: str, quantization: Any, scheme:
     )
     try:
         nbytes = llm.executor.call_on_engine(lambda e: held_weight_bytes(e.runner.params))
+        kv_bytes = llm.executor.call_on_engine(lambda e: kv_cache_bytes_per_token(e.model_config))
         ids = llm.tokenizer.encode(PASSAGE)[: args.passage_tokens]
         out = llm.generate(
             [ids], SamplingParams(max_tokens=1, temperature=0, return_context_logits=True), use_tqdm=False
@@ -82,7 +91,7 @@ def run_variant(args: argparse.Namespace, dtype: str, quantization: Any, scheme:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     finally:
         llm.shutdown()
-    return dict(bytes=nbytes, top1=logits.argmax(-1), tok_s=tokens / seconds)
+    return dict(bytes=nbytes, kv=kv_bytes, top1=logits.argmax(-1), tok_s=tokens / seconds)
 
 
 def main(argv: Any = None) -> int:
@@ -93,17 +102,30 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--passage-tokens", type=int, default=256, help="teacher-forced positions compared")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=[v[0] for v in VARIANTS],
+        default=None,
+        help="only these rows (and the float one they are compared with)",
+    )
     args = parser.parse_args(argv)
-    rows = {name: run_variant(args, dtype, q, scheme) for name, dtype, q, scheme in VARIANTS}
+    chosen = [v for v in VARIANTS if args.rows is None or v[0] in args.rows]
+    if not any(v[0] == "float" for v in chosen):
+        chosen.insert(0, VARIANTS[0])
+    rows = {name: run_variant(args, *rest) for name, *rest in chosen}
     base = rows["float"]
     print(
         f"model {args.model}: {len(base['top1'])} teacher-forced positions, {args.batch} x {args.decode_tokens} decode"
     )
-    print(f"{'weights':<18}{'MiB':>9}{'x float':>9}{'top-1 = float':>15}{'decode tok/s':>14}{'x float':>9}")
+    print(
+        f"{'variant':<18}{'weights MiB':>12}{'x float':>9}{'KV B/token':>12}{'x float':>9}"
+        f"{'top-1 = float':>15}{'decode tok/s':>14}{'x float':>9}"
+    )
     for name, r in rows.items():
         agree = float(np.mean(r["top1"] == base["top1"]))
         print(
-            f"{name:<18}{r['bytes'] / 2**20:>9.1f}{r['bytes'] / base['bytes']:>9.3f}{agree:>15.3f}"
-            f"{r['tok_s']:>14.1f}{r['tok_s'] / base['tok_s']:>9.2f}"
+            f"{name:<18}{r['bytes'] / 2**20:>12.1f}{r['bytes'] / base['bytes']:>9.3f}{r['kv']:>12,}"
+            f"{r['kv'] / base['kv']:>9.3f}{agree:>15.3f}{r['tok_s']:>14.1f}{r['tok_s'] / base['tok_s']:>9.2f}"
         )
     return 0

@@ -27,6 +27,7 @@ SUBCOMMAND_MODULES = {
     "serve": "jaxllm.cli.serve",
     "worker": "jaxllm.cli.worker",
     "plan": "jaxllm.cli.plan",
+    "disaggregated": "jaxllm.cli.disaggregated",
 }
 
 
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "plan",
         help="per-device weight bytes and KV tokens of a layout, from config.json (jaxllm plan --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "disaggregated",
+        help="router of disaggregated prefill and decode workers (jaxllm disaggregated --help)",
         add_help=False,
     )
     sub.add_parser(

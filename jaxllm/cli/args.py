@@ -138,9 +138,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["fp8"],
+        choices=["fp8", "int8", "int4"],
         help="fp8: quantize an unquantized checkpoint to FP8 (128x128 block scales) while loading "
-        "(FP8 checkpoints such as DeepSeek-V3's load quantized without it)",
+        "(FP8 checkpoints such as DeepSeek-V3's load quantized without it); int8 / int4: weight-only "
+        "integers with one scale per 32 inputs (GGUF Q8_0 / Q4_0 blocks; GGUF files in those types load so)",
     )
     g.add_argument(
         "--fp8-activation-scheme",
@@ -181,6 +182,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         metavar="BYTES",
         help="host memory for a second KV tier that keeps reusable blocks evicted from the device "
         "(KvCacheConfig.host_cache_size; units such as 8GiB or 512MB; unset: no host tier)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        dest="kv_cache_dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="KvCacheConfig.dtype: auto (the model's dtype) or fp8 (float8_e4m3fn with per-layer scales: "
+        "the checkpoint's k_scale/v_scale, else 1.0)",
     )
     g.add_argument(
         "--kv-cache-free-gpu-memory-fraction",
@@ -418,6 +427,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_tokens=args.kv_cache_max_tokens,
         host_cache_size=getattr(args, "kv_cache_host_size", None),
         free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9),
+        dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype,

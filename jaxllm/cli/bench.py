@@ -31,16 +31,19 @@ BENCHMARKS = {
     "quant": "jaxllm.bench.quant",
     "kv-tier": "jaxllm.bench.kv_tier",
     "spec": "jaxllm.bench.spec",
+    "disagg": "jaxllm.bench.disagg",
 }
 BENCHMARK_HELP = {
     "spec": "speculative decoding (--method ngram) next to the same engine without it on a workload whose "
     "output repeats its input: tokens/s, speed-up and acceptance length at concurrency 1/8/32",
+    "disagg": "disaggregated vs aggregated serving on real worker processes: ITL p50/p99 of decoding requests "
+    "while long prompts arrive, side by side; KV transfer time and bytes per request",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "
     "on and an unbounded pool side by side (prefill tokens, TTFT p50/p99, tokens/s, bytes moved)",
     "structured": "structured output's cost: tokens/s and host ms per step with no, one and every request "
     "of a batch following a JSON schema; grammar compile time cold and cached",
-    "quant": "FP8 weights (weights-only and with dynamic FP8 activations) next to the float model: weight "
-    "bytes on the device, teacher-forced top-1 agreement, decode tokens/s",
+    "quant": "FP8 weights (weights-only, dynamic FP8 activations), int8/int4 weights and an FP8 KV cache next "
+    "to the float model: weight and KV bytes, teacher-forced top-1 agreement, decode tokens/s",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
     "numerics against CPU (--dry-run: CPU rehearsal)",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "

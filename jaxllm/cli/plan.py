@@ -2,7 +2,7 @@
 tokens that fit beside them, from config.json alone (no weights are read).
 
     jaxllm plan --model deepseek-ai/DeepSeek-V3 --tp 8 --ep 8 --gpu h200
-    jaxllm plan --model ./my-model --tp 2 --quantization fp8
+    jaxllm plan --model ./my-model --tp 2 --quantization fp8 --kv-cache-dtype fp8
 
 Exit status 0 when the layout fits (the weights leave room for at least one sequence of
 `--max-seq-len` tokens), 1 when it does not, 2 on bad input.
@@ -19,6 +19,7 @@ from typing import Optional
 
 from jaxllm.cli.args import ArgumentParser, HelpFormatter
 from jaxllm.models.known_configs import KNOWN_CONFIGS
+from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.memory_plan import GPU_MEMORY_BYTES, MemoryPlan, plan_memory
 from jaxllm.models.model_config import ModelConfig, load_model_config
 from jaxllm.models.quantized_loading import with_quantization
@@ -44,12 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (a multiple of --tp; default --tp)")
     p.add_argument(
         "--quantization",
-        choices=["fp8", "none"],
+        choices=["fp8", "int8", "int4", "none"],
         default=None,
-        help="fp8: weights in FP8 with 128x128 block scales; none: the checkpoint's float dtype even if it "
-        "ships FP8 (default: as the checkpoint is)",
+        help="fp8: weights in FP8 with 128x128 block scales; int8 / int4: weight-only with one scale per 32 "
+        "inputs (GGUF Q8_0 / Q4_0); none: the checkpoint's float dtype even if it ships quantized (default: as "
+        "the checkpoint is)",
     )
     p.add_argument("--dtype", default=None, help="float dtype of unquantized weights and the KV cache")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="auto: the KV cache in the model's dtype; fp8: float8_e4m3fn (one byte per value)",
+    )
     p.add_argument("--free-gpu-memory-fraction", type=float, default=0.9, help="share of free memory for KV")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--num-slots", type=int, default=None, help="MoE expert slots per layer (default: one per expert)")
@@ -81,6 +89,9 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
         config = replace(config, quantization=None)
     elif args.quantization == "fp8":
         config = with_quantization(config, "fp8")
+    elif args.quantization is not None:  # int8 / int4 blocks instead of what the checkpoint ships
+        config = with_quantization(replace(config, quantization=None), args.quantization)
+    config = with_kv_cache_dtype(config, None, args.kv_cache_dtype)
     parallel = ParallelConfig(tensor_parallel_size=args.tp, moe_expert_parallel_size=args.ep)
     num_gpus = args.num_gpus or args.tp
     if num_gpus % args.tp:
@@ -99,7 +110,11 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
 
 def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_seq_len: int) -> str:
     q = config.quantization
-    weights = "fp8 (e4m3, 128x128 block scales)" if q else config.dtype
+    weights = (
+        config.dtype
+        if q is None
+        else f"{q.value_dtype} (scales per {q.weight_block_size[0]}x{q.weight_block_size[1] or 'row'} block)"
+    )
     num_gpus = args.num_gpus or args.tp
     unit, unit_name = (GB, "GiB") if plan.weights_per_device >= GB else (2**20, "MiB")
     lines = [
@@ -113,11 +128,11 @@ def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_
     for kind, nbytes in plan.weight_bytes.items():
         lines.append(f"  {kind:<22}{nbytes / unit:>10.2f}")
     if plan.scale_bytes:
-        lines.append(f"  {'(of which FP8 scales)':<22}{plan.scale_bytes / unit:>10.2f}")
+        lines.append(f"  {'(of which scales)':<22}{plan.scale_bytes / unit:>10.2f}")
     lines.append(f"  {'total':<22}{plan.weights_per_device / unit:>10.2f}")
     lines += [
         "",
-        f"KV cache   {plan.kv_bytes_per_token} bytes/token/device ({config.dtype}); "
+        f"KV cache   {plan.kv_bytes_per_token} bytes/token/device ({kv_storage_dtype(config).name}); "
         f"{plan.kv_tokens:,} tokens fit in {plan.free_memory_fraction:.0%} of the memory left",
     ]
     fits = plan.kv_tokens >= max_seq_len

@@ -97,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think>...</think> off into message.reasoning_content",
     )
     parser.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=0,
+        help="disaggregated serving (cache_transceiver_config in --config): the TCP port of the KV transfer "
+        "server, on the --host address (0: any free port)",
+    )
+    parser.add_argument(
+        "--kv-transfer-advertise-host",
+        default=None,
+        metavar="HOST",
+        help="disaggregated serving: the name or address generation workers reach this worker's KV transfer "
+        "server by (default: --host, or this machine's host name when --host is 0.0.0.0)",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -193,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             reasoning_parser=args.reasoning_parser,
             shutdown_timeout=args.shutdown_timeout,
             lora_modules=lora_modules,
+            kv_transfer_host=args.host,
+            kv_transfer_port=args.kv_transfer_port,
+            kv_transfer_advertised_host=args.kv_transfer_advertise_host,
         ),
         shutdown_executor=True,
     )

@@ -110,7 +110,7 @@ def engine_banner(engine, model: str) -> str:
     cfg = engine.model_config
     kv = engine.kv_cache_manager
     tpb = kv.tokens_per_block
-    kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg, cfg.dtype)
+    kv_bytes = kv.num_blocks * tpb * kv_cache_bytes_per_token(cfg)
     ec = engine.config
     layout = ec.parallel_config()
     attention = f"dp x{layout.tensor_parallel_size}" if layout.enable_attention_dp else "tp"

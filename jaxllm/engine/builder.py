@@ -37,7 +37,7 @@ from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
 from jaxllm.models.backends import resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
-from jaxllm.models.model_config import numpy_dtype
+from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.quantized_loading import with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
@@ -130,7 +130,8 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         load_model_config(model_dir, dtype=dtype), scan_layers=config.scan_layers and not config.enable_attention_dp
     )
     model_config = with_quantization(model_config, config.quantization, config.fp8_activation_scheme)
-    kv_dtype = numpy_dtype(model_config.dtype)
+    model_config = with_kv_cache_dtype(model_config, model_dir, config.kv_cache_config.dtype)
+    kv_dtype = kv_storage_dtype(model_config)  # float8_e4m3fn for an FP8 KV cache
     parallel = config.parallel_config()
     mesh = make_mesh(parallel)  # every weight and the KV cache are sharded over it at load time
     layout = Layout(

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from jaxllm.llm_args import KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
+from jaxllm.llm_args import CacheTransceiverConfig, KvCacheConfig, MoeConfig, SchedulerConfig, check_known_fields
 from jaxllm.sampling.guided import GUIDED_DECODING_BACKENDS
 from jaxllm.speculative_config import SpeculativeConfig, parse_speculative_config
 from sharding.mesh import ParallelConfig
@@ -64,7 +64,8 @@ class EngineConfig:
     # of depth); False: the per-layer loop (see ModelConfig.scan_layers).
     scan_layers: bool = True
     # Weights: "fp8" quantizes an unquantized checkpoint to FP8 with 128 x 128 block scales as it
-    # loads (checkpoints that are FP8 already load as they are); `fp8_activation_scheme`
+    # loads (checkpoints that are FP8 already load as they are), "int8" / "int4" to weight-only
+    # integers with one scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks); `fp8_activation_scheme`
     # "dynamic" (default, as an FP8 deployment runs) quantizes activations per token-group of
     # 128 before each FP8 matmul, "none" multiplies dequantized weights with float activations.
     quantization: Optional[str] = None
@@ -99,9 +100,15 @@ class EngineConfig:
     # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
     # `decoding_type` or vLLM's `method` is converted). None: off.
     speculative_config: Optional[SpeculativeConfig] = None
+    # Disaggregated serving (jaxllm.engine.kv_transceiver): context-only requests keep their
+    # KV blocks for a generation worker, generation-only requests take them over. None: off.
+    cache_transceiver_config: Optional[CacheTransceiverConfig] = None
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if isinstance(self.cache_transceiver_config, dict):
+            check_known_fields(CacheTransceiverConfig, self.cache_transceiver_config)
+            self.cache_transceiver_config = CacheTransceiverConfig(**self.cache_transceiver_config)
         if isinstance(self.kv_cache_config, dict):
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
         if isinstance(self.scheduler_config, dict):
@@ -109,8 +116,8 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise ValueError(f"quantization must be 'fp8', 'int8', 'int4' or None, got {self.quantization!r}")
         if self.fp8_activation_scheme not in ("dynamic", "none"):
             raise ValueError(f"fp8_activation_scheme must be 'dynamic' or 'none', got {self.fp8_activation_scheme!r}")
         for name, (low, high) in LIMIT_RANGES.items():

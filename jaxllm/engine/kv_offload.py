@@ -240,3 +240,9 @@ def build_host_tier(
             f"kv_cache_config.host_cache_size={size} bytes is smaller than one KV block ({per_block} bytes)"
         )
     return HostTier(size // per_block, per_block, min_priority=kv_cfg.secondary_offload_min_priority, events=events)
+
+
+# The same block copies serve the disaggregated hand-over (`jaxllm.engine.kv_transceiver`).
+gather_blocks, scatter_blocks = _gather, _scatter
+padded_block_count, leaf_block_shape = _padded, _block_shape
+NO_BLOCK = _NO_BLOCK

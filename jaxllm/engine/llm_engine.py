@@ -39,6 +39,7 @@ from jaxllm.engine.compile_ahead import engine_compilers
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.guided_matchers import GuidedMatchers
+from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
@@ -49,7 +50,7 @@ from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
 from jaxllm.engine.warmup import ProgramWarmup
 from jaxllm.kv_cache.retention import check_retention_config
-from jaxllm.llm_args import CapacitySchedulerPolicy
+from jaxllm.llm_args import CapacitySchedulerPolicy, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.lora import LoraAdapter, LoRARequest
 from jaxllm.lora.weights import empty_slot, slot_update
@@ -132,6 +133,11 @@ class LLMEngine:
             lora_slots=self.lora_slots,
             guided_matchers=self.guided,
         )
+        # Disaggregated serving: context-only requests' blocks held for hand-over, generation-only
+        # requests' blocks written in (jaxllm.engine.kv_transceiver); None when not configured.
+        self.kv_transceiver = build_transceiver(config, self.runner, self.kv_cache_manager)
+        if self.kv_transceiver is not None:
+            self.requests.before_free = self.kv_transceiver.before_free
         self.readback = TokenReadback(
             requests=self.requests,
             kv_cache_manager=self.kv_cache_manager,
@@ -234,6 +240,8 @@ class LLMEngine:
             self.speculation.warmup(
                 self.step_runner, self.planner, self.num_sampler_rows, self.max_seq_len, all_variants
             )
+        if self.kv_transceiver is not None:  # the hand-over's block reads and writes
+            self.kv_transceiver.warmup(self.max_blocks_per_seq)
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
         if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
@@ -286,10 +294,13 @@ class LLMEngine:
         lora_request: Optional[LoRARequest] = None,
         kv_cache_retention_config: Any = None,
         admitted: Optional[AdmittedRequest] = None,
+        disaggregated_params: Optional[DisaggregatedParams] = None,
     ) -> LlmRequest:
         """Admit a request (ValueError naming the field if it breaks a limit). `lora_request`:
         the LoRA adapter it runs with (the engine needs enable_lora); `kv_cache_retention_config`:
-        retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`)."""
+        retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`);
+        `disaggregated_params`: a context-only or generation-only request (needs
+        cache_transceiver_config)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if admitted is None:  # else the caller ran validate_request (the executor does, at submission)
             admitted = self.validate_request(prompt_token_ids, params, priority=priority)
@@ -312,6 +323,14 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             retention=retention,
         )
+        if disaggregated_params is not None and disaggregated_params.request_type != "context_and_generation":
+            if self.kv_transceiver is None:
+                raise ValueError("disaggregated_params: this engine was built without cache_transceiver_config")
+            first = self.kv_transceiver.admit(request, disaggregated_params)
+            if first is not None:  # generation-only: its first token is reported by the next step
+                self.kv_transceiver.handed_over.append(first)
+                if first.finished:
+                    return request
         self.requests.add(request)
         return request
 
@@ -326,7 +345,8 @@ class LLMEngine:
         return self.requests.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(len(self.requests)) or self._pending is not None
+        handed_over = self.kv_transceiver is not None and bool(self.kv_transceiver.handed_over)
+        return bool(len(self.requests)) or self._pending is not None or handed_over
 
     @property
     def pending_step(self) -> Optional[PendingStep]:
@@ -404,6 +424,9 @@ class LLMEngine:
         dispatched = self._dispatch(candidates)
         updates += self._failed
         self._failed = []
+        if self.kv_transceiver is not None and self.kv_transceiver.handed_over:
+            updates += self.kv_transceiver.handed_over
+            self.kv_transceiver.handed_over = []
         if self._pending is not None:
             updates += self._read_back(self._pending)
         self._pending = dispatched
@@ -605,5 +628,7 @@ class LLMEngine:
         )
         if self.kv_offload is not None:
             stats["kvCacheStats"].update(self.kv_offload.stats())
+        if self.kv_transceiver is not None:
+            stats["kvCacheStats"].update(self.kv_transceiver.counts())
         self.iteration_stats.append(stats)
         del self.iteration_stats[: -self.max_iteration_stats]

@@ -11,7 +11,7 @@ with an error message. The read-back and beam search call these, never the engin
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Optional
@@ -111,6 +111,9 @@ class RequestTable:
         self._kv = kv_cache_manager
         self._lora_slots = lora_slots
         self._guided_matchers = guided_matchers
+        # Called with (request, reason) before a finished request's blocks are freed (the
+        # disaggregated hand-over holds a context-only request's blocks there).
+        self.before_free: Optional[Callable[[LlmRequest, str], None]] = None
         self._active: dict[int, LlmRequest] = {}
         self.num_needing_history = 0  # sampling reads every previous token (penalties, bad words)
         self.num_wanting_logprobs = 0
@@ -172,6 +175,8 @@ class RequestTable:
         del request.output_token_ids[num_outputs:]
         request.stop_reason = stop_reason
         request.finish(reason)
+        if self.before_free is not None:
+            self.before_free(request, reason)
         self._kv.free_resources(request)
         if self._lora_slots is not None:
             self._lora_slots.release(request)

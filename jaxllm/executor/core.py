@@ -46,6 +46,7 @@ class SequenceRequest:
     # What admission made of the request (`jaxllm.engine.admission.AdmittedRequest`), checked
     # by the executor at submission; the engine admits it without checking it again.
     admitted: Any = None
+    disaggregated_params: Any = None  # a context-only or generation-only request (jaxllm.DisaggregatedParams)
 
 
 @dataclass
@@ -279,6 +280,8 @@ class EngineCore:
                     extra["kv_cache_retention_config"] = seq.kv_cache_retention_config
                 if seq.admitted is not None:
                     extra["admitted"] = seq.admitted
+                if seq.disaggregated_params is not None:
+                    extra["disaggregated_params"] = seq.disaggregated_params
                 events += [(ADD, sibling, seq.spec) for sibling in seq.beam_siblings]
                 try:
                     self.engine.add_request(

@@ -41,6 +41,7 @@ from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec,
 from jaxllm.executor.postprocess import PostprocessWorkerPool
 from jaxllm.executor.result import GenerationResult, wake
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
+from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams, resolve_seed
@@ -340,6 +341,7 @@ class GenerationExecutor:
                         lora_request=request.lora_request,
                         kv_cache_retention_config=request.kv_cache_retention_config,
                         admitted=checked,
+                        disaggregated_params=request.disaggregated_params,
                     )
                 )
             result.attach([c.rid for c in children])
@@ -369,10 +371,12 @@ class GenerationExecutor:
         timeout: Optional[float] = None,
         lora_request: Optional[LoRARequest] = None,
         kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
+        disaggregated_params: Optional[DisaggregatedParams] = None,
     ) -> GenerationResult:
         """Submit one prompt (text or token ids); returns its `GenerationResult` without waiting.
         `lora_request`: the LoRA adapter to run it with; `kv_cache_retention_config`: retention
-        priorities of its cached KV blocks."""
+        priorities of its cached KV blocks; `disaggregated_params`: a context-only or
+        generation-only request of disaggregated serving."""
         self._check_open()
         return self.submit(
             self.make_request(
@@ -383,6 +387,7 @@ class GenerationExecutor:
                 timeout=timeout,
                 lora_request=lora_request,
                 kv_cache_retention_config=kv_cache_retention_config,
+                disaggregated_params=disaggregated_params,
             )
         )
 

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, check_retention_config
+from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.sampling import SamplingParams
 from jaxllm.sampling.params import _show
@@ -47,6 +48,8 @@ class GenerationRequest:
     id: Optional[int] = None
     lora_request: Optional[LoRARequest] = None  # the LoRA adapter to run with (None: the base model)
     kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None
+    # Disaggregated serving: a context-only or generation-only request (TensorRT-LLM's field).
+    disaggregated_params: Optional[DisaggregatedParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__len__"):
@@ -74,6 +77,14 @@ class GenerationRequest:
         if self.timeout is not None and not (_is_finite_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {_show(self.timeout)}")
         check_retention_config(self.kv_cache_retention_config)
+        disagg = self.disaggregated_params
+        if disagg is not None:
+            if not isinstance(disagg, DisaggregatedParams):
+                raise ValueError(
+                    f"disaggregated_params must be a jaxllm.DisaggregatedParams, got {type(disagg).__name__}"
+                )
+            if disagg.request_type != "context_and_generation" and self.num_sequences != 1:
+                raise ValueError("disaggregated_params: n and best_of must be 1 for a disaggregated request")
 
     @property
     def num_sequences(self) -> int:

@@ -143,12 +143,15 @@ def pallas_latent_attention(interpret: bool) -> Callable:
 
 
 def mosaic_or_triton_attention(interpret: bool) -> Callable:
-    """The Mosaic GPU attention kernel where it takes the problem, else the Triton one."""
+    """The Mosaic GPU attention kernel where it takes the problem, else the Triton one (which
+    also takes FP8 caches)."""
     from pallas_kernels.ragged_paged_attention import mosaic_gpu, ragged_paged_attention
 
     def attention(q, k_cache, v_cache, *metadata, sm_scale, sliding_window=None):
         num_kv_heads, _, tokens_per_block, head_dim = k_cache.shape
-        if mosaic_gpu.supports(q.dtype, q.shape[1], num_kv_heads, head_dim, tokens_per_block):
+        if k_cache.dtype == q.dtype and mosaic_gpu.supports(
+            q.dtype, q.shape[1], num_kv_heads, head_dim, tokens_per_block
+        ):
             kernel = mosaic_gpu.ragged_paged_attention_mosaic
         else:
             kernel = ragged_paged_attention

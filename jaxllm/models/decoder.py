@@ -56,7 +56,8 @@ from jaxllm.models.attention import AttentionFn, AttentionMetadata, reference_at
 from jaxllm.models.deepseek import decode_layers as deepseek_decode_layers
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import KVCache, kv_cache_spec
-from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
+from jaxllm.models.kv_quant import KvScales, layer_kv_scales, quantize_entries, scale_outputs, scale_queries
+from jaxllm.models.layer_runner import LayerCapture, cache_geometry, layer_metadata, run_layers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block, quantized_moe_fn
 from jaxllm.models.numerics import matmul_precision, rms_norm
@@ -92,7 +93,7 @@ def lora_delta(x: jax.Array, w: dict, onehot: jax.Array, precision: Optional[jax
     return delta
 
 
-def _attention(
+def attention_block(
     x: jax.Array,
     p: dict,
     cache: MhaLayerCache,
@@ -105,7 +106,10 @@ def _attention(
     write_fn: Callable,
     lora: Optional[dict] = None,
     onehot: Optional[jax.Array] = None,
+    kv_scales: KvScales = None,
 ) -> tuple[jax.Array, MhaLayerCache]:
+    """Self-attention of one layer over its paged cache (RoPE, KV write, attention, o_proj): the
+    output [T, H] and the cache. Its q/k/v weights set the input width (EAGLE-3's take 2H)."""
     prec = matmul_precision(config)
     q = qeinsum("th,hnd->tnd", x, p["q"], precision=prec)
     k = qeinsum("th,hnd->tnd", x, p["k"], precision=prec)
@@ -120,8 +124,12 @@ def _attention(
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = write_fn(cache, (k, v), md.slot_mapping)
-    out = attention_fn(q, cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window)
+    cache = write_fn(cache, quantize_entries(k, v, kv_scales), md.slot_mapping)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    out = attention_fn(
+        scale_queries(q, k_scale), cache, md, sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window
+    )
+    out = scale_outputs(out, v_scale)
     y = qeinsum("tnd,ndh->th", out.astype(x.dtype), p["o"], precision=prec)
     if lora is not None:
         y = y + lora_delta(out.astype(x.dtype).reshape(out.shape[0], -1), lora["o"], onehot, prec)
@@ -130,9 +138,10 @@ def _attention(
     return y, cache
 
 
-def _mlp(
+def mlp_block(
     x: jax.Array, p: dict, config: ModelConfig, lora: Optional[dict] = None, onehot: Optional[jax.Array] = None
 ) -> jax.Array:
+    """The SwiGLU FFN of a dense layer."""
     prec = matmul_precision(config)
     gate = qeinsum("th,hi->ti", x, p["gate"], precision=prec)
     up = qeinsum("th,hi->ti", x, p["up"], precision=prec)
@@ -150,7 +159,7 @@ def _cache_keys(kv_cache: KVCache) -> jax.Array:
     return kv_cache[0].k if isinstance(kv_cache, list) else kv_cache.k
 
 
-def _backends(
+def attention_backends(
     config: ModelConfig, kv_cache: KVCache, attention_fn: AttentionFn, moe_fn: MoeFn, mesh: Optional[jax.sharding.Mesh]
 ) -> tuple[AttentionFn, Callable, MoeFn]:
     """The attention, KV-write and MoE functions of one step; under a mesh, wrapped in shard_map."""
@@ -226,7 +235,7 @@ def _decoder_layer(
         md = layer_metadata(md, index, ctx.pool_blocks, ctx.tokens_per_block, config.num_layers)
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
     lora = layer.get("lora")
-    h, cache = _attention(
+    h, cache = attention_block(
         h,
         layer["attn"],
         cache,
@@ -238,6 +247,7 @@ def _decoder_layer(
         write_fn=ctx.write_fn,
         lora=lora,
         onehot=ctx.lora_onehot,
+        kv_scales=layer_kv_scales(config, index),
     )
     x = x + h
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
@@ -265,7 +275,7 @@ def _decoder_layer(
             )
         y, ids = moe_block(h, layer["moe"], config=config, moe_fn=ctx.moe_fn, valid=ctx.valid)
         return x + y, cache, count_experts(ids, config.num_experts, ctx.valid), jnp.zeros((), jnp.int32)
-    return x + _mlp(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
+    return x + mlp_block(h, layer["mlp"], config, lora, ctx.lora_onehot), cache, None, None
 
 
 def decode_layers_with_moe_stats(
@@ -284,6 +294,35 @@ def decode_layers_with_moe_stats(
     `slot_moe_layer(h, layer_moe_params, valid) -> (y, counts, dropped)`, when given, runs the
     MoE layers stored as slots instead of `ep_moe_block` (attention data parallelism runs the
     whole decoder per device, see `jaxllm.models.parallel.attention_dp`)."""
+    x, kv_cache, stats, _ = decode_layers_capturing(
+        params,
+        kv_cache,
+        batch,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        slot_moe_layer=slot_moe_layer,
+    )
+    return x, kv_cache, stats
+
+
+def decode_layers_capturing(
+    params: Params,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    moe_fn: MoeFn,
+    mesh: Optional[jax.sharding.Mesh],
+    moe_options: Optional[EpMoeOptions],
+    slot_moe_layer: Optional[Callable] = None,
+    capture: Optional[LayerCapture] = None,
+) -> tuple[jax.Array, KVCache, Optional[MoeStepStats], Optional[jax.Array]]:
+    """`decode_layers_with_moe_stats` plus, with `capture`, the residual rows entering the
+    captured layers [E, K, H] (see `layer_runner.LayerCapture`; None without)."""
     moe_fn = quantized_moe_fn(moe_fn, config)
     if config.is_mla:
         if slot_moe_layer is not None:
@@ -297,10 +336,11 @@ def decode_layers_with_moe_stats(
             moe_fn=moe_fn,
             mesh=mesh,
             moe_options=moe_options,
+            capture=capture,
         )
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn
-    attention_fn, write_fn, moe_fn = _backends(config, kv_cache, attention_fn, moe_fn, mesh)
+    attention_fn, write_fn, moe_fn = attention_backends(config, kv_cache, attention_fn, moe_fn, mesh)
     x = params["embed"][batch.token_ids]
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), x.dtype)
     num_tokens = batch.token_ids.shape[0]
@@ -330,6 +370,7 @@ def decode_layers_with_moe_stats(
         config,
         lambda x, layer, cache, index: _decoder_layer(x, layer, cache, index, ctx),
         lora=lora,
+        capture=capture,
     )
 
 

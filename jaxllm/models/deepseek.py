@@ -14,7 +14,8 @@ router in `jaxllm.models.moe.route_grouped_sigmoid`):
   n_shared_experts * moe_intermediate_size columns) to the routed output; the first
   `first_k_dense_replace` layers are dense;
 - the multi-token-prediction layers some checkpoints carry (`model.layers.{num_hidden_layers}...`)
-  are skipped by the loader with a log line.
+  are skipped by the loader with a log line, or loaded with `load_mtp=True` and run by
+  `jaxllm.models.mtp` through the same layer function (`mla_decoder_layer`).
 
 Depth: the layers run through `jaxllm.models.layer_runner.run_layers`, so with `scan_layers` the dense
 prefix and the MoE layers are two layer stacks, each one `lax.scan` over a latent page pool
@@ -29,6 +30,7 @@ tensor-parallel; shared experts are replicated on every rank; routed experts run
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import jax
@@ -38,7 +40,8 @@ from jaxllm.kv_cache.spec import MhaKvCacheSpec
 from jaxllm.models.attention import AttentionFn, AttentionMetadata
 from jaxllm.models.ep_moe import EpMoeOptions, ep_moe_block
 from jaxllm.models.kv_cache_spec import kv_cache_spec
-from jaxllm.models.layer_runner import cache_geometry, layer_metadata, run_layers
+from jaxllm.models.kv_quant import layer_kv_scales
+from jaxllm.models.layer_runner import LayerCapture, cache_geometry, layer_metadata, run_layers
 from jaxllm.models.mla import latent_backend, mla_attention
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, moe_block
@@ -79,6 +82,115 @@ def _backends(
     )
 
 
+@dataclass(frozen=True)
+class MlaStep:
+    """What every MLA decoder layer of one step shares: the backends, the metadata, RoPE, the
+    valid-token mask. Built once per forward (`mla_step`); the MTP layers reuse it."""
+
+    config: ModelConfig
+    md: AttentionMetadata
+    cos: jax.Array
+    sin: jax.Array
+    valid: jax.Array
+    decode_only: jax.Array
+    mha_fn: Callable
+    latent_fn: Callable
+    write_fn: Callable
+    moe_fn: MoeFn  # the raw expert FFN (expert-parallel slot layers wrap it themselves)
+    sharded_moe_fn: MoeFn
+    mesh: Optional[jax.sharding.Mesh]
+    moe_options: Optional[EpMoeOptions]
+    precision: Optional[jax.lax.Precision]
+
+
+def mla_step(
+    batch: StepBatch,
+    cache_dtype: Any,
+    activation_dtype: Any,
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    moe_fn: MoeFn,
+    mesh: Optional[jax.sharding.Mesh],
+    moe_options: Optional[EpMoeOptions],
+) -> MlaStep:
+    mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh, cache_dtype)
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), jnp.float32)
+    factor = rope_attention_factor(config)
+    cos, sin = (cos * factor).astype(activation_dtype), (sin * factor).astype(activation_dtype)
+    num_tokens = batch.token_ids.shape[0]
+    num_valid = batch.cu_q_lens[batch.num_seqs[0]]
+    return MlaStep(
+        config=config,
+        md=AttentionMetadata.from_batch(batch),
+        cos=cos,
+        sin=sin,
+        valid=jnp.arange(num_tokens, dtype=jnp.int32) < num_valid,
+        decode_only=num_valid == batch.num_seqs[0],
+        mha_fn=mha_fn,
+        latent_fn=latent_fn,
+        write_fn=write_fn,
+        moe_fn=moe_fn,
+        sharded_moe_fn=sharded_moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        precision=matmul_precision(config),
+    )
+
+
+def mla_decoder_layer(
+    x: jax.Array, layer: dict, cache: Any, md: AttentionMetadata, step: MlaStep, index: jax.Array | int
+) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
+    """One DeepSeek-V3 decoder layer over its view `md` of the cache: the new residual, the new
+    cache, and for MoE layers the expert counts and dropped rows (None for dense layers)."""
+    config, prec = step.config, step.precision
+    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    h, cache = mla_attention(
+        h,
+        layer["attn"],
+        cache,
+        md,
+        step.cos,
+        step.sin,
+        config=config,
+        mha_fn=step.mha_fn,
+        latent_fn=step.latent_fn,
+        write_fn=step.write_fn,
+        decode_only=step.decode_only,
+        precision=prec,
+        # MTP layers (named by a string index) keep their own unquantized page pool
+        kv_scale=None if config.kv_cache_quant is None or isinstance(index, str) else layer_kv_scales(config, index)[0],
+    )
+    x = x + h
+    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+    if "moe" not in layer:  # the dense prefix (first_k_dense_replace)
+        return x + _mlp(h, layer["mlp"], prec), cache, None, None
+    if "slots" in layer["moe"]:
+        ep_mesh = step.mesh if step.mesh is not None else make_mesh(ParallelConfig())
+        y, layer_counts, layer_dropped = ep_moe_block(
+            h,
+            layer["moe"],
+            config=config,
+            moe_fn=step.moe_fn,
+            mesh=ep_mesh,
+            rules=rules_for(config, ep_mesh),
+            options=step.moe_options or EpMoeOptions(),
+            valid=step.valid,
+        )
+    else:
+        if step.mesh is not None and expert_parallel_size(step.mesh) > 1:
+            raise ValueError(
+                f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
+                "(load_params with the same mesh)"
+            )
+        y, ids = moe_block(h, layer["moe"], config=config, moe_fn=step.sharded_moe_fn, valid=step.valid)
+        layer_counts = count_experts(ids, config.num_experts, step.valid)
+        layer_dropped = jnp.zeros((), jnp.int32)
+    if config.n_shared_experts:
+        y = y + _mlp(h, layer["shared"], prec)
+    return x + y, cache, layer_counts, layer_dropped
+
+
 def decode_layers(
     params: dict,
     kv_cache: Any,
@@ -89,72 +201,35 @@ def decode_layers(
     moe_fn: MoeFn,
     mesh: Optional[jax.sharding.Mesh],
     moe_options: Optional[EpMoeOptions],
-) -> tuple[jax.Array, Any, Optional[MoeStepStats]]:
-    """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats.
+    capture: Optional[LayerCapture] = None,
+) -> tuple[jax.Array, Any, Optional[MoeStepStats]] | tuple[jax.Array, Any, Optional[MoeStepStats], jax.Array]:
+    """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats
+    (and with `capture`, the captured residual rows; see `run_layers`).
 
     `kv_cache` is one latent page pool for all layers (`MlaKvCacheSpec.init_pool`; layer
     stacks, including the dense prefix's, run as scans) or a per-layer list (`scan_layers` off)."""
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
-    prec = matmul_precision(config)
     cache_dtype = jax.tree_util.tree_leaves(kv_cache)[0].dtype
-    mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh, cache_dtype)
-    md = AttentionMetadata.from_batch(batch)
     x = params["embed"][batch.token_ids]
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), jnp.float32)
-    factor = rope_attention_factor(config)
-    cos, sin = (cos * factor).astype(x.dtype), (sin * factor).astype(x.dtype)
-    num_tokens = batch.token_ids.shape[0]
-    num_valid = batch.cu_q_lens[batch.num_seqs[0]]
-    valid = jnp.arange(num_tokens, dtype=jnp.int32) < num_valid
-    decode_only = num_valid == batch.num_seqs[0]
+    step = mla_step(
+        batch,
+        cache_dtype,
+        x.dtype,
+        config=config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+    )
 
     def layer_fn(
         x: jax.Array, layer: dict, cache: Any, index: jax.Array | int
     ) -> tuple[jax.Array, Any, Optional[jax.Array], Optional[jax.Array]]:
-        layer_md = (
-            md if pool_blocks is None else layer_metadata(md, index, pool_blocks, tokens_per_block, config.num_layers)
+        md = (
+            step.md
+            if pool_blocks is None
+            else layer_metadata(step.md, index, pool_blocks, tokens_per_block, config.num_layers)
         )
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        h, cache = mla_attention(
-            h,
-            layer["attn"],
-            cache,
-            layer_md,
-            cos,
-            sin,
-            config=config,
-            mha_fn=mha_fn,
-            latent_fn=latent_fn,
-            write_fn=write_fn,
-            decode_only=decode_only,
-            precision=prec,
-        )
-        x = x + h
-        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        if "moe" not in layer:  # the dense prefix (first_k_dense_replace)
-            return x + _mlp(h, layer["mlp"], prec), cache, None, None
-        if "slots" in layer["moe"]:
-            ep_mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
-            y, layer_counts, layer_dropped = ep_moe_block(
-                h,
-                layer["moe"],
-                config=config,
-                moe_fn=moe_fn,
-                mesh=ep_mesh,
-                rules=rules_for(config, ep_mesh),
-                options=moe_options or EpMoeOptions(),
-                valid=valid,
-            )
-        else:
-            if mesh is not None and expert_parallel_size(mesh) > 1:
-                raise ValueError(
-                    f"layer {index}: an expert-parallel mesh needs the experts loaded as slots "
-                    "(load_params with the same mesh)"
-                )
-            y, ids = moe_block(h, layer["moe"], config=config, moe_fn=sharded_moe_fn, valid=valid)
-            layer_counts, layer_dropped = count_experts(ids, config.num_experts, valid), jnp.zeros((), jnp.int32)
-        if config.n_shared_experts:
-            y = y + _mlp(h, layer["shared"], prec)
-        return x + y, cache, layer_counts, layer_dropped
+        return mla_decoder_layer(x, layer, cache, md, step, index)
 
-    return run_layers(params, kv_cache, x, config, layer_fn)
+    return run_layers(params, kv_cache, x, config, layer_fn, capture=capture)

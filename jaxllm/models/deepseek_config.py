@@ -70,4 +70,12 @@ def deepseek_config_fields(hf: dict, arch: str) -> dict[str, Any]:
         topk_group=topk_group,
         routed_scaling_factor=float(get("routed_scaling_factor")),
         n_shared_experts=int(get("n_shared_experts") or 0),
+        num_nextn_predict_layers=_nextn_layers(hf),
     )
+
+
+def _nextn_layers(hf: dict) -> int:
+    value = hf.get("num_nextn_predict_layers") or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
+        raise ValueError(f"num_nextn_predict_layers={value!r} must be an integer in [0, 16]")
+    return value

@@ -1,6 +1,7 @@
 """DeepSeek-V3's weights: the multi-head latent attention and MoE extras of the one weight
-declaration (`jaxllm.models.weights`), and the multi-token-prediction tensors of its
-checkpoints, which the loader skips."""
+declaration (`jaxllm.models.weights`), and the multi-token-prediction (MTP) layers of its
+checkpoints: their own tensors (`declare_mtp_extras`; the decoder layer inside each is
+declared like any other), which the loader reads with `load_mtp=True` and skips otherwise."""
 
 from __future__ import annotations
 
@@ -125,6 +126,42 @@ def declare_moe_extras(add: Callable, config: ModelConfig, layer: int) -> None:
         )
 
 
+def declare_mtp_extras(add: Callable, config: ModelConfig, layer: int) -> None:
+    """The multi-token-prediction layer `model.layers.{layer}`'s own weights, beside its decoder
+    layer: enorm and hnorm [H] (the RMSNorms of the next token's embedding and of the previous
+    hidden state), eh_proj [2H, H] (over [enorm(embed); hnorm(hidden)]) and shared_head.norm [H]
+    (`head_norm`). Its `embed_tokens` and `shared_head.head` are copies of the main model's
+    embedding and LM head; the main model's are used (`mtp_shared_copies`)."""
+    h, pre = config.hidden_size, f"model.layers.{layer}"
+    for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm")):
+        add(
+            ("layers", layer, ours),
+            (h,),
+            ("embed",),
+            _single(f"{pre}.{theirs}.weight", (h,), Layout((h,), (0,))),
+            "norm",
+        )
+    add(
+        ("layers", layer, "eh_proj"),
+        (2 * h, h),
+        (None, "embed"),
+        _single(f"{pre}.eh_proj.weight", (h, 2 * h), _transposed(h, 2 * h)),
+        "linear",
+    )
+    add(
+        ("layers", layer, "head_norm"),
+        (h,),
+        ("embed",),
+        _single(f"{pre}.shared_head.norm.weight", (h,), Layout((h,), (0,))),
+        "norm",
+    )
+
+
+def mtp_shared_copies(layer: int) -> tuple[str, str]:
+    """The MTP layer's copies of the main embedding and LM head, which the loader does not read."""
+    return f"model.layers.{layer}.embed_tokens.weight", f"model.layers.{layer}.shared_head.head.weight"
+
+
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -142,7 +179,7 @@ def mtp_tensor_names(config: ModelConfig, names: list[str]) -> list[str]:
 def log_skipped_mtp(names: list[str]) -> None:
     layers = sorted({int(_LAYER_NAME.match(n).group(1)) for n in names})
     logger.info(
-        "skipping %d multi-token-prediction tensors (layers %s): speculative decoding with them is not implemented",
+        "skipping %d multi-token-prediction tensors (layers %s); load_params(load_mtp=True) loads them",
         len(names),
         ", ".join(map(str, layers)),
     )

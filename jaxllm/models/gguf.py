@@ -2,10 +2,17 @@
 
 A GGUF file holds (possibly quantized) tensors under llama.cpp's names plus metadata under
 llama.cpp's keys. `convert_gguf` writes what a Hugging Face checkpoint would hold instead:
-`config.json`, `generation_config.json`, `model.safetensors` (dequantized by the `gguf`
-library) and the tokenizer (built by transformers' GGUF tokenizer converters, with the chat
-template from the metadata). The engine then loads the directory through the ordinary
-safetensors loader, so GGUF adds no second loading path.
+`config.json`, `generation_config.json`, `model.safetensors` and the tokenizer (built by
+transformers' GGUF tokenizer converters, with the chat template from the metadata). The
+engine then loads the directory through the ordinary safetensors loader, so GGUF adds no
+second loading path.
+
+Linear projections in Q8_0 or Q4_0 (the type most of them use) stay quantized: their int8
+values (Q4_0's in [-8, 7]) and float32 scales, one per 32 inputs, are written as
+`<module>.weight` / `<module>.weight_scale` with a `quantization_config` of method "gguf",
+and the loader keeps them so on the device (int8, or int4 packed two to a byte) for the
+jitted step to dequantize before each matmul. Every other tensor (embeddings, norms, the LM
+head, linears of other types) is dequantized by the `gguf` library.
 
 llama.cpp stores the q/k projections of Llama-family attention with each head's rows
 interleaved for its RoPE kernel (`convert_hf_to_gguf.py`'s `permute`); they are put back in
@@ -84,6 +91,11 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensor types no weight of a supported model has.
 _REFUSED_TYPES = ("I8", "I16", "I32", "I64", "F64")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$")
+_LINEAR_TENSORS = tuple(
+    f"{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+# Block types whose linear projections load quantized (int8 / packed int4 values + block scales).
+KEPT_QUANTIZED = ("Q8_0", "Q4_0")
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -222,48 +234,110 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def hf_tensors(reader, config: dict[str, Any], progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """(Hugging Face name, dequantized array in HF layout) for every tensor of the file."""
+def is_linear(name: str) -> bool:
+    """Whether a GGUF tensor is a linear projection of a layer (what may stay quantized)."""
+    match = _LAYER_RE.match(name)
+    return match is not None and (match.group(2) in _LINEAR_TENSORS or _EXPERT_RE.match(match.group(2)) is not None)
+
+
+def kept_quantized_type(reader) -> Optional[str]:
+    """The block type (Q8_0 or Q4_0) whose linear projections stay quantized on the device: the
+    one most of them use; linears of other types are dequantized (`modules_to_not_convert`)."""
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in KEPT_QUANTIZED and is_linear(tensor.name):
+            counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
+
+def unpack_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values [..., n], float32 scales [..., n / 32]) of Q8_0 / Q4_0 rows ([..., bytes]),
+    the weight being `value * scale` per block of 32 (ggml's `dequantize_row_q8_0` / `_q4_0`)."""
+    block_bytes = {"Q8_0": 34, "Q4_0": 18}[kind]
+    lead = data.shape[:-1]
+    blocks = np.ascontiguousarray(data).reshape(*lead, -1, block_bytes)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    body = blocks[..., 2:]
+    if kind == "Q8_0":
+        values = body.view(np.int8)
+    else:  # element j in the low nibble of byte j, element j + 16 in its high nibble, offset 8
+        values = np.concatenate([body & 0x0F, body >> 4], axis=-1).astype(np.int8) - 8
+    return values.reshape(*lead, -1), scale
+
+
+def hf_tensors(
+    reader, config: dict[str, Any], progress: bool = True, keep: Optional[str] = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, array in HF layout) for every tensor of the file: dequantized, except
+    linear projections of type `keep` (Q8_0 / Q4_0), which come as int8 values under their
+    name and float32 block scales under `<module>.weight_scale`."""
     from gguf import GGMLQuantizationType, dequantize
 
     permute = config["model_type"] in ("llama", "mixtral")
     mixtral = config["model_type"] == "mixtral"
     unknown: list[str] = []
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
+    for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not progress):
         name = tensor.name
         qtype = GGMLQuantizationType(tensor.tensor_type)
+        if keep is not None and qtype.name == keep and is_linear(name):
+            values, scales = unpack_blocks(np.asarray(tensor.data), keep)
+            yield from _renamed(name, values, config, permute, mixtral, unknown)
+            for hf_name, array in _renamed(name, scales, config, permute, mixtral, unknown):
+                yield hf_name.removesuffix("weight") + "weight_scale", array
+            continue
         array = np.asarray(dequantize(tensor.data, qtype))
         array = array.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float32, copy=False)
-        if name in _GLOBAL_TENSORS:
-            yield _GLOBAL_TENSORS[name], array
-            continue
-        match = _LAYER_RE.match(name)
-        if match is None:
-            unknown.append(name)
-            continue
-        layer, rest = int(match.group(1)), match.group(2)
-        prefix = f"model.layers.{layer}."
-        if rest in _LAYER_TENSORS:
-            if permute and rest.startswith(("attn_q.", "attn_k.")):
-                heads = config["num_attention_heads"] if rest.startswith("attn_q") else config["num_key_value_heads"]
-                array = _unpermute(array, heads)
-            yield prefix + _LAYER_TENSORS[rest], array
-        elif rest == "ffn_gate_inp.weight":
-            yield prefix + ("block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"), array
-        elif (expert := _EXPERT_RE.match(rest)) is not None:
-            qwen_name, mixtral_name = _EXPERT_PROJ[expert.group(1)]
-            block = "block_sparse_moe" if mixtral else "mlp"
-            proj = mixtral_name if mixtral else qwen_name
-            if expert.group(2) is not None:
-                yield f"{prefix}{block}.experts.{int(expert.group(2))}.{proj}.weight", array
-            else:
-                for e in range(array.shape[0]):
-                    yield f"{prefix}{block}.experts.{e}.{proj}.weight", np.ascontiguousarray(array[e])
-        else:
-            unknown.append(name)
+        yield from _renamed(name, array, config, permute, mixtral, unknown)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" ... ({len(unknown)} in all)" if len(unknown) > 8 else "")
         raise ValueError(f"GGUF tensors this converter does not know: {shown}")
+
+
+def _renamed(
+    name: str, array: np.ndarray, config: dict[str, Any], permute: bool, mixtral: bool, unknown: list[str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """One GGUF tensor under its Hugging Face name(s), q/k rows un-permuted, experts split."""
+    if name in _GLOBAL_TENSORS:
+        yield _GLOBAL_TENSORS[name], array
+        return
+    match = _LAYER_RE.match(name)
+    if match is None:
+        unknown.append(name)
+        return
+    layer, rest = int(match.group(1)), match.group(2)
+    prefix = f"model.layers.{layer}."
+    if rest in _LAYER_TENSORS:
+        if permute and rest.startswith(("attn_q.", "attn_k.")):
+            heads = config["num_attention_heads"] if rest.startswith("attn_q") else config["num_key_value_heads"]
+            array = _unpermute(array, heads)
+        yield prefix + _LAYER_TENSORS[rest], array
+    elif rest == "ffn_gate_inp.weight":
+        yield prefix + ("block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"), array
+    elif (expert := _EXPERT_RE.match(rest)) is not None:
+        qwen_name, mixtral_name = _EXPERT_PROJ[expert.group(1)]
+        block = "block_sparse_moe" if mixtral else "mlp"
+        proj = mixtral_name if mixtral else qwen_name
+        if expert.group(2) is not None:
+            yield f"{prefix}{block}.experts.{int(expert.group(2))}.{proj}.weight", array
+        else:
+            for e in range(array.shape[0]):
+                yield f"{prefix}{block}.experts.{e}.{proj}.weight", np.ascontiguousarray(array[e])
+    else:
+        unknown.append(name)
+
+
+def _float_linears(reader, config: dict[str, Any], keep: str) -> list[str]:
+    """Hugging Face module names of the linear projections not of type `keep` (loaded as float)."""
+    names: list[str] = []
+    for tensor in reader.tensors:
+        if is_linear(tensor.name) and tensor.tensor_type.name != keep:
+            data = np.zeros((tensor.data.shape[0],) + (1,) * (tensor.data.ndim - 1), np.float32)  # names only
+            names += [
+                n.removesuffix(".weight")
+                for n, _ in _renamed(tensor.name, data, config, False, config["model_type"] == "mixtral", [])
+            ]
+    return names
 
 
 def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
@@ -393,10 +467,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         raise ValueError(f"{gguf_path}: {exc}") from None
     except (TypeError, KeyError, IndexError, OverflowError) as exc:
         raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
+    keep = kept_quantized_type(reader)
+    if keep is not None:  # its linear projections stay quantized (jaxllm.models.quant_config._parse_gguf)
+        config["quantization_config"] = {
+            "quant_method": "gguf",
+            "weight_type": keep,
+            "modules_to_not_convert": _float_linears(reader, config, keep),
+        }
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         _write_shards(
-            hf_tensors(reader, config, progress=progress),
+            hf_tensors(reader, config, progress=progress, keep=keep),
             out_dir,
             skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
         )

@@ -11,9 +11,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache, MlaKvCacheSpec
+from jaxllm.models.kv_quant import FP8_KV, kv_storage_dtype
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.partitioning import rules_for
 from sharding.dp_ranks import RANK_SPEC, attention_dp_size
@@ -24,10 +26,22 @@ from sharding.rules import kv_head_replicas
 KVCache = list[MhaLayerCache] | MhaLayerCache
 
 
+def cache_dtype(config: ModelConfig, dtype: Any = None) -> np.dtype:
+    """The stored dtype: `dtype` (a float dtype or float8_e4m3fn), else `config`'s KV cache dtype
+    (float8_e4m3fn for an FP8 KV cache, see `jaxllm.models.kv_quant`, else the model's)."""
+    if dtype is None:
+        return kv_storage_dtype(config)
+    try:
+        fp8 = np.dtype(dtype) == FP8_KV
+    except TypeError:  # a spelling numpy does not know ("bf16")
+        fp8 = False
+    return FP8_KV if fp8 else numpy_dtype(dtype)
+
+
 def kv_cache_spec(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> KvCacheSpec:
     """The cache layout of `config`'s attention: a latent cache for MLA (DeepSeek-V3), else MHA/GQA
     with each KV head stored `kv_replicas` times."""
-    dtype = str(numpy_dtype(dtype or config.dtype))
+    dtype = str(cache_dtype(config, dtype))
     if config.is_mla:
         return MlaKvCacheSpec(config.num_layers, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
     return MhaKvCacheSpec(config.num_layers, config.num_kv_heads * kv_replicas, config.head_dim, dtype)
@@ -47,7 +61,7 @@ def init_kv_cache(
     return spec.init(num_blocks, tokens_per_block, mesh, rules)
 
 
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh | None = None) -> int:
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> int:
     """Bytes of cache one token occupies across all layers on one device."""
     if mesh is None or config.is_mla:
         return kv_cache_spec(config, dtype).bytes_per_token()
@@ -61,6 +75,6 @@ def init_dp_kv_cache(
     """Per-layer zeroed caches [D, Hkv, num_blocks, tokens_per_block, head_dim]: one block pool
     of `num_blocks` per rank, on that rank's device."""
     shape = (attention_dp_size(mesh), config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
-    dt = jnp.dtype(numpy_dtype(dtype))
+    dt = jnp.dtype(cache_dtype(config, dtype))
     zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, RANK_SPEC))
     return [MhaLayerCache(zeros(), zeros()) for _ in range(config.num_layers)]

@@ -9,8 +9,8 @@ layers (`MhaKvCacheSpec.init_pool`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,20 +55,48 @@ def cache_geometry(config: ModelConfig, params: Params, kv_cache: Any) -> tuple[
     return total // config.num_layers, int(pages.shape[-2])
 
 
+@dataclass(frozen=True)
+class LayerCapture:
+    """Which residual rows `run_layers` returns besides its output: the residual stream entering
+    each of `layers` (static; layer i's input is layer i - 1's output, the "hidden state of
+    layer i" EAGLE-3 fuses), at the packed tokens `rows` int32[E]. Without one the traced
+    program is exactly the plain forward's."""
+
+    rows: jax.Array
+    layers: tuple[int, ...]
+
+    def check(self, num_layers: int) -> None:
+        bad = [i for i in self.layers if not 0 <= i < num_layers]
+        if bad or not self.layers:
+            raise ValueError(f"captured layers {list(self.layers)} must be non-empty and in [0, {num_layers})")
+
+
 LayerFn = Callable[[jax.Array, dict, Any, jax.Array | int], tuple[jax.Array, Any, jax.Array | None, jax.Array | None]]
 
 
 def run_layers(
-    params: Params, kv_cache: KVCache, x: jax.Array, config: ModelConfig, layer_fn: LayerFn, *, lora: dict | None = None
-) -> tuple[jax.Array, KVCache, MoeStepStats | None]:
+    params: Params,
+    kv_cache: KVCache,
+    x: jax.Array,
+    config: ModelConfig,
+    layer_fn: LayerFn,
+    *,
+    lora: dict | None = None,
+    capture: Optional[LayerCapture] = None,
+) -> tuple[jax.Array, KVCache, MoeStepStats | None, jax.Array | None]:
     """Every decoder layer in order: each layer stack as one `lax.scan` (`_scan_stack`), layers
     stored apart one by one. `layer_fn(x, layer_params, cache, index) -> (x, cache, expert
     counts [E] or None, dropped rows [] or None)` is one layer of the model (index static
     for a layer apart, traced in a scan); the cache is the page pool, or with per-layer
-    caches that layer's. Returns the residual, the cache and the MoE statistics."""
+    caches that layer's. Returns the residual, the cache, the MoE statistics and, with
+    `capture`, the captured residual rows [E, len(capture.layers), H] (else None)."""
     stacks = stacks_of_params(config, params)
     pooled = not isinstance(kv_cache, list)
     stack_at = {s.start: (g, s) for g, s in enumerate(stacks)}
+    wanted = set(capture.layers) if capture is not None else set()
+    if capture is not None:
+        capture.check(config.num_layers)
+    captured: dict[int, jax.Array] = {}
     new_cache: list = []
     counts, dropped = [], []
     i = 0
@@ -78,12 +106,17 @@ def run_layers(
             stacked = params["layer_stacks"][g]
             if lora is not None:
                 stacked = {**stacked, "lora": lora["layer_stacks"][g]}
-            x, kv_cache, layer_counts, layer_dropped = _scan_stack(x, stacked, kv_cache, stack, layer_fn)
+            rows = capture.rows if capture is not None and wanted & set(range(stack.start, stack.stop)) else None
+            x, kv_cache, layer_counts, layer_dropped, inputs = _scan_stack(x, stacked, kv_cache, stack, layer_fn, rows)
+            for j in wanted & set(range(stack.start, stack.stop)):
+                captured[j] = inputs[j - stack.start]
             i = stack.stop
             if layer_counts is not None:
                 counts.append(layer_counts)
                 dropped.append(layer_dropped)
             continue
+        if i in wanted:
+            captured[i] = x[capture.rows]
         cache = kv_cache if pooled else kv_cache[i]
         layer = params["layers"][i]
         if lora is not None:
@@ -98,22 +131,25 @@ def run_layers(
             dropped.append(layer_dropped[None])
         i += 1
     stats = MoeStepStats(jnp.concatenate(counts), jnp.concatenate(dropped)) if counts else None
-    return x, (kv_cache if pooled else new_cache), stats
+    rows_out = jnp.stack([captured[j] for j in capture.layers], axis=1) if capture is not None else None
+    return x, (kv_cache if pooled else new_cache), stats, rows_out
 
 
 def _scan_stack(
-    x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn
-) -> tuple[jax.Array, Any, jax.Array | None, jax.Array | None]:
+    x: jax.Array, stacked: dict, pool: Any, stack: LayerStack, layer_fn: LayerFn, rows: Optional[jax.Array] = None
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array | None, jax.Array | None]:
     """The layers of one stack as one `lax.scan`: the residual and the whole page pool are the
     carry (each layer's KV write is an in-place scatter into the pool), the stacked weights and
-    the layer index the scanned inputs; the per-layer MoE statistics its outputs."""
+    the layer index the scanned inputs; the per-layer MoE statistics its outputs, and with
+    `rows` each layer's input residual at those rows ([n, E, H])."""
 
     def body(carry, xs):
         x, pool = carry
         layer, index = xs
+        captured = x[rows] if rows is not None else None
         x, pool, counts, dropped = layer_fn(x, layer, pool, index)
-        return (x, pool), (counts, dropped)
+        return (x, pool), (counts, dropped, captured)
 
     indices = jnp.arange(stack.start, stack.stop, dtype=jnp.int32)
-    (x, pool), (counts, dropped) = jax.lax.scan(body, (x, pool), (stacked, indices))
-    return x, pool, counts, dropped  # per-layer counts [n, E] and dropped rows [n] (None for dense)
+    (x, pool), (counts, dropped, inputs) = jax.lax.scan(body, (x, pool), (stacked, indices))
+    return x, pool, counts, dropped, inputs  # per-layer counts [n, E] and dropped rows [n] (None for dense)

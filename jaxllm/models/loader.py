@@ -31,10 +31,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_tensor_names
+from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_shared_copies, mtp_tensor_names
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
+from jaxllm.models.quant_config import KV_SCALE_SUFFIXES
 from jaxllm.models.quantization import FP8
 from jaxllm.models.quantized_loading import (
     FP8_SOURCE,
@@ -58,13 +59,14 @@ from jaxllm.models.weights import (
 )
 from sharding.mesh import ParallelConfig, expert_parallel_size, make_mesh
 from sharding.rules import ShardingRules, named_sharding
-from sharding.slot_table import make_slot_table, make_stacked_slot_table, resolve_assignments
+from sharding.slot_table import default_assignment, make_slot_table, make_stacked_slot_table, resolve_assignments
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_SOURCES = ("F64", "F32", "F16", "BF16")
 _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
-# Buffers some exporters save that carry no weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers some exporters save that carry no weights, and KV cache scales (read by
+# `jaxllm.models.kv_quant` for an FP8 KV cache).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # What safetensors or numpy raise on a truncated, garbled or inconsistent file.
@@ -119,10 +121,12 @@ def slot_assignments_for(
     return resolve_assignments(config.num_experts, moe_layers, ep, slot_assignments, num_slots)
 
 
-def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None) -> Params:
-    """The parameter pytree as NamedShardings on `mesh`."""
+def param_shardings(
+    config: ModelConfig, mesh: jax.sharding.Mesh, rules: Optional[ShardingRules] = None, *, mtp: bool = False
+) -> Params:
+    """The parameter pytree as NamedShardings on `mesh` (with `mtp`, the MTP layers' too)."""
     rules = rules or rules_for(config, mesh)
-    decls = declare_params(config, kv_replicas_for(config, mesh, rules))
+    decls = declare_params(config, kv_replicas_for(config, mesh, rules), mtp=mtp)
     return build_params(((w.path, named_sharding(mesh, w.axes, rules)) for w in decls), config, layer_stacks(config))
 
 
@@ -172,11 +176,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _choose_alternatives(
-    header: _Header, decls: list[WeightDecl], config: ModelConfig, model_dir: str | Path, scales: set[str]
+    header: _Header,
+    decls: list[WeightDecl],
+    config: ModelConfig,
+    model_dir: str | Path,
+    scales: set[str],
+    load_mtp: bool = False,
 ) -> list[Sequence[Source]]:
     """For each parameter, the one spelling the checkpoint uses, after checking names, shapes
     and dtypes from the headers alone (before any tensor data is read). `scales`: the scale
-    tensors a float8 checkpoint may hold (checked by `quantized_loading.check_quantized`)."""
+    tensors a float8 checkpoint may hold (checked by `quantized_loading.check_quantized`).
+    Multi-token-prediction tensors are skipped with a log line unless `load_mtp` declared
+    them; their copies of the embedding and LM head are never read."""
     known: dict[str, Source] = {src.name: src for w in decls for alt in w.alternatives for src in alt}
     if config.quantization is None:
         fp8 = sorted(n for n, dt in header.dtype.items() if dt == FP8_SOURCE)
@@ -184,7 +195,12 @@ def _choose_alternatives(
             raise ValueError(f"tensor {fp8[0]} is float8_e4m3fn but config.json has no quantization_config")
     if config.model_type == "deepseek_v3":
         mtp = mtp_tensor_names(config, [n for n in header.shape if n not in known])
-        if mtp:
+        if load_mtp:
+            copies = {
+                n for j in range(config.num_nextn_predict_layers) for n in mtp_shared_copies(config.num_layers + j)
+            }
+            mtp = [n for n in mtp if n in copies]
+        elif mtp:
             log_skipped_mtp(mtp)
         known_or_skipped = set(mtp)
     else:
@@ -206,10 +222,11 @@ def _choose_alternatives(
         where = header.file_of[name].name
         if shape != known[name].shape:
             raise ValueError(f"tensor {name} in {where} has shape {list(shape)}, expected {list(known[name].shape)}")
-        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,):
+        quantized = (config.quantization.checkpoint_dtype,) if config.quantization is not None else ()
+        if header.dtype[name] not in _FLOAT_SOURCES + (FP8_SOURCE,) + quantized:
             raise ValueError(
                 f"tensor {name} in {where} has dtype {header.dtype[name]}; "
-                "only float and float8_e4m3fn checkpoints are supported"
+                "only float and float8_e4m3fn checkpoints (and GGUF's int8 values) are supported"
             )
     chosen, missing = [], []
     for decl in decls:
@@ -276,6 +293,7 @@ def load_params(
     slice_hook: Optional[Callable[[str, tuple[slice, ...], np.ndarray], None]] = None,
     slot_assignments: Optional[dict[int, Sequence[int]]] = None,
     num_slots: Optional[int] = None,
+    load_mtp: bool = False,
 ) -> Params:
     """Read the checkpoint in `model_dir` into the parameter pytree, sharded over `mesh`.
 
@@ -286,10 +304,14 @@ def load_params(
     With `config.scan_layers` the other layers are read straight into their layer stacks
     (see `jaxllm.models.weights`), each device piece stacked on the host from the layers' boxes.
     `slice_hook(name, slices, array)` sees every read from the files (for measurements).
+    `load_mtp` also reads DeepSeek-V3's multi-token-prediction layers into `params["mtp"]`
+    (`jaxllm.models.mtp`; under expert parallelism their experts in the default placement of
+    the main layers' slot count); by default they are skipped.
     """
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
     rules = rules or rules_for(config, mesh)
     assignments = slot_assignments_for(config, mesh, slot_assignments, num_slots)
+    mtp_assignments = _mtp_slot_assignments(config, model_dir, mesh, assignments) if load_mtp else {}
     if is_converted(model_dir):
         if config.quantization is not None:
             raise ValueError(
@@ -302,8 +324,9 @@ def load_params(
     np_dtype = numpy_dtype(dtype or config.dtype)
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
-    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), assignments)
-    chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config))
+    all_assignments = None if assignments is None else {**assignments, **mtp_assignments}
+    decls = declare_weights(config, kv_replicas_for(config, mesh, rules), all_assignments, mtp=load_mtp)
+    chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config), load_mtp)
     decls, _ = check_quantized(decls, chosen, header.shape, header.dtype, config)
     chosen_for = dict(zip((d.path for d in decls), chosen))
     stacks = layer_stacks(config)
@@ -365,7 +388,11 @@ def load_params(
                                 sharding.spec,
                                 read_full,
                                 functools.partial(
-                                    assemble_array, decl.shape, sharding, functools.partial(read_box, decl), FP8
+                                    assemble_array,
+                                    decl.shape,
+                                    sharding,
+                                    functools.partial(read_box, decl),
+                                    FP8 if decl.quant.dtype == FP8.name else np.dtype(np.int8),
                                 ),
                                 functools.partial(read_param, decl),
                             ),
@@ -384,7 +411,31 @@ def load_params(
                 bar.update(1)
     params = build_params(leaves, config, stacks)
     _add_slot_tables(params, config, mesh, assignments)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for layer, slot_to_expert in mtp_assignments.items():
+        moe = params["mtp"][layer - config.num_layers]["moe"]
+        moe["slots"] = make_slot_table(slot_to_expert, config.num_experts, replicated)
     return params
+
+
+def _mtp_slot_assignments(
+    config: ModelConfig, model_dir: str | Path, mesh: jax.sharding.Mesh, assignments: Optional[dict]
+) -> dict[int, np.ndarray]:
+    """The MTP layers' expert slots (layer -> expert of each slot) when the main layers have
+    slots, else none; refuses configs without MTP layers and converted checkpoints."""
+    if config.model_type != "deepseek_v3" or not config.num_nextn_predict_layers:
+        raise ValueError(
+            f"load_mtp: {config.architecture} config in {model_dir} has no multi-token-prediction layers "
+            "(num_nextn_predict_layers)"
+        )
+    if is_converted(model_dir):
+        raise ValueError(f"load_mtp: {model_dir} is a converted (orbax) checkpoint; MTP layers load from safetensors")
+    if assignments is None:
+        return {}
+    num_slots = len(next(iter(assignments.values()))) if assignments else config.num_experts
+    ep = expert_parallel_size(mesh)
+    layers = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
+    return {layer: default_assignment(config.num_experts, num_slots, ep) for layer in layers}
 
 
 def _add_slot_tables(

@@ -16,9 +16,9 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxllm.models.kv_cache_spec import kv_cache_spec
-from jaxllm.models.model_config import ModelConfig, numpy_dtype
+from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.partitioning import check_quantized_split
-from jaxllm.models.quantization import FP8, scale_spec
+from jaxllm.models.quantization import scale_spec
 from jaxllm.models.weights import WeightDecl, declare_weights
 from sharding.mesh import ATTN_DP_AXIS, EXPERT_AXIS, TENSOR_AXIS, ParallelConfig
 from sharding.rules import kv_head_replicas, logical_to_physical, model_rules
@@ -95,7 +95,8 @@ def device_bytes_of(decl: WeightDecl, dtype: Any, rules: Any, mesh_shape: Mappin
         return math.prod(shard) * decl.param_dtype(dtype).itemsize, 0
     scale_shape = decl.quant.scale_shape(decl.shape)
     scales = math.prod(shard_shape(scale_shape, scale_spec(spec, scale_shape, mesh_shape), mesh_shape)) * 4
-    return math.prod(shard) * FP8.itemsize + scales, scales
+    values = math.prod(shard) * decl.quant.value_dtype().itemsize
+    return (values // 2 if decl.quant.packed else values) + scales, scales
 
 
 def plan_memory(
@@ -137,8 +138,9 @@ def plan_memory(
         nbytes, scales = device_bytes_of(decl, config.dtype, rules, mesh_shape)
         plan.weight_bytes[weight_kind(decl)] += nbytes
         plan.scale_bytes += scales
-    kv = numpy_dtype(kv_dtype or config.dtype)
-    spec = kv_cache_spec(config, str(kv), 1 if config.is_mla else replicas)
+    # The engine's KV pool is sized by the same spec (`kv_cache_bytes_per_token`); None: the
+    # config's KV cache dtype (float8_e4m3fn for an FP8 KV cache).
+    spec = kv_cache_spec(config, kv_dtype, 1 if config.is_mla else replicas)
     plan.kv_bytes_per_token = spec.bytes_per_token(1 if config.is_mla else tp)
     plan.weight_bytes = {k: v for k, v in plan.weight_bytes.items() if v}
     return plan

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models.attention import AttentionFn, AttentionMetadata, latent_attention_of
+from jaxllm.models.kv_quant import dequantize_kv, quantize_kv, scale_outputs, scale_queries
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.numerics import rms_norm
 from jaxllm.models.quantization import dense, qeinsum
@@ -106,11 +107,14 @@ def absorbed_attention(
     sm_scale: float,
     kv_lora_rank: int,
     precision: Optional[jax.lax.Precision],
+    kv_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """Attention in latent space: [T, Hq, Dv]."""
+    """Attention in latent space: [T, Hq, Dv]. An FP8 cache's scale is folded into the query
+    and the output (`jaxllm.models.kv_quant`)."""
     q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, dense(p["k_b"], q_nope.dtype), precision=precision)
     q = jnp.concatenate([q_latent.astype(q_rope.dtype), q_rope], axis=-1)
-    out_latent = latent_fn(q, cache, md, sm_scale=sm_scale, value_dim=kv_lora_rank)
+    out_latent = latent_fn(scale_queries(q, kv_scale), cache, md, sm_scale=sm_scale, value_dim=kv_lora_rank)
+    out_latent = scale_outputs(out_latent, kv_scale)
     v_b = dense(p["v_b"], q_nope.dtype)
     return jnp.einsum("tnr,rnv->tnv", out_latent.astype(q_nope.dtype), v_b, precision=precision)
 
@@ -126,10 +130,14 @@ def expanded_attention(
     sm_scale: float,
     kv_lora_rank: int,
     precision: Optional[jax.lax.Precision],
+    kv_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """The step's pages expanded to per-head K/V, then paged MHA over them: [T, Hq, Dv]."""
+    """The step's pages expanded to per-head K/V, then paged MHA over them: [T, Hq, Dv]. An FP8
+    cache's gathered pages are dequantized first."""
     num_seqs, max_blocks = md.block_tables.shape
     pages = cache.latent[md.block_tables.reshape(-1)]  # [S * MB, tpb, R + Dr]
+    if kv_scale is not None:
+        pages = dequantize_kv(pages, kv_scale, q_nope.dtype)
     latent, k_rope = pages[..., :kv_lora_rank], pages[..., kv_lora_rank:]
     k_nope = jnp.einsum("bpr,rnd->nbpd", latent, dense(p["k_b"], latent.dtype), precision=precision)
     v = jnp.einsum("bpr,rnv->nbpv", latent, dense(p["v_b"], latent.dtype), precision=precision)
@@ -163,11 +171,15 @@ def mla_attention(
     write_fn: Callable,
     decode_only: jax.Array,
     precision: Optional[jax.lax.Precision],
+    kv_scale: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, MlaLayerCache]:
-    """One MLA layer: output [T, H] and the layer cache with this step's latents written."""
+    """One MLA layer: output [T, H] and the layer cache with this step's latents written
+    (quantized with `kv_scale` for an FP8 cache)."""
     q_nope, q_rope, entries = mla_projections(x, p, cos, sin, config=config, precision=precision)
-    cache = write_fn(cache, entries, md.slot_mapping)
-    common = dict(sm_scale=mla_softmax_scale(config), kv_lora_rank=config.kv_lora_rank, precision=precision)
+    cache = write_fn(cache, entries if kv_scale is None else quantize_kv(entries, kv_scale), md.slot_mapping)
+    common = dict(
+        sm_scale=mla_softmax_scale(config), kv_lora_rank=config.kv_lora_rank, precision=precision, kv_scale=kv_scale
+    )
     absorbed = lambda: absorbed_attention(q_nope, q_rope, cache, md, p, latent_fn=latent_fn, **common)  # noqa: E731
     expanded = lambda: expanded_attention(q_nope, q_rope, cache, md, p, mha_fn=mha_fn, **common)  # noqa: E731
     mode = config.mla_attention

@@ -31,7 +31,7 @@ from jaxllm.models.config_fields import (
     optional_float,
 )
 from jaxllm.models.deepseek_config import deepseek_config_fields
-from jaxllm.models.quant_config import QuantConfig, parse_quantization_config
+from jaxllm.models.quant_config import KvCacheQuant, QuantConfig, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -159,12 +159,17 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # shared experts (one FFN of n * moe_intermediate_size) in every MoE layer
+    # DeepSeek-V3 multi-token-prediction layers the checkpoint carries after the decoder layers
+    # (`model.layers.{num_hidden_layers + j}`); loaded only when asked (`load_params(load_mtp=True)`).
+    num_nextn_predict_layers: int = 0
     mla_attention: str = "auto"  # MLA form: "auto" (absorbed for decode-only steps), "absorbed", "expanded"
     # Run runs of identical layers as one lax.scan over stacked weights and one KV page pool for
     # all layers (compile time independent of depth); off: a per-layer loop over per-layer caches.
     scan_layers: bool = True
     # Weights stored quantized (FP8 values + scales; see jaxllm.models.quant_config), or None.
     quantization: Optional[QuantConfig] = None
+    # KV cache stored as FP8 with per-layer scales (jaxllm.models.kv_quant), or None: the model's dtype.
+    kv_cache_quant: Optional[KvCacheQuant] = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -25,8 +25,9 @@ FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128
 ACTIVATION_SCHEMES = ("dynamic", "none")
-# Values of `LLM(quantization=...)` / `--quantization`.
-QUANTIZATION_METHODS = ("fp8",)
+# Values of `LLM(quantization=...)` / `--quantization`: FP8 with 128 x 128 block scales, or
+# weight-only int8 / int4 with one scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks).
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class QuantConfig:
     the checkpoint (empty when weights are quantized at load time). `ignored` lists
     checkpoint module prefixes kept unquantized (`modules_to_not_convert` / `ignore`)."""
 
-    method: str  # "fp8_block" | "fp8_channel"
+    method: str  # "fp8_block" | "fp8_channel" | "int8_block" | "int4_block" (GGUF Q8_0 / Q4_0)
     weight_block_size: tuple[int, int] = (BLOCK, BLOCK)
     activation_scheme: str = "dynamic"
     scale_suffix: str = "weight_scale_inv"
@@ -61,6 +62,16 @@ class QuantConfig:
             return 0
         return BLOCK if self.method == "fp8_block" else -1
 
+    @property
+    def value_dtype(self) -> str:
+        """What the device holds per value: float8_e4m3fn, int8, or int4 (two to a byte)."""
+        return {"int8_block": "int8", "int4_block": "int4"}.get(self.method, FP8_DTYPE)
+
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The safetensors dtype of the quantized weights (GGUF's 4-bit values are stored one to an I8)."""
+        return "I8" if self.method in ("int8_block", "int4_block") else "F8_E4M3"
+
     def block_for(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (rows, cols) block of one torch [out, in] weight."""
         if self.method == "fp8_channel":
@@ -81,10 +92,27 @@ def parse_quantization_config(qc: Any) -> QuantConfig:
         return _parse_fp8_block(qc)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
+    if method == "gguf":
+        return _parse_gguf(qc)
     raise ValueError(
         f"unsupported quantization_config.quant_method={method!r}; supported: 'fp8' (DeepSeek block-scaled "
-        "FP8) and 'compressed-tensors' (FP8 per-channel)"
+        "FP8), 'compressed-tensors' (FP8 per-channel) and 'gguf' (Q8_0 / Q4_0 weights of a converted GGUF file)"
     )
+
+
+# GGUF block types kept quantized on the device: one float scale per 32 consecutive inputs.
+GGUF_BLOCK = 32
+GGUF_METHODS = {"Q8_0": "int8_block", "Q4_0": "int4_block"}
+
+
+def _parse_gguf(qc: dict) -> QuantConfig:
+    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0}` (written by `jaxllm.models.gguf`): each
+    quantized `<module>.weight` is int8 [out, in] (Q4_0: values in [-8, 7]) with float32
+    `<module>.weight_scale` [out, in / 32], the weight being `value * scale` per block of 32."""
+    kind = qc.get("weight_type")
+    if kind not in GGUF_METHODS:
+        raise ValueError(f"unsupported quantization_config.weight_type={kind!r}; one of {sorted(GGUF_METHODS)}")
+    return QuantConfig(GGUF_METHODS[kind], (1, GGUF_BLOCK), "none", "weight_scale", True, _ignored(qc))
 
 
 def _parse_fp8_block(qc: dict) -> QuantConfig:
@@ -143,4 +171,37 @@ def on_load_quant_config(method: Optional[str], activation_scheme: str = "dynami
         return None
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    if method in ("int8", "int4"):
+        return QuantConfig(f"{method}_block", (1, GGUF_BLOCK), "none", "", False)
     return QuantConfig("fp8_block", (BLOCK, BLOCK), activation_scheme, "", False)
+
+
+# Checkpoint tensors holding one layer's KV cache scale (compressed-tensors / ModelOpt names):
+# read by `jaxllm.models.kv_quant`, not weights.
+KV_SCALE_SUFFIXES = (
+    "self_attn.k_scale",
+    "self_attn.v_scale",
+    "k_proj.k_scale",
+    "v_proj.v_scale",
+    "k_proj.output_scale",
+    "v_proj.output_scale",
+)
+
+
+@dataclass(frozen=True)
+class KvCacheQuant:
+    """An FP8 (e4m3) KV cache: one float32 scale per layer for its keys and one for its values
+    (the MLA latent cache uses the key scale), the cached value being `fp8 * scale`. `source`
+    says where they came from: "checkpoint" (`k_scale` / `v_scale` tensors) or "unit" (1.0,
+    vLLM's default when a checkpoint carries none)."""
+
+    k_scales: tuple[float, ...]
+    v_scales: tuple[float, ...]
+    source: str = "unit"
+
+    def __post_init__(self) -> None:
+        if len(self.k_scales) != len(self.v_scales):
+            raise ValueError("k_scales and v_scales need one entry per layer each")
+        bad = [s for s in self.k_scales + self.v_scales if not (s > 0 and s < float("inf"))]
+        if bad:
+            raise ValueError(f"KV cache scales must be positive finite numbers, got {bad[0]!r}")

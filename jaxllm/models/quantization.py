@@ -30,6 +30,7 @@ from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
 from jaxllm.models.weight_layout import Source, view_groups
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+INT4 = "int4"  # WeightQuant.dtype of GGUF Q4_0 weights: values in [-8, 7], packed two to a byte
 
 
 @dataclass(frozen=True)
@@ -46,24 +47,44 @@ class WeightQuant:
         blocks = (1,) * lead + self.blocks
         return tuple(-(-int(n) // b) for n, b in zip(shape, blocks))
 
+    @property
+    def packed(self) -> bool:
+        """int4 values are stored two to a byte along the parameter's last axis."""
+        return self.dtype == INT4
+
+    def value_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The stored value array's shape (the last axis halved when packed)."""
+        shape = tuple(int(n) for n in shape)
+        if not self.packed:
+            return shape
+        if shape[-1] % 2:
+            raise ValueError(f"int4 weights of shape {list(shape)}: the last axis must be even to pack")
+        return shape[:-1] + (shape[-1] // 2,)
+
+    def value_dtype(self) -> np.dtype:
+        return np.dtype(np.uint8) if self.packed else np.dtype(getattr(ml_dtypes, self.dtype, None) or self.dtype)
+
     def nbytes(self, shape: Sequence[int]) -> int:
-        return int(np.prod(shape)) * np.dtype(ml_dtypes.float8_e4m3fn).itemsize + 4 * int(
+        return int(np.prod(self.value_shape(shape))) * self.value_dtype().itemsize + 4 * int(
             np.prod(self.scale_shape(shape))
         )
 
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
-    """A parameter leaf pair: `value` (float8_e4m3fn) and `scale` (float32), with the static
-    block of each trailing axis and how matmuls quantize their activations (`act_group`:
-    per token-group of that many features, -1 per whole token, 0 not at all)."""
+    """A parameter leaf pair: `value` (float8_e4m3fn, int8, or int4 packed two to a uint8 along
+    the last axis when `packed`) and `scale` (float32), with the static block of each trailing
+    axis and how matmuls quantize their activations (`act_group`: per token-group of that many
+    features, -1 per whole token, 0 not at all)."""
 
-    def __init__(self, value: Any, scale: Any, blocks: tuple[int, ...], act_group: int = BLOCK) -> None:
+    def __init__(
+        self, value: Any, scale: Any, blocks: tuple[int, ...], act_group: int = BLOCK, packed: bool = False
+    ) -> None:
         self.value, self.scale = value, scale
-        self.blocks, self.act_group = tuple(blocks), int(act_group)
+        self.blocks, self.act_group, self.packed = tuple(blocks), int(act_group), bool(packed)
 
     def tree_flatten(self):
-        return (self.value, self.scale), (self.blocks, self.act_group)
+        return (self.value, self.scale), (self.blocks, self.act_group, self.packed)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -71,7 +92,9 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape)
+        """The logical (unpacked) shape."""
+        shape = tuple(self.value.shape)
+        return shape[:-1] + (2 * shape[-1],) if self.packed else shape
 
     def __repr__(self) -> str:
         return f"QuantizedWeight(shape={getattr(self.value, 'shape', '?')}, blocks={self.blocks})"
@@ -159,7 +182,7 @@ def quantized_decl(decl: Any, config: Any) -> Any:
         return decl
     blocks = param_blocks(src, qc.block_for(*src.shape))
     lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
-    quant = WeightQuant((1,) * lead + blocks, qc.activation_group)
+    quant = WeightQuant((1,) * lead + blocks, qc.activation_group, qc.value_dtype)
     return replace(decl, quant=quant)
 
 
@@ -203,6 +226,33 @@ def quantize_blocks(x: np.ndarray, blocks: Sequence[int]) -> tuple[np.ndarray, n
     return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
 
 
+def quantize_blocks_int(x: np.ndarray, blocks: Sequence[int], bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values, float32 scales) per block as llama.cpp's reference quantizers make GGUF's
+    blocks: 8 bits (`quantize_row_q8_0`): scale amax / 127, values round(x / scale); 4 bits
+    (`quantize_row_q4_0`): scale = the block's largest-magnitude value / -8, values
+    min(15, trunc(x / scale + 8.5)) - 8, in [-8, 7]."""
+    x = np.asarray(x, np.float32)
+    xb, full = _blocked(x, blocks)
+    axes = tuple(range(1, xb.ndim, 2))
+    if bits == 8:
+        scale = np.abs(xb).max(axis=axes, keepdims=True) / np.float32(127)
+    else:
+        flat = np.moveaxis(xb, axes, range(xb.ndim - len(axes), xb.ndim)).reshape(*xb.shape[::2], -1)
+        peak = np.take_along_axis(flat, np.abs(flat).argmax(-1)[..., None], -1)[..., 0]
+        scale = np.expand_dims(peak / np.float32(-8), axes)
+    # The values divide by the float32 scale; the block keeps it rounded to float16.
+    inv = np.where(scale == 0, 0, 1 / np.where(scale == 0, 1, scale)).astype(np.float32)
+    if bits == 8:
+        a = np.abs(xb * inv)
+        q = np.sign(xb) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))  # roundf: half away from zero
+    else:
+        q = np.clip(np.trunc(xb * inv + np.float32(8.5)), 0, 15) - 8
+    scale = scale.astype(np.float16).astype(np.float32)
+    q = q.astype(np.int8).reshape([n + (-n % b) for n, b in zip(x.shape, full)])
+    q = q[tuple(slice(0, n) for n in x.shape)]
+    return np.ascontiguousarray(q), scale.reshape(scale.shape[::2])
+
+
 # ---------------------------------------------------------------------------------------------
 # In the jitted step
 
@@ -212,13 +262,31 @@ def dense(w: Any, dtype: Any = None) -> jax.Array:
     in float32, then cast to `dtype`, by default the scale's float32), anything else as is."""
     if not isinstance(w, QuantizedWeight):
         return w
-    blocks = (1,) * (w.value.ndim - len(w.blocks)) + w.blocks
+    value = unpack_int4(w.value) if w.packed else w.value
+    blocks = (1,) * (value.ndim - len(w.blocks)) + w.blocks
     s = w.scale
     for axis, b in enumerate(blocks):
         if b > 1:
             s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
-    s = s[tuple(slice(0, n) for n in w.value.shape)]
-    return (w.value.astype(jnp.float32) * s).astype(dtype or jnp.float32)
+    s = s[tuple(slice(0, n) for n in value.shape)]
+    return (value.astype(jnp.float32) * s).astype(dtype or jnp.float32)
+
+
+def pack_int4(x: Any) -> Any:
+    """int values in [-8, 7], [..., 2n] -> uint8 [..., n]: entry 2i in the low nibble, 2i + 1 in
+    the high one (numpy or jax arrays)."""
+    if isinstance(x, jax.Array):
+        u = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8)  # two's complement bytes
+    else:
+        u = np.asarray(x, np.int8).view(np.uint8)
+    return (u[..., 0::2] & 0xF) | ((u[..., 1::2] & 0xF) << 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """The inverse of `pack_int4`: int8 [..., 2n] (nibbles sign-extended)."""
+    v = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    lo, hi = jnp.left_shift(v, 4) >> 4, v >> 4  # arithmetic shifts of int8 sign-extend
+    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
 
 def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Array:

@@ -25,7 +25,9 @@ from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
     checkpoint_scales,
+    pack_int4,
     quantize_blocks,
+    quantize_blocks_int,
     scale_spec,
     unquantized,
 )
@@ -98,7 +100,8 @@ def check_quantized(
     qc = config.quantization
     out, scales = [], set()
     for decl, alt in zip(decls, chosen):
-        fp8 = [src.name for src in alt if dtypes.get(src.name) == FP8_SOURCE]
+        stored_quantized = qc.checkpoint_dtype if qc is not None else FP8_SOURCE
+        fp8 = [src.name for src in alt if dtypes.get(src.name) == stored_quantized]
         if decl.quant is None or qc is None or not qc.from_checkpoint:
             if fp8:
                 why = "config.json has no quantization_config" if qc is None else "it is never quantized"
@@ -165,15 +168,21 @@ def assemble_quantized(
     value_sharding = jax.sharding.NamedSharding(mesh, spec)
     if config.quantization is not None and config.quantization.from_checkpoint:
         value = assemble_value()
+        if q.packed:  # int4 read as int8 values, packed two to a byte on the device
+            value = jax.jit(pack_int4, out_shardings=value_sharding)(value)
         scale = np.stack([_member_scales(m, a, config, read_full) for m, a in zip(members, alternatives)])
         if not isinstance(decl, StackedDecl):
             scale = scale[0]
-    else:
+    elif q.dtype == FP8.name:
         host, scale = quantize_blocks(read_param(), q.blocks)
         value = _put(host, value_sharding)
         del host
+    else:  # int8 / int4 with GGUF's Q8_0 / Q4_0 blocks of 32 inputs
+        host, scale = quantize_blocks_int(read_param(), q.blocks, 4 if q.packed else 8)
+        value = _put(pack_int4(host) if q.packed else host, value_sharding)
+        del host
     scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
-    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group)
+    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group, q.packed)
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -181,11 +190,14 @@ def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def with_quantization(config: ModelConfig, method: Optional[str], activation_scheme: str = "dynamic") -> ModelConfig:
-    """`config` with the weight quantization asked for at load time (`quantization="fp8"`): an
-    FP8 checkpoint keeps its own; an unquantized one is quantized while it loads."""
+    """`config` with the weight quantization asked for at load time (`quantization="fp8"`, "int8"
+    or "int4"): a quantized checkpoint keeps its own (asking for another is a ValueError); an
+    unquantized one is quantized while it loads."""
     if config.quantization is not None:
-        if method is not None and method != "fp8":
-            raise ValueError(f"quantization={method!r}: the checkpoint is already quantized (FP8)")
+        if method is not None and (method != "fp8" or config.quantization.value_dtype != FP8.name):
+            raise ValueError(
+                f"quantization={method!r}: the checkpoint is already quantized ({config.quantization.value_dtype})"
+            )
         if activation_scheme == "none":  # otherwise the checkpoint's own scheme
             return replace(config, quantization=replace(config.quantization, activation_scheme="none"))
         return config

@@ -60,7 +60,7 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
-from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras
+from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras, declare_mtp_extras
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.quantization import QuantizedWeight, WeightQuant, quantized_decl
 from jaxllm.models.weight_layout import Layout, Source
@@ -88,7 +88,7 @@ class WeightDecl:
     rows_from: Optional[tuple[int, ...]] = None
     source_rows: int = 0
     dtype: Optional[str] = None  # kept in this dtype whatever the model's (DeepSeek's float32 router bias)
-    quant: Optional[WeightQuant] = None  # stored quantized (FP8 values + block scales)
+    quant: Optional[WeightQuant] = None  # stored quantized (FP8 / int8 / int4 values + block scales)
 
     def param_dtype(self, model_dtype: Any) -> np.dtype:
         return numpy_dtype(self.dtype or model_dtype)
@@ -117,14 +117,19 @@ def _transposed(out_features: int, in_features: int) -> Layout:
 
 
 def declare_weights(
-    config: ModelConfig, kv_replicas: int = 1, slot_assignments: Optional[Mapping[int, Sequence[int]]] = None
+    config: ModelConfig,
+    kv_replicas: int = 1,
+    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None,
+    *,
+    mtp: bool = False,
 ) -> list[WeightDecl]:
     """Every parameter of `config`'s decoder, in pytree order.
 
     `slot_assignments` (MoE layer -> expert of each slot) stores those layers' experts as
-    slots, [num_slots, ...] (expert parallelism; see `sharding.slot_table`)."""
+    slots, [num_slots, ...] (expert parallelism; see `sharding.slot_table`). `mtp` adds
+    DeepSeek-V3's multi-token-prediction layers under `mtp[j]` (see `jaxllm.models.mtp`)."""
     c = config
-    h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+    h = c.hidden_size
     decls: list[WeightDecl] = []
 
     def add(
@@ -167,92 +172,7 @@ def declare_weights(
         "embed",
     )
     for layer in range(c.num_layers):
-        pre, at = f"model.layers.{layer}", ("layers", layer, "attn")
-        add(
-            ("layers", layer, "attn_norm"),
-            (h,),
-            ("embed",),
-            single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))),
-            "norm",
-        )
-        if c.is_mla:
-            declare_mla_attention(add, c, layer)
-        else:
-            for proj, heads, axis, reps in (
-                ("q", hq, "heads", 1),
-                ("k", hkv, "kv_heads", kv_replicas),
-                ("v", hkv, "kv_heads", kv_replicas),
-            ):
-                name = f"{pre}.self_attn.{proj}_proj"
-                add(
-                    at + (proj,),
-                    (h, heads * reps, d),
-                    ("embed", axis, "head_dim"),
-                    single(
-                        f"{name}.weight", (heads * d, h), Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)
-                    ),
-                    "linear",
-                )
-                if c.attention_bias:
-                    add(
-                        at + (f"{proj}_bias",),
-                        (heads * reps, d),
-                        (axis, "head_dim"),
-                        single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
-                        "bias",
-                    )
-            add(
-                at + ("o",),
-                (hq, d, h),
-                ("heads", "head_dim", "embed"),
-                single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))),
-                "linear",
-            )
-            if c.o_proj_bias:
-                add(
-                    at + ("o_bias",),
-                    (h,),
-                    ("embed",),
-                    single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
-                    "bias",
-                )
-            if c.qk_norm:
-                for norm in ("q_norm", "k_norm"):
-                    add(
-                        at + (norm,),
-                        (d,),
-                        ("head_dim",),
-                        single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))),
-                        "norm",
-                    )
-        add(
-            ("layers", layer, "mlp_norm"),
-            (h,),
-            ("embed",),
-            single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))),
-            "norm",
-        )
-        if c.is_moe_layer(layer):
-            _declare_experts(add, c, layer, (slot_assignments or {}).get(layer))
-            if c.model_type == "deepseek_v3":
-                declare_moe_extras(add, c, layer)
-        else:
-            inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
-            for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):
-                add(
-                    mlp + (ours,),
-                    (h, inter),
-                    ("embed", "mlp"),
-                    single(f"{pre}.mlp.{hf}.weight", (inter, h), _transposed(inter, h)),
-                    "linear",
-                )
-            add(
-                mlp + ("down",),
-                (inter, h),
-                ("mlp", "embed"),
-                single(f"{pre}.mlp.down_proj.weight", (h, inter), _transposed(h, inter)),
-                "linear",
-            )
+        _declare_layer(add, c, layer, kv_replicas, (slot_assignments or {}).get(layer))
     add(("final_norm",), (h,), ("embed",), single("model.norm.weight", (h,), _identity((h,))), "norm")
     if not c.tie_word_embeddings:
         add(
@@ -263,7 +183,120 @@ def declare_weights(
             "linear",
             gain=3.0,
         )
+    if mtp:
+        if not c.num_nextn_predict_layers:
+            raise ValueError(f"{c.architecture} config has no multi-token-prediction layers (num_nextn_predict_layers)")
+        for j in range(c.num_nextn_predict_layers):
+            mtp_add = _moved(add, c.num_layers + j, ("mtp", j))
+            declare_mtp_extras(mtp_add, c, c.num_layers + j)
+            _declare_layer(mtp_add, c, c.num_layers + j, kv_replicas, (slot_assignments or {}).get(c.num_layers + j))
     return [quantized_decl(d, c) for d in decls] if c.quantization is not None else decls
+
+
+def _moved(add: Callable, layer: int, prefix: KeyPath) -> Callable:
+    """`add` with the paths of `layer` (`("layers", layer, ...)`) moved under `prefix`: the
+    multi-token-prediction layers are declared by the decoder layers' code, stored apart."""
+
+    def moved(path: KeyPath, *args: Any, **kwargs: Any) -> None:
+        assert path[:2] == ("layers", layer), path
+        add(prefix + tuple(path[2:]), *args, **kwargs)
+
+    return moved
+
+
+def _declare_layer(
+    add: Callable, c: ModelConfig, layer: int, kv_replicas: int, slot_to_expert: Optional[Sequence[int]]
+) -> None:
+    """One decoder layer's parameters (`layers[layer]`, checkpoint `model.layers.{layer}`)."""
+    h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+
+    def single(name: str, shape: tuple[int, ...], layout: Layout) -> list[list[Source]]:
+        return [[Source(name, shape, layout)]]
+
+    pre, at = f"model.layers.{layer}", ("layers", layer, "attn")
+    add(
+        ("layers", layer, "attn_norm"),
+        (h,),
+        ("embed",),
+        single(f"{pre}.input_layernorm.weight", (h,), _identity((h,))),
+        "norm",
+    )
+    if c.is_mla:
+        declare_mla_attention(add, c, layer)
+    else:
+        for proj, heads, axis, reps in (
+            ("q", hq, "heads", 1),
+            ("k", hkv, "kv_heads", kv_replicas),
+            ("v", hkv, "kv_heads", kv_replicas),
+        ):
+            name = f"{pre}.self_attn.{proj}_proj"
+            add(
+                at + (proj,),
+                (h, heads * reps, d),
+                ("embed", axis, "head_dim"),
+                single(f"{name}.weight", (heads * d, h), Layout((heads, d, h), (2, 0, 1), repeat_axis=0, repeat=reps)),
+                "linear",
+            )
+            if c.attention_bias:
+                add(
+                    at + (f"{proj}_bias",),
+                    (heads * reps, d),
+                    (axis, "head_dim"),
+                    single(f"{name}.bias", (heads * d,), Layout((heads, d), (0, 1), repeat_axis=0, repeat=reps)),
+                    "bias",
+                )
+        add(
+            at + ("o",),
+            (hq, d, h),
+            ("heads", "head_dim", "embed"),
+            single(f"{pre}.self_attn.o_proj.weight", (h, hq * d), Layout((h, hq, d), (1, 2, 0))),
+            "linear",
+        )
+        if c.o_proj_bias:
+            add(
+                at + ("o_bias",),
+                (h,),
+                ("embed",),
+                single(f"{pre}.self_attn.o_proj.bias", (h,), _identity((h,))),
+                "bias",
+            )
+        if c.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                add(
+                    at + (norm,),
+                    (d,),
+                    ("head_dim",),
+                    single(f"{pre}.self_attn.{norm}.weight", (d,), _identity((d,))),
+                    "norm",
+                )
+    add(
+        ("layers", layer, "mlp_norm"),
+        (h,),
+        ("embed",),
+        single(f"{pre}.post_attention_layernorm.weight", (h,), _identity((h,))),
+        "norm",
+    )
+    if c.is_moe_layer(layer):
+        _declare_experts(add, c, layer, slot_to_expert)
+        if c.model_type == "deepseek_v3":
+            declare_moe_extras(add, c, layer)
+    else:
+        inter, mlp = c.intermediate_size, ("layers", layer, "mlp")
+        for ours, hf in (("gate", "gate_proj"), ("up", "up_proj")):
+            add(
+                mlp + (ours,),
+                (h, inter),
+                ("embed", "mlp"),
+                single(f"{pre}.mlp.{hf}.weight", (inter, h), _transposed(inter, h)),
+                "linear",
+            )
+        add(
+            mlp + ("down",),
+            (inter, h),
+            ("mlp", "embed"),
+            single(f"{pre}.mlp.down_proj.weight", (h, inter), _transposed(h, inter)),
+            "linear",
+        )
 
 
 def _declare_experts(
@@ -437,11 +470,15 @@ def stack_declarations(decls: Sequence[WeightDecl], stacks: Sequence[LayerStack]
 
 
 def declare_params(
-    config: ModelConfig, kv_replicas: int = 1, slot_assignments: Optional[Mapping[int, Sequence[int]]] = None
+    config: ModelConfig,
+    kv_replicas: int = 1,
+    slot_assignments: Optional[Mapping[int, Sequence[int]]] = None,
+    *,
+    mtp: bool = False,
 ) -> list[ParamDecl]:
     """The parameters as stored: `declare_weights` with the layer stacks folded in (slot layers
     too: their stacks hold [n, num_slots, ...] buffers)."""
-    return stack_declarations(declare_weights(config, kv_replicas, slot_assignments), layer_stacks(config))
+    return stack_declarations(declare_weights(config, kv_replicas, slot_assignments, mtp=mtp), layer_stacks(config))
 
 
 def build_params(items: Iterable[tuple[KeyPath, Any]], config: ModelConfig, stacks: Sequence[LayerStack]) -> Params:
@@ -473,11 +510,13 @@ def build_tree(items: Iterable[tuple[KeyPath, Any]]) -> Params:
     return finish(root)
 
 
-def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> Params:
+def param_shapes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1, *, mtp: bool = False) -> Params:
     """The parameter pytree as `jax.ShapeDtypeStruct`s: the layout the loader produces."""
     dt = dtype or config.dtype
     return build_params(
-        ((w.path, param_shape(w, dt)) for w in declare_params(config, kv_replicas)), config, layer_stacks(config)
+        ((w.path, param_shape(w, dt)) for w in declare_params(config, kv_replicas, mtp=mtp)),
+        config,
+        layer_stacks(config),
     )
 
 
@@ -487,32 +526,33 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
         return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
     q = decl.quant
     return QuantizedWeight(
-        jax.ShapeDtypeStruct(decl.shape, np.dtype(q.dtype)),
+        jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()),
         jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
         q.blocks,
         q.act_group,
+        q.packed,
     )
 
 
-def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1) -> Params:
+def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1, *, mtp: bool = False) -> Params:
     """The parameter pytree as PartitionSpecs (under `rules`; a quantized weight's scales as its
     values, see `scale_spec` for the mesh's uneven splits)."""
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group)
+        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group, w.quant.packed)
 
     return build_params(
-        ((w.path, spec(w)) for w in declare_params(config, kv_replicas)),
+        ((w.path, spec(w)) for w in declare_params(config, kv_replicas, mtp=mtp)),
         config,
         layer_stacks(config),
     )
 
 
-def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1) -> int:
+def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1, *, mtp: bool = False) -> int:
     """Bytes of all parameters (replicated KV heads counted once per copy)."""
     dt = dtype or config.dtype
-    return sum(w.nbytes(dt) for w in declare_weights(config, kv_replicas))
+    return sum(w.nbytes(dt) for w in declare_weights(config, kv_replicas, mtp=mtp))
 
 
 def num_params(config: ModelConfig) -> int:

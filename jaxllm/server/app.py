@@ -60,6 +60,7 @@ def build_app(executor: GenerationExecutor, config: ServerConfig, *, shutdown_ex
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        server.disagg.start()  # the KV transfer server of a disaggregated worker (else nothing)
         try:
             yield
         finally:

@@ -69,6 +69,11 @@ class ChatRoute:
                     "stop_reason": c.stop_reason,
                 }
             )
+            disagg = body.disaggregated_params
+            if disagg is not None and disagg.request_type == "context_only":
+                choices[-1]["disaggregated_params"] = server.disagg.context_answer(
+                    results[0], c.token_ids, c.finish_reason
+                )
         return JSONResponse(
             {
                 "id": request_id,
@@ -118,19 +123,24 @@ class ChatRoute:
         ids = server.encode(prompt, add_special_tokens=False, field="messages") if prompt else []
         if not ids:
             raise APIError(400, "messages: the rendered conversation is empty", "messages")
+        disagg = server.disagg.params_for(body)  # a generation-only request's blocks are pulled here
+        context_only = disagg is not None and disagg.context_only
         results = server.submit_all(
             [ids],
-            lambda n: self._sampling_params(body, n, guided),
+            lambda n: self._sampling_params(body, n, guided, 1 if context_only else body.requested_max_tokens()),
             body.stream,
             texts=[prompt],
             field="messages",
             lora_request=lora_request,
             kv_cache_retention_config=retention,
+            disaggregated_params=disagg,
         )
         return body, plan, results
 
-    def _sampling_params(self, body: ChatCompletionRequest, prompt_len: int, guided: GuidedDecodingParams | None):
-        params = self.server.sampling_params_for(body, body.requested_max_tokens(), prompt_len)
+    def _sampling_params(
+        self, body: ChatCompletionRequest, prompt_len: int, guided: GuidedDecodingParams | None, max_tokens: int | None
+    ):
+        params = self.server.sampling_params_for(body, max_tokens, prompt_len)
         if guided is not None:
             params.guided_decoding = guided
         if params.guided_decoding is not None and self.reasoning is not None:

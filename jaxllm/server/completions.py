@@ -53,6 +53,8 @@ class CompletionsRoute:
                 on_close=lambda: server.close_stream(results),
             )
         outputs = await server.gather(request, results)
+        disagg = body.disaggregated_params
+        context_only = disagg is not None and disagg.request_type == "context_only"
         choices = []
         for p, out in enumerate(outputs):
             for c in out.outputs:
@@ -67,6 +69,10 @@ class CompletionsRoute:
                 )
                 if body.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
+                if context_only:  # the handle a generation worker claims the blocks with
+                    choices[-1]["disaggregated_params"] = server.disagg.context_answer(
+                        results[p], c.token_ids, c.finish_reason
+                    )
         return JSONResponse(
             {
                 "id": request_id,
@@ -96,13 +102,16 @@ class CompletionsRoute:
         except ValueError as exc:
             raise bad_request(exc) from None
         server.check_guided_decoding(body)
+        disagg = server.disagg.params_for(body)  # a generation-only request's blocks are pulled here
+        max_tokens = 1 if disagg is not None and disagg.context_only else body.max_tokens
         results = server.submit_all(
             prompts,
-            lambda n: server.sampling_params_for(body, body.max_tokens, n),
+            lambda n: server.sampling_params_for(body, max_tokens, n),
             body.stream,
             body.add_special_tokens,
             lora_request=lora_request,
             kv_cache_retention_config=retention,
+            disaggregated_params=disagg,
         )
         return body, results
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
+from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.sampling import GuidedDecodingParams, SamplingParams
 
 
@@ -67,6 +68,22 @@ class KvCacheRetentionBody(StrictModel):
             )
         except ValueError as exc:
             raise ValueError(f"kv_cache_retention_config: {exc}") from None
+
+
+class DisaggregatedParamsBody(StrictModel):
+    """`disaggregated_params` extension field: TensorRT-LLM's DisaggregatedParams as JSON (set by
+    the `jaxllm disaggregated` router; a context worker's answer carries them back)."""
+
+    request_type: Literal["context_only", "generation_only", "context_and_generation"]
+    first_gen_tokens: Optional[list[int]] = None
+    ctx_request_id: Optional[int] = None
+    opaque_state: Optional[str] = Field(default=None, max_length=256)
+    ctx_info_endpoint: Optional[str] = Field(default=None, max_length=512)
+    draft_tokens: Optional[list[int]] = None
+
+    def to_params(self) -> DisaggregatedParams:
+        """The engine's params (ValueError naming the missing or unsupported field)."""
+        return DisaggregatedParams(**self.model_dump())
 
 
 class JsonSchemaFormat(StrictModel):
@@ -152,6 +169,7 @@ class _SamplingFields(StrictModel):
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
     kv_cache_retention_config: Optional[KvCacheRetentionBody] = None  # as in TensorRT-LLM's LLM API
+    disaggregated_params: Optional[DisaggregatedParamsBody] = None  # as in trtllm-serve
     # Logits post-processors are Python callables (or device functions registered on the
     # engine): the Python API takes them, a request body cannot carry them.
     logits_processors: Optional[Any] = None

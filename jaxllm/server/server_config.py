@@ -28,3 +28,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
+    # Disaggregated serving (engine built with cache_transceiver_config): the address the KV
+    # transfer server binds (its port: `kv_transfer_port`, 0 picks a free one) and the host name
+    # generation workers reach it by (None: the bind address, or this host's name for 0.0.0.0).
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_advertised_host: str | None = None

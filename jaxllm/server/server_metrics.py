@@ -142,6 +142,32 @@ class ServerMetrics:
             "jaxllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", labels, registry=r
         )
         self.kv_blocks = Gauge("jaxllm:kv_cache_blocks", "KV cache blocks in the pool.", labels, registry=r)
+        self.kv_free_blocks = Gauge(
+            "jaxllm:kv_cache_free_blocks", "KV cache blocks a new request can take.", labels, registry=r
+        )
+        # Disaggregated serving (a worker with cache_transceiver_config).
+        self.kv_held = Gauge(
+            "jaxllm:kv_transfer_held_requests",
+            "Context-only requests whose KV blocks wait for a generation worker.",
+            labels,
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "jaxllm:kv_transfer_seconds",
+            "Pulling one generation-only request's KV blocks from its context worker.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "jaxllm:kv_transfer_bytes", "KV bytes pulled from context workers.", labels, registry=r
+        )
+        self.kv_transfers = Counter(
+            "jaxllm:kv_transfer_requests",
+            "Requests whose KV blocks were pulled, by transport (TCP, SHM).",
+            ["model_name", "backend"],
+            registry=r,
+        )
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
@@ -174,17 +200,26 @@ class ServerMetrics:
                 if per_seq > 1:
                     self.tpot.labels(**self._labels).observe(max(0.0, finished - first) / (per_seq - 1))
 
+    def observe_kv_transfer(self, seconds: float, num_bytes: int, backend: str) -> None:
+        """One generation-only request's blocks pulled from its context worker."""
+        self.kv_transfer_seconds.labels(**self._labels).observe(seconds)
+        self.kv_transfer_bytes.labels(**self._labels).inc(num_bytes)
+        self.kv_transfers.labels(self.model_name, backend).inc()
+
     def _engine_state(self) -> Optional[dict]:
         """Running/waiting requests and KV blocks, read on the engine thread between steps."""
 
         def read(engine) -> dict:
             kv = engine.kv_cache_manager.get_kv_cache_stats()
             waiting = engine.num_queued
+            transceiver = getattr(engine, "kv_transceiver", None)
             return {
                 "running": len(engine.active) - waiting,
                 "waiting": waiting,
                 "used": kv.used_num_blocks,
                 "total": kv.max_num_blocks,
+                "free": kv.free_num_blocks,
+                "held": None if transceiver is None else transceiver.num_held,
             }
 
         if not self.executor.is_healthy:
@@ -202,6 +237,8 @@ class ServerMetrics:
                 "waiting": waiting,
                 "used": kv.get("usedNumBlocks", 0),
                 "total": kv.get("maxNumBlocks", 0),
+                "free": kv.get("freeNumBlocks", 0),
+                "held": kv.get("heldRequests"),
             }
 
     def render(self) -> bytes:
@@ -212,4 +249,7 @@ class ServerMetrics:
             self.waiting.labels(**self._labels).set(state["waiting"])
             self.kv_blocks.labels(**self._labels).set(state["total"])
             self.kv_usage.labels(**self._labels).set(state["used"] / state["total"] if state["total"] else 0.0)
+            self.kv_free_blocks.labels(**self._labels).set(state["free"])
+            if state["held"] is not None:
+                self.kv_held.labels(**self._labels).set(state["held"])
         return generate_latest(self.registry)

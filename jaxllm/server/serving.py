@@ -27,10 +27,12 @@ from pydantic import BaseModel, ValidationError
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
+from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.lora.lora_request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling import SamplingParams
 from jaxllm.sampling.guided import compile_grammar
+from jaxllm.server.disagg_worker import DisaggregatedWorker
 from jaxllm.server.errors import APIError, bad_request, param_of, validation_error
 from jaxllm.server.guard import BodyTooLarge, parse_json_body
 from jaxllm.server.protocol import strip_guided_prefix
@@ -59,6 +61,8 @@ class OpenAIServer:
         self._shutdown_aborted: set[GenerationResult] = set()
         self._abort_sent: weakref.WeakSet[GenerationResult] = weakref.WeakSet()
         self.metrics = ServerMetrics(executor, config.served_model_name)
+        # Disaggregated serving: the KV transfer server and the requests' disaggregated params.
+        self.disagg = DisaggregatedWorker(executor, config, self.metrics)
         self._threads = ThreadPoolExecutor(max_workers=config.num_api_threads, thread_name_prefix="jaxllm-api")
         self._token_text = self._token_table()
         # A prompt of more characters than max_seq_len tokens can cover is refused before tokenizing.
@@ -89,6 +93,7 @@ class OpenAIServer:
         return table[token_id] if 0 <= token_id < len(table) else ""
 
     def close(self) -> None:
+        self.disagg.stop()
         self._threads.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests in
@@ -184,6 +189,7 @@ class OpenAIServer:
         field: str = "prompt",
         lora_request: LoRARequest | None = None,
         kv_cache_retention_config: KvCacheRetentionConfig | None = None,
+        disaggregated_params: DisaggregatedParams | None = None,
     ) -> list[GenerationResult]:
         """Tokenize every prompt, then submit them all; the executor checks each before it
         queues any (ValueError -> 400). Runs on the API thread pool: tokenizing may take a
@@ -208,6 +214,7 @@ class OpenAIServer:
                     streaming,
                     lora_request=lora_request,
                     kv_cache_retention_config=kv_cache_retention_config,
+                    disaggregated_params=disaggregated_params,
                 )
                 text = prompt if isinstance(prompt, str) else (texts[i] if texts else None)
                 if text is not None:

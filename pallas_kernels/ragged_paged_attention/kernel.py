@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import schedule
-from pallas_kernels.ragged_paged_attention.kernel_io import check_shapes, int32_metadata, merge_splits
+from pallas_kernels.ragged_paged_attention.kernel_io import FP8_CACHE, check_shapes, int32_metadata, merge_splits
 from pallas_kernels.ragged_paged_attention.tiling import (
     AttentionTiling,
     block_q,
@@ -95,7 +95,10 @@ def _load_rows(ref, rows: jax.Array, mask: jax.Array, width: int, num_cols: Opti
     with a slice, and Triton sees the same contiguous column offsets either way.
     """
     cols = jnp.arange(width, dtype=jnp.int32)
-    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width, num_cols), other=0)
+    other = 0.0 if ref.dtype == FP8_CACHE else 0  # Triton lowering casts no integer to fp8
+    return pltriton.load(
+        ref.at[rows[:, None], cols[None, :]], mask=_row_col_mask(ref, mask, width, num_cols), other=other
+    )
 
 
 def _store_rows(ref, rows: jax.Array, value: jax.Array, mask: jax.Array) -> None:
@@ -186,7 +189,7 @@ def _attention_kernel(
         page = jnp.clip(page, 0, num_blocks - 1)  # a bad block-table id must not leave the cache
         in_page = jax.lax.rem(key_pos, tokens_per_block)
         cache_row = jnp.where(key_valid, cache_row_base + page * tokens_per_block + in_page, 0)
-        k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2)
+        k = _load_rows(k_ref, cache_row, key_valid, head_dim_pow2).astype(q.dtype)  # an fp8 page: widened here
         scores = _dot(q, k, contract_b=1) * sm_scale  # [block_m, block_k]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -198,7 +201,7 @@ def _attention_kernel(
         probs = jnp.where(allowed, jnp.exp(scores - new_max[:, None]), 0.0)
         correction = jnp.exp(running_max - new_max)
         denom = denom * correction + jnp.sum(probs, axis=1)
-        v = _load_rows(v_ref, cache_row, key_valid, value_dim_pow2, value_dim)
+        v = _load_rows(v_ref, cache_row, key_valid, value_dim_pow2, value_dim).astype(q.dtype)
         pv = _dot(probs.astype(v.dtype), v, contract_b=0)
         return acc * correction[:, None] + pv, new_max, denom
 

@@ -9,9 +9,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+FP8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
+
 
 def check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, value_dim: Optional[int] = None) -> None:
-    """q [T, Hq, D] against caches [Hkv, num_blocks, tokens_per_block, D] of q's dtype."""
+    """q [T, Hq, D] against caches [Hkv, num_blocks, tokens_per_block, D] of q's dtype, or of
+    float8_e4m3fn (an FP8 cache: the kernels widen each loaded page to q's dtype; a per-tensor
+    scale is the caller's, folded into q and the output)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, tokens_per_block, kd = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -22,8 +26,10 @@ def check_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, value_dim
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if value_dim is not None and not 0 < value_dim <= kd:
         raise ValueError(f"value_dim={value_dim} must be in [1, head_dim={kd}]")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_CACHE):
+        raise ValueError(
+            f"k_cache and v_cache must both be q's dtype or float8_e4m3fn: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
 
 
 def int32_metadata(kv_lens, block_tables, cu_q_lens, num_seqs) -> tuple[jax.Array, ...]:

@@ -139,6 +139,8 @@ def _store_rows(o_smem, o_gmem, *, gmem_start, num_rows, max_rows: int):
 
 def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
     check_shapes(q, k_cache, v_cache)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"Mosaic GPU attention takes a cache of q's dtype, got {k_cache.dtype} (FP8 caches: Triton)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, tokens_per_block, _ = k_cache.shape
     if not supports(q.dtype, num_q_heads, num_kv_heads, head_dim, tokens_per_block):

@@ -1,0 +1,302 @@
+"""Moving a request's KV blocks between worker processes through host memory (TCP, or shared memory).
+
+The context worker runs a `KvTransferServer`: a generation worker connects, sends one JSON
+line `{"ctx_request_id": ..., "opaque_state": ...}`, and gets back a frame header (4-byte
+big-endian length, then JSON: the prompt's token ids, tokens per block, each page array's
+block shape and dtype, the block count of each chunk) followed by the raw bytes, chunk by
+chunk and, within a chunk, page array by page array. A claim that fails gets a header with
+`error` and no bytes. The server copies one chunk (at most `max_tokens_in_buffer` tokens of
+blocks) to host memory at a time, while the engine serves on: the claim itself is one call
+on the engine thread (`export`), which dispatches the device reads and drops the hold.
+
+Shared memory (a claim with `"shared_memory": true`, from a generation worker on the same
+host): the server writes the blocks, in the same order, into a `multiprocessing.shared_memory`
+segment, sends the header with the segment's name instead of the bytes, and removes the
+segment once the client answers `done` or the connection ends, so it cannot outlive the claim.
+
+`fetch_kv` is the generation side: a connection refused, a timeout or a stream cut half way
+raises `KvTransferError` naming the endpoint and how far it got; nothing was written into
+the generation worker's pool by then. The server also runs `expire` whenever a held
+request's claim time has run out, so unclaimed blocks are freed even on an idle worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.engine.kv_transceiver import ExportedKv, KvPayload
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+MAX_HEADER_BYTES = 64 << 20  # a prompt's token ids and the layout; anything larger is not a header
+MAX_CLAIM_BYTES = 4096
+
+
+class KvTransferError(RuntimeError):
+    """The blocks could not be pulled (the endpoint, and what went wrong)."""
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(jnp.dtype(name))
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`host:port` (optionally `tcp://host:port`, IPv6 hosts in brackets) -> (host, port)."""
+    text = endpoint.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536:
+        raise ValueError(f"disaggregated_params.ctx_info_endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    return host, int(port)
+
+
+def _send_frame(sock: socket.socket, header: dict) -> None:
+    data = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class _ClaimHandler(socketserver.BaseRequestHandler):
+    server: KvTransferServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(self.server.io_timeout)
+        try:
+            reader = sock.makefile("rb")
+            claim = json.loads(reader.readline(MAX_CLAIM_BYTES))
+            rid, token = int(claim["ctx_request_id"]), str(claim["opaque_state"])
+            shared = bool(claim.get("shared_memory", False))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self._refuse(sock, f"a bad claim: {exc}")
+            return
+        try:
+            exported = self.server.export(rid, token)
+        except (KeyError, RuntimeError, TimeoutError) as exc:
+            self._refuse(sock, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
+            return
+        try:
+            if shared:
+                self._send_shared(sock, reader, exported)
+            else:
+                self._send(sock, exported)
+        except OSError as exc:
+            logger.warning("KV transfer of ctx_request_id %d to %s was cut: %r", rid, self.client_address, exc)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        try:
+            _send_frame(sock, {"error": message})
+        except OSError:
+            pass
+
+    @staticmethod
+    def _header(exported: ExportedKv, **extra: Any) -> dict:
+        return {
+            "prompt_token_ids": exported.prompt_token_ids,
+            "tokens_per_block": exported.tokens_per_block,
+            "layout": [[list(shape), dtype] for shape, dtype in exported.layout],
+            "chunks": [n for n, _ in exported.chunks],
+            **extra,
+        }
+
+    @staticmethod
+    def _host_pieces(exported: ExportedKv):
+        """The blocks as host bytes, chunk by chunk (one chunk's copy at a time)."""
+        for n, arrays in exported.chunks:
+            for array in arrays:
+                yield np.ascontiguousarray(np.asarray(array)[:n]).view(np.uint8).reshape(-1)
+
+    def _send(self, sock: socket.socket, exported: ExportedKv) -> None:
+        _send_frame(sock, self._header(exported))
+        for piece in self._host_pieces(exported):
+            sock.sendall(memoryview(piece))
+
+    def _send_shared(self, sock: socket.socket, reader: Any, exported: ExportedKv) -> None:
+        """Write the blocks into a shared-memory segment, send its name, and remove it once
+        the generation worker says it copied them (or the connection ends)."""
+        size = sum(int(np.prod(shape)) * _dtype(dtype).itemsize for shape, dtype in exported.layout)
+        size *= exported.num_blocks
+        segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
+        try:
+            offset = 0
+            for piece in self._host_pieces(exported):
+                segment.buf[offset : offset + piece.size] = piece
+                offset += piece.size
+            _send_frame(sock, self._header(exported, shared_memory=segment.name))
+            reader.readline(16)  # the generation worker's "done" (or the end of the connection)
+        finally:
+            segment.close()
+            segment.unlink()
+
+
+class KvTransferServer(socketserver.ThreadingTCPServer):
+    """Serves held KV blocks to generation workers (one thread per claim), and frees those
+    whose claim time ran out. `export(request_id, opaque_state)` runs the claim on the
+    engine thread; `expire()` frees expired holds there; `next_deadline()` says when."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        export: Callable[[int, str], ExportedKv],
+        expire: Callable[[], Any],
+        next_deadline: Callable[[], Optional[float]],
+        advertised_host: Optional[str] = None,
+        io_timeout: float = 30.0,
+    ) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), _ClaimHandler)
+        self.export, self._expire, self._next_deadline = export, expire, next_deadline
+        self.io_timeout = io_timeout
+        self.advertised_host = advertised_host or host
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def endpoint(self) -> str:
+        """Where generation workers reach this server (`ctx_info_endpoint`)."""
+        host = self.advertised_host
+        host = f"[{host}]" if ":" in host else host
+        return f"tcp://{host}:{self.server_address[1]}"
+
+    def service_actions(self) -> None:
+        """Between accepts (every poll interval): free the holds whose claim time ran out."""
+        deadline = self._next_deadline()
+        if deadline is not None and deadline <= time.monotonic():
+            try:
+                self._expire()
+            except Exception:  # the engine is shutting down: its blocks go with it
+                logger.debug("expiring held KV blocks failed", exc_info=True)
+
+    def start(self) -> KvTransferServer:
+        self._thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.1}, name="jaxllm-kv-transfer", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
+def is_local(host: str) -> bool:
+    """Whether `host` names this machine (loopback, or its own host name): shared memory works."""
+    return host in ("localhost", "::1", socket.gethostname(), socket.getfqdn()) or host.startswith("127.")
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Open another process's segment without this process's resource tracker taking it over
+    (it would remove the segment, or warn of a leak, when this process exits)."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
+    except TypeError:
+        segment = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister("/" + name.lstrip("/"), "shared_memory")
+        return segment
+
+
+def fetch_kv(
+    endpoint: str, ctx_request_id: int, opaque_state: str, *, timeout: float = 30.0, shared: bool = False
+) -> KvPayload:
+    """Pull a held request's blocks from a context worker (KvTransferError on any failure).
+    `shared`: ask for them through shared memory (the context worker is on this host)."""
+    host, port = parse_endpoint(endpoint)
+    started = time.perf_counter()
+    expected = received = 0
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            claim = {"ctx_request_id": int(ctx_request_id), "opaque_state": str(opaque_state), "shared_memory": shared}
+            sock.sendall(json.dumps(claim).encode() + b"\n")
+            size_bytes = bytearray(_HEADER.size)
+            if _recv_exactly(sock, memoryview(size_bytes)) < _HEADER.size:
+                raise KvTransferError(f"the KV transfer from {endpoint} ended before its header")
+            (size,) = _HEADER.unpack(size_bytes)
+            if size > MAX_HEADER_BYTES:
+                raise KvTransferError(f"the KV transfer from {endpoint} sent a {size}-byte header")
+            raw = bytearray(size)
+            if _recv_exactly(sock, memoryview(raw)) < size:
+                raise KvTransferError(f"the KV transfer from {endpoint} was cut in its header")
+            header = json.loads(raw)
+            if "error" in header:
+                raise KvTransferError(f"the context worker at {endpoint} refused the claim: {header['error']}")
+            layout = [(tuple(int(d) for d in shape), str(dtype)) for shape, dtype in header["layout"]]
+            chunks = [int(n) for n in header["chunks"]]
+            total = sum(chunks)
+            arrays = [np.empty((total, *shape), _dtype(dtype)) for shape, dtype in layout]
+            expected = sum(a.nbytes for a in arrays)
+            if header.get("shared_memory"):
+                _copy_shared(str(header["shared_memory"]), arrays, chunks)
+                received = expected
+                sock.sendall(b"done\n")
+                chunks = []
+            start = 0
+            for n in chunks:
+                for array in arrays:
+                    view = memoryview(array[start : start + n].view(np.uint8).reshape(-1))
+                    got = _recv_exactly(sock, view)
+                    received += got
+                    if got < len(view):
+                        raise KvTransferError(
+                            f"the KV transfer from {endpoint} was cut after {received} of {expected} bytes"
+                        )
+                start += n
+    except KvTransferError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        where = f" after {received} of {expected} bytes" if expected else ""
+        raise KvTransferError(f"the KV transfer from {endpoint} failed{where}: {type(exc).__name__}: {exc}") from None
+    logger.debug("pulled %d bytes from %s in %.1f ms", received, endpoint, (time.perf_counter() - started) * 1e3)
+    return KvPayload(
+        [int(t) for t in header["prompt_token_ids"]],
+        int(header["tokens_per_block"]),
+        layout,
+        arrays,
+        transfer_seconds=time.perf_counter() - started,
+        backend="SHM" if header.get("shared_memory") else "TCP",
+    )
+
+
+def _copy_shared(name: str, arrays: list[np.ndarray], chunks: list[int]) -> None:
+    """Copy the blocks out of the context worker's segment (same layout as the TCP stream)."""
+    segment = _attach(name)
+    try:
+        offset, start = 0, 0
+        for n in chunks:
+            for array in arrays:
+                view = array[start : start + n].view(np.uint8).reshape(-1)
+                if offset + view.size > segment.size:
+                    raise KvTransferError(f"the shared-memory segment {name} is smaller than its header says")
+                view[:] = np.frombuffer(segment.buf, np.uint8, count=view.size, offset=offset)
+                offset += view.size
+            start += n
+    finally:
+        segment.close()

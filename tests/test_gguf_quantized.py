@@ -1,0 +1,212 @@
+"""GGUF Q8_0 / Q4_0 weights kept quantized on the device.
+
+Tiny random Hugging Face models are written to GGUF with the `gguf` package's writer and
+quantizer (`tests.gguf_helpers`), converted, and loaded: the linear projections arrive as
+int8 (Q8_0) or int4 packed two to a byte (Q4_0) values with one float32 scale per 32
+inputs, and are dequantized in the jitted step. Oracles:
+
+- the `gguf` library's own dequantization (the format's definition): the unpacked values
+  times their scales equal it element for element;
+- transformers' GGUF loader (`from_pretrained(gguf_file=...)`, its own dequantization):
+  logits equal to float32 precision (Llama with llama.cpp's q/k permutation, Qwen2, and
+  Qwen3-MoE's experts);
+- `plan_memory`: the per-device weight bytes equal what the loaded parameters hold;
+- tensor parallelism: TP 2 gives the single-device greedy tokens (2 fake CPU devices), with
+  the float and with an FP8 KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+
+import transformers  # noqa: E402
+
+from jaxllm.bench.quant import held_weight_bytes  # noqa: E402
+from jaxllm.models import load_model_config, load_params  # noqa: E402
+from jaxllm.models.gguf import convert_gguf, unpack_blocks  # noqa: E402
+from jaxllm.models.memory_plan import plan_memory  # noqa: E402
+from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
+from sharding.mesh import ParallelConfig  # noqa: E402
+from tests.gguf_helpers import make_tiny_hf, write_gguf  # noqa: E402
+from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
+from tests.multidevice import run_on_cpu_devices  # noqa: E402
+
+
+def _quantized(params) -> list[QuantizedWeight]:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return [w for w in leaves if isinstance(w, QuantizedWeight)]
+
+
+def _write(tmp_path: Path, arch: str, qtype: str):
+    model, tokenizer = make_tiny_hf(arch, tmp_path / "hf")
+    gguf_path = write_gguf(model, tokenizer, arch, tmp_path / "hf" / f"{qtype}.gguf", qtype)
+    return model, gguf_path, convert_gguf(gguf_path, tmp_path / "conv", progress=False)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quantize(x, kind)
+    values, scales = unpack_blocks(raw, qtype)
+    assert values.dtype == np.int8 and values.shape == x.shape and scales.shape == (48, 8)
+    low, high = (-127, 127) if qtype == "Q8_0" else (-8, 7)
+    assert low <= values.min() and values.max() <= high
+    ours = (values.reshape(48, 8, 32).astype(np.float32) * scales[..., None]).reshape(x.shape)
+    np.testing.assert_array_equal(ours, gguf.dequantize(raw, kind))
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3_moe", "Q4_0")])
+def test_weights_stay_quantized_and_logits_equal_transformers_gguf_model(tmp_path, arch, qtype):
+    model, gguf_path, directory = _write(tmp_path, arch, qtype)
+    config = load_model_config(directory, dtype="float32")
+    assert config.quantization.method == {"Q8_0": "int8_block", "Q4_0": "int4_block"}[qtype]
+    params = load_params(directory, config)
+    quantized = _quantized(params)
+    # attention q/k/v/o and the (dense or expert) MLP's three projections, stacked over the layers
+    assert len(quantized) >= 7
+    for w in quantized:
+        assert w.value.dtype == (np.int8 if qtype == "Q8_0" else np.uint8) and w.packed == (qtype == "Q4_0")
+        assert w.scale.dtype == np.float32 and int(np.prod(w.blocks)) == 32  # 32 inputs per scale
+    for plain in (params["embed"], params["lm_head"]):
+        assert not isinstance(plain, QuantizedWeight)
+    assert plan_memory(config, ParallelConfig()).weights_per_device == held_weight_bytes(params)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, model.config.vocab_size, 40)]
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    paged = PagedModel(params, config, num_blocks=64, max_blocks_per_seq=16, token_bucket=64)
+    ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
+    assert np.abs(ref).max() > 0.1
+    assert rel_err(ours, ref) < 1e-4
+
+
+def test_packed_int4_takes_half_the_bytes_of_int8(tmp_path):
+    _, _, q8 = _write(tmp_path / "q8", "llama", "Q8_0")
+    _, _, q4 = _write(tmp_path / "q4", "llama", "Q4_0")
+    sizes = {}
+    for name, directory in (("q8", q8), ("q4", q4)):
+        params = load_params(directory, load_model_config(directory, dtype="float32"))
+        sizes[name] = sum(w.value.nbytes for w in _quantized(params))
+    assert sizes["q4"] * 2 == sizes["q8"]
+
+
+def check_tp(root: Path) -> None:
+    """Subprocess entry point (2 devices): greedy tokens and weight bytes at TP 1 and TP 2."""
+    import json
+
+    from jaxllm import LLM, KvCacheConfig, SamplingParams
+
+    prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 120, 64]]
+    for tp, kv_dtype in ((1, "auto"), (2, "auto"), (1, "fp8"), (2, "fp8")):
+        llm = LLM(
+            str(root / "conv"),
+            dtype="float32",
+            tensor_parallel_size=tp,
+            max_batch_size=2,
+            max_seq_len=64,
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256, dtype=kv_dtype),
+        )
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine = llm.engine
+        plan = plan_memory(engine.model_config, ParallelConfig(tp)).weights_per_device
+        print(
+            json.dumps(
+                dict(
+                    tp=tp,
+                    kv=kv_dtype,
+                    tokens=[list(o.outputs[0].token_ids) for o in outputs],
+                    plan=plan,
+                    held=held_weight_bytes(engine.runner.params),
+                    packed=all(w.packed for w in _quantized(engine.runner.params)),
+                )
+            ),
+            flush=True,
+        )
+        llm.shutdown()
+
+
+def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
+    """Q4_0 weights, with the float and with an FP8 KV cache (split by KV head, scales per layer)."""
+    _write(tmp_path, "llama", "Q4_0")
+    results = run_on_cpu_devices("test_gguf_quantized", "check_tp", tmp_path, num_devices=2)
+    for kv in ("auto", "fp8"):
+        one, two = sorted((r for r in results if r["kv"] == kv), key=lambda r: r["tp"])
+        assert one["packed"] and two["packed"]
+        assert all(len(t) == 8 for t in one["tokens"])
+        assert two["tokens"] == one["tokens"], f"KV cache {kv}: TP 2 tokens differ from one device"
+        assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype):
+    """`quantization="int8"` / `"int4"` on a float checkpoint holds, for every linear projection,
+    the very values and scales of the GGUF file `gguf.quantize` (ggml's reference quantizer)
+    writes from it, so they are GGUF's Q8_0 / Q4_0 blocks."""
+    import gguf
+
+    from jaxllm.models.quantization import quantize_blocks_int
+    from jaxllm.models.quantized_loading import with_quantization
+
+    x = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    values, scales = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
+    ours, our_scales = quantize_blocks_int(x, (1, 32), 8 if qtype == "Q8_0" else 4)
+    np.testing.assert_array_equal(ours, values)
+    np.testing.assert_array_equal(our_scales, scales)
+
+    _, _, directory = _write(tmp_path, "llama", qtype)
+    from_file = load_params(directory, load_model_config(directory, dtype="float32"))
+    float_dir = tmp_path / "hf"
+    method = "int8" if qtype == "Q8_0" else "int4"
+    on_load = load_params(float_dir, with_quantization(load_model_config(float_dir, dtype="float32"), method))
+    a, b = _quantized(from_file), _quantized(on_load)
+    assert len(a) == len(b) >= 7
+    for w, v in zip(a, b):
+        assert w.packed == v.packed == (method == "int4") and w.blocks == v.blocks
+        np.testing.assert_array_equal(np.asarray(w.value), np.asarray(v.value))
+        np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))
+
+
+def test_a_mixed_k_quant_file_keeps_its_q8_0_linears_and_dequantizes_the_rest(tmp_path):
+    """Q4_K / Q6_K attention and MLP weights (random valid blocks) next to Q8_0 down projections:
+    the down projections stay int8, the K-quants are listed in `modules_to_not_convert` and load
+    dequantized, and the logits are transformers' on the same file."""
+    import json
+
+    path = tmp_path / "hf"
+    path.mkdir()
+    model, tokenizer = make_tiny_hf(
+        "llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384
+    )
+    gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
+    directory = convert_gguf(gguf_path, tmp_path / "conv", progress=False)
+    qc = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert qc["weight_type"] == "Q8_0" and "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    config = load_model_config(directory, dtype="float32")
+    params = load_params(directory, config)
+    (stack,) = params["layer_stacks"]
+    assert isinstance(stack["mlp"]["down"], QuantizedWeight) and stack["mlp"]["down"].value.dtype == np.int8
+    assert not isinstance(stack["attn"]["q"], QuantizedWeight) and not isinstance(stack["mlp"]["gate"], QuantizedWeight)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.config.vocab_size, 24)]
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    paged = PagedModel(params, config, num_blocks=64, max_blocks_per_seq=16, token_bucket=64)
+    ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
+    assert rel_err(ours, ref) < 1e-4
