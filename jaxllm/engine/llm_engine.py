@@ -42,6 +42,7 @@ from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
+from jaxllm.engine.mtp_drafter import mtp_drafter
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
 from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support
@@ -116,6 +117,7 @@ class LLMEngine:
                 max_batch_size=config.max_batch_size,
                 max_num_tokens=config.max_num_tokens,
                 min_token_bucket=config.min_token_bucket,
+                drafter=mtp_drafter(config.speculative_config, self.runner, self.kv_cache_manager),
             )
             self.planner.steady_decode = False
         # Pausing moves generated tokens into the prompt, which needs them on the host.
@@ -531,6 +533,8 @@ class LLMEngine:
             self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
+        if spec is not None:
+            spec.dispatched(plan, output)
         verified = None
         if verify_inputs is not None and spec is not None:
             verified = spec.launch(result.context_logits, verify_inputs[3], verify_inputs[4])

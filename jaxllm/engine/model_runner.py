@@ -42,8 +42,9 @@ from jaxllm.engine.step_output import StepOutput
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache
-from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
+from jaxllm.models.decoder import compute_logits, forward_with_moe_stats, forward_with_rows
 from jaxllm.models.ep_moe import EpMoeOptions
+from jaxllm.models.hidden_states import forward_with_hidden_states
 from jaxllm.models.kv_cache_spec import KVCache, init_dp_kv_cache
 from jaxllm.models.parallel.attention_dp import forward_attention_dp
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
@@ -71,6 +72,7 @@ def _forward_step(
     moe_stats: bool = False,
     attention_dp_specs: Any = None,
     fed_rows: int = 0,
+    return_hidden: bool = False,
 ):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
@@ -81,7 +83,23 @@ def _forward_step(
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
     the batch then has a leading rank axis and the logits are [ranks * S, V]. The greedy
     tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
-    takes its fed tokens in, whichever bucket of rows ran."""
+    takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
+    every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from)."""
+    if return_hidden:
+        return _hidden_step(
+            params,
+            kv_cache,
+            inputs,
+            prev_tokens,
+            layout=layout,
+            model_config=model_config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            moe_options=moe_options,
+            moe_stats=moe_stats,
+            fed_rows=fed_rows,
+        )
     kv_cache, logits, counts, context = _model_step(
         params,
         kv_cache,
@@ -97,6 +115,46 @@ def _forward_step(
         attention_dp_specs=attention_dp_specs,
     )
     return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows)
+
+
+def _hidden_step(
+    params,
+    kv_cache,
+    inputs: tuple,
+    prev_tokens,
+    *,
+    layout: PackedLayout,
+    model_config: ModelConfig,
+    attention_fn: Callable,
+    moe_fn: Callable,
+    mesh: jax.sharding.Mesh,
+    moe_options: Optional[EpMoeOptions],
+    moe_stats: bool,
+    fed_rows: int,
+):
+    """`_forward_step`'s outputs plus every packed token's hidden state (not under attention DP)."""
+    unpacked = unpack(inputs, layout)
+    batch, feed_index = unpacked[0], unpacked[1]
+    context_index = unpacked[2] if len(unpacked) > 2 else None
+    fed = prev_tokens[jnp.maximum(feed_index, 0)]
+    batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
+    rows = jnp.arange(batch.token_ids.shape[0], dtype=jnp.int32)
+    out = forward_with_hidden_states(
+        params,
+        kv_cache,
+        batch,
+        rows,
+        config=model_config,
+        attention_fn=attention_fn,
+        moe_fn=moe_fn,
+        mesh=mesh,
+        moe_options=moe_options,
+        moe_stats=moe_stats,
+    )
+    context = None if context_index is None else compute_logits(params, out.hidden[context_index], model_config)
+    counts = _expert_counts(out.moe_stats) if moe_stats else None
+    logits = out.logits.astype(jnp.float32)
+    return out.kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), out.hidden
 
 
 def _pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
@@ -221,6 +279,7 @@ class ModelRunner:
         batched_processors: Optional[dict[str, BatchedProcessor]] = None,
         compile_workers: Optional[int] = None,
         executable_store: Optional[ExecutableStore] = None,
+        return_hidden: bool = False,
     ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
@@ -228,7 +287,8 @@ class ModelRunner:
         (`jaxllm.engine.logits_processing`). `compile_workers`: threads compiling programs in
         the background (default: one per CPU core, at most 8). `executable_store`: where the
         model forwards and samplers are loaded from instead of traced and compiled, and saved to
-        once compiled (`jaxllm.engine.executable_store`)."""
+        once compiled (`jaxllm.engine.executable_store`). `return_hidden`: every forward also
+        returns its packed tokens' final hidden states (`last_hidden`, for MTP drafting)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -252,7 +312,10 @@ class ModelRunner:
             moe_stats=moe_stats,
             attention_dp_specs=param_partition_specs(params) if attention_dp else None,
             fed_rows=max_batch_size,
+            return_hidden=return_hidden,
         )
+        # The hidden states [T, H] of the last forward (with `return_hidden`), else None.
+        self.last_hidden: jax.Array | None = None
         sample_step = functools.partial(_sample_step, fed_rows=max_batch_size)
         # Stored programs: the key text of each program's function and static arguments (the
         # layout and argument shapes are added per program); a program without one is not stored.
@@ -528,9 +591,9 @@ class ModelRunner:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
         exe = self.programs.get("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
-        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = exe(
-            self.params, self.kv_cache, inputs, prev
-        )
+        outputs = exe(self.params, self.kv_cache, inputs, prev)
+        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = outputs[:5]
+        self.last_hidden = outputs[5] if len(outputs) > 5 else None
         return logits, expert_counts, context_logits, greedy_tokens
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:

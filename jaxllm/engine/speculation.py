@@ -45,6 +45,7 @@ import numpy as np
 from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.logits_outputs import padded_index
+from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_request import LlmRequest, LlmRequestState
@@ -54,7 +55,7 @@ from jaxllm.sampling.params import MAX_LOGPROBS
 from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
-from jaxllm.speculative_config import NGramDecodingConfig, SpeculativeConfig
+from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,13 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if not isinstance(config, NGramDecodingConfig):
+    if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig)):
         raise ValueError(
             f"speculative_config: {type(config).__name__} (decoding_type {config.decoding_type}) is not "
-            "supported yet; NGramDecodingConfig is"
+            "supported yet; NGramDecodingConfig and MTPDecodingConfig are"
         )
+    if isinstance(config, MTPDecodingConfig):
+        check_mtp_config(config)
     if attention_dp:
         raise ValueError("speculative_config is not supported with enable_attention_dp yet")
     if multihost:
@@ -98,12 +101,20 @@ class Speculation:
         max_batch_size: int,
         max_num_tokens: int,
         min_token_bucket: int,
+        drafter: Optional[MTPDrafter] = None,
     ) -> None:
-        if not isinstance(config, NGramDecodingConfig):
-            raise ValueError(f"{type(config).__name__} is not supported yet")
+        """`drafter`: the MTP layers' drafter (`MTPDecodingConfig`; run over each step after
+        its read-back, so that config drafts every step: adaptive drafting off)."""
         self.config = config
         self.max_draft_len = config.max_draft_len
-        self.proposer = NGramProposer(config)
+        self.drafter = drafter
+        self.proposer: Any
+        if isinstance(config, NGramDecodingConfig):
+            self.proposer = NGramProposer(config)
+        elif isinstance(config, MTPDecodingConfig) and drafter is not None:
+            self.proposer = drafter
+        else:
+            raise ValueError(f"{type(config).__name__} is not supported yet")
         self.planner = planner
         planner.spec_tokens_per_row = 1 + config.max_draft_len
         self.kv = planner.kv_cache_manager
@@ -115,6 +126,8 @@ class Speculation:
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner)
+        if drafter is not None:
+            self.policy.adaptive = False
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -136,8 +149,9 @@ class Speculation:
 
     @property
     def num_compiled(self) -> int:
-        """Compiled verification programs (every shape and variant seen)."""
-        return sum(j._cache_size() for j in self._jits.values())
+        """Compiled verification (and MTP drafting) programs (every shape and variant seen)."""
+        drafting = self.drafter.num_compiled if self.drafter is not None else 0
+        return sum(j._cache_size() for j in self._jits.values()) + drafting
 
     # ------------------------------------------------------------------ propose
     def _eligible_len(self, request: LlmRequest) -> int:
@@ -162,6 +176,8 @@ class Speculation:
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
         token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
+        if self.drafter is not None:  # the MTP layers over the step just read back
+            self.drafter.begin_step()
         gen = output.generation_requests
         if not gen:
             return {}
@@ -199,6 +215,11 @@ class Speculation:
                 self.kv.grow_for_drafts(request, request.num_tokens + len(draft))
         self.policy.proposed(bool(drafts))
         return drafts
+
+    def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
+        """A step was dispatched (the MTP drafter runs over it once it is read back)."""
+        if self.drafter is not None:
+            self.drafter.dispatched(plan.batch, output.all_requests())
 
     def wants_drafts(self) -> bool:
         """Whether the next step should try drafting (the engine then reads back first)."""
@@ -394,6 +415,8 @@ class Speculation:
             sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
             plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
             result = runner.execute(plan)
+            if self.drafter is not None:
+                self.drafter.warmup(batch, self.drafter.runner.last_hidden)
             for flags in variants:
                 tensors = entry_tensors(
                     SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
@@ -403,6 +426,14 @@ class Speculation:
                 tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
                 out = self.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
             jax.block_until_ready(out.token_ids)
+        if self.drafter is not None:  # the MTP program of the shapes plain steps run in
+            plain = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
+            plain += [(rows, rows) for rows in planner.decode_batch_sizes]
+            for bucket, rows in plain:
+                batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows)
+                sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
+                runner.execute(StepPlan(batch, sampling, feed, 0, 0, greedy_only=True))
+                self.drafter.warmup(batch, self.drafter.runner.last_hidden)
 
 
 def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
