@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.llm_request import LlmRequest, LlmRequestState
@@ -80,6 +79,7 @@ def _draft_program(params, cache, batch, hidden, *, num_draft_tokens, config, at
         attention_fn=attention_fn,
         moe_fn=moe_fn,
         mesh=mesh,
+        own_blocks_only=True,
     )
     return drafts, cache
 
@@ -188,4 +188,4 @@ def mtp_inputs(batch: StepBatch, requests: list[LlmRequest]) -> tuple[StepBatch,
         if request.state is _GENERATING and first <= last < first + (end - start):
             logits_indices[row] = start + last - first
             rows[row] = request.request_id
-    return replace(batch, token_ids=jnp.asarray(token_ids), logits_indices=jnp.asarray(logits_indices)), rows
+    return replace(batch, token_ids=token_ids, logits_indices=logits_indices), rows
