@@ -80,7 +80,9 @@ def test_yaml_and_cli_flag_reach_the_engine_config(tmp_path):
 
 
 def test_unsupported_methods_fail_at_engine_build():
-    with pytest.raises(ValueError, match="DraftTargetDecodingConfig.*not supported yet"):
+    with pytest.raises(ValueError, match="EagleDecodingConfig.*not supported yet"):
+        tiny_engine(speculative_config=EagleDecodingConfig(max_draft_len=2, speculative_model_dir="x"))
+    with pytest.raises(ValueError, match="DraftTargetDecodingConfig.speculative_model_dir: cannot load 'x'"):
         tiny_engine(speculative_config=DraftTargetDecodingConfig(max_draft_len=2, speculative_model_dir="x"))
     with pytest.raises(ValueError, match="MTPDecodingConfig needs a checkpoint with multi-token-prediction layers"):
         tiny_engine(speculative_config=MTPDecodingConfig(num_nextn_predict_layers=1))

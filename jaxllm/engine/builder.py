@@ -19,6 +19,7 @@ import jax
 from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
+from jaxllm.engine.draft_model_drafter import load_draft_config
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.kv_offload import KvOffloader, build_host_tier
@@ -44,7 +45,7 @@ from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.quantized_loading import with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
-from jaxllm.speculative_config import MTPDecodingConfig
+from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
 from sharding.eplb.statistics import ExpertStatisticsWriter
@@ -123,6 +124,18 @@ class RunnerParts:
     moe_backend: str
 
 
+def drafter_bytes_per_token(config: EngineConfig, model_config: ModelConfig, kv_dtype: Any, mesh: Any) -> int:
+    """KV bytes per token of a speculative drafter's own pool (MTP layers, a draft model),
+    addressed by the target's blocks and so counted in its budget."""
+    spec = config.speculative_config
+    if isinstance(spec, MTPDecodingConfig):
+        return mtp_kv_cache_spec(model_config, kv_dtype).bytes_per_token()
+    if isinstance(spec, DraftTargetDecodingConfig):
+        _, draft = load_draft_config(spec, model_config)
+        return kv_cache_bytes_per_token(draft, kv_dtype, mesh)
+    return 0
+
+
 def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) -> RunnerParts:
     """Load the model onto the mesh and size the KV pool: the runner every process of a run
     builds alike (`leader_session`: the multi-host session this leader opened, if any)."""
@@ -191,7 +204,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
             max_batch_size=config.max_batch_size,
             max_seq_len=max_seq_len,
             mesh=kv_mesh,
-            extra_bytes_per_token=mtp_kv_cache_spec(model_config, kv_dtype).bytes_per_token() if use_mtp else 0,
+            extra_bytes_per_token=drafter_bytes_per_token(config, model_config, kv_dtype, kv_mesh),
         )
         for kv_mesh in kv_meshes
     )

@@ -42,10 +42,9 @@ from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
-from jaxllm.engine.mtp_drafter import mtp_drafter
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
-from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support
+from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support, step_drafter_for
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
@@ -117,7 +116,7 @@ class LLMEngine:
                 max_batch_size=config.max_batch_size,
                 max_num_tokens=config.max_num_tokens,
                 min_token_bucket=config.min_token_bucket,
-                drafter=mtp_drafter(config.speculative_config, self.runner, self.kv_cache_manager),
+                drafter=step_drafter_for(config.speculative_config, self.runner, self.kv_cache_manager),
             )
             self.planner.steady_decode = False
         # Pausing moves generated tokens into the prompt, which needs them on the host.

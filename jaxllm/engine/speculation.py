@@ -43,10 +43,12 @@ import jax
 import numpy as np
 
 from jaxllm.batch_builder import token_buckets
+from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.outputs import Logprob
@@ -55,7 +57,12 @@ from jaxllm.sampling.params import MAX_LOGPROBS
 from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
-from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
+from jaxllm.speculative_config import (
+    DraftTargetDecodingConfig,
+    MTPDecodingConfig,
+    NGramDecodingConfig,
+    SpeculativeConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +72,10 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig)):
+    if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig, DraftTargetDecodingConfig)):
         raise ValueError(
             f"speculative_config: {type(config).__name__} (decoding_type {config.decoding_type}) is not "
-            "supported yet; NGramDecodingConfig and MTPDecodingConfig are"
+            "supported yet; NGramDecodingConfig, MTPDecodingConfig and DraftTargetDecodingConfig are"
         )
     if isinstance(config, MTPDecodingConfig):
         check_mtp_config(config)
@@ -76,6 +83,16 @@ def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, 
         raise ValueError("speculative_config is not supported with enable_attention_dp yet")
     if multihost:
         raise ValueError("speculative_config is not supported in multi-host runs yet")
+
+
+def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: Any) -> Optional[StepDrafter]:
+    """The drafter run after each step for `config` (MTP layers, a draft model), else None."""
+    blocks, tpb = kv_cache_manager.num_blocks, kv_cache_manager.tokens_per_block
+    if isinstance(config, MTPDecodingConfig):
+        return MTPDrafter(config, runner, blocks, tpb)
+    if isinstance(config, DraftTargetDecodingConfig):
+        return DraftModelDrafter(config, runner, blocks, tpb)
+    return None
 
 
 @dataclass
@@ -101,17 +118,18 @@ class Speculation:
         max_batch_size: int,
         max_num_tokens: int,
         min_token_bucket: int,
-        drafter: Optional[MTPDrafter] = None,
+        drafter: Optional[StepDrafter] = None,
     ) -> None:
-        """`drafter`: the MTP layers' drafter (`MTPDecodingConfig`; run over each step after
-        its read-back, so that config drafts every step: adaptive drafting off)."""
+        """`drafter`: the MTP layers' or the draft model's drafter (`step_drafter_for`; run
+        over each step after its read-back, so those configs draft every step: adaptive
+        drafting off)."""
         self.config = config
         self.max_draft_len = config.max_draft_len
         self.drafter = drafter
         self.proposer: Any
         if isinstance(config, NGramDecodingConfig):
             self.proposer = NGramProposer(config)
-        elif isinstance(config, MTPDecodingConfig) and drafter is not None:
+        elif isinstance(config, (MTPDecodingConfig, DraftTargetDecodingConfig)) and drafter is not None:
             self.proposer = drafter
         else:
             raise ValueError(f"{type(config).__name__} is not supported yet")
@@ -416,7 +434,7 @@ class Speculation:
             plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
             result = runner.execute(plan)
             if self.drafter is not None:
-                self.drafter.warmup(batch, self.drafter.runner.last_hidden)
+                self.drafter.warmup(batch)
             for flags in variants:
                 tensors = entry_tensors(
                     SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
@@ -433,7 +451,7 @@ class Speculation:
                 batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows)
                 sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
                 runner.execute(StepPlan(batch, sampling, feed, 0, 0, greedy_only=True))
-                self.drafter.warmup(batch, self.drafter.runner.last_hidden)
+                self.drafter.warmup(batch)
 
 
 def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
