@@ -20,6 +20,7 @@ from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.draft_model_drafter import load_draft_config
+from jaxllm.engine.eagle3_drafter import load_head_config
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.kv_offload import KvOffloader, build_host_tier
@@ -45,7 +46,7 @@ from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.quantized_loading import with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
-from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig
+from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig, MTPDecodingConfig
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
 from sharding.eplb.statistics import ExpertStatisticsWriter
@@ -133,6 +134,9 @@ def drafter_bytes_per_token(config: EngineConfig, model_config: ModelConfig, kv_
     if isinstance(spec, DraftTargetDecodingConfig):
         _, draft = load_draft_config(spec, model_config)
         return kv_cache_bytes_per_token(draft, kv_dtype, mesh)
+    if isinstance(spec, EagleDecodingConfig):
+        head, _ = load_head_config(spec, model_config)
+        return kv_cache_bytes_per_token(head.model, kv_dtype, mesh)
     return 0
 
 
@@ -159,6 +163,9 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     use_mtp = isinstance(config.speculative_config, MTPDecodingConfig)
     if use_mtp:
         check_mtp_model(model_config)
+    eagle_layers: tuple[int, ...] = ()
+    if isinstance(config.speculative_config, EagleDecodingConfig):
+        eagle_layers = load_head_config(config.speculative_config, model_config)[1]
     attention_dp = parallel.enable_attention_dp
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     num_ranks = mesh.devices.size if attention_dp else 1
@@ -238,7 +245,8 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         batched_processors=check_batched_processors(config.logits_post_processors),
         compile_workers=config.compile_workers,
         executable_store=executable_store,
-        return_hidden=use_mtp,
+        return_hidden=use_mtp or bool(eagle_layers),
+        hidden_aux_layers=eagle_layers,
     )
     if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
         runner.params["lora"] = init_lora_weights(

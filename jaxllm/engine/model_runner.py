@@ -73,6 +73,7 @@ def _forward_step(
     attention_dp_specs: Any = None,
     fed_rows: int = 0,
     return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
@@ -84,7 +85,8 @@ def _forward_step(
     the batch then has a leading rank axis and the logits are [ranks * S, V]. The greedy
     tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
     takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
-    every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from)."""
+    every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
+    with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
     if return_hidden:
         return _hidden_step(
             params,
@@ -99,6 +101,7 @@ def _forward_step(
             moe_options=moe_options,
             moe_stats=moe_stats,
             fed_rows=fed_rows,
+            aux_layers=aux_layers,
         )
     kv_cache, logits, counts, context = _model_step(
         params,
@@ -131,6 +134,7 @@ def _hidden_step(
     moe_options: Optional[EpMoeOptions],
     moe_stats: bool,
     fed_rows: int,
+    aux_layers: tuple[int, ...],
 ):
     """`_forward_step`'s outputs plus every packed token's hidden state (not under attention DP)."""
     unpacked = unpack(inputs, layout)
@@ -150,11 +154,13 @@ def _hidden_step(
         mesh=mesh,
         moe_options=moe_options,
         moe_stats=moe_stats,
+        aux_layers=aux_layers,
     )
     context = None if context_index is None else compute_logits(params, out.hidden[context_index], model_config)
     counts = _expert_counts(out.moe_stats) if moe_stats else None
     logits = out.logits.astype(jnp.float32)
-    return out.kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), out.hidden
+    hidden = out.hidden if out.aux_hidden is None else out.aux_hidden.reshape(out.aux_hidden.shape[0], -1)
+    return out.kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), hidden
 
 
 def _pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
@@ -280,6 +286,7 @@ class ModelRunner:
         compile_workers: Optional[int] = None,
         executable_store: Optional[ExecutableStore] = None,
         return_hidden: bool = False,
+        hidden_aux_layers: tuple[int, ...] = (),
     ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
@@ -288,7 +295,8 @@ class ModelRunner:
         the background (default: one per CPU core, at most 8). `executable_store`: where the
         model forwards and samplers are loaded from instead of traced and compiled, and saved to
         once compiled (`jaxllm.engine.executable_store`). `return_hidden`: every forward also
-        returns its packed tokens' final hidden states (`last_hidden`, for MTP drafting)."""
+        returns its packed tokens' final hidden states (`last_hidden`, for MTP drafting), or with
+        `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -313,6 +321,7 @@ class ModelRunner:
             attention_dp_specs=param_partition_specs(params) if attention_dp else None,
             fed_rows=max_batch_size,
             return_hidden=return_hidden,
+            aux_layers=tuple(hidden_aux_layers),
         )
         # The hidden states [T, H] of the last forward (with `return_hidden`), else None.
         self.last_hidden: jax.Array | None = None

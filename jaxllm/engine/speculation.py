@@ -45,6 +45,7 @@ import numpy as np
 from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
+from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
@@ -59,6 +60,7 @@ from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
     DraftTargetDecodingConfig,
+    EagleDecodingConfig,
     MTPDecodingConfig,
     NGramDecodingConfig,
     SpeculativeConfig,
@@ -72,11 +74,6 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig, DraftTargetDecodingConfig)):
-        raise ValueError(
-            f"speculative_config: {type(config).__name__} (decoding_type {config.decoding_type}) is not "
-            "supported yet; NGramDecodingConfig, MTPDecodingConfig and DraftTargetDecodingConfig are"
-        )
     if isinstance(config, MTPDecodingConfig):
         check_mtp_config(config)
     if attention_dp:
@@ -92,6 +89,8 @@ def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: A
         return MTPDrafter(config, runner, blocks, tpb)
     if isinstance(config, DraftTargetDecodingConfig):
         return DraftModelDrafter(config, runner, blocks, tpb)
+    if isinstance(config, EagleDecodingConfig):
+        return Eagle3Drafter(config, runner, blocks, tpb)
     return None
 
 
@@ -129,7 +128,7 @@ class Speculation:
         self.proposer: Any
         if isinstance(config, NGramDecodingConfig):
             self.proposer = NGramProposer(config)
-        elif isinstance(config, (MTPDecodingConfig, DraftTargetDecodingConfig)) and drafter is not None:
+        elif drafter is not None:
             self.proposer = drafter
         else:
             raise ValueError(f"{type(config).__name__} is not supported yet")
