@@ -15,6 +15,7 @@ its fastest run counts (a shared machine's load changes during a run).
 
     jaxllm bench spec --method ngram --model smollm2
     jaxllm bench spec --method mtp --max-draft-len 2
+    jaxllm bench spec --method draft --model tiny-moe --draft-model tiny-moe
 """
 
 from __future__ import annotations
@@ -127,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.llm_args import KvCacheConfig
     from jaxllm.sampling import SamplingParams
-    from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
+    from jaxllm.speculative_config import (
+        DraftTargetDecodingConfig,
+        EagleDecodingConfig,
+        MTPDecodingConfig,
+        NGramDecodingConfig,
+        SpeculativeConfig,
+    )
 
     parser = argparse.ArgumentParser(
         prog="jaxllm bench spec",
@@ -145,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--max-draft-len", type=int, default=4)
     parser.add_argument("--max-matching-ngram-size", type=int, default=3)
+    parser.add_argument(
+        "--draft-model", default=None, help="draft: the draft model (default: the target itself); eagle3: the head"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--max-num-tokens", type=int, default=256)
     parser.add_argument(
@@ -155,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=2, help="runs of each engine per concurrency, alternating; the fastest counts"
     )
     args = parser.parse_args(argv)
-    if args.method not in ("ngram", "mtp"):
-        parser.error(f"--method {args.method} is not supported yet (ngram and mtp are)")
     if args.model is None:
-        args.model = "smollm2" if args.method == "ngram" else str(tiny_deepseek_mtp(args.seed))
+        args.model = {"ngram": "smollm2", "draft": "tiny-moe"}.get(args.method) or str(tiny_deepseek_mtp(args.seed))
+        if args.method == "eagle3":
+            parser.error("--method eagle3 needs --model (a Llama-style target) and --draft-model (its EAGLE-3 head)")
+    if args.method == "eagle3" and not args.draft_model:
+        parser.error("--method eagle3 needs --draft-model (the EAGLE-3 head's directory)")
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels):
         parser.error("--concurrency values must be >= 1")
@@ -180,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "mtp":
         speculative = MTPDecodingConfig(num_nextn_predict_layers=args.max_draft_len)
         detail = f"num_nextn_predict_layers {args.max_draft_len}"
+    elif args.method in ("draft", "eagle3"):
+        draft_dir = args.draft_model or args.model
+        cls = DraftTargetDecodingConfig if args.method == "draft" else EagleDecodingConfig
+        speculative = cls(max_draft_len=args.max_draft_len, speculative_model_dir=draft_dir)
+        detail = f"max_draft_len {args.max_draft_len}, draft {draft_dir}"
     params = SamplingParams(
         max_tokens=args.output_len, temperature=args.temperature, seed=args.seed if args.temperature else None
     )

@@ -3,7 +3,8 @@
 One step of a speculating engine (built with `EngineConfig.speculative_config`):
 
 1. `propose` (after scheduling): each eligible generation request gets up to
-   `max_draft_len` draft tokens from the proposer (`jaxllm.spec_decode`), its KV sequence
+   `max_draft_len` draft tokens from the proposer (n-gram: `jaxllm.spec_decode`; MTP, a draft
+   model, EAGLE-3: a `StepDrafter` run over the step just read back), its KV sequence
    grows to hold them (`KVCacheManager.grow_for_drafts`), and the planner packs its row as its
    last token followed by the drafts (`Planner.set_drafts`): 1 + k query tokens, like a
    context chunk, in the same fixed token buckets.
