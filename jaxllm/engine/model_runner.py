@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.executable_store import ExecutableStore
+from jaxllm.engine.hidden_states_step import hidden_states_step
 from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.engine.planner import StepPlan
@@ -42,9 +43,8 @@ from jaxllm.engine.step_output import StepOutput
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, forward, init_kv_cache
-from jaxllm.models.decoder import compute_logits, forward_with_moe_stats, forward_with_rows
+from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
 from jaxllm.models.ep_moe import EpMoeOptions
-from jaxllm.models.hidden_states import forward_with_hidden_states
 from jaxllm.models.kv_cache_spec import KVCache, init_dp_kv_cache
 from jaxllm.models.parallel.attention_dp import forward_attention_dp
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
@@ -88,7 +88,7 @@ def _forward_step(
     every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
     with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
     if return_hidden:
-        return _hidden_step(
+        kv_cache, logits, counts, context, hidden = hidden_states_step(
             params,
             kv_cache,
             inputs,
@@ -100,9 +100,9 @@ def _forward_step(
             mesh=mesh,
             moe_options=moe_options,
             moe_stats=moe_stats,
-            fed_rows=fed_rows,
             aux_layers=aux_layers,
         )
+        return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), hidden
     kv_cache, logits, counts, context = _model_step(
         params,
         kv_cache,
@@ -118,49 +118,6 @@ def _forward_step(
         attention_dp_specs=attention_dp_specs,
     )
     return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows)
-
-
-def _hidden_step(
-    params,
-    kv_cache,
-    inputs: tuple,
-    prev_tokens,
-    *,
-    layout: PackedLayout,
-    model_config: ModelConfig,
-    attention_fn: Callable,
-    moe_fn: Callable,
-    mesh: jax.sharding.Mesh,
-    moe_options: Optional[EpMoeOptions],
-    moe_stats: bool,
-    fed_rows: int,
-    aux_layers: tuple[int, ...],
-):
-    """`_forward_step`'s outputs plus every packed token's hidden state (not under attention DP)."""
-    unpacked = unpack(inputs, layout)
-    batch, feed_index = unpacked[0], unpacked[1]
-    context_index = unpacked[2] if len(unpacked) > 2 else None
-    fed = prev_tokens[jnp.maximum(feed_index, 0)]
-    batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
-    rows = jnp.arange(batch.token_ids.shape[0], dtype=jnp.int32)
-    out = forward_with_hidden_states(
-        params,
-        kv_cache,
-        batch,
-        rows,
-        config=model_config,
-        attention_fn=attention_fn,
-        moe_fn=moe_fn,
-        mesh=mesh,
-        moe_options=moe_options,
-        moe_stats=moe_stats,
-        aux_layers=aux_layers,
-    )
-    context = None if context_index is None else compute_logits(params, out.hidden[context_index], model_config)
-    counts = _expert_counts(out.moe_stats) if moe_stats else None
-    logits = out.logits.astype(jnp.float32)
-    hidden = out.hidden if out.aux_hidden is None else out.aux_hidden.reshape(out.aux_hidden.shape[0], -1)
-    return out.kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), hidden
 
 
 def _pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
