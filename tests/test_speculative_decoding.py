@@ -20,6 +20,7 @@ from jaxllm.engine.speculation import Speculation
 from jaxllm.sampling import SamplingParams
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
+    DraftTargetDecodingConfig,
     EagleDecodingConfig,
     MTPDecodingConfig,
     NGramDecodingConfig,
@@ -78,9 +79,15 @@ def test_yaml_and_cli_flag_reach_the_engine_config(tmp_path):
         parser.parse_args(["--speculative-config", '{"method": "medusa"}'])
 
 
-def test_unsupported_methods_fail_at_engine_build():
-    with pytest.raises(ValueError, match="MTPDecodingConfig.*not supported yet"):
+def test_invalid_methods_fail_at_engine_build():
+    with pytest.raises(ValueError, match="EagleDecodingConfig.speculative_model_dir: cannot use 'x'"):
+        tiny_engine(speculative_config=EagleDecodingConfig(max_draft_len=2, speculative_model_dir="x"))
+    with pytest.raises(ValueError, match="DraftTargetDecodingConfig.speculative_model_dir: cannot load 'x'"):
+        tiny_engine(speculative_config=DraftTargetDecodingConfig(max_draft_len=2, speculative_model_dir="x"))
+    with pytest.raises(ValueError, match="MTPDecodingConfig needs a checkpoint with multi-token-prediction layers"):
         tiny_engine(speculative_config=MTPDecodingConfig(num_nextn_predict_layers=1))
+    with pytest.raises(ValueError, match="use_relaxed_acceptance_for_thinking is not supported"):
+        tiny_engine(speculative_config=MTPDecodingConfig(use_relaxed_acceptance_for_thinking=True))
     with pytest.raises(ValueError, match="enable_attention_dp"):
         tiny_engine(speculative_config=NGRAM, enable_attention_dp=True)
 

@@ -1,18 +1,21 @@
 """Speculative decoding's speed-up (`jaxllm bench spec`).
 
-Two engines with the same limits run the same requests side by side: `base` without
-speculation (overlap scheduler and steady decode on, as served by default) and `spec` with
-`--method` (n-gram drafts: `NGramDecodingConfig`). The workload is one where the output
-repeats its input, where prompt lookup drafts are right: rewriting a paragraph, extracting
-lines from a record, editing code (each prompt shows a text and asks for it back with a small
-change, in the model's chat template). At each concurrency (requests kept in flight, a new one
-joining as one finishes) the table shows output tokens per second of both, their ratio, the
-mean acceptance length (tokens a verifying row emits per step: accepted drafts + 1) and the
-drafted and accepted tokens; the greedy outputs of both engines are compared token for token.
-Each engine runs each concurrency `--repeats` times, alternating with the other, and its fastest
-run counts (a shared machine's load changes during a run).
+Two engines with the same limits run the same requests side by side: `base` without speculation
+(overlap scheduler and steady decode on, as served by default) and `spec` with `--method`
+(n-gram drafts: `NGramDecodingConfig`; `mtp`: DeepSeek-V3's MTP layers, `MTPDecodingConfig`, on
+a tiny random checkpoint by default: `jaxllm.bench.tiny_mtp`). The workload is one where the
+output repeats its input, where prompt lookup drafts are right: rewriting a paragraph,
+extracting lines from a record, editing code (each prompt shows a text and asks for it back
+with a small change, in the model's chat template). At each concurrency (requests kept in
+flight, a new one joining as one finishes) the table shows output tokens per second of both,
+their ratio, the mean acceptance length (tokens a verifying row emits per step: accepted drafts
++ 1) and the drafted and accepted tokens; the greedy outputs of both engines are compared token
+for token. Each engine runs each concurrency `--repeats` times, alternating with the other, and
+its fastest run counts (a shared machine's load changes during a run).
 
     jaxllm bench spec --method ngram --model smollm2
+    jaxllm bench spec --method mtp --max-draft-len 2
+    jaxllm bench spec --method draft --model tiny-moe --draft-model tiny-moe
 """
 
 from __future__ import annotations
@@ -119,12 +122,19 @@ def format_table(rows: list[tuple[int, Run, Run]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxllm.bench.tiny_mtp import tiny_deepseek_mtp
     from jaxllm.cli.args import HelpFormatter
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.llm_args import KvCacheConfig
     from jaxllm.sampling import SamplingParams
-    from jaxllm.speculative_config import NGramDecodingConfig
+    from jaxllm.speculative_config import (
+        DraftTargetDecodingConfig,
+        EagleDecodingConfig,
+        MTPDecodingConfig,
+        NGramDecodingConfig,
+        SpeculativeConfig,
+    )
 
     parser = argparse.ArgumentParser(
         prog="jaxllm bench spec",
@@ -133,13 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         "repeats its input: output tokens/s, speed-up and mean acceptance length per concurrency.",
     )
     parser.add_argument("--method", default="ngram", choices=["ngram", "mtp", "draft", "eagle3"])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument(
+        "--model", default=None, help="default: smollm2 (ngram), a tiny random DeepSeek-V3 with one MTP layer (mtp)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated requests in flight")
     parser.add_argument("--requests", type=int, default=0, help="requests per concurrency (0: max(4, 2 x it))")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--max-draft-len", type=int, default=4)
     parser.add_argument("--max-matching-ngram-size", type=int, default=3)
+    parser.add_argument(
+        "--draft-model", default=None, help="draft: the draft model (default: the target itself); eagle3: the head"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--max-num-tokens", type=int, default=256)
     parser.add_argument(
@@ -150,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=2, help="runs of each engine per concurrency, alternating; the fastest counts"
     )
     args = parser.parse_args(argv)
-    if args.method != "ngram":
-        parser.error(f"--method {args.method} is not supported yet (ngram is)")
+    if args.model is None:
+        args.model = {"ngram": "smollm2", "draft": "tiny-moe"}.get(args.method) or str(tiny_deepseek_mtp(args.seed))
+        if args.method == "eagle3":
+            parser.error("--method eagle3 needs --model (a Llama-style target) and --draft-model (its EAGLE-3 head)")
+    if args.method == "eagle3" and not args.draft_model:
+        parser.error("--method eagle3 needs --draft-model (the EAGLE-3 head's directory)")
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels):
         parser.error("--concurrency values must be >= 1")
@@ -166,9 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max(levels) * 1024 + 1024),
     )
-    speculative = NGramDecodingConfig(
+    speculative: SpeculativeConfig = NGramDecodingConfig(
         max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size
     )
+    detail = f"max_draft_len {args.max_draft_len}, max_matching_ngram_size {args.max_matching_ngram_size}"
+    if args.method == "mtp":
+        speculative = MTPDecodingConfig(num_nextn_predict_layers=args.max_draft_len)
+        detail = f"num_nextn_predict_layers {args.max_draft_len}"
+    elif args.method in ("draft", "eagle3"):
+        draft_dir = args.draft_model or args.model
+        cls = DraftTargetDecodingConfig if args.method == "draft" else EagleDecodingConfig
+        speculative = cls(max_draft_len=args.max_draft_len, speculative_model_dir=draft_dir)
+        detail = f"max_draft_len {args.max_draft_len}, draft {draft_dir}"
     params = SamplingParams(
         max_tokens=args.output_len, temperature=args.temperature, seed=args.seed if args.temperature else None
     )
@@ -192,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     lengths = [len(p) for p in prompts(tokenizer, len(TEXTS) * len(TASKS))]
     print(
-        f"model {args.model}, method {args.method} (max_draft_len {args.max_draft_len}, max_matching_ngram_size "
-        f"{args.max_matching_ngram_size}), temperature {args.temperature}, output {args.output_len} tokens, "
+        f"model {args.model}, method {args.method} ({detail}), temperature {args.temperature}, "
+        f"output {args.output_len} tokens, "
         f"prompts {min(lengths)}-{max(lengths)} tokens (rewrite / extract / copy code)"
     )
     print(format_table(rows))

@@ -19,6 +19,8 @@ import jax
 from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes
 from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
+from jaxllm.engine.draft_model_drafter import load_draft_config
+from jaxllm.engine.eagle3_drafter import load_head_config
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.executable_store import ExecutableStore
 from jaxllm.engine.kv_offload import KvOffloader, build_host_tier
@@ -26,6 +28,7 @@ from jaxllm.engine.load_balancer import OnlineLoadBalancer
 from jaxllm.engine.logits_processing import check_batched_processors
 from jaxllm.engine.memory_budget import check_engine_allocations
 from jaxllm.engine.model_runner import ModelRunner
+from jaxllm.engine.mtp_drafter import check_mtp_model
 from jaxllm.engine.planner import Planner
 from jaxllm.engine.ranked_planner import AttentionDpPlanner, RankAssignment, RankedKvCaches
 from jaxllm.kv_cache import KVCacheManager
@@ -38,10 +41,12 @@ from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_conf
 from jaxllm.models.backends import resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
+from jaxllm.models.mtp import mtp_kv_cache_spec
 from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.quantized_loading import with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
+from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig, MTPDecodingConfig
 from jaxllm.tokenizer import load_tokenizer
 from sharding import ParallelConfig, make_mesh
 from sharding.eplb.statistics import ExpertStatisticsWriter
@@ -63,6 +68,7 @@ def plan_num_kv_blocks(
     max_batch_size: int,
     max_seq_len: int,
     mesh: jax.sharding.Mesh | None = None,
+    extra_bytes_per_token: int = 0,
 ) -> int:
     """Blocks in the pool: the smaller of `max_tokens` and the memory-fraction budget.
 
@@ -72,10 +78,11 @@ def plan_num_kv_blocks(
     such figure, so there the pool holds every sequence at full length within
     `HOST_KV_CACHE_BYTES` (or `max_tokens` when given, which may be larger): never a share of
     the memory free at start-up, so the same flags always give the same pool, the same
-    programs and hits in the compilation cache.
+    programs and hits in the compilation cache. `extra_bytes_per_token`: a pool addressed by
+    the same blocks (MTP's latent pages) counted in the budget.
     """
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
-    bytes_per_block = kv_cache_bytes_per_token(model_config, dtype, mesh) * tokens_per_block
+    bytes_per_block = (kv_cache_bytes_per_token(model_config, dtype, mesh) + extra_bytes_per_token) * tokens_per_block
     limits = []
     if max_tokens is not None:
         limits.append(math.ceil(max_tokens / tokens_per_block))
@@ -118,6 +125,21 @@ class RunnerParts:
     moe_backend: str
 
 
+def drafter_bytes_per_token(config: EngineConfig, model_config: ModelConfig, kv_dtype: Any, mesh: Any) -> int:
+    """KV bytes per token of a speculative drafter's own pool (MTP layers, a draft model),
+    addressed by the target's blocks and so counted in its budget."""
+    spec = config.speculative_config
+    if isinstance(spec, MTPDecodingConfig):
+        return mtp_kv_cache_spec(model_config, kv_dtype).bytes_per_token()
+    if isinstance(spec, DraftTargetDecodingConfig):
+        _, draft = load_draft_config(spec, model_config)
+        return kv_cache_bytes_per_token(draft, kv_dtype, mesh)
+    if isinstance(spec, EagleDecodingConfig):
+        head, _ = load_head_config(spec, model_config)
+        return kv_cache_bytes_per_token(head.model, kv_dtype, mesh)
+    return 0
+
+
 def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) -> RunnerParts:
     """Load the model onto the mesh and size the KV pool: the runner every process of a run
     builds alike (`leader_session`: the multi-host session this leader opened, if any)."""
@@ -138,6 +160,12 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         platform=mesh.devices.flat[0].platform, num_devices=mesh.devices.size, multiprocess=is_multiprocess()
     )
     check_layout(config, model_config, layout)
+    use_mtp = isinstance(config.speculative_config, MTPDecodingConfig)
+    if use_mtp:
+        check_mtp_model(model_config)
+    eagle_layers: tuple[int, ...] = ()
+    if isinstance(config.speculative_config, EagleDecodingConfig):
+        eagle_layers = load_head_config(config.speculative_config, model_config)[1]
     attention_dp = parallel.enable_attention_dp
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     num_ranks = mesh.devices.size if attention_dp else 1
@@ -156,6 +184,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         rules=attention_dp_rules(model_config, mesh) if attention_dp else None,
         slot_assignments=balancer.initial_global_assignments if balancer else None,
         num_slots=num_slots,
+        load_mtp=use_mtp,
     )
     moe_layers = [i for i in range(model_config.num_layers) if model_config.is_moe_layer(i)]
     # Offline expert statistics (EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH), per expert.
@@ -182,6 +211,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
             max_batch_size=config.max_batch_size,
             max_seq_len=max_seq_len,
             mesh=kv_mesh,
+            extra_bytes_per_token=drafter_bytes_per_token(config, model_config, kv_dtype, kv_mesh),
         )
         for kv_mesh in kv_meshes
     )
@@ -215,6 +245,8 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         batched_processors=check_batched_processors(config.logits_post_processors),
         compile_workers=config.compile_workers,
         executable_store=executable_store,
+        return_hidden=use_mtp or bool(eagle_layers),
+        hidden_aux_layers=eagle_layers,
     )
     if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
         runner.params["lora"] = init_lora_weights(

@@ -46,7 +46,7 @@ from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
 from jaxllm.engine.sampler_variants import engine_sampler_variants
-from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support
+from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support, step_drafter_for
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
@@ -126,6 +126,7 @@ class LLMEngine:
                 max_batch_size=config.max_batch_size,
                 max_num_tokens=config.max_num_tokens,
                 min_token_bucket=config.min_token_bucket,
+                drafter=step_drafter_for(config.speculative_config, self.runner, self.kv_cache_manager),
             )
             self.planner.steady_decode = False
         # Pausing moves generated tokens into the prompt, which needs them on the host.
@@ -549,6 +550,8 @@ class LLMEngine:
             self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
+        if spec is not None:
+            spec.dispatched(plan, output)
         verified = None
         if verify_inputs is not None and spec is not None:
             verified = spec.launch(result.context_logits, verify_inputs[3], verify_inputs[4])

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.executable_store import ExecutableStore
+from jaxllm.engine.hidden_states_step import hidden_states_step
 from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.engine.planner import StepPlan
@@ -71,6 +72,8 @@ def _forward_step(
     moe_stats: bool = False,
     attention_dp_specs: Any = None,
     fed_rows: int = 0,
+    return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ):
     """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
     with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
@@ -81,7 +84,25 @@ def _forward_step(
     `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
     the batch then has a leading rank axis and the logits are [ranks * S, V]. The greedy
     tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
-    takes its fed tokens in, whichever bucket of rows ran."""
+    takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
+    every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
+    with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
+    if return_hidden:
+        kv_cache, logits, counts, context, hidden = hidden_states_step(
+            params,
+            kv_cache,
+            inputs,
+            prev_tokens,
+            layout=layout,
+            model_config=model_config,
+            attention_fn=attention_fn,
+            moe_fn=moe_fn,
+            mesh=mesh,
+            moe_options=moe_options,
+            moe_stats=moe_stats,
+            aux_layers=aux_layers,
+        )
+        return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), hidden
     kv_cache, logits, counts, context = _model_step(
         params,
         kv_cache,
@@ -221,6 +242,8 @@ class ModelRunner:
         batched_processors: Optional[dict[str, BatchedProcessor]] = None,
         compile_workers: Optional[int] = None,
         executable_store: Optional[ExecutableStore] = None,
+        return_hidden: bool = False,
+        hidden_aux_layers: tuple[int, ...] = (),
     ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
@@ -228,7 +251,9 @@ class ModelRunner:
         (`jaxllm.engine.logits_processing`). `compile_workers`: threads compiling programs in
         the background (default: one per CPU core, at most 8). `executable_store`: where the
         model forwards and samplers are loaded from instead of traced and compiled, and saved to
-        once compiled (`jaxllm.engine.executable_store`)."""
+        once compiled (`jaxllm.engine.executable_store`). `return_hidden`: every forward also
+        returns its packed tokens' final hidden states (`last_hidden`, for MTP drafting), or with
+        `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features)."""
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
@@ -252,7 +277,11 @@ class ModelRunner:
             moe_stats=moe_stats,
             attention_dp_specs=param_partition_specs(params) if attention_dp else None,
             fed_rows=max_batch_size,
+            return_hidden=return_hidden,
+            aux_layers=tuple(hidden_aux_layers),
         )
+        # The hidden states [T, H] of the last forward (with `return_hidden`), else None.
+        self.last_hidden: jax.Array | None = None
         sample_step = functools.partial(_sample_step, fed_rows=max_batch_size)
         # Stored programs: the key text of each program's function and static arguments (the
         # layout and argument shapes are added per program); a program without one is not stored.
@@ -538,9 +567,9 @@ class ModelRunner:
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
         exe = self.programs.get("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
-        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = exe(
-            self.params, self.kv_cache, inputs, prev
-        )
+        outputs = exe(self.params, self.kv_cache, inputs, prev)
+        self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = outputs[:5]
+        self.last_hidden = outputs[5] if len(outputs) > 5 else None
         return logits, expert_counts, context_logits, greedy_tokens
 
     def _sample(self, logits: jax.Array, inputs: tuple, layout: PackedLayout) -> SamplerOutput:

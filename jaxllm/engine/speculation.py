@@ -3,7 +3,8 @@
 One step of a speculating engine (built with `EngineConfig.speculative_config`):
 
 1. `propose` (after scheduling): each eligible generation request gets up to
-   `max_draft_len` draft tokens from the proposer (`jaxllm.spec_decode`), its KV sequence
+   `max_draft_len` draft tokens from the proposer (n-gram: `jaxllm.spec_decode`; MTP, a draft
+   model, EAGLE-3: a `StepDrafter` run over the step just read back), its KV sequence
    grows to hold them (`KVCacheManager.grow_for_drafts`), and the planner packs its row as its
    last token followed by the drafts (`Planner.set_drafts`): 1 + k query tokens, like a
    context chunk, in the same fixed token buckets.
@@ -43,9 +44,13 @@ import jax
 import numpy as np
 
 from jaxllm.batch_builder import token_buckets
+from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
+from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.logits_outputs import padded_index
+from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.outputs import Logprob
@@ -54,7 +59,13 @@ from jaxllm.sampling.params import MAX_LOGPROBS
 from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
-from jaxllm.speculative_config import NGramDecodingConfig, SpeculativeConfig
+from jaxllm.speculative_config import (
+    DraftTargetDecodingConfig,
+    EagleDecodingConfig,
+    MTPDecodingConfig,
+    NGramDecodingConfig,
+    SpeculativeConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +75,24 @@ _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if not isinstance(config, NGramDecodingConfig):
-        raise ValueError(
-            f"speculative_config: {type(config).__name__} (decoding_type {config.decoding_type}) is not "
-            "supported yet; NGramDecodingConfig is"
-        )
+    if isinstance(config, MTPDecodingConfig):
+        check_mtp_config(config)
     if attention_dp:
         raise ValueError("speculative_config is not supported with enable_attention_dp yet")
     if multihost:
         raise ValueError("speculative_config is not supported in multi-host runs yet")
+
+
+def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: Any) -> Optional[StepDrafter]:
+    """The drafter run after each step for `config` (MTP layers, a draft model), else None."""
+    blocks, tpb = kv_cache_manager.num_blocks, kv_cache_manager.tokens_per_block
+    if isinstance(config, MTPDecodingConfig):
+        return MTPDrafter(config, runner, blocks, tpb)
+    if isinstance(config, DraftTargetDecodingConfig):
+        return DraftModelDrafter(config, runner, blocks, tpb)
+    if isinstance(config, EagleDecodingConfig):
+        return Eagle3Drafter(config, runner, blocks, tpb)
+    return None
 
 
 @dataclass
@@ -98,12 +118,21 @@ class Speculation:
         max_batch_size: int,
         max_num_tokens: int,
         min_token_bucket: int,
+        drafter: Optional[StepDrafter] = None,
     ) -> None:
-        if not isinstance(config, NGramDecodingConfig):
-            raise ValueError(f"{type(config).__name__} is not supported yet")
+        """`drafter`: the MTP layers' or the draft model's drafter (`step_drafter_for`; run
+        over each step after its read-back, so those configs draft every step: adaptive
+        drafting off)."""
         self.config = config
         self.max_draft_len = config.max_draft_len
-        self.proposer = NGramProposer(config)
+        self.drafter = drafter
+        self.proposer: Any
+        if isinstance(config, NGramDecodingConfig):
+            self.proposer = NGramProposer(config)
+        elif drafter is not None:
+            self.proposer = drafter
+        else:
+            raise ValueError(f"{type(config).__name__} is not supported yet")
         self.planner = planner
         planner.spec_tokens_per_row = 1 + config.max_draft_len
         self.kv = planner.kv_cache_manager
@@ -115,6 +144,8 @@ class Speculation:
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner)
+        if drafter is not None:
+            self.policy.adaptive = False
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -136,8 +167,9 @@ class Speculation:
 
     @property
     def num_compiled(self) -> int:
-        """Compiled verification programs (every shape and variant seen)."""
-        return sum(j._cache_size() for j in self._jits.values())
+        """Compiled verification (and MTP drafting) programs (every shape and variant seen)."""
+        drafting = self.drafter.num_compiled if self.drafter is not None else 0
+        return sum(j._cache_size() for j in self._jits.values()) + drafting
 
     # ------------------------------------------------------------------ propose
     def _eligible_len(self, request: LlmRequest) -> int:
@@ -162,6 +194,8 @@ class Speculation:
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
         token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
+        if self.drafter is not None:  # the MTP layers over the step just read back
+            self.drafter.begin_step()
         gen = output.generation_requests
         if not gen:
             return {}
@@ -199,6 +233,11 @@ class Speculation:
                 self.kv.grow_for_drafts(request, request.num_tokens + len(draft))
         self.policy.proposed(bool(drafts))
         return drafts
+
+    def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
+        """A step was dispatched (the MTP drafter runs over it once it is read back)."""
+        if self.drafter is not None:
+            self.drafter.dispatched(plan.batch, output.all_requests())
 
     def wants_drafts(self) -> bool:
         """Whether the next step should try drafting (the engine then reads back first)."""
@@ -394,6 +433,8 @@ class Speculation:
             sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
             plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
             result = runner.execute(plan)
+            if self.drafter is not None:
+                self.drafter.warmup(batch)
             for flags in variants:
                 tensors = entry_tensors(
                     SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
@@ -403,6 +444,14 @@ class Speculation:
                 tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
                 out = self.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
             jax.block_until_ready(out.token_ids)
+        if self.drafter is not None:  # the MTP program of the shapes plain steps run in
+            plain = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
+            plain += [(rows, rows) for rows in planner.decode_batch_sizes]
+            for bucket, rows in plain:
+                batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows)
+                sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
+                runner.execute(StepPlan(batch, sampling, feed, 0, 0, greedy_only=True))
+                self.drafter.warmup(batch)
 
 
 def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:

@@ -41,11 +41,19 @@ def draft_batch(batch: StepBatch, next_tokens: jax.Array) -> StepBatch:
 
 
 def follow_up_batch(
-    batch: StepBatch, tokens: jax.Array, offset: int, *, tokens_per_block: int, num_blocks: int
+    batch: StepBatch,
+    tokens: jax.Array,
+    offset: int,
+    *,
+    tokens_per_block: int,
+    num_blocks: int,
+    own_blocks_only: bool = False,
 ) -> StepBatch:
     """One token per live sequence of `batch`: `tokens` [S] at `offset` positions past each
     sequence's last token (its `logits_indices` row), same block tables. Padding sequences,
-    and a position past the block table, get the padding slot (their KV write is dropped)."""
+    and a position past the block table, get the padding slot (their KV write is dropped);
+    with `own_blocks_only` so does a position past the blocks the sequence's KV length covers
+    (an engine's block table may name other sequences' blocks there)."""
     max_seqs, max_blocks = batch.block_tables.shape
     seq = jnp.arange(max_seqs, dtype=jnp.int32)
     live = seq < batch.num_seqs[0]
@@ -53,7 +61,10 @@ def follow_up_batch(
     block = pos // tokens_per_block
     page = jnp.take_along_axis(batch.block_tables, jnp.minimum(block, max_blocks - 1)[:, None], axis=1)[:, 0]
     pad_slot = num_blocks * tokens_per_block
-    slots = jnp.where(live & (block < max_blocks), page * tokens_per_block + pos % tokens_per_block, pad_slot)
+    own = block < max_blocks
+    if own_blocks_only:
+        own = own & (block < (batch.kv_lens + tokens_per_block - 1) // tokens_per_block)
+    slots = jnp.where(live & own, page * tokens_per_block + pos % tokens_per_block, pad_slot)
     return StepBatch(
         token_ids=jnp.where(live, tokens, 0).astype(jnp.int32),
         positions=pos,
@@ -77,10 +88,12 @@ def chain_drafts(
     num_blocks: int,
     to_target: Optional[Callable[[jax.Array], jax.Array]] = None,
     return_logits: bool = False,
+    own_blocks_only: bool = False,
 ) -> tuple[jax.Array, Any, Optional[jax.Array]]:
     """Greedy chain of `num_draft_tokens` drafts per sequence: int32 [S, k] target token ids
     (rows past `num_seqs` are 0), the draft cache, and with `return_logits` the float32 draft
-    logits [S, k, V'] each draft was taken from. `to_target` maps draft-vocabulary ids to the
+    logits [S, k, V'] each draft was taken from (`own_blocks_only`: see `follow_up_batch`).
+    `to_target` maps draft-vocabulary ids to the
     target's (EAGLE-3's `d2t`); the chain feeds the target ids back as the next tokens."""
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -95,7 +108,14 @@ def chain_drafts(
         all_logits.append(logits)
         if j + 1 < num_draft_tokens:
             hidden = hidden[rows]
-            current = follow_up_batch(batch, tokens, j + 1, tokens_per_block=tokens_per_block, num_blocks=num_blocks)
+            current = follow_up_batch(
+                batch,
+                tokens,
+                j + 1,
+                tokens_per_block=tokens_per_block,
+                num_blocks=num_blocks,
+                own_blocks_only=own_blocks_only,
+            )
             rows = current.logits_indices
     stacked = jnp.stack(all_logits, axis=1) if return_logits else None
     return jnp.stack(drafts, axis=1), cache, stacked

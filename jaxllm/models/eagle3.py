@@ -130,10 +130,12 @@ def eagle3_draft(
     attention_fn: AttentionFn = _REFERENCE_ATTENTION,
     mesh: Optional[jax.sharding.Mesh] = None,
     return_logits: bool = False,
+    own_blocks_only: bool = False,
 ) -> tuple[jax.Array, Any, Optional[jax.Array]]:
     """A greedy chain of `num_draft_tokens` drafts per sequence, as target ids int32 [S, k],
-    from the target's fused features [T, 3 Ht] (see `draft_chain.chain_drafts`); the head's
-    cache, and with `return_logits` the draft-vocabulary logits [S, k, Vd]."""
+    from the target's fused features [T, 3 Ht] (see `draft_chain.chain_drafts`, also for
+    `own_blocks_only`); the head's cache, and with `return_logits` the draft-vocabulary logits
+    [S, k, Vd]."""
     pages = jax.tree_util.tree_leaves(cache)[0]  # [Hkv', blocks, tokens_per_block, D]
 
     def step(cache: Any, b: StepBatch, h: jax.Array, j: int) -> tuple[jax.Array, jax.Array, Any]:
@@ -149,4 +151,5 @@ def eagle3_draft(
         num_blocks=int(pages.shape[1]),
         to_target=lambda ids: draft_to_target(params, ids),
         return_logits=return_logits,
+        own_blocks_only=own_blocks_only,
     )

@@ -144,10 +144,12 @@ def mtp_draft(
     mesh: Optional[jax.sharding.Mesh] = None,
     moe_options: Optional[EpMoeOptions] = None,
     return_logits: bool = False,
+    own_blocks_only: bool = False,
 ) -> tuple[jax.Array, MlaLayerCache, Optional[jax.Array]]:
     """`num_draft_tokens` greedy drafts per sequence, int32 [S, k], from `batch` (next tokens at
     the target's positions) and the target's hidden states `hidden` [T, H]; see
-    `draft_chain.chain_drafts`. Returns the drafts, the MTP cache and optionally their logits."""
+    `draft_chain.chain_drafts` (`own_blocks_only`: as there). Returns the drafts, the MTP
+    cache and optionally their logits."""
     pool_pages, tokens_per_block = mtp_cache.latent.shape[0], mtp_cache.latent.shape[1]
     num_layers = max(config.num_nextn_predict_layers, 1)
 
@@ -174,4 +176,5 @@ def mtp_draft(
         tokens_per_block=tokens_per_block,
         num_blocks=pool_pages // num_layers,
         return_logits=return_logits,
+        own_blocks_only=own_blocks_only,
     )

@@ -563,14 +563,17 @@ def num_params(config: ModelConfig) -> int:
 # Random checkpoints
 
 
-def random_checkpoint(config: ModelConfig, seed: int, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+def random_checkpoint(
+    config: ModelConfig, seed: int, dtype: Any = np.float32, *, mtp: bool = False
+) -> dict[str, np.ndarray]:
     """Fixed-seed weights in Hugging Face layout (each parameter's canonical spelling), scaled
     so activations and logits are not degenerate: norms near 1, linear layers
-    gain / sqrt(fan_in), a tied embedding shrunk so the shared table gives useful logits."""
+    gain / sqrt(fan_in), a tied embedding shrunk so the shared table gives useful logits.
+    `mtp`: with DeepSeek-V3's multi-token-prediction layers too."""
     rng = np.random.default_rng(seed)
     out_dtype = numpy_dtype(dtype)
     tensors: dict[str, np.ndarray] = {}
-    for decl in declare_weights(config):
+    for decl in declare_weights(config, mtp=mtp):
         for src in decl.alternatives[0]:
             noise = rng.standard_normal(src.shape, dtype=np.float32)
             if decl.init == "norm":

@@ -1,0 +1,118 @@
+"""Drafters that run after each step on the device: the drafts of step N + 1 come out of step N.
+
+MTP layers (`jaxllm.engine.mtp_drafter`) and a draft model (`jaxllm.engine.draft_model_drafter`)
+both keep a page pool addressed by the target's block ids and must see every position the
+target processed. After step N is read back every token it processed is known on the host, so
+one jitted program per shape runs the drafter over step N's packed tokens (writing its cache at
+those positions) and chains the drafts of each generating row from its last kept position.
+`StepDrafter` holds what both share: the engine hooks (`dispatched`, `begin_step`), the
+proposer interface `Speculation` calls (`propose`, `request_ids`, `release`) and the batch
+building (`step_inputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxllm.llm_request import LlmRequest, LlmRequestState
+from jaxllm.step_batch import StepBatch
+
+_GENERATING = LlmRequestState.GENERATION_IN_PROGRESS
+
+
+@dataclass
+class DispatchedStep:
+    """A dispatched step the drafter has not run over yet."""
+
+    batch: StepBatch  # host arrays
+    requests: list[LlmRequest]  # by row
+    hidden: Optional[jax.Array]  # [T, H] the target's final hidden states (MTP), else None
+
+
+class StepDrafter:
+    """Engine hooks and proposer interface of a drafter run after each step (engine thread
+    only); subclasses give `_run(step) -> (drafts [S, k] host array, {row: request id})`."""
+
+    def __init__(self, runner: Any, num_draft_tokens: int) -> None:
+        self.runner = runner
+        self.num_draft_tokens = num_draft_tokens
+        self._last: Optional[DispatchedStep] = None
+        self._drafts: dict[int, list[int]] = {}
+        self.steps_run = 0  # drafting programs run
+        self._jit: Any = None
+
+    @property
+    def num_compiled(self) -> int:
+        return int(self._jit._cache_size()) if self._jit is not None else 0
+
+    def dispatched(self, batch: StepBatch, requests: list[LlmRequest]) -> None:
+        """Step N was dispatched with `batch` over `requests` (by row)."""
+        self._last = DispatchedStep(batch, list(requests), self.runner.last_hidden)
+
+    def begin_step(self) -> None:
+        """Before the next step's drafts are asked for (every token of step N on the host): run
+        the drafter over step N and keep each generating row's drafts."""
+        step, self._last = self._last, None
+        self._drafts = {}
+        if step is None:
+            return
+        drafts, rows = self._run(step)
+        self.steps_run += 1
+        if rows:
+            host = np.asarray(drafts)
+            self._drafts = {rid: host[row].tolist() for row, rid in rows.items()}
+
+    def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
+        raise NotImplementedError
+
+    def warmup(self, batch: StepBatch) -> None:
+        """Compile (and run on an all-padding step) the drafting program of `batch`'s shape."""
+        drafts, _ = self._run(DispatchedStep(batch, [], self.runner.last_hidden))
+        jax.block_until_ready(drafts)
+
+    # ------------------------------------------------------------------ proposer interface
+    def propose(self, request_id: int, tokens: Any, max_len: Optional[int] = None) -> list[int]:
+        draft = self._drafts.get(request_id, [])
+        return draft if max_len is None else draft[:max_len]
+
+    def request_ids(self) -> list[int]:
+        return []
+
+    def release(self, request_id: int) -> None:
+        self._drafts.pop(request_id, None)
+
+
+def step_inputs(
+    batch: StepBatch, requests: list[LlmRequest], shift: int
+) -> tuple[StepBatch, np.ndarray, dict[int, int]]:
+    """A read-back step's batch for a drafter, its rows' last tokens and {row: request id} of
+    the rows that draft. Each packed token at position i gets token t_{i + shift} (0 where it
+    is not kept: a rejected draft, past a finished request): shift 1 for MTP (the next token),
+    0 for a draft model (the token itself). A generating row's logits index points at its
+    last kept position whose next token is known (len(tokens) - 2), and its last token is the
+    one the target just produced."""
+    token_ids = np.zeros_like(np.asarray(batch.token_ids))
+    logits_indices = np.array(batch.logits_indices, copy=True)
+    last_tokens = np.zeros(logits_indices.shape[0], np.int32)
+    cu = np.asarray(batch.cu_q_lens)
+    positions = np.asarray(batch.positions)
+    rows: dict[int, int] = {}
+    for row, request in enumerate(requests):
+        start, end = int(cu[row]), int(cu[row + 1])
+        if end <= start:
+            continue
+        tokens = request.all_token_ids
+        first = int(positions[start])
+        n = min(end - start, len(tokens) - shift - first)
+        if n > 0:
+            token_ids[start : start + n] = tokens[first + shift : first + shift + n]
+        last = len(tokens) - 2
+        if request.state is _GENERATING and first <= last < first + (end - start):
+            logits_indices[row] = start + last - first
+            last_tokens[row] = tokens[-1]
+            rows[row] = request.request_id
+    return replace(batch, token_ids=token_ids, logits_indices=logits_indices), last_tokens, rows
