@@ -90,6 +90,8 @@ def test_invalid_methods_fail_at_engine_build():
         tiny_engine(speculative_config=MTPDecodingConfig(use_relaxed_acceptance_for_thinking=True))
     with pytest.raises(ValueError, match="enable_attention_dp"):
         tiny_engine(speculative_config=NGRAM, enable_attention_dp=True)
+    with pytest.raises(ValueError, match="speculative_config is not supported with cache_transceiver_config"):
+        tiny_engine(speculative_config=NGRAM, cache_transceiver_config={"backend": "TCP"})
 
 
 # ---------------------------------------------------------------------- proposer

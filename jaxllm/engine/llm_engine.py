@@ -68,7 +68,10 @@ class LLMEngine:
         session = open_session(config)
         if config.speculative_config is not None:
             check_speculative_support(
-                config.speculative_config, attention_dp=config.enable_attention_dp, multihost=session is not None
+                config.speculative_config,
+                attention_dp=config.enable_attention_dp,
+                multihost=session is not None,
+                disaggregated=config.cache_transceiver_config is not None,
             )
         parts = build_engine(config, leader_session=session)
         device = parts.device

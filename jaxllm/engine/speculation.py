@@ -73,10 +73,14 @@ _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
-def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, multihost: bool) -> None:
+def check_speculative_support(
+    config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
+) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
     if isinstance(config, MTPDecodingConfig):
         check_mtp_config(config)
+    if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
+        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
     if attention_dp:
         raise ValueError("speculative_config is not supported with enable_attention_dp yet")
     if multihost:
