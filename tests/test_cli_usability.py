@@ -138,7 +138,7 @@ def test_unknown_flag_is_one_line_naming_the_closest_known_flag(capsys):
 def engine():
     from conftest import tiny_engine
 
-    return tiny_engine("tiny-moe", max_num_tokens=32, max_batch_size=4)
+    return tiny_engine("tiny-moe", max_num_tokens=32, max_batch_size=2)
 
 
 def test_banner_names_the_parallel_layout(engine):
