@@ -10,13 +10,13 @@ the residuals entering those layers flattened to [T, K * H] (EAGLE-3's fused fea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.engine.host_transfer import PackedLayout, unpack
+from jaxllm.engine.host_transfer import PackedLayout
+from jaxllm.engine.step_inputs import fed_step_inputs
 from jaxllm.models import ModelConfig
 from jaxllm.models.decoder import compute_logits
 from jaxllm.models.ep_moe import EpMoeOptions
@@ -39,11 +39,7 @@ def hidden_states_step(
     aux_layers: tuple[int, ...],
 ):
     """(KV cache, float32 logits [S, V], expert counts or None, context logits or None, hidden)."""
-    unpacked = unpack(inputs, layout)
-    batch, feed_index = unpacked[0], unpacked[1]
-    context_index = unpacked[2] if len(unpacked) > 2 else None
-    fed = prev_tokens[jnp.maximum(feed_index, 0)]
-    batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
+    batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
     rows = jnp.arange(batch.token_ids.shape[0], dtype=jnp.int32)
     out = forward_with_hidden_states(
         params,

@@ -39,6 +39,7 @@ from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.engine.planner import StepPlan
 from jaxllm.engine.program_cache import ProgramCache
+from jaxllm.engine.step_inputs import fed_step_inputs
 from jaxllm.engine.step_output import StepOutput
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
@@ -140,11 +141,7 @@ def _model_step(
     moe_stats: bool,
     attention_dp_specs: Any,
 ):
-    unpacked = unpack(inputs, layout)
-    batch, feed_index = unpacked[0], unpacked[1]
-    context_index = unpacked[2] if len(unpacked) > 2 else None
-    fed = prev_tokens[jnp.maximum(feed_index, 0)]
-    batch = replace(batch, token_ids=jnp.where(feed_index >= 0, fed, batch.token_ids))
+    batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
     if attention_dp_specs is not None:
         logits, kv_cache, stats = forward_attention_dp(
             params,
