@@ -13,48 +13,11 @@ import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
+from tests.deepseek_helpers import TINY_DEEPSEEK_V3, randomize
 from tests.model_helpers import SeqChunk, build_step_batch, random_block_table
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_nextn_predict_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=12,
-    v_head_dim=10,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=256,
-)
+CONFIG = dict(TINY_DEEPSEEK_V3, num_hidden_layers=2, num_nextn_predict_layers=1, num_key_value_heads=4)
 TOKENS_PER_BLOCK, NUM_BLOCKS, MAX_BLOCKS = 4, 32, 8
-
-
-def randomize(module, gen) -> None:  # as tests/test_deepseek.py's build_hf
-    """Decisive random weights: norms near 1, linear layers 1/sqrt(fan_in) (router gain 2), a
-    nonzero router correction bias."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                gain = 3.0 if "lm_head" in name else 2.0 if name.endswith("gate.weight") else 1.0
-                p.copy_(noise * gain / p.shape[-1] ** 0.5)
-        for name, b in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
 
 
 class TorchMtp(hf_ds.DeepseekV3DecoderLayer):

@@ -22,31 +22,12 @@ from jaxllm.models import (  # noqa: E402
     load_params,
 )
 from tests.conftest import verified_triton_lowering  # noqa: E402
+from tests.deepseek_helpers import TINY_DEEPSEEK_V3, randomize  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
 
 TOL = 1e-4
 
-BASE = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=12,
-    v_head_dim=10,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=256,
-)
+BASE = TINY_DEEPSEEK_V3
 YARN = {
     "rope_type": "yarn",
     "factor": 4.0,
@@ -81,18 +62,7 @@ def build_hf(kwargs: dict, seed: int = 0, bias_scale: float = 0.2):
     """A random DeepseekV3ForCausalLM with decisive logits and a nonzero correction bias."""
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                gain = 3.0 if "lm_head" in name else 2.0 if name.endswith("gate.weight") else 1.0
-                p.copy_(noise * gain / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(bias_scale * torch.randn(b.shape, generator=gen))
+    randomize(model, torch.Generator().manual_seed(seed), bias_scale)
     return model
 
 

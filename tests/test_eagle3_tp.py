@@ -62,7 +62,7 @@ def test_eagle3_drafts_under_tensor_parallelism_match_one_device(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
-    from tests.mtp_helpers import randomize
+    from tests.deepseek_helpers import randomize
     from tests.test_eagle3 import HEAD, TARGET, TorchEagle3
 
     gen = torch.Generator().manual_seed(1)
