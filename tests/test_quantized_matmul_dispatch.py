@@ -116,9 +116,11 @@ def deepseek_fp8(tmp_path_factory):
 
 def test_deepseek_fp8_model_on_the_kernels_gives_the_xla_logits(deepseek_fp8):
     """Every FP8 projection through the dense kernel, the routed experts through the FP8
-    grouped FFN (weights-only, where the XLA and Pallas MoE paths compute the same)."""
+    grouped FFN under shard_map (weights-only, where the XLA and Pallas MoE paths compute
+    the same)."""
     from jaxllm.models.decoder import forward_all_logits
     from pallas_kernels.moe_grouped_gemm import moe_grouped_ffn_reference
+    from sharding.mesh import ParallelConfig, make_mesh
     from tests.model_helpers import PagedModel, SeqChunk, random_block_table
 
     params, config = deepseek_fp8
@@ -126,8 +128,8 @@ def test_deepseek_fp8_model_on_the_kernels_gives_the_xla_logits(deepseek_fp8):
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 256, 12)]
     batch = paged.batch([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 32, 8))])
 
-    def logits_of(moe_fn):
-        fn = functools.partial(forward_all_logits, config=config, moe_fn=moe_fn)
+    def logits_of(moe_fn, mesh=None):
+        fn = functools.partial(forward_all_logits, config=config, moe_fn=moe_fn, mesh=mesh)
         traced = jax.jit(fn).trace(params, paged.empty_cache(), batch)
         logits, _ = traced.lower().compile()(params, paged.empty_cache(), batch)
         return logits[: len(tokens)], str(traced.jaxpr)
@@ -135,7 +137,8 @@ def test_deepseek_fp8_model_on_the_kernels_gives_the_xla_logits(deepseek_fp8):
     ref, _ = logits_of(moe_grouped_ffn_reference)
     _, _, _, pallas_moe = resolve_backends("xla", "pallas")
     with quantized_matmul.use_backend("triton", interpret=True):
-        out, program = logits_of(pallas_moe)
+        # Under a (one-device) mesh as in the engine: the MoE backend inside shard_map.
+        out, program = logits_of(pallas_moe, make_mesh(ParallelConfig()))
     assert "quantized_matmul_float8_e4m3fn" in program and "moe_fused_gate_up" in program
     assert float(np.std(np.asarray(ref))) > 0.5
     assert rel_err(out, ref) < 1e-4
