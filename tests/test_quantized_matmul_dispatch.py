@@ -94,6 +94,20 @@ def test_resolve_backends_keeps_xla_off_gpu():
     assert quantized_matmul.backend() == "xla"
 
 
+def test_on_a_gpu_the_kernel_follows_the_moe_backend_on_one_device(monkeypatch):
+    from jaxllm.models import backends
+
+    monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
+    with quantized_matmul.use_backend("xla"):  # restores the process-wide choice afterwards
+        _, _, _, moe_fn = backends.resolve_backends(None, None)
+        assert quantized_matmul.backend() == "triton" and moe_fn.fused_fp8.keywords == {"interpret": False}
+        backends.resolve_backends(None, "xla")
+        assert quantized_matmul.backend() == "xla"
+        backends.resolve_backends(None, "triton", num_devices=2)
+        assert quantized_matmul.backend() == "xla"  # a kernel call is not split over a mesh
+    assert quantized_matmul.backend() == "xla"
+
+
 # ----------------------------------------------------------------------------- whole model
 
 torch = pytest.importorskip("torch")
