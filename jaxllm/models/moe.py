@@ -9,7 +9,9 @@ expert-parallel layer runs on different devices. A backend whose `moe_fn` carrie
 `fused` attribute (`fused(x, ids, weights, w_gate, w_up, w_down) -> [T, H]`, the Pallas
 kernel that gathers the token rows and applies the routing weights itself) replaces
 the sort, unsort and combine here (under tensor parallelism too, `sharding.kernels.shard_moe`;
-the expert-parallel layer keeps the sorted-rows path).
+the expert-parallel layer keeps the sorted-rows path). One carrying `fused_fp8` (the same with
+e4m3 expert weights and their block scales, `+ block=`) takes FP8 experts as they are stored;
+without it they are dequantized first (`expert_operands`).
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -203,7 +205,8 @@ def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:
 
 def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(x, w_gate, w_up, w_down) as the grouped FFN backends take them: FP8 expert weights
-    dequantized here (the backends, the Pallas kernels included, take float weights), and x
+    dequantized here (the backends take float weights; `moe_block` hands FP8 experts to a
+    backend's `fused_fp8` instead), and x
     quantized per token-group of 128 when the weights ask for dynamic activations."""
     w_gate = p["w_gate"]
     if is_quantized(w_gate) and w_gate.act_group:
