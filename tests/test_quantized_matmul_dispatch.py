@@ -98,6 +98,7 @@ def test_on_a_gpu_the_kernel_follows_the_moe_backend_on_one_device(monkeypatch):
     from jaxllm.models import backends
 
     monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(backends, "converts_fp8", lambda device: True)
     with quantized_matmul.use_backend("xla"):  # restores the process-wide choice afterwards
         _, _, _, moe_fn = backends.resolve_backends(None, None)
         assert quantized_matmul.backend() == "triton" and moe_fn.fused_fp8.keywords == {"interpret": False}
@@ -106,6 +107,28 @@ def test_on_a_gpu_the_kernel_follows_the_moe_backend_on_one_device(monkeypatch):
         backends.resolve_backends(None, "triton", num_devices=2)
         assert quantized_matmul.backend() == "xla"  # a kernel call is not split over a mesh
     assert quantized_matmul.backend() == "xla"
+
+
+def test_gpus_without_e4m3_conversion_keep_fp8_weights_on_xla(monkeypatch):
+    from types import SimpleNamespace
+
+    from jaxllm.models import backends
+
+    assert [backends.converts_fp8(SimpleNamespace(compute_capability=c)) for c in ("8.0", "8.9", "9.0", "10.0")] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(backends, "converts_fp8", lambda device: False)  # an A100
+    x = jnp.ones((3, 256), jnp.float32)
+    with quantized_matmul.use_backend("xla"):
+        _, _, _, moe_fn = backends.resolve_backends(None, None)
+        assert not hasattr(moe_fn, "fused_fp8")
+        fp8, int8 = _weight("fp8", (256, 128), (128, 128), 0, 3), _weight("int8", (256, 128), (32, 1), 0, 3)
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda a, b: qeinsum("th,hi->ti", a, b))(x, fp8))
+        assert "pallas_call" in str(jax.make_jaxpr(lambda a, b: qeinsum("th,hi->ti", a, b))(x, int8))
 
 
 # ----------------------------------------------------------------------------- whole model

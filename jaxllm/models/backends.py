@@ -107,11 +107,23 @@ def resolve_backends(
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
         # The MoE layer calls the kernel that gathers rows and combines in place (jaxllm.models.moe).
         moe_fn.fused = functools.partial(moe_fused_ffn, interpret=not on_gpu)
-    if moe_backend not in ("xla", "tokamax"):
+    fp8 = not on_gpu or converts_fp8(jax.devices()[0])
+    if moe_backend not in ("xla", "tokamax") and fp8:
         from pallas_kernels.moe_grouped_gemm.fp8 import moe_fused_ffn_fp8
 
         # FP8 experts: the Triton kernel reading e4m3 tiles (jaxllm.models.moe.moe_block).
         moe_fn.fused_fp8 = functools.partial(moe_fused_ffn_fp8, interpret=not on_gpu)
     kernel = on_gpu and num_devices == 1 and moe_backend not in ("xla", "tokamax")
-    quantized_matmul.set_backend("triton" if kernel else "xla")
+    quantized_matmul.set_backend("triton" if kernel else "xla", fp8=fp8)
     return attention_backend, moe_backend, attention_fn, moe_fn
+
+
+def converts_fp8(device: Any) -> bool:
+    """Triton converts e4m3 in registers from compute capability 8.9 (Ada, Hopper) on; older
+    GPUs keep FP8 weights on the XLA path (int8 / int4 kernels still run)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    try:
+        major, minor = (int(x) for x in capability.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)

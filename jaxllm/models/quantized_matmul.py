@@ -24,14 +24,15 @@ if TYPE_CHECKING:
     from jaxllm.models.quantization import QuantizedWeight
 
 BACKENDS = ("xla", "triton")
-_state = {"backend": "xla", "interpret": False}
+_state = {"backend": "xla", "interpret": False, "fp8": True}
 
 
-def set_backend(backend: str, *, interpret: bool = False) -> None:
-    """`xla` or `triton` (the kernel; `interpret` runs it in Pallas interpret mode, off-GPU)."""
+def set_backend(backend: str, *, interpret: bool = False, fp8: bool = True) -> None:
+    """`xla` or `triton` (the kernel; `interpret` runs it in Pallas interpret mode, off-GPU;
+    `fp8=False` keeps FP8 weights on XLA, for GPUs that cannot convert e4m3 in the kernel)."""
     if backend not in BACKENDS:
         raise ValueError(f"quantized matmul backend must be one of {BACKENDS}, got {backend!r}")
-    _state.update(backend=backend, interpret=interpret)
+    _state.update(backend=backend, interpret=interpret, fp8=fp8)
 
 
 def backend() -> str:
@@ -93,7 +94,7 @@ def _plan(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[tuple[int, in
 def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.Array]:
     """`einsum(spec, x, dense(w, x.dtype))` by the Pallas kernel when the backend is `triton`
     and the kernel takes the problem; None otherwise (the caller runs the XLA path)."""
-    if _state["backend"] != "triton":
+    if _state["backend"] != "triton" or (w.value.dtype == jnp.float8_e4m3fn and not _state["fp8"]):
         return None
     from pallas_kernels.quantized_matmul.kernel import scale_block_k_tile
 
