@@ -179,3 +179,28 @@ def test_deepseek_fp8_model_on_the_kernels_gives_the_xla_logits(deepseek_fp8):
     assert "quantized_matmul_float8_e4m3fn" in program and "moe_fused_gate_up" in program
     assert float(np.std(np.asarray(ref))) > 0.5
     assert rel_err(out, ref) < 1e-4
+
+
+def test_deepseek_fp8_model_step_lowers_for_cuda_on_the_kernels(deepseek_fp8, monkeypatch):
+    """The model step as a GPU engine would build it (backends resolved for a GPU) lowers for
+    CUDA with every quantized projection and the routed experts on Triton kernels."""
+    import re
+
+    from jaxllm.models import backends
+    from jaxllm.models.decoder import forward_all_logits
+    from pallas_kernels.triton_backend import cuda_lowering_target
+    from tests.conftest import verified_triton_lowering
+    from tests.model_helpers import PagedModel, SeqChunk
+
+    params, config = deepseek_fp8
+    paged = PagedModel(params, config, num_blocks=32, max_blocks_per_seq=8, token_bucket=16)
+    batch = paged.batch([SeqChunk(list(range(12)), 0, list(range(8)))])
+    monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(backends, "converts_fp8", lambda device: True)
+    with quantized_matmul.use_backend("xla"):
+        _, _, _, moe_fn = backends.resolve_backends("xla", None)
+        fn = functools.partial(forward_all_logits, config=config, moe_fn=moe_fn)
+        with cuda_lowering_target(), verified_triton_lowering():
+            text = jax.jit(fn).trace(params, paged.empty_cache(), batch).lower(lowering_platforms=("cuda",)).as_text()
+    names = set(re.findall(r'name = "([a-z_0-9]+)"', text))
+    assert {"quantized_matmul_float8_e4m3fn", "moe_fused_gate_up", "moe_fused_down"} <= names, names
