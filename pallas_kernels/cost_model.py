@@ -94,8 +94,12 @@ def routed_group_sizes(num_tokens: int, num_experts: int, top_k: int, seed: int 
     return np.bincount(ids.reshape(-1), minlength=num_experts).astype(np.int32)
 
 
-def moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2, fused: bool = True) -> list[LaunchCost]:
-    """The two kernels (and the XLA passes around them) of one MoE layer at `num_tokens`."""
+def moe_costs(
+    shape: MoeShape, num_tokens: int, itemsize: int = 2, fused: bool = True, weight_itemsize: Optional[float] = None
+) -> list[LaunchCost]:
+    """The two kernels (and the XLA passes around them) of one MoE layer at `num_tokens`
+    (`weight_itemsize`: bytes per stored weight value, 1 for FP8; default `itemsize`)."""
+    w_item = itemsize if weight_itemsize is None else weight_itemsize
     from pallas_kernels.moe_grouped_gemm import schedule
     from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
 
@@ -114,7 +118,7 @@ def moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2, fused: bool =
         col_tiles = -(-n // t.block_n)
         grid = (sched.shape[0], col_tiles, t.num_k_splits)
         working = num_active * col_tiles * t.num_k_splits
-        weight_bytes = num_active * kk * col_tiles * t.block_n * num_weights * itemsize
+        weight_bytes = num_active * kk * col_tiles * t.block_n * num_weights * w_item
         act_bytes = int(item_rows.sum()) * kk * itemsize  # each item's rows once (L2 serves the column tiles)
         if name == "moe_gate_up":
             out_bytes = rows * i * itemsize

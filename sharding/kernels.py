@@ -88,4 +88,18 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
 
         # the same optional function attribute `moe_fn` may carry (mypy knows functions without attributes)
         sharded.fused = fused_sharded  # type: ignore[attr-defined]
+    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
+    if fused_fp8 is not None:  # FP8 experts: the block scales split like their weights
+
+        def fused_fp8_sharded(x, ids, weights, *experts, block):
+            def body(*args):
+                y = fused_fp8(*args, block=block)
+                return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
+
+            specs = (P(), P(), P(), up_spec, up_spec, down_spec, up_spec, up_spec, down_spec)
+            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
+                x, ids, weights, *experts
+            )
+
+        sharded.fused_fp8 = fused_fp8_sharded  # type: ignore[attr-defined]
     return sharded

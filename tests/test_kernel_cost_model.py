@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels import cost_model
+from pallas_kernels import cost_model, cost_model_quant
 from pallas_kernels.cost_model import H100, MOE_MODELS, AttentionShape, decode_batch, mixed_batch
 
 
@@ -47,3 +47,29 @@ def test_cost_model_table_from_the_command_line(capsys, monkeypatch):
     assert kernels.main(["--cost-model", "--gpu", "h200"]) == 0
     out = capsys.readouterr().out
     assert "moe_gate_up" in out and "H200 us" in out and "H100" not in out
+
+
+@pytest.mark.parametrize("shape", cost_model_quant.GEMM_SHAPES, ids=lambda s: s.name)
+def test_quantized_matmul_fills_the_gpu_at_decode_and_reads_the_weight_once(shape):
+    kernel, dequantize, dot = cost_model_quant.quantized_matmul_costs(shape, 1, "fp8")
+    assert kernel.working >= H100.num_sms, kernel
+    stored = shape.k * shape.n  # one byte per FP8 value
+    assert stored <= kernel.bytes < 1.1 * stored + 1e6
+    assert kernel.bytes < dequantize.bytes + dot.bytes
+
+
+def test_fp8_grouped_ffn_reads_less_than_dequantizing_every_expert():
+    for tokens in (1, 64):
+        *launches, dequantize = cost_model_quant.moe_fp8_costs(MOE_MODELS[2], tokens)
+        assert sum(c.bytes for c in launches) < dequantize.bytes
+        bf16 = sum(c.bytes for c in cost_model.moe_costs(MOE_MODELS[2], tokens))
+        assert sum(c.bytes for c in launches) < bf16
+
+
+def test_cost_model_quant_rows_from_the_command_line(capsys):
+    from jaxllm.bench import kernels
+
+    assert kernels.main(["--cost-model", "--only", "quant", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "quantized_matmul" in out and "moe_gate_up_fp8" in out and "xla_dequantize_experts" in out
+    assert "ragged_paged_attention" not in out

@@ -18,6 +18,7 @@ error against that peer, so a first run on a new GPU doubles as a correctness ch
 
     jaxllm bench kernels                 # everything (needs a GPU)
     jaxllm bench kernels --only moe --json out.json
+    jaxllm bench kernels --only quant     # FP8 / int4 GEMM and FP8 grouped FFN against XLA dequantize + dot
     jaxllm bench kernels --smoke         # tiny shapes, CPU interpret mode
     jaxllm bench kernels --cost-model    # no GPU: grid, working CTAs, bytes, FLOPs, roofline
                                          # on H100/H200 datasheet numbers (pallas_kernels/cost_model.py)
@@ -30,127 +31,25 @@ import argparse
 import functools
 import importlib.util
 import json
-import math
 import sys
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.bench.error_summary import describe_error
-
-
-@dataclass
-class Row:
-    kernel: str
-    case: str
-    impl: str
-    ms: float = float("nan")
-    gbps: float = float("nan")
-    tflops: float = float("nan")
-    bound: str = ""
-    pct_of_ceiling: float = float("nan")
-    rel_err: float = float("nan")
-    note: str = ""
-
-
-@dataclass
-class Ceilings:
-    bytes_per_s: float
-    flops_per_s: float
-
-    @property
-    def ridge(self) -> float:
-        return self.flops_per_s / self.bytes_per_s
-
-
-@dataclass
-class Settings:
-    interpret: bool
-    iters: int
-    reps: int
-    tokens_per_block: int
-    sweep: bool
-    max_ragged_dot_rows: int
-    seed: int = 0
-    rows: list[Row] = field(default_factory=list)
-
-
-def _time(fn: Callable[..., Any], args: tuple, iters: int, reps: int) -> float:
-    """Seconds per call: compile, warm up, then the median of `reps` loops of `iters`
-    back-to-back calls (dispatch overlaps execution, as in a serving loop)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return float(np.median(samples))
-
-
-def measure_ceilings(smoke: bool) -> Ceilings:
-    """HBM bandwidth from `x * 2` over a large array (read + write) and bf16 matmul FLOP/s."""
-    n_elems = (1 << 16) if smoke else (1 << 28)  # 1 GiB of f32 on GPU
-    x = jnp.ones((n_elems,), jnp.float32)
-    copy = jax.jit(lambda a: a * 2.0)
-    t_copy = _time(copy, (x,), 3 if smoke else 20, 1 if smoke else 3)
-    n = 256 if smoke else 8192
-    a = jnp.ones((n, n), jnp.bfloat16)
-    b = jnp.ones((n, n), jnp.bfloat16)
-    mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t_mm = _time(mm, (a, b), 2 if smoke else 20, 1 if smoke else 3)
-    return Ceilings(bytes_per_s=2 * x.nbytes / t_copy, flops_per_s=2 * n**3 / t_mm)
-
-
-def _rel_err(out: jax.Array, ref: jax.Array) -> float:
-    out = np.asarray(jax.device_get(out), np.float32)
-    ref = np.asarray(jax.device_get(ref), np.float32)
-    return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-
-
-def record_timing(
-    s: Settings,
-    ceil: Ceilings,
-    kernel: str,
-    case: str,
-    impl: str,
-    fn: Callable[..., Any],
-    args: tuple,
-    nbytes: float,
-    flops: float,
-    ref_out: Optional[jax.Array] = None,
-    note: str = "",
-) -> Optional[jax.Array]:
-    """Times `fn(*args)` and appends a row; a failure becomes a row, not a crash."""
-    row = Row(kernel, case, impl, note=note)
-    out = None
-    try:
-        secs = _time(fn, args, s.iters, s.reps)
-        out = fn(*args)
-        row.ms = secs * 1e3
-        row.gbps = nbytes / secs / 1e9
-        row.tflops = flops / secs / 1e12
-        if flops / nbytes < ceil.ridge:
-            row.bound, row.pct_of_ceiling = "bw", 100 * nbytes / secs / ceil.bytes_per_s
-        else:
-            row.bound, row.pct_of_ceiling = "flop", 100 * flops / secs / ceil.flops_per_s
-        if ref_out is not None:
-            row.rel_err = _rel_err(out, ref_out)
-    except Exception as e:  # noqa: BLE001 - report the failure in the table and go on
-        row.note = f"failed: {describe_error(e, width=80)}"
-        out = None
-    s.rows.append(row)
-    print(_format_row(row), flush=True)
-    return out
+from jaxllm.bench.kernel_timing import (  # noqa: F401 - re-exported for the GPU report
+    Ceilings,
+    Row,
+    Settings,
+    format_row,
+    header,
+    measure_ceilings,
+    record_timing,
+)
 
 
 def _on_hopper(s: Settings) -> bool:
@@ -403,7 +302,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         s.rows.append(
             Row("ragged_dot", name, "jax.lax.ragged_dot x3", note=f"skipped: {rows} rows > --max-ragged-dot-rows")
         )
-        print(_format_row(s.rows[-1]), flush=True)
+        print(format_row(s.rows[-1]), flush=True)
     tiling = default_tiling(rows, case.num_experts, case.hidden, case.inter)
     fn = jax.jit(functools.partial(moe_grouped_ffn, interpret=s.interpret))
     note = (
@@ -502,40 +401,6 @@ def moe_cases(smoke: bool) -> list[MoeCase]:
 
 # ----------------------------------------------------------------------------- output
 
-_COLUMNS = (
-    ("kernel", 22),
-    ("case", 36),
-    ("impl", 34),
-    ("ms", 9),
-    ("GB/s", 8),
-    ("TFLOP/s", 8),
-    ("bound", 5),
-    ("%ceil", 6),
-    ("rel_err", 8),
-    ("note", 0),
-)
-
-
-def _fmt(v: Any, width: int) -> str:
-    if not isinstance(v, float):
-        text = str(v)
-    elif math.isnan(v):
-        text = "-"
-    elif 0 < abs(v) < 1e-2:
-        text = f"{v:.2e}"
-    else:
-        text = f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return text.ljust(width) if width else text
-
-
-def _format_row(r: Row) -> str:
-    values = (r.kernel, r.case, r.impl, r.ms, r.gbps, r.tflops, r.bound, r.pct_of_ceiling, r.rel_err, r.note)
-    return " ".join(_fmt(v, w) for v, (_, w) in zip(values, _COLUMNS))
-
-
-def _header() -> str:
-    return " ".join(name.ljust(w) if w else name for name, w in _COLUMNS)
-
 
 def align_columns(header: list[str], rows: list[list[str]], right_aligned: Sequence[int] = ()) -> str:
     """A text table whose column widths come from the content (the widest cell of each column,
@@ -571,6 +436,14 @@ def cost_model_table(costs: Sequence[Any], gpus: Sequence[Any]) -> str:
     return align_columns(header, rows, right_aligned=range(3, len(header) - 1))
 
 
+def _family(kernel: str) -> str:
+    """`--only`'s name for a cost-model row: quant (quantized weights and the XLA passes they
+    replace), moe or attention."""
+    if kernel.endswith("_fp8") or kernel.startswith(("quantized", "xla_")):
+        return "quant"
+    return "moe" if kernel.startswith("moe") else "attention"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from jaxllm.cli.args import HelpFormatter
     from pallas_kernels.triton_backend import filter_triton_deprecation
@@ -581,7 +454,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in Pallas interpret mode (runs on CPU; timings meaningless)"
     )
-    parser.add_argument("--only", choices=("all", "attention", "moe"), default="all")
+    parser.add_argument("--only", choices=("all", "attention", "moe", "quant"), default="all")
     parser.add_argument("--iters", type=int, default=None, help="calls per timed loop (default 20; smoke 1)")
     parser.add_argument("--reps", type=int, default=None, help="timed loops, median reported (default 3)")
     parser.add_argument("--tokens-per-block", type=int, default=None, help="KV cache page size (default 16)")
@@ -615,12 +488,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         gpus = [cost_model.GPUS[g] for g in (("h100", "h200") if args.gpu == "both" else (args.gpu,))]
         costs = cost_model.default_cases() if args.kernels in ("triton", "both") else []
+        if args.kernels in ("triton", "both"):
+            from pallas_kernels import cost_model_quant
+
+            costs += cost_model_quant.default_cases()
         if args.kernels in ("mosaic", "both"):
             from pallas_kernels import cost_model_mosaic
 
             costs += cost_model_mosaic.default_cases()
         if args.only != "all":
-            costs = [c for c in costs if (c.kernel.startswith("moe")) == (args.only == "moe")]
+            costs = [c for c in costs if _family(c.kernel) == args.only]
         print(cost_model_table(costs, gpus))
         if args.json_path:
             with open(args.json_path, "w") as f:
@@ -666,13 +543,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"ceilings: copy {ceil.bytes_per_s / 1e9:.0f} GB/s, bf16 matmul {ceil.flops_per_s / 1e12:.1f} TFLOP/s, "
         f"ridge {ceil.ridge:.0f} FLOP/byte"
     )
-    print(_header())
+    print(header())
     if args.only in ("all", "attention"):
         for case, peer in attention_cases(args.smoke):
             bench_attention(s, ceil, case, peer=peer)
     if args.only in ("all", "moe"):
         for moe_case in moe_cases(args.smoke):
             bench_moe(s, ceil, moe_case)
+    if args.only in ("all", "quant"):
+        from jaxllm.bench import kernels_quant
+
+        kernels_quant.run(s, ceil, args.smoke)
 
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -217,7 +217,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     )
     num_blocks = agree_min("kv_cache_blocks", num_blocks)  # every host holds its share of every block
     attention_backend, moe_backend, attention_fn, moe_fn = resolve_backends(
-        config.attention_backend, config.moe_backend
+        config.attention_backend, config.moe_backend, num_devices=mesh.size
     )
     online = balancer is not None and balancer.layer_updates_per_iter > 0
     # Compiled forwards and samplers kept beside the compilation cache: a later process with

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jaxllm.models import quantized_matmul
 from jaxllm.models.attention import mosaic_attention, pallas_attention, xla_attention
 
 KERNEL_FLAVOURS = ("triton", "mosaic")
@@ -75,7 +76,12 @@ def tokamax_moe() -> Callable:
     return moe
 
 
-def resolve_backends(attention_backend: str | None, moe_backend: str | None) -> tuple[str, str, Callable, Callable]:
+def resolve_backends(
+    attention_backend: str | None, moe_backend: str | None, num_devices: int = 1
+) -> tuple[str, str, Callable, Callable]:
+    """(attention backend, MoE backend, attention_fn, moe_fn). Also sets the process-wide
+    quantized matmul backend (`jaxllm.models.quantized_matmul`): the Pallas kernel with the
+    Pallas MoE backends on a GPU and one device, else XLA."""
     on_gpu = default_platform() in ("gpu", "cuda", "rocm")
     attention_backend = attention_backend or ("pallas" if on_gpu else "xla")
     moe_backend = moe_backend or ("pallas" if on_gpu else "xla")
@@ -101,4 +107,23 @@ def resolve_backends(attention_backend: str | None, moe_backend: str | None) -> 
         moe_fn = functools.partial(moe_grouped_ffn, interpret=not on_gpu)
         # The MoE layer calls the kernel that gathers rows and combines in place (jaxllm.models.moe).
         moe_fn.fused = functools.partial(moe_fused_ffn, interpret=not on_gpu)
+    fp8 = not on_gpu or converts_fp8(jax.devices()[0])
+    if moe_backend not in ("xla", "tokamax") and fp8:
+        from pallas_kernels.moe_grouped_gemm.fp8 import moe_fused_ffn_fp8
+
+        # FP8 experts: the Triton kernel reading e4m3 tiles (jaxllm.models.moe.moe_block).
+        moe_fn.fused_fp8 = functools.partial(moe_fused_ffn_fp8, interpret=not on_gpu)
+    kernel = on_gpu and num_devices == 1 and moe_backend not in ("xla", "tokamax")
+    quantized_matmul.set_backend("triton" if kernel else "xla", fp8=fp8)
     return attention_backend, moe_backend, attention_fn, moe_fn
+
+
+def converts_fp8(device: Any) -> bool:
+    """Triton converts e4m3 in registers from compute capability 8.9 (Ada, Hopper) on; older
+    GPUs keep FP8 weights on the XLA path (int8 / int4 kernels still run)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    try:
+        major, minor = (int(x) for x in capability.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)

@@ -9,7 +9,9 @@ expert-parallel layer runs on different devices. A backend whose `moe_fn` carrie
 `fused` attribute (`fused(x, ids, weights, w_gate, w_up, w_down) -> [T, H]`, the Pallas
 kernel that gathers the token rows and applies the routing weights itself) replaces
 the sort, unsort and combine here (under tensor parallelism too, `sharding.kernels.shard_moe`;
-the expert-parallel layer keeps the sorted-rows path).
+the expert-parallel layer keeps the sorted-rows path). One carrying `fused_fp8` (the same with
+e4m3 expert weights and their block scales, `+ block=`) takes FP8 experts as they are stored;
+without it they are dequantized first (`expert_operands`).
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -147,9 +149,46 @@ def moe_block(
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
     weights, ids = route_layer(x, p, config)
+    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
+    if fused_fp8 is not None and takes_fp8_experts(p):
+        # The backend's FP8 grouped FFN reads the e4m3 experts and their block scales itself.
+        w_gate, w_up, w_down = (p[n] for n in ("w_gate", "w_up", "w_down"))
+        xq = act_quant(x, 1, w_gate.act_group) if w_gate.act_group else x
+        if valid is not None:
+            ids = jnp.where(valid[:, None], ids, w_gate.shape[0])
+            weights = jnp.where(valid[:, None], weights, 0.0)
+        out = fused_fp8(
+            xq,
+            ids,
+            weights,
+            w_gate.value,
+            w_up.value,
+            w_down.value,
+            w_gate.scale,
+            w_up.scale,
+            w_down.scale,
+            block=tuple(w_gate.blocks[-2:]),
+        )
+        return out.astype(x.dtype), ids
     xq, w_gate, w_up, w_down = expert_operands(x, p)
     out = grouped_expert_ffn(xq, ids, weights, w_gate, w_up, w_down, moe_fn=moe_fn, valid=valid)
     return out.astype(x.dtype), ids
+
+
+def takes_fp8_experts(p: dict) -> bool:
+    """The layer's experts are FP8 with one scale block shape the FP8 grouped kernel takes
+    (its 64-deep K steps inside one block: DeepSeek's 128 x 128, or per channel)."""
+    ws = [p[n] for n in ("w_gate", "w_up", "w_down")]
+    return all(
+        is_quantized(w)
+        and not w.packed
+        and w.value.dtype == jnp.float8_e4m3fn
+        and w.value.ndim == 3
+        and len(w.blocks) == 3
+        and w.blocks[-2:] == ws[0].blocks[-2:]
+        and w.blocks[-2] % 64 == 0
+        for w in ws
+    )
 
 
 def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:
@@ -166,7 +205,8 @@ def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:
 
 def expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(x, w_gate, w_up, w_down) as the grouped FFN backends take them: FP8 expert weights
-    dequantized here (the backends, the Pallas kernels included, take float weights), and x
+    dequantized here (the backends take float weights; `moe_block` hands FP8 experts to a
+    backend's `fused_fp8` instead), and x
     quantized per token-group of 128 when the weights ask for dynamic activations."""
     w_gate = p["w_gate"]
     if is_quantized(w_gate) and w_gate.act_group:

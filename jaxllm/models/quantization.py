@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxllm.models import quantized_matmul
 from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
 from jaxllm.models.weight_layout import Source, view_groups
 
@@ -314,13 +315,18 @@ def act_quant(x: jax.Array, num_contracted: int, group: int = BLOCK) -> jax.Arra
 def qeinsum(spec: str, x: jax.Array, w: Any, *, precision: Any = None, **kwargs: Any) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain or quantized weight `w`. With a quantized weight the
     weight is dequantized to x's dtype and, when it asks for dynamic activations, x is
-    quantized per group of 128 along the axes the einsum contracts (x's trailing axes)."""
+    quantized per group of 128 along the axes the einsum contracts (x's trailing axes). Where
+    the quantized matmul backend is the Pallas kernel (`quantized_matmul.backend`) and it takes
+    the einsum, the kernel multiplies the stored values instead (same numerics)."""
     if isinstance(w, QuantizedWeight):
         inputs, out = spec.split("->")
         xs = inputs.split(",")[0]
         contracted = sum(1 for c in xs if c not in out)
         if w.act_group:
             x = act_quant(x, contracted, w.act_group)
+        y = quantized_matmul.kernel_einsum(spec, x, w) if not kwargs else None
+        if y is not None:
+            return y
         w = dense(w, x.dtype)
     return jnp.einsum(spec, x, w, precision=precision, **kwargs)
 

@@ -225,23 +225,30 @@ def _grouped_kernel(
     num_k_splits: int,
     interpret: bool,
     num_aliased: int,
+    scale_block: Optional[tuple[int, int]] = None,
 ):
     """One (work item, column tile, K split): `a[rows] @ w[g]` for each weight, then the epilogue.
 
     Refs after the work table: `row_token` (int32 [M], with `gather` or `combine`),
     `row_weight` (f32 [M], with `combine`), `a`, the weights, then the output.
     `a` is [M, K], or [T, K] with `gather` (row r reads token `row_token[r]`); each weight
-    ref is the [E * K, N] view of a [E, K, N] stack. With `swiglu` the two products (gate,
-    up) become `silu(gate) * up`. The output is stored per row, or with `atomic` added into
-    an f32 buffer with a spare last row: at row r, or with `combine` at `row_token[r]`
-    after scaling by `row_weight[r]`.
+    ref is the [E * K, N] view of a [E, K, N] stack. With `scale_block` (bk, bn) the weights
+    are quantized (FP8) and one float32 scale ref per weight follows them, the
+    [E * ceil(K / bk), ceil(N / bn)] view of its [E, ...] block scales: each weight tile is
+    widened, multiplied by its blocks' scales and rounded to a's dtype before the MMA (the
+    dequantized reference's numerics; `block_k` divides bk, so a K step reads one scale row).
+    With `swiglu` the two products (gate, up) become `silu(gate) * up`. The output is stored
+    per row, or with `atomic` added into an f32 buffer with a spare last row: at row r, or
+    with `combine` at `row_token[r]` after scaling by `row_weight[r]`.
     """
     refs = list(refs)
     row_token_ref = refs.pop(0) if gather or combine else None
     row_weight_ref = refs.pop(0) if combine else None
     a_ref = refs.pop(0)
     w_refs = refs[:num_weights]
-    (o_ref,) = refs[num_weights + num_aliased :]
+    num_scales = num_weights if scale_block is not None else 0
+    s_refs = refs[num_weights : num_weights + num_scales]
+    (o_ref,) = refs[num_weights + num_scales + num_aliased :]
     item = pl.program_id(0)
     tile_start = sched_ref[item, schedule.TILE_START]
     row_lo = sched_ref[item, schedule.ROW_LO]
@@ -261,13 +268,24 @@ def _grouped_kernel(
     col_mask = _tail_mask(cols, n_size, block_n)
     w_row_base = expert * k_size
 
+    def weight_tile(w_ref, s_ref, step, ks, w_mask, dtype):
+        w = _load_tile(w_ref, w_row_base + ks, cols, w_mask)
+        if s_ref is None:
+            return w
+        sbk, sbn = scale_block
+        srow = jnp.zeros((1,), jnp.int32) + expert * pl.cdiv(k_size, sbk) + (step * block_k) // sbk
+        scale = pltriton.load(s_ref.at[srow[:, None], (jnp.minimum(cols, n_size - 1) // sbn)[None, :]])
+        return (w.astype(jnp.float32) * scale).astype(dtype)
+
     def body(step, accs):
         ks = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_mask = _tail_mask(ks, k_size, block_k)
         a = _load_tile(a_ref, a_rows, ks, _and(row_mask[:, None], None if k_mask is None else k_mask[None, :]))
         w_mask = _and(None if k_mask is None else k_mask[:, None], None if col_mask is None else col_mask[None, :])
+        scales = s_refs or (None,) * num_weights
         return tuple(
-            acc + _dot(a, _load_tile(w_ref, w_row_base + ks, cols, w_mask)) for acc, w_ref in zip(accs, w_refs)
+            acc + _dot(a, weight_tile(w_ref, s_ref, step, ks, w_mask, a.dtype))
+            for acc, w_ref, s_ref in zip(accs, w_refs, scales)
         )
 
     # Zero-filling and unused items skip the K loop (and every weight load).
@@ -308,6 +326,8 @@ def _grouped_call(
     row_token: Optional[jax.Array] = None,
     row_weight: Optional[jax.Array] = None,
     gather: bool = False,
+    scales: Optional[list[jax.Array]] = None,
+    scale_block: Optional[tuple[int, int]] = None,
 ) -> jax.Array:
     """Launches one kernel. The output is stored row by row, unless the kernel adds into it
     (split-K, or the weighted combine when `row_weight` is given): then it is an f32
@@ -321,7 +341,7 @@ def _grouped_call(
         inputs.append(row_token)
     if combine:
         inputs.append(row_weight)
-    inputs += [a, *weights]
+    inputs += [a, *weights, *(scales or [])]
     aliases: dict[int, int] = {}
     if atomic:
         out_struct = jax.ShapeDtypeStruct((out_struct.shape[0] + 1, out_struct.shape[1]), jnp.float32)
@@ -344,6 +364,7 @@ def _grouped_call(
         num_k_splits=tiling.num_k_splits,
         interpret=interpret,
         num_aliased=len(aliases),
+        scale_block=scale_block if scales else None,
     )
     out = pl.pallas_call(
         body,
@@ -357,20 +378,49 @@ def _grouped_call(
     return out[:-1] if atomic else out
 
 
-def check_weights(hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *dtypes) -> None:
-    """Stacked expert weights [E, H, I], [E, H, I], [E, I, H] of one dtype with the activations'."""
+def check_weights(
+    hidden_size: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *dtypes, quantized: bool = False
+) -> None:
+    """Stacked expert weights [E, H, I], [E, H, I], [E, I, H] of one dtype with the activations'
+    (`quantized`: the weights are float8_e4m3fn, whatever the activations)."""
     num_groups, wh, inter_size = w_gate.shape
     if wh != hidden_size or w_up.shape != w_gate.shape or w_down.shape != (num_groups, inter_size, hidden_size):
         raise ValueError(
             f"shape mismatch: hidden size {hidden_size}, w_gate {w_gate.shape}, "
             f"w_up {w_up.shape}, w_down {w_down.shape}"
         )
-    if len({*dtypes, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
+    if quantized:
+        if {w_gate.dtype, w_up.dtype, w_down.dtype} != {jnp.dtype(jnp.float8_e4m3fn)}:
+            raise ValueError("quantized expert weights must be float8_e4m3fn")
+    elif len({*dtypes, w_gate.dtype, w_up.dtype, w_down.dtype}) != 1:
         raise ValueError("the activations and the weights must share one dtype")
 
 
 def _stacked(w: jax.Array) -> jax.Array:
     return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """float32 block scales of FP8 expert weights, [E, ceil(K / bk), ceil(N / bn)] each."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    block: tuple[int, int] = (128, 128)
+
+    def check(self, tiling: MoeTiling, w_gate: jax.Array, w_down: jax.Array) -> None:
+        bk, bn = self.block
+        for name, s, w in (("gate", self.gate, w_gate), ("up", self.up, w_gate), ("down", self.down, w_down)):
+            want = (w.shape[0], -(-w.shape[1] // bk), -(-w.shape[2] // bn))
+            if tuple(s.shape) != want:
+                raise ValueError(f"{name} scales {s.shape} do not match {w.shape} weights in {self.block} blocks")
+        for t in (tiling.gate_up, tiling.down):
+            if bk % t.block_k:
+                raise ValueError(f"{t}: block_k must divide the scale block along K ({bk})")
+
+    def stacked(self, *names: str) -> list[jax.Array]:
+        return [_stacked(getattr(self, n).astype(jnp.float32)) for n in names]
 
 
 def moe_forward(
@@ -383,19 +433,24 @@ def moe_forward(
     tiling: Optional[MoeTiling] = None,
     interpret: bool = False,
     poison_outputs: bool = False,
+    scales: Optional[ExpertScales] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs both kernels on expert-sorted rows; returns (out [M, H], hidden [M, I]).
+    With `scales` the weights are FP8 with those block scales.
 
     `poison_outputs` hands each kernel that stores rows a NaN-filled output buffer
     (aliased in place) so a test can check that every element was written.
     """
     num_rows, hidden_size = x_sorted.shape
     num_groups, _, inter_size = w_gate.shape
-    check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype)
+    check_weights(hidden_size, w_gate, w_up, w_down, x_sorted.dtype, quantized=scales is not None)
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes {group_sizes.shape} does not match {num_groups} groups")
     if tiling is None:
         tiling = default_tiling(num_rows, num_groups, hidden_size, inter_size)
+    if scales is not None:
+        scales.check(tiling, w_gate, w_down)
+    quant = {} if scales is None else dict(scale_block=scales.block)
 
     sched = schedule.group_tile_schedule(group_sizes, num_rows=num_rows, block_m=tiling.gate_up.block_m)
     hidden = _grouped_call(
@@ -408,6 +463,8 @@ def moe_forward(
         interpret=interpret,
         poison=poison_outputs,
         name="moe_gate_up",
+        scales=None if scales is None else scales.stacked("gate", "up"),
+        **quant,
     )
     out = _grouped_call(
         sched,
@@ -419,6 +476,8 @@ def moe_forward(
         interpret=interpret,
         poison=poison_outputs,
         name="moe_down",
+        scales=None if scales is None else scales.stacked("down"),
+        **quant,
     )
     return out.astype(x_sorted.dtype), hidden
 
@@ -434,6 +493,7 @@ def moe_fused_forward(
     tiling: Optional[MoeTiling] = None,
     interpret: bool = False,
     poison_outputs: bool = False,
+    scales: Optional[ExpertScales] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs both kernels with the token gather and the weighted combine inside them;
     returns (out f32 [T, H], hidden [T * top_k, I] in expert-sorted row order).
@@ -443,7 +503,7 @@ def moe_fused_forward(
     """
     num_tokens, hidden_size = x.shape
     num_groups, _, inter_size = w_gate.shape
-    check_weights(hidden_size, w_gate, w_up, w_down, x.dtype)
+    check_weights(hidden_size, w_gate, w_up, w_down, x.dtype, quantized=scales is not None)
     if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or routing_weights.shape != expert_ids.shape:
         raise ValueError(
             f"expert_ids {expert_ids.shape} and routing_weights {routing_weights.shape} must both "
@@ -453,6 +513,9 @@ def moe_fused_forward(
     num_rows = num_tokens * top_k
     if tiling is None:
         tiling = default_tiling(num_rows, num_groups, hidden_size, inter_size)
+    if scales is not None:
+        scales.check(tiling, w_gate, w_down)
+    quant = {} if scales is None else dict(scale_block=scales.block)
 
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     ids = jnp.where((ids >= 0) & (ids < num_groups), ids, num_groups)
@@ -474,6 +537,8 @@ def moe_fused_forward(
         name="moe_fused_gate_up",
         row_token=row_token,
         gather=True,
+        scales=None if scales is None else scales.stacked("gate", "up"),
+        **quant,
     )
     out = _grouped_call(
         sched,
@@ -487,6 +552,8 @@ def moe_fused_forward(
         name="moe_fused_down",
         row_token=row_token,
         row_weight=row_weight,
+        scales=None if scales is None else scales.stacked("down"),
+        **quant,
     )
     return out, hidden
 

@@ -9,6 +9,9 @@ values in the reference's), so reading one poisons the output. MoE (Triton group
 Triton fused gather/combine, Mosaic GPU, tokamax when importable) runs random top-k
 routing with padding rows (sorted path) or padding tokens routed nowhere (fused path).
 
+Quantized weights (`quant_checks`): the FP8 / int4 GEMM kernel and the FP8 grouped FFN
+against XLA dequantize-then-compute at DeepSeek-V3 and Qwen3-30B-A3B shapes.
+
 Inputs are bf16; the references accumulate in f32. Error = max |out - ref| over the live
 rows, relative = that / max |ref|; a case passes when relative <= tolerance (2e-2 for
 bf16), no output is NaN and padding rows are exactly zero. The section fails when any
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.bench.gpu import quant_checks
 from jaxllm.bench.gpu.report import ChecksFailed, SectionContext, Table
 from jaxllm.models.backends import gpu_kernel_flavour, tokamax_moe
 from pallas_kernels import mosaic_gpu_interpret
@@ -448,6 +452,10 @@ def run(ctx: SectionContext) -> None:
                     functools.partial(check_moe, ctx, table, failures, shape, tokens, interpret),
                 )
             )
+    # Quantized weights (FP8 / int4 GEMM, FP8 grouped FFN), interleaved after the first cases.
+    record = functools.partial(_record, table, failures)
+    quant = quant_checks.cases(record, ctx.options.dry_run, interpret)
+    plan = [step for pair in zip(plan, quant) for step in pair] + plan[len(quant) :] + quant[len(plan) :]
     ctx.data["cases_planned"] = len(plan)
     for name, step in plan:
         ctx.check_time("the next case")

@@ -8,7 +8,9 @@ the Mosaic GPU kernel (Hopper) and JAX's `paged_attention` as the peer. MoE grou
 tokens: TFLOP/s of the useful FLOPs and the share of the measured dense bf16 matmul, for
 the Triton kernels (sorted rows; fused gather/combine), Mosaic GPU, tokamax, next to
 `jax.lax.ragged_dot` and a dense per-expert loop (every expert's FFN over a fixed
-capacity of rows: the padded-batch way).
+capacity of rows: the padded-batch way). Quantized weights (`jaxllm.bench.kernels_quant`): the
+FP8 / int4 GEMM kernel against XLA's dequantize + dot at DeepSeek-V3 / Qwen3-30B-A3B projection
+shapes, and the FP8 fused grouped FFN against dequantizing every expert + the bf16 kernel.
 
 Timings come from `jaxllm.bench.kernels` (compile, two warm-up calls, then the median of
 several timed loops of back-to-back calls, each loop ended by `block_until_ready`). Each
@@ -30,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.bench import kernels as kbench
+from jaxllm.bench import kernels_quant
 from jaxllm.bench.gpu.environment import ceilings_of
 from jaxllm.bench.gpu.report import SectionContext, Table
-from pallas_kernels import cost_model, cost_model_mosaic
+from pallas_kernels import cost_model, cost_model_mosaic, cost_model_quant
 
 LLAMA_ATTENTION = cost_model.AttentionShape("Llama-3-8B", 32, 8, 128)
 TINY_ATTENTION = cost_model.AttentionShape("tiny", 4, 2, 64)
@@ -219,6 +222,31 @@ def moe_speed(
         )
 
 
+def quant_speed(table: Table, s: kbench.Settings, ceil: kbench.Ceilings, bench: Callable, case) -> None:
+    """One quantized-weight case: the kernel's row and its XLA peer's, with the cost model's
+    roofline time for the kernel's launch on the measured ceilings."""
+    first = len(s.rows)
+    _quietly(bench, s, ceil, case)
+    gpu = _gpu_spec(ceil)
+    model_ms = None
+    if isinstance(case, kernels_quant.QuantGemmCase):
+        shape = cost_model_quant.GemmShape(case.name, case.k, case.n)
+        model_ms = _model_ms(cost_model_quant.quantized_matmul_costs(shape, case.m, case.kind)[:1], gpu)
+    for row in s.rows[first:]:
+        table.add(
+            kernel=row.kernel,
+            case=row.case,
+            impl=row.impl,
+            ms=row.ms,
+            gb_s=row.gbps,
+            pct_copy_bw=100 * row.gbps * 1e9 / ceil.bytes_per_s,
+            tflops=row.tflops,
+            model_ms=model_ms if row.impl == "pallas" else None,
+            rel_err=row.rel_err,
+            note=row.note,
+        )
+
+
 def run(ctx: SectionContext) -> None:
     ceil = ceilings_of(ctx)
     p = plan(ctx.options.dry_run)
@@ -259,11 +287,24 @@ def run(ctx: SectionContext) -> None:
             "note",
         ),
     )
-    for shape in p.moe_shapes:
-        for tokens in p.moe_tokens:
-            ctx.check_time("the next MoE case")
-            ctx.run_case(
-                f"moe {shape.name} {tokens} tokens", functools.partial(moe_speed, ctx, moe, s, ceil, shape, tokens)
-            )
+    with ctx.share(0.7):  # the rest for the quantized-weight kernels
+        for shape in p.moe_shapes:
+            for tokens in p.moe_tokens:
+                ctx.check_time("the next MoE case")
+                ctx.run_case(
+                    f"moe {shape.name} {tokens} tokens", functools.partial(moe_speed, ctx, moe, s, ceil, shape, tokens)
+                )
+    quant = ctx.table(
+        "Quantized weights: Pallas kernels against XLA dequantize + compute (bf16 activations)",
+        ("kernel", "case", "impl", "ms", "gb_s", "pct_copy_bw", "tflops", "model_ms", "rel_err", "note"),
+    )
+    gemms, moes = kernels_quant.quant_gemm_cases(ctx.options.dry_run), kernels_quant.moe_fp8_cases(ctx.options.dry_run)
+    if not ctx.options.dry_run:  # decode and a small batch first: the bandwidth-bound cases the kernels are for
+        gemms = sorted(gemms, key=lambda c: c.m)
+    steps = [(f"quantized matmul {c.name} {c.kind} M={c.m}", kernels_quant.bench_quantized_matmul, c) for c in gemms]
+    steps += [(f"moe fp8 {c.name} T={c.num_tokens}", kernels_quant.bench_moe_fp8, c) for c in moes]
+    for name, bench, case in steps:
+        ctx.check_time("the next quantized-weight case")
+        ctx.run_case(name, functools.partial(quant_speed, quant, s, ceil, bench, case))
     failed = [r for r in s.rows if r.note.startswith("failed")]
     ctx.data["failed_runs"] = [f"{r.kernel} {r.case} {r.impl}: {r.note}" for r in failed]
