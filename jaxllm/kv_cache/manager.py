@@ -92,6 +92,8 @@ class KVCacheManager:
         # Sum over live sequences of get_needed_resource_to_completion (kept incrementally).
         self._reserved = 0
         self._version = 0  # counts frees, so a recorded StepPlacement can tell it is stale
+        # Requests whose onboarded blocks are still arriving (the host tier's live set).
+        self.waiting_request_ids: set[int] = set() if host_tier is None else host_tier.waiting_ids
 
     # ------------------------------------------------------------ properties
     @property
@@ -402,6 +404,8 @@ class KVCacheManager:
         seq = self._seqs.get(request.request_id)
         if seq is None or seq.request is not request:
             return 0
+        if self.host_tier is not None:
+            self.host_tier.forget(request.request_id)
         group = seq.group
         if group is not None:
             if group.seqs[0] is not seq:
