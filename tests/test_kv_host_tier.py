@@ -286,12 +286,15 @@ def test_a_block_evicted_before_its_onboarding_copy_ran_is_dropped_not_offloaded
     ]
 
 
+@pytest.mark.parametrize("memory", ["host_memory_kind", "copy_to_host_async"])
 @pytest.mark.parametrize("layout", ["pool", "per_layer", "mla"])
-def test_copies_bring_back_the_exact_bytes_of_every_layer(layout):
+def test_copies_bring_back_the_exact_bytes_of_every_layer(layout, memory):
     """Offload blocks of a cache whose every element is distinct, reuse a host slot across
-    batches, then onboard into other device blocks: each comes back bit for bit, every layer."""
+    batches, then onboard into other device blocks: each comes back bit for bit, every layer,
+    through the backend's pinned host memory (the CPU backend has it) or without a memory kind."""
     import types
 
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -317,6 +320,10 @@ def test_copies_bring_back_the_exact_bytes_of_every_layer(layout):
     original = [np.asarray(a) for a in jax_leaves(cache)]
     tier = HostTier(2, block_bytes(cache, num_blocks))
     offloader = KvOffloader(runner, [tier], num_blocks)
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    assert offloader.memory_kind == ("pinned_host" if "pinned_host" in kinds else "unpinned_host")
+    if memory == "copy_to_host_async":
+        offloader.memory_kind = None
     assert tier.offload(1, (0, (1,)), 101, 35) and tier.offload(2, (0, (2,)), 102, 35)
     offloader.flush()
     assert tier.offload(4, (0, (4,)), 104, 35)  # the host is full: block 1's slot now holds block 4

@@ -170,8 +170,9 @@ class KvOffloader:
         self.runner, self.tiers, self.num_blocks = runner, tiers, num_blocks
         self.attention_dp = attention_dp
         self.num_slots = tiers[0].num_slots
+        rows = len(tiers) * self.num_slots
         self.buffers = [
-            _host_buffer((len(tiers) * self.num_slots,) + _leaf_shape(pages, axis, num_blocks, attention_dp), pages.dtype)
+            _host_buffer((rows,) + _leaf_shape(pages, axis, num_blocks, attention_dp), pages.dtype)
             for pages, axis in cache_leaves(runner.kv_cache)
         ]
         shardings = jax.tree.map(lambda a: a.sharding, runner.kv_cache)
@@ -325,7 +326,10 @@ class KvOffloader:
         while True:
             zeros = np.zeros(size, np.int32)
             self._gather_jit(self.runner.kv_cache, zeros, zeros)
-            data = [jax.device_put(np.zeros((size,) + b.shape[1:], b.dtype), s) for b, s in zip(self.buffers, shardings)]
+            data = [
+                jax.device_put(np.zeros((size,) + b.shape[1:], b.dtype), sharding)
+                for b, sharding in zip(self.buffers, shardings)
+            ]
             dst = np.full(size, _NO_BLOCK, np.int32)
             self.runner.kv_cache = self._scatter_jit(self.runner.kv_cache, dst, zeros, data)
             if size >= max_blocks:

@@ -73,6 +73,7 @@ class HostTier:
         self._tickets = 0
         self._waits: dict[int, set[int]] = {}  # request id -> arriving blocks it needs
         self.waiting_ids: set[int] = set()  # requests waiting for onboarded blocks (live set)
+        self.waited_requests = 0  # requests that had to wait for onboarded blocks
         self.offloaded_blocks = 0
         self.onboarded_blocks = 0
         self.dropped_blocks = 0  # evicted from the host (or not offloaded: no room, low priority)
@@ -192,6 +193,7 @@ class HostTier:
         if pending:
             self._waits[request_id] = pending
             self.waiting_ids.add(request_id)
+            self.waited_requests += 1
 
     def arrived(self, copies: list[tuple[int, int]]) -> None:
         """The (device block, ticket) copies were written on the device (in program order
