@@ -355,3 +355,50 @@ def jax_leaves(cache):
     import jax
 
     return jax.tree_util.tree_leaves(cache)
+
+
+def test_retention_durations_run_out_on_the_host_too():
+    """A block offloaded with a high priority and a duration keeps both on the host; once the
+    duration ran out it has the default priority there (an `updated` event) and is evicted
+    before a lower but lasting priority. Onboarded in time, it takes the rest of its duration
+    back to the device."""
+    from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
+    from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
+    from jaxllm.kv_cache.host_tier import HostTier, match_and_onboard
+    from jaxllm.llm_request import LlmRequest
+
+    now = [0.0]
+    buffer = KvCacheEventBuffer(100, window_size=64)
+    events = KvEventRecorder(buffer)
+    pool = BlockPool(3, events=events, clock=lambda: now[0], num_secondary_blocks=2)
+    host = HostTier(2, 1, events=events, clock=lambda: now[0])
+    pool.offload = host.offload
+    blocks = pool.allocate_many(3)
+    nodes = [pool.register(b, ROOT_NODE, (b,), 35) for b in blocks]
+    pool.set_retention(blocks[0], 80, 10.0)  # 80 for 10 s after release
+    pool.set_retention(blocks[1], 50, None)  # 50 for good
+    pool.set_retention(blocks[2], 60, 100.0)
+    for b in blocks:
+        pool.release(b)
+    pool.allocate_many(2)  # evicts 50 and 60 (with 100 s left) to the host
+    assert host.cached_prefixes() == {nodes[1]: (None, (1,), 50), nodes[2]: (None, (2,), 60)}
+    now[0] = 5.0
+    pool.allocate()  # evicts 80 (5 s left): the host drops 50, its lowest
+    assert host.cached_prefixes() == {nodes[2]: (None, (2,), 60), nodes[0]: (None, (0,), 80)}
+    now[0] = 11.0  # the 80's duration ran out on the host: it is evicted before the 60
+    assert host.offload(9, (ROOT_NODE, (9,)), 999, 40)
+    assert host.cached_prefixes() == {nodes[2]: (None, (2,), 60), 999: (None, (9,), 40)}
+    updates = [e["data"] for e in buffer.get() if e["data"]["type"] == "updated" and e["data"]["priority"]]
+    assert updates[-1]["block_hash"] == nodes[0] and updates[-1]["priority"]["new_value"] == 35
+    host.take_transfers()
+    # Onboarded 50 s later, the 60 keeps its last 50 s: counted again once it is released.
+    now[0] = 50.0
+    for b in range(3):
+        if pool.ref_count[b]:
+            pool.release(b)
+    expiries = pool.num_pending_expiries
+    (block,) = match_and_onboard(pool, host, LlmRequest(1, [2, 0], 1), 1, 4)
+    assert pool.node_of(block) == nodes[2] and pool.priority[block] == 60
+    pool.release(block)
+    assert pool.num_pending_expiries == expiries + 1
+    host.check_invariants()

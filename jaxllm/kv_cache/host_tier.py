@@ -21,20 +21,24 @@ that is still arriving makes the new request wait for it too. An arriving block 
 evicted (its request was freed meanwhile) is dropped and its copy is not written.
 
 The host tier has its own eviction order: the lowest retention priority first, then the
-least recently offloaded (priorities are kept as they were at offload; durations that ran
-out on the device were applied before the block was chosen for eviction). Events: an
+least recently offloaded. A block keeps its priority and what was left of its duration: once
+that runs out on the host too, it falls back to the default priority (an `updated` event),
+as on the device; an onboarded block takes the rest of its duration back with it. Events: an
 offload or onboard is an `updated` event whose `cache_level` goes 0 -> 1 or 1 -> 0, as
 TensorRT-LLM reports them; a block dropped from the host is `removed`.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockKey, BlockPool
 from jaxllm.kv_cache.events import KvEventRecorder
 from jaxllm.kv_cache.prefix_reuse import prefix_root
-from jaxllm.kv_cache.retention import MAX_RETENTION_PRIORITY
+from jaxllm.kv_cache.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 from jaxllm.kv_cache.sequence import KvSequence
 from jaxllm.llm_request import LlmRequest
 
@@ -51,7 +55,9 @@ class HostTier:
         *,
         min_priority: int | None = None,
         events: KvEventRecorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: the device pool's, on which retention durations run out."""
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_slots}")
         self.num_slots = num_slots
@@ -64,6 +70,9 @@ class HostTier:
         self._key_of: list[BlockKey | None] = [None] * num_slots
         self._node_of: list[int] = [ROOT_NODE] * num_slots
         self._priority: list[int] = [0] * num_slots
+        self._expiry: list[float] = [0.0] * num_slots  # when the priority lapses (0: never)
+        self._expiring: list[tuple[float, int]] = []  # heap of (expiry, slot); stale entries skipped
+        self.clock = clock
         self._slot_of_key: dict[BlockKey, int] = {}
         self._offloads: dict[int, int] = {}  # host slot -> device block to read
         self._onboards: dict[int, int] = {}  # device block -> host slot to read
@@ -94,7 +103,7 @@ class HostTier:
         return len(self._offloads) + len(self._onboards) + len(self._arriving)
 
     # -------------------------------------------------------------- offload
-    def offload(self, block: int, key: BlockKey, node: int, priority: int) -> bool:
+    def offload(self, block: int, key: BlockKey, node: int, priority: int, expiry: float = 0.0) -> bool:
         """Keep the device block being evicted in a host slot; False when it is dropped
         (priority below the minimum, no slot, the prefix already on the host, or its own
         onboarding has not run yet)."""
@@ -114,6 +123,9 @@ class HostTier:
             self.dropped_blocks += 1
             return False
         self._key_of[slot], self._node_of[slot], self._priority[slot] = key, node, priority
+        self._expiry[slot] = expiry
+        if expiry:
+            heapq.heappush(self._expiring, (expiry, slot))
         self._slot_of_key[key] = slot
         self._buckets[priority][slot] = None
         self._offloads[slot] = block
@@ -125,6 +137,8 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
+        if self._expiring:
+            self._expire()
         for bucket in self._buckets:  # lowest priority first, then the oldest
             if bucket:
                 slot, _ = bucket.popitem(last=False)
@@ -136,7 +150,25 @@ class HostTier:
                 return slot
         return None
 
+    def _expire(self) -> None:
+        """Give slots whose priority duration ran out the default priority (newest end)."""
+        now = self.clock()
+        while self._expiring and self._expiring[0][0] <= now:
+            when, slot = heapq.heappop(self._expiring)
+            if self._expiry[slot] != when:  # onboarded or evicted since
+                continue
+            self._expiry[slot] = 0.0
+            old = self._priority[slot]
+            if old == DEFAULT_RETENTION_PRIORITY:
+                continue
+            del self._buckets[old][slot]
+            self._priority[slot] = DEFAULT_RETENTION_PRIORITY
+            self._buckets[DEFAULT_RETENTION_PRIORITY][slot] = None
+            if self.events is not None:
+                self.events.priority_updated(self._node_of[slot], old, DEFAULT_RETENTION_PRIORITY)
+
     def _unindex(self, slot: int) -> None:
+        self._expiry[slot] = 0.0
         key = self._key_of[slot]
         if key is not None:
             del self._slot_of_key[key]
@@ -149,14 +181,17 @@ class HostTier:
     def node_of(self, slot: int) -> int:
         return self._node_of[slot]
 
-    def take(self, slot: int) -> tuple[BlockKey, int, int]:
-        """Remove a matched slot from the index (it is being onboarded): its key, node and priority."""
+    def take(self, slot: int) -> tuple[BlockKey, int, int, float | None]:
+        """Remove a matched slot from the index (it is being onboarded): its key, node,
+        priority and what is left of the priority's duration (None: no duration)."""
         key, node, priority = self._key_of[slot], self._node_of[slot], self._priority[slot]
+        expiry = self._expiry[slot]
+        left = None if not expiry else max(0.0, expiry - self.clock())
         assert key is not None
         del self._buckets[priority][slot]
         self._unindex(slot)
         self._released.append(slot)
-        return key, node, priority
+        return key, node, priority, left
 
     def queue_onboard(self, slot: int, block: int, node: int) -> None:
         self._onboards[block] = slot
@@ -281,8 +316,8 @@ def match_and_onboard(
             blocks.append(index)
             continue
         block = next(fresh)
-        key, node, priority = next(moved)
-        pool.register_onboarded(block, key, node, priority)
+        key, node, priority, left = next(moved)
+        pool.register_onboarded(block, key, node, priority, left)
         host.queue_onboard(index, block, node)
         blocks.append(block)
     host.wait_for(request.request_id, blocks)  # host hits, and device hits still arriving

@@ -85,6 +85,7 @@ class KVCacheManager:
         self.host_tier = host_tier
         if host_tier is not None:
             self._pool.offload = host_tier.offload
+            host_tier.clock = clock  # retention durations run out on the same clock in both tiers
         self._prefix = PrefixReuse(self._pool, tokens_per_block, max_blocks_per_seq)
         self._seqs: dict[int, KvSequence] = {}
         self._table = BlockTable(max(1, max_num_sequences), max_blocks_per_seq)
