@@ -115,3 +115,44 @@ def test_a_request_waiting_for_onboarded_blocks_does_not_delay_another(qwen3):
         off.step()
     assert list(again.output_token_ids) == list(hit.output_token_ids)
     kv.check_invariants()
+
+
+def test_a_copy_whose_block_was_given_out_again_is_not_written_and_waiters_follow_their_own_copy():
+    """Request 1 waits for an onboarded block; it is freed and the block evicted while the copy
+    is in transit, then the block comes back for request 2 from another host slot: the first
+    copy is stale (not written), request 2 waits for the second; a device hit on a block
+    still arriving waits for it too."""
+    from jaxllm.kv_cache.block_pool import BlockPool
+    from jaxllm.kv_cache.host_tier import HostTier, match_and_onboard
+    from jaxllm.llm_request import LlmRequest
+
+    pool = BlockPool(2)
+    host = HostTier(4, 1)
+    pool.offload = host.offload
+    for tokens in ((1,), (2,)):  # two one-token prefixes, offloaded
+        block = pool.allocate()
+        pool.register(block, ROOT_NODE, tokens)
+        pool.release(block)
+    pool.allocate_many(2)
+    for b in (0, 1):
+        pool.release(b)
+    host.take_transfers()
+    (block,) = match_and_onboard(pool, host, LlmRequest(1, [1, 9], 1), 1, 4)
+    assert host.waiting_ids == {1}
+    (twin,) = match_and_onboard(pool, host, LlmRequest(2, [1, 8], 1), 1, 4)  # a device hit, still arriving
+    assert twin == block and host.waiting_ids == {1, 2}
+    ((_, _, first),) = host.take_transfers()[1]
+    for rid in (1, 2):
+        host.forget(rid)
+        pool.release(block)
+    pool.allocate_many(2)  # evicts it while its copy is in transit: dropped, not offloaded
+    for b in (0, 1):
+        pool.release(b)
+    assert not host.is_current(block, first) and host.waiting_ids == set()
+    (again,) = match_and_onboard(pool, host, LlmRequest(3, [2, 7], 1), 1, 4)
+    ((_, _, second),) = host.take_transfers()[1]
+    host.arrived([(again, first)])  # the stale copy
+    assert host.waiting_ids == {3}
+    host.arrived([(again, second)])
+    assert host.waiting_ids == set() and host.num_pending == 0
+    host.check_invariants()
