@@ -235,9 +235,7 @@ class KvOffloader:
             return
         started = time.perf_counter()
         self._land(wait)
-        self._start_onboards()
-        if wait and self._onboards:  # their reads landed just now
-            self._start_onboards()
+        self._start_onboards()  # with `wait`, every read landed: all of them
         self._write_arrived(wait)
         self.counts.copy_seconds += time.perf_counter() - started
 
