@@ -173,10 +173,6 @@ def test_byte_sizes_and_bad_configuration_are_refused_with_the_field_named(qwen3
         _engine(path, 100)
     with pytest.raises(ValueError, match="host_cache_size needs enable_block_reuse"):
         _engine(path, 1 << 20, enable_block_reuse=False)
-    from jaxllm.engine.kv_offload import build_host_tier
-
-    with pytest.raises(ValueError, match="host_cache_size is not supported with enable_attention_dp yet"):
-        build_host_tier(KvCacheConfig(host_cache_size=1 << 20), None, 16, attention_dp=True, events=None)
 
 
 @pytest.mark.parametrize(
@@ -290,12 +286,15 @@ def test_a_block_evicted_before_its_onboarding_copy_ran_is_dropped_not_offloaded
     ]
 
 
+@pytest.mark.parametrize("memory", ["host_memory_kind", "copy_to_host_async"])
 @pytest.mark.parametrize("layout", ["pool", "per_layer", "mla"])
-def test_copies_bring_back_the_exact_bytes_of_every_layer(layout):
+def test_copies_bring_back_the_exact_bytes_of_every_layer(layout, memory):
     """Offload blocks of a cache whose every element is distinct, reuse a host slot across
-    batches, then onboard into other device blocks: each comes back bit for bit, every layer."""
+    batches, then onboard into other device blocks: each comes back bit for bit, every layer,
+    through the backend's pinned host memory (the CPU backend has it) or without a memory kind."""
     import types
 
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -320,17 +319,21 @@ def test_copies_bring_back_the_exact_bytes_of_every_layer(layout):
     runner = types.SimpleNamespace(kv_cache=cache)
     original = [np.asarray(a) for a in jax_leaves(cache)]
     tier = HostTier(2, block_bytes(cache, num_blocks))
-    offloader = KvOffloader(runner, tier, num_blocks)
+    offloader = KvOffloader(runner, [tier], num_blocks)
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    assert offloader.memory_kind == ("pinned_host" if "pinned_host" in kinds else "unpinned_host")
+    if memory == "copy_to_host_async":
+        offloader.memory_kind = None
     assert tier.offload(1, (0, (1,)), 101, 35) and tier.offload(2, (0, (2,)), 102, 35)
     offloader.flush()
     assert tier.offload(4, (0, (4,)), 104, 35)  # the host is full: block 1's slot now holds block 4
     offloader.flush()
-    assert offloader.num_in_flight > 0
     for block, target in ((2, 0), (4, 5)):
         slot = tier.lookup(0, (block,))
         tier.take(slot)
         tier.queue_onboard(slot, target, 100 + block)
     offloader.flush()
+    offloader.poll(wait=True)
     restored = [np.asarray(a) for a in jax_leaves(runner.kv_cache)]
     for before, after in zip(original, restored):
         per_layer = before.shape[-3] // num_blocks if before.ndim == 3 else before.shape[1] // num_blocks
@@ -352,3 +355,50 @@ def jax_leaves(cache):
     import jax
 
     return jax.tree_util.tree_leaves(cache)
+
+
+def test_retention_durations_run_out_on_the_host_too():
+    """A block offloaded with a high priority and a duration keeps both on the host; once the
+    duration ran out it has the default priority there (an `updated` event) and is evicted
+    before a lower but lasting priority. Onboarded in time, it takes the rest of its duration
+    back to the device."""
+    from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockPool
+    from jaxllm.kv_cache.events import KvCacheEventBuffer, KvEventRecorder
+    from jaxllm.kv_cache.host_tier import HostTier, match_and_onboard
+    from jaxllm.llm_request import LlmRequest
+
+    now = [0.0]
+    buffer = KvCacheEventBuffer(100, window_size=64)
+    events = KvEventRecorder(buffer)
+    pool = BlockPool(3, events=events, clock=lambda: now[0], num_secondary_blocks=2)
+    host = HostTier(2, 1, events=events, clock=lambda: now[0])
+    pool.offload = host.offload
+    blocks = pool.allocate_many(3)
+    nodes = [pool.register(b, ROOT_NODE, (b,), 35) for b in blocks]
+    pool.set_retention(blocks[0], 80, 10.0)  # 80 for 10 s after release
+    pool.set_retention(blocks[1], 50, None)  # 50 for good
+    pool.set_retention(blocks[2], 60, 100.0)
+    for b in blocks:
+        pool.release(b)
+    pool.allocate_many(2)  # evicts 50 and 60 (with 100 s left) to the host
+    assert host.cached_prefixes() == {nodes[1]: (None, (1,), 50), nodes[2]: (None, (2,), 60)}
+    now[0] = 5.0
+    pool.allocate()  # evicts 80 (5 s left): the host drops 50, its lowest
+    assert host.cached_prefixes() == {nodes[2]: (None, (2,), 60), nodes[0]: (None, (0,), 80)}
+    now[0] = 11.0  # the 80's duration ran out on the host: it is evicted before the 60
+    assert host.offload(9, (ROOT_NODE, (9,)), 999, 40)
+    assert host.cached_prefixes() == {nodes[2]: (None, (2,), 60), 999: (None, (9,), 40)}
+    updates = [e["data"] for e in buffer.get() if e["data"]["type"] == "updated" and e["data"]["priority"]]
+    assert updates[-1]["block_hash"] == nodes[0] and updates[-1]["priority"]["new_value"] == 35
+    host.take_transfers()
+    # Onboarded 50 s later, the 60 keeps its last 50 s: counted again once it is released.
+    now[0] = 50.0
+    for b in range(3):
+        if pool.ref_count[b]:
+            pool.release(b)
+    expiries = pool.num_pending_expiries
+    (block,) = match_and_onboard(pool, host, LlmRequest(1, [2, 0], 1), 1, 4)
+    assert pool.node_of(block) == nodes[2] and pool.priority[block] == 60
+    pool.release(block)
+    assert pool.num_pending_expiries == expiries + 1
+    host.check_invariants()

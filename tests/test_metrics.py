@@ -134,3 +134,34 @@ def test_background_compiles_pending_and_done():
         assert later[("jaxllm:num_compiles_pending", ())] == 0
         # Its forward (its general sampler, of 2 rows, is the token buckets' one: compiled already).
         assert later[("jaxllm:num_compiles_done", ())] == 1
+
+
+def test_host_kv_tier_counters():
+    """With the host KV tier: a prompt evicted from the small device pool comes back from the
+    host; /metrics reports the engine's own host-tier totals."""
+    from jaxllm.llm_args import KvCacheConfig
+
+    engine = tiny_engine(
+        MODEL,
+        max_batch_size=2,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=64, host_cache_size=1 << 20),
+    )
+    executor = GenerationExecutor(engine)
+    prompts = [[10 + (i * 7 + j) % 80 for j in range(41)] for i in range(3)]
+    with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
+        for prompt in prompts + prompts[:1]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        samples = _samples(client.get("/metrics").text)
+        stats = executor.call_on_engine(lambda e: e.kv_offload.stats(), timeout=10)
+    host = engine.kv_cache_manager.host_tier
+    assert stats["hostReusedBlocks"] == 5 and stats["offloadedBlocks"] >= 5
+    assert samples[("jaxllm:kv_cache_host_hits_total", ())] == stats["hostReusedBlocks"]
+    assert samples[("jaxllm:kv_onboarded_blocks_total", ())] == stats["onboardedBlocks"]
+    assert samples[("jaxllm:kv_offloaded_blocks_total", ())] == stats["offloadedBlocks"]
+    assert samples[("jaxllm:kv_offloaded_bytes_total", ())] == stats["offloadedBlocks"] * host.bytes_per_block
+    assert samples[("jaxllm:kv_onboarded_bytes_total", ())] == stats["onboardedBlocks"] * host.bytes_per_block
+    assert 0 < samples[("jaxllm:kv_host_copy_seconds_total", ())] <= stats["copyTimeMS"] / 1e3
+    assert samples[("jaxllm:kv_cache_host_blocks", ())] == host.num_slots
+    assert samples[("jaxllm:kv_cache_host_free_blocks", ())] == stats["hostFreeNumBlocks"]
+    assert samples[("jaxllm:kv_cache_onboarding_requests", ())] == 0

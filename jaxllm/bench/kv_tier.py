@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(rows))
     print(f"same greedy tokens in every mode: {same}")
+    host_row, floor = rows[1], rows[-1].prefill_tokens or 1
+    print(
+        f"goal, host tier prefill tokens within 10% of the unbounded pool's: {host_row.prefill_tokens / floor:.3f}x "
+        f"({'met' if host_row.prefill_tokens <= 1.1 * floor else 'not met'})"
+    )
     return 0 if same else 1
 
 

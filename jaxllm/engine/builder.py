@@ -389,5 +389,9 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
         adapters=adapters,
         kv_events=kv_events,
         load_balancer=load_balancer,
-        kv_offload=KvOffloader(device.runner, host_tiers[0], device.num_blocks) if host_tiers else None,
+        kv_offload=(
+            KvOffloader(device.runner, host_tiers, device.num_blocks, attention_dp=config.enable_attention_dp)
+            if host_tiers
+            else None
+        ),
     )

@@ -86,7 +86,8 @@ class LLMEngine:
         self.capabilities = parts.capabilities
         self.lora_slots, self._adapters, self.kv_events = parts.lora_slots, parts.adapters, parts.kv_events
         self.load_balancer = parts.load_balancer
-        self.kv_offload = parts.kv_offload  # host KV tier: its copies run before each launch
+        # Host KV tier: copies started before each launch, arrived onboards written before scheduling.
+        self.kv_offload = parts.kv_offload
         # Programs are launched through this: on a multi-host leader every call is first sent
         # to the followers, which make it too (`jaxllm.engine.followers`).
         self.step_runner = mirror(self.runner, session, config.multihost_plan_channel)
@@ -497,8 +498,14 @@ class LLMEngine:
             return None
         if self.bucket_compiler is not None:  # no step waits for a larger bucket to compile
             cap_token_budget(self.scheduler, self.bucket_compiler.token_budget())
+        offload = self.kv_offload
         try:
+            if offload is not None:  # onboarded blocks that arrived: their requests may run now
+                offload.poll()
             output = self.planner.schedule(candidates, self._planner_options())
+            if output is None and offload is not None and offload.num_waiting:
+                offload.poll(wait=True)  # only requests waiting for their blocks: wait for them
+                output = self.planner.schedule(candidates, self._planner_options())
             if output is None:
                 return None
         except Exception as exc:  # no request to single out: those that could run fail

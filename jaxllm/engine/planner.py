@@ -277,7 +277,9 @@ class Planner:
             return output
         self.materialize_tokens()
         self._decode = None
-        output = self.scheduler.schedule_request(candidates, set())
+        # Requests whose onboarded KV blocks are still arriving sit out (the set is live: a request
+        # admitted in this very call may join it).
+        output = self.scheduler.schedule_request(candidates, kv.waiting_request_ids)
         for paused in output.paused_requests:
             kv.free_resources(paused)
             if self.lora_slots is not None:

@@ -46,8 +46,9 @@ class BlockPool:
         num_secondary_blocks: int = 0,
     ) -> None:
         """`num_secondary_blocks`: slots of a host tier, reported in the `created` event; the
-        tier sets `offload`, called with (block, key, node, priority) of each evicted indexed
-        block, True when it kept the block (then no `removed` event is reported)."""
+        tier sets `offload`, called with (block, key, node, priority, expiry) of each evicted
+        indexed block (expiry: when its priority lapses on the clock, 0 never), True when it
+        kept the block (then no `removed` event is reported)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -71,7 +72,7 @@ class BlockPool:
         self.events = events
         if events is not None:
             events.created(num_blocks, num_secondary_blocks)
-        self.offload: Callable[[int, BlockKey, int, int], bool] | None = None
+        self.offload: Callable[[int, BlockKey, int, int, float], bool] | None = None
 
     # ----------------------------------------------------------------- counts
     @property
@@ -146,11 +147,11 @@ class BlockPool:
         if not bucket:
             self._nonempty = nonempty & ~(1 << priority)
         self._num_evictable -= 1
-        self._expiry[block] = 0.0
+        expiry, self._expiry[block] = self._expiry[block], 0.0
         node = self._node_of[block]
         offload = self.offload
         key = self._key_of[block]
-        kept = offload is not None and key is not None and offload(block, key, node, self.priority[block])
+        kept = offload is not None and key is not None and offload(block, key, node, self.priority[block], expiry)
         self._unregister(block)
         self.num_evictions += 1
         return block, None if kept else node
@@ -302,15 +303,18 @@ class BlockPool:
             events.stored(run_parent if run_parent > ROOT_NODE else None, run, lora_id)
         return nodes
 
-    def register_onboarded(self, block: int, key: BlockKey, node: int, priority: int) -> None:
-        """Index an owned block coming back from the host tier under its old key and node."""
+    def register_onboarded(
+        self, block: int, key: BlockKey, node: int, priority: int, duration: float | None = None
+    ) -> None:
+        """Index an owned block coming back from the host tier under its old key and node
+        (`duration`: what is left of its priority's duration, counted again from its release)."""
         if self._key_of[block] is not None or key in self._block_of_key:
             raise RuntimeError(f"block {block}: onboarding a prefix that is already on the device")
         self._key_of[block] = key
         self._node_of[block] = node
         self._block_of_key[key] = block
         self.priority[block] = priority
-        self._duration[block] = None
+        self._duration[block] = duration
 
     def is_registered(self, block: int) -> bool:
         return self._key_of[block] is not None

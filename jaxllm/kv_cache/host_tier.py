@@ -8,27 +8,37 @@ When the device pool evicts a full, indexed block whose retention priority is at
 key and node id (so device blocks that continue the prefix stay reachable through it) and
 queues a device -> host copy. `match_and_onboard` walks a new prompt through both tiers;
 each host hit takes a device block, is indexed there again under its node and queues a
-host -> device copy. The queued copies are made in one batch before the next step runs
-(`take_transfers`): first every offload's read of the device, then every onboard's write,
-so a device block evicted and reused in the same step is read before it is overwritten.
-Host slots left by onboarding stay unused until that batch ran, so no offload of the same
-batch writes over a slot an onboard still has to read.
+host -> device copy. The queued copies are taken in one batch right before the next step
+is launched (`take_transfers`): every offload's read of the device is ordered before that
+step, so a device block evicted and reused in the same step is read before it is
+overwritten. Host slots left by onboarding stay unused until their bytes were read
+(`release_slots`), so no offload writes over a slot an onboard still has to read.
+
+Onboarding is asynchronous: a request whose prompt hit the host waits (`waiting_ids`, which
+the micro-batch scheduler skips like a request still in flight) until every block it needs
+has arrived on the device (`arrived`), while the other requests run. A device hit on a block
+that is still arriving makes the new request wait for it too. An arriving block that is
+evicted (its request was freed meanwhile) is dropped and its copy is not written.
 
 The host tier has its own eviction order: the lowest retention priority first, then the
-least recently offloaded (priorities are kept as they were at offload; durations that ran
-out on the device were applied before the block was chosen for eviction). Events: an
+least recently offloaded. A block keeps its priority and what was left of its duration: once
+that runs out on the host too, it falls back to the default priority (an `updated` event),
+as on the device; an onboarded block takes the rest of its duration back with it. Events: an
 offload or onboard is an `updated` event whose `cache_level` goes 0 -> 1 or 1 -> 0, as
 TensorRT-LLM reports them; a block dropped from the host is `removed`.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from jaxllm.kv_cache.block_pool import ROOT_NODE, BlockKey, BlockPool
 from jaxllm.kv_cache.events import KvEventRecorder
 from jaxllm.kv_cache.prefix_reuse import prefix_root
-from jaxllm.kv_cache.retention import MAX_RETENTION_PRIORITY
+from jaxllm.kv_cache.retention import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
 from jaxllm.kv_cache.sequence import KvSequence
 from jaxllm.llm_request import LlmRequest
 
@@ -45,7 +55,9 @@ class HostTier:
         *,
         min_priority: int | None = None,
         events: KvEventRecorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: the device pool's, on which retention durations run out."""
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_slots}")
         self.num_slots = num_slots
@@ -58,9 +70,19 @@ class HostTier:
         self._key_of: list[BlockKey | None] = [None] * num_slots
         self._node_of: list[int] = [ROOT_NODE] * num_slots
         self._priority: list[int] = [0] * num_slots
+        self._expiry: list[float] = [0.0] * num_slots  # when the priority lapses (0: never)
+        self._expiring: list[tuple[float, int]] = []  # heap of (expiry, slot); stale entries skipped
+        self.clock = clock
         self._slot_of_key: dict[BlockKey, int] = {}
         self._offloads: dict[int, int] = {}  # host slot -> device block to read
         self._onboards: dict[int, int] = {}  # device block -> host slot to read
+        # Device blocks whose bytes are on their way from the host: block -> ticket of its copy
+        # (a stale copy, whose block was evicted and given out again, is not written).
+        self._arriving: dict[int, int] = {}
+        self._tickets = 0
+        self._waits: dict[int, set[int]] = {}  # request id -> arriving blocks it needs
+        self.waiting_ids: set[int] = set()  # requests waiting for onboarded blocks (live set)
+        self.waited_requests = 0  # requests that had to wait for onboarded blocks
         self.offloaded_blocks = 0
         self.onboarded_blocks = 0
         self.dropped_blocks = 0  # evicted from the host (or not offloaded: no room, low priority)
@@ -77,15 +99,17 @@ class HostTier:
 
     @property
     def num_pending(self) -> int:
-        return len(self._offloads) + len(self._onboards)
+        """Copies queued, not yet taken, and blocks still arriving on the device."""
+        return len(self._offloads) + len(self._onboards) + len(self._arriving)
 
     # -------------------------------------------------------------- offload
-    def offload(self, block: int, key: BlockKey, node: int, priority: int) -> bool:
+    def offload(self, block: int, key: BlockKey, node: int, priority: int, expiry: float = 0.0) -> bool:
         """Keep the device block being evicted in a host slot; False when it is dropped
         (priority below the minimum, no slot, the prefix already on the host, or its own
         onboarding has not run yet)."""
-        if block in self._onboards:  # its bytes are not on the device yet: drop it
-            del self._onboards[block]
+        if block in self._arriving:  # its bytes are not on the device yet: drop it
+            del self._arriving[block]
+            self._onboards.pop(block, None)
             self.dropped_blocks += 1
             return False
         if key in self._slot_of_key:  # the host holds this prefix already (computed again meanwhile)
@@ -99,6 +123,9 @@ class HostTier:
             self.dropped_blocks += 1
             return False
         self._key_of[slot], self._node_of[slot], self._priority[slot] = key, node, priority
+        self._expiry[slot] = expiry
+        if expiry:
+            heapq.heappush(self._expiring, (expiry, slot))
         self._slot_of_key[key] = slot
         self._buckets[priority][slot] = None
         self._offloads[slot] = block
@@ -110,6 +137,8 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
+        if self._expiring:
+            self._expire()
         for bucket in self._buckets:  # lowest priority first, then the oldest
             if bucket:
                 slot, _ = bucket.popitem(last=False)
@@ -121,7 +150,25 @@ class HostTier:
                 return slot
         return None
 
+    def _expire(self) -> None:
+        """Give slots whose priority duration ran out the default priority (newest end)."""
+        now = self.clock()
+        while self._expiring and self._expiring[0][0] <= now:
+            when, slot = heapq.heappop(self._expiring)
+            if self._expiry[slot] != when:  # onboarded or evicted since
+                continue
+            self._expiry[slot] = 0.0
+            old = self._priority[slot]
+            if old == DEFAULT_RETENTION_PRIORITY:
+                continue
+            del self._buckets[old][slot]
+            self._priority[slot] = DEFAULT_RETENTION_PRIORITY
+            self._buckets[DEFAULT_RETENTION_PRIORITY][slot] = None
+            if self.events is not None:
+                self.events.priority_updated(self._node_of[slot], old, DEFAULT_RETENTION_PRIORITY)
+
     def _unindex(self, slot: int) -> None:
+        self._expiry[slot] = 0.0
         key = self._key_of[slot]
         if key is not None:
             del self._slot_of_key[key]
@@ -134,31 +181,74 @@ class HostTier:
     def node_of(self, slot: int) -> int:
         return self._node_of[slot]
 
-    def take(self, slot: int) -> tuple[BlockKey, int, int]:
-        """Remove a matched slot from the index (it is being onboarded): its key, node and priority."""
+    def take(self, slot: int) -> tuple[BlockKey, int, int, float | None]:
+        """Remove a matched slot from the index (it is being onboarded): its key, node,
+        priority and what is left of the priority's duration (None: no duration)."""
         key, node, priority = self._key_of[slot], self._node_of[slot], self._priority[slot]
+        expiry = self._expiry[slot]
+        left = None if not expiry else max(0.0, expiry - self.clock())
         assert key is not None
         del self._buckets[priority][slot]
         self._unindex(slot)
         self._released.append(slot)
-        return key, node, priority
+        return key, node, priority, left
 
     def queue_onboard(self, slot: int, block: int, node: int) -> None:
         self._onboards[block] = slot
+        self._tickets += 1
+        self._arriving[block] = self._tickets
         self.onboarded_blocks += 1
         if self.events is not None:
             self.events.cache_level_updated(node, SECONDARY_LEVEL, PRIMARY_LEVEL)
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The queued copies, emptied: (device block, host slot) offloads to make first, then
-        (host slot, device block) onboards. The slots onboarding left become free."""
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """The queued copies, emptied: (device block, host slot) offloads, to be read before
+        the next step, and (host slot, device block, ticket) onboards. Call `release_slots`
+        once the onboards' host bytes were read."""
         offloads = [(block, slot) for slot, block in self._offloads.items()]
-        onboards = [(slot, block) for block, slot in self._onboards.items()]
+        onboards = [(slot, block, self._arriving[block]) for block, slot in self._onboards.items()]
         self._offloads.clear()
         self._onboards.clear()
-        self._free.extend(self._released)
-        self._released.clear()
         return offloads, onboards
+
+    def release_slots(self, slots: list[int]) -> None:
+        """Host slots whose onboarding copy read them: free for new offloads."""
+        released = set(slots)
+        self._free.extend(s for s in self._released if s in released)
+        self._released = [s for s in self._released if s not in released]
+
+    # ---------------------------------------------------------------- waiting
+    def is_current(self, block: int, ticket: int) -> bool:
+        """True while the onboarding copy `ticket` is still the one `block` waits for."""
+        return self._arriving.get(block) == ticket
+
+    def wait_for(self, request_id: int, blocks: list[int]) -> None:
+        """Hold the request back until those of `blocks` still arriving are on the device."""
+        pending = {b for b in blocks if b in self._arriving}
+        if pending:
+            self._waits[request_id] = pending
+            self.waiting_ids.add(request_id)
+            self.waited_requests += 1
+
+    def arrived(self, copies: list[tuple[int, int]]) -> None:
+        """The (device block, ticket) copies were written on the device (in program order
+        before any later step): requests waiting for nothing else may run."""
+        landed = {block for block, ticket in copies if self._arriving.get(block) == ticket}
+        for block in landed:
+            del self._arriving[block]
+        if not landed:
+            return
+        for rid in list(self._waits):
+            blocks = self._waits[rid]
+            blocks -= landed
+            if not blocks:
+                del self._waits[rid]
+                self.waiting_ids.discard(rid)
+
+    def forget(self, request_id: int) -> None:
+        """The request was freed (finished, aborted, paused): it waits for nothing."""
+        if self._waits.pop(request_id, None) is not None:
+            self.waiting_ids.discard(request_id)
 
     # ------------------------------------------------------------- inspection
     def cached_prefixes(self) -> dict[int, tuple[int | None, tuple[int, ...], int]]:
@@ -226,10 +316,11 @@ def match_and_onboard(
             blocks.append(index)
             continue
         block = next(fresh)
-        key, node, priority = next(moved)
-        pool.register_onboarded(block, key, node, priority)
+        key, node, priority, left = next(moved)
+        pool.register_onboarded(block, key, node, priority, left)
         host.queue_onboard(index, block, node)
         blocks.append(block)
+    host.wait_for(request.request_id, blocks)  # host hits, and device hits still arriving
     return blocks
 
 

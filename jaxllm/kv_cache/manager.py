@@ -85,6 +85,7 @@ class KVCacheManager:
         self.host_tier = host_tier
         if host_tier is not None:
             self._pool.offload = host_tier.offload
+            host_tier.clock = clock  # retention durations run out on the same clock in both tiers
         self._prefix = PrefixReuse(self._pool, tokens_per_block, max_blocks_per_seq)
         self._seqs: dict[int, KvSequence] = {}
         self._table = BlockTable(max(1, max_num_sequences), max_blocks_per_seq)
@@ -92,6 +93,8 @@ class KVCacheManager:
         # Sum over live sequences of get_needed_resource_to_completion (kept incrementally).
         self._reserved = 0
         self._version = 0  # counts frees, so a recorded StepPlacement can tell it is stale
+        # Requests whose onboarded blocks are still arriving (the host tier's live set).
+        self.waiting_request_ids: set[int] = set() if host_tier is None else host_tier.waiting_ids
 
     # ------------------------------------------------------------ properties
     @property
@@ -402,6 +405,8 @@ class KVCacheManager:
         seq = self._seqs.get(request.request_id)
         if seq is None or seq.request is not request:
             return 0
+        if self.host_tier is not None:
+            self.host_tier.forget(request.request_id)
         group = seq.group
         if group is not None:
             if group.seqs[0] is not seq:

@@ -38,8 +38,9 @@ class RequestScheduler(ABC):
         self, active_requests: RequestList, inflight_request_ids: Optional[set[int]] = None
     ) -> SchedulerOutput:
         """:param active_requests: every unfinished request the engine knows about.
-        :param inflight_request_ids: requests still running in an overlapped step; they
-            must not be scheduled again.
+        :param inflight_request_ids: requests still running in an overlapped step, or whose
+            KV blocks are still arriving from the host tier; they must not be scheduled. The
+            set may grow while the capacity scheduler admits requests.
         """
 
 

@@ -88,7 +88,8 @@ class MicroBatchScheduler:
         self, active_requests: RequestList, inflight_request_ids: Optional[set[int]] = None
     ) -> tuple[RequestList, RequestList]:
         """Returns `(context_requests, generation_requests)`."""
-        inflight = inflight_request_ids or ()
+        # Read as the loop goes: a live set may gain requests the capacity scheduler just admitted.
+        inflight = inflight_request_ids if inflight_request_ids is not None else ()
         max_batch = self.max_batch_size
         max_tokens = self.token_limit
         # Generation requests cost one token (and batch row) per beam, `beam_width` for beam

@@ -170,6 +170,29 @@ class ServerMetrics:
             ["model_name", "backend"],
             registry=r,
         )
+        # The host KV tier (kv_cache_config.host_cache_size); engine totals mirrored as counters.
+        self.host_blocks = Gauge("jaxllm:kv_cache_host_blocks", "Host KV tier blocks.", labels, registry=r)
+        self.host_free_blocks = Gauge(
+            "jaxllm:kv_cache_host_free_blocks", "Host KV tier blocks holding nothing.", labels, registry=r
+        )
+        self.onboarding_requests = Gauge(
+            "jaxllm:kv_cache_onboarding_requests",
+            "Requests waiting for KV blocks coming back from the host tier.",
+            labels,
+            registry=r,
+        )
+        self.host_counters = {
+            field: Counter(name, text, labels, registry=r)
+            for field, name, text in (
+                ("hostReusedBlocks", "jaxllm:kv_cache_host_hits", "Prompt blocks reused from the host tier."),
+                ("offloadedBlocks", "jaxllm:kv_offloaded_blocks", "KV blocks copied from the device to the host tier."),
+                ("onboardedBlocks", "jaxllm:kv_onboarded_blocks", "KV blocks copied from the host tier back."),
+                ("offloadedBytes", "jaxllm:kv_offloaded_bytes", "Bytes copied from the device to the host tier."),
+                ("onboardedBytes", "jaxllm:kv_onboarded_bytes", "Bytes copied from the host tier to the device."),
+                ("copyTimeMS", "jaxllm:kv_host_copy_seconds", "Engine-thread time spent on host tier copies."),
+            )
+        }
+        self._host_totals: dict[str, float] = {}
         self.compiles_pending = Gauge(
             "jaxllm:num_compiles_pending",
             "Programs left to compile in the background after ready (queued, under way or held for idle time).",
@@ -225,7 +248,9 @@ class ServerMetrics:
             waiting = engine.num_queued
             transceiver = getattr(engine, "kv_transceiver", None)
             compiles = compile_counts(engine)
+            offload = getattr(engine, "kv_offload", None)
             return {
+                "host": None if offload is None else offload.stats(),
                 "running": len(engine.active) - waiting,
                 "waiting": waiting,
                 "used": kv.used_num_blocks,
@@ -253,7 +278,19 @@ class ServerMetrics:
                 "total": kv.get("maxNumBlocks", 0),
                 "free": kv.get("freeNumBlocks", 0),
                 "held": kv.get("heldRequests"),
+                "host": kv if "hostMaxNumBlocks" in kv else None,
             }
+
+    def _observe_host_tier(self, stats: dict) -> None:
+        self.host_blocks.labels(**self._labels).set(stats["hostMaxNumBlocks"])
+        self.host_free_blocks.labels(**self._labels).set(stats["hostFreeNumBlocks"])
+        self.onboarding_requests.labels(**self._labels).set(stats.get("onboardingRequests", 0))
+        for field, counter in self.host_counters.items():
+            total = stats[field] / 1e3 if field == "copyTimeMS" else stats[field]
+            delta = total - self._host_totals.get(field, 0)
+            if delta > 0:
+                counter.labels(**self._labels).inc(delta)
+                self._host_totals[field] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, gauges refreshed now."""
@@ -266,6 +303,8 @@ class ServerMetrics:
             self.kv_free_blocks.labels(**self._labels).set(state["free"])
             if state["held"] is not None:
                 self.kv_held.labels(**self._labels).set(state["held"])
+            if state["host"] is not None:
+                self._observe_host_tier(state["host"])
             if "compiles_pending" in state:  # read from the engine (not from the latest iteration)
                 self.compiles_pending.labels(**self._labels).set(state["compiles_pending"])
                 self.compiles_done.labels(**self._labels).set(state["compiles_done"])
