@@ -181,7 +181,7 @@ def check_known_fields(cls, kwargs: dict) -> None:
         raise ValueError(f"unknown argument(s) for {cls.__name__}: {', '.join(unknown)}")
 
 
-CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM")  # accepted names; DEFAULT: the best available here
+CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM", "TRANSFER")  # accepted names; DEFAULT: the best available here
 
 
 @dataclass
@@ -190,7 +190,9 @@ class CacheTransceiverConfig:
     TensorRT-LLM's `cache_transceiver_config`. `backend`: how a generation worker pulls the
     blocks: "TCP", a host-memory stream that works between processes and hosts; "SHM", a
     shared-memory segment when the context worker is on the same host, TCP otherwise;
-    "DEFAULT" picks the best available (SHM).
+    "TRANSFER", device to device through `jax.experimental.transfer` (no host copy on either
+    side; the claim itself still goes over TCP); "DEFAULT" picks the best available (SHM:
+    on a CPU backend it beats TRANSFER, which is not checked on GPU/TPU yet).
     `max_tokens_in_buffer`: the most tokens' worth of blocks staged in host memory at once
     per transfer (None: a whole request). `kv_transfer_timeout_ms`: how long a context-only
     request's blocks stay held for a generation worker to claim them."""

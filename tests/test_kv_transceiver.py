@@ -160,7 +160,7 @@ def test_mla_hand_over_equals_one_engine(tmp_path):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"backend": "NIXL"}, "backend must be one of DEFAULT, TCP, SHM, got 'NIXL'"),
+        ({"backend": "NIXL"}, "backend must be one of DEFAULT, TCP, SHM, TRANSFER, got 'NIXL'"),
         ({"max_tokens_in_buffer": 0}, "max_tokens_in_buffer must be a positive integer, got 0"),
         ({"kv_transfer_timeout_ms": "soon"}, "kv_transfer_timeout_ms must be a positive integer, got 'soon'"),
     ],
@@ -211,3 +211,47 @@ def test_disagg_yaml_errors_name_the_field(data, message):
         DisaggConfig.from_dict(data)
     ok = DisaggConfig.from_dict({"context_servers": {"urls": ["a:1"]}, "generation_servers": {"urls": ["http://b:2/"]}})
     assert (ok.context_servers.urls, ok.generation_servers.urls) == (["http://a:1"], ["http://b:2"])
+
+
+def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time():
+    """`backend: TRANSFER` through the KV transfer server in one process (two processes:
+    tests/test_disagg_mla.py): the blocks pulled by `jax.experimental.transfer` give the
+    tokens of the request run whole; a pull of something never offered fails after its
+    timeout instead of waiting for ever, and the transfer server serves on."""
+    import jax
+
+    from jaxllm.engine import kv_device_transfer
+    from jaxllm.engine.kv_transfer import KvTransferServer, fetch_kv
+
+    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
+    gen = tiny_engine("tiny-dense", cache_transceiver_config={"backend": "TRANSFER"})
+    prompt = PROMPTS[0]
+    gen.add_request(prompt, SamplingParams(max_tokens=8), request_id=50)
+    want = _run(gen)[50]
+    ctx.add_request(
+        prompt, SamplingParams(max_tokens=1), request_id=1, disaggregated_params=DisaggregatedParams("context_only")
+    )
+    first = _run(ctx)[1]
+    t = ctx.kv_transceiver
+    server = KvTransferServer("127.0.0.1", 0, export=t.export, expire=t.expire, next_deadline=t.next_deadline).start()
+    try:
+        device = gen.kv_transceiver.device
+        payload = fetch_kv(server.endpoint, 1, t.opaque_state(1), transport="TRANSFER", device=device)
+        assert payload.backend == "TRANSFER" and payload.arrays == []
+        assert [n for n, _ in payload.device_chunks] == [2, 2, 1]  # 35 tokens, 8 per block, 16 per chunk
+        gen.add_request(
+            prompt, SamplingParams(max_tokens=8), request_id=51, disaggregated_params=_generation_params(first, payload)
+        )
+        assert _run(gen)[51] == want
+        address = kv_device_transfer.advertised_address(kv_device_transfer.transfer_server("127.0.0.1"), "127.0.0.1")
+        with pytest.raises(kv_device_transfer.PullError, match="did not finish within 1 s"):
+            kv_device_transfer.pull_chunks(address, [12345], [[((4, 8), "float32")]], device, "127.0.0.1", 1.0)
+        ids = kv_device_transfer.offer_chunks([(1, [jax.numpy.ones((4, 8))])], "127.0.0.1", 10.0)
+        (pulled,) = kv_device_transfer.pull_chunks(address, ids, [[((4, 8), "float32")]], device, "127.0.0.1", 10.0)
+        assert float(pulled[0].sum()) == 32.0
+    finally:
+        server.stop()
+    assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
+    assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
+    for engine in (ctx, gen):
+        engine.close()

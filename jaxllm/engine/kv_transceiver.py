@@ -34,6 +34,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxllm.engine import kv_device_transfer
 from jaxllm.engine.kv_offload import (
     NO_BLOCK,
     cache_leaves,
@@ -72,10 +73,22 @@ class KvPayload:
     layout: list[LeafLayout]
     arrays: list[np.ndarray]
     transfer_seconds: float = 0.0
-    backend: str = "TCP"  # how the blocks came: "TCP" or "SHM"
+    backend: str = "TCP"  # how the blocks came: "TCP", "SHM" or "TRANSFER"
+    # TRANSFER: the blocks as pulled, on this worker's device: (blocks, one array per page
+    # array padded to the gather's block count) per chunk; `arrays` is then empty.
+    device_chunks: Optional[list[tuple[int, list[jax.Array]]]] = None
+
+    @property
+    def num_blocks(self) -> int:
+        if self.device_chunks is not None:
+            return sum(n for n, _ in self.device_chunks)
+        return int(self.arrays[0].shape[0]) if self.arrays else 0
 
     @property
     def num_bytes(self) -> int:
+        if self.device_chunks is not None:
+            per_block = sum(int(np.prod(shape)) * _np_dtype(dtype).itemsize for shape, dtype in self.layout)
+            return per_block * self.num_blocks
         return sum(a.nbytes for a in self.arrays)
 
 
@@ -111,6 +124,14 @@ class CacheTransceiver:
             for pages, axis in cache_leaves(runner.kv_cache)
         ]
         shardings = jax.tree.map(lambda a: a.sharding, runner.kv_cache)
+        first = jax.tree.leaves(runner.kv_cache)[0].sharding
+        # Blocks to write go to every device of the cache (its write shards them by KV head).
+        self._data_sharding = (
+            jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+            if isinstance(first, jax.sharding.NamedSharding)
+            else first
+        )
+        self.device = min(first.device_set, key=lambda d: d.id)  # where device transfers land
         self._gather = jax.jit(functools.partial(gather_blocks, num_blocks=num_blocks))
         self._scatter = jax.jit(
             functools.partial(scatter_blocks, num_blocks=num_blocks), donate_argnums=(0,), out_shardings=shardings
@@ -247,10 +268,15 @@ class CacheTransceiver:
         while True:
             self._gather(self.runner.kv_cache, np.zeros(size, np.int32))
             data = [np.zeros((size, *shape), _np_dtype(dtype)) for shape, dtype in self.layout]
-            self.runner.kv_cache = self._scatter(self.runner.kv_cache, np.full(size, NO_BLOCK, np.int32), data)
+            self._write(np.full(size, NO_BLOCK, np.int32), data)
             if size >= max_blocks:
                 break
             size *= 2
+
+    def _write(self, dst: np.ndarray, data: list[Any]) -> None:
+        """Write blocks (host or device arrays, [len(dst), *block shape]) into `dst`."""
+        placed = [jax.device_put(a, self._data_sharding) for a in data]
+        self.runner.kv_cache = self._scatter(self.runner.kv_cache, dst, placed)
 
     def _release(self, blocks: list[int]) -> None:
         pool = self.kv.block_pool
@@ -275,7 +301,7 @@ class CacheTransceiver:
             )
         kv = self.kv
         num_blocks = kv.blocks_for_tokens(len(prompt))
-        if any(a.shape[0] != num_blocks for a in payload.arrays):
+        if payload.num_blocks != num_blocks or any(a.shape[0] != num_blocks for a in payload.arrays):
             raise ValueError(f"disaggregated_params: expected {num_blocks} KV blocks for the prompt")
         first = int(params.first_gen_tokens[0])  # type: ignore[index]
         sampling = request.sampling_params
@@ -299,15 +325,23 @@ class CacheTransceiver:
         try:
             kv.allocate_for_step(request)
             blocks = kv.get_block_ids(request)[:num_blocks]
-            size = padded_block_count(num_blocks)
-            dst = np.full(size, NO_BLOCK, np.int32)
-            dst[:num_blocks] = blocks
-            data = []
-            for array in payload.arrays:
-                padded = np.zeros((size,) + array.shape[1:], array.dtype)
-                padded[:num_blocks] = array
-                data.append(padded)
-            self.runner.kv_cache = self._scatter(self.runner.kv_cache, dst, data)
+            if payload.device_chunks is not None:
+                start = 0
+                for n, arrays in payload.device_chunks:  # padded as the context side gathered them
+                    dst = np.full(arrays[0].shape[0], NO_BLOCK, np.int32)
+                    dst[:n] = blocks[start : start + n]
+                    self._write(dst, arrays)
+                    start += n
+            else:
+                size = padded_block_count(num_blocks)
+                dst = np.full(size, NO_BLOCK, np.int32)
+                dst[:num_blocks] = blocks
+                data = []
+                for array in payload.arrays:
+                    padded = np.zeros((size,) + array.shape[1:], array.dtype)
+                    padded[:num_blocks] = array
+                    data.append(padded)
+                self._write(dst, data)
         except BaseException:
             request.context_chunk_size = 0
             kv.free_resources(request)
@@ -335,4 +369,9 @@ def build_transceiver(config: Any, runner: Any, kv_cache_manager: Any) -> Option
         raise ValueError("cache_transceiver_config is not supported with enable_attention_dp yet")
     if jax.process_count() > 1:
         raise ValueError("cache_transceiver_config is not supported on several hosts yet")
+    if transceiver_config.backend == "TRANSFER" and not kv_device_transfer.available():
+        raise ValueError(
+            f"cache_transceiver_config.backend TRANSFER needs jax.experimental.transfer, "
+            f"which jax {jax.__version__} does not have"
+        )
     return CacheTransceiver(transceiver_config, runner, kv_cache_manager)

@@ -14,6 +14,11 @@ host): the server writes the blocks, in the same order, into a `multiprocessing.
 segment, sends the header with the segment's name instead of the bytes, and removes the
 segment once the client answers `done` or the connection ends, so it cannot outlive the claim.
 
+Device to device (a claim with `"transport": "TRANSFER"`): the server offers the gathered
+blocks to `jax.experimental.transfer` (`jaxllm.engine.kv_device_transfer`) and sends, in the
+header, its transfer server's address, one id per chunk and each chunk's padded block count;
+the client pulls them onto its device and answers `done`.
+
 `fetch_kv` is the generation side: a connection refused, a timeout or a stream cut half way
 raises `KvTransferError` naming the endpoint and how far it got; nothing was written into
 the generation worker's pool by then. The server also runs `expire` whenever a held
@@ -33,9 +38,11 @@ from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.engine import kv_device_transfer
 from jaxllm.engine.kv_transceiver import ExportedKv, KvPayload
 
 logger = logging.getLogger(__name__)
@@ -88,7 +95,9 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
             reader = sock.makefile("rb")
             claim = json.loads(reader.readline(MAX_CLAIM_BYTES))
             rid, token = int(claim["ctx_request_id"]), str(claim["opaque_state"])
-            shared = bool(claim.get("shared_memory", False))
+            transport = str(claim.get("transport", "SHM" if claim.get("shared_memory") else "TCP"))
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self._refuse(sock, f"a bad claim: {exc}")
             return
@@ -98,11 +107,13 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
             self._refuse(sock, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
             return
         try:
-            if shared:
+            if transport == "SHM":
                 self._send_shared(sock, reader, exported)
+            elif transport == "TRANSFER":
+                self._offer_device(sock, reader, exported)
             else:
                 self._send(sock, exported)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             logger.warning("KV transfer of ctx_request_id %d to %s was cut: %r", rid, self.client_address, exc)
 
     @staticmethod
@@ -150,6 +161,22 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
         finally:
             segment.close()
             segment.unlink()
+
+    def _offer_device(self, sock: socket.socket, reader: Any, exported: ExportedKv) -> None:
+        """Offer the gathered blocks to JAX's transfer server and send where to pull them;
+        the offers end when pulled, or after the I/O timeout."""
+        server = self.server
+        host = server.server_address[0]
+        ids = kv_device_transfer.offer_chunks(exported.chunks, host, server.io_timeout)
+        address = kv_device_transfer.advertised_address(
+            kv_device_transfer.transfer_server(host), server.advertised_host
+        )
+        padded = [int(arrays[0].shape[0]) if arrays else n for n, arrays in exported.chunks]
+        _send_frame(sock, self._header(exported, transfer_address=address, transfer_ids=ids, padded=padded))
+        reader.readline(16)  # the generation worker's "done" (or the end of the connection)
+
+
+TRANSPORTS = ("TCP", "SHM", "TRANSFER")
 
 
 class KvTransferServer(socketserver.ThreadingTCPServer):
@@ -225,16 +252,25 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 def fetch_kv(
-    endpoint: str, ctx_request_id: int, opaque_state: str, *, timeout: float = 30.0, shared: bool = False
+    endpoint: str,
+    ctx_request_id: int,
+    opaque_state: str,
+    *,
+    timeout: float = 30.0,
+    transport: str = "TCP",
+    device: Optional[jax.Device] = None,
+    transfer_host: str = "127.0.0.1",
 ) -> KvPayload:
     """Pull a held request's blocks from a context worker (KvTransferError on any failure).
-    `shared`: ask for them through shared memory (the context worker is on this host)."""
+    `transport`: "TCP" (the bytes on this connection), "SHM" (shared memory: the context
+    worker is on this host) or "TRANSFER" (device to device onto `device`, through this
+    process's JAX transfer server on `transfer_host`)."""
     host, port = parse_endpoint(endpoint)
     started = time.perf_counter()
     expected = received = 0
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            claim = {"ctx_request_id": int(ctx_request_id), "opaque_state": str(opaque_state), "shared_memory": shared}
+            claim = {"ctx_request_id": int(ctx_request_id), "opaque_state": str(opaque_state), "transport": transport}
             sock.sendall(json.dumps(claim).encode() + b"\n")
             size_bytes = bytearray(_HEADER.size)
             if _recv_exactly(sock, memoryview(size_bytes)) < _HEADER.size:
@@ -250,6 +286,8 @@ def fetch_kv(
                 raise KvTransferError(f"the context worker at {endpoint} refused the claim: {header['error']}")
             layout = [(tuple(int(d) for d in shape), str(dtype)) for shape, dtype in header["layout"]]
             chunks = [int(n) for n in header["chunks"]]
+            if "transfer_ids" in header:
+                return _pull_device(endpoint, header, layout, chunks, device, transfer_host, timeout, started, sock)
             total = sum(chunks)
             arrays = [np.empty((total, *shape), _dtype(dtype)) for shape, dtype in layout]
             expected = sum(a.nbytes for a in arrays)
@@ -282,6 +320,40 @@ def fetch_kv(
         arrays,
         transfer_seconds=time.perf_counter() - started,
         backend="SHM" if header.get("shared_memory") else "TCP",
+    )
+
+
+def _pull_device(
+    endpoint: str,
+    header: dict,
+    layout: list[tuple[tuple[int, ...], str]],
+    chunks: list[int],
+    device: Optional[jax.Device],
+    host: str,
+    timeout: float,
+    started: float,
+    sock: socket.socket,
+) -> KvPayload:
+    """The TRANSFER answer: pull the offered chunks onto `device`, then say `done`."""
+    if device is None:
+        raise KvTransferError("a device transfer needs the generation worker's device")
+    padded = [int(p) for p in header["padded"]]
+    shapes = [[((p, *shape), dtype) for shape, dtype in layout] for p in padded]
+    try:
+        pulled = kv_device_transfer.pull_chunks(
+            str(header["transfer_address"]), [int(i) for i in header["transfer_ids"]], shapes, device, host, timeout
+        )
+    except kv_device_transfer.PullError as exc:
+        raise KvTransferError(str(exc)) from None
+    sock.sendall(b"done\n")
+    return KvPayload(
+        [int(t) for t in header["prompt_token_ids"]],
+        int(header["tokens_per_block"]),
+        layout,
+        [],
+        transfer_seconds=time.perf_counter() - started,
+        backend="TRANSFER",
+        device_chunks=list(zip(chunks, pulled)),
     )
 
 

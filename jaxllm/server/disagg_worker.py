@@ -106,8 +106,14 @@ class DisaggregatedWorker:
         if params.generation_only:
             try:
                 endpoint = str(params.ctx_info_endpoint)
-                shared = self.transceiver.config.backend == "SHM" and is_local(parse_endpoint(endpoint)[0])
-                payload = fetch_kv(endpoint, int(params.ctx_request_id or 0), str(params.opaque_state), shared=shared)
+                payload = fetch_kv(
+                    endpoint,
+                    int(params.ctx_request_id or 0),
+                    str(params.opaque_state),
+                    transport=self._transport(endpoint),
+                    device=self.transceiver.device,
+                    transfer_host=self.config.kv_transfer_host,
+                )
             except ValueError as exc:
                 raise APIError(400, str(exc), _FIELD) from None
             except KvTransferError as exc:
@@ -115,6 +121,14 @@ class DisaggregatedWorker:
             self.metrics.observe_kv_transfer(payload.transfer_seconds, payload.num_bytes, payload.backend)
             params.kv_payload = payload
         return params
+
+    def _transport(self, endpoint: str) -> str:
+        """How to pull from `endpoint`: the backend, with SHM only to a context worker on this host."""
+        assert self.transceiver is not None
+        backend = self.transceiver.config.backend
+        if backend == "SHM" and not is_local(parse_endpoint(endpoint)[0]):
+            return "TCP"
+        return backend
 
     def context_answer(self, result: GenerationResult, token_ids: list[int], finish_reason: Optional[str]) -> dict:
         """The `disaggregated_params` of a finished context-only request's choice: the handle
