@@ -240,6 +240,9 @@ class DisaggregatedParams:
     opaque_state: Optional[str] = None
     ctx_info_endpoint: Optional[str] = None
     draft_tokens: Optional[list[int]] = None
+    # The first token's logprobs as the context worker sampled it, when logprobs were asked
+    # for: per first token, [token id, logprob, rank (None: the chosen token outside the top)].
+    first_gen_log_probs: Optional[list[list[tuple[int, float, Optional[int]]]]] = None
     kv_payload: Any = None
 
     def __post_init__(self) -> None:

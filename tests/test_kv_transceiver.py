@@ -255,3 +255,55 @@ def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time
     assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
     for engine in (ctx, gen):
         engine.close()
+
+
+def test_logprobs_through_the_hand_over_equal_one_engine():
+    """With logprobs, the first token's entry (sampled on the context side) is carried in
+    `first_gen_log_probs` and reported by the generation side as its first token's: every
+    token's logprobs equal the request run whole. Asking for logprobs without the entry, or
+    for prompt_logprobs, is refused."""
+    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
+    gen = tiny_engine("tiny-dense", cache_transceiver_config={})
+    prompt = PROMPTS[1]
+
+    def run_logprobs(engine) -> dict[int, tuple[list[int], list[dict]]]:
+        out: dict[int, tuple[list[int], list[dict]]] = {}
+        while engine.has_unfinished_requests():
+            for u in engine.step():
+                assert u.error is None, u.error
+                tokens, lps = out.setdefault(u.request.request_id, ([], []))
+                tokens.extend(u.new_token_ids)
+                lps.extend(u.new_logprobs)
+        return out
+
+    gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), request_id=50)
+    want_tokens, want_lps = run_logprobs(gen)[50]
+    ctx.add_request(
+        prompt,
+        SamplingParams(max_tokens=1, logprobs=3),
+        request_id=1,
+        disaggregated_params=DisaggregatedParams("context_only"),
+    )
+    first_tokens, (entry,) = run_logprobs(ctx)[1]
+    params = _generation_params(first_tokens, _pull(ctx, 1))
+    params.first_gen_log_probs = [[[t, lp.logprob, lp.rank] for t, lp in entry.items()]]
+    gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), request_id=51, disaggregated_params=params)
+    got_tokens, got_lps = run_logprobs(gen)[51]
+    assert got_tokens == want_tokens and len(got_lps) == len(want_lps) == 6
+    for got, want in zip(got_lps, want_lps):
+        assert got.keys() == want.keys()
+        for t in want:
+            assert got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+    params.first_gen_log_probs = None
+    with pytest.raises(ValueError, match="first_gen_log_probs is required"):
+        gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), disaggregated_params=params)
+    with pytest.raises(ValueError, match="prompt_logprobs are not supported"):
+        ctx.add_request(
+            prompt,
+            SamplingParams(max_tokens=1, prompt_logprobs=1),
+            disaggregated_params=DisaggregatedParams("context_only"),
+        )
+    assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
+    assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
+    for engine in (ctx, gen):
+        engine.close()

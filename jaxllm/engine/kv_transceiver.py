@@ -46,6 +46,7 @@ from jaxllm.engine.kv_offload import (
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_args import CacheTransceiverConfig, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest
+from jaxllm.outputs import Logprob
 
 LeafLayout = tuple[tuple[int, ...], str]  # one block's logical shape and dtype name, per page array
 
@@ -189,8 +190,8 @@ class CacheTransceiver:
         sampling = request.sampling_params
         if request.beam_width > 1 or getattr(sampling, "use_beam_search", False):
             raise ValueError("disaggregated_params: beam search is not supported with disaggregated serving")
-        if getattr(sampling, "logprobs", None) is not None:
-            raise ValueError("disaggregated_params: logprobs are not supported with disaggregated serving yet")
+        if getattr(sampling, "prompt_logprobs", None) is not None:
+            raise ValueError("disaggregated_params: prompt_logprobs are not supported with disaggregated serving")
         if params.context_only:
             if request.max_new_tokens != 1:
                 raise ValueError("disaggregated_params: a context_only request must have max_tokens=1")
@@ -305,6 +306,7 @@ class CacheTransceiver:
             raise ValueError(f"disaggregated_params: expected {num_blocks} KV blocks for the prompt")
         first = int(params.first_gen_tokens[0])  # type: ignore[index]
         sampling = request.sampling_params
+        first_logprobs = self._first_logprobs(params, first, getattr(sampling, "logprobs", None))
         started = time.perf_counter()
         ended = first in request.end_ids and not getattr(sampling, "ignore_eos", False)
         if request.max_new_tokens == 1 or ended:
@@ -313,7 +315,7 @@ class CacheTransceiver:
             request.finish("stop" if ended else "length")
             stop_ids = getattr(sampling, "stop_token_ids", None) or ()
             request.stop_reason = first if ended and first in stop_ids else None
-            return RequestUpdate(request, [first], finished=True)
+            return RequestUpdate(request, [first], first_logprobs, finished=True)
         need = kv.get_needed_resource_to_completion(request)
         if need > kv.get_num_available_blocks() - kv.get_num_reserved_blocks():
             raise RuntimeError(
@@ -348,11 +350,29 @@ class CacheTransceiver:
             raise
         request.move_to_next_context_chunk()
         request.add_new_token(first)
+        if first_logprobs:
+            request.cumulative_logprob += first_logprobs[0][first].logprob
         s = self.stats
         s.imported_requests += 1
         s.imported_bytes += payload.num_bytes
         s.import_seconds += payload.transfer_seconds + time.perf_counter() - started
-        return RequestUpdate(request, [first])
+        return RequestUpdate(request, [first], first_logprobs)
+
+    @staticmethod
+    def _first_logprobs(params: DisaggregatedParams, first: int, top: Optional[int]) -> list[dict[int, Logprob]]:
+        """The first token's logprobs entry, as the context worker sampled it (the same entry
+        this worker's own sampling would have reported); empty when none were asked for."""
+        if top is None:
+            return []
+        given = params.first_gen_log_probs
+        if not given or not given[0]:
+            raise ValueError("disaggregated_params.first_gen_log_probs is required when logprobs are requested")
+        entry = {int(t): Logprob(float(lp), None if rank is None else int(rank)) for t, lp, rank in given[0]}
+        if first not in entry or sum(1 for v in entry.values() if v.rank is not None) < top:
+            raise ValueError(
+                f"disaggregated_params.first_gen_log_probs must hold the first token and the top {top} tokens"
+            )
+        return [entry]
 
 
 def _np_dtype(name: str) -> Any:

@@ -38,7 +38,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import jaxllm
+from jaxllm.server import disagg_fanout as fanout
 from jaxllm.server.disagg_config import DisaggConfig
+from jaxllm.server.disagg_fanout import Answer
 from jaxllm.server.errors import APIError, error_body, error_response
 from jaxllm.server.guard import GuardMiddleware, parse_json_body
 from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
@@ -176,22 +178,41 @@ class DisaggRouter:
 
     # ------------------------------------------------------------------ one request
     async def route(self, path: str, body: dict) -> Response:
-        """Answer one request through a context worker and then a generation worker."""
+        """Answer one request through a context worker and then a generation worker (with
+        n > 1: one such request per sequence, the answers merged)."""
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         if body.get("disaggregated_params") is not None:
             raise APIError(400, "disaggregated_params is set by the router, not by clients", "disaggregated_params")
+        if fanout.num_sequences(body) > 1:
+            return await fanout.route_sequences(self, path, body)
+        return self.respond(await self.route_one(path, body))
+
+    def respond(self, answer: Answer) -> Response:
+        """The client's response for one request's answer."""
+        if answer.upstream is not None:
+            worker, upstream = answer.upstream
+            return StreamingResponse(self.relay(worker, upstream), media_type="text/event-stream", headers=SSE_HEADERS)
+        if answer.events is not None:
+            return Response("".join(answer.events), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(answer.content, status_code=answer.status, media_type="application/json")
+
+    async def route_one(self, path: str, body: dict) -> Answer:
+        """One sequence through a context worker and then a generation worker: its answer,
+        or (streaming) the generation worker's open event stream."""
         started = time.perf_counter()
         status, ctx = await self._context_phase(path, body)
         self.metrics.context_seconds.observe(time.perf_counter() - started)
         if status != 200:  # the worker refused the request (a 400 naming the field): the client's answer
             self.metrics.requests.labels("context_error").inc()
-            return JSONResponse(ctx, status_code=status)
+            return Answer(status, json.dumps(ctx).encode())
         choice = (ctx.get("choices") or [{}])[0]
         handle = choice.pop("disaggregated_params", None) or {}
         if choice.get("finish_reason") != "length" or _max_tokens(path, body) == 1 or not handle.get("opaque_state"):
             self.metrics.requests.labels("context_only").inc()  # it ended with its first token
-            return self._answer_from_context(path, body, ctx)
+            if body.get("stream"):
+                return Answer(200, b"", events=self._events_from_context(path, body, ctx))
+            return Answer(200, json.dumps(ctx).encode())
         gen_body = dict(body, disaggregated_params=dict(handle, request_type="generation_only"))
         if body.get("stream"):
             return await self._stream_generation(path, gen_body)
@@ -227,7 +248,7 @@ class DisaggRouter:
             worker.in_flight -= 1
             self.metrics.in_flight.labels(worker.phase, worker.url).set(worker.in_flight)
 
-    async def _generation(self, path: str, body: dict) -> Response:
+    async def _generation(self, path: str, body: dict) -> Answer:
         tried: set[str] = set()
         for attempt, worker in enumerate(self.pools[GENERATION].candidates(tried)):
             if attempt:
@@ -245,11 +266,11 @@ class DisaggRouter:
                 message = f"the generation worker failed: {type(exc).__name__}: {exc}"
                 raise APIError(502, message, None, "server_error") from None
             self.metrics.requests.labels("ok" if response.status_code == 200 else "generation_error").inc()
-            return Response(response.content, status_code=response.status_code, media_type="application/json")
+            return Answer(response.status_code, response.content)
         self.metrics.requests.labels("generation_failed").inc()
         raise APIError(503, "no generation worker could take the request", None, "service_unavailable")
 
-    async def _stream_generation(self, path: str, body: dict) -> Response:
+    async def _stream_generation(self, path: str, body: dict) -> Answer:
         tried: set[str] = set()
         for attempt, worker in enumerate(self.pools[GENERATION].candidates(tried)):
             if attempt:
@@ -276,12 +297,12 @@ class DisaggRouter:
                 await upstream.aclose()
                 worker.in_flight -= 1
                 self.metrics.requests.labels("generation_error").inc()
-                return Response(content, status_code=upstream.status_code, media_type="application/json")
-            return StreamingResponse(self._relay(worker, upstream), media_type="text/event-stream", headers=SSE_HEADERS)
+                return Answer(upstream.status_code, content)
+            return Answer(200, b"", upstream=(worker, upstream))
         self.metrics.requests.labels("generation_failed").inc()
         raise APIError(503, "no generation worker could take the request", None, "service_unavailable")
 
-    async def _relay(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    async def relay(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """The generation worker's events as they come; if it dies mid-stream, an error event."""
         tail = b""
         try:
@@ -302,11 +323,16 @@ class DisaggRouter:
             worker.in_flight -= 1
             await upstream.aclose()
 
-    def _answer_from_context(self, path: str, body: dict, ctx: dict) -> Response:
-        """A request that ended with its first token: the context worker's answer, streamed
-        as one chunk when the client asked for a stream."""
-        if not body.get("stream"):
-            return JSONResponse(ctx)
+    async def discard(self, answer: Answer) -> None:
+        """Let go of an answer that will not be sent (its stream is closed)."""
+        if answer.upstream is not None:
+            worker, upstream = answer.upstream
+            worker.in_flight -= 1
+            await upstream.aclose()
+
+    def _events_from_context(self, path: str, body: dict, ctx: dict) -> list[str]:
+        """A streamed request that ended with its first token: the context worker's answer
+        as one chunk (and the usage chunk when asked for)."""
         chat = path.endswith("/chat/completions")
         events = []
         for choice in ctx.get("choices", []):
@@ -343,7 +369,7 @@ class DisaggRouter:
                 )
             )
         events.append(SSE_DONE)
-        return Response("".join(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        return events
 
     async def models(self) -> Response:
         for worker in self.pools[GENERATION].candidates(set()):
