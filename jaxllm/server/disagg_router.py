@@ -9,8 +9,9 @@ passed through as it comes. A request that ends with its first token (an end tok
 string, max_tokens=1) is answered from the context worker alone.
 
 Routing: among the workers of a phase, the one with the fewest requests in flight that is not
-marked down (ties in turn); for context workers, the one the prompt's start hashes to while it is
-not much busier than the rest (its prefix cache may hold the prompt). A worker that cannot be
+marked down (ties in turn); for context workers, the one that was sent the longest prefix of the
+prompt (`jaxllm.server.disagg_prefix`: chained hashes of its blocks) while it is not much busier
+than the rest, as its prefix cache may hold those blocks. A worker that cannot be
 reached is marked down until a health check (`/health`, every `health_check_interval_s`) finds it
 up again. A context worker that
 fails before its answer is retried on another; a generation worker that cannot be reached
@@ -26,7 +27,6 @@ import itertools
 import json
 import logging
 import time
-import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ import jaxllm
 from jaxllm.server import disagg_fanout as fanout
 from jaxllm.server.disagg_config import DisaggConfig
 from jaxllm.server.disagg_fanout import Answer
+from jaxllm.server.disagg_prefix import PrefixIndex, block_hashes, prompt_text
 from jaxllm.server.errors import APIError, error_body, error_response
 from jaxllm.server.guard import GuardMiddleware, parse_json_body
 from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
@@ -63,26 +64,31 @@ class Worker:
 class WorkerPool:
     """The workers of one phase: least requests in flight first, unreachable ones left out."""
 
-    # A prompt's prefix keeps to its worker (whose KV cache may hold it) while that worker has at
-    # most this many requests in flight more than the least loaded one.
+    # A prompt keeps to the worker holding its longest prefix while that worker has at most
+    # this many requests in flight more than the least loaded one.
     PREFIX_SLACK = 2
 
     def __init__(self, phase: str, urls: list[str]) -> None:
         self.phase = phase
         self.workers = [Worker(url, phase) for url in urls]
         self._turn = itertools.count()
+        self.prefixes = PrefixIndex()
 
-    def candidates(self, exclude: set[str], prefix: Optional[str] = None) -> list[Worker]:
+    def candidates(self, exclude: set[str], hashes: Optional[list[bytes]] = None) -> list[Worker]:
         """Workers to try, best first: those up by load (ties in turn), then those marked down.
-        With `prefix` (the start of the prompt), the worker it hashes to comes first unless it
-        is down or busier than the least loaded by more than `PREFIX_SLACK`."""
+        With `hashes` (the prompt's block hashes), the worker that was sent the longest
+        prefix of it comes first unless it is busier than the least loaded by more than
+        `PREFIX_SLACK`."""
         turn = next(self._turn)
         n = len(self.workers)
         ordered = [self.workers[(turn + i) % n] for i in range(n)]
         ordered = sorted((w for w in ordered if w.url not in exclude), key=lambda w: (not w.up, w.in_flight))
-        if prefix is not None and ordered:
-            home = self.workers[zlib.crc32(prefix.encode()) % n]
-            if home in ordered and home.up and home.in_flight <= ordered[0].in_flight + self.PREFIX_SLACK:
+        if hashes and ordered:
+            least = ordered[0].in_flight
+            fits = [w for w in ordered if w.up and w.in_flight <= least + self.PREFIX_SLACK]
+            matches = [(self.prefixes.match(w.url, hashes), w) for w in fits]
+            best, home = max(matches, key=lambda m: m[0], default=(0, None))  # max keeps the first of equals
+            if best > 0 and home is not None:
                 ordered.remove(home)
                 ordered.insert(0, home)
         return ordered
@@ -169,6 +175,8 @@ class DisaggRouter:
             return False
 
     def _mark(self, worker: Worker, up: bool) -> None:
+        if not up:
+            self.pools[worker.phase].prefixes.forget(worker.url)
         worker.up = up
         self.metrics.up.labels(worker.phase, worker.url).set(1 if up else 0)
 
@@ -224,10 +232,13 @@ class DisaggRouter:
         ctx_body.pop("max_completion_tokens", None)
         tried: set[str] = set()
         pool = self.pools[CONTEXT]
-        for attempt, worker in enumerate(pool.candidates(tried, _prompt_prefix(body))):
+        text = prompt_text(body)
+        hashes = block_hashes(text) if text else []
+        for attempt, worker in enumerate(pool.candidates(tried, hashes)):
             if attempt:
                 self.metrics.retries.labels(CONTEXT).inc()
             tried.add(worker.url)
+            pool.prefixes.insert(worker.url, hashes)  # its cache will hold them once it ran the prompt
             try:
                 response = await self._post(worker, path, ctx_body)
                 return response.status_code, response.json()
@@ -379,18 +390,6 @@ class DisaggRouter:
             except httpx.HTTPError:
                 continue
         raise APIError(503, "no generation worker is reachable", None, "service_unavailable")
-
-
-PREFIX_CHARS = 256
-
-
-def _prompt_prefix(body: dict) -> Optional[str]:
-    """The start of a request's prompt (text, token ids or messages), for prefix affinity."""
-    prompt = body.get("prompt", body.get("messages"))
-    if prompt is None:
-        return None
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"), default=str)
-    return text[:PREFIX_CHARS]
 
 
 def _max_tokens(path: str, body: dict) -> Any:
