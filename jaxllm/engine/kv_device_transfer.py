@@ -118,8 +118,10 @@ def pull_chunks(
     waiter.start()
     waiter.join(timeout)
     if waiter.is_alive():
-        connection._poison_connection()  # JAX's only way to end a pull that is still waiting
-        waiter.join(10.0)
+        poison = getattr(connection, "_poison_connection", None)  # JAX's only way to end a waiting pull
+        if poison is not None:
+            poison()
+            waiter.join(10.0)
         raise PullError(f"the device transfer from {address} did not finish within {timeout:.0f} s")
     if failure:
         raise PullError(f"the device transfer from {address} failed: {failure[0]}")
