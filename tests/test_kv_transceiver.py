@@ -213,7 +213,17 @@ def test_disagg_yaml_errors_name_the_field(data, message):
     assert (ok.context_servers.urls, ok.generation_servers.urls) == (["http://a:1"], ["http://b:2"])
 
 
-def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time():
+@pytest.fixture(scope="module")
+def engines():
+    """A context engine (several chunks per request) and a TRANSFER generation engine."""
+    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
+    gen = tiny_engine("tiny-dense", cache_transceiver_config={"backend": "TRANSFER"})
+    yield ctx, gen
+    for engine in (ctx, gen):
+        engine.close()
+
+
+def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time(engines):
     """`backend: TRANSFER` through the KV transfer server in one process (two processes:
     tests/test_disagg_mla.py): the blocks pulled by `jax.experimental.transfer` give the
     tokens of the request run whole; a pull of something never offered fails after its
@@ -223,8 +233,7 @@ def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time
     from jaxllm.engine import kv_device_transfer
     from jaxllm.engine.kv_transfer import KvTransferServer, fetch_kv
 
-    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
-    gen = tiny_engine("tiny-dense", cache_transceiver_config={"backend": "TRANSFER"})
+    ctx, gen = engines
     prompt = PROMPTS[0]
     gen.add_request(prompt, SamplingParams(max_tokens=8), request_id=50)
     want = _run(gen)[50]
@@ -253,17 +262,14 @@ def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time
         server.stop()
     assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
     assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
-    for engine in (ctx, gen):
-        engine.close()
 
 
-def test_logprobs_through_the_hand_over_equal_one_engine():
+def test_logprobs_through_the_hand_over_equal_one_engine(engines):
     """With logprobs, the first token's entry (sampled on the context side) is carried in
     `first_gen_log_probs` and reported by the generation side as its first token's: every
     token's logprobs equal the request run whole. Asking for logprobs without the entry, or
     for prompt_logprobs, is refused."""
-    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
-    gen = tiny_engine("tiny-dense", cache_transceiver_config={})
+    ctx, gen = engines
     prompt = PROMPTS[1]
 
     def run_logprobs(engine) -> dict[int, tuple[list[int], list[dict]]]:
@@ -305,5 +311,3 @@ def test_logprobs_through_the_hand_over_equal_one_engine():
         )
     assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
     assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
-    for engine in (ctx, gen):
-        engine.close()
