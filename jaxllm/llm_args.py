@@ -191,8 +191,9 @@ class CacheTransceiverConfig:
     blocks: "TCP", a host-memory stream that works between processes and hosts; "SHM", a
     shared-memory segment when the context worker is on the same host, TCP otherwise;
     "TRANSFER", device to device through `jax.experimental.transfer` (no host copy on either
-    side; the claim itself still goes over TCP); "DEFAULT" picks the best available (SHM:
-    on a CPU backend it beats TRANSFER, which is not checked on GPU/TPU yet).
+    side; the claim itself still goes over TCP); "DEFAULT" picks SHM (on CPU processes
+    TRANSFER is no faster than the host paths, `jaxllm bench kv-transfer`; on a GPU/TPU it
+    has not run yet).
     `max_tokens_in_buffer`: the most tokens' worth of blocks staged in host memory at once
     per transfer (None: a whole request). `kv_transfer_timeout_ms`: how long a context-only
     request's blocks stay held for a generation worker to claim them."""
