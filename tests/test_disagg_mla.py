@@ -147,6 +147,10 @@ def test_n_with_a_seed_and_logprobs_through_the_router_equal_aggregated(cluster)
     for w, g in zip(w_lp, g_lp):
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
         assert [t.token for t in g.top_logprobs] == [t.token for t in w.top_logprobs]
+    chat_n = dict(model=model, messages=messages, max_tokens=6, temperature=0.9, seed=5, n=2)
+    want_n, got_n = (_client(urls[n]).chat.completions.create(**chat_n) for n in ("ctx", "router"))
+    assert [c.message.content for c in got_n.choices] == [c.message.content for c in want_n.choices]
+    assert [c.index for c in got_n.choices] == [0, 1] and got_n.usage == want_n.usage
     # Refused with the field named: best_of above n, beam search.
     for extra, param in (({"n": 2, "best_of": 3}, "best_of"), ({"n": 2, "use_beam_search": True}, "use_beam_search")):
         answer = httpx.post(
