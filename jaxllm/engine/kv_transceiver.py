@@ -230,9 +230,10 @@ class CacheTransceiver:
         self.stats.expired_requests += len(entries)
         return len(entries)
 
-    def export(self, request_id: int, opaque_state: str) -> ExportedKv:
-        """Claim a held request: dispatch the reads of its blocks and drop the hold (KeyError
-        for a handle that is unknown, already claimed or expired)."""
+    def export(self, request_id: int, opaque_state: str, to_host: bool = True) -> ExportedKv:
+        """Claim a held request: dispatch the reads of its blocks (and their copies to host
+        memory unless `to_host` is False: a device transfer) and drop the hold (KeyError for
+        a handle that is unknown, already claimed or expired)."""
         if not hmac.compare_digest(str(opaque_state), self.opaque_state(request_id)):
             raise KeyError(f"ctx_request_id {request_id}: the opaque_state does not match")
         with self._lock:
@@ -249,7 +250,7 @@ class CacheTransceiver:
                 src = np.zeros(padded_block_count(len(part)), np.int32)
                 src[: len(part)] = part
                 arrays = self._gather(self.runner.kv_cache, src)
-                for a in arrays:
+                for a in arrays if to_host else ():
                     a.copy_to_host_async()
                 chunks.append((len(part), arrays))
         finally:

@@ -102,7 +102,7 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
             self._refuse(sock, f"a bad claim: {exc}")
             return
         try:
-            exported = self.server.export(rid, token)
+            exported = self.server.export(rid, token, transport != "TRANSFER")
         except (KeyError, RuntimeError, TimeoutError) as exc:
             self._refuse(sock, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
             return
@@ -181,8 +181,8 @@ TRANSPORTS = ("TCP", "SHM", "TRANSFER")
 
 class KvTransferServer(socketserver.ThreadingTCPServer):
     """Serves held KV blocks to generation workers (one thread per claim), and frees those
-    whose claim time ran out. `export(request_id, opaque_state)` runs the claim on the
-    engine thread; `expire()` frees expired holds there; `next_deadline()` says when."""
+    whose claim time ran out. `export(request_id, opaque_state, to_host)` runs the claim on
+    the engine thread; `expire()` frees expired holds there; `next_deadline()` says when."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -192,7 +192,7 @@ class KvTransferServer(socketserver.ThreadingTCPServer):
         host: str,
         port: int,
         *,
-        export: Callable[[int, str], ExportedKv],
+        export: Callable[[int, str, bool], ExportedKv],
         expire: Callable[[], Any],
         next_deadline: Callable[[], Optional[float]],
         advertised_host: Optional[str] = None,

@@ -61,8 +61,8 @@ class DisaggregatedWorker:
         self.transfer_server = KvTransferServer(
             self.config.kv_transfer_host,
             self.config.kv_transfer_port,
-            export=lambda rid, token: executor.call_on_engine(
-                lambda engine: engine.kv_transceiver.export(rid, token), timeout=30.0
+            export=lambda rid, token, to_host: executor.call_on_engine(
+                lambda engine: engine.kv_transceiver.export(rid, token, to_host), timeout=30.0
             ),
             expire=lambda: executor.call_on_engine(lambda engine: engine.kv_transceiver.expire(), timeout=30.0),
             next_deadline=transceiver.next_deadline,
