@@ -311,3 +311,23 @@ def test_logprobs_through_the_hand_over_equal_one_engine(engines):
         )
     assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
     assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
+
+
+def test_shared_memory_segments_are_reused_and_removed_at_close():
+    from multiprocessing import shared_memory
+
+    from jaxllm.engine.kv_transfer import SegmentPool
+
+    pool = SegmentPool(keep=2)
+    a, b, c = pool.take(1000), pool.take(5000), pool.take(20000)
+    names = [s.name for s in (a, b, c)]
+    for segment in (a, b, c):
+        pool.give(segment)
+    assert pool.take(4000) is b  # the smallest kept segment that fits
+    with pytest.raises(FileNotFoundError):  # beyond `keep`, the smallest was removed
+        shared_memory.SharedMemory(name=names[0])
+    pool.give(b)
+    pool.close()
+    for name in names[1:]:
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)
