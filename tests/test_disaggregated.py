@@ -202,9 +202,11 @@ def test_router_answers_equal_aggregated_serving_under_concurrency(cluster):
 def test_context_worker_dying_before_hand_over_is_retried(cluster):
     urls = cluster["urls"]
     before = cluster["dropping"].posts
+    # New prompts: none has a prefix routed before, so load (equal: in turn) spreads them.
+    prompts = [f"retry {i}. " + p for i, p in enumerate(PROMPTS[:4])]
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda p: _complete(urls["router"], p, False), PROMPTS[:4]))
-    assert got == [_complete(urls["gen1"], p, False) for p in PROMPTS[:4]]
+        got = list(pool.map(lambda p: _complete(urls["router"], p, False), prompts))
+    assert got == [_complete(urls["gen1"], p, False) for p in prompts]
     assert cluster["dropping"].posts > before, "no request reached the dying context worker"
     assert _metric(urls["router"], 'jaxllm:disagg_retries_total{phase="context"}') >= 1
     _assert_pools_back(cluster)
