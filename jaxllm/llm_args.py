@@ -181,7 +181,7 @@ def check_known_fields(cls, kwargs: dict) -> None:
         raise ValueError(f"unknown argument(s) for {cls.__name__}: {', '.join(unknown)}")
 
 
-CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM")  # accepted names; DEFAULT: the best available here
+CACHE_TRANSCEIVER_BACKENDS = ("DEFAULT", "TCP", "SHM", "TRANSFER")  # accepted names; DEFAULT: the best available here
 
 
 @dataclass
@@ -190,7 +190,10 @@ class CacheTransceiverConfig:
     TensorRT-LLM's `cache_transceiver_config`. `backend`: how a generation worker pulls the
     blocks: "TCP", a host-memory stream that works between processes and hosts; "SHM", a
     shared-memory segment when the context worker is on the same host, TCP otherwise;
-    "DEFAULT" picks the best available (SHM).
+    "TRANSFER", device to device through `jax.experimental.transfer` (no host copy on either
+    side; the claim itself still goes over TCP); "DEFAULT" picks SHM (on CPU processes
+    TRANSFER is no faster than the host paths, `jaxllm bench kv-transfer`; on a GPU/TPU it
+    has not run yet).
     `max_tokens_in_buffer`: the most tokens' worth of blocks staged in host memory at once
     per transfer (None: a whole request). `kv_transfer_timeout_ms`: how long a context-only
     request's blocks stay held for a generation worker to claim them."""
@@ -238,6 +241,9 @@ class DisaggregatedParams:
     opaque_state: Optional[str] = None
     ctx_info_endpoint: Optional[str] = None
     draft_tokens: Optional[list[int]] = None
+    # The first token's logprobs as the context worker sampled it, when logprobs were asked
+    # for: per first token, [token id, logprob, rank (None: the chosen token outside the top)].
+    first_gen_log_probs: Optional[list[list[tuple[int, float, Optional[int]]]]] = None
     kv_payload: Any = None
 
     def __post_init__(self) -> None:

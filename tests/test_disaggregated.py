@@ -202,9 +202,11 @@ def test_router_answers_equal_aggregated_serving_under_concurrency(cluster):
 def test_context_worker_dying_before_hand_over_is_retried(cluster):
     urls = cluster["urls"]
     before = cluster["dropping"].posts
+    # New prompts: none has a prefix routed before, so load (equal: in turn) spreads them.
+    prompts = [f"retry {i}. " + p for i, p in enumerate(PROMPTS[:4])]
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda p: _complete(urls["router"], p, False), PROMPTS[:4]))
-    assert got == [_complete(urls["gen1"], p, False) for p in PROMPTS[:4]]
+        got = list(pool.map(lambda p: _complete(urls["router"], p, False), prompts))
+    assert got == [_complete(urls["gen1"], p, False) for p in prompts]
     assert cluster["dropping"].posts > before, "no request reached the dying context worker"
     assert _metric(urls["router"], 'jaxllm:disagg_retries_total{phase="context"}') >= 1
     _assert_pools_back(cluster)
@@ -303,21 +305,39 @@ def test_generation_worker_dying_fails_its_requests_and_the_router_serves_on(clu
     _assert_pools_back(cluster, ("ctx", "gen1"))
 
 
-def test_context_workers_keep_a_prompt_prefix_unless_it_is_busy():
-    from jaxllm.server.disagg_router import WorkerPool, _prompt_prefix
+def test_context_workers_by_longest_routed_prefix_else_by_load():
+    from jaxllm.server.disagg_prefix import block_hashes
+    from jaxllm.server.disagg_router import WorkerPool
 
-    pool = WorkerPool("context", [f"http://w{i}:1" for i in range(4)])
-    prefix = _prompt_prefix({"prompt": "You are a helpful assistant. " * 20 + "question 1"})
-    assert prefix == _prompt_prefix({"prompt": "You are a helpful assistant. " * 20 + "question 2"})
-    home = pool.candidates(set(), prefix)[0]
-    assert all(pool.candidates(set(), prefix)[0] is home for _ in range(8))
-    home.in_flight = WorkerPool.PREFIX_SLACK + 1  # busier than the others by more than the slack
-    assert pool.candidates(set(), prefix)[0] is not home
-    home.in_flight, home.up = 0, False
-    assert pool.candidates(set(), prefix)[0] is not home
-    assert pool.candidates(set(), prefix)[-1] is home  # a worker marked down is tried last
-    others = {pool.candidates(set())[0].url for _ in range(8)}
-    assert len(others) == 3  # without a prefix: least loaded, ties in turn
+    pool = WorkerPool("context", [f"http://w{i}:1" for i in range(3)])
+
+    def route(text: str):
+        hashes = block_hashes(text)
+        worker = pool.candidates(set(), hashes)[0]
+        pool.prefixes.insert(worker.url, hashes)
+        return worker
+
+    # Prompts with nothing in common are spread by load (equal here: in turn).
+    assert len({route(f"question {i}: " + "why is the sky blue? " * 8).url for i in range(3)}) == 3
+    system = "You are a helpful assistant who answers briefly. " * 12  # 9 full blocks of 64 characters
+    home = route(system + "question 0")
+    assert all(route(system + f"question {i}") is home for i in range(1, 6))
+    # The longest prefix wins: another worker was sent a longer part of this prompt.
+    other = next(w for w in pool.workers if w is not home)
+    document = system + "Here is a long document about foxes and crows. " * 10
+    pool.prefixes.insert(other.url, block_hashes(document))
+    assert pool.candidates(set(), block_hashes(document + "summarize it"))[0] is other
+    assert pool.candidates(set(), block_hashes(system + "question 9"))[0] in (home, other)
+    # Busier than the least loaded by more than the slack, or down: load decides instead.
+    home.in_flight = other.in_flight = WorkerPool.PREFIX_SLACK + 1
+    third = next(w for w in pool.workers if w not in (home, other))
+    assert pool.candidates(set(), block_hashes(system + "question 1"))[0] is third
+    home.in_flight = other.in_flight = 0
+    home.up = other.up = False
+    assert pool.candidates(set(), block_hashes(system + "question 1"))[0] is third
+    assert pool.candidates(set(), block_hashes(system))[-1] in (home, other)  # a worker marked down is tried last
+    # A prompt shorter than one block has no prefix to keep.
+    assert block_hashes("short") == []
 
 
 def test_router_api_key_health_and_no_workers():

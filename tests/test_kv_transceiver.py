@@ -160,7 +160,7 @@ def test_mla_hand_over_equals_one_engine(tmp_path):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"backend": "NIXL"}, "backend must be one of DEFAULT, TCP, SHM, got 'NIXL'"),
+        ({"backend": "NIXL"}, "backend must be one of DEFAULT, TCP, SHM, TRANSFER, got 'NIXL'"),
         ({"max_tokens_in_buffer": 0}, "max_tokens_in_buffer must be a positive integer, got 0"),
         ({"kv_transfer_timeout_ms": "soon"}, "kv_transfer_timeout_ms must be a positive integer, got 'soon'"),
     ],
@@ -211,3 +211,123 @@ def test_disagg_yaml_errors_name_the_field(data, message):
         DisaggConfig.from_dict(data)
     ok = DisaggConfig.from_dict({"context_servers": {"urls": ["a:1"]}, "generation_servers": {"urls": ["http://b:2/"]}})
     assert (ok.context_servers.urls, ok.generation_servers.urls) == (["http://a:1"], ["http://b:2"])
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A context engine (several chunks per request) and a TRANSFER generation engine."""
+    ctx = tiny_engine("tiny-dense", cache_transceiver_config={"max_tokens_in_buffer": 16})
+    gen = tiny_engine("tiny-dense", cache_transceiver_config={"backend": "TRANSFER"})
+    yield ctx, gen
+    for engine in (ctx, gen):
+        engine.close()
+
+
+def test_device_transfer_backend_equals_one_engine_and_a_lost_pull_fails_in_time(engines):
+    """`backend: TRANSFER` through the KV transfer server in one process (two processes:
+    tests/test_disagg_mla.py): the blocks pulled by `jax.experimental.transfer` give the
+    tokens of the request run whole; a pull of something never offered fails after its
+    timeout instead of waiting for ever, and the transfer server serves on."""
+    import jax
+
+    from jaxllm.engine import kv_device_transfer
+    from jaxllm.engine.kv_transfer import KvTransferServer, fetch_kv
+
+    ctx, gen = engines
+    prompt = PROMPTS[0]
+    gen.add_request(prompt, SamplingParams(max_tokens=8), request_id=50)
+    want = _run(gen)[50]
+    ctx.add_request(
+        prompt, SamplingParams(max_tokens=1), request_id=1, disaggregated_params=DisaggregatedParams("context_only")
+    )
+    first = _run(ctx)[1]
+    t = ctx.kv_transceiver
+    server = KvTransferServer("127.0.0.1", 0, export=t.export, expire=t.expire, next_deadline=t.next_deadline).start()
+    try:
+        device = gen.kv_transceiver.device
+        payload = fetch_kv(server.endpoint, 1, t.opaque_state(1), transport="TRANSFER", device=device)
+        assert payload.backend == "TRANSFER" and payload.arrays == []
+        assert [n for n, _ in payload.device_chunks] == [2, 2, 1]  # 35 tokens, 8 per block, 16 per chunk
+        gen.add_request(
+            prompt, SamplingParams(max_tokens=8), request_id=51, disaggregated_params=_generation_params(first, payload)
+        )
+        assert _run(gen)[51] == want
+        address = kv_device_transfer.advertised_address(kv_device_transfer.transfer_server("127.0.0.1"), "127.0.0.1")
+        with pytest.raises(kv_device_transfer.PullError, match="did not finish within 1 s"):
+            kv_device_transfer.pull_chunks(address, [12345], [[((4, 8), "float32")]], device, "127.0.0.1", 1.0)
+        ids = kv_device_transfer.offer_chunks([(1, [jax.numpy.ones((4, 8))])], "127.0.0.1", 10.0)
+        (pulled,) = kv_device_transfer.pull_chunks(address, ids, [[((4, 8), "float32")]], device, "127.0.0.1", 10.0)
+        assert float(pulled[0].sum()) == 32.0
+    finally:
+        server.stop()
+    assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
+    assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
+
+
+def test_logprobs_through_the_hand_over_equal_one_engine(engines):
+    """With logprobs, the first token's entry (sampled on the context side) is carried in
+    `first_gen_log_probs` and reported by the generation side as its first token's: every
+    token's logprobs equal the request run whole. Asking for logprobs without the entry, or
+    for prompt_logprobs, is refused."""
+    ctx, gen = engines
+    prompt = PROMPTS[1]
+
+    def run_logprobs(engine) -> dict[int, tuple[list[int], list[dict]]]:
+        out: dict[int, tuple[list[int], list[dict]]] = {}
+        while engine.has_unfinished_requests():
+            for u in engine.step():
+                assert u.error is None, u.error
+                tokens, lps = out.setdefault(u.request.request_id, ([], []))
+                tokens.extend(u.new_token_ids)
+                lps.extend(u.new_logprobs)
+        return out
+
+    gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), request_id=50)
+    want_tokens, want_lps = run_logprobs(gen)[50]
+    ctx.add_request(
+        prompt,
+        SamplingParams(max_tokens=1, logprobs=3),
+        request_id=1,
+        disaggregated_params=DisaggregatedParams("context_only"),
+    )
+    first_tokens, (entry,) = run_logprobs(ctx)[1]
+    params = _generation_params(first_tokens, _pull(ctx, 1))
+    params.first_gen_log_probs = [[[t, lp.logprob, lp.rank] for t, lp in entry.items()]]
+    gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), request_id=51, disaggregated_params=params)
+    got_tokens, got_lps = run_logprobs(gen)[51]
+    assert got_tokens == want_tokens and len(got_lps) == len(want_lps) == 6
+    for got, want in zip(got_lps, want_lps):
+        assert got.keys() == want.keys()
+        for t in want:
+            assert got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+    params.first_gen_log_probs = None
+    with pytest.raises(ValueError, match="first_gen_log_probs is required"):
+        gen.add_request(prompt, SamplingParams(max_tokens=6, logprobs=3), disaggregated_params=params)
+    with pytest.raises(ValueError, match="prompt_logprobs are not supported"):
+        ctx.add_request(
+            prompt,
+            SamplingParams(max_tokens=1, prompt_logprobs=1),
+            disaggregated_params=DisaggregatedParams("context_only"),
+        )
+    assert ctx.kv_cache_manager.num_free_blocks == ctx.kv_cache_manager.num_blocks
+    assert gen.kv_cache_manager.num_free_blocks == gen.kv_cache_manager.num_blocks
+
+
+def test_shared_memory_segments_are_reused_and_removed_at_close():
+    from multiprocessing import shared_memory
+
+    from jaxllm.engine.kv_transfer import SegmentPool
+
+    pool = SegmentPool(keep=2)
+    a, b, c = pool.take(1000), pool.take(5000), pool.take(20000)
+    names = [s.name for s in (a, b, c)]
+    for segment in (a, b, c):
+        pool.give(segment)
+    assert pool.take(4000) is b  # the smallest kept segment that fits
+    with pytest.raises(FileNotFoundError):  # beyond `keep`, the smallest was removed
+        shared_memory.SharedMemory(name=names[0])
+    pool.give(b)
+    pool.close()
+    for name in names[1:]:
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)

@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         default="DEFAULT",
-        choices=["DEFAULT", "TCP", "SHM"],
+        choices=["DEFAULT", "TCP", "SHM", "TRANSFER"],
         metavar="BACKEND",
-        help="the workers' cache transceiver: TCP, SHM, or the best available for the hosts (%(default)s)",
+        help="the workers' cache transceiver: TCP, SHM, TRANSFER (device to device) or DEFAULT (%(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -32,6 +32,7 @@ BENCHMARKS = {
     "kv-tier": "jaxllm.bench.kv_tier",
     "spec": "jaxllm.bench.spec",
     "disagg": "jaxllm.bench.disagg",
+    "kv-transfer": "jaxllm.bench.kv_transfer",
     "settings": "jaxllm.bench.new_settings",
 }
 BENCHMARK_HELP = {
@@ -39,6 +40,8 @@ BENCHMARK_HELP = {
     "output repeats its input: tokens/s, speed-up and acceptance length at concurrency 1/8/32",
     "disagg": "disaggregated vs aggregated serving on real worker processes: ITL p50/p99 of decoding requests "
     "while long prompts arrive, side by side; KV transfer time and bytes per request",
+    "kv-transfer": "the KV hand-over between two processes over TCP, shared memory and jax.experimental.transfer "
+    "side by side: ms per hand-over (median, p90), MiB/s, ratio to TCP",
     "settings": "a greedy stream's worst inter-token gap while requests with new sampling settings arrive, "
     "next to the engine that compiles each sampler variant on the step; compiles on the engine thread",
     "kv-tier": "multi-turn chat on a device KV pool too small for every conversation: the host KV tier off, "

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxllm.engine import kv_device_transfer
 from jaxllm.engine.kv_offload import (
     NO_BLOCK,
     cache_leaves,
@@ -45,6 +46,7 @@ from jaxllm.engine.kv_offload import (
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_args import CacheTransceiverConfig, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest
+from jaxllm.outputs import Logprob
 
 LeafLayout = tuple[tuple[int, ...], str]  # one block's logical shape and dtype name, per page array
 
@@ -72,10 +74,22 @@ class KvPayload:
     layout: list[LeafLayout]
     arrays: list[np.ndarray]
     transfer_seconds: float = 0.0
-    backend: str = "TCP"  # how the blocks came: "TCP" or "SHM"
+    backend: str = "TCP"  # how the blocks came: "TCP", "SHM" or "TRANSFER"
+    # TRANSFER: the blocks as pulled, on this worker's device: (blocks, one array per page
+    # array padded to the gather's block count) per chunk; `arrays` is then empty.
+    device_chunks: Optional[list[tuple[int, list[jax.Array]]]] = None
+
+    @property
+    def num_blocks(self) -> int:
+        if self.device_chunks is not None:
+            return sum(n for n, _ in self.device_chunks)
+        return int(self.arrays[0].shape[0]) if self.arrays else 0
 
     @property
     def num_bytes(self) -> int:
+        if self.device_chunks is not None:
+            per_block = sum(int(np.prod(shape)) * _np_dtype(dtype).itemsize for shape, dtype in self.layout)
+            return per_block * self.num_blocks
         return sum(a.nbytes for a in self.arrays)
 
 
@@ -111,6 +125,14 @@ class CacheTransceiver:
             for pages, axis in cache_leaves(runner.kv_cache)
         ]
         shardings = jax.tree.map(lambda a: a.sharding, runner.kv_cache)
+        first = jax.tree.leaves(runner.kv_cache)[0].sharding
+        # Blocks to write go to every device of the cache (its write shards them by KV head).
+        self._data_sharding = (
+            jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+            if isinstance(first, jax.sharding.NamedSharding)
+            else first
+        )
+        self.device = min(first.device_set, key=lambda d: d.id)  # where device transfers land
         self._gather = jax.jit(functools.partial(gather_blocks, num_blocks=num_blocks))
         self._scatter = jax.jit(
             functools.partial(scatter_blocks, num_blocks=num_blocks), donate_argnums=(0,), out_shardings=shardings
@@ -168,8 +190,8 @@ class CacheTransceiver:
         sampling = request.sampling_params
         if request.beam_width > 1 or getattr(sampling, "use_beam_search", False):
             raise ValueError("disaggregated_params: beam search is not supported with disaggregated serving")
-        if getattr(sampling, "logprobs", None) is not None:
-            raise ValueError("disaggregated_params: logprobs are not supported with disaggregated serving yet")
+        if getattr(sampling, "prompt_logprobs", None) is not None:
+            raise ValueError("disaggregated_params: prompt_logprobs are not supported with disaggregated serving")
         if params.context_only:
             if request.max_new_tokens != 1:
                 raise ValueError("disaggregated_params: a context_only request must have max_tokens=1")
@@ -208,9 +230,10 @@ class CacheTransceiver:
         self.stats.expired_requests += len(entries)
         return len(entries)
 
-    def export(self, request_id: int, opaque_state: str) -> ExportedKv:
-        """Claim a held request: dispatch the reads of its blocks and drop the hold (KeyError
-        for a handle that is unknown, already claimed or expired)."""
+    def export(self, request_id: int, opaque_state: str, to_host: bool = True) -> ExportedKv:
+        """Claim a held request: dispatch the reads of its blocks (and their copies to host
+        memory unless `to_host` is False: a device transfer) and drop the hold (KeyError for
+        a handle that is unknown, already claimed or expired)."""
         if not hmac.compare_digest(str(opaque_state), self.opaque_state(request_id)):
             raise KeyError(f"ctx_request_id {request_id}: the opaque_state does not match")
         with self._lock:
@@ -227,7 +250,7 @@ class CacheTransceiver:
                 src = np.zeros(padded_block_count(len(part)), np.int32)
                 src[: len(part)] = part
                 arrays = self._gather(self.runner.kv_cache, src)
-                for a in arrays:
+                for a in arrays if to_host else ():
                     a.copy_to_host_async()
                 chunks.append((len(part), arrays))
         finally:
@@ -247,10 +270,15 @@ class CacheTransceiver:
         while True:
             self._gather(self.runner.kv_cache, np.zeros(size, np.int32))
             data = [np.zeros((size, *shape), _np_dtype(dtype)) for shape, dtype in self.layout]
-            self.runner.kv_cache = self._scatter(self.runner.kv_cache, np.full(size, NO_BLOCK, np.int32), data)
+            self._write(np.full(size, NO_BLOCK, np.int32), data)
             if size >= max_blocks:
                 break
             size *= 2
+
+    def _write(self, dst: np.ndarray, data: list[Any]) -> None:
+        """Write blocks (host or device arrays, [len(dst), *block shape]) into `dst`."""
+        placed = [jax.device_put(a, self._data_sharding) for a in data]
+        self.runner.kv_cache = self._scatter(self.runner.kv_cache, dst, placed)
 
     def _release(self, blocks: list[int]) -> None:
         pool = self.kv.block_pool
@@ -275,10 +303,11 @@ class CacheTransceiver:
             )
         kv = self.kv
         num_blocks = kv.blocks_for_tokens(len(prompt))
-        if any(a.shape[0] != num_blocks for a in payload.arrays):
+        if payload.num_blocks != num_blocks or any(a.shape[0] != num_blocks for a in payload.arrays):
             raise ValueError(f"disaggregated_params: expected {num_blocks} KV blocks for the prompt")
         first = int(params.first_gen_tokens[0])  # type: ignore[index]
         sampling = request.sampling_params
+        first_logprobs = self._first_logprobs(params, first, getattr(sampling, "logprobs", None))
         started = time.perf_counter()
         ended = first in request.end_ids and not getattr(sampling, "ignore_eos", False)
         if request.max_new_tokens == 1 or ended:
@@ -287,7 +316,7 @@ class CacheTransceiver:
             request.finish("stop" if ended else "length")
             stop_ids = getattr(sampling, "stop_token_ids", None) or ()
             request.stop_reason = first if ended and first in stop_ids else None
-            return RequestUpdate(request, [first], finished=True)
+            return RequestUpdate(request, [first], first_logprobs, finished=True)
         need = kv.get_needed_resource_to_completion(request)
         if need > kv.get_num_available_blocks() - kv.get_num_reserved_blocks():
             raise RuntimeError(
@@ -299,26 +328,52 @@ class CacheTransceiver:
         try:
             kv.allocate_for_step(request)
             blocks = kv.get_block_ids(request)[:num_blocks]
-            size = padded_block_count(num_blocks)
-            dst = np.full(size, NO_BLOCK, np.int32)
-            dst[:num_blocks] = blocks
-            data = []
-            for array in payload.arrays:
-                padded = np.zeros((size,) + array.shape[1:], array.dtype)
-                padded[:num_blocks] = array
-                data.append(padded)
-            self.runner.kv_cache = self._scatter(self.runner.kv_cache, dst, data)
+            if payload.device_chunks is not None:
+                start = 0
+                for n, arrays in payload.device_chunks:  # padded as the context side gathered them
+                    dst = np.full(arrays[0].shape[0], NO_BLOCK, np.int32)
+                    dst[:n] = blocks[start : start + n]
+                    self._write(dst, arrays)
+                    start += n
+            else:
+                size = padded_block_count(num_blocks)
+                dst = np.full(size, NO_BLOCK, np.int32)
+                dst[:num_blocks] = blocks
+                data = []
+                for array in payload.arrays:
+                    padded = np.zeros((size,) + array.shape[1:], array.dtype)
+                    padded[:num_blocks] = array
+                    data.append(padded)
+                self._write(dst, data)
         except BaseException:
             request.context_chunk_size = 0
             kv.free_resources(request)
             raise
         request.move_to_next_context_chunk()
         request.add_new_token(first)
+        if first_logprobs:
+            request.cumulative_logprob += first_logprobs[0][first].logprob
         s = self.stats
         s.imported_requests += 1
         s.imported_bytes += payload.num_bytes
         s.import_seconds += payload.transfer_seconds + time.perf_counter() - started
-        return RequestUpdate(request, [first])
+        return RequestUpdate(request, [first], first_logprobs)
+
+    @staticmethod
+    def _first_logprobs(params: DisaggregatedParams, first: int, top: Optional[int]) -> list[dict[int, Logprob]]:
+        """The first token's logprobs entry, as the context worker sampled it (the same entry
+        this worker's own sampling would have reported); empty when none were asked for."""
+        if top is None:
+            return []
+        given = params.first_gen_log_probs
+        if not given or not given[0]:
+            raise ValueError("disaggregated_params.first_gen_log_probs is required when logprobs are requested")
+        entry = {int(t): Logprob(float(lp), None if rank is None else int(rank)) for t, lp, rank in given[0]}
+        if first not in entry or sum(1 for v in entry.values() if v.rank is not None) < top:
+            raise ValueError(
+                f"disaggregated_params.first_gen_log_probs must hold the first token and the top {top} tokens"
+            )
+        return [entry]
 
 
 def _np_dtype(name: str) -> Any:
@@ -335,4 +390,9 @@ def build_transceiver(config: Any, runner: Any, kv_cache_manager: Any) -> Option
         raise ValueError("cache_transceiver_config is not supported with enable_attention_dp yet")
     if jax.process_count() > 1:
         raise ValueError("cache_transceiver_config is not supported on several hosts yet")
+    if transceiver_config.backend == "TRANSFER" and not kv_device_transfer.available():
+        raise ValueError(
+            f"cache_transceiver_config.backend TRANSFER needs jax.experimental.transfer, "
+            f"which jax {jax.__version__} does not have"
+        )
     return CacheTransceiver(transceiver_config, runner, kv_cache_manager)

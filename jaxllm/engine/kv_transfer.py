@@ -11,8 +11,14 @@ on the engine thread (`export`), which dispatches the device reads and drops the
 
 Shared memory (a claim with `"shared_memory": true`, from a generation worker on the same
 host): the server writes the blocks, in the same order, into a `multiprocessing.shared_memory`
-segment, sends the header with the segment's name instead of the bytes, and removes the
-segment once the client answers `done` or the connection ends, so it cannot outlive the claim.
+segment and sends the header with the segment's name instead of the bytes; once the client
+answers `done` the segment is kept for a later claim (`SegmentPool`), and it is removed if the
+connection ends without that.
+
+Device to device (a claim with `"transport": "TRANSFER"`): the server offers the gathered
+blocks to `jax.experimental.transfer` (`jaxllm.engine.kv_device_transfer`) and sends, in the
+header, its transfer server's address, one id per chunk and each chunk's padded block count;
+the client pulls them onto its device and answers `done`.
 
 `fetch_kv` is the generation side: a connection refused, a timeout or a stream cut half way
 raises `KvTransferError` naming the endpoint and how far it got; nothing was written into
@@ -33,9 +39,11 @@ from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.engine import kv_device_transfer
 from jaxllm.engine.kv_transceiver import ExportedKv, KvPayload
 
 logger = logging.getLogger(__name__)
@@ -88,21 +96,25 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
             reader = sock.makefile("rb")
             claim = json.loads(reader.readline(MAX_CLAIM_BYTES))
             rid, token = int(claim["ctx_request_id"]), str(claim["opaque_state"])
-            shared = bool(claim.get("shared_memory", False))
+            transport = str(claim.get("transport", "SHM" if claim.get("shared_memory") else "TCP"))
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self._refuse(sock, f"a bad claim: {exc}")
             return
         try:
-            exported = self.server.export(rid, token)
+            exported = self.server.export(rid, token, transport != "TRANSFER")
         except (KeyError, RuntimeError, TimeoutError) as exc:
             self._refuse(sock, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
             return
         try:
-            if shared:
+            if transport == "SHM":
                 self._send_shared(sock, reader, exported)
+            elif transport == "TRANSFER":
+                self._offer_device(sock, reader, exported)
             else:
                 self._send(sock, exported)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             logger.warning("KV transfer of ctx_request_id %d to %s was cut: %r", rid, self.client_address, exc)
 
     @staticmethod
@@ -135,27 +147,89 @@ class _ClaimHandler(socketserver.BaseRequestHandler):
             sock.sendall(memoryview(piece))
 
     def _send_shared(self, sock: socket.socket, reader: Any, exported: ExportedKv) -> None:
-        """Write the blocks into a shared-memory segment, send its name, and remove it once
-        the generation worker says it copied them (or the connection ends)."""
+        """Write the blocks into a shared-memory segment and send its name; keep it for reuse
+        once the generation worker says it copied them, remove it if the connection ends."""
         size = sum(int(np.prod(shape)) * _dtype(dtype).itemsize for shape, dtype in exported.layout)
         size *= exported.num_blocks
-        segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
+        segments = self.server.segments
+        segment = segments.take(size)
+        done = False
         try:
             offset = 0
             for piece in self._host_pieces(exported):
-                segment.buf[offset : offset + piece.size] = piece
+                np.ndarray(piece.size, np.uint8, buffer=segment.buf, offset=offset)[:] = piece
                 offset += piece.size
             _send_frame(sock, self._header(exported, shared_memory=segment.name))
-            reader.readline(16)  # the generation worker's "done" (or the end of the connection)
+            done = reader.readline(16).strip() == b"done"  # the generation worker copied them
         finally:
-            segment.close()
-            segment.unlink()
+            if done:
+                segments.give(segment)
+            else:  # it may still be reading: never reuse this one
+                _remove(segment)
+
+    def _offer_device(self, sock: socket.socket, reader: Any, exported: ExportedKv) -> None:
+        """Offer the gathered blocks to JAX's transfer server and send where to pull them;
+        the offers end when pulled, or after the I/O timeout."""
+        server = self.server
+        host = server.server_address[0]
+        ids = kv_device_transfer.offer_chunks(exported.chunks, host, server.io_timeout)
+        address = kv_device_transfer.advertised_address(
+            kv_device_transfer.transfer_server(host), server.advertised_host
+        )
+        padded = [int(arrays[0].shape[0]) if arrays else n for n, arrays in exported.chunks]
+        _send_frame(sock, self._header(exported, transfer_address=address, transfer_ids=ids, padded=padded))
+        reader.readline(16)  # the generation worker's "done" (or the end of the connection)
+
+
+TRANSPORTS = ("TCP", "SHM", "TRANSFER")
+
+
+def _remove(segment: shared_memory.SharedMemory) -> None:
+    segment.close()
+    segment.unlink()
+
+
+class SegmentPool:
+    """Shared-memory segments kept for the next hand-over. A fresh segment's pages are faulted
+    in (and zeroed) as it is first written, which costs more than the copy itself (45 MiB:
+    110-250 ms against 25-50 ms to copy it out, on a loaded 2-core machine), so a segment whose
+    reader said `done` is kept for reuse: at most `keep` of them, all removed at `close`."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[shared_memory.SharedMemory] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> shared_memory.SharedMemory:
+        """The smallest kept segment of at least `size` bytes, else a new one."""
+        with self._lock:
+            fits = [s for s in self._free if s.size >= size]
+            if fits:
+                segment = min(fits, key=lambda s: s.size)
+                self._free.remove(segment)
+                return segment
+        return shared_memory.SharedMemory(create=True, size=max(size, 1))
+
+    def give(self, segment: shared_memory.SharedMemory) -> None:
+        """Keep a segment nobody reads any more (the smallest go beyond `keep`)."""
+        with self._lock:
+            self._free.append(segment)
+            self._free.sort(key=lambda s: s.size)
+            drop, self._free = self._free[: -self.keep], self._free[-self.keep :]
+        for old in drop:
+            _remove(old)
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._free = self._free, []
+        for segment in kept:
+            _remove(segment)
 
 
 class KvTransferServer(socketserver.ThreadingTCPServer):
     """Serves held KV blocks to generation workers (one thread per claim), and frees those
-    whose claim time ran out. `export(request_id, opaque_state)` runs the claim on the
-    engine thread; `expire()` frees expired holds there; `next_deadline()` says when."""
+    whose claim time ran out. `export(request_id, opaque_state, to_host)` runs the claim on
+    the engine thread; `expire()` frees expired holds there; `next_deadline()` says when."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -165,7 +239,7 @@ class KvTransferServer(socketserver.ThreadingTCPServer):
         host: str,
         port: int,
         *,
-        export: Callable[[int, str], ExportedKv],
+        export: Callable[[int, str, bool], ExportedKv],
         expire: Callable[[], Any],
         next_deadline: Callable[[], Optional[float]],
         advertised_host: Optional[str] = None,
@@ -177,6 +251,7 @@ class KvTransferServer(socketserver.ThreadingTCPServer):
         self.io_timeout = io_timeout
         self.advertised_host = advertised_host or host
         self._thread: Optional[threading.Thread] = None
+        self.segments = SegmentPool()
 
     @property
     def endpoint(self) -> str:
@@ -206,6 +281,7 @@ class KvTransferServer(socketserver.ThreadingTCPServer):
         self.server_close()
         if self._thread is not None:
             self._thread.join(5.0)
+        self.segments.close()
 
 
 def is_local(host: str) -> bool:
@@ -225,16 +301,25 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 def fetch_kv(
-    endpoint: str, ctx_request_id: int, opaque_state: str, *, timeout: float = 30.0, shared: bool = False
+    endpoint: str,
+    ctx_request_id: int,
+    opaque_state: str,
+    *,
+    timeout: float = 30.0,
+    transport: str = "TCP",
+    device: Optional[jax.Device] = None,
+    transfer_host: str = "127.0.0.1",
 ) -> KvPayload:
     """Pull a held request's blocks from a context worker (KvTransferError on any failure).
-    `shared`: ask for them through shared memory (the context worker is on this host)."""
+    `transport`: "TCP" (the bytes on this connection), "SHM" (shared memory: the context
+    worker is on this host) or "TRANSFER" (device to device onto `device`, through this
+    process's JAX transfer server on `transfer_host`)."""
     host, port = parse_endpoint(endpoint)
     started = time.perf_counter()
     expected = received = 0
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            claim = {"ctx_request_id": int(ctx_request_id), "opaque_state": str(opaque_state), "shared_memory": shared}
+            claim = {"ctx_request_id": int(ctx_request_id), "opaque_state": str(opaque_state), "transport": transport}
             sock.sendall(json.dumps(claim).encode() + b"\n")
             size_bytes = bytearray(_HEADER.size)
             if _recv_exactly(sock, memoryview(size_bytes)) < _HEADER.size:
@@ -250,6 +335,8 @@ def fetch_kv(
                 raise KvTransferError(f"the context worker at {endpoint} refused the claim: {header['error']}")
             layout = [(tuple(int(d) for d in shape), str(dtype)) for shape, dtype in header["layout"]]
             chunks = [int(n) for n in header["chunks"]]
+            if "transfer_ids" in header:
+                return _pull_device(endpoint, header, layout, chunks, device, transfer_host, timeout, started, sock)
             total = sum(chunks)
             arrays = [np.empty((total, *shape), _dtype(dtype)) for shape, dtype in layout]
             expected = sum(a.nbytes for a in arrays)
@@ -282,6 +369,40 @@ def fetch_kv(
         arrays,
         transfer_seconds=time.perf_counter() - started,
         backend="SHM" if header.get("shared_memory") else "TCP",
+    )
+
+
+def _pull_device(
+    endpoint: str,
+    header: dict,
+    layout: list[tuple[tuple[int, ...], str]],
+    chunks: list[int],
+    device: Optional[jax.Device],
+    host: str,
+    timeout: float,
+    started: float,
+    sock: socket.socket,
+) -> KvPayload:
+    """The TRANSFER answer: pull the offered chunks onto `device`, then say `done`."""
+    if device is None:
+        raise KvTransferError("a device transfer needs the generation worker's device")
+    padded = [int(p) for p in header["padded"]]
+    shapes = [[((p, *shape), dtype) for shape, dtype in layout] for p in padded]
+    try:
+        pulled = kv_device_transfer.pull_chunks(
+            str(header["transfer_address"]), [int(i) for i in header["transfer_ids"]], shapes, device, host, timeout
+        )
+    except kv_device_transfer.PullError as exc:
+        raise KvTransferError(str(exc)) from None
+    sock.sendall(b"done\n")
+    return KvPayload(
+        [int(t) for t in header["prompt_token_ids"]],
+        int(header["tokens_per_block"]),
+        layout,
+        [],
+        transfer_seconds=time.perf_counter() - started,
+        backend="TRANSFER",
+        device_chunks=list(zip(chunks, pulled)),
     )
 
 

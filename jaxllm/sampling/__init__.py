@@ -10,6 +10,7 @@ from jaxllm.sampling.params import (
     is_finite_number,
     resolve_end_ids,
     resolve_seed,
+    sequence_seed,
 )
 from jaxllm.sampling.sampler import SamplerOutput, apply_penalties, apply_suppression, sample
 from jaxllm.sampling.stopping import check_stop
@@ -33,5 +34,6 @@ __all__ = [
     "is_finite_number",
     "resolve_end_ids",
     "resolve_seed",
+    "sequence_seed",
     "sample",
 ]

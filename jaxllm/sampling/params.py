@@ -467,9 +467,14 @@ def resolve_seed(params: Optional[SamplingParams], sequence_index: int = 0) -> i
     """
     if params is None or params.seed is None:
         return secrets.randbits(63)
+    return sequence_seed(params.seed, sequence_index)
+
+
+def sequence_seed(seed: int, sequence_index: int) -> int:
+    """The seed of sequence `sequence_index` of a request seeded with `seed` (0: `seed`)."""
     if sequence_index == 0:
-        return params.seed
-    digest = hashlib.blake2b(f"{params.seed}:{sequence_index}".encode(), digest_size=8).digest()
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{sequence_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -71,9 +71,7 @@ class ChatRoute:
             )
             disagg = body.disaggregated_params
             if disagg is not None and disagg.request_type == "context_only":
-                choices[-1]["disaggregated_params"] = server.disagg.context_answer(
-                    results[0], c.token_ids, c.finish_reason
-                )
+                choices[-1]["disaggregated_params"] = server.disagg.context_answer(results[0], c)
         return JSONResponse(
             {
                 "id": request_id,

@@ -70,9 +70,7 @@ class CompletionsRoute:
                 if body.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
                 if context_only:  # the handle a generation worker claims the blocks with
-                    choices[-1]["disaggregated_params"] = server.disagg.context_answer(
-                        results[p], c.token_ids, c.finish_reason
-                    )
+                    choices[-1]["disaggregated_params"] = server.disagg.context_answer(results[p], c)
         return JSONResponse(
             {
                 "id": request_id,

@@ -9,8 +9,9 @@ passed through as it comes. A request that ends with its first token (an end tok
 string, max_tokens=1) is answered from the context worker alone.
 
 Routing: among the workers of a phase, the one with the fewest requests in flight that is not
-marked down (ties in turn); for context workers, the one the prompt's start hashes to while it is
-not much busier than the rest (its prefix cache may hold the prompt). A worker that cannot be
+marked down (ties in turn); for context workers, the one that was sent the longest prefix of the
+prompt (`jaxllm.server.disagg_prefix`: chained hashes of its blocks) while it is not much busier
+than the rest, as its prefix cache may hold those blocks. A worker that cannot be
 reached is marked down until a health check (`/health`, every `health_check_interval_s`) finds it
 up again. A context worker that
 fails before its answer is retried on another; a generation worker that cannot be reached
@@ -26,7 +27,6 @@ import itertools
 import json
 import logging
 import time
-import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,7 +38,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import jaxllm
+from jaxllm.server import disagg_fanout as fanout
 from jaxllm.server.disagg_config import DisaggConfig
+from jaxllm.server.disagg_fanout import Answer
+from jaxllm.server.disagg_prefix import PrefixIndex, block_hashes, prompt_text
 from jaxllm.server.errors import APIError, error_body, error_response
 from jaxllm.server.guard import GuardMiddleware, parse_json_body
 from jaxllm.server.server_metrics import PROMETHEUS_CONTENT_TYPE
@@ -61,26 +64,31 @@ class Worker:
 class WorkerPool:
     """The workers of one phase: least requests in flight first, unreachable ones left out."""
 
-    # A prompt's prefix keeps to its worker (whose KV cache may hold it) while that worker has at
-    # most this many requests in flight more than the least loaded one.
+    # A prompt keeps to the worker holding its longest prefix while that worker has at most
+    # this many requests in flight more than the least loaded one.
     PREFIX_SLACK = 2
 
     def __init__(self, phase: str, urls: list[str]) -> None:
         self.phase = phase
         self.workers = [Worker(url, phase) for url in urls]
         self._turn = itertools.count()
+        self.prefixes = PrefixIndex()
 
-    def candidates(self, exclude: set[str], prefix: Optional[str] = None) -> list[Worker]:
+    def candidates(self, exclude: set[str], hashes: Optional[list[bytes]] = None) -> list[Worker]:
         """Workers to try, best first: those up by load (ties in turn), then those marked down.
-        With `prefix` (the start of the prompt), the worker it hashes to comes first unless it
-        is down or busier than the least loaded by more than `PREFIX_SLACK`."""
+        With `hashes` (the prompt's block hashes), the worker that was sent the longest
+        prefix of it comes first unless it is busier than the least loaded by more than
+        `PREFIX_SLACK`."""
         turn = next(self._turn)
         n = len(self.workers)
         ordered = [self.workers[(turn + i) % n] for i in range(n)]
         ordered = sorted((w for w in ordered if w.url not in exclude), key=lambda w: (not w.up, w.in_flight))
-        if prefix is not None and ordered:
-            home = self.workers[zlib.crc32(prefix.encode()) % n]
-            if home in ordered and home.up and home.in_flight <= ordered[0].in_flight + self.PREFIX_SLACK:
+        if hashes and ordered:
+            least = ordered[0].in_flight
+            fits = [w for w in ordered if w.up and w.in_flight <= least + self.PREFIX_SLACK]
+            matches = [(self.prefixes.match(w.url, hashes), w) for w in fits]
+            best, home = max(matches, key=lambda m: m[0], default=(0, None))  # max keeps the first of equals
+            if best > 0 and home is not None:
                 ordered.remove(home)
                 ordered.insert(0, home)
         return ordered
@@ -167,6 +175,8 @@ class DisaggRouter:
             return False
 
     def _mark(self, worker: Worker, up: bool) -> None:
+        if not up:
+            self.pools[worker.phase].prefixes.forget(worker.url)
         worker.up = up
         self.metrics.up.labels(worker.phase, worker.url).set(1 if up else 0)
 
@@ -176,22 +186,41 @@ class DisaggRouter:
 
     # ------------------------------------------------------------------ one request
     async def route(self, path: str, body: dict) -> Response:
-        """Answer one request through a context worker and then a generation worker."""
+        """Answer one request through a context worker and then a generation worker (with
+        n > 1: one such request per sequence, the answers merged)."""
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         if body.get("disaggregated_params") is not None:
             raise APIError(400, "disaggregated_params is set by the router, not by clients", "disaggregated_params")
+        if fanout.num_sequences(body) > 1:
+            return await fanout.route_sequences(self, path, body)
+        return self.respond(await self.route_one(path, body))
+
+    def respond(self, answer: Answer) -> Response:
+        """The client's response for one request's answer."""
+        if answer.upstream is not None:
+            worker, upstream = answer.upstream
+            return StreamingResponse(self.relay(worker, upstream), media_type="text/event-stream", headers=SSE_HEADERS)
+        if answer.events is not None:
+            return Response("".join(answer.events), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(answer.content, status_code=answer.status, media_type="application/json")
+
+    async def route_one(self, path: str, body: dict) -> Answer:
+        """One sequence through a context worker and then a generation worker: its answer,
+        or (streaming) the generation worker's open event stream."""
         started = time.perf_counter()
         status, ctx = await self._context_phase(path, body)
         self.metrics.context_seconds.observe(time.perf_counter() - started)
         if status != 200:  # the worker refused the request (a 400 naming the field): the client's answer
             self.metrics.requests.labels("context_error").inc()
-            return JSONResponse(ctx, status_code=status)
+            return Answer(status, json.dumps(ctx).encode())
         choice = (ctx.get("choices") or [{}])[0]
         handle = choice.pop("disaggregated_params", None) or {}
         if choice.get("finish_reason") != "length" or _max_tokens(path, body) == 1 or not handle.get("opaque_state"):
             self.metrics.requests.labels("context_only").inc()  # it ended with its first token
-            return self._answer_from_context(path, body, ctx)
+            if body.get("stream"):
+                return Answer(200, b"", events=self._events_from_context(path, body, ctx))
+            return Answer(200, json.dumps(ctx).encode())
         gen_body = dict(body, disaggregated_params=dict(handle, request_type="generation_only"))
         if body.get("stream"):
             return await self._stream_generation(path, gen_body)
@@ -203,10 +232,13 @@ class DisaggRouter:
         ctx_body.pop("max_completion_tokens", None)
         tried: set[str] = set()
         pool = self.pools[CONTEXT]
-        for attempt, worker in enumerate(pool.candidates(tried, _prompt_prefix(body))):
+        text = prompt_text(body)
+        hashes = block_hashes(text) if text else []
+        for attempt, worker in enumerate(pool.candidates(tried, hashes)):
             if attempt:
                 self.metrics.retries.labels(CONTEXT).inc()
             tried.add(worker.url)
+            pool.prefixes.insert(worker.url, hashes)  # its cache will hold them once it ran the prompt
             try:
                 response = await self._post(worker, path, ctx_body)
                 return response.status_code, response.json()
@@ -227,7 +259,7 @@ class DisaggRouter:
             worker.in_flight -= 1
             self.metrics.in_flight.labels(worker.phase, worker.url).set(worker.in_flight)
 
-    async def _generation(self, path: str, body: dict) -> Response:
+    async def _generation(self, path: str, body: dict) -> Answer:
         tried: set[str] = set()
         for attempt, worker in enumerate(self.pools[GENERATION].candidates(tried)):
             if attempt:
@@ -245,11 +277,11 @@ class DisaggRouter:
                 message = f"the generation worker failed: {type(exc).__name__}: {exc}"
                 raise APIError(502, message, None, "server_error") from None
             self.metrics.requests.labels("ok" if response.status_code == 200 else "generation_error").inc()
-            return Response(response.content, status_code=response.status_code, media_type="application/json")
+            return Answer(response.status_code, response.content)
         self.metrics.requests.labels("generation_failed").inc()
         raise APIError(503, "no generation worker could take the request", None, "service_unavailable")
 
-    async def _stream_generation(self, path: str, body: dict) -> Response:
+    async def _stream_generation(self, path: str, body: dict) -> Answer:
         tried: set[str] = set()
         for attempt, worker in enumerate(self.pools[GENERATION].candidates(tried)):
             if attempt:
@@ -276,12 +308,12 @@ class DisaggRouter:
                 await upstream.aclose()
                 worker.in_flight -= 1
                 self.metrics.requests.labels("generation_error").inc()
-                return Response(content, status_code=upstream.status_code, media_type="application/json")
-            return StreamingResponse(self._relay(worker, upstream), media_type="text/event-stream", headers=SSE_HEADERS)
+                return Answer(upstream.status_code, content)
+            return Answer(200, b"", upstream=(worker, upstream))
         self.metrics.requests.labels("generation_failed").inc()
         raise APIError(503, "no generation worker could take the request", None, "service_unavailable")
 
-    async def _relay(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    async def relay(self, worker: Worker, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """The generation worker's events as they come; if it dies mid-stream, an error event."""
         tail = b""
         try:
@@ -302,11 +334,16 @@ class DisaggRouter:
             worker.in_flight -= 1
             await upstream.aclose()
 
-    def _answer_from_context(self, path: str, body: dict, ctx: dict) -> Response:
-        """A request that ended with its first token: the context worker's answer, streamed
-        as one chunk when the client asked for a stream."""
-        if not body.get("stream"):
-            return JSONResponse(ctx)
+    async def discard(self, answer: Answer) -> None:
+        """Let go of an answer that will not be sent (its stream is closed)."""
+        if answer.upstream is not None:
+            worker, upstream = answer.upstream
+            worker.in_flight -= 1
+            await upstream.aclose()
+
+    def _events_from_context(self, path: str, body: dict, ctx: dict) -> list[str]:
+        """A streamed request that ended with its first token: the context worker's answer
+        as one chunk (and the usage chunk when asked for)."""
         chat = path.endswith("/chat/completions")
         events = []
         for choice in ctx.get("choices", []):
@@ -343,7 +380,7 @@ class DisaggRouter:
                 )
             )
         events.append(SSE_DONE)
-        return Response("".join(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        return events
 
     async def models(self) -> Response:
         for worker in self.pools[GENERATION].candidates(set()):
@@ -353,18 +390,6 @@ class DisaggRouter:
             except httpx.HTTPError:
                 continue
         raise APIError(503, "no generation worker is reachable", None, "service_unavailable")
-
-
-PREFIX_CHARS = 256
-
-
-def _prompt_prefix(body: dict) -> Optional[str]:
-    """The start of a request's prompt (text, token ids or messages), for prefix affinity."""
-    prompt = body.get("prompt", body.get("messages"))
-    if prompt is None:
-        return None
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"), default=str)
-    return text[:PREFIX_CHARS]
 
 
 def _max_tokens(path: str, body: dict) -> Any:

@@ -22,6 +22,7 @@ from jaxllm.engine.kv_transfer import KvTransferError, KvTransferServer, fetch_k
 from jaxllm.executor.executor import GenerationExecutor
 from jaxllm.executor.result import GenerationResult
 from jaxllm.llm_args import DisaggregatedParams
+from jaxllm.outputs import CompletionOutput
 from jaxllm.server.errors import APIError
 from jaxllm.server.server_config import ServerConfig
 from jaxllm.server.server_metrics import ServerMetrics
@@ -60,8 +61,8 @@ class DisaggregatedWorker:
         self.transfer_server = KvTransferServer(
             self.config.kv_transfer_host,
             self.config.kv_transfer_port,
-            export=lambda rid, token: executor.call_on_engine(
-                lambda engine: engine.kv_transceiver.export(rid, token), timeout=30.0
+            export=lambda rid, token, to_host: executor.call_on_engine(
+                lambda engine: engine.kv_transceiver.export(rid, token, to_host), timeout=30.0
             ),
             expire=lambda: executor.call_on_engine(lambda engine: engine.kv_transceiver.expire(), timeout=30.0),
             next_deadline=transceiver.next_deadline,
@@ -99,15 +100,21 @@ class DisaggregatedWorker:
             raise APIError(400, f"{_FIELD}: n and best_of must be 1 for a disaggregated request", _FIELD)
         if body.use_beam_search:
             raise APIError(400, f"{_FIELD}: beam search is not supported with disaggregated serving", _FIELD)
-        if body.logprobs not in (None, False):
-            raise APIError(400, f"{_FIELD}: logprobs are not supported with disaggregated serving yet", _FIELD)
+        if getattr(body, "prompt_logprobs", None) is not None:
+            raise APIError(400, f"{_FIELD}: prompt_logprobs are not supported with disaggregated serving", _FIELD)
         if params.context_only and body.stream:
             raise APIError(400, f"{_FIELD}: a context_only request cannot stream (it returns one token)", _FIELD)
         if params.generation_only:
             try:
                 endpoint = str(params.ctx_info_endpoint)
-                shared = self.transceiver.config.backend == "SHM" and is_local(parse_endpoint(endpoint)[0])
-                payload = fetch_kv(endpoint, int(params.ctx_request_id or 0), str(params.opaque_state), shared=shared)
+                payload = fetch_kv(
+                    endpoint,
+                    int(params.ctx_request_id or 0),
+                    str(params.opaque_state),
+                    transport=self._transport(endpoint),
+                    device=self.transceiver.device,
+                    transfer_host=self.config.kv_transfer_host,
+                )
             except ValueError as exc:
                 raise APIError(400, str(exc), _FIELD) from None
             except KvTransferError as exc:
@@ -116,11 +123,25 @@ class DisaggregatedWorker:
             params.kv_payload = payload
         return params
 
-    def context_answer(self, result: GenerationResult, token_ids: list[int], finish_reason: Optional[str]) -> dict:
+    def _transport(self, endpoint: str) -> str:
+        """How to pull from `endpoint`: the backend, with SHM only to a context worker on this host."""
+        assert self.transceiver is not None
+        backend = self.transceiver.config.backend
+        if backend == "SHM" and not is_local(parse_endpoint(endpoint)[0]):
+            return "TCP"
+        return backend
+
+    def context_answer(self, result: GenerationResult, output: CompletionOutput) -> dict:
         """The `disaggregated_params` of a finished context-only request's choice: the handle
-        a generation worker claims its blocks with (held only when it ended on its length)."""
+        a generation worker claims its blocks with (held only when it ended on its length),
+        and the first token's logprobs when they were asked for."""
         assert self.transceiver is not None
         rid = result.engine_request_ids[0]
+        token_ids, finish_reason = output.token_ids, output.finish_reason
+        log_probs = None
+        if output.logprobs:
+            first = output.logprobs[0]
+            log_probs = [[[int(t), float(lp.logprob), lp.rank] for t, lp in first.items()]]
         if finish_reason != "length":  # no generation phase follows: free its blocks now if they were held
             self.transceiver.drop(rid)
         return {
@@ -130,4 +151,5 @@ class DisaggregatedWorker:
             "opaque_state": self.transceiver.opaque_state(rid) if finish_reason == "length" else None,
             "ctx_info_endpoint": self.endpoint,
             "draft_tokens": None,
+            "first_gen_log_probs": log_probs,
         }

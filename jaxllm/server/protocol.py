@@ -80,6 +80,8 @@ class DisaggregatedParamsBody(StrictModel):
     opaque_state: Optional[str] = Field(default=None, max_length=256)
     ctx_info_endpoint: Optional[str] = Field(default=None, max_length=512)
     draft_tokens: Optional[list[int]] = None
+    # per first token: [token id, logprob, rank or null] of each of its entries
+    first_gen_log_probs: Optional[list[list[list[Optional[float]]]]] = Field(default=None, max_length=1)
 
     def to_params(self) -> DisaggregatedParams:
         """The engine's params (ValueError naming the missing or unsupported field)."""
