@@ -58,7 +58,8 @@ def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
     x = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
     kind = gguf.GGMLQuantizationType[qtype]
     raw = gguf.quantize(x, kind)
-    values, scales = unpack_blocks(raw, qtype)
+    values, scales, offsets = unpack_blocks(raw, qtype)
+    assert offsets is None
     assert values.dtype == np.int8 and values.shape == x.shape and scales.shape == (48, 8)
     low, high = (-127, 127) if qtype == "Q8_0" else (-8, 7)
     assert low <= values.min() and values.max() <= high
@@ -163,7 +164,7 @@ def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype
 
     x = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
-    values, scales = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
+    values, scales, _ = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
     ours, our_scales = quantize_blocks_int(x, (1, 32), 8 if qtype == "Q8_0" else 4)
     np.testing.assert_array_equal(ours, values)
     np.testing.assert_array_equal(our_scales, scales)

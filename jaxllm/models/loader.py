@@ -31,6 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from jaxllm.models.awq_gptq import int4_group_tensors
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_shared_copies, mtp_tensor_names
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
@@ -157,6 +158,15 @@ class _Header:
                 self.file_of[name] = path
                 self.shape[name] = tuple(sl.get_shape())
                 self.dtype[name] = sl.get_dtype()
+
+    def substitute(self, presented: dict[str, tuple[tuple[int, ...], str, str]], replaced: set[str]) -> None:
+        """Tensors read through a view (AWQ / GPTQ modules): `presented` name -> (shape, dtype,
+        the real tensor it comes from) take the place of the `replaced` real ones."""
+        for name in replaced:
+            self.shape.pop(name, None)
+            self.dtype.pop(name, None)
+        for name, (shape, dtype, source) in presented.items():
+            self.shape[name], self.dtype[name], self.file_of[name] = shape, dtype, self.file_of[source]
 
     def check_layers(self, config: ModelConfig, model_dir: str | Path) -> None:
         """Every layer the config declares has tensors in the checkpoint (checked before the
@@ -324,6 +334,9 @@ def load_params(
     np_dtype = numpy_dtype(dtype or config.dtype)
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
+    int4_groups = int4_group_tensors(header.shape, header.dtype, config.quantization)
+    if int4_groups is not None:
+        header.substitute(int4_groups.names(), int4_groups.packed_names())
     all_assignments = None if assignments is None else {**assignments, **mtp_assignments}
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), all_assignments, mtp=load_mtp)
     chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config), load_mtp)
@@ -340,6 +353,8 @@ def load_params(
             try:
                 if fp8_files is not None and name in fp8_files:
                     array = fp8_files.read(name, slices)
+                elif int4_groups is not None and name in int4_groups:
+                    array = int4_groups.read(name, slices, lambda real: handles[header.file_of[real]].get_tensor(real))
                 else:
                     array = handles[header.file_of[name]].get_slice(name)[slices]
             except _FILE_ERRORS as exc:
