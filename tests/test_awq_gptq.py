@@ -231,3 +231,18 @@ def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
     assert one["kept"] and two["kept"]
     assert two["tokens"] == one["tokens"]
     assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
+
+
+def test_quantizing_on_load_starts_from_the_dequantized_weights(tmp_path):
+    """`quantization="int8"` on an AWQ checkpoint: Q8_0 blocks of `(q - zero) * scale`."""
+    from jaxllm.models.quantization import quantize_blocks_int
+    from jaxllm.models.quantized_loading import with_quantization
+
+    _, directory, dequantized = write_checkpoint(tmp_path, "awq")
+    config = with_quantization(load_model_config(directory, dtype="float32"), "int8")
+    (stack,) = load_params(directory, config)["layer_stacks"]
+    down = stack["mlp"]["down"]  # parameter [I, H] = torch [H, I] transposed
+    assert down.value.dtype == np.int8 and down.offset is None
+    values, scales = quantize_blocks_int(dequantized["model.layers.1.mlp.down_proj"].T, down.blocks[-2:], 8)
+    np.testing.assert_array_equal(np.asarray(down.value)[1], values)
+    np.testing.assert_array_equal(np.asarray(down.scale)[1], scales)

@@ -161,3 +161,21 @@ def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
     assert all(len(t) == 8 for t in one["tokens"])
     assert two["tokens"] == one["tokens"]
     assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantizing_a_kept_file_on_load_dequantizes_it_first(tmp_path, method):
+    """`quantization="fp8"` / `"int8"` on a Q4_1 file holds exactly what the same quantization
+    of the file's dequantized float checkpoint (`keep_quantized=False`) holds."""
+    from jaxllm.models.quantized_loading import with_quantization
+
+    _, gguf_path, kept = _write(tmp_path, "llama", "Q4_1")
+    float_dir = convert_gguf(gguf_path, tmp_path / "float", progress=False, keep_quantized=False)
+    assert load_model_config(float_dir).quantization is None
+    a = _quantized(load_params(kept, with_quantization(load_model_config(kept, dtype="float32"), method)))
+    b = _quantized(load_params(float_dir, with_quantization(load_model_config(float_dir, dtype="float32"), method)))
+    assert len(a) == len(b) >= 7
+    for w, v in zip(a, b):
+        assert w.offset is None and not w.unsigned and w.blocks == v.blocks
+        np.testing.assert_array_equal(np.asarray(w.value).view(np.uint8), np.asarray(v.value).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))

@@ -471,8 +471,11 @@ def _write_shards(
     (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`."""
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, progress: bool = True, keep_quantized: bool = True
+) -> Path:
+    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`
+    (`keep_quantized=False`: every tensor dequantized, a float checkpoint)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -485,7 +488,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         raise ValueError(f"{gguf_path}: {exc}") from None
     except (TypeError, KeyError, IndexError, OverflowError) as exc:
         raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
-    keep = kept_quantized_type(reader)
+    keep = kept_quantized_type(reader) if keep_quantized else None
     if keep is not None:  # its linear projections stay quantized (jaxllm.models.quant_config._parse_gguf)
         config["quantization_config"] = {
             "quant_method": "gguf",

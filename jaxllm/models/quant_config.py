@@ -50,6 +50,9 @@ class QuantConfig:
     ignored: tuple[str, ...] = ()
     offset: bool = False  # a float32 `<name>.weight_offset` per block: weight = value * scale + offset
     packing: str = ""  # "awq" | "gptq" | "gptq_v2": the checkpoint's packed int32 tensors (`awq_gptq`)
+    # Quantizing on load an integer-quantized checkpoint: its own format, dequantized while it
+    # loads (`jaxllm.models.int_checkpoint_view`).
+    stored: Optional[QuantConfig] = None
 
     def __post_init__(self) -> None:
         if self.activation_scheme not in ACTIVATION_SCHEMES:

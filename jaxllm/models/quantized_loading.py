@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.quant_config import on_load_quant_config
+from jaxllm.models.quant_config import INT_DTYPES, on_load_quant_config
 from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
@@ -221,8 +221,13 @@ def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def with_quantization(config: ModelConfig, method: Optional[str], activation_scheme: str = "dynamic") -> ModelConfig:
     """`config` with the weight quantization asked for at load time (`quantization="fp8"`, "int8"
-    or "int4"): a quantized checkpoint keeps its own (asking for another is a ValueError); an
-    unquantized one is quantized while it loads."""
+    or "int4"): an unquantized checkpoint is quantized while it loads; an integer one (GGUF,
+    AWQ, GPTQ) is dequantized and then quantized as asked; an FP8 one keeps its own (asking
+    for int8 / int4 is a ValueError)."""
+    qc = config.quantization
+    if qc is not None and method is not None and qc.from_checkpoint and qc.method in INT_DTYPES:
+        stored = qc.stored or qc
+        return replace(config, quantization=replace(on_load_quant_config(method, activation_scheme), stored=stored))
     if config.quantization is not None:
         if method is not None and (method != "fp8" or config.quantization.value_dtype != FP8.name):
             raise ValueError(
