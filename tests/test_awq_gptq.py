@@ -246,3 +246,17 @@ def test_quantizing_on_load_starts_from_the_dequantized_weights(tmp_path):
     values, scales = quantize_blocks_int(dequantized["model.layers.1.mlp.down_proj"].T, down.blocks[-2:], 8)
     np.testing.assert_array_equal(np.asarray(down.value)[1], values)
     np.testing.assert_array_equal(np.asarray(down.scale)[1], scales)
+
+
+def test_written_float_checkpoint_holds_the_dequantized_weights(tmp_path):
+    from safetensors.numpy import load_file
+
+    from jaxllm.models.float_checkpoint import write_float_checkpoint
+
+    _, directory, dequantized = write_checkpoint(tmp_path, "gptq", sym=False)
+    out = write_float_checkpoint(directory, tmp_path / "float")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not any(name.endswith(("qweight", "qzeros", "scales", "g_idx", "weight_scale")) for name in tensors)
+    for module, want in dequantized.items():
+        np.testing.assert_allclose(tensors[f"{module}.weight"], want, rtol=0, atol=1e-6 * np.abs(want).max())

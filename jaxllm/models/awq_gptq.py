@@ -45,7 +45,7 @@ def unpack_words(words: np.ndarray, axis: int, order: tuple[int, ...] = tuple(ra
     return placed.reshape(shape)
 
 
-def dequantized_int4_groups(
+def unpacked_int4_groups(
     qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, packing: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values uint8 [out, in], zeros uint8 [out, in / g], scales float32 [out, in / g]) of one
@@ -125,7 +125,7 @@ class Int4GroupTensors:
         if module in self._cache:
             self._cache.move_to_end(module)
             return self._cache[module]
-        values, zeros, scales = dequantized_int4_groups(
+        values, zeros, scales = unpacked_int4_groups(
             read_full(f"{module}.qweight"),
             read_full(f"{module}.qzeros"),
             read_full(f"{module}.scales"),
