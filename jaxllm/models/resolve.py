@@ -133,7 +133,7 @@ def _convert_into_cache(gguf_path: Path, target: Path, source: dict, log: Callab
     if _is_current(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"dequantizing {gguf_path.name} into {target} (once)")
+    log(f"converting {gguf_path.name} into {target} (once)")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         convert_gguf(gguf_path, staging)
