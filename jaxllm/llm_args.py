@@ -78,9 +78,16 @@ class KvCacheConfig:
     # "auto" (the model's dtype) or "fp8": K/V stored as float8_e4m3fn with per-layer scales
     # (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bfloat16 per token.
     dtype: str = "auto"
+    # With dtype "fp8" and no scales in the checkpoint: per-layer scales amax / 448 from a
+    # calibration prefill at start-up (`jaxllm.models.kv_calibration`) instead of 1.0.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = normalize_kv_cache_dtype(self.dtype)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and self.dtype != "fp8":
+            raise ValueError(f"calculate_kv_scales needs dtype='fp8' (the KV cache dtype is {self.dtype!r})")
         if self.host_cache_size is not None:
             self.host_cache_size = parse_byte_size("host_cache_size", self.host_cache_size)
             ram = physical_memory_bytes()

@@ -20,7 +20,18 @@ from jaxllm.models.presets import CHAT_TEMPLATE
 # llama.cpp writes Mixtral as `llama` with experts.
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # llama_ftype of a file whose 2-D weights are all of one type (Q4_K_M: Q4_K and Q6_K mixed).
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "Q6_K": 18, "BF16": 32}
+FILE_TYPE = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q4_K": 14,  # Q4_K_S
+    "Q4_K_M": 15,
+    "Q6_K": 18,
+    "BF16": 32,
+}
 
 
 def hf_config(arch: str, vocab_size: int, **overrides):
@@ -136,6 +147,56 @@ def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generato
     return blocks.reshape(rows, cols // block_values * block_bytes)
 
 
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(*x.shape, 2)
+
+
+def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
+    """A [rows, cols] float weight as Q4_K or Q6_K blocks (raw bytes [rows, cols / 256 * block]),
+    written with numpy following gguf/quants.py's block layouts (a plain min/max quantizer, not
+    llama.cpp's search; any valid blocks serve as test data)."""
+    rows, cols = x.shape
+    assert cols % 256 == 0
+    if qtype == "Q6_K":
+        b = x.reshape(-1, 16, 16).astype(np.float32)  # super-blocks of sixteen 16-value blocks
+        sub = np.abs(b).max(-1) / 31
+        d = (sub.max(-1) / 127).astype(np.float16).astype(np.float32)
+        d = np.where(d == 0, 1, d)
+        sc = np.clip(np.round(sub / d[:, None]), 0, 127).astype(np.int8)
+        eff = d[:, None] * sc.astype(np.float32)
+        q = np.where(eff[..., None] > 0, np.round(b / np.where(eff == 0, 1, eff)[..., None]), 0)
+        q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+        low, high = (q & 15).reshape(-1, 2, 2, 64), (q >> 4).reshape(-1, 2, 4, 32)
+        ql = low[:, :, 0] | (low[:, :, 1] << 4)  # element 128h + 64s + k: nibble s of ql[64h + k]
+        qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+        blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=-1)
+    elif qtype == "Q4_K":
+        b = x.reshape(-1, 8, 32).astype(np.float32)  # super-blocks of eight 32-value blocks
+        mn = np.maximum(0, -b.min(-1))
+        sub = (b.max(-1) + mn) / 15
+        d = (sub.max(-1) / 63).astype(np.float16).astype(np.float32)
+        dmin = (mn.max(-1) / 63).astype(np.float16).astype(np.float32)
+        d, dmin = np.where(d == 0, 1, d), np.where(dmin == 0, 1, dmin)
+        sc = np.clip(np.round(sub / d[:, None]), 0, 63).astype(np.uint8)
+        m = np.clip(np.round(mn / dmin[:, None]), 0, 63).astype(np.uint8)
+        eff, effm = d[:, None] * sc, dmin[:, None] * m
+        q = np.where(eff[..., None] > 0, np.round((b + effm[..., None]) / np.where(eff == 0, 1, eff)[..., None]), 0)
+        q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+        qs = q[:, :, 0] | (q[:, :, 1] << 4)  # block 2c + s: nibble s of bytes 32c..32c+31
+        scales = np.concatenate(
+            [
+                sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+                m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+            ],
+            axis=-1,
+        )
+        blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=-1)
+    else:
+        raise ValueError(qtype)
+    return np.ascontiguousarray(blocks.astype(np.uint8)).reshape(rows, -1)
+
+
 def _state_dict(model) -> dict[str, np.ndarray]:
     """HF tensor names -> float32 arrays, MoE experts stacked as [E, out, in] per projection."""
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -243,6 +304,8 @@ def write_gguf(
             writer.add_tensor(f"{gguf_name}.{suffix}", value)
         elif quant == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(f"{gguf_name}.{suffix}", value.astype(np.float16))
+        elif qtype in ("Q4_K", "Q6_K"):
+            writer.add_tensor(f"{gguf_name}.{suffix}", quantize_k(value, qtype), raw_dtype=quant)
         else:
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quantize(value, quant), raw_dtype=quant)
     writer.write_header_to_file()

@@ -183,7 +183,7 @@ def _rewrite_config(directory: Path, **quantization) -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(quant_method="awq"), "quant_method='awq'"),
+        (dict(quant_method="bitsandbytes"), "quant_method='bitsandbytes'"),
         (dict(weight_block_size=[64, 64]), "weight_block_size=[64, 64]"),
         (dict(fmt="e5m2"), "fmt='e5m2'"),
     ],

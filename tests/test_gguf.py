@@ -75,16 +75,21 @@ def _stacked(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Q8_0 / Q4_0 linears stay quantized (int8 values + `weight_scale` per 32 inputs): folded
-    back to float here, as the step does before each matmul."""
+    """Linears of the kept type stay quantized (int8 values + `weight_scale`, and for Q4_1 / Q4_K
+    `weight_offset`, per block of inputs): folded back to float here, as the step does before
+    each matmul."""
     out = {}
     for name, value in tensors.items():
-        if name.endswith(".weight_scale"):
+        if name.endswith((".weight_scale", ".weight_offset")):
             continue
         scale = tensors.get(name + "_scale")
         if scale is not None:
             assert value.dtype == np.int8
-            value = (value.reshape(*scale.shape, 32).astype(np.float32) * scale[..., None]).reshape(value.shape)
+            blocks = value.reshape(*scale.shape, -1).astype(np.float32) * scale[..., None]
+            offset = tensors.get(name + "_offset")
+            if offset is not None:
+                blocks = blocks + offset[..., None]
+            value = blocks.reshape(value.shape)
         out[name] = value
     return out
 

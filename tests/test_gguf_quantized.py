@@ -58,7 +58,8 @@ def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
     x = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
     kind = gguf.GGMLQuantizationType[qtype]
     raw = gguf.quantize(x, kind)
-    values, scales = unpack_blocks(raw, qtype)
+    values, scales, offsets = unpack_blocks(raw, qtype)
+    assert offsets is None
     assert values.dtype == np.int8 and values.shape == x.shape and scales.shape == (48, 8)
     low, high = (-127, 127) if qtype == "Q8_0" else (-8, 7)
     assert low <= values.min() and values.max() <= high
@@ -163,7 +164,7 @@ def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype
 
     x = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
-    values, scales = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
+    values, scales, _ = unpack_blocks(gguf.quantize(x, gguf.GGMLQuantizationType[qtype]), qtype)
     ours, our_scales = quantize_blocks_int(x, (1, 32), 8 if qtype == "Q8_0" else 4)
     np.testing.assert_array_equal(ours, values)
     np.testing.assert_array_equal(our_scales, scales)
@@ -181,11 +182,16 @@ def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype
         np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))
 
 
-def test_a_mixed_k_quant_file_keeps_its_q8_0_linears_and_dequantizes_the_rest(tmp_path):
-    """Q4_K / Q6_K attention and MLP weights (random valid blocks) next to Q8_0 down projections:
-    the down projections stay int8, the K-quants are listed in `modules_to_not_convert` and load
-    dequantized, and the logits are transformers' on the same file."""
+def test_a_mixed_k_quant_file_keeps_its_most_common_type_where_every_layer_has_it(tmp_path):
+    """Q4_K / Q6_K attention and MLP weights (random valid blocks) next to Q8_0 down projections,
+    as in llama.cpp's mixed files: the linears of the most common type stay quantized when every
+    layer stores that kind in it; a kind some layer stores in another type loads as float in
+    every layer (so each layer stack holds one kind of weight, and it is listed in
+    `modules_to_not_convert`); the logits are transformers' on the same file."""
     import json
+    from collections import Counter
+
+    from gguf import GGUFReader
 
     path = tmp_path / "hf"
     path.mkdir()
@@ -193,14 +199,34 @@ def test_a_mixed_k_quant_file_keeps_its_q8_0_linears_and_dequantizes_the_rest(tm
         "llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384
     )
     gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
+    linears = {
+        t.name: t.tensor_type.name
+        for t in GGUFReader(str(gguf_path)).tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and "norm" not in t.name
+    }
+    kept = Counter(linears.values()).most_common(1)[0][0]
+    by_kind: dict[str, set[str]] = {}
+    for name, kind in linears.items():
+        by_kind.setdefault(name.split(".", 2)[2], set()).add(kind)
+    uniform = {k for k, kinds in by_kind.items() if kinds == {kept}}
+    assert uniform and len(uniform) < len(by_kind)  # some kinds kept, some mixed
     directory = convert_gguf(gguf_path, tmp_path / "conv", progress=False)
     qc = json.loads((directory / "config.json").read_text())["quantization_config"]
-    assert qc["weight_type"] == "Q8_0" and "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    assert qc["weight_type"] == kept
     config = load_model_config(directory, dtype="float32")
     params = load_params(directory, config)
     (stack,) = params["layer_stacks"]
-    assert isinstance(stack["mlp"]["down"], QuantizedWeight) and stack["mlp"]["down"].value.dtype == np.int8
-    assert not isinstance(stack["attn"]["q"], QuantizedWeight) and not isinstance(stack["mlp"]["gate"], QuantizedWeight)
+    param_of = {
+        "attn_q.weight": ("attn", "q"),
+        "attn_k.weight": ("attn", "k"),
+        "attn_v.weight": ("attn", "v"),
+        "attn_output.weight": ("attn", "o"),
+        "ffn_gate.weight": ("mlp", "gate"),
+        "ffn_up.weight": ("mlp", "up"),
+        "ffn_down.weight": ("mlp", "down"),
+    }
+    for kind, (group, leaf) in param_of.items():
+        assert isinstance(stack[group][leaf], QuantizedWeight) == (kind in uniform), kind
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(path), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
     ).eval()

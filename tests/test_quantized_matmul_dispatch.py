@@ -204,3 +204,21 @@ def test_deepseek_fp8_model_step_lowers_for_cuda_on_the_kernels(deepseek_fp8, mo
             text = jax.jit(fn).trace(params, paged.empty_cache(), batch).lower(lowering_platforms=("cuda",)).as_text()
     names = set(re.findall(r'name = "([a-z_0-9]+)"', text))
     assert {"quantized_matmul_float8_e4m3fn", "moe_fused_gate_up", "moe_fused_down"} <= names, names
+
+
+def test_weights_with_an_offset_or_unsigned_values_stay_on_xla():
+    """GGUF Q4_1 / Q4_K and AWQ weights (`value * scale + offset`, unsigned nibbles) are not what
+    the kernel computes: it declines them and `qeinsum` gives the dequantized einsum."""
+    signed = _weight("int4", (64, 32), (32, 1), 0, seed=3)
+    offset = jnp.full_like(signed.scale, 0.25)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 64)), jnp.float32)
+    with quantized_matmul.use_backend("triton", interpret=True):
+        assert quantized_matmul.kernel_einsum("th,hi->ti", x, signed) is not None
+        for w in (
+            QuantizedWeight(signed.value, signed.scale, (32, 1), 0, True, offset),
+            QuantizedWeight(signed.value, signed.scale, (32, 1), 0, True, None, True),
+        ):
+            assert quantized_matmul.kernel_einsum("th,hi->ti", x, w) is None
+            with quantized_matmul.use_backend("xla"):
+                ref = qeinsum("th,hi->ti", x, w)
+            assert rel_err(qeinsum("th,hi->ti", x, w), ref) == 0.0

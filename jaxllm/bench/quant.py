@@ -6,7 +6,11 @@ Engines on the same checkpoint: the float model (`dtype="auto"`: float32 on CPU)
 in bfloat16, FP8 weights with float activations (`fp8_activation_scheme="none"`) and with
 dynamic per-token-group FP8 activations (the default), weight-only int8 and int4 with one
 scale per 32 inputs (GGUF's Q8_0 / Q4_0 blocks, `quantization="int8"` / `"int4"`), and the
-float model with an FP8 KV cache (`KvCacheConfig(dtype="fp8")`, scales 1.0). Agreement: each
+float model with an FP8 KV cache (`KvCacheConfig(dtype="fp8")`, scales 1.0, and computed
+from a calibration prefill, `calculate_kv_scales=True`). A checkpoint stored with integer
+weights (a GGUF file such as smollm2's Q4_1, AWQ, GPTQ) adds the row "as stored", its weights
+kept in their own format; the float model is then its dequantized weights (written once to
+a float checkpoint beside the bench's cache), which the other rows quantize again. Agreement: each
 engine's context logits over one fixed English passage, argmax compared position by position
 with the float model's. Bytes: every array the engine holds as weights (quantized values and
 float32 scales included), on the most loaded device. Speed is a GPU figure; on CPU the
@@ -33,16 +37,39 @@ PASSAGE = (
     "water to fall again. In the dry months the river shrinks to a thin line of water between wide "
     "banks of pale gravel, and children walk across it to reach the fields on the other side."
 )
-# (row, dtype, quantization, fp8_activation_scheme, KV cache dtype)
+# (row, dtype, quantization, fp8_activation_scheme, KV cache dtype, computed KV scales)
 VARIANTS = (
-    ("float", "auto", None, "dynamic", "auto"),
-    ("bfloat16", "bfloat16", None, "dynamic", "auto"),
-    ("fp8 weights-only", "auto", "fp8", "none", "auto"),
-    ("fp8 dynamic", "auto", "fp8", "dynamic", "auto"),
-    ("int8 (Q8_0)", "auto", "int8", "none", "auto"),
-    ("int4 (Q4_0)", "auto", "int4", "none", "auto"),
-    ("fp8 KV cache", "auto", None, "dynamic", "fp8"),
+    ("float", "auto", None, "dynamic", "auto", False),
+    ("as stored", "auto", None, "dynamic", "auto", False),
+    ("bfloat16", "bfloat16", None, "dynamic", "auto", False),
+    ("fp8 weights-only", "auto", "fp8", "none", "auto", False),
+    ("fp8 dynamic", "auto", "fp8", "dynamic", "auto", False),
+    ("int8 (Q8_0)", "auto", "int8", "none", "auto", False),
+    ("int4 (Q4_0)", "auto", "int4", "none", "auto", False),
+    ("fp8 KV cache", "auto", None, "dynamic", "fp8", False),
+    ("fp8 KV computed", "auto", None, "dynamic", "fp8", True),
 )
+
+
+def checkpoints(model: str) -> tuple[str, Any]:
+    """(the float checkpoint the rows start from, the integer-quantized one as stored or None)."""
+    import json
+    from pathlib import Path
+
+    from jaxllm.models.cache_dir import cache_root
+    from jaxllm.models.resolve import resolve_model
+
+    directory = Path(resolve_model(model))
+    qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") not in ("gguf", "awq", "gptq"):
+        return str(directory), None
+    float_dir = cache_root() / "bench" / "float" / directory.name
+    if not (float_dir / "config.json").is_file():
+        from jaxllm.models.float_checkpoint import write_float_checkpoint
+
+        write_float_checkpoint(directory, float_dir)
+    label = qc.get("weight_type") or qc["quant_method"]
+    return str(float_dir), (str(directory), label)
 
 
 def held_weight_bytes(params: Any) -> int:
@@ -59,16 +86,18 @@ def held_weight_bytes(params: Any) -> int:
     return max(per_device.values())
 
 
-def run_variant(args: argparse.Namespace, dtype: str, quantization: Any, scheme: str, kv_dtype: str) -> dict:
+def run_variant(
+    model: str, args: argparse.Namespace, dtype: str, quantization: Any, scheme: str, kv_dtype: str, computed: bool
+) -> dict:
     from jaxllm import LLM, KvCacheConfig, SamplingParams
     from jaxllm.models import kv_cache_bytes_per_token
 
     llm = LLM(
-        args.model,
+        model,
         dtype=dtype,
         quantization=quantization,
         fp8_activation_scheme=scheme,
-        kv_cache_config=KvCacheConfig(dtype=kv_dtype),
+        kv_cache_config=KvCacheConfig(dtype=kv_dtype, calculate_kv_scales=computed),
         max_batch_size=args.batch,
         max_num_tokens=512,
         max_seq_len=512,
@@ -113,7 +142,15 @@ def main(argv: Any = None) -> int:
     chosen = [v for v in VARIANTS if args.rows is None or v[0] in args.rows]
     if not any(v[0] == "float" for v in chosen):
         chosen.insert(0, VARIANTS[0])
-    rows = {name: run_variant(args, *rest) for name, *rest in chosen}
+    float_model, stored = checkpoints(args.model)
+    rows = {}
+    for name, *rest in chosen:
+        if name == "as stored":
+            if stored is None:
+                continue
+            rows[f"as stored ({stored[1]})"] = run_variant(stored[0], args, *rest)
+        else:
+            rows[name] = run_variant(float_model, args, *rest)
     base = rows["float"]
     print(
         f"model {args.model}: {len(base['top1'])} teacher-forced positions, {args.batch} x {args.decode_tokens} decode"

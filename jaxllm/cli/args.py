@@ -190,7 +190,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         choices=["auto", "fp8", "fp8_e4m3"],
         default="auto",
         help="KvCacheConfig.dtype: auto (the model's dtype) or fp8 (float8_e4m3fn with per-layer scales: "
-        "the checkpoint's k_scale/v_scale, else 1.0)",
+        "the checkpoint's k_scale/v_scale, else 1.0, or computed with --calculate-kv-scales)",
+    )
+    g.add_argument(
+        "--calculate-kv-scales",
+        dest="calculate_kv_scales",
+        action="store_true",
+        help="KvCacheConfig.calculate_kv_scales: with --kv-cache-dtype fp8 and no checkpoint scales, per-layer "
+        "scales amax / 448 from a calibration prefill at start-up instead of 1.0",
     )
     g.add_argument(
         "--kv-cache-free-gpu-memory-fraction",
@@ -429,6 +436,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         host_cache_size=getattr(args, "kv_cache_host_size", None),
         free_gpu_memory_fraction=getattr(args, "free_gpu_memory_fraction", 0.9),
         dtype=getattr(args, "kv_cache_dtype", "auto"),
+        calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
     )
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype,

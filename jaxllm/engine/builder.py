@@ -40,6 +40,7 @@ from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
 from jaxllm.models.backends import resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
+from jaxllm.models.kv_calibration import with_computed_kv_scales
 from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.mtp import mtp_kv_cache_spec
 from jaxllm.models.partitioning import attention_dp_rules
@@ -186,6 +187,10 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         num_slots=num_slots,
         load_mtp=use_mtp,
     )
+    if config.kv_cache_config.calculate_kv_scales:  # FP8 KV scales from a calibration prefill
+        if attention_dp:
+            raise ValueError("calculate_kv_scales is not supported with attention data parallelism")
+        model_config = with_computed_kv_scales(model_config, params, mesh, config.tokenizer or model_dir)
     moe_layers = [i for i in range(model_config.num_layers) if model_config.is_moe_layer(i)]
     # Offline expert statistics (EXPERT_STATISTIC_ITER_RANGE / EXPERT_STATISTIC_PATH), per expert.
     expert_statistics = (

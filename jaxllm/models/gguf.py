@@ -7,12 +7,14 @@ transformers' GGUF tokenizer converters, with the chat template from the metadat
 engine then loads the directory through the ordinary safetensors loader, so GGUF adds no
 second loading path.
 
-Linear projections in Q8_0 or Q4_0 (the type most of them use) stay quantized: their int8
-values (Q4_0's in [-8, 7]) and float32 scales, one per 32 inputs, are written as
-`<module>.weight` / `<module>.weight_scale` with a `quantization_config` of method "gguf",
-and the loader keeps them so on the device (int8, or int4 packed two to a byte) for the
-jitted step to dequantize before each matmul. Every other tensor (embeddings, norms, the LM
-head, linears of other types) is dequantized by the `gguf` library.
+Linear projections in Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (the type most of them use) stay
+quantized: their integer values (one to an int8) and float32 scales, one per block of 32
+inputs (Q6_K: 16), are written as `<module>.weight` / `<module>.weight_scale` (Q4_1 and Q4_K
+also `<module>.weight_offset`, the block's minimum) with a `quantization_config` of method
+"gguf", and the loader keeps them so on the device (int8, or 4-bit packed two to a byte) for
+the jitted step to dequantize before each matmul. Every other tensor (embeddings, norms, the
+LM head, linears of other types, and every layer's copy of a linear that some layer stores in
+another type, so that layer stacks stay uniform) is dequantized by the `gguf` library.
 
 llama.cpp stores the q/k projections of Llama-family attention with each head's rows
 interleaved for its RoPE kernel (`convert_hf_to_gguf.py`'s `permute`); they are put back in
@@ -43,6 +45,7 @@ from jaxllm.models.config_fields import (
     as_float,
     as_int,
 )
+from jaxllm.models.gguf_blocks import unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +97,8 @@ _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)(?:_exps\.weight|\.(\d+)\.weight)$"
 _LINEAR_TENSORS = tuple(
     f"{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 )
-# Block types whose linear projections load quantized (int8 / packed int4 values + block scales).
-KEPT_QUANTIZED = ("Q8_0", "Q4_0")
+# Block types whose linear projections load quantized (int8 / packed 4-bit values + block scales).
+KEPT_QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -240,9 +243,16 @@ def is_linear(name: str) -> bool:
     return match is not None and (match.group(2) in _LINEAR_TENSORS or _EXPERT_RE.match(match.group(2)) is not None)
 
 
+def _kind(name: str) -> str:
+    """A layer tensor's name without its layer (`blk.3.attn_q.weight` -> `attn_q.weight`)."""
+    match = _LAYER_RE.match(name)
+    return match.group(2) if match else name
+
+
 def kept_quantized_type(reader) -> Optional[str]:
-    """The block type (Q8_0 or Q4_0) whose linear projections stay quantized on the device: the
-    one most of them use; linears of other types are dequantized (`modules_to_not_convert`)."""
+    """The block type (one of KEPT_QUANTIZED) whose linear projections stay quantized on the
+    device: the one most of them use; linears of other types are dequantized
+    (`modules_to_not_convert`)."""
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -251,40 +261,46 @@ def kept_quantized_type(reader) -> Optional[str]:
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
-def unpack_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 values [..., n], float32 scales [..., n / 32]) of Q8_0 / Q4_0 rows ([..., bytes]),
-    the weight being `value * scale` per block of 32 (ggml's `dequantize_row_q8_0` / `_q4_0`)."""
-    block_bytes = {"Q8_0": 34, "Q4_0": 18}[kind]
-    lead = data.shape[:-1]
-    blocks = np.ascontiguousarray(data).reshape(*lead, -1, block_bytes)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    body = blocks[..., 2:]
-    if kind == "Q8_0":
-        values = body.view(np.int8)
-    else:  # element j in the low nibble of byte j, element j + 16 in its high nibble, offset 8
-        values = np.concatenate([body & 0x0F, body >> 4], axis=-1).astype(np.int8) - 8
-    return values.reshape(*lead, -1), scale
+def _mixed_kinds(reader, keep: str) -> set[str]:
+    """Linear tensor kinds (`attn_v.weight`) that some layer stores in another type than `keep`
+    (llama.cpp's Q4_K_M gives some layers' attn_v / ffn_down Q6_K): every layer's copy loads as
+    float, so each layer stack holds one kind of weight."""
+    return {_kind(t.name) for t in reader.tensors if is_linear(t.name) and t.tensor_type.name != keep}
+
+
+def _keeps(tensor, keep: Optional[str], mixed: set[str]) -> bool:
+    return (
+        keep is not None
+        and tensor.tensor_type.name == keep
+        and is_linear(tensor.name)
+        and _kind(tensor.name) not in mixed
+    )
 
 
 def hf_tensors(
     reader, config: dict[str, Any], progress: bool = True, keep: Optional[str] = None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(Hugging Face name, array in HF layout) for every tensor of the file: dequantized, except
-    linear projections of type `keep` (Q8_0 / Q4_0), which come as int8 values under their
-    name and float32 block scales under `<module>.weight_scale`."""
+    linear projections of type `keep` (one of KEPT_QUANTIZED) whose every layer has that type,
+    which come as int8 values under their name and float32 block scales (and offsets) under
+    `<module>.weight_scale` (`.weight_offset`)."""
     from gguf import GGMLQuantizationType, dequantize
 
     permute = config["model_type"] in ("llama", "mixtral")
     mixtral = config["model_type"] == "mixtral"
     unknown: list[str] = []
+    mixed = _mixed_kinds(reader, keep) if keep is not None else set()
     for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not progress):
         name = tensor.name
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        if keep is not None and qtype.name == keep and is_linear(name):
-            values, scales = unpack_blocks(np.asarray(tensor.data), keep)
+        if _keeps(tensor, keep, mixed):
+            assert keep is not None
+            values, scales, offsets = unpack_blocks(np.asarray(tensor.data), keep)
             yield from _renamed(name, values, config, permute, mixtral, unknown)
-            for hf_name, array in _renamed(name, scales, config, permute, mixtral, unknown):
-                yield hf_name.removesuffix("weight") + "weight_scale", array
+            for suffix, per_block in (("weight_scale", scales), ("weight_offset", offsets)):
+                if per_block is not None:
+                    for hf_name, array in _renamed(name, per_block, config, permute, mixtral, unknown):
+                        yield hf_name.removesuffix("weight") + suffix, array
             continue
         array = np.asarray(dequantize(tensor.data, qtype))
         array = array.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float32, copy=False)
@@ -328,10 +344,12 @@ def _renamed(
 
 
 def _float_linears(reader, config: dict[str, Any], keep: str) -> list[str]:
-    """Hugging Face module names of the linear projections not of type `keep` (loaded as float)."""
+    """Hugging Face module names of the linear projections loaded as float: those not of type
+    `keep`, and every layer's copy of a kind some layer stores in another type."""
     names: list[str] = []
+    mixed = _mixed_kinds(reader, keep)
     for tensor in reader.tensors:
-        if is_linear(tensor.name) and tensor.tensor_type.name != keep:
+        if is_linear(tensor.name) and not _keeps(tensor, keep, mixed):
             data = np.zeros((tensor.data.shape[0],) + (1,) * (tensor.data.ndim - 1), np.float32)  # names only
             names += [
                 n.removesuffix(".weight")
@@ -453,8 +471,11 @@ def _write_shards(
     (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`."""
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, progress: bool = True, keep_quantized: bool = True
+) -> Path:
+    """Write the Hugging Face model directory equivalent to `gguf_path` into `out_dir`
+    (`keep_quantized=False`: every tensor dequantized, a float checkpoint)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -467,7 +488,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         raise ValueError(f"{gguf_path}: {exc}") from None
     except (TypeError, KeyError, IndexError, OverflowError) as exc:
         raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
-    keep = kept_quantized_type(reader)
+    keep = kept_quantized_type(reader) if keep_quantized else None
     if keep is not None:  # its linear projections stay quantized (jaxllm.models.quant_config._parse_gguf)
         config["quantization_config"] = {
             "quant_method": "gguf",

@@ -31,7 +31,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from jaxllm.models.awq_gptq import int4_group_tensors
 from jaxllm.models.deepseek_weights import log_skipped_mtp, mtp_shared_copies, mtp_tensor_names
+from jaxllm.models.int_checkpoint_view import DequantizedTensors
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
@@ -157,6 +159,15 @@ class _Header:
                 self.file_of[name] = path
                 self.shape[name] = tuple(sl.get_shape())
                 self.dtype[name] = sl.get_dtype()
+
+    def substitute(self, presented: dict[str, tuple[tuple[int, ...], str, str]], replaced: set[str]) -> None:
+        """Tensors read through a view (AWQ / GPTQ modules): `presented` name -> (shape, dtype,
+        the real tensor it comes from) take the place of the `replaced` real ones."""
+        for name in replaced:
+            self.shape.pop(name, None)
+            self.dtype.pop(name, None)
+        for name, (shape, dtype, source) in presented.items():
+            self.shape[name], self.dtype[name], self.file_of[name] = shape, dtype, self.file_of[source]
 
     def check_layers(self, config: ModelConfig, model_dir: str | Path) -> None:
         """Every layer the config declares has tensors in the checkpoint (checked before the
@@ -324,6 +335,13 @@ def load_params(
     np_dtype = numpy_dtype(dtype or config.dtype)
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
+    stored = config.quantization.stored if config.quantization is not None else None  # to dequantize
+    int4_groups = int4_group_tensors(header.shape, header.dtype, stored or config.quantization)
+    if int4_groups is not None:
+        header.substitute(int4_groups.names(), int4_groups.packed_names())
+    dequantized = DequantizedTensors(header.shape, header.dtype, stored) if stored is not None else None
+    if dequantized is not None:
+        header.substitute(dequantized.names(), dequantized.hidden_names())
     all_assignments = None if assignments is None else {**assignments, **mtp_assignments}
     decls = declare_weights(config, kv_replicas_for(config, mesh, rules), all_assignments, mtp=load_mtp)
     chosen = _choose_alternatives(header, decls, config, model_dir, scale_candidates(decls, config), load_mtp)
@@ -336,10 +354,20 @@ def load_params(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="np")) for path in header.files}
 
+        def raw(name: str) -> np.ndarray:
+            return handles[header.file_of[name]].get_tensor(name)
+
+        def stored_tensor(name: str) -> np.ndarray:  # in the checkpoint's integer format
+            return int4_groups.read(name, (Ellipsis,), raw) if int4_groups and name in int4_groups else raw(name)
+
         def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
             try:
                 if fp8_files is not None and name in fp8_files:
                     array = fp8_files.read(name, slices)
+                elif dequantized is not None and name in dequantized:
+                    array = dequantized.read(name, slices, stored_tensor)
+                elif int4_groups is not None and name in int4_groups:
+                    array = int4_groups.read(name, slices, raw)
                 else:
                     array = handles[header.file_of[name]].get_slice(name)[slices]
             except _FILE_ERRORS as exc:

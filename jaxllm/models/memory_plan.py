@@ -94,7 +94,8 @@ def device_bytes_of(decl: WeightDecl, dtype: Any, rules: Any, mesh_shape: Mappin
     if decl.quant is None:
         return math.prod(shard) * decl.param_dtype(dtype).itemsize, 0
     scale_shape = decl.quant.scale_shape(decl.shape)
-    scales = math.prod(shard_shape(scale_shape, scale_spec(spec, scale_shape, mesh_shape), mesh_shape)) * 4
+    per_block = 8 if decl.quant.offset else 4  # float32 scale (and offset)
+    scales = math.prod(shard_shape(scale_shape, scale_spec(spec, scale_shape, mesh_shape), mesh_shape)) * per_block
     values = math.prod(shard) * decl.quant.value_dtype().itemsize
     return (values // 2 if decl.quant.packed else values) + scales, scales
 

@@ -11,6 +11,9 @@ Two FP8 (e4m3) schemes are understood:
   "compressed-tensors"`, weights `{num_bits: 8, type: float, strategy: channel}`), with
   `<name>.weight_scale` float32 [out, 1].
 
+Weight-only integer formats: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, written by
+`jaxllm.models.gguf`) and HF AWQ / GPTQ 4-bit checkpoints (`jaxllm.models.awq_gptq`).
+
 Activations: "dynamic" quantizes each token's activations per group of 128 to e4m3 at run
 time (DeepSeek's `act_quant`), so the numerics match an FP8 deployment; "none" multiplies
 the dequantized weights with the unquantized activations (weights-only).
@@ -39,12 +42,17 @@ class QuantConfig:
     the checkpoint (empty when weights are quantized at load time). `ignored` lists
     checkpoint module prefixes kept unquantized (`modules_to_not_convert` / `ignore`)."""
 
-    method: str  # "fp8_block" | "fp8_channel" | "int8_block" | "int4_block" (GGUF Q8_0 / Q4_0)
+    method: str  # "fp8_block" | "fp8_channel" | "int8_block" | "int4_block" | "uint4_block"
     weight_block_size: tuple[int, int] = (BLOCK, BLOCK)
     activation_scheme: str = "dynamic"
     scale_suffix: str = "weight_scale_inv"
     from_checkpoint: bool = True
     ignored: tuple[str, ...] = ()
+    offset: bool = False  # a float32 `<name>.weight_offset` per block: weight = value * scale + offset
+    packing: str = ""  # "awq" | "gptq" | "gptq_v2": the checkpoint's packed int32 tensors (`awq_gptq`)
+    # Quantizing on load an integer-quantized checkpoint: its own format, dequantized while it
+    # loads (`jaxllm.models.int_checkpoint_view`).
+    stored: Optional[QuantConfig] = None
 
     def __post_init__(self) -> None:
         if self.activation_scheme not in ACTIVATION_SCHEMES:
@@ -65,12 +73,16 @@ class QuantConfig:
     @property
     def value_dtype(self) -> str:
         """What the device holds per value: float8_e4m3fn, int8, or int4 (two to a byte)."""
-        return {"int8_block": "int8", "int4_block": "int4"}.get(self.method, FP8_DTYPE)
+        return INT_DTYPES.get(self.method, FP8_DTYPE)
 
     @property
     def checkpoint_dtype(self) -> str:
         """The safetensors dtype of the quantized weights (GGUF's 4-bit values are stored one to an I8)."""
-        return "I8" if self.method in ("int8_block", "int4_block") else "F8_E4M3"
+        return "I8" if self.method in INT_DTYPES else "F8_E4M3"
+
+    @property
+    def offset_suffix(self) -> str:
+        return "weight_offset"
 
     def block_for(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (rows, cols) block of one torch [out, in] weight."""
@@ -94,25 +106,68 @@ def parse_quantization_config(qc: Any) -> QuantConfig:
         return _parse_compressed_tensors(qc)
     if method == "gguf":
         return _parse_gguf(qc)
+    if method in ("awq", "gptq"):
+        return _parse_awq_gptq(qc, method)
     raise ValueError(
         f"unsupported quantization_config.quant_method={method!r}; supported: 'fp8' (DeepSeek block-scaled "
-        "FP8), 'compressed-tensors' (FP8 per-channel) and 'gguf' (Q8_0 / Q4_0 weights of a converted GGUF file)"
+        "FP8), 'compressed-tensors' (FP8 per-channel), 'awq' / 'gptq' (4-bit, group_size 128) and 'gguf' "
+        "(Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights of a converted GGUF file)"
     )
 
 
-# GGUF block types kept quantized on the device: one float scale per 32 consecutive inputs.
+# What the device holds per value for each integer method.
+INT_DTYPES = {"int8_block": "int8", "int4_block": "int4", "uint4_block": "uint4"}
+# GGUF block types kept quantized on the device: (method, inputs per scale, with an offset).
 GGUF_BLOCK = 32
-GGUF_METHODS = {"Q8_0": "int8_block", "Q4_0": "int4_block"}
+GGUF_METHODS = {
+    "Q8_0": ("int8_block", GGUF_BLOCK, False),  # d * q, q in [-127, 127]
+    "Q4_0": ("int4_block", GGUF_BLOCK, False),  # d * (q - 8)
+    "Q4_1": ("uint4_block", GGUF_BLOCK, True),  # d * q + m, q in [0, 15]
+    "Q4_K": ("uint4_block", 32, True),  # (d * sc) * q - dmin * m per 32 of a 256 super-block
+    "Q6_K": ("int8_block", 16, False),  # (d * sc) * (q - 32) per 16 of a 256 super-block
+}
 
 
 def _parse_gguf(qc: dict) -> QuantConfig:
-    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0}` (written by `jaxllm.models.gguf`): each
-    quantized `<module>.weight` is int8 [out, in] (Q4_0: values in [-8, 7]) with float32
-    `<module>.weight_scale` [out, in / 32], the weight being `value * scale` per block of 32."""
+    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0 | Q4_1 | Q4_K | Q6_K}` (written by
+    `jaxllm.models.gguf`): each quantized `<module>.weight` is int8 [out, in] (4-bit types: one
+    value to a byte) with float32 `<module>.weight_scale` [out, in / block] (and, for Q4_1 /
+    Q4_K, `<module>.weight_offset`), the weight being `value * scale (+ offset)` per block."""
     kind = qc.get("weight_type")
     if kind not in GGUF_METHODS:
         raise ValueError(f"unsupported quantization_config.weight_type={kind!r}; one of {sorted(GGUF_METHODS)}")
-    return QuantConfig(GGUF_METHODS[kind], (1, GGUF_BLOCK), "none", "weight_scale", True, _ignored(qc))
+    method, block, offset = GGUF_METHODS[kind]
+    return QuantConfig(method, (1, block), "none", "weight_scale", True, _ignored(qc), offset)
+
+
+def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
+    """HF AWQ (`version: gemm`) / GPTQ 4-bit checkpoints with `group_size` 128: unpacked on load
+    (`jaxllm.models.awq_gptq`) into 4-bit values with a float32 scale (and offset `-zero *
+    scale`) per 128 inputs. GPTQ's symmetric checkpoints (every zero 8) are signed int4."""
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    if bits != 4:
+        raise ValueError(f"unsupported {method} quantization_config.bits={bits!r}; only 4-bit weights load")
+    if group != 128:
+        raise ValueError(f"unsupported {method} quantization_config.group_size={group!r}; only 128 is implemented")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"unsupported awq quantization_config.version={version!r}; only 'gemm' packing loads")
+        if qc.get("zero_point", True) is not True:
+            raise ValueError("unsupported awq quantization_config.zero_point=false; only zero-point AWQ loads")
+        return QuantConfig("uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), True, "awq")
+    if qc.get("desc_act", False):
+        raise ValueError(
+            "unsupported gptq quantization_config.desc_act=true (act-order: g_idx permutes the groups); "
+            "only desc_act=false checkpoints load"
+        )
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"unsupported gptq quantization_config.checkpoint_format={fmt!r}; 'gptq' or 'gptq_v2'")
+    sym = qc.get("sym", True) is True
+    return QuantConfig(
+        "int4_block" if sym else "uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), not sym, fmt
+    )
 
 
 def _parse_fp8_block(qc: dict) -> QuantConfig:

@@ -32,16 +32,21 @@ from jaxllm.models.weight_layout import Source, view_groups
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 INT4 = "int4"  # WeightQuant.dtype of GGUF Q4_0 weights: values in [-8, 7], packed two to a byte
+UINT4 = "uint4"  # Q4_1 / Q4_K / AWQ / GPTQ (asymmetric): values in [0, 15], packed two to a byte
+PACKED_DTYPES = (INT4, UINT4)
 
 
 @dataclass(frozen=True)
 class WeightQuant:
     """How one declared parameter is stored quantized: `dtype` values and float32 scales, one
-    per block of `blocks[j]` entries along parameter axis j."""
+    per block of `blocks[j]` entries along parameter axis j; with `offset`, also a float32
+    offset per block, the weight being `value * scale + offset` (GGUF's Q4_1 / Q4_K minimum,
+    AWQ / GPTQ's `-zero * scale`)."""
 
     blocks: tuple[int, ...]
     act_group: int = BLOCK  # activations quantized per token-group of this many (-1: whole token, 0: not)
     dtype: str = FP8_DTYPE
+    offset: bool = False
 
     def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         lead = len(shape) - len(self.blocks)  # stacked layers: a leading axis with blocks of 1
@@ -50,8 +55,8 @@ class WeightQuant:
 
     @property
     def packed(self) -> bool:
-        """int4 values are stored two to a byte along the parameter's last axis."""
-        return self.dtype == INT4
+        """4-bit values are stored two to a byte along the parameter's last axis."""
+        return self.dtype in PACKED_DTYPES
 
     def value_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The stored value array's shape (the last axis halved when packed)."""
@@ -59,37 +64,61 @@ class WeightQuant:
         if not self.packed:
             return shape
         if shape[-1] % 2:
-            raise ValueError(f"int4 weights of shape {list(shape)}: the last axis must be even to pack")
+            raise ValueError(f"4-bit weights of shape {list(shape)}: the last axis must be even to pack")
         return shape[:-1] + (shape[-1] // 2,)
 
     def value_dtype(self) -> np.dtype:
         return np.dtype(np.uint8) if self.packed else np.dtype(getattr(ml_dtypes, self.dtype, None) or self.dtype)
 
     def nbytes(self, shape: Sequence[int]) -> int:
-        return int(np.prod(self.value_shape(shape))) * self.value_dtype().itemsize + 4 * int(
+        per_block = 8 if self.offset else 4  # float32 scale (and offset)
+        return int(np.prod(self.value_shape(shape))) * self.value_dtype().itemsize + per_block * int(
             np.prod(self.scale_shape(shape))
         )
 
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
-    """A parameter leaf pair: `value` (float8_e4m3fn, int8, or int4 packed two to a uint8 along
-    the last axis when `packed`) and `scale` (float32), with the static block of each trailing
-    axis and how matmuls quantize their activations (`act_group`: per token-group of that many
-    features, -1 per whole token, 0 not at all)."""
+    """A parameter's leaves: `value` (float8_e4m3fn, int8, or 4-bit packed two to a uint8 along
+    the last axis when `packed`, signed or `unsigned`), `scale` (float32) and, for asymmetric
+    formats, `offset` (float32, shaped like `scale`; None otherwise), with the static block of
+    each trailing axis and how matmuls quantize their activations (`act_group`: per
+    token-group of that many features, -1 per whole token, 0 not at all)."""
 
     def __init__(
-        self, value: Any, scale: Any, blocks: tuple[int, ...], act_group: int = BLOCK, packed: bool = False
+        self,
+        value: Any,
+        scale: Any,
+        blocks: tuple[int, ...],
+        act_group: int = BLOCK,
+        packed: bool = False,
+        offset: Any = None,
+        unsigned: bool = False,
     ) -> None:
-        self.value, self.scale = value, scale
+        self.value, self.scale, self.offset = value, scale, offset
         self.blocks, self.act_group, self.packed = tuple(blocks), int(act_group), bool(packed)
+        self.unsigned = bool(unsigned)
 
     def tree_flatten(self):
-        return (self.value, self.scale), (self.blocks, self.act_group, self.packed)
+        return (self.value, self.scale, self.offset), (self.blocks, self.act_group, self.packed, self.unsigned)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], children[1], *aux)
+        blocks, act_group, packed, unsigned = aux
+        return cls(children[0], children[1], blocks, act_group, packed, children[2], unsigned)
+
+    @classmethod
+    def like(cls, quant: WeightQuant, value: Any, scale: Any, offset: Any = None) -> QuantizedWeight:
+        """Leaves `value`, `scale` (and `offset` when `quant` has one) stored as `quant` says."""
+        return cls(
+            value,
+            scale,
+            quant.blocks,
+            quant.act_group,
+            quant.packed,
+            offset if quant.offset else None,
+            quant.dtype == UINT4,
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -183,7 +212,7 @@ def quantized_decl(decl: Any, config: Any) -> Any:
         return decl
     blocks = param_blocks(src, qc.block_for(*src.shape))
     lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
-    quant = WeightQuant((1,) * lead + blocks, qc.activation_group, qc.value_dtype)
+    quant = WeightQuant((1,) * lead + blocks, qc.activation_group, qc.value_dtype, qc.offset)
     return replace(decl, quant=quant)
 
 
@@ -259,23 +288,28 @@ def quantize_blocks_int(x: np.ndarray, blocks: Sequence[int], bits: int) -> tupl
 
 
 def dense(w: Any, dtype: Any = None) -> jax.Array:
-    """The weight as a plain array: a `QuantizedWeight` dequantized (value * scale per block,
-    in float32, then cast to `dtype`, by default the scale's float32), anything else as is."""
+    """The weight as a plain array: a `QuantizedWeight` dequantized (value * scale [+ offset]
+    per block, in float32, then cast to `dtype`, by default float32), anything else as is."""
     if not isinstance(w, QuantizedWeight):
         return w
-    value = unpack_int4(w.value) if w.packed else w.value
+    value = unpack_int4(w.value, w.unsigned) if w.packed else w.value
     blocks = (1,) * (value.ndim - len(w.blocks)) + w.blocks
-    s = w.scale
-    for axis, b in enumerate(blocks):
-        if b > 1:
-            s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
-    s = s[tuple(slice(0, n) for n in value.shape)]
-    return (value.astype(jnp.float32) * s).astype(dtype or jnp.float32)
+
+    def expanded(s: jax.Array) -> jax.Array:
+        for axis, b in enumerate(blocks):
+            if b > 1:
+                s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
+        return s[tuple(slice(0, n) for n in value.shape)]
+
+    out = value.astype(jnp.float32) * expanded(w.scale)
+    if w.offset is not None:
+        out = out + expanded(w.offset)
+    return out.astype(dtype or jnp.float32)
 
 
 def pack_int4(x: Any) -> Any:
-    """int values in [-8, 7], [..., 2n] -> uint8 [..., n]: entry 2i in the low nibble, 2i + 1 in
-    the high one (numpy or jax arrays)."""
+    """int values in [-8, 7] (or [0, 15]), [..., 2n] -> uint8 [..., n]: entry 2i in the low
+    nibble, 2i + 1 in the high one (numpy or jax arrays)."""
     if isinstance(x, jax.Array):
         u = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8)  # two's complement bytes
     else:
@@ -283,10 +317,14 @@ def pack_int4(x: Any) -> Any:
     return (u[..., 0::2] & 0xF) | ((u[..., 1::2] & 0xF) << 4)
 
 
-def unpack_int4(packed: jax.Array) -> jax.Array:
-    """The inverse of `pack_int4`: int8 [..., 2n] (nibbles sign-extended)."""
-    v = jax.lax.bitcast_convert_type(packed, jnp.int8)
-    lo, hi = jnp.left_shift(v, 4) >> 4, v >> 4  # arithmetic shifts of int8 sign-extend
+def unpack_int4(packed: jax.Array, unsigned: bool = False) -> jax.Array:
+    """The inverse of `pack_int4`: int8 [..., 2n] (nibbles sign-extended, or in [0, 15] when
+    `unsigned`)."""
+    if unsigned:
+        lo, hi = (packed & 0xF).astype(jnp.int8), (packed >> 4).astype(jnp.int8)
+    else:
+        v = jax.lax.bitcast_convert_type(packed, jnp.int8)
+        lo, hi = jnp.left_shift(v, 4) >> 4, v >> 4  # arithmetic shifts of int8 sign-extend
     return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.quant_config import on_load_quant_config
+from jaxllm.models.quant_config import INT_DTYPES, on_load_quant_config
 from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
@@ -66,10 +66,19 @@ class Fp8Files:
         return np.asarray(flat.reshape(shape)[slices]).view(FP8)
 
 
-def scale_name(config: ModelConfig, weight_name: str) -> str:
-    """The checkpoint's scale tensor of a quantized `<module>.weight`."""
+def scale_name(config: ModelConfig, weight_name: str, suffix: Optional[str] = None) -> str:
+    """The checkpoint's scale tensor of a quantized `<module>.weight` (or, with `suffix`, its
+    offset tensor)."""
     assert config.quantization is not None
-    return weight_name[: -len("weight")] + config.quantization.scale_suffix
+    return weight_name[: -len("weight")] + (suffix or config.quantization.scale_suffix)
+
+
+def _block_tensor_names(config: ModelConfig, weight_name: str) -> list[str]:
+    """The per-block tensors of a quantized weight: its scales, and its offsets when it has them."""
+    qc = config.quantization
+    assert qc is not None
+    names = [scale_name(config, weight_name)]
+    return names + [scale_name(config, weight_name, qc.offset_suffix)] if qc.offset else names
 
 
 def expected_scale_shape(config: ModelConfig, stored: tuple[int, int]) -> tuple[int, int]:
@@ -83,7 +92,13 @@ def scale_candidates(decls: Sequence[WeightDecl], config: ModelConfig) -> set[st
     qc = config.quantization
     if qc is None or not qc.from_checkpoint:
         return set()
-    return {scale_name(config, src.name) for d in decls if d.quant is not None for src in d.alternatives[0]}
+    return {
+        name
+        for d in decls
+        if d.quant is not None
+        for src in d.alternatives[0]
+        for name in _block_tensor_names(config, src.name)
+    }
 
 
 def check_quantized(
@@ -116,23 +131,30 @@ def check_quantized(
                 f"tensor {fp8[0]}: float8 weights load only in the per-module layout, every part quantized"
             )
         for src in alt:
-            name = scale_name(config, src.name)
-            if name not in shapes:
-                raise ValueError(f"scale tensor {name} of float8 weight {src.name} is missing from the checkpoint")
-            if dtypes.get(name) not in ("F32", "BF16", "F16", "F64"):
-                raise ValueError(f"scale tensor {name} has dtype {dtypes.get(name)}; scales must be float")
-            want = expected_scale_shape(config, src.shape)  # type: ignore[arg-type]
-            if tuple(shapes[name]) != want:
-                raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
-            scales.add(name)
+            for name in _block_tensor_names(config, src.name):
+                if name not in shapes:
+                    raise ValueError(
+                        f"scale tensor {name} of quantized weight {src.name} is missing from the checkpoint"
+                    )
+                if dtypes.get(name) not in ("F32", "BF16", "F16", "F64"):
+                    raise ValueError(f"scale tensor {name} has dtype {dtypes.get(name)}; scales must be float")
+                want = expected_scale_shape(config, src.shape)  # type: ignore[arg-type]
+                if tuple(shapes[name]) != want:
+                    raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
+                scales.add(name)
         out.append(decl)
     return out, scales
 
 
 def _member_scales(
-    decl: WeightDecl, alt: Sequence[Source], config: ModelConfig, read_full: Callable[[str], np.ndarray]
+    decl: WeightDecl,
+    alt: Sequence[Source],
+    config: ModelConfig,
+    read_full: Callable[[str], np.ndarray],
+    suffix: Optional[str] = None,
 ) -> np.ndarray:
-    """One declared weight's scales in parameter layout, from the checkpoint's scale tensors."""
+    """One declared weight's scales (or, with `suffix`, offsets) in parameter layout, from the
+    checkpoint's per-block tensors."""
     assert decl.quant is not None
     part = alt[0].part is not None
     blocks = decl.quant.blocks[1:] if part else decl.quant.blocks
@@ -140,7 +162,7 @@ def _member_scales(
 
     def scales_of(src: Source) -> np.ndarray:
         stored_block = config.quantization.block_for(*src.shape)  # type: ignore[union-attr]
-        return checkpoint_scales(src, extent, blocks, read_full(scale_name(config, src.name)), stored_block)
+        return checkpoint_scales(src, extent, blocks, read_full(scale_name(config, src.name, suffix)), stored_block)
 
     if not part:
         return scales_of(alt[0])
@@ -166,13 +188,19 @@ def assemble_quantized(
     assert q is not None
     members = decl.members if isinstance(decl, StackedDecl) else (decl,)
     value_sharding = jax.sharding.NamedSharding(mesh, spec)
+    offset = None
     if config.quantization is not None and config.quantization.from_checkpoint:
         value = assemble_value()
-        if q.packed:  # int4 read as int8 values, packed two to a byte on the device
+        if q.packed:  # 4-bit read as int8 values, packed two to a byte on the device
             value = jax.jit(pack_int4, out_shardings=value_sharding)(value)
-        scale = np.stack([_member_scales(m, a, config, read_full) for m, a in zip(members, alternatives)])
-        if not isinstance(decl, StackedDecl):
-            scale = scale[0]
+
+        def per_block(suffix: Optional[str] = None) -> np.ndarray:
+            out = np.stack([_member_scales(m, a, config, read_full, suffix) for m, a in zip(members, alternatives)])
+            return out if isinstance(decl, StackedDecl) else out[0]
+
+        scale = per_block()
+        if q.offset:
+            offset = per_block(config.quantization.offset_suffix)
     elif q.dtype == FP8.name:
         host, scale = quantize_blocks(read_param(), q.blocks)
         value = _put(host, value_sharding)
@@ -182,7 +210,9 @@ def assemble_quantized(
         value = _put(pack_int4(host) if q.packed else host, value_sharding)
         del host
     scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
-    return QuantizedWeight(value, _put(scale, scale_sharding), q.blocks, q.act_group, q.packed)
+    return QuantizedWeight.like(
+        q, value, _put(scale, scale_sharding), None if offset is None else _put(offset, scale_sharding)
+    )
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -191,8 +221,13 @@ def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def with_quantization(config: ModelConfig, method: Optional[str], activation_scheme: str = "dynamic") -> ModelConfig:
     """`config` with the weight quantization asked for at load time (`quantization="fp8"`, "int8"
-    or "int4"): a quantized checkpoint keeps its own (asking for another is a ValueError); an
-    unquantized one is quantized while it loads."""
+    or "int4"): an unquantized checkpoint is quantized while it loads; an integer one (GGUF,
+    AWQ, GPTQ) is dequantized and then quantized as asked; an FP8 one keeps its own (asking
+    for int8 / int4 is a ValueError)."""
+    qc = config.quantization
+    if qc is not None and method is not None and qc.from_checkpoint and qc.method in INT_DTYPES:
+        stored = qc.stored or qc
+        return replace(config, quantization=replace(on_load_quant_config(method, activation_scheme), stored=stored))
     if config.quantization is not None:
         if method is not None and (method != "fp8" or config.quantization.value_dtype != FP8.name):
             raise ValueError(

