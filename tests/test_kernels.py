@@ -29,8 +29,8 @@ from pallas_kernels.moe_grouped_gemm import (
     moe_grouped_ffn,
     moe_grouped_ffn_reference,
 )
-from pallas_kernels.moe_grouped_gemm.kernel import default_tiling as default_moe_tiling
 from pallas_kernels.moe_grouped_gemm.kernel import moe_forward, moe_fused_forward
+from pallas_kernels.moe_grouped_gemm.tiling import default_tiling as default_moe_tiling
 from pallas_kernels.ragged_paged_attention import (
     AttentionTiling,
     ragged_paged_attention,
