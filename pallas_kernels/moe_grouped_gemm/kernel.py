@@ -91,16 +91,17 @@ def _add_tile(
 ) -> None:
     """Atomically adds the masked rows (and columns) of `value` into `ref[rows, cols]`.
 
-    `ref` has one spare row at the end: masked-off rows are redirected there and tail
-    columns clamped to the last column, with zeros added. On a GPU the mask stops those
-    accesses anyway; interpret mode has no masked atomics, and adding zeros to the spare
-    row never collides with a real row (interpret mode adds duplicate indices of one
-    call as a scatter, so rows within one call must be distinct, as they are here).
+    `ref` has one spare row at the end, and one spare column when the width has a tail:
+    masked-off rows and tail columns are redirected there, with zeros added. On a GPU the
+    mask stops those accesses anyway; interpret mode has no masked atomics and adds one
+    call as a gather, add and scatter, so of duplicate indices only one write lands: a
+    redirected entry must never share an index with a real one (and rows within one call
+    must be distinct, as they are here).
     """
     mask = _and(row_mask[:, None], None if col_mask is None else col_mask[None, :])
     rows = jnp.where(row_mask, rows, ref.shape[0] - 1)
     if col_mask is not None:
-        cols = jnp.minimum(cols, ref.shape[1] - 1)
+        cols = jnp.where(col_mask, cols, ref.shape[1] - 1)
     value = jnp.where(mask, value, 0.0)
     # Triton's atomic_rmw wants the mask in the value's own shape (no implicit broadcast).
     mask = jnp.broadcast_to(mask, value.shape)
@@ -134,7 +135,7 @@ def _grouped_kernel(
     widened, multiplied by its blocks' scales and rounded to a's dtype before the MMA (the
     dequantized reference's numerics; `block_k` divides bk, so a K step reads one scale row).
     With `swiglu` the two products (gate, up) become `silu(gate) * up`. The output is stored
-    per row, or with `atomic` added into an f32 buffer with a spare last row: at row r, or
+    per row, or with `atomic` added into an f32 buffer with a spare last row (and column): at row r, or
     with `combine` at `row_token[r]` after scaling by `row_weight[r]`.
     """
     refs = list(refs)
@@ -227,7 +228,8 @@ def _grouped_call(
 ) -> jax.Array:
     """Launches one kernel. The output is stored row by row, unless the kernel adds into it
     (split-K, or the weighted combine when `row_weight` is given): then it is an f32
-    buffer with one spare row, zeroed first (never poisoned)."""
+    buffer with one spare row (and a spare column when the width has a tail), zeroed
+    first (never poisoned)."""
     combine = row_weight is not None
     atomic = combine or tiling.num_k_splits > 1
     if atomic and swiglu:
@@ -239,14 +241,16 @@ def _grouped_call(
         inputs.append(row_weight)
     inputs += [a, *weights, *(scales or [])]
     aliases: dict[int, int] = {}
+    num_rows, width = out_struct.shape
+    spare_col = atomic and width % tiling.block_n != 0
     if atomic:
-        out_struct = jax.ShapeDtypeStruct((out_struct.shape[0] + 1, out_struct.shape[1]), jnp.float32)
+        out_struct = jax.ShapeDtypeStruct((num_rows + 1, width + spare_col), jnp.float32)
         aliases[len(inputs)] = 0
         inputs.append(jnp.zeros(out_struct.shape, jnp.float32))
     elif poison:
         aliases[len(inputs)] = 0
         inputs.append(jnp.full(out_struct.shape, jnp.nan, out_struct.dtype))
-    grid = (sched.shape[0], pl.cdiv(out_struct.shape[1], tiling.block_n), tiling.num_k_splits)
+    grid = (sched.shape[0], pl.cdiv(width, tiling.block_n), tiling.num_k_splits)
     body = functools.partial(
         _grouped_kernel,
         num_weights=len(weights),
@@ -271,7 +275,7 @@ def _grouped_call(
         compiler_params=compiler_params(tiling.num_warps, tiling.num_stages),
         name=name,
     )(*inputs)
-    return out[:-1] if atomic else out
+    return out[:num_rows, :width]
 
 
 def check_weights(
