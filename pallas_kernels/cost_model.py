@@ -101,7 +101,7 @@ def moe_costs(
     (`weight_itemsize`: bytes per stored weight value, 1 for FP8; default `itemsize`)."""
     w_item = itemsize if weight_itemsize is None else weight_itemsize
     from pallas_kernels.moe_grouped_gemm import schedule
-    from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
+    from pallas_kernels.moe_grouped_gemm.tiling import default_tiling
 
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
     rows = num_tokens * k

@@ -29,8 +29,8 @@ from pallas_kernels.moe_grouped_gemm import (
     moe_grouped_ffn,
     moe_grouped_ffn_reference,
 )
-from pallas_kernels.moe_grouped_gemm.kernel import default_tiling as default_moe_tiling
 from pallas_kernels.moe_grouped_gemm.kernel import moe_forward, moe_fused_forward
+from pallas_kernels.moe_grouped_gemm.tiling import default_tiling as default_moe_tiling
 from pallas_kernels.ragged_paged_attention import (
     AttentionTiling,
     ragged_paged_attention,
@@ -391,6 +391,15 @@ def test_moe_one_group_and_no_padding():
 
 def test_moe_split_k_down_projection():
     check_moe(make_moe_case(5, [0, 5, 21, 0, 1, 17, 0, 9, 0], num_rows=64), MOE_SPLIT_K)
+
+
+def test_moe_split_k_and_combine_with_a_column_tail():
+    # Output width 48 over 32-wide column tiles: the second tile's last 16 columns are past the
+    # end, in the split-K adds (sorted rows) and in the weighted combine (fused).
+    check_moe(make_moe_case(8, [0, 5, 21, 0, 1, 17, 0, 9, 0], num_rows=64, hidden=48), MOE_SPLIT_K)
+    x, ids, weights, *_ = make_fused_case(9, num_tokens=12, num_valid=11, num_experts=6, top_k=2)
+    _, _, w_gate, w_up, w_down = make_moe_case(9, [0] * 6, 12, hidden=48, inter=96)
+    check_fused_moe((x[:, :48], ids, weights, w_gate, w_up, w_down), MOE_SPLIT_K)
 
 
 def make_fused_case(

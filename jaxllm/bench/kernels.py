@@ -272,7 +272,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         moe_grouped_ffn,
         moe_grouped_ffn_reference,
     )
-    from pallas_kernels.moe_grouped_gemm.kernel import default_tiling
+    from pallas_kernels.moe_grouped_gemm.tiling import default_tiling
 
     dtype = jnp.bfloat16
     args, fused_args = moe_inputs(case, dtype, s.seed)

@@ -40,6 +40,7 @@ a psum over `tensor` after the combine. The output leaves the shard_map split ov
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -47,12 +48,24 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, combine, expert_operands, expert_rows_ffn, route_layer
+from jaxllm.models.moe import (
+    MoeFn,
+    combine,
+    expert_operands,
+    expert_rows_ffn,
+    fp8_expert_operands,
+    fp8_expert_rows_ffn,
+    route_layer,
+    takes_fp8_experts,
+)
 from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts
 from sharding.mesh import EXPERT_AXIS, TENSOR_AXIS
 from sharding.rules import ShardingRules, logical_to_physical
 from sharding.slot_table import SlotTable, choose_slots
+
+# `rows_ffn(x, ids, *experts, rows_per_token=1)`: the grouped FFN of the rows (`expert_rows_ffn`).
+RowsFfn = Callable[..., jax.Array]
 
 DISPATCH_MODES = ("auto", "all_to_all", "allgather", "ragged_all_to_all")
 
@@ -85,9 +98,9 @@ class EpMoeOptions:
         return "allgather" if num_tokens <= self.allgather_max_tokens else "all_to_all"
 
 
-def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, capacity_factor, ep: int, moe_tp: int):
+def _all_to_all_body(x, slots, weights, *experts, rows_ffn: RowsFfn, capacity_factor, ep: int, moe_tp: int):
     tokens, top_k = slots.shape
-    slots_per_rank = w_gate.shape[0]
+    slots_per_rank = experts[0].shape[0]
     cap = a2a_capacity(tokens, top_k, slots_per_rank, ep, capacity_factor)
     rows = tokens * top_k
     flat = slots.reshape(-1)
@@ -106,7 +119,7 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     send_ids = jnp.full((ep * cap,), slots_per_rank, jnp.int32).at[target].set(flat % slots_per_rank, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0, tiled=True)
     recv_ids = jax.lax.all_to_all(send_ids, EXPERT_AXIS, 0, 0, tiled=True)
-    y = expert_rows_ffn(recv_x, recv_ids, w_gate, w_up, w_down, moe_fn=moe_fn)
+    y = rows_ffn(recv_x, recv_ids, *experts)
     back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
     y_rows = jnp.where(kept[:, None], back[jnp.minimum(target, ep * cap - 1)], 0)
     out = combine(y_rows, jnp.where(kept.reshape(tokens, top_k), weights, 0.0))
@@ -115,14 +128,12 @@ def _all_to_all_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, 
     return out, jax.lax.psum(dropped, EXPERT_AXIS)[None]
 
 
-def _ragged_all_to_all_body(
-    x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, ep: int, moe_tp: int, emulate: bool
-):
+def _ragged_all_to_all_body(x, slots, weights, *experts, rows_ffn: RowsFfn, ep: int, moe_tp: int, emulate: bool):
     exchange = functools.partial(
         emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS
     )
     tokens, top_k = slots.shape
-    slots_per_rank = w_gate.shape[0]
+    slots_per_rank = experts[0].shape[0]
     rows = tokens * top_k
     flat = slots.reshape(-1)
     dest = flat // slots_per_rank  # == ep for padding rows (slot id S): sorted last, never sent
@@ -147,7 +158,7 @@ def _ragged_all_to_all_body(
         land_at,
         recv_sizes,
     )
-    y = expert_rows_ffn(recv_x, recv_ids, w_gate, w_up, w_down, moe_fn=moe_fn)
+    y = rows_ffn(recv_x, recv_ids, *experts)
     # Back to the senders, into the sorted positions the rows left from.
     return_at = jnp.sum(jnp.where(jnp.arange(ep)[None, :] < me, matrix, 0), axis=1).astype(jnp.int32)
     back = exchange(y, jnp.zeros((rows, y.shape[1]), y.dtype), recv_offsets, recv_sizes, return_at, sizes)
@@ -158,35 +169,54 @@ def _ragged_all_to_all_body(
     return out, jnp.zeros((1,), jnp.int32)
 
 
-def dispatch_body(options: EpMoeOptions, num_tokens: int, *, moe_fn: MoeFn, ep: int, moe_tp: int):
-    """The per-device body `(x, slots, weights, w_gate, w_up, w_down) -> (out, dropped[1])` of the
-    dispatch mode `options` picks for a step of `num_tokens` tokens."""
+def dispatch_body(options: EpMoeOptions, num_tokens: int, *, rows_ffn: RowsFfn, ep: int, moe_tp: int):
+    """The per-device body `(x, slots, weights, *experts) -> (out, dropped[1])` of the dispatch
+    mode `options` picks for a step of `num_tokens` tokens; `rows_ffn(x, ids, *experts,
+    rows_per_token=1)` is the grouped FFN of the rows (`expert_rows_ffn`'s contract)."""
     mode = options.mode_for(num_tokens)
     if mode == "all_to_all":
         return functools.partial(
-            _all_to_all_body, moe_fn=moe_fn, capacity_factor=options.capacity_factor, ep=ep, moe_tp=moe_tp
+            _all_to_all_body, rows_ffn=rows_ffn, capacity_factor=options.capacity_factor, ep=ep, moe_tp=moe_tp
         )
     if mode == "ragged_all_to_all":
         return functools.partial(
-            _ragged_all_to_all_body, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp, emulate=options.ragged_emulation
+            _ragged_all_to_all_body, rows_ffn=rows_ffn, ep=ep, moe_tp=moe_tp, emulate=options.ragged_emulation
         )
-    return functools.partial(_allgather_body, moe_fn=moe_fn, moe_tp=moe_tp)
+    return functools.partial(_allgather_body, rows_ffn=rows_ffn, moe_tp=moe_tp)
 
 
-def _allgather_body(x, slots, weights, w_gate, w_up, w_down, *, moe_fn: MoeFn, moe_tp: int):
-    slots_per_rank = w_gate.shape[0]
+def _allgather_body(x, slots, weights, *experts, rows_ffn: RowsFfn, moe_tp: int):
+    slots_per_rank = experts[0].shape[0]
     x_all = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)
     slots_all = jax.lax.all_gather(slots, EXPERT_AXIS, axis=0, tiled=True)
     weights_all = jax.lax.all_gather(weights, EXPERT_AXIS, axis=0, tiled=True)
     local = slots_all - jax.lax.axis_index(EXPERT_AXIS) * slots_per_rank
     mine = (local >= 0) & (local < slots_per_rank)
     ids = jnp.where(mine, local, slots_per_rank)
-    y = expert_rows_ffn(x_all, ids.reshape(-1), w_gate, w_up, w_down, moe_fn=moe_fn, rows_per_token=ids.shape[1])
+    y = rows_ffn(x_all, ids.reshape(-1), *experts, rows_per_token=ids.shape[1])
     out = combine(y, jnp.where(mine, weights_all, 0.0))
     out = jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     if moe_tp > 1:
         out = jax.lax.psum(out, TENSOR_AXIS)
     return out, jnp.zeros((1,), jnp.int32)
+
+
+def expert_rows_operands(
+    x: jax.Array, p: dict, moe_fn: MoeFn, moe_tp: int
+) -> tuple[jax.Array, tuple[jax.Array, ...], RowsFfn]:
+    """(x, experts, rows_ffn) for the dispatch bodies. FP8 experts go to the backend's
+    `fused_fp8` as stored (e4m3 values, then their block scales, which live in the same slot
+    rows as their weights: replicas and slot rewrites carry them along) when it has one and
+    each `tensor` rank's share of the FFN columns is whole scale blocks; otherwise the
+    experts are dequantized for `moe_fn` (`expert_operands`)."""
+    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
+    if fused_fp8 is not None and takes_fp8_experts(p):
+        xq, experts, block = fp8_expert_operands(x, p)
+        share = experts[0].shape[2] // moe_tp  # each `tensor` rank's FFN columns
+        if moe_tp == 1 or (share % block[0] == 0 and share % block[1] == 0):
+            return xq, experts, functools.partial(fp8_expert_rows_ffn, fused_fp8=fused_fp8, block=block)
+    x, w_gate, w_up, w_down = expert_operands(x, p)
+    return x, (w_gate, w_up, w_down), functools.partial(expert_rows_ffn, moe_fn=moe_fn)
 
 
 def ep_moe_block(
@@ -207,22 +237,24 @@ def ep_moe_block(
     """
     table: SlotTable = p["slots"]
     weights, ids = route_layer(x, p, config)
-    x, w_gate, w_up, w_down = expert_operands(x, p)
+    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
+    x, experts, rows_ffn = expert_rows_operands(x, p, moe_fn, moe_tp)
     counts = count_experts(ids, config.num_experts, valid)
     slots = choose_slots(ids, table, valid)
     num_tokens = x.shape[0]
-    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
     padded = -(-num_tokens // ep) * ep
     if padded != num_tokens:  # every EP rank takes the same number of tokens
         extra = padded - num_tokens
         x = jnp.pad(x, ((0, extra), (0, 0)))
         slots = jnp.pad(slots, ((0, extra), (0, 0)), constant_values=table.num_slots)
         weights = jnp.pad(weights, ((0, extra), (0, 0)))
-    body = dispatch_body(options, num_tokens, moe_fn=moe_fn, ep=ep, moe_tp=moe_tp)
+    body = dispatch_body(options, num_tokens, rows_ffn=rows_ffn, ep=ep, moe_tp=moe_tp)
     tok = P(EXPERT_AXIS)
     up_spec = logical_to_physical(("experts", "embed", "moe_mlp"), rules)
     down_spec = logical_to_physical(("experts", "moe_mlp", "embed"), rules)
+    # FP8 block scales split like their weights: by slot over `expert`, by column over `tensor`.
+    expert_specs = (up_spec, up_spec, down_spec) * (len(experts) // 3)
     out, dropped = jax.shard_map(
-        body, mesh=mesh, in_specs=(tok, tok, tok, up_spec, up_spec, down_spec), out_specs=(tok, P()), check_vma=False
-    )(x, slots, weights, w_gate, w_up, w_down)
+        body, mesh=mesh, in_specs=(tok, tok, tok, *expert_specs), out_specs=(tok, P()), check_vma=False
+    )(x, slots, weights, *experts)
     return out[:num_tokens].astype(x.dtype), counts, dropped[0]

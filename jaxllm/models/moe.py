@@ -10,8 +10,9 @@ expert-parallel layer runs on different devices. A backend whose `moe_fn` carrie
 kernel that gathers the token rows and applies the routing weights itself) replaces
 the sort, unsort and combine here (under tensor parallelism too, `sharding.kernels.shard_moe`;
 the expert-parallel layer keeps the sorted-rows path). One carrying `fused_fp8` (the same with
-e4m3 expert weights and their block scales, `+ block=`) takes FP8 experts as they are stored;
-without it they are dequantized first (`expert_operands`).
+e4m3 expert weights and their block scales, `+ block=`) takes FP8 experts as they are stored
+(the expert-parallel layer too, row by row: `fp8_expert_rows_ffn`); without it they are
+dequantized first (`expert_operands`).
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -152,23 +153,11 @@ def moe_block(
     fused_fp8 = getattr(moe_fn, "fused_fp8", None)
     if fused_fp8 is not None and takes_fp8_experts(p):
         # The backend's FP8 grouped FFN reads the e4m3 experts and their block scales itself.
-        w_gate, w_up, w_down = (p[n] for n in ("w_gate", "w_up", "w_down"))
-        xq = act_quant(x, 1, w_gate.act_group) if w_gate.act_group else x
+        xq, experts, block = fp8_expert_operands(x, p)
         if valid is not None:
-            ids = jnp.where(valid[:, None], ids, w_gate.shape[0])
+            ids = jnp.where(valid[:, None], ids, experts[0].shape[0])
             weights = jnp.where(valid[:, None], weights, 0.0)
-        out = fused_fp8(
-            xq,
-            ids,
-            weights,
-            w_gate.value,
-            w_up.value,
-            w_down.value,
-            w_gate.scale,
-            w_up.scale,
-            w_down.scale,
-            block=tuple(w_gate.blocks[-2:]),
-        )
+        out = fused_fp8(xq, ids, weights, *experts, block=block)
         return out.astype(x.dtype), ids
     xq, w_gate, w_up, w_down = expert_operands(x, p)
     out = grouped_expert_ffn(xq, ids, weights, w_gate, w_up, w_down, moe_fn=moe_fn, valid=valid)
@@ -189,6 +178,31 @@ def takes_fp8_experts(p: dict) -> bool:
         and w.blocks[-2] % 64 == 0
         for w in ws
     )
+
+
+def fp8_expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[int, int]]:
+    """(x, experts, block) as a backend's `fused_fp8` takes them (`takes_fp8_experts(p)`):
+    experts are the e4m3 w_gate, w_up, w_down values then their float32 block scales, and x
+    is quantized per token-group when the weights ask for dynamic activations."""
+    ws = [p[n] for n in ("w_gate", "w_up", "w_down")]
+    xq = act_quant(x, 1, ws[0].act_group) if ws[0].act_group else x
+    return xq, (*(w.value for w in ws), *(w.scale for w in ws)), tuple(ws[0].blocks[-2:])
+
+
+def fp8_expert_rows_ffn(
+    x: jax.Array,
+    ids: jax.Array,
+    *experts: jax.Array,
+    fused_fp8: Callable,
+    block: tuple[int, int],
+    rows_per_token: int = 1,
+) -> jax.Array:
+    """`expert_rows_ffn` on FP8 experts (`fp8_expert_operands`) through a backend's `fused_fp8`:
+    each row is its own token with one expert and weight 1, so the kernel's combine leaves the
+    rows apart; ids >= the number of weight groups are padding and come out as zeros."""
+    flat = ids.reshape(-1, 1)
+    rows = x if rows_per_token == 1 else x[jnp.arange(flat.shape[0]) // rows_per_token]
+    return fused_fp8(rows, flat, jnp.ones(flat.shape, jnp.float32), *experts, block=block)
 
 
 def quantized_moe_fn(moe_fn: MoeFn, config: ModelConfig) -> MoeFn:

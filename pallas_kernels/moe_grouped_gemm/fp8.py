@@ -18,8 +18,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe_grouped_gemm.kernel import ExpertScales, MoeTiling, moe_forward, moe_fused_forward
+from pallas_kernels.moe_grouped_gemm.kernel import ExpertScales, moe_forward, moe_fused_forward
 from pallas_kernels.moe_grouped_gemm.reference import moe_fused_ffn_reference, moe_grouped_ffn_reference
+from pallas_kernels.moe_grouped_gemm.tiling import MoeTiling
 
 BLOCK = (128, 128)
 

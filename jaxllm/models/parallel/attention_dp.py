@@ -50,7 +50,7 @@ from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
 from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, route
+from jaxllm.models.moe import MoeFn, expert_rows_ffn, route
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
@@ -87,7 +87,8 @@ def dp_moe_layer(
     else:
         offset, counts = None, group_counts
     slots = choose_slots(ids, table, ok, occurrence_offset=offset)
-    body = dispatch_body(options, global_tokens, moe_fn=moe_fn, ep=ep, moe_tp=1)
+    rows_ffn = functools.partial(expert_rows_ffn, moe_fn=moe_fn)
+    body = dispatch_body(options, global_tokens, rows_ffn=rows_ffn, ep=ep, moe_tp=1)
     out, dropped = body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
     if moe_tp > 1:  # sum the column partials, each device keeps its own rows
         out = jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=0, tiled=True)
