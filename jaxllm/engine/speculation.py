@@ -43,20 +43,19 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.outputs import Logprob
 from jaxllm.sampling import SamplingTensors, check_stop
-from jaxllm.sampling.params import MAX_LOGPROBS
-from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
+from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, entry_tensors, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
@@ -85,6 +84,34 @@ def check_speculative_support(
         raise ValueError("speculative_config is not supported with enable_attention_dp yet")
     if multihost:
         raise ValueError("speculative_config is not supported in multi-host runs yet")
+
+
+def check_engine_speculation(config: Any, *, multihost: bool) -> None:
+    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
+    its speculative_config (checked before the engine is built)."""
+    if config.speculative_config is not None:
+        check_speculative_support(
+            config.speculative_config,
+            attention_dp=config.enable_attention_dp,
+            multihost=multihost,
+            disaggregated=config.cache_transceiver_config is not None,
+        )
+
+
+def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional[Speculation]:
+    """The engine's `Speculation` for `config.speculative_config` (an `EngineConfig`), None
+    without one (`check_engine_speculation` checked the combination before the engine was built)."""
+    spec_config = config.speculative_config
+    if spec_config is None:
+        return None
+    return Speculation(
+        spec_config,
+        planner=planner,
+        max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens,
+        min_token_bucket=config.min_token_bucket,
+        drafter=step_drafter_for(spec_config, runner, planner.kv_cache_manager),
+    )
 
 
 def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: Any) -> Optional[StepDrafter]:
@@ -155,6 +182,55 @@ class Speculation:
         self.num_accepted_tokens = 0
         self.num_speculative_steps = 0
         self.num_verified_rows = 0
+        # The step being planned: its drafts, its verification inputs once planned (`prepare`)
+        # and its verification outputs once dispatched (`launch`).
+        self._drafts: dict[int, list[int]] = {}
+        self._verify: Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]] = None
+        self._verified: Optional[VerifyOutput] = None
+        self._spec_entries: Optional[list[TokenEntry]] = None
+
+    # ------------------------------------------------------------------ the engine's step
+    def begin_step(self, output: SchedulerOutput, active: Container[int], may_draft: bool) -> None:
+        """A step was scheduled: its drafts (`propose`, when `may_draft`: nothing in flight,
+        no logits outputs or beams) go to the planner."""
+        self._verify, self._verified, self._spec_entries = None, None, None
+        self._drafts = self.propose(output, active) if may_draft else {}
+        if may_draft:
+            self.planner.set_drafts(self._drafts)
+
+    def drop_drafts(self) -> None:
+        """No plan could be built: the planner forgets the step's drafts."""
+        if self._drafts:
+            self.planner.set_drafts({})
+            self._drafts = {}
+
+    def verification_plan(self, plan: StepPlan, output: SchedulerOutput) -> StepPlan:
+        """The step's plan, with its verification tokens' indices when it drafts (`prepare`)."""
+        if self._drafts:
+            plan, self._verify = self.prepare(plan, output, self._drafts)
+        self.planned(plan)
+        return plan
+
+    def after_dispatch(self, plan: StepPlan, output: SchedulerOutput, context_logits: Any) -> None:
+        """The step was dispatched: the drafter notes it and the verification program runs."""
+        self.dispatched(plan, output)
+        if self._verify is not None:
+            self._verified = self.launch(context_logits, self._verify[3], self._verify[4])
+
+    def take_entries(self, entries: Any) -> Any:
+        """The step's entries less its speculating rows' (kept for `speculative_step`)."""
+        if self._verify is None:
+            return entries
+        entries, self._spec_entries = self.split_entries(entries, self._verify[0])
+        return entries
+
+    def speculative_step(self, wants_logprobs: bool, stats: dict) -> Optional[SpeculativeStep]:
+        """What the dispatched step's read-back applies for its speculating rows (None: none)."""
+        verify, verified, entries = self._verify, self._verified, self._spec_entries
+        self._verify, self._verified, self._spec_entries = None, None, None
+        if verify is None or verified is None or entries is None:
+            return None
+        return SpeculativeStep(entries, verify[1], verify[2], verified, wants_logprobs, stats)
 
     # ------------------------------------------------------------------ shapes
     def verify_rows(self, bucket: int) -> int:
@@ -416,73 +492,6 @@ class Speculation:
     def warmup(
         self, runner: Any, planner: Planner, num_sampler_rows: int, max_seq_len: int, all_variants: bool = True
     ) -> None:
-        """Compile, and run once on empty steps, the context-logits forward of every token
-        bucket and the verification program of every sampler variant it can see (only the
-        greedy one without `all_variants`, as the engine's warm-up does for the sampler)."""
-        variants = [
-            dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
-            for top in (0, MAX_LOGPROBS)
-            for random, sort in ((False, False), (True, False), (True, True))
-        ]
-        if not all_variants:
-            variants = variants[:1]
-        shapes = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
-        per_row = planner.spec_tokens_per_row
-        shapes += [
-            (rows * per_row, rows) for rows in planner.decode_batch_sizes if rows * per_row <= self.max_num_tokens
-        ]
-        for bucket, rows in shapes:
-            size = self.verify_rows(bucket)
-            batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows, bucket)
-            sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
-            plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
-            result = runner.execute(plan)
-            if self.drafter is not None:
-                self.drafter.warmup(batch)
-            for flags in variants:
-                tensors = entry_tensors(
-                    SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
-                    np.zeros(size, np.int64),
-                    np.zeros(size, np.int32),
-                )
-                tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
-                out = self.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
-            jax.block_until_ready(out.token_ids)
-        if self.drafter is not None:  # the MTP program of the shapes plain steps run in
-            plain = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
-            plain += [(rows, rows) for rows in planner.decode_batch_sizes]
-            for bucket, rows in plain:
-                batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows)
-                sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
-                runner.execute(StepPlan(batch, sampling, feed, 0, 0, greedy_only=True))
-                self.drafter.warmup(batch)
-
-
-def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
-    """Per-entry sampling tensors: entry e has the settings of row `rows[e]` at output index
-    `steps[e]` (no penalties or grammar: rows that need them do not draft)."""
-
-    def take(a: Any) -> np.ndarray:
-        return np.asarray(a)[rows]
-
-    E = rows.shape[0]
-    temperature = take(t.temperature)
-    any_random = bool((temperature > 0).any())
-    return SamplingTensors(
-        temperature=temperature,
-        top_k=take(t.top_k),
-        top_p=take(t.top_p),
-        min_p=take(t.min_p),
-        repetition_penalty=np.ones(E, np.float32),
-        presence_penalty=np.zeros(E, np.float32),
-        frequency_penalty=np.zeros(E, np.float32),
-        seed=take(t.seed),
-        step=steps.astype(np.int32),
-        suppress_ids=take(t.suppress_ids),
-        history_ids=np.full((E, 1), -1, np.int32),
-        history_is_output=np.zeros((E, 1), np.bool_),
-        use_penalties=False,
-        num_top_logprobs=t.num_top_logprobs,
-        any_random=any_random,
-        use_top_k_top_p=bool(t.use_top_k_top_p and any_random),
-    )
+        """Compile, and run once on empty steps, every program speculation runs
+        (`jaxllm.engine.speculation_warmup`)."""
+        warm_up_speculation(self, runner, planner, num_sampler_rows, max_seq_len, all_variants)

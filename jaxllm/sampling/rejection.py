@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxllm.sampling.sampler import (
@@ -115,3 +117,33 @@ def verify_drafts(
         top_ids = jnp.zeros((E, 0), jnp.int32)
         top_logprobs = jnp.zeros((E, 0), jnp.float32)
     return VerifyOutput(token_ids.astype(jnp.int32), accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
+    """Per-entry sampling tensors: entry e has the settings of row `rows[e]` at output index
+    `steps[e]` (no penalties or grammar: rows that need them do not draft)."""
+
+    def take(a: Any) -> np.ndarray:
+        return np.asarray(a)[rows]
+
+    E = rows.shape[0]
+    temperature = take(t.temperature)
+    any_random = bool((temperature > 0).any())
+    return SamplingTensors(
+        temperature=temperature,
+        top_k=take(t.top_k),
+        top_p=take(t.top_p),
+        min_p=take(t.min_p),
+        repetition_penalty=np.ones(E, np.float32),
+        presence_penalty=np.zeros(E, np.float32),
+        frequency_penalty=np.zeros(E, np.float32),
+        seed=take(t.seed),
+        step=steps.astype(np.int32),
+        suppress_ids=take(t.suppress_ids),
+        history_ids=np.full((E, 1), -1, np.int32),
+        history_is_output=np.zeros((E, 1), np.bool_),
+        use_penalties=False,
+        num_top_logprobs=t.num_top_logprobs,
+        any_random=any_random,
+        use_top_k_top_p=bool(t.use_top_k_top_p and any_random),
+    )
