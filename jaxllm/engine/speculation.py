@@ -151,9 +151,8 @@ class Speculation:
         min_token_bucket: int,
         drafter: Optional[StepDrafter] = None,
     ) -> None:
-        """`drafter`: the MTP layers' or the draft model's drafter (`step_drafter_for`; run
-        over each step after its read-back, so those configs draft every step: adaptive
-        drafting off)."""
+        """`drafter`: the MTP layers', the draft model's or the EAGLE-3 head's drafter
+        (`step_drafter_for`), run over a step after its read-back when the next step drafts."""
         self.config = config
         self.max_draft_len = config.max_draft_len
         self.drafter = drafter
@@ -175,8 +174,6 @@ class Speculation:
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner)
-        if drafter is not None:
-            self.policy.adaptive = False
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -273,14 +270,25 @@ class Speculation:
 
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
-        token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
-        if self.drafter is not None:  # the MTP layers over the step just read back
-            self.drafter.begin_step()
+        token budget; their KV sequences grow to hold them. Empty when the step runs plain.
+        A drafter (MTP, draft model, EAGLE-3) runs over the step just read back only when the
+        policy says this step drafts."""
         gen = output.generation_requests
-        if not gen:
-            return {}
+        self._forget_finished(active)
         num_ctx = sum(r.context_chunk_size for r in output.context_requests)
         budget = self.max_num_tokens - num_ctx - len(gen)
+        if self.drafter is not None:
+            drafting = self._drafting(output, budget, num_ctx)
+            if drafting or self.drafter.pending_context:
+                self.drafter.begin_step()
+            else:
+                self.drafter.skip_step()
+            if not drafting:
+                if gen:
+                    self.policy.proposed(False)
+                return {}
+        if not gen:
+            return {}
         drafts: dict[int, list[int]] = {}
         kv = self.kv
         free_blocks = kv.num_free_blocks
@@ -304,8 +312,7 @@ class Speculation:
                 drafts[request.request_id] = draft
                 budget -= len(draft)
                 free_blocks -= max(extra, 0)
-        self._forget_finished(active)
-        if drafts and not self.policy.worth_it(output, drafts, num_ctx):
+        if drafts and self.drafter is None and not self.policy.worth_it(output, drafts, num_ctx):
             drafts = {}
         for request in gen:
             draft = drafts.get(request.request_id)
@@ -314,13 +321,33 @@ class Speculation:
         self.policy.proposed(bool(drafts))
         return drafts
 
+    def _drafting(self, output: SchedulerOutput, budget: int, num_ctx: int) -> bool:
+        """Whether a drafter's step drafts: always without adaptive drafting, else when some
+        row would draft and drafting its expected lengths is worth it. Decided before the
+        drafter runs, so a step that does not draft does not pay for it (the drafter still runs
+        over a step that processed prompt tokens: its pool needs every prompt position)."""
+        if not self.policy.adaptive:
+            return True
+        lengths: dict[int, list[int]] = {}
+        for request in output.generation_requests:
+            if budget <= 0:
+                break
+            k = min(self._eligible_len(request), budget)
+            if k > 0:
+                lengths[request.request_id] = [0] * k
+                budget -= k
+        return bool(lengths) and self.policy.worth_it(output, lengths, num_ctx)
+
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """A step was dispatched (the MTP drafter runs over it once it is read back)."""
         if self.drafter is not None:
-            self.drafter.dispatched(plan.batch, output.all_requests())
+            self.drafter.dispatched(plan.batch, output.all_requests(), plan.num_context_tokens > 0)
 
     def wants_drafts(self) -> bool:
-        """Whether the next step should try drafting (the engine then reads back first)."""
+        """Whether the next step should try drafting (the engine then reads back first), or
+        the drafter must run over the step in flight (it processed prompt tokens)."""
+        if self.drafter is not None and self.drafter.pending_context:
+            return True
         return self.policy.wants_drafts()
 
     def planned(self, plan: StepPlan) -> None:
