@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import jax
@@ -52,9 +53,9 @@ from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.engine.verified_tokens import SpeculativeStep, apply_verified
 from jaxllm.llm_request import LlmRequest, LlmRequestState
-from jaxllm.outputs import Logprob
-from jaxllm.sampling import SamplingTensors, check_stop
+from jaxllm.sampling import SamplingTensors
 from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, entry_tensors, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
@@ -126,18 +127,6 @@ def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: A
     return None
 
 
-@dataclass
-class SpeculativeStep:
-    """What a dispatched speculative step needs when its tokens are read back."""
-
-    entries: list[TokenEntry]  # the speculating rows: (request, row, output index)
-    drafts: list[list[int]]  # each row's drafts
-    starts: list[int]  # each row's first verification entry
-    output: VerifyOutput  # device arrays
-    wants_logprobs: bool
-    stats: dict = field(default_factory=dict)
-
-
 class Speculation:
     """Proposes, verifies and applies drafts for one engine (engine thread only)."""
 
@@ -179,6 +168,9 @@ class Speculation:
         self.num_accepted_tokens = 0
         self.num_speculative_steps = 0
         self.num_verified_rows = 0
+        self.num_accepted_per_pos = [0] * config.max_draft_len  # rows whose draft j was accepted
+        self._draft_seconds = 0.0  # host time proposing the step being planned (drafter included)
+        self._step_stats: Optional[dict] = None  # its specDecodingStats (draftOverhead: `observe`)
         # The step being planned: its drafts, its verification inputs once planned (`prepare`)
         # and its verification outputs once dispatched (`launch`).
         self._drafts: dict[int, list[int]] = {}
@@ -191,7 +183,9 @@ class Speculation:
         """A step was scheduled: its drafts (`propose`, when `may_draft`: nothing in flight,
         no logits outputs or beams) go to the planner."""
         self._verify, self._verified, self._spec_entries = None, None, None
+        started = time.perf_counter()
         self._drafts = self.propose(output, active) if may_draft else {}
+        self._draft_seconds = time.perf_counter() - started
         if may_draft:
             self.planner.set_drafts(self._drafts)
 
@@ -225,6 +219,16 @@ class Speculation:
         """What the dispatched step's read-back applies for its speculating rows (None: none)."""
         verify, verified, entries = self._verify, self._verified, self._spec_entries
         self._verify, self._verified, self._spec_entries = None, None, None
+        # TensorRT-LLM's specDecodingStats; the counts are the read-back's, iterLatencyMS the
+        # drafting time, draftOverhead its share of the engine's step (`observe`).
+        self._step_stats = stats["specDecodingStats"] = {
+            "numDraftTokens": 0,
+            "numAcceptedTokens": 0,
+            "numRequestsWithDraftTokens": 0,
+            "acceptanceLength": 1.0,
+            "iterLatencyMS": self._draft_seconds * 1e3,
+            "draftOverhead": 0.0,
+        }
         if verify is None or verified is None or entries is None:
             return None
         return SpeculativeStep(entries, verify[1], verify[2], verified, wants_logprobs, stats)
@@ -358,6 +362,9 @@ class Speculation:
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned`."""
         self.policy.observe(seconds)
+        if self._step_stats is not None and seconds > 0:
+            self._step_stats["draftOverhead"] = min(1.0, self._draft_seconds / seconds)
+        self._step_stats = None
 
     @property
     def adaptive(self) -> bool:
@@ -455,12 +462,16 @@ class Speculation:
             self.policy.verified(request.request_id, n_accepted, k)
             drafted += k
             accepted_total += n_accepted
+            request.num_draft_tokens += k
+            request.num_accepted_draft_tokens += n_accepted
+            for j in range(n_accepted):
+                self.num_accepted_per_pos[j] += 1
             outputs = request.output_token_ids
             if request.state is _COMPLETE or index >= len(outputs):
                 continue  # aborted while the step ran
             try:
                 tokens = token_ids[start : start + n_accepted + 1]
-                updates.append(self._apply(requests, request, index, tokens, start, logprobs))
+                updates.append(apply_verified(requests, self.kv, request, index, tokens, start, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += requests.fail([request], exc, "applying verified tokens")
         self.num_draft_tokens += drafted
@@ -468,52 +479,13 @@ class Speculation:
         self.num_speculative_steps += 1
         self.num_verified_rows += len(step.entries)
         rows = len(step.entries)
-        step.stats["specDecodingStats"] = {
-            "numDraftTokens": drafted,
-            "numAcceptedTokens": accepted_total,
-            "numRequestsWithDraftTokens": rows,
-            "acceptanceLength": (accepted_total + rows) / rows if rows else 0.0,
-        }
+        step.stats.setdefault("specDecodingStats", {}).update(
+            numDraftTokens=drafted,
+            numAcceptedTokens=accepted_total,
+            numRequestsWithDraftTokens=rows,
+            acceptanceLength=(accepted_total + rows) / rows if rows else 1.0,
+        )
         return updates
-
-    def _apply(
-        self,
-        requests: Any,
-        request: LlmRequest,
-        index: int,
-        tokens: list[int],
-        start: int,
-        logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]],
-    ) -> RequestUpdate:
-        """Write a row's tokens one at a time (over its placeholder, then appended), stopping
-        at the first that ends the request; roll its KV back to what it keeps."""
-        outputs = request.output_token_ids
-        params = request.sampling_params
-        update = RequestUpdate(request, [])
-        for j, token in enumerate(tokens):
-            i = index + j
-            if i < len(outputs):
-                outputs[i] = token
-            else:
-                outputs.append(token)
-            update.new_token_ids.append(token)
-            if params.logprobs is not None and logprobs is not None:
-                chosen, top_ids, top_lps = logprobs
-                e = start + j
-                entry = {
-                    int(top_ids[e, rank]): Logprob(float(top_lps[e, rank]), rank + 1) for rank in range(params.logprobs)
-                }
-                if token not in entry:
-                    entry[token] = Logprob(float(chosen[e]))
-                update.new_logprobs.append(entry)
-                request.cumulative_logprob += float(chosen[e])
-            reason, stop_reason = check_stop(params, outputs, request.end_ids, num_outputs=i + 1)
-            if reason is not None:
-                requests.finish(request, reason, stop_reason, i + 1)
-                update.finished = True
-                return update
-        self.kv.roll_back(request, request.num_tokens)
-        return update
 
     # ------------------------------------------------------------------ warm-up
     def warmup(
