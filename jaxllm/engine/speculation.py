@@ -73,6 +73,13 @@ _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
+def _penalties_only(params: Any) -> bool:
+    """Whether the token history `params` need is only their penalties' (which verification
+    applies with each entry's drafts in the history), not bad-word sequences, a grammar or a
+    host logits processor."""
+    return not params.bad and params.logits_processor is None and params.guided_decoding is None
+
+
 def check_speculative_support(
     config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
 ) -> None:
@@ -260,7 +267,7 @@ class Speculation:
             request.state is not _GENERATION_IN_PROGRESS
             or request.beam is not None
             or request.beam_width > 1
-            or params.needs_history
+            or (params.needs_history and not _penalties_only(params))
             or params.logits_post_processor_name is not None
             or params.return_generation_logits
             or request.logits_record is not None
@@ -396,6 +403,7 @@ class Speculation:
         entry_rows: list[int] = []
         entry_steps: list[int] = []
         draft_ids: list[int] = []
+        before: list[list[int]] = []  # each entry's drafts before it (its penalties see them)
         spec_rows, spec_drafts, starts = [], [], []
         step = np.asarray(plan.sampling.step)
         for row, request in enumerate(rows):
@@ -411,6 +419,7 @@ class Speculation:
             entry_steps.extend(int(step[row]) + j for j in range(len(draft) + 1))
             draft_ids.extend(draft)
             draft_ids.append(-1)
+            before.extend(draft[:j] for j in range(len(draft) + 1))
         if not spec_rows:
             return plan, None
         if len(index) > size:
@@ -419,7 +428,7 @@ class Speculation:
         entry_rows += [0] * pad
         entry_steps += [0] * pad
         draft_ids += [-1] * pad
-        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32))
+        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32), before)
         plan = replace(plan, context_index=padded_index(index, size))
         return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32))
 

@@ -30,7 +30,8 @@ def warm_up_speculation(
     bucket and the verification program of every sampler variant it can see (only the
     greedy one without `all_variants`, as the engine's warm-up does for the sampler)."""
     variants = [
-        dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
+        dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort, use_penalties=penalties)
+        for penalties in (False, True)
         for top in (0, MAX_LOGPROBS)
         for random, sort in ((False, False), (True, False), (True, True))
     ]
