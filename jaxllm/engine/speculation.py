@@ -170,6 +170,7 @@ class Speculation:
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner)
+        self.policy.shared_prior = drafter is not None
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -290,7 +291,7 @@ class Speculation:
         budget = self.max_num_tokens - num_ctx - len(gen)
         if self.drafter is not None:
             drafting = self._drafting(output, budget, num_ctx)
-            if drafting or self.drafter.pending_context:
+            if drafting or (self.drafter.pending_context and self.policy.drafting_alive()):
                 self.drafter.begin_step()
             else:
                 self.drafter.skip_step()
@@ -336,7 +337,8 @@ class Speculation:
         """Whether a drafter's step drafts: always without adaptive drafting, else when some
         row would draft and drafting its expected lengths is worth it. Decided before the
         drafter runs, so a step that does not draft does not pay for it (the drafter still runs
-        over a step that processed prompt tokens: its pool needs every prompt position)."""
+        over a step that processed prompt tokens, so its pool holds every prompt position,
+        while `DraftPolicy.drafting_alive`)."""
         if not self.policy.adaptive:
             return True
         lengths: dict[int, list[int]] = {}
@@ -357,7 +359,7 @@ class Speculation:
     def wants_drafts(self) -> bool:
         """Whether the next step should try drafting (the engine then reads back first), or
         the drafter must run over the step in flight (it processed prompt tokens)."""
-        if self.drafter is not None and self.drafter.pending_context:
+        if self.drafter is not None and self.drafter.pending_context and self.policy.drafting_alive():
             return True
         return self.policy.wants_drafts()
 
