@@ -82,6 +82,9 @@ class LlmRequest:
     reuse_prefix: bool = True
     # Logits outputs asked for and gathered so far (jaxllm.engine.logits_outputs.LogitsRecord).
     logits_record: Any = None
+    # Speculative decoding: draft tokens this request verified, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     orig_prompt_len: int = field(init=False)
     orig_max_new_tokens: int = field(init=False)
     _prompt_array: Optional[np.ndarray] = field(default=None, init=False, repr=False)

@@ -18,6 +18,19 @@ PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
+class SpeculativeDecodingMetrics:
+    """A speculating sequence's drafts (TensorRT-LLM's `SpeculativeDecodingMetrics` fields):
+    draft tokens it verified, how many were accepted, and their ratio."""
+
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence. The `*_diff` views hold what arrived since the last update."""
 
@@ -35,6 +48,8 @@ class CompletionOutput:
     # (return_generation_logits; set on the final output).
     generation_logits: Optional[Any] = None
     prompt_logprobs: Optional[PromptLogprobs] = None  # SamplingParams.prompt_logprobs
+    # Draft tokens verified and accepted (set on the final output when the sequence drafted).
+    speculative_decoding: Optional[SpeculativeDecodingMetrics] = None
 
     @property
     def finished(self) -> bool:

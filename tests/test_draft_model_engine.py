@@ -49,6 +49,7 @@ def test_the_target_as_its_own_draft_is_accepted_and_compiles_nothing_after_warm
         free_at_start = kv.num_free_blocks
         engine.warmup(all_variants=False)
         spec = engine.speculation
+        spec.adaptive = False  # every step drafts (on a CPU the draft model's steps do not pay)
         compiles = []
 
         def listener(event, duration, **kwargs):
@@ -75,10 +76,54 @@ def test_the_target_as_its_own_draft_is_accepted_and_compiles_nothing_after_warm
 
 def test_another_model_drafting_keeps_the_greedy_output(reference):
     engine = tiny_engine(speculative_config=_config("tiny-dense", k=2), **LIMITS)
+    engine.speculation.adaptive = False
     try:
         got, _ = _workload(engine)
         _assert_same(got, reference)
         assert engine.speculation.num_draft_tokens > 0
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    finally:
+        engine.close()
+
+
+def test_a_drafter_that_never_matches_stops_drafting_and_running(reference):
+    """Adaptive fallback of a drafter: every draft is wrong (one more than the token the
+    engine without speculation produced there), so each request stops drafting once its
+    acceptance estimate falls below the threshold (three rejected rows from the prior), and
+    the draft model's program then stops running too (it still runs over prompt chunks). The
+    output stays the engine's without speculation. The step-cost half of the policy is held
+    to 'worth it' so the test does not depend on timings."""
+    engine = tiny_engine(speculative_config=_config("tiny-dense", k=2), **LIMITS)
+    try:
+        spec, vocab = engine.speculation, engine.model_config.vocab_size
+        assert spec.adaptive
+        spec.policy.worth_it = lambda *args: True
+        full = [list(prompt) + list(tokens) for prompt, tokens, _ in reference]
+        drafter = spec.drafter
+        real = drafter.propose
+
+        def never_matching(rid, tokens, max_len=None):
+            real(rid, tokens, max_len)  # what the draft model proposed, discarded
+            tokens = list(tokens)
+            (want,) = [f for f in full if f[: len(tokens)] == tokens]
+            following = want[len(tokens) :] + [0] * 4
+            return [(t + 1) % vocab for t in following[: max_len or 2]]
+
+        drafter.propose = never_matching
+        runs: list[int] = []
+        original_begin = drafter.begin_step
+
+        def counting_begin():
+            runs.append(engine.iteration)
+            original_begin()
+
+        drafter.begin_step = counting_begin
+        got, steps = _workload(engine)
+        _assert_same(got, reference)
+        assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == 0
+        # Six requests may draft (one has a penalty); each verifies at most three rows.
+        assert 0 < spec.num_verified_rows <= 3 * 6
+        assert runs and max(runs) < steps - 8, (runs, steps)
         assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     finally:
         engine.close()

@@ -140,7 +140,8 @@ class ReferenceProposer:
 def _workload(engine, plain: bool = False):
     """Requests joining while others run: long prompts (chunked prefill: 32-token budget),
     a shared prefix (reused KV blocks), repeated text (n-gram drafts), stop ids, min_tokens,
-    logprobs, and a request with a penalty (which never drafts); `plain`: without logprobs
+    logprobs, and a request with a repetition penalty (its verification applies the penalty
+    over its history and the drafts before each entry); `plain`: without logprobs
     and penalty (the programs of greedy steps only). Returns each request's (prompt, tokens,
     logprobs) by arrival order, and the number of steps."""
     rng = np.random.default_rng(3)
@@ -212,9 +213,16 @@ def test_greedy_output_equals_the_engine_without_speculation(reference):
         # prompts' blocks are now cached too: the requests reuse them).
         spec.proposer = ReferenceProposer([prompt + tokens for prompt, tokens, _ in expected])
         drafted, accepted = spec.num_draft_tokens, spec.num_accepted_tokens
+        proposed_for: list[list[int]] = []
+        reference_propose = spec.proposer.propose
+        spec.proposer.propose = lambda rid, tokens, max_len=None: (
+            proposed_for.append(list(tokens)) or reference_propose(rid, tokens, max_len)
+        )
         got, spec_steps = _workload(engine)
         assert 40 < spec.num_accepted_tokens - accepted < spec.num_draft_tokens - drafted
         _assert_same(got, expected)
+        penalized = expected[2][0]  # the repetition-penalty request drafted too
+        assert any(tokens[: len(penalized)] == penalized for tokens in proposed_for)
         assert spec_steps < plain_steps
         # Adaptive drafting: plain steps overlapped, a read-back before each drafting step.
         spec.adaptive = True

@@ -105,3 +105,27 @@ def test_verifier_keeps_the_target_distribution_against_softmax():
         biased = jax.jit(lambda lg, tt, d: verify_drafts(lg, tt, d, acceptance_rule=lambda u, p: u < 0.9))
         counts = np.bincount(np.asarray(biased(np.tile(logits, (n, 1)), t, np.full(n, draft, np.int32)).token_ids))
         assert chi2_contingency(np.array([counts, np.round(target * n)]))[1] < 1e-6
+
+
+def test_entry_penalties_see_the_drafts_before_them_as_sampling_after_them_would():
+    """A verification entry of a row with penalties carries the penalty settings and the token
+    history that `SamplingTensors.build` gives the same row once the drafts before the entry
+    are its outputs (the tensors sampling without speculation would use at that index)."""
+    from jaxllm.sampling import SamplingTensors
+    from jaxllm.sampling.rejection import entry_tensors
+
+    prompt, output, drafts = [5, 6, 7], [8, 9], [9, 11, 12]
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = SamplingTensors.build(params, [2, 1], [(prompt, output), ([3], [4])], [[0], [0]], 2, 16)
+    entries = entry_tensors(rows, np.array([0, 0, 0, 0, 1]), np.array([2, 3, 4, 5, 1], np.int32), [
+        drafts[:j] for j in range(4)
+    ] + [[]])  # fmt: skip
+    for j in range(4):
+        after = SamplingTensors.build(params[:1], [2 + j], [(prompt, output + drafts[:j])], [[0]], 1, 16)
+        for name in ("history_ids", "history_is_output", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            np.testing.assert_array_equal(np.asarray(getattr(entries, name))[j], np.asarray(getattr(after, name))[0])
+    assert entries.use_penalties
+    assert entries.repetition_penalty[4] == 1.0 and entries.presence_penalty[4] == 0.0  # the row without

@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of each engine per concurrency, alternating; the fastest counts"
     )
+    parser.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="every eligible row drafts every step (no per-step fallback), as a peer for the adaptive policy",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         args.model = {"ngram": "smollm2", "draft": "tiny-moe"}.get(args.method) or str(tiny_deepseek_mtp(args.seed))
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec_config in (("base", None), ("spec", speculative)):
         engine = LLMEngine(EngineConfig(**config, speculative_config=spec_config))
         engine.warmup(all_variants=args.temperature > 0)
+        if engine.speculation is not None and args.no_adaptive:
+            engine.speculation.adaptive = False
         engines[name] = engine
     tokenizer = engines["base"].tokenizer
     rows = []
@@ -220,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     lengths = [len(p) for p in prompts(tokenizer, len(TEXTS) * len(TASKS))]
     print(
-        f"model {args.model}, method {args.method} ({detail}), temperature {args.temperature}, "
+        f"model {args.model}, method {args.method} ({detail}{', no adaptive fallback' if args.no_adaptive else ''}), "
+        f"temperature {args.temperature}, "
         f"output {args.output_len} tokens, "
         f"prompts {min(lengths)}-{max(lengths)} tokens (rewrite / extract / copy code)"
     )

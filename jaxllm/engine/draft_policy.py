@@ -12,7 +12,13 @@ token (a compute-bound CPU, a large batch) it may not. `DraftPolicy` keeps:
   beat the plain step's tokens per second by `MIN_GAIN`, trying the shape not chosen every `EXPLORE_EVERY`
   decisions so both estimates stay fresh;
 * a back-off: after a step that did not draft, drafting is not tried for 1, 2, 4, ... up to
-  `MAX_BACKOFF` steps (those steps keep the overlap scheduler; trying needs a read-back).
+  `MAX_BACKOFF` steps (those steps keep the overlap scheduler; trying needs a read-back);
+* with `shared_prior` (a drafter: MTP layers, a draft model, an EAGLE-3 head, whose quality is
+  the drafter's more than the request's), decayed counts over all rows: a new request starts
+  from them instead of `PRIOR_ACCEPTANCE`, and while they fall below `MIN_DRAFT_ACCEPTANCE` or
+  the last step-cost decision was against drafting, the drafter is not worth running even over
+  prompts (`drafting_alive`). Steps that verify nothing pull those counts back towards the prior
+  (`SHARED_RECOVERY` per observed step), so drafting is tried again after a few hundred steps.
 
 TensorRT-LLM and vLLM adapt the draft length too (by acceptance and by batch size); this one
 measures the step times instead of assuming a cost model.
@@ -31,6 +37,7 @@ MAX_BACKOFF = 32
 # A drafting step must promise this much more tokens per second than the plain step (step times
 # are noisy; a wrong choice for drafting costs more than a wrong choice against it).
 MIN_GAIN = 1.1
+SHARED_RECOVERY = 0.995  # per step without a verified draft: the shared counts' decay
 
 
 @dataclass
@@ -67,12 +74,15 @@ class DraftPolicy:
         self._decisions = 0
         self._skip = 0  # steps left before drafting is tried again
         self._backoff = 1  # the next back-off
+        self.shared_prior = False  # new requests start from every row's counts (drafters)
+        self._shared = Acceptance()
+        self._last_worth: Optional[bool] = None  # the last step-cost decision
 
     def draft_len(self, request_id: int, k: int) -> int:
         """How many of at most `k` drafts the request should verify."""
         if not self.adaptive:
             return k
-        rate = self._acceptance.get(request_id, Acceptance()).rate
+        rate = self._acceptance.get(request_id, self._prior()).rate
         j = 0
         while j < k and rate ** (j + 1) >= MIN_DRAFT_ACCEPTANCE:
             j += 1
@@ -81,7 +91,21 @@ class DraftPolicy:
     def verified(self, request_id: int, accepted: int, drafted: int) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted`."""
         tried = accepted + (1 if accepted < drafted else 0)
-        self._acceptance.setdefault(request_id, Acceptance()).update(accepted, tried)
+        self._acceptance.setdefault(request_id, self._prior()).update(accepted, tried)
+        self._shared.update(accepted, tried)
+
+    def _prior(self) -> Acceptance:
+        """A new request's counts: the shared ones with `shared_prior`, else none (the prior)."""
+        shared = self._shared
+        return Acceptance(shared.accepted, shared.tried) if self.shared_prior else Acceptance()
+
+    def drafting_alive(self) -> bool:
+        """Whether a drafter is worth running at all (over prompts too): always without
+        adaptive drafting or `shared_prior`; else while a new request would draft and the last
+        step-cost decision was not against drafting."""
+        if not self.adaptive or not self.shared_prior:
+            return True
+        return self._shared.rate >= MIN_DRAFT_ACCEPTANCE and self._last_worth is not False
 
     def forget(self, active: Container[int], keep: int) -> None:
         """Drop finished requests' rates once more than `keep` are kept."""
@@ -111,14 +135,15 @@ class DraftPolicy:
             return False  # measure the plain step first
         if spec_cost is None:
             return True
-        prior = Acceptance()
+        prior = self._prior()
         gain = sum(
             expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
             for r in gen
         )
         worth = gain / spec_cost > MIN_GAIN * len(gen) / plain_cost
         if self._decisions % EXPLORE_EVERY == 0:
-            return not worth  # refresh the estimate of the shape not chosen
+            worth = not worth  # refresh the estimate of the shape not chosen
+        self._last_worth = worth
         return worth
 
     def proposed(self, drafted: bool) -> None:
@@ -145,6 +170,8 @@ class DraftPolicy:
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned` (with
         the overlap scheduler: about the device time of the step before it)."""
+        self._shared.accepted *= SHARED_RECOVERY  # drifts back towards the prior while idle
+        self._shared.tried *= SHARED_RECOVERY
         key = self._last_key
         if key is None:
             return

@@ -43,10 +43,11 @@ from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_step_logits
 from jaxllm.engine.logits_processing import host_processor_hook
+from jaxllm.engine.lora_adapters import EngineAdapters
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
 from jaxllm.engine.sampler_variants import engine_sampler_variants
-from jaxllm.engine.speculation import Speculation, SpeculativeStep, check_speculative_support, step_drafter_for
+from jaxllm.engine.speculation import build_speculation, check_engine_speculation
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
@@ -55,7 +56,6 @@ from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.llm_args import CapacitySchedulerPolicy, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.lora import LoraAdapter, LoRARequest
-from jaxllm.lora.weights import empty_slot, slot_update
 from jaxllm.sampling import SamplingParams
 
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
@@ -66,13 +66,7 @@ class LLMEngine:
         self.config = config
         # Multi-host leader: the followers build this same runner from the config (None otherwise).
         session = open_session(config)
-        if config.speculative_config is not None:
-            check_speculative_support(
-                config.speculative_config,
-                attention_dp=config.enable_attention_dp,
-                multihost=session is not None,
-                disaggregated=config.cache_transceiver_config is not None,
-            )
+        check_engine_speculation(config, multihost=session is not None)
         parts = build_engine(config, leader_session=session)
         device = parts.device
         self.model_config, self.mesh, self.runner = device.model_config, device.mesh, device.runner
@@ -84,7 +78,8 @@ class LLMEngine:
         self.planner, self.kv_cache_manager, self.scheduler = parts.planner, parts.kv_cache_manager, parts.scheduler
         self.num_sampler_rows = parts.num_sampler_rows
         self.capabilities = parts.capabilities
-        self.lora_slots, self._adapters, self.kv_events = parts.lora_slots, parts.adapters, parts.kv_events
+        self.lora_slots, self.kv_events = parts.lora_slots, parts.kv_events
+        self.adapters = EngineAdapters(parts.adapters, parts.lora_slots, self.runner, config.max_lora_rank)
         self.load_balancer = parts.load_balancer
         # Host KV tier: copies started before each launch, arrived onboards written before scheduling.
         self.kv_offload = parts.kv_offload
@@ -122,16 +117,8 @@ class LLMEngine:
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
         # token on the host, so a step that drafts is not overlapped (the step before it is read
         # back first, and it is read back at once), and the steady-decode fast path is off.
-        self.speculation: Optional[Speculation] = None
-        if config.speculative_config is not None:
-            self.speculation = Speculation(
-                config.speculative_config,
-                planner=self.planner,
-                max_batch_size=config.max_batch_size,
-                max_num_tokens=config.max_num_tokens,
-                min_token_bucket=config.min_token_bucket,
-                drafter=step_drafter_for(config.speculative_config, self.runner, self.kv_cache_manager),
-            )
+        self.speculation = build_speculation(config, planner=self.planner, runner=self.runner)
+        if self.speculation is not None:
             self.planner.steady_decode = False
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
@@ -196,27 +183,10 @@ class LLMEngine:
         """The unfinished requests by id (a read-only view)."""
         return self.requests.view()
 
-    # ------------------------------------------------------------------ LoRA
     def resolve_lora(self, lora_request: Any) -> Optional[LoraAdapter]:
         """The checked adapter of `lora_request` (None for the base model); ValueError when it
         cannot be served. Safe from any thread; adapters are read once and kept."""
-        if lora_request is None:
-            return None
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a jaxllm.LoRARequest, got {type(lora_request).__name__}")
-        if self._adapters is None:
-            raise ValueError(
-                f"lora_request {lora_request.lora_name!r}: this engine was built without LoRA "
-                "support; build it with enable_lora=True (CLI: --enable-lora)"
-            )
-        return self._adapters.get(lora_request)
-
-    def _slot_update(self, adapter: Optional[LoraAdapter]) -> Any:
-        if adapter is None:
-            return empty_slot(self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype)
-        return slot_update(
-            adapter, self.model_config, self.runner.params, self.config.max_lora_rank, self.model_config.dtype
-        )
+        return self.adapters.resolve(lora_request)
 
     # ------------------------------------------------------------------ compiling
     def reset_timing(self) -> None:
@@ -260,8 +230,7 @@ class LLMEngine:
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
         self.guided.prepare()  # the first constrained request does not build the grammar tokenizer
-        if self.lora_slots is not None:  # the slot write: slot 0 rewritten with what it holds
-            self.runner.write_lora_slot(0, self._slot_update(self.lora_slots.adapter_in(0)))
+        self.adapters.warmup()
 
     def on_idle(self) -> None:
         """Nothing to run: compile, on the compile threads, the buckets steps asked for and
@@ -511,31 +480,23 @@ class LLMEngine:
         except Exception as exc:  # no request to single out: those that could run fail
             self._failed += self.requests.fail(candidates, exc, "scheduling a step")
             return None
-        spec, drafts = self.speculation, {}
-        if (
-            spec is not None
-            and self._pending is None
-            and not self.requests.num_logits_requests
-            and not self.requests.num_beam_search
-        ):
-            drafts = spec.propose(output, self.requests)
-            self.planner.set_drafts(drafts)
+        spec = self.speculation
+        if spec is not None:
+            may_draft = self._pending is None and not (
+                self.requests.num_logits_requests or self.requests.num_beam_search
+            )
+            spec.begin_step(output, self.requests, may_draft)
         built = self.planner.build_step(output, None if self._pending is None else self._pending.entries)
         for failed, exc in built.failures:
             self._failed += self.requests.fail(failed, exc, "building a step")
         plan, output = built.plan, built.output
         if plan is None:
-            if drafts:
-                self.planner.set_drafts({})
+            if spec is not None:
+                spec.drop_drafts()
             return None
-        verify_inputs = None
-        if drafts and spec is not None:
-            plan, verify_inputs = spec.prepare(plan, output, drafts)
         if spec is not None:
-            spec.planned(plan)
-        if self.lora_slots is not None:  # adapters newly given a slot: written before the step reads them
-            for slot, adapter in self.lora_slots.take_loads():
-                self.runner.write_lora_slot(slot, self._slot_update(adapter))
+            plan = spec.verification_plan(plan, output)
+        self.adapters.write_loads()
         targets, processor_failures = None, []
         if self.requests.num_logits_requests:
             fields, targets = plan_step_logits(
@@ -561,10 +522,7 @@ class LLMEngine:
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
         self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
         if spec is not None:
-            spec.dispatched(plan, output)
-        verified = None
-        if verify_inputs is not None and spec is not None:
-            verified = spec.launch(result.context_logits, verify_inputs[3], verify_inputs[4])
+            spec.after_dispatch(plan, output, result.context_logits)
         if self.on_dispatch is not None:
             self.on_dispatch(result.enqueue_time, result.sampled)
         if balancer is not None:
@@ -577,9 +535,8 @@ class LLMEngine:
         )
         num_new = sum(1 for r in output.context_requests if r.is_first_context_chunk)
         entries = self.planner.commit(output)
-        spec_entries = None
-        if verify_inputs is not None and spec is not None:
-            entries, spec_entries = spec.split_entries(entries, verify_inputs[0])
+        if spec is not None:
+            entries = spec.take_entries(entries)
         beam_entries = None
         if self.requests.num_beam_search:
             beam_entries = [e for e in entries if e[0].beam is not None]
@@ -603,10 +560,8 @@ class LLMEngine:
         )
         if decode is not None:
             pending.decode, pending.decode_index = decode, entries.index
-        if spec_entries is not None and verified is not None and verify_inputs is not None:
-            pending.speculative = SpeculativeStep(
-                spec_entries, verify_inputs[1], verify_inputs[2], verified, wants_logprobs, stats
-            )
+        if spec is not None:
+            pending.speculative = spec.speculative_step(wants_logprobs, stats)
         if targets is not None and targets.processors:
             pending.processor_requests = tuple(request for request, _ in targets.processors)
             pending.processor_rows = tuple(row for _, row in targets.processors)

@@ -34,146 +34,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.executable_store import ExecutableStore
-from jaxllm.engine.hidden_states_step import hidden_states_step
+from jaxllm.engine.forward_step import model_forward_step, pad_rows
 from jaxllm.engine.host_transfer import PackedLayout, RepeatPacker, pack, put_on_mesh, unpack
 from jaxllm.engine.logits_processing import BatchedProcessor, apply_batched
 from jaxllm.engine.planner import StepPlan
 from jaxllm.engine.program_cache import ProgramCache
-from jaxllm.engine.step_inputs import fed_step_inputs
 from jaxllm.engine.step_output import StepOutput
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
-from jaxllm.models import ModelConfig, forward, init_kv_cache
-from jaxllm.models.decoder import forward_with_moe_stats, forward_with_rows
+from jaxllm.models import ModelConfig, init_kv_cache
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_cache_spec import KVCache, init_dp_kv_cache
-from jaxllm.models.parallel.attention_dp import forward_attention_dp
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
-from jaxllm.sampling.sampler import first_argmax
 from jaxllm.step_batch import StepBatch
-from sharding.expert_load import MoeStepStats
 from sharding.mesh import ParallelConfig, make_mesh
 from sharding.rules import param_partition_specs
 
 logger = logging.getLogger(__name__)
-
-
-def _forward_step(
-    params,
-    kv_cache,
-    inputs: tuple,
-    prev_tokens,
-    *,
-    layout: PackedLayout,
-    model_config: ModelConfig,
-    attention_fn: Callable,
-    moe_fn: Callable,
-    mesh: jax.sharding.Mesh,
-    moe_options: Optional[EpMoeOptions] = None,
-    moe_stats: bool = False,
-    attention_dp_specs: Any = None,
-    fed_rows: int = 0,
-    return_hidden: bool = False,
-    aux_layers: tuple[int, ...] = (),
-):
-    """Model forward of one step: (updated KV cache, float32 logits [S, V] of each sequence,
-    with `moe_stats` the step's expert counts int32 [num_moe_layers, num_experts] else None,
-    the context logits [E, V] of the packed tokens `context_index` when the inputs carry
-    one (the variant for steps where a request asks for its prompt's logits) else None,
-    and each row's greedy token int32 [S], the sampler's own argmax, so that a step whose
-    rows all decode greedily with no processing needs no sampler program).
-    `attention_dp_specs` (the parameters' partition specs) selects the attention-DP forward:
-    the batch then has a leading rank axis and the logits are [ranks * S, V]. The greedy
-    tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
-    takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
-    every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
-    with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
-    if return_hidden:
-        kv_cache, logits, counts, context, hidden = hidden_states_step(
-            params,
-            kv_cache,
-            inputs,
-            prev_tokens,
-            layout=layout,
-            model_config=model_config,
-            attention_fn=attention_fn,
-            moe_fn=moe_fn,
-            mesh=mesh,
-            moe_options=moe_options,
-            moe_stats=moe_stats,
-            aux_layers=aux_layers,
-        )
-        return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows), hidden
-    kv_cache, logits, counts, context = _model_step(
-        params,
-        kv_cache,
-        inputs,
-        prev_tokens,
-        layout=layout,
-        model_config=model_config,
-        attention_fn=attention_fn,
-        moe_fn=moe_fn,
-        mesh=mesh,
-        moe_options=moe_options,
-        moe_stats=moe_stats,
-        attention_dp_specs=attention_dp_specs,
-    )
-    return kv_cache, logits, counts, context, _pad_rows(first_argmax(logits), fed_rows)
-
-
-def _pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
-    """int32[S] tokens as int32[max(S, rows)] (a small decode bucket's tokens, padded with 0)."""
-    return jnp.pad(tokens, (0, max(0, rows - tokens.shape[0])))
-
-
-def _model_step(
-    params,
-    kv_cache,
-    inputs: tuple,
-    prev_tokens,
-    *,
-    layout: PackedLayout,
-    model_config: ModelConfig,
-    attention_fn: Callable,
-    moe_fn: Callable,
-    mesh: jax.sharding.Mesh,
-    moe_options: Optional[EpMoeOptions],
-    moe_stats: bool,
-    attention_dp_specs: Any,
-):
-    batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
-    if attention_dp_specs is not None:
-        logits, kv_cache, stats = forward_attention_dp(
-            params,
-            kv_cache,
-            batch,
-            config=model_config,
-            attention_fn=attention_fn,
-            moe_fn=moe_fn,
-            mesh=mesh,
-            param_specs=attention_dp_specs,
-            moe_options=moe_options,
-        )
-        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, None
-    kwargs: dict[str, Any] = dict(
-        config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options
-    )
-    if context_index is not None:
-        logits, context, kv_cache, stats = forward_with_rows(
-            params, kv_cache, batch, context_index, moe_stats=moe_stats, **kwargs
-        )
-        return kv_cache, logits.astype(jnp.float32), _expert_counts(stats) if moe_stats else None, context
-    if moe_stats:
-        logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
-        return kv_cache, logits.astype(jnp.float32), stats.expert_counts, None
-    logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
-    return kv_cache, logits.astype(jnp.float32), None, None
-
-
-def _expert_counts(stats: Optional[MoeStepStats]) -> jax.Array:
-    if stats is None:
-        raise ValueError("MoE statistics asked of a forward that has none (no MoE layers)")
-    return stats.expert_counts
 
 
 def _gather_rows(logits, rows):
@@ -215,7 +92,7 @@ def _copy_pages(kv_cache, src: jax.Array, dst: jax.Array, *, num_blocks: int):
 
 def _sample_step(logits, inputs: tuple, *, layout: PackedLayout, fed_rows: int = 0) -> SamplerOutput:
     out = sample(logits, unpack(inputs, layout))
-    return replace(out, token_ids=_pad_rows(out.token_ids, fed_rows))
+    return replace(out, token_ids=pad_rows(out.token_ids, fed_rows))
 
 
 class ModelRunner:
@@ -265,7 +142,7 @@ class ModelRunner:
         else:
             self.kv_cache = init_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=self.mesh)
         forward_step = functools.partial(
-            _forward_step,
+            model_forward_step,
             model_config=model_config,
             attention_fn=attention_fn,
             moe_fn=moe_fn,

@@ -36,27 +36,27 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.engine.verified_tokens import SpeculativeStep, apply_verified
 from jaxllm.llm_request import LlmRequest, LlmRequestState
-from jaxllm.outputs import Logprob
-from jaxllm.sampling import SamplingTensors, check_stop
-from jaxllm.sampling.params import MAX_LOGPROBS
-from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
+from jaxllm.sampling import SamplingTensors
+from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, entry_tensors, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
@@ -73,6 +73,13 @@ _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
+def _penalties_only(params: Any) -> bool:
+    """Whether the token history `params` need is only their penalties' (which verification
+    applies with each entry's drafts in the history), not bad-word sequences, a grammar or a
+    host logits processor."""
+    return not params.bad and params.logits_processor is None and params.guided_decoding is None
+
+
 def check_speculative_support(
     config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
 ) -> None:
@@ -87,6 +94,34 @@ def check_speculative_support(
         raise ValueError("speculative_config is not supported in multi-host runs yet")
 
 
+def check_engine_speculation(config: Any, *, multihost: bool) -> None:
+    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
+    its speculative_config (checked before the engine is built)."""
+    if config.speculative_config is not None:
+        check_speculative_support(
+            config.speculative_config,
+            attention_dp=config.enable_attention_dp,
+            multihost=multihost,
+            disaggregated=config.cache_transceiver_config is not None,
+        )
+
+
+def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional[Speculation]:
+    """The engine's `Speculation` for `config.speculative_config` (an `EngineConfig`), None
+    without one (`check_engine_speculation` checked the combination before the engine was built)."""
+    spec_config = config.speculative_config
+    if spec_config is None:
+        return None
+    return Speculation(
+        spec_config,
+        planner=planner,
+        max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens,
+        min_token_bucket=config.min_token_bucket,
+        drafter=step_drafter_for(spec_config, runner, planner.kv_cache_manager),
+    )
+
+
 def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: Any) -> Optional[StepDrafter]:
     """The drafter run after each step for `config` (MTP layers, a draft model), else None."""
     blocks, tpb = kv_cache_manager.num_blocks, kv_cache_manager.tokens_per_block
@@ -97,18 +132,6 @@ def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: A
     if isinstance(config, EagleDecodingConfig):
         return Eagle3Drafter(config, runner, blocks, tpb)
     return None
-
-
-@dataclass
-class SpeculativeStep:
-    """What a dispatched speculative step needs when its tokens are read back."""
-
-    entries: list[TokenEntry]  # the speculating rows: (request, row, output index)
-    drafts: list[list[int]]  # each row's drafts
-    starts: list[int]  # each row's first verification entry
-    output: VerifyOutput  # device arrays
-    wants_logprobs: bool
-    stats: dict = field(default_factory=dict)
 
 
 class Speculation:
@@ -124,9 +147,8 @@ class Speculation:
         min_token_bucket: int,
         drafter: Optional[StepDrafter] = None,
     ) -> None:
-        """`drafter`: the MTP layers' or the draft model's drafter (`step_drafter_for`; run
-        over each step after its read-back, so those configs draft every step: adaptive
-        drafting off)."""
+        """`drafter`: the MTP layers', the draft model's or the EAGLE-3 head's drafter
+        (`step_drafter_for`), run over a step after its read-back when the next step drafts."""
         self.config = config
         self.max_draft_len = config.max_draft_len
         self.drafter = drafter
@@ -148,13 +170,76 @@ class Speculation:
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner)
-        if drafter is not None:
-            self.policy.adaptive = False
+        self.policy.shared_prior = drafter is not None
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_speculative_steps = 0
         self.num_verified_rows = 0
+        self.num_accepted_per_pos = [0] * config.max_draft_len  # rows whose draft j was accepted
+        self._draft_seconds = 0.0  # host time proposing the step being planned (drafter included)
+        self._step_stats: Optional[dict] = None  # its specDecodingStats (draftOverhead: `observe`)
+        # The step being planned: its drafts, its verification inputs once planned (`prepare`)
+        # and its verification outputs once dispatched (`launch`).
+        self._drafts: dict[int, list[int]] = {}
+        self._verify: Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]] = None
+        self._verified: Optional[VerifyOutput] = None
+        self._spec_entries: Optional[list[TokenEntry]] = None
+
+    # ------------------------------------------------------------------ the engine's step
+    def begin_step(self, output: SchedulerOutput, active: Container[int], may_draft: bool) -> None:
+        """A step was scheduled: its drafts (`propose`, when `may_draft`: nothing in flight,
+        no logits outputs or beams) go to the planner."""
+        self._verify, self._verified, self._spec_entries = None, None, None
+        started = time.perf_counter()
+        self._drafts = self.propose(output, active) if may_draft else {}
+        self._draft_seconds = time.perf_counter() - started
+        if may_draft:
+            self.planner.set_drafts(self._drafts)
+
+    def drop_drafts(self) -> None:
+        """No plan could be built: the planner forgets the step's drafts."""
+        if self._drafts:
+            self.planner.set_drafts({})
+            self._drafts = {}
+
+    def verification_plan(self, plan: StepPlan, output: SchedulerOutput) -> StepPlan:
+        """The step's plan, with its verification tokens' indices when it drafts (`prepare`)."""
+        if self._drafts:
+            plan, self._verify = self.prepare(plan, output, self._drafts)
+        self.planned(plan)
+        return plan
+
+    def after_dispatch(self, plan: StepPlan, output: SchedulerOutput, context_logits: Any) -> None:
+        """The step was dispatched: the drafter notes it and the verification program runs."""
+        self.dispatched(plan, output)
+        if self._verify is not None:
+            self._verified = self.launch(context_logits, self._verify[3], self._verify[4])
+
+    def take_entries(self, entries: Any) -> Any:
+        """The step's entries less its speculating rows' (kept for `speculative_step`)."""
+        if self._verify is None:
+            return entries
+        entries, self._spec_entries = self.split_entries(entries, self._verify[0])
+        return entries
+
+    def speculative_step(self, wants_logprobs: bool, stats: dict) -> Optional[SpeculativeStep]:
+        """What the dispatched step's read-back applies for its speculating rows (None: none)."""
+        verify, verified, entries = self._verify, self._verified, self._spec_entries
+        self._verify, self._verified, self._spec_entries = None, None, None
+        # TensorRT-LLM's specDecodingStats; the counts are the read-back's, iterLatencyMS the
+        # drafting time, draftOverhead its share of the engine's step (`observe`).
+        self._step_stats = stats["specDecodingStats"] = {
+            "numDraftTokens": 0,
+            "numAcceptedTokens": 0,
+            "numRequestsWithDraftTokens": 0,
+            "acceptanceLength": 1.0,
+            "iterLatencyMS": self._draft_seconds * 1e3,
+            "draftOverhead": 0.0,
+        }
+        if verify is None or verified is None or entries is None:
+            return None
+        return SpeculativeStep(entries, verify[1], verify[2], verified, wants_logprobs, stats)
 
     # ------------------------------------------------------------------ shapes
     def verify_rows(self, bucket: int) -> int:
@@ -183,7 +268,7 @@ class Speculation:
             request.state is not _GENERATION_IN_PROGRESS
             or request.beam is not None
             or request.beam_width > 1
-            or params.needs_history
+            or (params.needs_history and not _penalties_only(params))
             or params.logits_post_processor_name is not None
             or params.return_generation_logits
             or request.logits_record is not None
@@ -197,14 +282,25 @@ class Speculation:
 
     def propose(self, output: SchedulerOutput, active: Container[int]) -> dict[int, list[int]]:
         """Drafts of the scheduled generation requests (by request id), within the step's
-        token budget; their KV sequences grow to hold them. Empty when the step runs plain."""
-        if self.drafter is not None:  # the MTP layers over the step just read back
-            self.drafter.begin_step()
+        token budget; their KV sequences grow to hold them. Empty when the step runs plain.
+        A drafter (MTP, draft model, EAGLE-3) runs over the step just read back only when the
+        policy says this step drafts."""
         gen = output.generation_requests
-        if not gen:
-            return {}
+        self._forget_finished(active)
         num_ctx = sum(r.context_chunk_size for r in output.context_requests)
         budget = self.max_num_tokens - num_ctx - len(gen)
+        if self.drafter is not None:
+            drafting = self._drafting(output, budget, num_ctx)
+            if drafting or (self.drafter.pending_context and self.policy.drafting_alive()):
+                self.drafter.begin_step()
+            else:
+                self.drafter.skip_step()
+            if not drafting:
+                if gen:
+                    self.policy.proposed(False)
+                return {}
+        if not gen:
+            return {}
         drafts: dict[int, list[int]] = {}
         kv = self.kv
         free_blocks = kv.num_free_blocks
@@ -228,8 +324,7 @@ class Speculation:
                 drafts[request.request_id] = draft
                 budget -= len(draft)
                 free_blocks -= max(extra, 0)
-        self._forget_finished(active)
-        if drafts and not self.policy.worth_it(output, drafts, num_ctx):
+        if drafts and self.drafter is None and not self.policy.worth_it(output, drafts, num_ctx):
             drafts = {}
         for request in gen:
             draft = drafts.get(request.request_id)
@@ -238,13 +333,34 @@ class Speculation:
         self.policy.proposed(bool(drafts))
         return drafts
 
+    def _drafting(self, output: SchedulerOutput, budget: int, num_ctx: int) -> bool:
+        """Whether a drafter's step drafts: always without adaptive drafting, else when some
+        row would draft and drafting its expected lengths is worth it. Decided before the
+        drafter runs, so a step that does not draft does not pay for it (the drafter still runs
+        over a step that processed prompt tokens, so its pool holds every prompt position,
+        while `DraftPolicy.drafting_alive`)."""
+        if not self.policy.adaptive:
+            return True
+        lengths: dict[int, list[int]] = {}
+        for request in output.generation_requests:
+            if budget <= 0:
+                break
+            k = min(self._eligible_len(request), budget)
+            if k > 0:
+                lengths[request.request_id] = [0] * k
+                budget -= k
+        return bool(lengths) and self.policy.worth_it(output, lengths, num_ctx)
+
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """A step was dispatched (the MTP drafter runs over it once it is read back)."""
         if self.drafter is not None:
-            self.drafter.dispatched(plan.batch, output.all_requests())
+            self.drafter.dispatched(plan.batch, output.all_requests(), plan.num_context_tokens > 0)
 
     def wants_drafts(self) -> bool:
-        """Whether the next step should try drafting (the engine then reads back first)."""
+        """Whether the next step should try drafting (the engine then reads back first), or
+        the drafter must run over the step in flight (it processed prompt tokens)."""
+        if self.drafter is not None and self.drafter.pending_context and self.policy.drafting_alive():
+            return True
         return self.policy.wants_drafts()
 
     def planned(self, plan: StepPlan) -> None:
@@ -255,6 +371,9 @@ class Speculation:
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned`."""
         self.policy.observe(seconds)
+        if self._step_stats is not None and seconds > 0:
+            self._step_stats["draftOverhead"] = min(1.0, self._draft_seconds / seconds)
+        self._step_stats = None
 
     @property
     def adaptive(self) -> bool:
@@ -286,6 +405,7 @@ class Speculation:
         entry_rows: list[int] = []
         entry_steps: list[int] = []
         draft_ids: list[int] = []
+        before: list[list[int]] = []  # each entry's drafts before it (its penalties see them)
         spec_rows, spec_drafts, starts = [], [], []
         step = np.asarray(plan.sampling.step)
         for row, request in enumerate(rows):
@@ -301,6 +421,7 @@ class Speculation:
             entry_steps.extend(int(step[row]) + j for j in range(len(draft) + 1))
             draft_ids.extend(draft)
             draft_ids.append(-1)
+            before.extend(draft[:j] for j in range(len(draft) + 1))
         if not spec_rows:
             return plan, None
         if len(index) > size:
@@ -309,7 +430,7 @@ class Speculation:
         entry_rows += [0] * pad
         entry_steps += [0] * pad
         draft_ids += [-1] * pad
-        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32))
+        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32), before)
         plan = replace(plan, context_index=padded_index(index, size))
         return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32))
 
@@ -352,12 +473,16 @@ class Speculation:
             self.policy.verified(request.request_id, n_accepted, k)
             drafted += k
             accepted_total += n_accepted
+            request.num_draft_tokens += k
+            request.num_accepted_draft_tokens += n_accepted
+            for j in range(n_accepted):
+                self.num_accepted_per_pos[j] += 1
             outputs = request.output_token_ids
             if request.state is _COMPLETE or index >= len(outputs):
                 continue  # aborted while the step ran
             try:
                 tokens = token_ids[start : start + n_accepted + 1]
-                updates.append(self._apply(requests, request, index, tokens, start, logprobs))
+                updates.append(apply_verified(requests, self.kv, request, index, tokens, start, logprobs))
             except Exception as exc:  # host bookkeeping of one request: fail it alone
                 updates += requests.fail([request], exc, "applying verified tokens")
         self.num_draft_tokens += drafted
@@ -365,124 +490,18 @@ class Speculation:
         self.num_speculative_steps += 1
         self.num_verified_rows += len(step.entries)
         rows = len(step.entries)
-        step.stats["specDecodingStats"] = {
-            "numDraftTokens": drafted,
-            "numAcceptedTokens": accepted_total,
-            "numRequestsWithDraftTokens": rows,
-            "acceptanceLength": (accepted_total + rows) / rows if rows else 0.0,
-        }
+        step.stats.setdefault("specDecodingStats", {}).update(
+            numDraftTokens=drafted,
+            numAcceptedTokens=accepted_total,
+            numRequestsWithDraftTokens=rows,
+            acceptanceLength=(accepted_total + rows) / rows if rows else 1.0,
+        )
         return updates
-
-    def _apply(
-        self,
-        requests: Any,
-        request: LlmRequest,
-        index: int,
-        tokens: list[int],
-        start: int,
-        logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]],
-    ) -> RequestUpdate:
-        """Write a row's tokens one at a time (over its placeholder, then appended), stopping
-        at the first that ends the request; roll its KV back to what it keeps."""
-        outputs = request.output_token_ids
-        params = request.sampling_params
-        update = RequestUpdate(request, [])
-        for j, token in enumerate(tokens):
-            i = index + j
-            if i < len(outputs):
-                outputs[i] = token
-            else:
-                outputs.append(token)
-            update.new_token_ids.append(token)
-            if params.logprobs is not None and logprobs is not None:
-                chosen, top_ids, top_lps = logprobs
-                e = start + j
-                entry = {
-                    int(top_ids[e, rank]): Logprob(float(top_lps[e, rank]), rank + 1) for rank in range(params.logprobs)
-                }
-                if token not in entry:
-                    entry[token] = Logprob(float(chosen[e]))
-                update.new_logprobs.append(entry)
-                request.cumulative_logprob += float(chosen[e])
-            reason, stop_reason = check_stop(params, outputs, request.end_ids, num_outputs=i + 1)
-            if reason is not None:
-                requests.finish(request, reason, stop_reason, i + 1)
-                update.finished = True
-                return update
-        self.kv.roll_back(request, request.num_tokens)
-        return update
 
     # ------------------------------------------------------------------ warm-up
     def warmup(
         self, runner: Any, planner: Planner, num_sampler_rows: int, max_seq_len: int, all_variants: bool = True
     ) -> None:
-        """Compile, and run once on empty steps, the context-logits forward of every token
-        bucket and the verification program of every sampler variant it can see (only the
-        greedy one without `all_variants`, as the engine's warm-up does for the sampler)."""
-        variants = [
-            dict(num_top_logprobs=top, any_random=random, use_top_k_top_p=sort)
-            for top in (0, MAX_LOGPROBS)
-            for random, sort in ((False, False), (True, False), (True, True))
-        ]
-        if not all_variants:
-            variants = variants[:1]
-        shapes = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
-        per_row = planner.spec_tokens_per_row
-        shapes += [
-            (rows * per_row, rows) for rows in planner.decode_batch_sizes if rows * per_row <= self.max_num_tokens
-        ]
-        for bucket, rows in shapes:
-            size = self.verify_rows(bucket)
-            batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows, bucket)
-            sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
-            plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
-            result = runner.execute(plan)
-            if self.drafter is not None:
-                self.drafter.warmup(batch)
-            for flags in variants:
-                tensors = entry_tensors(
-                    SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
-                    np.zeros(size, np.int64),
-                    np.zeros(size, np.int32),
-                )
-                tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
-                out = self.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
-            jax.block_until_ready(out.token_ids)
-        if self.drafter is not None:  # the MTP program of the shapes plain steps run in
-            plain = [(bucket, None) for bucket in token_buckets(self.max_num_tokens, self.min_token_bucket)]
-            plain += [(rows, rows) for rows in planner.decode_batch_sizes]
-            for bucket, rows in plain:
-                batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows)
-                sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
-                runner.execute(StepPlan(batch, sampling, feed, 0, 0, greedy_only=True))
-                self.drafter.warmup(batch)
-
-
-def entry_tensors(t: SamplingTensors, rows: np.ndarray, steps: np.ndarray) -> SamplingTensors:
-    """Per-entry sampling tensors: entry e has the settings of row `rows[e]` at output index
-    `steps[e]` (no penalties or grammar: rows that need them do not draft)."""
-
-    def take(a: Any) -> np.ndarray:
-        return np.asarray(a)[rows]
-
-    E = rows.shape[0]
-    temperature = take(t.temperature)
-    any_random = bool((temperature > 0).any())
-    return SamplingTensors(
-        temperature=temperature,
-        top_k=take(t.top_k),
-        top_p=take(t.top_p),
-        min_p=take(t.min_p),
-        repetition_penalty=np.ones(E, np.float32),
-        presence_penalty=np.zeros(E, np.float32),
-        frequency_penalty=np.zeros(E, np.float32),
-        seed=take(t.seed),
-        step=steps.astype(np.int32),
-        suppress_ids=take(t.suppress_ids),
-        history_ids=np.full((E, 1), -1, np.int32),
-        history_is_output=np.zeros((E, 1), np.bool_),
-        use_penalties=False,
-        num_top_logprobs=t.num_top_logprobs,
-        any_random=any_random,
-        use_top_k_top_p=bool(t.use_top_k_top_p and any_random),
-    )
+        """Compile, and run once on empty steps, every program speculation runs
+        (`jaxllm.engine.speculation_warmup`)."""
+        warm_up_speculation(self, runner, planner, num_sampler_rows, max_seq_len, all_variants)

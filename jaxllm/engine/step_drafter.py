@@ -31,6 +31,7 @@ class DispatchedStep:
     batch: StepBatch  # host arrays
     requests: list[LlmRequest]  # by row
     hidden: Optional[jax.Array]  # [T, H] the target's final hidden states (MTP), else None
+    has_context: bool = False  # it processed prompt tokens
 
 
 class StepDrafter:
@@ -49,9 +50,16 @@ class StepDrafter:
     def num_compiled(self) -> int:
         return int(self._jit._cache_size()) if self._jit is not None else 0
 
-    def dispatched(self, batch: StepBatch, requests: list[LlmRequest]) -> None:
-        """Step N was dispatched with `batch` over `requests` (by row)."""
-        self._last = DispatchedStep(batch, list(requests), self.runner.last_hidden)
+    def dispatched(self, batch: StepBatch, requests: list[LlmRequest], has_context: bool = False) -> None:
+        """Step N was dispatched with `batch` over `requests` (by row); `has_context`: it
+        processed prompt tokens."""
+        self._last = DispatchedStep(batch, list(requests), self.runner.last_hidden, has_context)
+
+    @property
+    def pending_context(self) -> bool:
+        """Whether the step it has not run over yet processed prompt tokens: it runs over such
+        a step whether or not the next step drafts, so its pool holds every prompt position."""
+        return self._last is not None and self._last.has_context
 
     def begin_step(self) -> None:
         """Before the next step's drafts are asked for (every token of step N on the host): run
@@ -65,6 +73,13 @@ class StepDrafter:
         if rows:
             host = np.asarray(drafts)
             self._drafts = {rid: host[row].tolist() for row, rid in rows.items()}
+
+    def skip_step(self) -> None:
+        """The next step does not draft: the drafter does not run over step N. Its pool then
+        holds no entries for step N's positions; later drafts attend to whatever those pages
+        hold, which makes them less often accepted, never changes an output token."""
+        self._last = None
+        self._drafts = {}
 
     def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
         raise NotImplementedError

@@ -79,7 +79,7 @@ class PendingStep:
     logits_targets: Optional[StepLogitsTargets] = None
     context_logits: Any = None
     # The speculating rows of a speculative step and their verification output
-    # (`jaxllm.engine.speculation.SpeculativeStep`), read back after the other rows.
+    # (`jaxllm.engine.verified_tokens.SpeculativeStep`), read back after the other rows.
     speculative: Any = None
     row_logits: Any = None
     # A steady decode step (entry i is row i of `decode.requests`): the rows and the index in

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from jaxllm.executor.output_processor import ADD, DECODED, ERROR, TOKENS, OutputSpec, portable_error
+from jaxllm.outputs import SpeculativeDecodingMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,15 @@ class _Call:
 
 
 def _logits_outputs(request: Any) -> Optional[dict]:
-    """The finished request's logits outputs (jaxllm.engine.logits_outputs), if it asked."""
+    """The finished request's logits outputs (jaxllm.engine.logits_outputs), if it asked, and
+    its `speculative_decoding` metrics, if it drafted."""
     record = getattr(request, "logits_record", None)
-    if record is None:
-        return None
-    return record.outputs(request.sampling_params, len(request.output_token_ids)) or None
+    outputs = {} if record is None else record.outputs(request.sampling_params, len(request.output_token_ids))
+    drafted = getattr(request, "num_draft_tokens", 0)
+    if drafted:
+        outputs = dict(outputs or {})
+        outputs["speculative_decoding"] = SpeculativeDecodingMetrics(drafted, request.num_accepted_draft_tokens)
+    return outputs or None
 
 
 class EngineCore:

@@ -194,6 +194,7 @@ class GenerationResult:
                 if delta.logits_outputs:
                     out.generation_logits = delta.logits_outputs.get("generation_logits")
                     out.prompt_logprobs = delta.logits_outputs.get("prompt_logprobs")
+                    out.speculative_decoding = delta.logits_outputs.get("speculative_decoding")
                     if self._context_logits is None:  # the same prompt for every sequence
                         self._context_logits = delta.logits_outputs.get("context_logits")
             if done:
@@ -233,6 +234,7 @@ class GenerationResult:
                 logprobs_diff=o.logprobs_diff,
                 generation_logits=o.generation_logits,
                 prompt_logprobs=o.prompt_logprobs,
+                speculative_decoding=o.speculative_decoding,
             )
             for o in outputs
         ]

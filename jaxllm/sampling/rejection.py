@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxllm.sampling.sampler import (
@@ -115,3 +117,51 @@ def verify_drafts(
         top_ids = jnp.zeros((E, 0), jnp.int32)
         top_logprobs = jnp.zeros((E, 0), jnp.float32)
     return VerifyOutput(token_ids.astype(jnp.int32), accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def entry_tensors(
+    t: SamplingTensors, rows: np.ndarray, steps: np.ndarray, drafts_before: Optional[list[list[int]]] = None
+) -> SamplingTensors:
+    """Per-entry sampling tensors: entry e has the settings of row `rows[e]` at output index
+    `steps[e]`. With penalties, its token history is the row's followed by the drafts before
+    it (`drafts_before[e]`, output tokens), the history sampling at that index would see. No
+    grammar or multi-token bad words: rows that need them do not draft."""
+
+    def take(a: Any) -> np.ndarray:
+        return np.asarray(a)[rows]
+
+    E = rows.shape[0]
+    temperature = take(t.temperature)
+    any_random = bool((temperature > 0).any())
+    if t.use_penalties:
+        history_ids, history_is_output = take(t.history_ids), take(t.history_is_output)
+        width = history_ids.shape[1]
+        for e, before in enumerate(drafts_before or ()):
+            if before:
+                n = int((history_ids[e] >= 0).sum())
+                if n + len(before) > width:
+                    raise ValueError(f"history_len: entry {e} needs {n + len(before)} history slots, more than {width}")
+                history_ids[e, n : n + len(before)] = before
+                history_is_output[e, n : n + len(before)] = True
+        penalties = (take(t.repetition_penalty), take(t.presence_penalty), take(t.frequency_penalty))
+    else:
+        history_ids, history_is_output = np.full((E, 1), -1, np.int32), np.zeros((E, 1), np.bool_)
+        penalties = (np.ones(E, np.float32), np.zeros(E, np.float32), np.zeros(E, np.float32))
+    return SamplingTensors(
+        temperature=temperature,
+        top_k=take(t.top_k),
+        top_p=take(t.top_p),
+        min_p=take(t.min_p),
+        repetition_penalty=penalties[0],
+        presence_penalty=penalties[1],
+        frequency_penalty=penalties[2],
+        seed=take(t.seed),
+        step=steps.astype(np.int32),
+        suppress_ids=take(t.suppress_ids),
+        history_ids=history_ids,
+        history_is_output=history_is_output,
+        use_penalties=bool(t.use_penalties),
+        num_top_logprobs=t.num_top_logprobs,
+        any_random=any_random,
+        use_top_k_top_p=bool(t.use_top_k_top_p and any_random),
+    )

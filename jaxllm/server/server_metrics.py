@@ -202,6 +202,28 @@ class ServerMetrics:
         self.compiles_done = Gauge(
             "jaxllm:num_compiles_done", "Programs compiled in the background after ready.", labels, registry=r
         )
+        # Speculative decoding (vLLM's names): engine totals, counted up to on each scrape.
+        self.spec_counters = {
+            "num_drafts": Counter(
+                "jaxllm:spec_decode_num_drafts",
+                "Rows that verified drafts (one per request and step).",
+                labels,
+                registry=r,
+            ),
+            "num_draft_tokens": Counter(
+                "jaxllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels, registry=r
+            ),
+            "num_accepted_tokens": Counter(
+                "jaxllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
+            ),
+        }
+        self.spec_accepted_per_pos = Counter(
+            "jaxllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self._spec_seen: dict = {}
         self.model_name = model_name
         self._labels = {"model_name": model_name}
 
@@ -249,8 +271,17 @@ class ServerMetrics:
             transceiver = getattr(engine, "kv_transceiver", None)
             compiles = compile_counts(engine)
             offload = getattr(engine, "kv_offload", None)
+            spec = getattr(engine, "speculation", None)
             return {
                 "host": None if offload is None else offload.stats(),
+                "spec": None
+                if spec is None
+                else {
+                    "num_drafts": spec.num_verified_rows,
+                    "num_draft_tokens": spec.num_draft_tokens,
+                    "num_accepted_tokens": spec.num_accepted_tokens,
+                    "per_pos": list(spec.num_accepted_per_pos),
+                },
                 "running": len(engine.active) - waiting,
                 "waiting": waiting,
                 "used": kv.used_num_blocks,
@@ -292,6 +323,17 @@ class ServerMetrics:
                 counter.labels(**self._labels).inc(delta)
                 self._host_totals[field] = total
 
+    def _count_spec(self, totals: dict) -> None:
+        """Count the speculative decoding counters up to the engine's totals."""
+        seen = self._spec_seen
+        for name, counter in self.spec_counters.items():
+            counter.labels(**self._labels).inc(max(0, totals[name] - seen.get(name, 0)))
+            seen[name] = max(totals[name], seen.get(name, 0))
+        for position, value in enumerate(totals["per_pos"]):
+            key = ("per_pos", position)
+            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(max(0, value - seen.get(key, 0)))
+            seen[key] = max(value, seen.get(key, 0))
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, gauges refreshed now."""
         state = self._engine_state()
@@ -308,4 +350,6 @@ class ServerMetrics:
             if "compiles_pending" in state:  # read from the engine (not from the latest iteration)
                 self.compiles_pending.labels(**self._labels).set(state["compiles_pending"])
                 self.compiles_done.labels(**self._labels).set(state["compiles_done"])
+            if state.get("spec") is not None:
+                self._count_spec(state["spec"])
         return generate_latest(self.registry)
