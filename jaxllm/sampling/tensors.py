@@ -5,7 +5,7 @@ greedy with no penalties and no suppression, so they cost nothing and change not
 
 Whether whole computations run at all is decided here on the host and recorded as static
 metadata (part of the jit cache key): `use_penalties` (also switches the history shape),
-`num_top_logprobs`, `any_random`, `use_top_k_top_p` (the vocabulary sort) and
+`num_top_logprobs`, `any_random`, `use_top_k_top_p` (the top-k / top-p cut) and
 `use_token_bitmask` (some row follows a grammar: its allowed tokens come as a bitmask
 `int32[S, ceil(V / 32)]`, a [S, 1] dummy otherwise, set by the engine with
 `with_token_bitmask`; those variants compile on first use). Branching
