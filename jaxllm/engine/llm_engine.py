@@ -132,6 +132,9 @@ class LLMEngine:
                 drafter=step_drafter_for(config.speculative_config, self.runner, self.kv_cache_manager),
             )
             self.planner.steady_decode = False
+        if self.sampler_variants is not None and self.speculation is None:
+            # A token bucket's sampler runs over its live rows, as a decode bucket's does.
+            self.planner.sampler_row_sizes = self.sampler_variants.row_sizes = list(self.planner.decode_batch_sizes)
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
             not config.disable_overlap_scheduler

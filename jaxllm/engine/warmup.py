@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from jaxllm.batch_builder import choose_token_bucket, token_buckets
@@ -28,6 +29,10 @@ Progress = Optional[Callable[[int, int], None]]
 
 class ProgramWarmup:
     """Compiles an engine's programs ahead of its first steps."""
+
+    # A background warm-up compiles the general sampler for the sampler row counts up to this
+    # (`Planner.sampler_rows`: a few users' steps); larger ones compile in idle time.
+    FIRST_SAMPLER_ROWS = 8
 
     def __init__(
         self,
@@ -158,6 +163,8 @@ class ProgramWarmup:
             self.decode_compiler.mark_ready(self.decode_sizes())
         for batch in batches[1:] if not decode_batches else batches:  # the samplers take the latest
             logits = runner.forward(*batch, None)
+        if self.planner.sampler_row_sizes:  # `Planner.sampler_rows`
+            runner.compile_row_slices(logits, self.planner.sampler_row_sizes)
         outputs = [runner.sample(logits, sampling) for sampling in samplings]
         if not self.attention_dp:
             runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
@@ -190,6 +197,15 @@ class ProgramWarmup:
                 rows = int(logits.shape[0])
                 generals.append(runner.compile_sampler(logits, self.general_sampler(rows), wait=False))
         runner.compile_batched_processors(logits)
+        # A token bucket's sampler runs over its live rows (`Planner.sampler_rows`): the slices,
+        # and the general variant for the row counts a few users reach first.
+        sizes = self.planner.sampler_row_sizes
+        runner.compile_row_slices(logits, sizes)
+        if self.general_sampler is not None:
+            for rows in sizes:
+                if rows <= self.FIRST_SAMPLER_ROWS and rows not in first_rows:
+                    struct = jax.ShapeDtypeStruct((rows, *logits.shape[1:]), logits.dtype, sharding=logits.sharding)
+                    generals.append(runner.compile_sampler(struct, self.general_sampler(rows), wait=False))
         greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
         out = runner.sample(logits, greedy)
         for future in generals:
