@@ -246,7 +246,8 @@ class LLMEngine:
 
         `background`: return once what a lone user needs is compiled, the decode token bucket
         (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
-        it) and the one-row decode bucket, with the greedy and the general sampler. A step whose
+        it), a prompt bucket (`ProgramWarmup.first_buckets`) and the one-row decode bucket, with
+        the greedy and the general sampler. A step whose
         best bucket is not compiled runs padded in a compiled one (see
         `jaxllm.engine.compile_ahead`), one whose sampler variant is not compiled runs the
         general one (`jaxllm.engine.sampler_variants`); the better fits compile in the
