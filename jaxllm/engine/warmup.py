@@ -35,7 +35,7 @@ class ProgramWarmup:
     FIRST_PREFILL_TOKENS = 256
     # A background warm-up compiles the general sampler for the sampler row counts up to this
     # (`Planner.sampler_rows`: a few users' steps); larger ones compile in idle time.
-    FIRST_SAMPLER_ROWS = 8
+    FIRST_SAMPLER_ROWS = 2
 
     def __init__(
         self,
