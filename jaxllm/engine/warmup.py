@@ -103,9 +103,10 @@ class ProgramWarmup:
         return sorted({small, prefill})
 
     def first_decode_sizes(self) -> list[int]:
-        """The decode buckets a background warm-up compiles before returning: the smallest (one
-        user decoding alone)."""
-        return self.decode_sizes()[:1] if self.decode_compiler is not None else []
+        """The decode buckets a background warm-up compiles before returning: the two smallest
+        (one user decoding alone, and a second joining: without it their steps ran in the
+        decode token bucket of `max_batch_size` rows, several times a one-row step)."""
+        return self.decode_sizes()[:2] if self.decode_compiler is not None else []
 
     def num_pieces(self, all_variants: bool = True, background: bool = False) -> int:
         """The `total` that `run` reports to `progress`, known before anything compiles (a
