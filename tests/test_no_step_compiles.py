@@ -146,3 +146,43 @@ def test_no_compile_on_the_engine_thread_after_ready(decode_batch_sizes):
     assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
     assert after.get(engine_thread, 0) == before.get(engine_thread, 0)
     assert engine_thread not in compiles, f"{compiles.count(engine_thread)} compiles on the engine thread"
+
+
+def test_generation_logits_and_host_processors_compile_nothing_on_a_step_after_ready():
+    """Their row gathers and scatters are compiled before ready (cheap), whatever
+    `warmup_logits_outputs` says; only the context-logits forwards (prompt logprobs, context
+    logits) are left to it."""
+    compiles: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            compiles.append(threading.current_thread().name)
+
+    def ban_five(request_id, token_ids, logits):
+        logits[5] = -np.inf
+        return logits
+
+    llm = LLM(
+        "tiny-moe",
+        max_batch_size=8,
+        max_num_tokens=64,
+        max_seq_len=256,
+        kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),
+    )
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        params = [
+            SamplingParams(max_tokens=6, ignore_eos=True, return_generation_logits=True),
+            SamplingParams(max_tokens=6, ignore_eos=True, logits_processor=ban_five),
+            SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, return_generation_logits=True),
+        ]
+        prompts = random_prompts(len(params), VOCAB, 5, 40, seed=13)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs += llm.generate(prompts[1:], params[1:], use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert 5 not in outputs[1].outputs[0].token_ids and 5 not in outputs[3].outputs[0].token_ids
+    step_threads = [name for name in compiles if "background" not in name]
+    assert not step_threads, f"compiles on {sorted(set(step_threads))}"

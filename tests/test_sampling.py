@@ -205,10 +205,13 @@ def test_build_padding_and_static_flags():
 def test_static_switches_and_no_device_branching(params, random, sort, pen):
     t = _build(params, histories=[([1], [2])] * len(params))
     assert (t.any_random, t.use_top_k_top_p, t.use_penalties) == (random, sort, pen)
-    # A lax.cond on device would make the GPU runtime read its predicate back mid-step.
+    # A lax.cond on device would make the GPU runtime read its predicate back mid-step; only
+    # the top-k / top-p threshold loops on a CPU (instead of sorting the vocabulary).
     jaxpr = str(jax.make_jaxpr(sample)(jnp.zeros((S, V)), t))
-    assert "cond[" not in jaxpr and "while[" not in jaxpr
-    assert ("sort[" in jaxpr) == sort
+    assert "cond[" not in jaxpr
+    on_cpu = jax.default_backend() == "cpu"
+    assert ("while[" in jaxpr) == (sort and on_cpu)
+    assert ("sort[" in jaxpr) == (sort and not on_cpu)
 
 
 def test_empty_matches_build_variants():
@@ -391,14 +394,15 @@ def test_temperature_sampling_matches_softmax():
 
 
 def _ref_allowed(logits: np.ndarray, T: float, k: int, p: float, min_p: float) -> np.ndarray:
-    """Numpy reference of the set a sampled row may pick from."""
+    """Numpy reference of the set a sampled row may pick from (top-p over every token top-k
+    kept, ties with the k-th value included, as vLLM's value mask)."""
     s = logits.astype(np.float64) / T
     allowed = np.ones_like(s, bool)
     desc = np.sort(s)[::-1]
     if k > 0:
         allowed &= s >= desc[k - 1]
     if p < 1.0:
-        kk = k if k > 0 else len(s)
+        kk = int((s >= desc[k - 1]).sum()) if k > 0 else len(s)
         probs = _softmax(desc[:kk])
         before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
         n_keep = int((before < p).sum())
@@ -410,7 +414,9 @@ def _ref_allowed(logits: np.ndarray, T: float, k: int, p: float, min_p: float) -
 
 def _safe_top_p(logits: np.ndarray, T: float, k: int, target: float) -> float:
     """A top_p halfway between two cumulative masses, so float rounding cannot move the cut."""
-    desc = np.sort(logits.astype(np.float64) / T)[::-1][: (k if k > 0 else len(logits))]
+    desc = np.sort(logits.astype(np.float64) / T)[::-1]
+    if k > 0:
+        desc = desc[desc >= desc[k - 1]]
     cum = np.cumsum(_softmax(desc))
     i = int(np.searchsorted(cum, target))
     return float((cum[i] + cum[i + 1]) / 2)
@@ -453,6 +459,49 @@ def test_top_p_on_large_vocab():
     t = _build([SamplingParams(temperature=1.0, top_p=top_p, seed=i) for i in range(2)], S_=2)
     out = sample_jit(jnp.asarray(np.tile(logits, (2, 1))), t)
     assert allowed[np.asarray(out.token_ids)].all()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_top_p_cut_matches_sorted_reference_in_and_past_the_window(ties):
+    """The sort-free threshold (the largest TOP_WINDOW values, bisection for a cut past them)
+    keeps exactly the numpy reference's set, for rows cut inside the window and rows cut far
+    past it (top_k > TOP_WINDOW, wide top-p nuclei) in one batch, and the sorting variant
+    (other backends) keeps the same set; each row's set does not depend on the other rows."""
+    from jaxllm.sampling.sampler import TOP_WINDOW, _sorted_threshold, filtered_logits
+
+    vocab = 4096
+    cases = [  # (temperature, top_k, top_p target): window, past it, both filters, ties at the cut
+        (1.0, 5, None),
+        (1.0, 3 * TOP_WINDOW, None),
+        (0.5, 0, 0.3),
+        (2.0, 0, 0.9),
+        (1.0, 2 * TOP_WINDOW, 0.95),
+        (1.5, 40, 0.8),
+        (1.0, TOP_WINDOW, None),
+        (1.0, vocab, 0.5),
+    ]
+    logits = _logits(21, rows=len(cases), vocab=vocab, scale=3.0)
+    if ties:  # coarse values (as bf16 logits have): many tokens share the cut's value
+        logits = np.round(logits * 4) / 4
+    logits[0, :7] = -np.inf  # suppressed tokens
+    params, allowed = [], []
+    for i, (T, k, target) in enumerate(cases):
+        top_p = 1.0 if target is None else _safe_top_p(logits[i], T, k, target)
+        ref = _ref_allowed(logits[i], T, k, top_p, 0.0)
+        assert 1 < ref.sum() < vocab
+        allowed.append(ref)
+        params.append(SamplingParams(temperature=T, top_k=k or None, top_p=top_p, seed=i))
+    t = _build(params, S_=len(cases))
+    kept = np.isfinite(np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), t)))
+    for i, case in enumerate(cases):
+        np.testing.assert_array_equal(kept[i], allowed[i], err_msg=str(case))
+    scaled = logits / t.temperature[:, None]
+    sorted_thr = np.asarray(jax.jit(_sorted_threshold)(jnp.asarray(scaled), t.top_k, t.top_p))
+    np.testing.assert_array_equal(scaled >= sorted_thr[:, None], kept)
+    for i in (1, 3):  # alone, as a one-row batch
+        alone = _build([params[i]], S_=1)
+        row = np.isfinite(np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits[i : i + 1]), alone)))[0]
+        np.testing.assert_array_equal(row, kept[i])
 
 
 # ---------------------------------------------------------------------------------------------

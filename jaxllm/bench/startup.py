@@ -11,8 +11,9 @@ resolved once before timing, so neither row pays for a download.
 
 Then, on the same server, the first `--requests` streamed completions (prompts of several
 lengths, sent at once) right after "ready", and the same requests again `--settle` seconds
-later, once the programs a background warm-up leaves for idle time have compiled: their TTFTs
-side by side say what a user arriving at "ready" pays for an early ready.
+later (prompts of the same lengths and another word, so no KV block of the first ones is reused),
+once the programs a background warm-up leaves for idle time have compiled: their TTFTs side by
+side say what a user arriving at "ready" pays for an early ready.
 
     jaxllm bench startup --model tiny-moe smollm2
     jaxllm bench startup --model smollm2 --serve-args "--max-num-tokens 512 --max-seq-len 2048"
@@ -75,8 +76,11 @@ def _seconds(pattern: str, text: str) -> float:
 PROMPT_WORDS = (6, 20, 45, 90, 180, 360, 12, 30)
 
 
-def first_request_prompts(num: int) -> list[str]:
-    return [" ".join(["hello"] * PROMPT_WORDS[i % len(PROMPT_WORDS)]) for i in range(num)]
+def first_request_prompts(num: int, word: str = "hello") -> list[str]:
+    """`num` prompts of `PROMPT_WORDS` words each, `word` repeated: the later burst takes another
+    word, so its prompts share no KV block with the first burst's (prefix reuse would make the
+    later burst cheaper for a reason that has nothing to do with start-up)."""
+    return [" ".join([word] * PROMPT_WORDS[i % len(PROMPT_WORDS)]) for i in range(num)]
 
 
 def _ttft(base: str, prompt: str, max_tokens: int = 8) -> float:
@@ -145,10 +149,10 @@ def time_start(
             healthy = time.perf_counter() - start
             ttft_ready, ttft_settled = [], []
             if requests:
-                base, prompts = url.removesuffix("/health"), first_request_prompts(requests)
-                ttft_ready = first_ttfts(base, prompts)
+                base = url.removesuffix("/health")
+                ttft_ready = first_ttfts(base, first_request_prompts(requests))
                 time.sleep(settle)
-                ttft_settled = first_ttfts(base, prompts)
+                ttft_settled = first_ttfts(base, first_request_prompts(requests, "world"))
         finally:
             proc.terminate()
             try:

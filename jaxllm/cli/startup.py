@@ -152,7 +152,7 @@ def compiled_buckets(engine) -> str:
 
 def warm_up(engine, all_variants: bool = True, background: bool = False) -> None:
     """Compile every step shape with a progress bar ("compiling N token buckets..."); with
-    `background`, only the one-row decode bucket, the decode token bucket and the greedy sampler before
+    `background`, only the one-row decode bucket, the decode token bucket, a prompt bucket and the samplers before
     returning (see `LLMEngine.warmup`). The bar's length is known before anything compiles
     and the bar ends full."""
     from tqdm.auto import tqdm

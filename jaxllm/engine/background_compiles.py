@@ -16,7 +16,10 @@ core, so such compiles must not compete with them:
   running stream for a second or more on a small machine. Compiles that steps paid for (the
   rent-or-buy rule of `jaxllm.engine.compile_ahead`) go first; those queued as idle work (a
   background warm-up's remaining buckets, variants steps asked for without paying for them) are
-  queued only once the engine's driver found it idle.
+  queued only once the engine's driver found it idle. An engine that is never idle would never
+  get a paid compile (its steps stay held to the largest compiled token bucket), so a paid
+  compile that has waited `max_hold_seconds` starts while engines are busy, one per
+  `max_hold_seconds` at most: a stall of a second or so for the running streams, bounded.
 
 A compile under way is never stopped (XLA cannot pause one); a step that needs a program still
 queued here takes it over (`ProgramCache.get` cancels the queued task and compiles it itself).
@@ -85,11 +88,12 @@ def lower_thread_priority() -> None:
 
 
 class _Task:
-    __slots__ = ("fn", "args", "future", "idle")
+    __slots__ = ("fn", "args", "future", "idle", "queued_at")
 
     def __init__(self, fn: Callable, args: tuple, idle: bool) -> None:
         self.fn, self.args, self.idle = fn, args, idle
         self.future: Future = Future()
+        self.queued_at = time.monotonic()
 
 
 class BackgroundCompiles:
@@ -105,11 +109,15 @@ class BackgroundCompiles:
         *,
         hold_while_busy: bool = True,
         settle_seconds: float = 0.5,
+        max_hold_seconds: Optional[float] = 30.0,
         activity: EngineActivity = ACTIVITY,
     ) -> None:
         self.max_workers = max(1, max_workers)
         self.hold_while_busy = hold_while_busy
         self.settle_seconds = settle_seconds
+        self.max_hold_seconds = max_hold_seconds  # None: paid compiles too wait for quiet
+        self._forced_at = -float("inf")  # when a paid compile last started while engines were busy
+        self.started_busy = 0  # paid compiles started while engines were busy
         self._activity = activity
         self._lock = threading.Lock()
         self._paid: list[_Task] = []
@@ -178,7 +186,17 @@ class BackgroundCompiles:
                 quiet = self._activity.quiet_for() if self.hold_while_busy else self.settle_seconds
                 if quiet >= self.settle_seconds:
                     return (self._paid or self._idle).pop(0)
-            self._activity.wait(max(0.05, self.settle_seconds - quiet))
+                wait = max(0.05, self.settle_seconds - quiet)
+                hold = self.max_hold_seconds
+                if hold is not None and self._paid and not self._running:
+                    now = time.monotonic()
+                    due = max(self._paid[0].queued_at, self._forced_at) + hold
+                    if now >= due:
+                        self._forced_at = now
+                        self.started_busy += 1
+                        return self._paid.pop(0)
+                    wait = min(wait, max(0.05, due - now))
+            self._activity.wait(wait)
 
     def _work(self) -> None:
         while True:

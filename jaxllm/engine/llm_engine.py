@@ -120,6 +120,9 @@ class LLMEngine:
         self.speculation = build_speculation(config, planner=self.planner, runner=self.runner)
         if self.speculation is not None:
             self.planner.steady_decode = False
+        if self.sampler_variants is not None and self.speculation is None:
+            # A token bucket's sampler runs over its live rows, as a decode bucket's does.
+            self.planner.sampler_row_sizes = self.sampler_variants.row_sizes = list(self.planner.decode_batch_sizes)
         # Pausing moves generated tokens into the prompt, which needs them on the host.
         self.overlap = (
             not config.disable_overlap_scheduler
@@ -214,7 +217,8 @@ class LLMEngine:
 
         `background`: return once what a lone user needs is compiled, the decode token bucket
         (the smallest holding `max_batch_size` tokens: every decoding step and a short prompt fit
-        it) and the one-row decode bucket, with the greedy and the general sampler. A step whose
+        it), a prompt bucket (`ProgramWarmup.first_buckets`) and the one-row decode bucket, with
+        the greedy and the general sampler. A step whose
         best bucket is not compiled runs padded in a compiled one (see
         `jaxllm.engine.compile_ahead`), one whose sampler variant is not compiled runs the
         general one (`jaxllm.engine.sampler_variants`); the better fits compile in the

@@ -57,6 +57,10 @@ def _gather_rows(logits, rows):
     return logits[rows]
 
 
+def _first_rows(logits, *, rows: int):
+    return logits[:rows]
+
+
 def _scatter_rows(logits, rows, values):
     return logits.at[rows].set(values)
 
@@ -190,8 +194,11 @@ class ModelRunner:
             name: jax.jit(functools.partial(apply_batched, fn=fn)) for name, fn in (batched_processors or {}).items()
         }
         self._logits_exes: dict[tuple, Any] = {}
+        self._first_rows_jits: dict[int, Any] = {}
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self.sampler_runs = 0  # sampler programs run (a greedy-only step runs none)
+        # Steps' sampler runs by their row count (a token bucket's samples its live rows).
+        self.sampler_runs_per_rows: collections.Counter = collections.Counter()
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
         # Sampled tokens of the step executed before: a plan's `feed_index` reads from them.
         self._fed_tokens: jax.Array | None = None
@@ -315,6 +322,19 @@ class ModelRunner:
                 ("scatter", size), self._scatter_jit, (logits, rows, np.zeros((size, vocab), np.float32))
             )
 
+    def _first_rows(self, logits: jax.Array, rows: int) -> jax.Array:
+        jitted = self._first_rows_jits.get(rows)
+        if jitted is None:
+            jitted = self._first_rows_jits[rows] = jax.jit(functools.partial(_first_rows, rows=rows))
+        return self._logits_program(("first_rows", rows), jitted, (logits,))
+
+    def compile_row_slices(self, logits: jax.Array, sizes: list[int]) -> None:
+        """Compile (and run on `logits`) the slice of the first rows of a token bucket's logits
+        for each of `sizes` (`Planner.sampler_rows`)."""
+        for rows in sizes:
+            if rows < logits.shape[0]:
+                self._first_rows(logits, rows)
+
     def compile_batched_processors(self, logits: jax.Array) -> None:
         """Compile every registered batched post-processor (warm-up)."""
         S = logits.shape[0]
@@ -393,6 +413,10 @@ class ModelRunner:
         row_logits = None
         if plan.has_logits_work:
             logits, row_logits = self._post_process(logits, plan)
+        rows = plan.sampling.batch_size
+        if rows < logits.shape[0]:  # a token bucket's sampler over its live rows (`Planner.sampler_rows`)
+            logits = self._first_rows(logits, rows)
+        self.sampler_runs_per_rows[rows] += 1
         sampled = self._sample(logits, sampling_buffers, sampling_layout)
         self._fed_tokens = sampled.token_ids
         processed = None

@@ -150,6 +150,9 @@ class Planner:
         # n' * this many tokens, so its logits stay [n', V] (see `spec_step_shape`).
         self.spec_tokens_per_row = 0
         self.token_log_capacity = 64  # steps a log holds before writing them into the requests
+        # Row counts the sampler of a step in a token bucket (max_batch_size rows) may run over:
+        # the smallest holding the step's rows, not max_batch_size (`sampler_rows`). Empty: off.
+        self.sampler_row_sizes: list[int] = []
         # Steady decode steps skip the scheduler only with schedulers whose decision for such
         # a batch is that whole batch, in order: every started request keeps its place and
         # nothing is paused. Setting it False plans every step the general way.
@@ -293,8 +296,9 @@ class Planner:
             if kv.placement_is_current(placement) and len(placement.rows) == len(rows)
             else kv.get_table_rows(rows)
         )
+        sampler_rows = self.sampler_rows(len(rows), num_rows)
         sampling = self.sampling_slots.build(
-            rows, slots, num_rows, self.max_seq_len, lambda: self._build_sampling(rows, num_rows)
+            rows, slots, sampler_rows, self.max_seq_len, lambda: self._build_sampling(rows, sampler_rows)
         )
         greedy_only = self.sampling_slots.last_build_plain and not sampling.any_random
         return StepPlan(batch, sampling, feed_index, num_tokens, num_ctx_tokens, greedy_only=greedy_only)
@@ -411,15 +415,34 @@ class Planner:
             packed = None  # the adapter slots are an input of their own
         slots = self.sampling_slots
         plain = slots.all_plain(decode.rows)
+        sampler_rows = self.sampler_rows(n, num_rows)
         if plain:  # the rows were filled by the step that recorded `decode`
             # The index of the token sampled now: the output length before this step's commit.
-            sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, num_rows)
+            sampling = slots.gather(decode.rows, decode.num_tokens - decode.orig_prompt_len, sampler_rows)
         else:
             self.materialize_tokens()
-            sampling = self._build_sampling(gen, num_rows)
+            sampling = self._build_sampling(gen, sampler_rows)
         return StepPlan(
             batch, sampling, feed_index, n, 0, packed_forward=packed, greedy_only=plain and not sampling.any_random
         )
+
+    def sampler_rows(self, num_requests: int, num_rows: int) -> int:
+        """The rows of the sampling tensors of a step of `num_requests` requests in `num_rows`
+        rows: in a token bucket, the smallest of `sampler_row_sizes` holding the requests (the
+        runner samples that many of the forward's first rows; the others are padding), so a
+        sampler's cost follows the requests, not max_batch_size; else `num_rows`. Not while
+        rows ask for logits outputs or post-processors (their programs take every row), beams
+        or drafts."""
+        options = self._options
+        if (
+            not self.sampler_row_sizes
+            or num_rows != self.max_batch_size
+            or self._drafts
+            or not options.decode_buckets
+            or options.beam_search
+        ):
+            return num_rows
+        return choose_decode_rows(num_requests, self.sampler_row_sizes) or num_rows
 
     def _build_sampling(self, rows: list[LlmRequest], num_rows: int) -> SamplingTensors:
         """Sampling tensors of `num_rows` rows from every request's parameters (any setting)."""

@@ -66,6 +66,8 @@ class SamplerVariants:
         self._started: set[VariantKey] = set()
         self._closed = False
         self.general_steps = 0  # steps that ran the general variant in place of their own
+        # Row counts a token bucket's sampler may run over (`Planner.sampler_row_sizes`).
+        self.row_sizes: list[int] = []
 
     def general(self, rows: int) -> SamplingTensors:
         """All-padding tensors of the general variant for `rows` rows (to compile it)."""
@@ -79,21 +81,48 @@ class SamplerVariants:
         seconds = self._clock.tick()
         sampling = plan.sampling
         key = variant_key(sampling)
-        if key in self._ready or self._compiled(key, sampling):
-            self._ready.add(key)
+        if self._is_ready(key, sampling):
             return plan
         general = sampling.generalized(self.history_len, self.bitmask_words)
-        if not self._compiled(variant_key(general), general):
-            return plan  # nothing compiled ahead for these rows: the step compiles its variant
-        self.general_steps += 1
-        self._pay(key, sampling, seconds)
-        return replace(plan, sampling=general)
+        if self._is_ready(variant_key(general), general):
+            self.general_steps += 1
+            self._pay(key, sampling, seconds)
+            return replace(plan, sampling=general)
+        # A token bucket's sampler over fewer rows than the forward's (`Planner.sampler_rows`):
+        # padded to the next row count whose own or general variant is compiled.
+        logits_rows = int(plan.batch.kv_lens.shape[-1])
+        for rows in [r for r in self.row_sizes if sampling.batch_size < r < logits_rows] + [logits_rows]:
+            if rows <= sampling.batch_size:
+                break
+            padded = sampling.padded(rows)
+            if self._is_ready(variant_key(padded), padded):
+                return replace(plan, sampling=padded)
+            padded = padded.generalized(self.history_len, self.bitmask_words)
+            if self._is_ready(variant_key(padded), padded):
+                self.general_steps += 1
+                self._pay(key, sampling, seconds)
+                return replace(plan, sampling=padded)
+        return plan  # nothing compiled ahead for these rows: the step compiles its variant
+
+    def _is_ready(self, key: VariantKey, sampling: SamplingTensors) -> bool:
+        if key in self._ready:
+            return True
+        if self._compiled(key, sampling):
+            self._ready.add(key)
+            return True
+        return False
 
     def on_idle(self) -> None:
-        """The engine has nothing to run: compile every variant steps asked for."""
+        """The engine has nothing to run: compile every variant steps asked for, and the general
+        variant of each row count a token bucket's sampler may run over."""
         with self._lock:
             asked = [(key, template) for key, (_, template) in self._asked.items() if key not in self._started]
             self._asked.clear()
+        for rows in self.row_sizes:
+            general = self.general(rows)
+            key = variant_key(general)
+            if not self._is_ready(key, general) and key not in self._started:
+                asked.append((key, general))
         for key, template in asked:
             self._start(key, template, idle=True)
 
@@ -156,12 +185,17 @@ class SamplerVariants:
             logger.debug("could not start compiling a sampler variant: %r", exc)
 
     def logits_struct(self, rows: int) -> Optional[jax.ShapeDtypeStruct]:
-        """The logits a sampler of `rows` rows takes: a compiled forward's output of that many rows."""
+        """The logits a sampler of `rows` rows takes: a compiled forward's output of that many
+        rows, or another's first `rows` rows (`Planner.sampler_rows`)."""
+        other = None
         for exe in self._runner.programs.executables("forward").values():
             logits = _logits_struct(exe)
             if logits is not None and logits.shape[0] == rows:
                 return logits
-        return None
+            other = other or logits
+        if other is None or other.shape[0] < rows:
+            return None
+        return jax.ShapeDtypeStruct((rows, *other.shape[1:]), other.dtype, sharding=other.sharding)
 
 
 def _logits_struct(exe: Any) -> Optional[jax.ShapeDtypeStruct]:

@@ -3,8 +3,9 @@
 `ProgramWarmup.run` compiles what a request can reach before the engine serves: the model
 forward of every token bucket and of every small decode bucket (`EngineConfig.decode_batch_sizes`)
 and the sampler of every variant of its static switches for each number of rows (or, in the
-background mode, only the programs a lone user needs first, the one-row decode bucket and the
-decode token bucket, which holds a short prompt, leaving the rest to idle time and to the
+background mode, only the programs the first users need, the one-row decode bucket, the
+decode token bucket, which holds a short prompt, and a prompt bucket of `FIRST_PREFILL_TOKENS`
+tokens, with the general sampler for a few rows, leaving the rest to idle time and to the
 rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from all-padding
 steps (`Planner.empty_step`), which write nothing to the KV cache.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from jaxllm.batch_builder import choose_token_bucket, token_buckets
@@ -28,6 +30,12 @@ Progress = Optional[Callable[[int, int], None]]
 
 class ProgramWarmup:
     """Compiles an engine's programs ahead of its first steps."""
+
+    # The prompt tokens a step may hold after a background warm-up (`first_buckets`).
+    FIRST_PREFILL_TOKENS = 256
+    # A background warm-up compiles the general sampler for the sampler row counts up to this
+    # (`Planner.sampler_rows`: a few users' steps); larger ones compile in idle time.
+    FIRST_SAMPLER_ROWS = 2
 
     def __init__(
         self,
@@ -55,6 +63,7 @@ class ProgramWarmup:
         self.max_seq_len = max_seq_len
         self.bucket_compiler = bucket_compiler
         self.decode_compiler = decode_compiler  # the small decode buckets' (None: none, or no compile-ahead)
+        self.logits_supported = logits_outputs
         self.logits_outputs = logits_outputs and config.warmup_logits_outputs
         self.attention_dp = attention_dp
         self.general_sampler = general_sampler
@@ -79,14 +88,25 @@ class ProgramWarmup:
         """The token buckets a background warm-up compiles before returning: the decode bucket
         (every decode step fits it, and so does a short prompt), or the smallest holding a KV
         block when that is larger (steps are held to the compiled buckets, and a prompt chunk
-        is whole blocks)."""
-        tokens = max(self.config.max_batch_size, self.planner.kv_cache_manager.tokens_per_block)
-        return [choose_token_bucket(tokens, self.config.max_num_tokens, self.config.min_token_bucket)]
+        is whole blocks), and the one of `FIRST_PREFILL_TOKENS` (capped by max_num_tokens): the
+        first requests' prompts run in chunks of the largest compiled bucket, and a chunk of a
+        few dozen tokens costs about as much as one of hundreds (a CPU reads every weight
+        per step), so without it the first burst of prompts took twice as long as later ones."""
+        config = self.config
+        tokens = max(config.max_batch_size, self.planner.kv_cache_manager.tokens_per_block)
+        small = choose_token_bucket(tokens, config.max_num_tokens, config.min_token_bucket)
+        prefill = choose_token_bucket(
+            min(config.max_num_tokens, max(tokens, self.FIRST_PREFILL_TOKENS)),
+            config.max_num_tokens,
+            config.min_token_bucket,
+        )
+        return sorted({small, prefill})
 
     def first_decode_sizes(self) -> list[int]:
-        """The decode buckets a background warm-up compiles before returning: the smallest (one
-        user decoding alone)."""
-        return self.decode_sizes()[:1] if self.decode_compiler is not None else []
+        """The decode buckets a background warm-up compiles before returning: the two smallest
+        (one user decoding alone, and a second joining: without it their steps ran in the
+        decode token bucket of `max_batch_size` rows, several times a one-row step)."""
+        return self.decode_sizes()[:2] if self.decode_compiler is not None else []
 
     def num_pieces(self, all_variants: bool = True, background: bool = False) -> int:
         """The `total` that `run` reports to `progress`, known before anything compiles (a
@@ -139,6 +159,7 @@ class ProgramWarmup:
                 runner.compile_forward(*batch_of[bucket], np.zeros(rows, np.int32), wait=False)
                 for bucket, rows in self._logits_variants(buckets)
             ]
+        if self.logits_supported:  # row gathers and scatters (generation logits, host processors)
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
         pending += [runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
         done = self._wait(pending, done, progress, total)
@@ -158,6 +179,8 @@ class ProgramWarmup:
             self.decode_compiler.mark_ready(self.decode_sizes())
         for batch in batches[1:] if not decode_batches else batches:  # the samplers take the latest
             logits = runner.forward(*batch, None)
+        if self.planner.sampler_row_sizes:  # `Planner.sampler_rows`
+            runner.compile_row_slices(logits, self.planner.sampler_row_sizes)
         outputs = [runner.sample(logits, sampling) for sampling in samplings]
         if not self.attention_dp:
             runner.copy_blocks([])  # beam search's copy on write (only padding: copies nothing)
@@ -190,6 +213,15 @@ class ProgramWarmup:
                 rows = int(logits.shape[0])
                 generals.append(runner.compile_sampler(logits, self.general_sampler(rows), wait=False))
         runner.compile_batched_processors(logits)
+        # A token bucket's sampler runs over its live rows (`Planner.sampler_rows`): the slices,
+        # and the general variant for the row counts a few users reach first.
+        sizes = self.planner.sampler_row_sizes
+        runner.compile_row_slices(logits, sizes)
+        if self.general_sampler is not None:
+            for rows in sizes:
+                if rows <= self.FIRST_SAMPLER_ROWS and rows not in first_rows:
+                    struct = jax.ShapeDtypeStruct((rows, *logits.shape[1:]), logits.dtype, sharding=logits.sharding)
+                    generals.append(runner.compile_sampler(struct, self.general_sampler(rows), wait=False))
         greedy = SamplingTensors.empty(self.num_sampler_rows, self.max_seq_len)
         out = runner.sample(logits, greedy)
         for future in generals:
@@ -205,8 +237,9 @@ class ProgramWarmup:
             self.decode_compiler.defer([rows for rows in self.decode_sizes() if rows not in first_rows])
         # Another sampler variant is not compiled ahead (most runs never use most variants): a
         # step that needs one runs the general variant while it compiles (sampler_variants).
-        if self.logits_outputs:
+        if self.logits_supported:  # cheap: generation logits and host processors compile nothing on a step
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+        if self.logits_outputs:
             for bucket in buckets:
                 for rows in token_buckets(bucket, self.config.min_token_bucket):
                     runner.compile_forward(*self.planner.empty_step(bucket), np.zeros(rows, np.int32), wait=False)

@@ -5,7 +5,7 @@ greedy with no penalties and no suppression, so they cost nothing and change not
 
 Whether whole computations run at all is decided here on the host and recorded as static
 metadata (part of the jit cache key): `use_penalties` (also switches the history shape),
-`num_top_logprobs`, `any_random`, `use_top_k_top_p` (the vocabulary sort) and
+`num_top_logprobs`, `any_random`, `use_top_k_top_p` (the top-k / top-p cut) and
 `use_token_bitmask` (some row follows a grammar: its allowed tokens come as a bitmask
 `int32[S, ceil(V / 32)]`, a [S, 1] dummy otherwise, set by the engine with
 `with_token_bitmask`; those variants compile on first use). Branching
@@ -109,6 +109,24 @@ class SamplingTensors:
         return replace(
             self, history_ids=history_ids, history_is_output=history_is_output, token_bitmask=bitmask, **GENERAL_VARIANT
         )
+
+    def padded(self, rows: int) -> SamplingTensors:
+        """These tensors with padding rows (greedy, no penalty, nothing banned) up to `rows` rows:
+        the same tokens for the rows they hold, from a sampler compiled for more rows."""
+        S = self.batch_size
+        if rows < S:
+            raise ValueError(f"padded: {rows} rows cannot hold these tensors' {S}")
+        if rows == S:
+            return self
+        fill = dict(top_p=1.0, repetition_penalty=1.0, suppress_ids=-1, history_ids=-1, token_bitmask=-1)
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            if f.metadata.get("static"):
+                continue
+            a = np.asarray(getattr(self, f.name))
+            pad = np.full((rows - S, *a.shape[1:]), fill.get(f.name, 0), a.dtype)
+            data[f.name] = np.concatenate([a, pad])
+        return replace(self, **data)
 
     @classmethod
     def empty(
