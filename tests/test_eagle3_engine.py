@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
@@ -25,11 +24,11 @@ from safetensors.torch import save_file  # noqa: E402
 from jaxllm.models import materialize_preset  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.speculative_config import EagleDecodingConfig, parse_speculative_config  # noqa: E402
+from tests.spec_helpers import recorded_drafts  # noqa: E402
 from tests.test_eagle3 import HEAD, TARGET, TorchEagle3, _randomize  # noqa: E402
 
 from conftest import tiny_engine  # noqa: E402
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 LIMITS = dict(max_batch_size=4, max_num_tokens=16, compile_ahead=False, decode_batch_sizes=[], max_kv_tokens=1024)
 LAYERS = (2, 4, 5)  # default_aux_layers(8)
 
@@ -113,26 +112,8 @@ def test_eagle3_drafts_keep_the_greedy_output_and_match_torch(checkpoints):
         engine.warmup(all_variants=False)
         spec = engine.speculation
         spec.adaptive = False  # every step drafts: the drafts are compared with torch's
-        drafter = spec.drafter
-        seen: list[tuple[list[int], list[int]]] = []
-        original = drafter.propose
-
-        def recording(rid, tokens, max_len=None):
-            seen.append((list(tokens), original(rid, tokens)))
-            return original(rid, tokens, max_len)
-
-        drafter.propose = recording
-        compiles = []
-
-        def listener(event, duration, **kwargs):
-            if event == COMPILE_EVENT:
-                compiles.append(event)
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with recorded_drafts(engine) as (seen, compiles):
             got = _workload(engine)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         assert got == expected
         assert compiles == []
         assert spec.num_draft_tokens > 0 and len(seen) > 20

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
@@ -25,10 +24,10 @@ from jaxllm.models import materialize_preset  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.speculative_config import MTPDecodingConfig, parse_speculative_config  # noqa: E402
 from tests.mtp_helpers import CONFIG, hf_with_mtp, saved_with, target_hidden  # noqa: E402
+from tests.spec_helpers import recorded_drafts  # noqa: E402
 
 from conftest import tiny_engine  # noqa: E402
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 LIMITS = dict(max_batch_size=4, max_num_tokens=16, compile_ahead=False, decode_batch_sizes=[], max_kv_tokens=1024)
 MTP = MTPDecodingConfig(num_nextn_predict_layers=2)
 
@@ -125,29 +124,11 @@ def test_greedy_output_equals_the_engine_without_speculation(checkpoint):
         engine.warmup(all_variants=False)
         spec = engine.speculation
         spec.adaptive = False  # every step drafts: the drafts are compared with torch's chain
-        drafter = spec.drafter
-        seen: list[tuple[list[int], list[int]]] = []
-        original = drafter.propose
-
-        def recording(rid, tokens, max_len=None):
-            seen.append((list(tokens), original(rid, tokens)))
-            return original(rid, tokens, max_len)
-
-        drafter.propose = recording
-        compiles = []
-
-        def listener(event, duration, **kwargs):
-            if event == COMPILE_EVENT:
-                compiles.append(event)
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with recorded_drafts(engine) as (seen, compiles):
             got = _workload(engine)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         assert got == expected
         assert compiles == []
-        assert spec.num_draft_tokens > 0 and drafter.steps_run > 0
+        assert spec.num_draft_tokens > 0 and spec.drafter.steps_run > 0
         # The drafts are the MTP chain's over the whole sequence (ties within 1e-4 allowed).
         # Not checked: the request whose prompt reuses the other's blocks (the MTP entry of the
         # last reused position holds the other request's next token; see the docs).
