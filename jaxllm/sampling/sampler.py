@@ -89,8 +89,10 @@ def sample(
 def largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` kept as a top-k: XLA:CPU otherwise turns a top-k whose values feed an
     elementwise fusion into a sort of the whole row (10 ms per 49K-value row, not 0.1 ms)."""
-    values, ids = lax.optimization_barrier(lax.top_k(x, k))
-    return values, ids
+    values, ids = lax.top_k(x, k)
+    # The barrier takes the values alone: one over the top-k's whole output tuple makes XLA's
+    # TopkDecomposer fail a check (it expects get-tuple-element users) under SPMD partitioning.
+    return lax.optimization_barrier(values), ids
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
