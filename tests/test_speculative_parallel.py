@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multidevice import run_on_cpu_devices
+from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 
 MAX_TOKENS = [20, 10, 18, 8]
 PARALLEL = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, moe_expert_parallel_size=2)}
@@ -117,7 +117,7 @@ def test_speculative_greedy_output_under_tp_and_ep_equals_one_device_without_spe
 
     (tmp_path / "ds").mkdir()
     model, mtp = write_engine_checkpoint(tmp_path / "ds")
-    results = run_on_cpu_devices("test_speculative_parallel", "check_all", tmp_path)
+    results = run_on_cpu_devices("test_speculative_parallel", "check_all", tmp_path, xla_flags=FAST_COMPILE)
     assert [(r["name"], r["layout"]) for r in results] == [(name, layout) for name, _, layout in RUNS]
     base, *speculative = results
     assert [len(t) for t in base["tokens"]] == MAX_TOKENS
