@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -71,6 +73,28 @@ def saved_with(model, mtp):
         del model.model.layers[-1]
 
 
+def write_engine_checkpoint(directory: Path):
+    """A DeepSeek-V3 checkpoint with one MTP layer under its published names (and the copies
+    of the embedding and LM head), with the tiny-moe tokenizer; returns (model, mtp)."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxllm.models import materialize_preset
+
+    model, mtp = hf_with_mtp()
+    with saved_with(model, mtp):
+        model.save_pretrained(directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    pre = f"model.layers.{CONFIG['num_hidden_layers']}"
+    tensors[f"{pre}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    tensors[f"{pre}.shared_head.head.weight"] = tensors["lm_head.weight"]
+    save_file(tensors, str(directory / "model.safetensors"))
+    preset = materialize_preset("tiny-moe")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (preset / name).exists():
+            shutil.copy(preset / name, directory / name)
+    return model, mtp
+
+
 def target_hidden(model, tokens):
     """HF's logits and final hidden states before the final norm (what the MTP layer takes)."""
     seen = {}
@@ -81,6 +105,22 @@ def target_hidden(model, tokens):
     finally:
         hook.remove()
     return out, seen["h"]
+
+
+def torch_mtp_drafts(model, mtp, tokens: list[int], k: int) -> list[np.ndarray]:
+    """The MTP chain's logits for the k drafts after `tokens`, from scratch in torch: the
+    target's hidden states over tokens[:-1], the MTP layer over the next tokens, each draft
+    fed back with the MTP layer's own hidden state (MTP-Eagle). Returns k logit rows."""
+    _, hidden = target_hidden(model, tokens[:-1])
+    next_tokens = list(tokens[1:])
+    rows = []
+    with torch.no_grad():
+        for _ in range(k):
+            out, logits = mtp.predict(model, torch.tensor([next_tokens]), hidden)
+            rows.append(logits[0, -1].numpy())
+            next_tokens.append(int(logits[0, -1].argmax()))
+            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+    return rows
 
 
 @functools.cache

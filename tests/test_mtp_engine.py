@@ -10,20 +10,16 @@ of transformers' DeepseekV3 layers run from scratch over the whole sequence.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from jaxllm.models import materialize_preset  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.speculative_config import MTPDecodingConfig, parse_speculative_config  # noqa: E402
-from tests.mtp_helpers import CONFIG, hf_with_mtp, saved_with, target_hidden  # noqa: E402
+from tests.mtp_helpers import torch_mtp_drafts, write_engine_checkpoint  # noqa: E402
 from tests.spec_helpers import recorded_drafts  # noqa: E402
 
 from conftest import tiny_engine  # noqa: E402
@@ -37,18 +33,7 @@ def checkpoint(tmp_path_factory):
     """A DeepSeek-V3 checkpoint with one MTP layer under its published names (and the
     copies of the embedding and LM head), with the tiny-moe tokenizer."""
     directory = tmp_path_factory.mktemp("deepseek_mtp_engine")
-    model, mtp = hf_with_mtp()
-    with saved_with(model, mtp):
-        model.save_pretrained(directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    pre = f"model.layers.{CONFIG['num_hidden_layers']}"
-    tensors[f"{pre}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-    tensors[f"{pre}.shared_head.head.weight"] = tensors["lm_head.weight"]
-    save_file(tensors, str(directory / "model.safetensors"))
-    preset = materialize_preset("tiny-moe")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (preset / name).exists():
-            shutil.copy(preset / name, directory / name)
+    model, mtp = write_engine_checkpoint(directory)
     return str(directory), model, mtp
 
 
@@ -89,22 +74,6 @@ def _workload(engine, sampled: bool = False):
     return list(results.values())
 
 
-def _torch_drafts(model, mtp, tokens: list[int], k: int) -> list[np.ndarray]:
-    """The MTP chain's logits for the k drafts after `tokens`, from scratch in torch: the
-    target's hidden states over tokens[:-1], the MTP layer over the next tokens, each draft
-    fed back with the MTP layer's own hidden state (MTP-Eagle). Returns k logit rows."""
-    _, hidden = target_hidden(model, tokens[:-1])
-    next_tokens = list(tokens[1:])
-    rows = []
-    with torch.no_grad():
-        for _ in range(k):
-            out, logits = mtp.predict(model, torch.tensor([next_tokens]), hidden)
-            rows.append(logits[0, -1].numpy())
-            next_tokens.append(int(logits[0, -1].argmax()))
-            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
-    return rows
-
-
 def test_vllm_and_trtllm_shapes_parse_to_the_mtp_config():
     assert parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}') == MTP
     assert parse_speculative_config({"decoding_type": "MTP", "num_nextn_predict_layers": 2}) == MTP
@@ -137,7 +106,7 @@ def test_greedy_output_equals_the_engine_without_speculation(checkpoint):
         assert len(checked) > 20
         for tokens, drafts in checked[::4]:
             assert len(drafts) == 2
-            chain = _torch_drafts(model, mtp, tokens, 2)
+            chain = torch_mtp_drafts(model, mtp, tokens, 2)
             assert chain[0][drafts[0]] >= chain[0].max() - 1e-4, (tokens, drafts)
             if int(chain[0].argmax()) == drafts[0]:  # the second draft follows the first
                 assert chain[1][drafts[1]] >= chain[1].max() - 1e-4, (tokens, drafts)
