@@ -117,8 +117,8 @@ def test_aborted_and_disconnected_requests_are_counted_as_abort():
 def test_background_compiles_pending_and_done():
     import time
 
-    engine = tiny_engine(MODEL, max_batch_size=2, max_seq_len=64, max_kv_tokens=512)
-    engine.warmup(background=True)  # decode bucket 2 is left for idle time
+    engine = tiny_engine(MODEL, max_batch_size=4, max_seq_len=64, max_kv_tokens=512)
+    engine.warmup(background=True)  # decode bucket 4 is left for idle time (1 and 2 come first)
     executor = GenerationExecutor(engine)
     with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
         ready = _samples(client.get("/metrics").text)
@@ -132,7 +132,7 @@ def test_background_compiles_pending_and_done():
             if later[("jaxllm:num_compiles_pending", ())] == 0:
                 break
         assert later[("jaxllm:num_compiles_pending", ())] == 0
-        # Its forward (its general sampler, of 2 rows, is the token buckets' one: compiled already).
+        # Its forward (its general sampler, of 4 rows, is the token buckets' one: compiled already).
         assert later[("jaxllm:num_compiles_done", ())] == 1
 
 
