@@ -18,7 +18,13 @@ token (a compute-bound CPU, a large batch) it may not. `DraftPolicy` keeps:
   from them instead of `PRIOR_ACCEPTANCE`, and while they fall below `MIN_DRAFT_ACCEPTANCE` or
   the last step-cost decision was against drafting, the drafter is not worth running even over
   prompts (`drafting_alive`). Steps that verify nothing pull those counts back towards the prior
-  (`SHARED_RECOVERY` per observed step), so drafting is tried again after a few hundred steps.
+  (`SHARED_RECOVERY` per observed step), so drafting is tried again after a few hundred steps;
+* a drafter's own measured costs, charged to the step-cost decision: its drafting program
+  (keyed by the shape of the step it runs over: `drafter_ran`), and its runs over prompt
+  chunks (`prompt_ran`), spread over the output tokens the prompts' requests may produce
+  (their remaining `max_tokens`: an upper bound, so the charge errs towards drafting). A
+  drafting step must pay for both; when it does not, the decision is against drafting, which
+  also stops the prompt runs (`drafting_alive`) until an exploring step drafts again.
 
 TensorRT-LLM and vLLM adapt the draft length too (by acceptance and by batch size); this one
 measures the step times instead of assuming a cost model.
@@ -38,6 +44,7 @@ MAX_BACKOFF = 32
 # are noisy; a wrong choice for drafting costs more than a wrong choice against it).
 MIN_GAIN = 1.1
 SHARED_RECOVERY = 0.995  # per step without a verified draft: the shared counts' decay
+PROMPT_DECAY = 0.9  # per prompt run: the decay of the drafter's prompt seconds and tokens
 
 
 @dataclass
@@ -77,6 +84,9 @@ class DraftPolicy:
         self.shared_prior = False  # new requests start from every row's counts (drafters)
         self._shared = Acceptance()
         self._last_worth: Optional[bool] = None  # the last step-cost decision
+        self._drafter_costs: dict[tuple, float] = {}  # a drafter's program over a step, by its shape
+        self._prompt_seconds = 0.0  # decayed seconds of a drafter's runs over prompt chunks
+        self._prompt_tokens = 0.0  # decayed output tokens those prompts' requests may produce
 
     def draft_len(self, request_id: int, k: int) -> int:
         """How many of at most `k` drafts the request should verify."""
@@ -122,9 +132,36 @@ class DraftPolicy:
             return ("spec", *self.planner.step_shape(tokens, None))
         return ("spec", *self.planner.spec_step_shape(tokens, num_gen))
 
-    def worth_it(self, output: Any, drafts: dict[int, list[int]], num_ctx: int) -> bool:
+    def drafter_ran(self, shape: tuple[int, int], seconds: float) -> None:
+        """A drafter's program ran over a step of `shape` (tokens, rows) without prompt tokens."""
+        key = ("draft", *shape)
+        old = self._drafter_costs.get(key)
+        self._drafter_costs[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def prompt_ran(self, seconds: float, tokens: int) -> None:
+        """A drafter's program ran over a step with prompt tokens, taking `seconds`; `tokens`:
+        the output tokens the requests whose prompts that step started may still produce."""
+        self._prompt_seconds = PROMPT_DECAY * self._prompt_seconds + seconds
+        self._prompt_tokens = PROMPT_DECAY * self._prompt_tokens + tokens
+
+    @property
+    def prompt_seconds_per_token(self) -> float:
+        """A drafter's prompt runs, in seconds per output token they may serve (0.0: none yet)."""
+        if self._prompt_seconds <= 0.0:
+            return 0.0
+        return self._prompt_seconds / max(self._prompt_tokens, 1.0)
+
+    def worth_it(
+        self,
+        output: Any,
+        drafts: dict[int, list[int]],
+        num_ctx: int,
+        drafter_shape: Optional[tuple[int, int]] = None,
+    ) -> bool:
         """Whether drafting `drafts` this step is expected to emit more tokens per second than
-        the same step without them."""
+        the same step without them. `drafter_shape`: the shape of the step a drafter must run
+        over for these drafts (its measured program time is charged), None when nothing runs
+        for them alone; a drafter's prompt runs are charged per expected token."""
         if not self.adaptive:
             return True
         gen = output.generation_requests
@@ -140,7 +177,9 @@ class DraftPolicy:
             expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
             for r in gen
         )
-        worth = gain / spec_cost > MIN_GAIN * len(gen) / plain_cost
+        drafter_cost = self._drafter_costs.get(("draft", *drafter_shape), 0.0) if drafter_shape else 0.0
+        cost = spec_cost + drafter_cost + self.prompt_seconds_per_token * gain
+        worth = gain / cost > MIN_GAIN * len(gen) / plain_cost
         if self._decisions % EXPLORE_EVERY == 0:
             worth = not worth  # refresh the estimate of the shape not chosen
         self._last_worth = worth
