@@ -169,7 +169,7 @@ class Speculation:
         self.acceptance_rule: AcceptanceRule = exact_acceptance
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
-        self.policy = DraftPolicy(planner)
+        self.policy = DraftPolicy(planner, config.max_draft_len)
         self.policy.shared_prior = drafter is not None
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
@@ -360,8 +360,13 @@ class Speculation:
                 budget -= k
         if not lengths:
             return False
-        # Over a step with prompt tokens the drafter runs anyway (its cost is a prompt run's).
-        shape = None if self.drafter is None or self.drafter.pending_context else self.drafter.pending_shape
+        drafter = self.drafter
+        if drafter is not None and drafter.pending_context:
+            # Over a step with prompt tokens the drafter runs anyway while it is worth running
+            # (its cost is a prompt run's); otherwise drafting would take a prompt run judged
+            # not worth it.
+            return self.policy.drafting_alive() and self.policy.worth_it(output, lengths, num_ctx)
+        shape = None if drafter is None else drafter.pending_shape
         return self.policy.worth_it(output, lengths, num_ctx, drafter_shape=shape)
 
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
