@@ -184,8 +184,8 @@ class DraftPolicy:
         self._decisions += 1
         if plain_cost is None:
             return False  # measure the plain step first
-        if spec_cost is None:
-            return True
+        if spec_cost is None:  # measure a new shape, unless it would revive a drafter judged not worth it
+            return not (self.shared_prior and self._drafting_pays is False)
         prior = self._prior()
         gain = sum(
             expected_tokens(self._acceptance.get(r.request_id, prior).rate, len(drafts.get(r.request_id, ())))
