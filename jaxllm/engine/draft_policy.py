@@ -24,7 +24,8 @@ token (a compute-bound CPU, a large batch) it may not. `DraftPolicy` keeps:
   chunks (`prompt_ran`), spread over the output tokens the prompts' requests may produce
   (their remaining `max_tokens`: an upper bound, so the charge errs towards drafting). A
   drafting step must pay for both; when drafting at full lengths does not, the prompt runs stop
-  too (`drafting_alive`) until an exploring step drafts again.
+  too (`drafting_alive`), and step shapes not measured yet are not tried, until an exploring
+  step drafts again.
 
 TensorRT-LLM and vLLM adapt the draft length too (by acceptance and by batch size); this one
 measures the step times instead of assuming a cost model.
