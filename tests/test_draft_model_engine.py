@@ -97,7 +97,7 @@ def test_a_drafter_that_never_matches_stops_drafting_and_running(reference):
     try:
         spec, vocab = engine.speculation, engine.model_config.vocab_size
         assert spec.adaptive
-        spec.policy.worth_it = lambda *args: True
+        spec.policy.worth_it = lambda *args, **kwargs: True
         full = [list(prompt) + list(tokens) for prompt, tokens, _ in reference]
         drafter = spec.drafter
         real = drafter.propose
@@ -115,7 +115,7 @@ def test_a_drafter_that_never_matches_stops_drafting_and_running(reference):
 
         def counting_begin():
             runs.append(engine.iteration)
-            original_begin()
+            return original_begin()
 
         drafter.begin_step = counting_begin
         got, steps = _workload(engine)

@@ -169,7 +169,7 @@ class Speculation:
         self.acceptance_rule: AcceptanceRule = exact_acceptance
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
-        self.policy = DraftPolicy(planner)
+        self.policy = DraftPolicy(planner, config.max_draft_len)
         self.policy.shared_prior = drafter is not None
         # Totals (TensorRT-LLM's specDecodingStats names, summed over the run).
         self.num_draft_tokens = 0
@@ -178,6 +178,8 @@ class Speculation:
         self.num_verified_rows = 0
         self.num_accepted_per_pos = [0] * config.max_draft_len  # rows whose draft j was accepted
         self._draft_seconds = 0.0  # host time proposing the step being planned (drafter included)
+        self._drafter_seconds = 0.0  # of which the drafter's program
+        self._prompt_tokens = 0  # output tokens the prompts the last dispatched step started may serve
         self._step_stats: Optional[dict] = None  # its specDecodingStats (draftOverhead: `observe`)
         # The step being planned: its drafts, its verification inputs once planned (`prepare`)
         # and its verification outputs once dispatched (`launch`).
@@ -192,6 +194,7 @@ class Speculation:
         no logits outputs or beams) go to the planner."""
         self._verify, self._verified, self._spec_entries = None, None, None
         started = time.perf_counter()
+        self._drafter_seconds = 0.0
         self._drafts = self.propose(output, active) if may_draft else {}
         self._draft_seconds = time.perf_counter() - started
         if may_draft:
@@ -289,12 +292,18 @@ class Speculation:
         self._forget_finished(active)
         num_ctx = sum(r.context_chunk_size for r in output.context_requests)
         budget = self.max_num_tokens - num_ctx - len(gen)
-        if self.drafter is not None:
+        drafter = self.drafter
+        if drafter is not None:
             drafting = self._drafting(output, budget, num_ctx)
-            if drafting or (self.drafter.pending_context and self.policy.drafting_alive()):
-                self.drafter.begin_step()
+            context, shape = drafter.pending_context, drafter.pending_shape
+            if drafting or (context and self.policy.drafting_alive()):
+                self._drafter_seconds = drafter.begin_step()
+                if context:
+                    self.policy.prompt_ran(self._drafter_seconds, self._prompt_tokens)
+                elif shape is not None:
+                    self.policy.drafter_ran(shape, self._drafter_seconds)
             else:
-                self.drafter.skip_step()
+                drafter.skip_step()
             if not drafting:
                 if gen:
                     self.policy.proposed(False)
@@ -349,12 +358,27 @@ class Speculation:
             if k > 0:
                 lengths[request.request_id] = [0] * k
                 budget -= k
-        return bool(lengths) and self.policy.worth_it(output, lengths, num_ctx)
+        if not lengths:
+            return False
+        drafter = self.drafter
+        if drafter is not None and drafter.pending_context:
+            # Over a step with prompt tokens the drafter runs anyway while it is worth running
+            # (its cost is a prompt run's); otherwise drafting would take a prompt run judged
+            # not worth it.
+            return self.policy.drafting_alive() and self.policy.worth_it(output, lengths, num_ctx)
+        shape = None if drafter is None else drafter.pending_shape
+        return self.policy.worth_it(output, lengths, num_ctx, drafter_shape=shape)
 
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """A step was dispatched (the MTP drafter runs over it once it is read back)."""
         if self.drafter is not None:
             self.drafter.dispatched(plan.batch, output.all_requests(), plan.num_context_tokens > 0)
+            # The output tokens the prompts this step starts may serve (a prompt run's charge).
+            self._prompt_tokens = sum(
+                max(min(r.sampling_params.max_tokens, r.max_new_tokens) - len(r.output_token_ids), 0)
+                for r in output.context_requests
+                if r.is_first_context_chunk
+            )
 
     def wants_drafts(self) -> bool:
         """Whether the next step should try drafting (the engine then reads back first), or
@@ -370,7 +394,8 @@ class Speculation:
 
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned`."""
-        self.policy.observe(seconds)
+        # A drafter's program is charged on its own (`DraftPolicy.drafter_ran`, `prompt_ran`).
+        self.policy.observe(max(seconds - self._drafter_seconds, 0.0))
         if self._step_stats is not None and seconds > 0:
             self._step_stats["draftOverhead"] = min(1.0, self._draft_seconds / seconds)
         self._step_stats = None

@@ -12,6 +12,7 @@ building (`step_inputs`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -61,18 +62,31 @@ class StepDrafter:
         a step whether or not the next step drafts, so its pool holds every prompt position."""
         return self._last is not None and self._last.has_context
 
-    def begin_step(self) -> None:
+    @property
+    def pending_shape(self) -> Optional[tuple[int, int]]:
+        """(tokens, rows) of the step it has not run over yet (its program's shape), else None."""
+        if self._last is None:
+            return None
+        batch = self._last.batch
+        return int(np.asarray(batch.token_ids).shape[0]), int(np.asarray(batch.logits_indices).shape[0])
+
+    def begin_step(self) -> float:
         """Before the next step's drafts are asked for (every token of step N on the host): run
-        the drafter over step N and keep each generating row's drafts."""
+        the drafter over step N and keep each generating row's drafts. Returns the seconds its
+        program took (waited for, so the adaptive policy can charge them), 0.0 when none ran."""
         step, self._last = self._last, None
         self._drafts = {}
         if step is None:
-            return
+            return 0.0
+        started = time.perf_counter()
         drafts, rows = self._run(step)
+        jax.block_until_ready(drafts)
+        seconds = time.perf_counter() - started
         self.steps_run += 1
         if rows:
             host = np.asarray(drafts)
             self._drafts = {rid: host[row].tolist() for row, rid in rows.items()}
+        return seconds
 
     def skip_step(self) -> None:
         """The next step does not draft: the drafter does not run over step N. Its pool then
