@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         default="DEFAULT",
         choices=["DEFAULT", "TCP", "SHM", "TRANSFER"],
         metavar="BACKEND",
-        help="the workers' cache transceiver: TCP, SHM, TRANSFER (device to device) or the best available (%(default)s)",
+        help="the workers' cache transceiver: TCP, SHM, TRANSFER (device to device), or the best one (%(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
