@@ -45,6 +45,23 @@ class AdmissionLimits:
     # Why this engine cannot return logits or run post-processors (None: it can).
     logits_unsupported: Optional[str] = None
 
+    @classmethod
+    def of_engine(
+        cls, config: Any, vocab_size: int, max_seq_len: int, eos_ids: Any, kv: Any, capabilities: Any
+    ) -> AdmissionLimits:
+        """The limits of an engine built from `config` (`kv`: its KV cache manager)."""
+        return cls(
+            vocab_size=vocab_size,
+            max_seq_len=max_seq_len,
+            default_end_ids=tuple(sorted(eos_ids)),
+            tokens_per_block=kv.tokens_per_block,
+            max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            batched_processor_names=tuple(sorted(config.logits_post_processors or ())),
+            logits_unsupported=capabilities.logits_outputs,
+        )
+
 
 class AdmittedRequest(NamedTuple):
     """The normalised request: plain-int prompt ids, a float priority, resolved end ids."""

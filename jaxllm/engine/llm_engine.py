@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any, Optional
 
 from jaxllm.engine.admission import (
@@ -36,22 +35,20 @@ from jaxllm.engine.admission import (
 )
 from jaxllm.engine.background_compiles import ACTIVITY
 from jaxllm.engine.builder import build_engine
-from jaxllm.engine.compile_ahead import cap_token_budget, engine_compilers
+from jaxllm.engine.compile_ahead import cap_token_budget
 from jaxllm.engine.engine_config import EngineConfig
+from jaxllm.engine.engine_programs import build_engine_programs
 from jaxllm.engine.followers import mirror, open_session
 from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
-from jaxllm.engine.logits_outputs import plan_step_logits
-from jaxllm.engine.logits_processing import host_processor_hook
+from jaxllm.engine.logits_outputs import plan_logits_outputs
 from jaxllm.engine.lora_adapters import EngineAdapters
 from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
-from jaxllm.engine.sampler_variants import engine_sampler_variants
 from jaxllm.engine.speculation import build_speculation, check_engine_speculation
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
-from jaxllm.engine.warmup import ProgramWarmup
 from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.llm_args import CapacitySchedulerPolicy, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest, LlmRequestState
@@ -87,33 +84,21 @@ class LLMEngine:
         # to the followers, which make it too (`jaxllm.engine.followers`).
         self.step_runner = mirror(self.runner, session, config.multihost_plan_channel)
         # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
-        # not under attention DP (its planner picks one bucket for all ranks) nor on a multi-host
-        # leader (its followers compile on demand).
-        # The small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own;
+        # the small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own;
         # a step whose sampler variant is not compiled runs the general one (sampler_variants).
-        compile_ahead = config.compile_ahead and session is None and not self.attention_dp
-        self.sampler_variants = (
-            engine_sampler_variants(self.runner, self.max_seq_len, self.model_config.vocab_size)
-            if compile_ahead
-            else None
-        )
-        self.bucket_compiler, self.decode_compiler = (
-            engine_compilers(config, self.planner, self.step_runner, self.runner, self.sampler_variants)
-            if compile_ahead
-            else (None, None)
-        )
-        self.program_warmup = ProgramWarmup(
-            runner=self.step_runner,
+        self.programs = build_engine_programs(
+            config,
             planner=self.planner,
-            config=config,
+            step_runner=self.step_runner,
+            runner=self.runner,
             num_sampler_rows=self.num_sampler_rows,
             max_seq_len=self.max_seq_len,
-            bucket_compiler=self.bucket_compiler,
+            vocab_size=self.model_config.vocab_size,
             logits_outputs=self.capabilities.logits_outputs is None,
-            attention_dp=self.attention_dp,
-            decode_compiler=self.decode_compiler,
-            general_sampler=None if self.sampler_variants is None else self.sampler_variants.general,
+            compile_ahead=config.compile_ahead and session is None and not self.attention_dp,
         )
+        self.program_warmup, self.sampler_variants = self.programs.warmup, self.programs.sampler_variants
+        self.bucket_compiler, self.decode_compiler = self.programs.bucket_compiler, self.programs.decode_compiler
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
         # token on the host, so a step that drafts is not overlapped (the step before it is read
         # back first, and it is read back at once), and the steady-decode fast path is off.
@@ -168,17 +153,13 @@ class LLMEngine:
         # Called after each dispatch with (time the forward was enqueued, sampler output): lets a
         # benchmark watch when each step's device work ends without syncing the step loop.
         self.on_dispatch: Optional[Callable[[float, Any], None]] = None
-        kv = self.kv_cache_manager
-        self.admission_limits = AdmissionLimits(
-            vocab_size=self.model_config.vocab_size,
-            max_seq_len=self.max_seq_len,
-            default_end_ids=tuple(sorted(self.eos_ids)),
-            tokens_per_block=kv.tokens_per_block,
-            max_blocks_per_request=min(kv.max_blocks_per_seq, kv.get_max_resource_count()),
-            max_num_tokens=config.max_num_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            batched_processor_names=tuple(sorted(config.logits_post_processors or ())),
-            logits_unsupported=self.capabilities.logits_outputs,
+        self.admission_limits = AdmissionLimits.of_engine(
+            config,
+            self.model_config.vocab_size,
+            self.max_seq_len,
+            self.eos_ids,
+            self.kv_cache_manager,
+            self.capabilities,
         )
 
     @property
@@ -241,12 +222,7 @@ class LLMEngine:
         those a background warm-up left for idle time. Called by the engine's driver when no
         request arrived for a while (not at the end of every run: an engine that gets its next
         request at once never stayed idle)."""
-        if self.decode_compiler is not None:
-            self.decode_compiler.on_idle()
-        if self.bucket_compiler is not None:
-            self.bucket_compiler.on_idle()
-        if self.sampler_variants is not None:
-            self.sampler_variants.on_idle()
+        self.programs.on_idle()
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
@@ -501,26 +477,15 @@ class LLMEngine:
         if spec is not None:
             plan = spec.verification_plan(plan, output)
         self.adapters.write_loads()
-        targets, processor_failures = None, []
+        logits = None
         if self.requests.num_logits_requests:
-            fields, targets = plan_step_logits(
-                output.all_requests(),
-                len(output.context_requests),
-                plan.batch.cu_q_lens,
-                plan.batch.token_ids.shape[-1],
-                self.config.min_token_bucket,
-                self.num_sampler_rows,
-            )
-            if targets is not None:
-                plan = replace(plan, **fields)
+            plan, logits = plan_logits_outputs(plan, output, self.config.min_token_bucket, self.num_sampler_rows)
         if self.sampler_variants is not None:  # the general variant while its own compiles
             plan = self.sampler_variants.choose(plan)
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
         dispatch_start = time.perf_counter()
-        hook = None
-        if targets is not None and targets.processors:
-            hook = host_processor_hook([request for request, _ in targets.processors], processor_failures)
+        hook = None if logits is None else logits.processor_hook()
         if self.kv_offload is not None:
             self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
@@ -566,15 +531,8 @@ class LLMEngine:
             pending.decode, pending.decode_index = decode, entries.index
         if spec is not None:
             pending.speculative = spec.speculative_step(wants_logprobs, stats)
-        if targets is not None and targets.processors:
-            pending.processor_requests = tuple(request for request, _ in targets.processors)
-            pending.processor_rows = tuple(row for _, row in targets.processors)
-            pending.processed_output = result.processed
-            pending.processor_failures = processor_failures
-        if targets is not None:
-            pending.logits_targets = targets
-            pending.context_logits = result.context_logits if targets.context else None
-            pending.row_logits = result.row_logits if targets.generation else None
+        if logits is not None:
+            logits.attach(pending, result)
         return pending
 
     # ------------------------------------------------------------------ stats
@@ -588,9 +546,7 @@ class LLMEngine:
         """Write pending statistics, stop the load balancer's placement thread and the compile
         threads, and end the multi-host session (the followers drop their runner)."""
         self.close_statistics()
-        for compiler in (self.decode_compiler, self.bucket_compiler, self.sampler_variants):
-            if compiler is not None:
-                compiler.close()
+        self.programs.close()
         ACTIVITY.set_busy(self, False)
         if self.load_balancer is not None:
             self.load_balancer.close()

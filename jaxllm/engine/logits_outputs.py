@@ -21,12 +21,14 @@ overlap scheduler's discarded extra token all land in the right place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
 
 from jaxllm.batch_builder import choose_token_bucket
+from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.outputs import Logprob
 
 
@@ -197,6 +199,51 @@ def plan_step_logits(
     if not fields:
         return {}, None
     return fields, targets
+
+
+@dataclass
+class StepLogits:
+    """A step's logits outputs from its launch to its read-back: who gets which rows, and the
+    failures of its host logits processors (collected by the hook while the step runs)."""
+
+    targets: StepLogitsTargets
+    processor_failures: list = field(default_factory=list)
+
+    def processor_hook(self) -> Optional[Callable[..., Any]]:
+        """The host callback that runs the requests' logits processors (None when none has one)."""
+        if not self.targets.processors:
+            return None
+        return host_processor_hook([request for request, _ in self.targets.processors], self.processor_failures)
+
+    def attach(self, pending: Any, result: Any) -> None:
+        """Hand the step's logits outputs (`result`: the runner's `StepOutput`) to its `PendingStep`."""
+        targets = self.targets
+        if targets.processors:
+            pending.processor_requests = tuple(request for request, _ in targets.processors)
+            pending.processor_rows = tuple(row for _, row in targets.processors)
+            pending.processed_output = result.processed
+            pending.processor_failures = self.processor_failures
+        pending.logits_targets = targets
+        pending.context_logits = result.context_logits if targets.context else None
+        pending.row_logits = result.row_logits if targets.generation else None
+
+
+def plan_logits_outputs(
+    plan: Any, output: Any, min_token_bucket: int, max_batch_size: int
+) -> tuple[Any, Optional[StepLogits]]:
+    """`plan` with the logits-output fields of the scheduled step `output` (before `commit`),
+    and what the step carries to its read-back; (plan, None) when no row asks for any."""
+    fields, targets = plan_step_logits(
+        output.all_requests(),
+        len(output.context_requests),
+        plan.batch.cu_q_lens,
+        plan.batch.token_ids.shape[-1],
+        min_token_bucket,
+        max_batch_size,
+    )
+    if targets is None:
+        return plan, None
+    return replace(plan, **fields), StepLogits(targets)
 
 
 def store_step_logits(

@@ -1,0 +1,68 @@
+"""Which programs an engine compiles, and when: before "ready" (`ProgramWarmup`), or ahead of
+need in the background, with compiled stand-ins meanwhile (the token- and decode-bucket
+compilers of `jaxllm.engine.compile_ahead`, the sampler variants of
+`jaxllm.engine.sampler_variants`). Without compile-ahead everything compiles at warm-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jaxllm.engine.compile_ahead import BucketCompiler, engine_compilers
+from jaxllm.engine.engine_config import EngineConfig
+from jaxllm.engine.sampler_variants import SamplerVariants, engine_sampler_variants
+from jaxllm.engine.warmup import ProgramWarmup
+
+
+@dataclass
+class EnginePrograms:
+    warmup: ProgramWarmup
+    sampler_variants: Optional[SamplerVariants]  # None: every variant compiles at warm-up
+    bucket_compiler: Optional[BucketCompiler]  # None: every token bucket compiles at warm-up
+    decode_compiler: Optional[BucketCompiler]  # None: no small decode buckets compiled ahead
+
+    def on_idle(self) -> None:
+        """Compile, on the compile threads, what steps asked for and what warm-up left for later."""
+        for compiler in (self.decode_compiler, self.bucket_compiler, self.sampler_variants):
+            if compiler is not None:
+                compiler.on_idle()
+
+    def close(self) -> None:
+        for compiler in (self.decode_compiler, self.bucket_compiler, self.sampler_variants):
+            if compiler is not None:
+                compiler.close()
+
+
+def build_engine_programs(
+    config: EngineConfig,
+    *,
+    planner: Any,
+    step_runner: Any,
+    runner: Any,
+    num_sampler_rows: int,
+    max_seq_len: int,
+    vocab_size: int,
+    logits_outputs: bool,
+    compile_ahead: bool,
+) -> EnginePrograms:
+    """`step_runner` compiles and runs (the mirrored runner on a multi-host leader), `runner`
+    says what a compile takes; `compile_ahead`: background compiles with stand-ins (not under
+    attention DP, whose planner picks one bucket for all ranks, nor on a multi-host leader,
+    whose followers compile on demand)."""
+    variants = engine_sampler_variants(runner, max_seq_len, vocab_size) if compile_ahead else None
+    bucket_compiler, decode_compiler = (
+        engine_compilers(config, planner, step_runner, runner, variants) if compile_ahead else (None, None)
+    )
+    warmup = ProgramWarmup(
+        runner=step_runner,
+        planner=planner,
+        config=config,
+        num_sampler_rows=num_sampler_rows,
+        max_seq_len=max_seq_len,
+        bucket_compiler=bucket_compiler,
+        logits_outputs=logits_outputs,
+        attention_dp=config.enable_attention_dp,
+        decode_compiler=decode_compiler,
+        general_sampler=None if variants is None else variants.general,
+    )
+    return EnginePrograms(warmup, variants, bucket_compiler, decode_compiler)
