@@ -55,27 +55,7 @@ def model_forward_step(
     takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
     every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
     with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
-    if return_hidden:
-        kv_cache, logits, counts, context, hidden = hidden_states_step(
-            params,
-            kv_cache,
-            inputs,
-            prev_tokens,
-            layout=layout,
-            model_config=model_config,
-            attention_fn=attention_fn,
-            moe_fn=moe_fn,
-            mesh=mesh,
-            moe_options=moe_options,
-            moe_stats=moe_stats,
-            aux_layers=aux_layers,
-        )
-        return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows), hidden
-    kv_cache, logits, counts, context = _model_step(
-        params,
-        kv_cache,
-        inputs,
-        prev_tokens,
+    common = dict(
         layout=layout,
         model_config=model_config,
         attention_fn=attention_fn,
@@ -83,7 +63,14 @@ def model_forward_step(
         mesh=mesh,
         moe_options=moe_options,
         moe_stats=moe_stats,
-        attention_dp_specs=attention_dp_specs,
+    )
+    if return_hidden:
+        kv_cache, logits, counts, context, hidden = hidden_states_step(
+            params, kv_cache, inputs, prev_tokens, aux_layers=aux_layers, **common
+        )
+        return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows), hidden
+    kv_cache, logits, counts, context = _model_step(
+        params, kv_cache, inputs, prev_tokens, attention_dp_specs=attention_dp_specs, **common
     )
     return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows)
 
