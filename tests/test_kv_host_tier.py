@@ -323,7 +323,7 @@ def test_copies_bring_back_the_exact_bytes_of_every_layer(layout, memory):
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     assert offloader.memory_kind == ("pinned_host" if "pinned_host" in kinds else "unpinned_host")
     if memory == "copy_to_host_async":
-        offloader.memory_kind = None
+        offloader.copier.memory_kind = None
     assert tier.offload(1, (0, (1,)), 101, 35) and tier.offload(2, (0, (2,)), 102, 35)
     offloader.flush()
     assert tier.offload(4, (0, (4,)), 104, 35)  # the host is full: block 1's slot now holds block 4

@@ -5,6 +5,9 @@
    tokens of the single-process, single-device engine on the shared staggered workload (chunked
    prefill, prefix reuse, mixed steps); the follower builds
    each engine from the leader's config and ends its session when the leader shuts it down.
+   Then TP 4 with the host KV tier on a workload whose prefixes overflow the device pool gives
+   the single-device tokens without the tier, onboarding blocks, each process holding the host
+   copies of its own devices' shards.
 2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
    streams; SIGKILL on the worker fails the running stream with an error and the server exits
    non-zero within the bound.
@@ -34,6 +37,8 @@ ENGINES = {
         multihost_plan_channel="collective",
     ),
 }
+HOST_TIER_WORKLOAD = dict(num_prefixes=5, prefix_len=40, waves=3, vocab=256)
+HOST_TIER_POOL = dict(tokens_per_block=8, max_tokens=96)
 EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
 
 
@@ -77,7 +82,30 @@ def leader_engines(root: Path) -> int:
             ),
             flush=True,
         )
+    print(json.dumps(host_tier_run(root, tokenizer)), flush=True)
     return 0
+
+
+def host_tier_run(root: Path, tokenizer: Path) -> dict:
+    """TP 4 over both processes with the host KV tier (the copies mirrored to the follower)."""
+    from jaxllm import KvCacheConfig
+    from jaxllm.engine.kv_blocks import block_bytes
+    from tests.kv_tier_workload import interleaved_prefixes
+
+    kv = KvCacheConfig(**HOST_TIER_POOL, host_cache_size=8 << 20)
+    engine = small_engine(root / "qwen3_moe", tokenizer, tensor_parallel_size=4, kv_cache_config=kv)
+    tokens = interleaved_prefixes(engine, **HOST_TIER_WORKLOAD)
+    offload = engine.kv_offload
+    full_bytes = offload.num_slots * block_bytes(engine.runner.kv_cache, engine.kv_cache_manager.num_blocks)
+    result = dict(
+        engine="tp4-host-tier",
+        tokens=tokens,
+        onboarded=offload.counts.onboarded_blocks,
+        free=engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks,
+        host_share=offload.copier.host_bytes / full_bytes,
+    )
+    engine.close()
+    return result
 
 
 def loaded_bytes(directory: Path, engine) -> float:
@@ -114,12 +142,18 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
         follower = group.start_function("test_multihost", "follower_engines", 1, 2, tmp_path)
         # The reference, meanwhile: this process's single-device engine on the same workload.
         expected = run_staggered_requests(small_engine(tmp_path / "qwen3_moe", materialize_preset("tiny-moe")))
+        expected_host_tier = host_tier_reference(tmp_path)
         assert group.wait(leader, 240) == 0, group.all_logs()
         assert group.wait(follower, 30) == 0, group.all_logs()
     finally:
         group.close()
     results = [json.loads(line) for line in group.log(0).splitlines() if line.startswith("{")]
+    host_tier = results.pop()
     assert [r["engine"] for r in results] == list(ENGINES)
+    assert host_tier["tokens"] == expected_host_tier, "TP 4 with the host tier differs from one device without it"
+    assert host_tier["onboarded"] > 10 and host_tier["free"], host_tier
+    # Each process keeps the host copies of its own devices' KV heads: half of every block.
+    assert host_tier["host_share"] == 0.5, host_tier
     expected = {str(k): v for k, v in sorted(expected.items())}
     assert len(expected) == 5 and all(len(t) == 7 for t in expected.values())
     for r in results:
@@ -128,6 +162,18 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
         assert r["messages"] >= r["steps"] > 0 and r["bytes"] > 0, r
     # Half the devices: about half of every sharded tensor (norms and the router are replicated).
     assert 0.4 < results[0]["read_share"] < 0.6, results[0]["read_share"]
+
+
+def host_tier_reference(root: Path) -> list[list[int]]:
+    from jaxllm import KvCacheConfig
+    from jaxllm.models import materialize_preset
+    from tests.kv_tier_workload import interleaved_prefixes
+
+    kv = KvCacheConfig(**HOST_TIER_POOL)
+    engine = small_engine(root / "qwen3_moe", materialize_preset("tiny-moe"), kv_cache_config=kv)
+    tokens = interleaved_prefixes(engine, **HOST_TIER_WORKLOAD)
+    engine.close()
+    return tokens
 
 
 def serve_argv(model: Path, port: int, group: ProcessGroup, process_id: int) -> list[str]:

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import jax
 
 from jaxllm.engine.builder import build_runner
+from jaxllm.engine.kv_host_copies import HostBlockCopier
 from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
 from jaxllm.engine.step_output import StepOutput
 from jaxllm.models.resolve import resolve_model
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 MIRRORED = ("execute", "forward", "sample")
 COMPILES = ("compile_forward", "compile_sampler")
+HOST_COPIES = ("open", "read", "start", "write", "warmup")  # the host KV tier's (HostBlockCopier)
 SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
 EXIT_KEY = multihost.EXIT_KEY
 
@@ -158,12 +160,61 @@ class MirroredRunner:
     def copy_blocks(self, pairs):
         return self._runner.copy_blocks(pairs)
 
+    def mirror_copier(self, copier: HostBlockCopier) -> MirroredHostCopier:
+        """The host KV tier's copier of this leader: each follower opens its own (for its
+        devices' shards) and makes the same copies."""
+        self._send(("host", "open", (copier.rows, copier.num_blocks, copier.attention_dp)))
+        return MirroredHostCopier(copier, lambda method, args: self._send(("host", method, args)))
+
     def close(self) -> None:
         """End the session: the followers drop their runner and wait for the next engine."""
         if not self._closed:
             self._closed = True
             self._send(("stop",))
         self._runner.close()
+
+
+class MirroredHostCopier:
+    """The leader's host KV tier copier in a multi-host run: every call that runs a device
+    program or moves bytes is sent to the followers first, which make it on their own copier;
+    landing reads and polling for arrival stay local (each process lands its own)."""
+
+    def __init__(self, copier: HostBlockCopier, send: Any) -> None:
+        self._copier, self._send = copier, send
+        self.memory_kind = copier.memory_kind
+
+    @property
+    def reads_in_flight(self) -> int:
+        return self._copier.reads_in_flight
+
+    @property
+    def host_bytes(self) -> int:
+        return self._copier.host_bytes
+
+    def reading(self, row: int) -> bool:
+        return self._copier.reading(row)
+
+    def land(self, wait: bool) -> None:
+        self._copier.land(wait)
+
+    def oldest_write_ready(self) -> bool:
+        return self._copier.oldest_write_ready()
+
+    def read(self, src: Any, ranks: Any, rows: list[int]) -> None:
+        self._send("read", (src, ranks, rows))
+        self._copier.read(src, ranks, rows)
+
+    def start(self, rows: list[int], size: int) -> None:
+        self._send("start", (rows, size))
+        self._copier.start(rows, size)
+
+    def write(self, dst: Any, ranks: Any) -> None:
+        self._send("write", (dst, ranks))
+        self._copier.write(dst, ranks)
+
+    def warmup(self, max_blocks: int) -> None:
+        self._send("warmup", (max_blocks,))
+        self._copier.warmup(max_blocks)
 
 
 _session_lock = threading.Lock()
@@ -222,6 +273,7 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
     """Make the leader's runner calls on `runner` until the session stops; returns the calls made."""
     latest: dict[str, list] = {}
     calls = 0
+    copier: Optional[HostBlockCopier] = None  # this process's half of the host KV tier
 
     def stop_reason() -> Optional[str]:
         reason = _exit_requested(client) if client is not None else None
@@ -236,6 +288,16 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
         if message[0] == "stop":
             return calls
         kind, method, args = message
+        if kind == "host":
+            if method not in HOST_COPIES:
+                raise ValueError(f"unknown host tier call {method!r} from the leader")
+            if method == "open":
+                copier = HostBlockCopier(runner, *args)
+            elif copier is None:
+                raise ValueError(f"host tier call {method!r} before the leader opened the tier")
+            else:
+                getattr(copier, method)(*args)
+            continue
         if method not in (COMPILES if kind == "compile" else MIRRORED):
             raise ValueError(f"unknown runner call {method!r} from the leader")
         args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)

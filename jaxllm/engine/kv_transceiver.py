@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxllm.engine import kv_device_transfer
-from jaxllm.engine.kv_offload import (
+from jaxllm.engine.kv_blocks import (
     NO_BLOCK,
     cache_leaves,
     gather_blocks,

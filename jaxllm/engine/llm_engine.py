@@ -83,6 +83,8 @@ class LLMEngine:
         # Programs are launched through this: on a multi-host leader every call is first sent
         # to the followers, which make it too (`jaxllm.engine.followers`).
         self.step_runner = mirror(self.runner, session, config.multihost_plan_channel)
+        if self.kv_offload is not None and session is not None:  # each follower copies its own shards
+            self.kv_offload.use_copier(self.step_runner.mirror_copier(self.kv_offload.copier))
         # Steps run in a compiled bucket while the best fit compiles (jaxllm.engine.compile_ahead);
         # the small decode buckets (EngineConfig.decode_batch_sizes) have a compiler of their own;
         # a step whose sampler variant is not compiled runs the general one (sampler_variants).
