@@ -156,3 +156,70 @@ def test_a_copy_whose_block_was_given_out_again_is_not_written_and_waiters_follo
     host.arrived([(again, second)])
     assert host.waiting_ids == set() and host.num_pending == 0
     host.check_invariants()
+
+
+def test_copy_programs_compile_at_warmup_and_batches_stay_within_their_cap(qwen3):
+    """After `warmup` the tier's copies compile nothing on the engine thread (JAX's compile
+    events, counted by thread)."""
+    import threading
+
+    import jax
+
+    compiles: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(threading.current_thread().name)
+
+    engine = _engine(qwen3, 4 << 20, overlap=False)
+    try:
+        assert engine.kv_offload.max_batch == 16  # max_seq_len 128 / 8 tokens per block
+        engine.warmup(all_variants=False)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        interleaved_prefixes(engine, num_prefixes=8, prefix_len=40, waves=2, vocab=VOCAB, max_tokens=2)
+        assert threading.current_thread().name not in compiles
+        assert engine.kv_offload.counts.onboarded_blocks > 10
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        engine.close()
+
+
+def test_more_blocks_than_one_batch_holds_go_in_several_batches_byte_exact():
+    """One flush offloading 12 blocks and one onboarding 12 with batches of at most 8: two
+    reads and two writes of the compiled sizes, every block back bit for bit."""
+    import types
+
+    import jax.numpy as jnp
+
+    from jaxllm.engine.kv_blocks import block_bytes
+    from jaxllm.engine.kv_offload import KvOffloader
+    from jaxllm.kv_cache.host_tier import HostTier
+    from jaxllm.kv_cache.spec import MhaLayerCache
+
+    num_blocks = 24
+    shape = (2, 2 * num_blocks, 4, 8)  # [heads, layers * blocks, tokens, dim]
+    keys = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    runner = types.SimpleNamespace(kv_cache=MhaLayerCache(jnp.asarray(keys), jnp.asarray(-keys)))
+    tier = HostTier(16, block_bytes(runner.kv_cache, num_blocks))
+    offloader = KvOffloader(runner, [tier], num_blocks, max_batch=8)
+    sizes: list[int] = []
+    read, start = offloader.copier.read, offloader.copier.start
+    offloader.copier.read = lambda src, ranks, rows: sizes.append(len(src)) or read(src, ranks, rows)
+    offloader.copier.start = lambda rows, size: sizes.append(size) or start(rows, size)
+    for block in range(12):
+        assert tier.offload(block, (0, (block,)), 100 + block, 35)
+    offloader.flush()
+    assert sizes == [8, 8]
+    for block in range(12):
+        slot = tier.lookup(0, (block,))
+        tier.take(slot)
+        tier.queue_onboard(slot, 12 + block, 200 + block)
+    offloader.flush()
+    offloader.poll(wait=True)
+    assert sizes == [8, 8, 8, 8] and offloader.counts.onboarded_blocks == 12
+    after = np.asarray(runner.kv_cache.k)
+    for layer in range(2):
+        for block in range(12):
+            src, dst = layer * num_blocks + block, layer * num_blocks + 12 + block
+            assert np.array_equal(after[:, dst], keys[:, src])
+    assert np.array_equal(np.asarray(runner.kv_cache.v)[:, 12:24], -keys[:, :12])

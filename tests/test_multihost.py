@@ -94,6 +94,7 @@ def host_tier_run(root: Path, tokenizer: Path) -> dict:
 
     kv = KvCacheConfig(**HOST_TIER_POOL, host_cache_size=8 << 20)
     engine = small_engine(root / "qwen3_moe", tokenizer, tensor_parallel_size=4, kv_cache_config=kv)
+    engine.kv_offload.warmup()  # the copy programs, on both processes
     tokens = interleaved_prefixes(engine, **HOST_TIER_WORKLOAD)
     offload = engine.kv_offload
     full_bytes = offload.num_slots * block_bytes(engine.runner.kv_cache, engine.kv_cache_manager.num_blocks)

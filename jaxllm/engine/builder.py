@@ -395,7 +395,13 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
         kv_events=kv_events,
         load_balancer=load_balancer,
         kv_offload=(
-            KvOffloader(device.runner, host_tiers, device.num_blocks, attention_dp=config.enable_attention_dp)
+            KvOffloader(
+                device.runner,
+                host_tiers,
+                device.num_blocks,
+                attention_dp=config.enable_attention_dp,
+                max_batch=device.max_blocks_per_seq,  # a whole sequence's blocks in one copy
+            )
             if host_tiers
             else None
         ),

@@ -60,8 +60,12 @@ class KvOffloader:
         *,
         attention_dp: bool = False,
         copier: Optional[Any] = None,
+        max_batch: int = 64,
     ) -> None:
         self.tiers, self.num_blocks = tiers, num_blocks
+        # Copies go in batches of at most this many blocks (a power of two), so the programs of
+        # every batch size compile at warm-up (`warmup`) and never while serving.
+        self.max_batch = padded_block_count(max_batch)
         self.num_slots = tiers[0].num_slots
         self.copier = copier or HostBlockCopier(runner, len(tiers) * self.num_slots, num_blocks, attention_dp)
         self.memory_kind = self.copier.memory_kind
@@ -98,8 +102,8 @@ class KvOffloader:
             taken, onboards = tier.take_transfers()
             offloads += [(rank, block, slot) for block, slot in taken]
             self._onboards += [(rank, slot, block, ticket) for slot, block, ticket in onboards]
-        if offloads:
-            self._read(offloads)
+        for chunk in _chunks(offloads, self.max_batch):
+            self._read(chunk)
         self.copier.land(wait=False)
         self._start_onboards()
         self.counts.copy_seconds += time.perf_counter() - started
@@ -134,8 +138,10 @@ class KvOffloader:
             rank, slot, _, _ = onboard
             (later if self.copier.reading(rank * self.num_slots + slot) else ready).append(onboard)
         self._onboards = later
-        if not ready:
-            return
+        for chunk in _chunks(ready, self.max_batch):
+            self._start_batch(chunk)
+
+    def _start_batch(self, ready: list[tuple[int, int, int, int]]) -> None:
         n = len(ready)
         self.copier.start([rank * self.num_slots + slot for rank, slot, _, _ in ready], padded_block_count(n))
         for rank, tier in enumerate(self.tiers):
@@ -157,9 +163,9 @@ class KvOffloader:
             for rank, tier in enumerate(self.tiers):
                 tier.arrived([(block, ticket) for r, block, ticket in blocks if r == rank])
 
-    def warmup(self, max_blocks: int) -> None:
-        """Compile the copy programs for every padded batch size up to `max_blocks`."""
-        self.copier.warmup(max_blocks)
+    def warmup(self) -> None:
+        """Compile the copy programs of every batch size (up to `max_batch` blocks)."""
+        self.copier.warmup(self.max_batch)
 
     def stats(self) -> dict:
         """Host-tier fields added to the iteration statistics' `kvCacheStats` (summed over ranks)."""
@@ -176,6 +182,10 @@ class KvOffloader:
             "copyTimeMS": c.copy_seconds * 1e3,
             "onboardingRequests": self.num_waiting,
         }
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def build_host_tier(

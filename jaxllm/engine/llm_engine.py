@@ -214,6 +214,8 @@ class LLMEngine:
             )
         if self.kv_transceiver is not None:  # the hand-over's block reads and writes
             self.kv_transceiver.warmup(self.max_blocks_per_seq)
+        if self.kv_offload is not None:  # the host tier's block reads and writes
+            self.kv_offload.warmup()
         if self.load_balancer is not None:
             self.load_balancer.warm_up(self.runner.params)
         self.guided.prepare()  # the first constrained request does not build the grammar tokenizer
