@@ -150,8 +150,7 @@ def test_no_compile_on_the_engine_thread_after_ready(decode_batch_sizes):
 
 def test_generation_logits_and_host_processors_compile_nothing_on_a_step_after_ready():
     """Their row gathers and scatters are compiled before ready (cheap), whatever
-    `warmup_logits_outputs` says; only the context-logits forwards (prompt logprobs, context
-    logits) are left to it."""
+    `warmup_logits_outputs` says."""
     compiles: list[str] = []
 
     def listener(event, duration, **kwargs):
@@ -186,3 +185,54 @@ def test_generation_logits_and_host_processors_compile_nothing_on_a_step_after_r
     assert 5 not in outputs[1].outputs[0].token_ids and 5 not in outputs[3].outputs[0].token_ids
     step_threads = [name for name in compiles if "background" not in name]
     assert not step_threads, f"compiles on {sorted(set(step_threads))}"
+
+
+def test_prompt_logprobs_and_context_logits_compile_nothing_on_a_step_after_ready():
+    """Prompts asking for their logits, of lengths spanning every token bucket, beside a running
+    stream: after a background warm-up (which compiles the full context-logits variant of its
+    largest bucket) nothing compiles on the engine thread, and the prompt logprobs, context
+    logits and tokens equal those of the engine that compiles each variant on its step."""
+    compiles: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            compiles.append(threading.current_thread().name)
+
+    limits = dict(
+        max_batch_size=4, max_num_tokens=64, max_seq_len=256, kv_cache_config=KvCacheConfig(tokens_per_block=8)
+    )
+    prompts = random_prompts(5, VOCAB, 3, 60, seed=14)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] + [
+        SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2, return_context_logits=i % 2 == 0)
+        for i in range(4)
+    ]
+    reference = LLM("tiny-moe", compile_ahead=False, warmup="none", **limits)
+    try:
+        want = reference.generate(prompts, params, use_tqdm=False)
+    finally:
+        reference.shutdown()
+    llm = LLM("tiny-moe", **limits)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine_thread = llm.executor.call_on_engine(lambda engine: threading.current_thread().name)
+        stream = llm.generate_async(prompts[0], params[0])
+        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts[1:], params[1:])]
+        outputs.insert(0, stream.result())
+        stand_ins = llm.executor.call_on_engine(lambda engine: engine.programs.context_logits.stand_in_steps)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        llm.shutdown()
+    assert engine_thread not in compiles, f"{compiles.count(engine_thread)} compiles on the engine thread"
+    assert stand_ins > 0  # some prompts ran in the full variant of a larger bucket
+    for ours, theirs in zip(outputs, want):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        if theirs.prompt_logprobs is None:
+            assert ours.prompt_logprobs is None
+            continue
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
+        for mine, expected in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert mine.keys() == expected.keys()
+            for token in expected:
+                np.testing.assert_allclose(mine[token].logprob, expected[token].logprob, atol=1e-5)
+        if theirs.context_logits is not None:
+            np.testing.assert_allclose(ours.context_logits, theirs.context_logits, atol=1e-4)

@@ -85,9 +85,9 @@ class EngineConfig:
     # fn(logits f32[S, V], request_ids int32[S], mask bool[S]) -> logits, selected per request
     # by SamplingParams.logits_post_processor_name (jaxllm.engine.logits_processing).
     logits_post_processors: Optional[dict[str, Callable[..., Any]]] = None
-    # Warm-up also compiles what logits outputs and host post-processors use (per token bucket,
-    # the forward variants returning context logits; the row gathers and scatters), so such
-    # requests compile nothing later. Off: those compile on first use, and warm-up costs no more.
+    # Warm-up also compiles every forward variant returning context logits (per token bucket and
+    # extra-output size). Off: one of them (the largest first bucket's full variant) compiles at
+    # warm-up and stands in while a step's own compiles in the background.
     warmup_logits_outputs: bool = False
     # Structured output (SamplingParams.guided_decoding): the library enforcing grammars.
     guided_decoding_backend: str = "llguidance"

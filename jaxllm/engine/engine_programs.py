@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxllm.engine.compile_ahead import BucketCompiler, engine_compilers
+from jaxllm.engine.context_logits_variants import ContextLogitsVariants
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.sampler_variants import SamplerVariants, engine_sampler_variants
 from jaxllm.engine.warmup import ProgramWarmup
@@ -20,6 +21,17 @@ class EnginePrograms:
     sampler_variants: Optional[SamplerVariants]  # None: every variant compiles at warm-up
     bucket_compiler: Optional[BucketCompiler]  # None: every token bucket compiles at warm-up
     decode_compiler: Optional[BucketCompiler]  # None: no small decode buckets compiled ahead
+    context_logits: Optional[ContextLogitsVariants] = None  # None: they compile on their first step
+
+    def token_budget(self, context_logits_pending: bool) -> Optional[int]:
+        """A step's token cap (None: none): the largest compiled bucket while larger ones
+        compile, and while a prompt asking for its logits runs, its bucket's variant too."""
+        if self.bucket_compiler is None:
+            return None
+        cap = self.bucket_compiler.token_budget()
+        if context_logits_pending and self.context_logits is not None:
+            cap = self.context_logits.token_budget(cap)
+        return cap
 
     def on_idle(self) -> None:
         """Compile, on the compile threads, what steps asked for and what warm-up left for later."""
@@ -53,6 +65,13 @@ def build_engine_programs(
     bucket_compiler, decode_compiler = (
         engine_compilers(config, planner, step_runner, runner, variants) if compile_ahead else (None, None)
     )
+    context_logits = (
+        ContextLogitsVariants(
+            step_runner=step_runner, runner=runner, planner=planner, bucket_compiler=bucket_compiler, config=config
+        )
+        if bucket_compiler is not None and logits_outputs
+        else None
+    )
     warmup = ProgramWarmup(
         runner=step_runner,
         planner=planner,
@@ -64,5 +83,6 @@ def build_engine_programs(
         attention_dp=config.enable_attention_dp,
         decode_compiler=decode_compiler,
         general_sampler=None if variants is None else variants.general,
+        context_logits=context_logits,
     )
-    return EnginePrograms(warmup, variants, bucket_compiler, decode_compiler)
+    return EnginePrograms(warmup, variants, bucket_compiler, decode_compiler, context_logits)

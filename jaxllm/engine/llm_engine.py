@@ -434,11 +434,13 @@ class LLMEngine:
         return updates
 
     def _planner_options(self) -> PlannerOptions:
+        context = self.programs.context_logits  # a bucket whose context-logits forward is compiled
         return PlannerOptions(
             beam_search=self.requests.num_beam_search > 0,
             # A steady batch keeps its tokens in a log unless a request needs them every step.
             defer_tokens=self.token_log and not self.requests.needs_host_tokens,
             choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose,
+            choose_context_bucket=None if context is None else context.choose_bucket,
             # Logits outputs and post-processors take max_batch_size rows: token buckets only.
             decode_buckets=not self.requests.num_logits_requests,
             choose_decode_rows=None if self.decode_compiler is None else self.decode_compiler.choose_decode,
@@ -450,7 +452,7 @@ class LLMEngine:
         if not candidates:
             return None
         if self.bucket_compiler is not None:  # no step waits for a larger bucket to compile
-            cap_token_budget(self.scheduler, self.bucket_compiler.token_budget())
+            cap_token_budget(self.scheduler, self.programs.token_budget(self.requests.context_logits_pending()))
         offload = self.kv_offload
         try:
             if offload is not None:  # onboarded blocks that arrived: their requests may run now
@@ -483,7 +485,14 @@ class LLMEngine:
         self.adapters.write_loads()
         logits = None
         if self.requests.num_logits_requests:
-            plan, logits = plan_logits_outputs(plan, output, self.config.min_token_bucket, self.num_sampler_rows)
+            context = self.programs.context_logits
+            plan, logits = plan_logits_outputs(
+                plan,
+                output,
+                self.config.min_token_bucket,
+                self.num_sampler_rows,
+                None if context is None else context.choose_rows,
+            )
         if self.sampler_variants is not None:  # the general variant while its own compiles
             plan = self.sampler_variants.choose(plan)
         balancer = self.load_balancer

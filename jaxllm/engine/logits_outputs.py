@@ -148,10 +148,17 @@ class StepLogitsTargets:
 
 
 def plan_step_logits(
-    rows: list, num_context: int, cu_q_lens: np.ndarray, token_bucket: int, min_token_bucket: int, max_batch_size: int
+    rows: list,
+    num_context: int,
+    cu_q_lens: np.ndarray,
+    token_bucket: int,
+    min_token_bucket: int,
+    max_batch_size: int,
+    choose_rows: Optional[Callable[[int, int], int]] = None,
 ) -> tuple[dict, Optional[StepLogitsTargets]]:
     """The plan fields (see module docstring) of a step whose row i is `rows[i]` (context
-    requests first, before `commit`), and who gets what; ({}, None) when no row asks."""
+    requests first, before `commit`), and who gets what; ({}, None) when no row asks.
+    `choose_rows(bucket, count)`: E for `count` context rows (None: the smallest bucket)."""
     targets = StepLogitsTargets()
     context_index: list[int] = []
     gen_rows: list[int] = []
@@ -187,7 +194,11 @@ def plan_step_logits(
             mask[row] = True
     fields: dict = {}
     if context_index:
-        size = choose_token_bucket(len(context_index), token_bucket, min_token_bucket)
+        size = (
+            choose_token_bucket(len(context_index), token_bucket, min_token_bucket)
+            if choose_rows is None
+            else choose_rows(token_bucket, len(context_index))
+        )
         fields["context_index"] = padded_index(context_index, size)
     if gen_rows:
         fields["logits_rows"] = padded_index(gen_rows, row_bucket(len(gen_rows), max_batch_size))
@@ -229,7 +240,11 @@ class StepLogits:
 
 
 def plan_logits_outputs(
-    plan: Any, output: Any, min_token_bucket: int, max_batch_size: int
+    plan: Any,
+    output: Any,
+    min_token_bucket: int,
+    max_batch_size: int,
+    choose_rows: Optional[Callable[[int, int], int]] = None,
 ) -> tuple[Any, Optional[StepLogits]]:
     """`plan` with the logits-output fields of the scheduled step `output` (before `commit`),
     and what the step carries to its read-back; (plan, None) when no row asks for any."""
@@ -240,6 +255,7 @@ def plan_logits_outputs(
         plan.batch.token_ids.shape[-1],
         min_token_bucket,
         max_batch_size,
+        choose_rows,
     )
     if targets is None:
         return plan, None

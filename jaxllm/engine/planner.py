@@ -265,7 +265,12 @@ class Planner:
         if speculating and not output.context_requests:
             bucket, num_rows = self.spec_step_shape(num_tokens, num_gen)
         else:
-            bucket, num_rows = self._step_shape(num_tokens, None if output.context_requests else num_gen)
+            context_logits = any(
+                r.logits_record is not None and r.sampling_params.wants_context_logits for r in output.context_requests
+            )
+            bucket, num_rows = self._step_shape(
+                num_tokens, None if output.context_requests else num_gen, context_logits=context_logits
+            )
         last_tokens = np.array([r.output_token_ids[-1] for r in gen], np.int32).reshape(num_gen)
         batch = build_step_batch(
             output,
@@ -354,14 +359,19 @@ class Planner:
         """The `lora_slots` of an empty batch of `bucket` tokens (None without LoRA)."""
         return None if self.lora_slots is None else np.full(bucket, NO_SLOT, np.int32)
 
-    def _step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+    def _step_shape(
+        self, num_tokens: int, decode_rows: Optional[int], *, context_logits: bool = False
+    ) -> tuple[int, int]:
         """(tokens, rows) of a step's buffers: a decode-only step of `decode_rows` rows runs in
-        the decode bucket chosen for it, if any, any other in a token bucket of max_batch_size rows."""
+        the decode bucket chosen for it, if any, any other in a token bucket of max_batch_size
+        rows (`context_logits`: a request asks for its prompt's logits in this step)."""
         options, rows = self._options, None
         if decode_rows is not None and self.decode_batch_sizes and options.decode_buckets and not options.beam_search:
             choose = options.choose_decode_rows
             sizes = self.decode_batch_sizes
             rows = choose(decode_rows) if choose is not None else choose_decode_rows(decode_rows, sizes)
+        if rows is None and context_logits and options.choose_context_bucket is not None:
+            return options.choose_context_bucket(num_tokens), self.max_batch_size
         return (self._bucket(num_tokens), self.max_batch_size) if rows is None else (rows, rows)
 
     def _bucket(self, num_tokens: int) -> int:

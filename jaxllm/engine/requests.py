@@ -160,6 +160,12 @@ class RequestTable:
         self._active[request.request_id] = request
         self._count(request, +1)
 
+    def context_logits_pending(self) -> bool:
+        """Whether an active request asks for its prompt's logits and has prompt left to run."""
+        if not self.num_logits_requests:
+            return False
+        return any(r.sampling_params.wants_context_logits and r.is_context_phase for r in self._active.values())
+
     @staticmethod
     def num_resolved(request: LlmRequest) -> int:
         """Output tokens already read back (the rest are placeholders of a step in flight)."""

@@ -98,6 +98,9 @@ class PlannerOptions:
     # num_tokens -> the token bucket a step runs in (None: the smallest that holds them); set to
     # run in a compiled bucket while the best fit compiles (`jaxllm.engine.compile_ahead`).
     choose_bucket: Optional[Callable[[int], int]] = None
+    # The same for a step in which a request asks for its prompt's logits: a bucket whose
+    # context-logits forward is compiled (`jaxllm.engine.context_logits_variants`).
+    choose_context_bucket: Optional[Callable[[int], int]] = None
     # Decode-only steps run in the small decode buckets (`Planner.decode_batch_sizes`; off while
     # rows ask for logits outputs or post-processors, whose programs take max_batch_size rows).
     # `choose_decode_rows(rows)`: the decode bucket, None for a token bucket (None: the smallest

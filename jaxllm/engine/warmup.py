@@ -50,12 +50,15 @@ class ProgramWarmup:
         attention_dp: bool,
         decode_compiler: Optional[BucketCompiler] = None,
         general_sampler: Optional[Callable[[int], SamplingTensors]] = None,
+        context_logits: Any = None,
     ) -> None:
         """`runner`: where programs compile and run (the mirrored runner on a multi-host
         leader); `logits_outputs`: whether requests may ask for logits (their programs are
         then compiled too, with `EngineConfig.warmup_logits_outputs`); `general_sampler(rows)`:
         the tensors of the general sampler variant, compiled for every number of rows a step
-        compiled here can have (`jaxllm.engine.sampler_variants`; None: not compiled)."""
+        compiled here can have (`jaxllm.engine.sampler_variants`; None: not compiled);
+        `context_logits`: the context-logits variants compiled ahead (`ContextLogitsVariants`:
+        the full variant of the largest bucket compiled here is, unless all of them are)."""
         self.runner = runner
         self.planner = planner
         self.config = config
@@ -67,6 +70,7 @@ class ProgramWarmup:
         self.logits_outputs = logits_outputs and config.warmup_logits_outputs
         self.attention_dp = attention_dp
         self.general_sampler = general_sampler
+        self.context_logits = context_logits if not self.logits_outputs else None
 
     def decode_bucket(self) -> int:
         """The token bucket every decoding step fits: the smallest holding `max_batch_size` tokens."""
@@ -113,12 +117,13 @@ class ProgramWarmup:
         progress bar's length): one per forward and sampler variant (and context-logits
         variant) compiled before `run` returns."""
         general = self.general_sampler is not None
+        context = int(self.context_logits is not None)  # one full context-logits variant
         if self.in_background(background):
-            return len(self.first_buckets()) + len(self.first_decode_sizes()) + 1
+            return len(self.first_buckets()) + len(self.first_decode_sizes()) + 1 + context
         buckets = self.planner.token_buckets()
         variants = (len(SAMPLER_VARIANTS) if all_variants else 1) + general
         rows = 1 + len(self.decode_sizes())
-        return self.num_forwards() + variants * rows + len(self._logits_variants(buckets))
+        return self.num_forwards() + variants * rows + len(self._logits_variants(buckets)) + context
 
     def _logits_variants(self, buckets: list[int]) -> list[tuple[int, int]]:
         """(bucket, rows) of every context-logits forward compiled ahead (none without logits outputs)."""
@@ -161,6 +166,8 @@ class ProgramWarmup:
             ]
         if self.logits_supported:  # row gathers and scatters (generation logits, host processors)
             runner.compile_logits_programs(logits, row_buckets(self.num_sampler_rows))
+        if self.context_logits is not None:  # any prompt asking for its logits runs in it
+            pending.append(self.context_logits.compile(buckets[-1]))
         pending += [runner.compile_sampler(logits, sampling, wait=False) for sampling in samplings]
         done = self._wait(pending, done, progress, total)
         # The samplers of the decode buckets' logits [rows, V], from each one's forward (a
@@ -203,8 +210,13 @@ class ProgramWarmup:
         first_rows = self.first_decode_sizes()
         steps = [self.planner.empty_step(0, rows) for rows in first_rows]
         steps += [self.planner.empty_step(bucket) for bucket in first]
-        # They compile at once on the compile threads (on a CPU that is the build's cores, idle).
-        for future in [runner.compile_forward(*step, wait=False) for step in steps]:
+        # They compile at once on the compile threads (on a CPU that is the build's cores, idle),
+        # with the full context-logits variant of the largest (any prompt asking for its
+        # logits runs in it until its own variant compiled in the background).
+        futures = [runner.compile_forward(*step, wait=False) for step in steps]
+        if self.context_logits is not None:
+            futures.append(self.context_logits.compile(first[-1]))
+        for future in futures:
             future.result()
         generals = []
         for step in steps:  # each runs once (empty batches write nothing); a token bucket last
@@ -244,4 +256,5 @@ class ProgramWarmup:
                 for rows in token_buckets(bucket, self.config.min_token_bucket):
                     runner.compile_forward(*self.planner.empty_step(bucket), np.zeros(rows, np.int32), wait=False)
         if progress is not None:
-            progress(len(steps) + 1, len(steps) + 1)
+            total = len(steps) + 1 + int(self.context_logits is not None)
+            progress(total, total)
