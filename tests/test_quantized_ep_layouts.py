@@ -1,10 +1,11 @@
-"""Integer-quantized experts (GGUF Q4_0, AWQ 4-bit) with the online expert load balancer and with
+"""Quantized experts (GGUF Q4_0, AWQ 4-bit, FP8) with the online expert load balancer and with
 attention data parallelism, on 2 fake CPU devices in one subprocess (tests/multidevice.py).
 
-Two tiny Qwen3-MoE checkpoints: one written as a GGUF file with Q4_0 weights (int4 values packed
-two to a byte, a float32 scale per 32 inputs) and one as an AutoAWQ checkpoint (uint4 values, a
-scale and an offset per 128 inputs), both kept quantized on the device. Oracle: the
-single-device engine on the same checkpoint, without the balancer and without attention DP.
+Tiny Qwen3-MoE checkpoints kept quantized on the device: one written as a GGUF file with Q4_0
+weights (int4 values packed two to a byte, a float32 scale per 32 inputs), one as an AutoAWQ
+checkpoint (uint4 values, a scale and an offset per 128 inputs), and the float one quantized to
+FP8 block scales as it loads (dynamic activation quantization on). Oracle: the single-device
+engine on the same checkpoint, without the balancer and without attention DP.
 
 1. EP 2, 6 slots over 4 experts, the online balancer rewriting one layer per step and applying
    every differing placement: the slot tables change (slots are rewritten, values, scales and
@@ -15,6 +16,7 @@ single-device engine on the same checkpoint, without the balancer and without at
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -23,7 +25,8 @@ import pytest
 
 from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 
-CHECKPOINTS = ("gguf_q4_0", "awq")
+# name -> (directory under the test's root, `quantization` asked of the engine)
+CHECKPOINTS = {"gguf_q4_0": ("gguf_q4_0", None), "awq": ("awq", None), "fp8_on_load": ("hf", "fp8")}
 NUM_SLOTS = 6
 MOE_SHAPES = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128)  # AWQ: whole 128-groups
 
@@ -127,7 +130,7 @@ def check_all(root: Path) -> None:
 
     assert len(jax.devices()) == 2
 
-    def engine_for(directory: Path, **kwargs) -> LLMEngine:
+    def new_engine(directory: Path, **kwargs) -> LLMEngine:
         return LLMEngine(
             EngineConfig(
                 model=str(directory),
@@ -135,13 +138,16 @@ def check_all(root: Path) -> None:
                 max_batch_size=4,
                 max_num_tokens=16,
                 max_seq_len=64,
+                compile_ahead=False,  # one forward program per engine: the 16-token bucket
+                decode_batch_sizes=[],
                 kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512, enable_block_reuse=False),
                 **kwargs,
             )
         )
 
-    for name in CHECKPOINTS:
-        directory = root / name
+    for name, (where, quantization) in CHECKPOINTS.items():
+        directory = root / where
+        engine_for = functools.partial(new_engine, quantization=quantization)
         base = engine_for(directory)
         base_tokens = _workload(base)
         base.close()
@@ -218,7 +224,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_online_balancer_moves_quantized_slots_and_keeps_the_single_device_tokens(results, checkpoint):
     r = next(r for r in results if r["kind"] == "balancer" and r["checkpoint"] == checkpoint)
-    assert r["quantized"] and r["offsets"] == (checkpoint == "awq")
+    assert r["quantized"] and r["offsets"] == (checkpoint == "awq")  # every slot weight, scales beside
     assert r["worker_error"] == "None"
     assert r["tables_changed"] and r["rebalances"] > 0 and r["slots_rewritten"] > 0
     assert r["num_tokens"] == 8 * 16
@@ -231,3 +237,16 @@ def test_attention_dp_with_quantized_weights_keeps_the_single_device_tokens(resu
     r = next(r for r in results if r["kind"] == "attention_dp" and r["checkpoint"] == checkpoint)
     assert r["ranks"] == 2 and r["num_tokens"] == 8 * 16
     assert r["same_tokens"], f"{checkpoint}: attention DP differs from one device"
+
+
+def test_attention_dp_refuses_expert_columns_that_split_a_scale_block():
+    """Under attention DP each device dequantizes its own expert columns: with int4 weights (a
+    scale per 32 inputs), tiny-moe's 64 columns split over 4 MoE tensor ranks are 16, half a block."""
+    from jaxllm.models import load_model_config, materialize_preset
+    from jaxllm.models.partitioning import check_dp_expert_blocks
+    from jaxllm.models.quantized_loading import with_quantization
+
+    config = with_quantization(load_model_config(materialize_preset("tiny-moe")), "int4")
+    check_dp_expert_blocks(config, 2)  # 32 columns: one block each
+    with pytest.raises(ValueError, match="leaves 16 columns per rank, not whole quantization blocks of 32"):
+        check_dp_expert_blocks(config, 4)

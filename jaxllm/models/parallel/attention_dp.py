@@ -52,7 +52,7 @@ from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
 from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body, expert_rows_operands
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, route
+from jaxllm.models.moe import MoeFn, quantized_moe_fn, route
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
@@ -119,7 +119,7 @@ def forward_attention_dp(
     moe_layer = functools.partial(
         dp_moe_layer,
         config=config,
-        moe_fn=moe_fn,
+        moe_fn=quantized_moe_fn(moe_fn, config),  # as `decode_layers` hands its MoE layers
         options=options,
         ep=ep,
         moe_tp=moe_tp,
