@@ -7,10 +7,11 @@ checkpoint (uint4 values, a scale and an offset per 128 inputs), and the float o
 FP8 block scales as it loads (dynamic activation quantization on). Oracle: the single-device
 engine on the same checkpoint, without the balancer and without attention DP.
 
-1. EP 2, 6 slots over 4 experts, the online balancer rewriting one layer per step and applying
-   every differing placement: the slot tables change (slots are rewritten, values, scales and
-   offsets together, into the same donated buffers) and the greedy tokens are the single-device
-   ones; the weight bytes held stay what `plan_memory` counts.
+1. EP 2, 6 slots over 4 experts (both MoE layers one scanned layer stack), the online balancer
+   rewriting one layer per step and applying every differing placement: the slot tables change,
+   every rewritten slot weight's arrays (values, scales, offsets) are donated and rewritten at
+   the same device addresses, and the greedy tokens are the single-device ones; the weight
+   bytes held stay what `plan_memory` (`jaxllm plan`) counts.
 2. Attention DP over the 2 devices (EP 2): the single-device greedy tokens.
 """
 
@@ -163,6 +164,29 @@ def check_all(root: Path) -> None:
         )
         balancer = engine.load_balancer
         params = engine.runner.params
+        in_place: list[bool] = []  # per rewritten slot weight: every array donated, rewritten where it was
+        apply_round = balancer.apply_round
+
+        def checked_round(params, apply_round=apply_round, in_place=in_place):
+            def arrays(layer: int) -> dict:
+                return {n: jax.tree.leaves(moe_layer_params(params, layer)[n]) for n in SLOT_WEIGHTS}
+
+            def where(a) -> list:
+                return [(s.device.id, s.data.unsafe_buffer_pointer()) for s in a.addressable_shards]
+
+            old = {l: arrays(l) for l in balancer.layers}
+            before = {
+                l: {n: [(a.shape, a.sharding, where(a)) for a in v] for n, v in o.items()} for l, o in old.items()
+            }
+            updated = apply_round(params)
+            for l in updated:
+                for n, new in arrays(l).items():
+                    jax.block_until_ready(new)
+                    kept = [(a.shape, a.sharding, where(a)) for a in new] == before[l][n]
+                    in_place.append(len(new) > 1 and kept and all(a.is_deleted() for a in old[l][n]))
+            return updated
+
+        balancer.apply_round = checked_round
         first = {l: balancer.tables[l].copy() for l in balancer.layers}
         slot_weights = [moe_layer_params(params, l)[n] for l in balancer.layers for n in SLOT_WEIGHTS]
         quantized = all(isinstance(w, QuantizedWeight) for w in slot_weights)
@@ -186,6 +210,8 @@ def check_all(root: Path) -> None:
                     rebalances=balancer.stats.rebalances,
                     slots_rewritten=balancer.stats.slots_rewritten,
                     worker_error=repr(balancer.worker.error),
+                    in_place=bool(in_place) and all(in_place),
+                    stacked=all(row is not None for row in balancer.rows.values()),  # one scanned layer stack
                     held_before=held_before,
                     held_after=held_weight_bytes(engine.runner.params),
                     plan=plan,
@@ -227,6 +253,8 @@ def test_online_balancer_moves_quantized_slots_and_keeps_the_single_device_token
     assert r["quantized"] and r["offsets"] == (checkpoint == "awq")  # every slot weight, scales beside
     assert r["worker_error"] == "None"
     assert r["tables_changed"] and r["rebalances"] > 0 and r["slots_rewritten"] > 0
+    assert r["in_place"], "a quantized slot weight's values or scales were not rewritten in place (donated)"
+    assert r["stacked"]  # the rows of a layer stack's slot buffers and scales were rewritten
     assert r["num_tokens"] == 8 * 16
     assert r["same_tokens"], f"{checkpoint}: EP 2 with the online balancer differs from one device"
     assert r["held_before"] == r["held_after"] == r["plan"]
