@@ -12,7 +12,9 @@ engine on the same checkpoint, without the balancer and without attention DP.
    every rewritten slot weight's arrays (values, scales, offsets) are donated and rewritten at
    the same device addresses, and the greedy tokens are the single-device ones; the weight
    bytes held stay what `plan_memory` (`jaxllm plan`) counts.
-2. Attention DP over the 2 devices (EP 2): the single-device greedy tokens.
+2. Attention DP over the 2 devices (EP 2, or MoE TP 2 for the GGUF file: each device
+   dequantizes its half of every expert's columns with its half of the scales): the
+   single-device greedy tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import pytest
 
 from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 
-# name -> (directory under the test's root, `quantization` asked of the engine)
-CHECKPOINTS = {"gguf_q4_0": ("gguf_q4_0", None), "awq": ("awq", None), "fp8_on_load": ("hf", "fp8")}
+# name -> (directory under the test's root, `quantization` asked of the engine, attention DP's EP size:
+# 2, or 1 for MoE TP 2, each device dequantizing its half of every expert's columns and scales)
+CHECKPOINTS = {"gguf_q4_0": ("gguf_q4_0", None, 1), "awq": ("awq", None, 2), "fp8_on_load": ("hf", "fp8", 2)}
 NUM_SLOTS = 6
 MOE_SHAPES = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128)  # AWQ: whole 128-groups
 
@@ -84,7 +87,8 @@ def write_checkpoints(root: Path) -> None:
     from jaxllm.models.gguf import convert_gguf
     from tests.gguf_helpers import make_tiny_hf, write_gguf
 
-    model, tokenizer = make_tiny_hf("qwen3_moe", root / "hf")
+    # 64 expert columns: two Q4_0 blocks of the down projection's inputs, one per MoE TP rank
+    model, tokenizer = make_tiny_hf("qwen3_moe", root / "hf", moe_intermediate_size=64)
     path = write_gguf(model, tokenizer, "qwen3_moe", root / "hf" / "Q4_0.gguf", "Q4_0")
     convert_gguf(path, root / "gguf_q4_0", progress=False)
     write_awq_moe(root)
@@ -146,7 +150,7 @@ def check_all(root: Path) -> None:
             )
         )
 
-    for name, (where, quantization) in CHECKPOINTS.items():
+    for name, (where, quantization, dp_ep) in CHECKPOINTS.items():
         directory = root / where
         engine_for = functools.partial(new_engine, quantization=quantization)
         base = engine_for(directory)
@@ -221,7 +225,7 @@ def check_all(root: Path) -> None:
         )
         engine.close()
 
-        engine = engine_for(directory, tensor_parallel_size=2, moe_expert_parallel_size=2, enable_attention_dp=True)
+        engine = engine_for(directory, tensor_parallel_size=2, moe_expert_parallel_size=dp_ep, enable_attention_dp=True)
         tokens = _workload(engine)
         print(
             json.dumps(
