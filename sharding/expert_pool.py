@@ -7,14 +7,18 @@ between devices for a rebalance. One pool serves all the EP ranks this process d
 
 The pool is built from the slot buffers themselves (every expert holds at least one slot,
 so the slots contain every expert), which keeps it independent of the checkpoint format
-and of the model: any MoE layer stored as slots qualifies. Arrays are plain numpy
-(pageable memory); a device receives each piece with one host-to-device copy.
+and of the model: any MoE layer stored as slots qualifies. A slot weight may be a pytree of
+arrays that all share the slot axis (a quantized weight: its values, its block scales and
+offsets); the pool keeps the same pytree with numpy leaves, so an expert's values and scales
+always move together. Arrays are plain numpy (pageable memory); a device receives each piece
+with one host-to-device copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,31 +30,36 @@ SLOT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 @dataclass
 class ExpertWeightPool:
-    """weights[layer][name]: numpy [num_experts, ...], expert e's rows of that slot-stacked weight."""
+    """weights[layer][name]: numpy [num_experts, ...] (or a pytree of them, as the slot weight is),
+    expert e's rows of that slot-stacked weight."""
 
-    weights: dict[int, dict[str, np.ndarray]]
+    weights: dict[int, dict[str, Any]]
 
     @classmethod
     def from_slots(
-        cls, layers: Mapping[int, Mapping[str, jax.Array]], tables: Mapping[int, np.ndarray], num_experts: int
+        cls, layers: Mapping[int, Mapping[str, Any]], tables: Mapping[int, np.ndarray], num_experts: int
     ) -> ExpertWeightPool:
-        """Gather each expert's rows from the first slot holding it (layers: MoE layer -> {name: slot buffer})."""
-        weights: dict[int, dict[str, np.ndarray]] = {}
+        """Gather each expert's rows from the first slot holding it (layers: MoE layer -> {name: slot
+        buffer, or a pytree of buffers [num_slots, ...]})."""
+        weights: dict[int, dict[str, Any]] = {}
         for layer, buffers in layers.items():
             table = np.asarray(tables[layer])
             experts, first = np.unique(table, return_index=True)
             if experts.size != num_experts:
                 raise ValueError(f"layer {layer}: the slots hold {experts.size} of the {num_experts} experts")
-            weights[layer] = {name: np.ascontiguousarray(np.asarray(buffer)[first]) for name, buffer in buffers.items()}
+            weights[layer] = {
+                name: jax.tree.map(lambda b, first=first: np.ascontiguousarray(np.asarray(b)[first]), buffer)
+                for name, buffer in buffers.items()
+            }
         return cls(weights)
 
-    def rows(self, layer: int, name: str) -> np.ndarray:
+    def rows(self, layer: int, name: str) -> Any:
         return self.weights[layer][name]
 
     def row_bytes(self, layer: int) -> int:
-        """Bytes of one expert's weights in one layer (all its slot-stacked arrays)."""
-        return int(sum(w[0].nbytes for w in self.weights[layer].values()))
+        """Bytes of one expert's weights in one layer (all its slot-stacked arrays, scales included)."""
+        return int(sum(w[0].nbytes for w in jax.tree.leaves(self.weights[layer])))
 
     @property
     def nbytes(self) -> int:
-        return int(sum(w.nbytes for layer in self.weights.values() for w in layer.values()))
+        return int(sum(w.nbytes for w in jax.tree.leaves(self.weights)))

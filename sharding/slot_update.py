@@ -20,13 +20,18 @@ A stack of slot layers (`layer=l`: buffer [n, num_slots, ...], the layer axis un
 slot axis split over the expert axis) is written the same way at row l of the stack, l
 being a traced argument of the program: one program per (stack shape, m) serves every
 layer of the stack, and the rest of the stack is left where it is (donated, in place).
+
+A slot weight that is a pytree of buffers sharing the slot axis (a quantized weight: values,
+block scales and offsets, each split by slot over the expert axis) is rewritten leaf by leaf
+from the same pytree on the host (`write_slot_weight`), so a slot's scales always hold its
+expert's.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -147,3 +152,11 @@ def warm_up(buffer: jax.Array, source: np.ndarray, stacked: bool = False) -> jax
     for m in row_buckets(per_rank):
         buffer = write_slot_rows(buffer, nothing, source, nothing, rows_per_rank=m, layer=0 if stacked else None)
     return buffer
+
+
+def write_slot_weight(
+    weight: Any, slots: np.ndarray, source: Any, experts: np.ndarray, layer: Optional[int] = None
+) -> Any:
+    """`write_slot_rows` on every buffer of a slot weight (a pytree whose arrays all have the slot
+    axis, e.g. quantized values with their scales), `source` being the same pytree of host rows."""
+    return jax.tree.map(lambda b, s: write_slot_rows(b, slots, s, experts, layer=layer), weight, source)

@@ -108,7 +108,7 @@ def test_cli_flags_and_refused_combinations():
     from jaxllm.engine.capabilities import Layout, check_layout
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.llm_args import MoeConfig
-    from jaxllm.models.partitioning import attention_dp_rules, check_quantized_split
+    from jaxllm.models.partitioning import attention_dp_rules, check_dp_expert_blocks, check_quantized_split
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
 
     parser = argparse.ArgumentParser()
@@ -122,11 +122,12 @@ def test_cli_flags_and_refused_combinations():
     config = with_quantization(load_model_config(_tiny_moe_dir()), "fp8")
     online = MoeConfig(load_balancer=MoeLoadBalancerConfig(num_slots=8, layer_updates_per_iter=1))
     engine = EngineConfig(model="tiny-moe", moe_config=online)
-    with pytest.raises(ValueError, match="does not move quantized"):
-        check_layout(engine, config, Layout("cpu", 1, False))
+    check_layout(engine, config, Layout("cpu", 1, False))  # the online balancer moves FP8 slots with their scales
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("attn_dp", "expert", "tensor"))
-    with pytest.raises(ValueError, match="attention data parallelism with quantized"):
-        attention_dp_rules(config, mesh)
+    attention_dp_rules(config, mesh)  # attention DP takes FP8 weights
+    # attention DP dequantizes each device's expert columns: they must be whole 128 x 128 blocks
+    with pytest.raises(ValueError, match="leaves 32 columns per rank, not whole quantization blocks of 128"):
+        check_dp_expert_blocks(with_quantization(config, "fp8", "none"), 2)
     # tiny-moe's 64 expert columns over MoE TP 2: 32 per rank, not whole groups of 128
     with pytest.raises(ValueError, match="leaves 32 columns per rank, not a multiple of 128"):
         check_quantized_split(config, 2)

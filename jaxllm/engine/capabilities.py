@@ -50,11 +50,6 @@ def check_layout(config: EngineConfig, model_config: ModelConfig, layout: Layout
             "moe_config.load_balancer: online expert load balancing (layer_updates_per_iter > 0) "
             "is not supported in multi-host runs: its slot writes run outside the mirrored step"
         )
-    if model_config.quantization is not None and balancer is not None and balancer.layer_updates_per_iter > 0:
-        raise ValueError(
-            "moe_config.load_balancer: online expert load balancing (layer_updates_per_iter > 0) "
-            "does not move quantized (FP8) expert slots yet; use a static placement"
-        )
     if config.enable_lora:
         check_lora_layout(config, model_config, layout)
 

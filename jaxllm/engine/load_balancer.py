@@ -6,7 +6,8 @@ Per step, around the model forward:
   F = ceil(L / k) for L MoE layers and k = `layer_updates_per_iter`, take the newest
   placement the background worker left for them (`sharding.eplb.online`); only the slots
   whose expert changes are rewritten, in place (`sharding.slot_update`: donated buffers,
-  each rank receiving its own rows from the host pool `sharding.expert_pool`), and the
+  each rank receiving its own rows from the host pool `sharding.expert_pool`; a quantized
+  slot weight's values, block scales and offsets are rewritten together), and the
   layer's slot table is replaced in the same parameter tree, so the next forward sees
   table and weights together. Shapes never change: nothing recompiles. Slot layers
   stored as a layer stack (the scanned layout: buffers [n, S, ...], tables [n, ...]) are
@@ -44,7 +45,7 @@ from sharding.eplb.online import PlacementWorker
 from sharding.expert_load import LOAD_DECAY, decay_expert_load
 from sharding.expert_pool import SLOT_WEIGHTS, ExpertWeightPool
 from sharding.slot_table import SlotTable, make_slot_table
-from sharding.slot_update import warm_up, write_slot_rows
+from sharding.slot_update import warm_up, write_slot_weight
 
 # A layer is planned again only once its load holds this many steps of counts since its last
 # update (a placement from one or two small steps would follow noise).
@@ -139,7 +140,13 @@ class OnlineLoadBalancer:
         }
         self.num_slots = int(next(iter(self.tables.values())).size)
         self.pool = ExpertWeightPool.from_slots(
-            {l: {n: on_host(moe_layer_params(params, l)[n], self.rows[l]) for n in SLOT_WEIGHTS} for l in self.layers},
+            {
+                l: {
+                    n: jax.tree.map(lambda a, row=self.rows[l]: on_host(a, row), moe_layer_params(params, l)[n])
+                    for n in SLOT_WEIGHTS
+                }
+                for l in self.layers
+            },
             self.tables,
             num_experts,
         )
@@ -169,11 +176,15 @@ class OnlineLoadBalancer:
         for layer in self.layers:
             moe = moe_layer_params(params, layer)
             stacked = self.rows[layer] is not None
-            for name in SLOT_WEIGHTS:
-                key = (moe[name].shape, moe[name].dtype, moe[name].sharding)
-                if key not in seen:
-                    seen.add(key)
-                    moe[name] = warm_up(moe[name], self.pool.rows(layer, name), stacked=stacked)
+            for name in SLOT_WEIGHTS:  # each buffer of the weight (a quantized one's scales too)
+                buffers, treedef = jax.tree.flatten(moe[name])
+                sources = jax.tree.leaves(self.pool.rows(layer, name))
+                for i, (buffer, source) in enumerate(zip(buffers, sources)):
+                    key = (buffer.shape, buffer.dtype, buffer.sharding)
+                    if key not in seen:
+                        seen.add(key)
+                        buffers[i] = warm_up(buffer, source, stacked=stacked)
+                moe[name] = jax.tree.unflatten(treedef, buffers)
             key = ("slots",) + tuple(a.shape for a in jax.tree_util.tree_leaves(moe["slots"]))
             if stacked and key not in seen:  # the table row write, rewriting row 0 with what it holds
                 seen.add(key)
@@ -204,7 +215,7 @@ class OnlineLoadBalancer:
             moe = moe_layer_params(params, layer)
             row = self.rows[layer]
             for name in SLOT_WEIGHTS:
-                moe[name] = write_slot_rows(moe[name], changed, self.pool.rows(layer, name), new[changed], layer=row)
+                moe[name] = write_slot_weight(moe[name], changed, self.pool.rows(layer, name), new[changed], layer=row)
             moe["slots"] = self._write_table(moe["slots"], row, new)
             self.stats.update_seconds.append(time.perf_counter() - start)
             self.tables = {**self.tables, layer: new}  # a new dict: steps in flight keep theirs

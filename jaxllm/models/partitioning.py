@@ -3,6 +3,8 @@ split over which mesh axes (`sharding.rules` maps them), checked against the mod
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from jaxllm.models.model_config import ModelConfig
@@ -50,13 +52,13 @@ def kv_replicas_for(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Shardin
 def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> ShardingRules:
     """Weights under attention DP: everything but the experts replicated; slots over
     `expert`, each expert's FFN columns over `tensor`."""
-    if config.quantization is not None:
-        raise ValueError("attention data parallelism with quantized (FP8) weights is not supported yet")
     moe_tp = int(mesh.shape[TENSOR_AXIS])
     if config.moe_intermediate_size and config.moe_intermediate_size % moe_tp:
         raise ValueError(
             f"the MoE tensor-parallel size {moe_tp} must divide moe_intermediate_size={config.moe_intermediate_size}"
         )
+    check_quantized_split(config, moe_tp)
+    check_dp_expert_blocks(config, moe_tp)
     return ShardingRules(
         heads=None,
         kv_heads=None,
@@ -65,3 +67,21 @@ def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> Sharding
         experts=EXPERT_AXIS if int(mesh.shape[EXPERT_AXIS]) > 1 else None,
         moe_mlp=TENSOR_AXIS if moe_tp > 1 else None,
     )
+
+
+def check_dp_expert_blocks(config: ModelConfig, moe_tp: int) -> None:
+    """The attention-DP MoE layer dequantizes each device's own share of the quantized experts
+    inside the step, so each `tensor` rank's FFN columns must be whole scale blocks of every
+    expert weight (and whole bytes of 4-bit values packed two to a byte)."""
+    q = config.quantization
+    if q is None or moe_tp <= 1 or not config.moe_intermediate_size:
+        return
+    h, i = config.hidden_size, config.moe_intermediate_size
+    packed = 2 if q.value_dtype in ("int4", "uint4") else 1
+    step = math.lcm(q.block_for(i, h)[0] or i, q.block_for(h, i)[1] or i, packed)  # gate/up rows, down columns
+    share = i // moe_tp
+    if share % step:
+        raise ValueError(
+            f"enable_attention_dp: moe_intermediate_size={i} over {moe_tp} MoE tensor-parallel ranks leaves "
+            f"{share} columns per rank, not whole quantization blocks of {step}; use more expert parallelism"
+        )

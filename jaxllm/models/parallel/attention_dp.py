@@ -17,6 +17,8 @@ Layout (SPMD, one program for all ranks):
 - Attention, dense and embedding weights are replicated (no head or column split), the
   experts are stored as slots split over `expert` with their FFN columns over `tensor`,
   as under plain expert parallelism (`jaxllm.models.partitioning.attention_dp_rules`).
+  Quantized weights (FP8, GGUF, AWQ / GPTQ) keep their scales beside their values: the
+  replicated ones run as on one device, each device dequantizes its own expert shares.
 - The whole decoder runs under one `shard_map` (`forward_attention_dp`): each device
   runs the single-device layers on its own batch, and each MoE layer
   (`dp_moe_layer`) starts from tokens that are already split over the devices. The T
@@ -48,9 +50,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
-from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body
+from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body, expert_rows_operands
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, expert_rows_ffn, route
+from jaxllm.models.moe import MoeFn, quantized_moe_fn, route
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
@@ -87,9 +89,11 @@ def dp_moe_layer(
     else:
         offset, counts = None, group_counts
     slots = choose_slots(ids, table, ok, occurrence_offset=offset)
-    rows_ffn = functools.partial(expert_rows_ffn, moe_fn=moe_fn)
+    # This device's slots and columns: quantized experts are dequantized here, their scales being
+    # split like their values (`attention_dp_rules` checks the columns are whole scale blocks).
+    x, experts, rows_ffn = expert_rows_operands(x, p, moe_fn, moe_tp=1)
     body = dispatch_body(options, global_tokens, rows_ffn=rows_ffn, ep=ep, moe_tp=1)
-    out, dropped = body(x, slots, weights, p["w_gate"], p["w_up"], p["w_down"])
+    out, dropped = body(x, slots, weights, *experts)
     if moe_tp > 1:  # sum the column partials, each device keeps its own rows
         out = jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=0, tiled=True)
     return out.astype(h.dtype), counts, dropped[0]
@@ -115,7 +119,7 @@ def forward_attention_dp(
     moe_layer = functools.partial(
         dp_moe_layer,
         config=config,
-        moe_fn=moe_fn,
+        moe_fn=quantized_moe_fn(moe_fn, config),  # as `decode_layers` hands its MoE layers
         options=options,
         ep=ep,
         moe_tp=moe_tp,
