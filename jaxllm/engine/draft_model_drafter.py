@@ -47,15 +47,19 @@ def load_draft_config(config: DraftTargetDecodingConfig, target: ModelConfig) ->
     return directory, draft
 
 
-def _draft_program(params, cache, batch, last_tokens, *, num_draft_tokens, config, tokens_per_block, num_blocks):
-    _, cache = forward(params, cache, batch, config=config)
+def _draft_program(
+    params, cache, batch, last_tokens, *, num_draft_tokens, config, tokens_per_block, num_blocks, layers
+):
+    """`layers`: the target runner's attention and MoE functions, mesh and expert-parallel
+    options (the draft model's weights and pool are on the target's mesh)."""
+    _, cache = forward(params, cache, batch, config=config, **layers)
     live = jnp.arange(batch.block_tables.shape[0], dtype=jnp.int32) < batch.num_seqs[0]
     tokens, drafts = last_tokens, []
     for j in range(num_draft_tokens):
         step = follow_up_batch(
             batch, tokens, j + 1, tokens_per_block=tokens_per_block, num_blocks=num_blocks, own_blocks_only=True
         )
-        logits, cache = forward(params, cache, step, config=config)
+        logits, cache = forward(params, cache, step, config=config, **layers)
         tokens = jnp.where(live, jnp.argmax(logits, axis=-1), 0).astype(jnp.int32)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), cache
@@ -77,6 +81,12 @@ class DraftModelDrafter(StepDrafter):
                 config=self.model_config,
                 tokens_per_block=tokens_per_block,
                 num_blocks=num_blocks,
+                layers=dict(
+                    attention_fn=runner.attention_fn,
+                    moe_fn=runner.moe_fn,
+                    mesh=runner.mesh,
+                    moe_options=runner.moe_options,
+                ),
             ),
             donate_argnums=(1,),
         )

@@ -135,7 +135,7 @@ class ModelRunner:
         self.model_config = model_config
         self.params = params
         self.max_batch_size = max_batch_size
-        self.attention_fn, self.moe_fn = attention_fn, moe_fn
+        self.attention_fn, self.moe_fn, self.moe_options = attention_fn, moe_fn, moe_options
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
