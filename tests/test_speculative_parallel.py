@@ -5,9 +5,10 @@ speculation
 
 - with n-gram drafts at TP 2 (its greedy outputs fall into loops, which the drafts follow:
   runs of several drafts are accepted), and
-- with MTP drafts at TP 2 and at TP 2 with EP 2 (the experts dispatched to the rank owning
-  each); the drafts proposed there are the MTP chain of a torch composition of transformers'
-  DeepseekV3 layers run from scratch over each sequence.
+- with MTP drafts at TP 2, at TP 2 with EP 2 (the experts dispatched to the rank owning
+  each) and at EP 2 with the online expert load balancer moving slots meanwhile; the drafts
+  proposed there are the MTP chain of a torch composition of transformers' DeepseekV3 layers
+  run from scratch over each sequence.
 
 Requests join while others run, a long prompt is chunked (16-token budget), so verification
 rows share steps with context chunks and plain decode rows.
@@ -24,7 +25,16 @@ from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 
 MAX_TOKENS = [20, 10, 18, 8]
 PARALLEL = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, moe_expert_parallel_size=2)}
-RUNS = [("base", None, "one"), ("ngram", "ngram", "tp2"), ("mtp", "mtp", "tp2"), ("mtp", "mtp", "ep2")]
+# EP 2 with the online expert load balancer rewriting slots in place while MTP drafts (20 slots
+# for 16 experts; every step a layer may move, whatever the gain).
+PARALLEL["ep2-eplb"] = PARALLEL["ep2"]
+RUNS = [
+    ("base", None, "one"),
+    ("ngram", "ngram", "tp2"),
+    ("mtp", "mtp", "tp2"),
+    ("mtp", "mtp", "ep2"),
+    ("mtp", "mtp", "ep2-eplb"),
+]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -80,7 +90,9 @@ def check_all(root: Path) -> None:
     from jaxllm import KvCacheConfig
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.llm_args import MoeConfig
     from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig
+    from sharding.eplb.eplb_config import MoeLoadBalancerConfig
 
     assert len(jax.devices()) == 8
     methods = {
@@ -88,7 +100,9 @@ def check_all(root: Path) -> None:
         "ngram": NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2),
         "mtp": MTPDecodingConfig(num_nextn_predict_layers=2),
     }
+    balancer = MoeLoadBalancerConfig(num_slots=20, layer_updates_per_iter=1, min_imbalance_gain=-1.0)
     for name, method, layout in RUNS:
+        extra = dict(moe_config=MoeConfig(load_balancer=balancer)) if layout == "ep2-eplb" else {}
         engine = LLMEngine(
             EngineConfig(
                 model=str(root / "ds"),
@@ -101,10 +115,13 @@ def check_all(root: Path) -> None:
                 kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
                 speculative_config=methods[method],
                 **PARALLEL.get(layout, {}),
+                **extra,
             )
         )
         try:
             result = _run(engine)
+            if engine.load_balancer is not None:
+                result["slots_rewritten"] = engine.load_balancer.stats.slots_rewritten
         finally:
             engine.close()
         print(json.dumps(dict(name=name, layout=layout, **result)), flush=True)
@@ -130,6 +147,7 @@ def test_speculative_greedy_output_under_tp_and_ep_equals_one_device_without_spe
     assert ngram["steps"] < base["steps"]
     # The MTP drafts under TP and EP are the torch chain's (ties within 1e-4 allowed; the
     # second draft is checked where the first is the chain's argmax).
+    assert speculative[-1]["slots_rewritten"] > 0, "the balancer moved no slot"
     for r in speculative[1:]:
         drafted = [(tokens, drafts) for tokens, drafts in r["proposals"] if drafts]
         assert len(drafted) > 20, r["layout"]
