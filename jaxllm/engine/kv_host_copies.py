@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.engine.host_transfer import put_on_mesh
 from jaxllm.engine.kv_blocks import (
     MIN_BATCH,
     NO_BLOCK,
@@ -118,6 +119,13 @@ class HostBlockCopier:
                 out_shardings=shardings,
             )
         self.memory_kind = host_memory_kind(next(iter(leaves[0][0].sharding.device_set)))
+        cache_sharding = leaves[0][0].sharding
+        # Several processes: each puts its own devices' piece of the block ids (no collective).
+        self._ids_sharding = (
+            NamedSharding(cache_sharding.mesh, PartitionSpec())
+            if jax.process_count() > 1 and isinstance(cache_sharding, NamedSharding)
+            else None
+        )
         zeros = np.zeros(MIN_BATCH, np.int32)
         compiled = self._gather_jit.lower(runner.kv_cache, zeros, zeros).compile()
         self.shardings: list[Any] = list(compiled.output_shardings)  # of a batch of blocks
@@ -153,7 +161,7 @@ class HostBlockCopier:
         """Copy blocks `src[:len(rows)]` (of attention-DP `ranks`) into buffer `rows`: one gather
         program, ordered before the next step (which may overwrite them), then an asynchronous
         device -> host copy."""
-        out = self._gather_jit(self.runner.kv_cache, src, ranks)
+        out = self._gather_jit(self.runner.kv_cache, *self._ids(src, ranks))
         if self.memory_kind is not None:
             out = [jax.device_put(a, a.sharding.with_memory_kind(self.memory_kind)) for a in out]
         else:
@@ -209,7 +217,10 @@ class HostBlockCopier:
         """Scatter the oldest started batch into the cache's blocks `dst` (of `ranks`; a block
         out of range is dropped): one program, ordered before the next step."""
         copy = self._writes.pop(0)
-        self.runner.kv_cache = self._scatter_jit(self.runner.kv_cache, dst, ranks, copy.arrays)
+        self.runner.kv_cache = self._scatter_jit(self.runner.kv_cache, *self._ids(dst, ranks), copy.arrays)
+
+    def _ids(self, *arrays: np.ndarray) -> tuple:
+        return arrays if self._ids_sharding is None else tuple(put_on_mesh(list(arrays), self._ids_sharding))
 
     def warmup(self, max_blocks: int) -> None:
         """Compile the copy programs for every padded batch size up to `max_blocks` (copies
