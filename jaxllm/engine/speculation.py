@@ -48,11 +48,12 @@ from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.logits_outputs import padded_index
-from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
+from jaxllm.engine.mtp_drafter import MTPDrafter
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.engine.thinking_phase import ThinkingPhases, thinking_tokens
 from jaxllm.engine.verified_tokens import SpeculativeStep, apply_verified
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
@@ -70,6 +71,9 @@ from jaxllm.speculative_config import (
 logger = logging.getLogger(__name__)
 
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
+# A drafting step's verification inputs: (speculating rows, their drafts, their first entries,
+# per-entry sampling tensors, per-entry draft ids, per-entry thinking flags or None).
+VerifyInputs = tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray, Optional[np.ndarray]]
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
@@ -84,8 +88,6 @@ def check_speculative_support(
     config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
 ) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if isinstance(config, MTPDecodingConfig):
-        check_mtp_config(config)
     if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
         raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
     if attention_dp:
@@ -106,12 +108,16 @@ def check_engine_speculation(config: Any, *, multihost: bool) -> None:
         )
 
 
-def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional[Speculation]:
+def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: Any = None) -> Optional[Speculation]:
     """The engine's `Speculation` for `config.speculative_config` (an `EngineConfig`), None
-    without one (`check_engine_speculation` checked the combination before the engine was built)."""
+    without one (`check_engine_speculation` checked the combination before the engine was built).
+    `tokenizer`: the model's (relaxed MTP acceptance looks up its thinking tokens)."""
     spec_config = config.speculative_config
     if spec_config is None:
         return None
+    thinking = None
+    if isinstance(spec_config, MTPDecodingConfig) and spec_config.use_relaxed_acceptance_for_thinking:
+        thinking = ThinkingPhases(thinking_tokens(tokenizer))
     return Speculation(
         spec_config,
         planner=planner,
@@ -119,6 +125,7 @@ def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
         drafter=step_drafter_for(spec_config, runner, planner.kv_cache_manager),
+        thinking=thinking,
     )
 
 
@@ -146,9 +153,12 @@ class Speculation:
         max_num_tokens: int,
         min_token_bucket: int,
         drafter: Optional[StepDrafter] = None,
+        thinking: Optional[ThinkingPhases] = None,
     ) -> None:
         """`drafter`: the MTP layers', the draft model's or the EAGLE-3 head's drafter
-        (`step_drafter_for`), run over a step after its read-back when the next step drafts."""
+        (`step_drafter_for`), run over a step after its read-back when the next step drafts;
+        `thinking`: the requests' thinking spans, where greedy rows accept drafts by the
+        relaxed rule (`MTPDecodingConfig.use_relaxed_acceptance_for_thinking`), else None."""
         self.config = config
         self.max_draft_len = config.max_draft_len
         self.drafter = drafter
@@ -167,6 +177,9 @@ class Speculation:
         self.min_token_bucket = min_token_bucket
         # How a sampled entry accepts its draft (a parameter so a test can swap in a wrong rule).
         self.acceptance_rule: AcceptanceRule = exact_acceptance
+        self.thinking = thinking
+        relaxed = config if thinking is not None and isinstance(config, MTPDecodingConfig) else None
+        self._relaxed = dict(relaxed_topk=relaxed.relaxed_topk, relaxed_delta=relaxed.relaxed_delta) if relaxed else {}
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner, config.max_draft_len)
@@ -184,7 +197,7 @@ class Speculation:
         # The step being planned: its drafts, its verification inputs once planned (`prepare`)
         # and its verification outputs once dispatched (`launch`).
         self._drafts: dict[int, list[int]] = {}
-        self._verify: Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]] = None
+        self._verify: Optional[VerifyInputs] = None
         self._verified: Optional[VerifyOutput] = None
         self._spec_entries: Optional[list[TokenEntry]] = None
 
@@ -217,7 +230,7 @@ class Speculation:
         """The step was dispatched: the drafter notes it and the verification program runs."""
         self.dispatched(plan, output)
         if self._verify is not None:
-            self._verified = self.launch(context_logits, self._verify[3], self._verify[4])
+            self._verified = self.launch(context_logits, *self._verify[3:])
 
     def take_entries(self, entries: Any) -> Any:
         """The step's entries less its speculating rows' (kept for `speculative_step`)."""
@@ -254,7 +267,7 @@ class Speculation:
         rule = self.acceptance_rule
         jitted = self._jits.get(rule)
         if jitted is None:
-            jitted = self._jits[rule] = jax.jit(functools.partial(verify_drafts, acceptance_rule=rule))
+            jitted = self._jits[rule] = jax.jit(functools.partial(verify_drafts, acceptance_rule=rule, **self._relaxed))
         return jitted
 
     @property
@@ -411,6 +424,8 @@ class Speculation:
 
     def _forget_finished(self, active: Container[int]) -> None:
         self.policy.forget(active, 4 * self.max_batch_size)
+        if self.thinking is not None:
+            self.thinking.forget(active)
         texts = self.proposer.request_ids()
         if len(texts) > 4 * self.max_batch_size:
             for rid in [rid for rid in texts if rid not in active]:
@@ -419,10 +434,9 @@ class Speculation:
     # ------------------------------------------------------------------ verify
     def prepare(
         self, plan: StepPlan, output: SchedulerOutput, drafts: dict[int, list[int]]
-    ) -> tuple[StepPlan, Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]]]:
+    ) -> tuple[StepPlan, Optional[VerifyInputs]]:
         """The plan with the verification tokens' indices (`context_index`), and the inputs of
-        the verification program: (speculating rows, their drafts, their first entries,
-        per-entry sampling tensors, per-entry draft ids)."""
+        the verification program (`VerifyInputs`)."""
         rows = output.all_requests()
         cu = plan.batch.cu_q_lens
         size = self.verify_rows(plan.batch.token_ids.shape[0])
@@ -431,6 +445,7 @@ class Speculation:
         entry_steps: list[int] = []
         draft_ids: list[int] = []
         before: list[list[int]] = []  # each entry's drafts before it (its penalties see them)
+        thinking: list[bool] = []  # each entry inside a thinking span (relaxed acceptance)
         spec_rows, spec_drafts, starts = [], [], []
         step = np.asarray(plan.sampling.step)
         for row, request in enumerate(rows):
@@ -447,6 +462,8 @@ class Speculation:
             draft_ids.extend(draft)
             draft_ids.append(-1)
             before.extend(draft[:j] for j in range(len(draft) + 1))
+            if self.thinking is not None:
+                thinking.extend(self.thinking.entry_flags(request, draft))
         if not spec_rows:
             return plan, None
         if len(index) > size:
@@ -457,11 +474,23 @@ class Speculation:
         draft_ids += [-1] * pad
         tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32), before)
         plan = replace(plan, context_index=padded_index(index, size))
-        return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32))
+        flags = np.asarray(thinking + [False] * pad, np.bool_) if self.thinking is not None else None
+        return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32), flags)
 
-    def launch(self, context_logits: Any, tensors: SamplingTensors, draft_ids: np.ndarray) -> VerifyOutput:
-        """Dispatch the verification program (not waited for)."""
-        return self._verifier()(context_logits, tensors, draft_ids)
+    def launch(
+        self,
+        context_logits: Any,
+        tensors: SamplingTensors,
+        draft_ids: np.ndarray,
+        thinking: Optional[np.ndarray] = None,
+    ) -> VerifyOutput:
+        """Dispatch the verification program (not waited for). `thinking`: the entries inside a
+        thinking span (relaxed acceptance only; None there: none)."""
+        if self.thinking is None:
+            thinking = None
+        elif thinking is None:
+            thinking = np.zeros(draft_ids.shape, np.bool_)
+        return self._verifier()(context_logits, tensors, draft_ids, thinking)
 
     @staticmethod
     def split_entries(entries: list[TokenEntry], spec_rows: list[int]) -> tuple[list[TokenEntry], list[TokenEntry]]:
