@@ -38,7 +38,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Container
-from dataclasses import replace
 from typing import Any, Optional
 
 import jax
@@ -47,7 +46,6 @@ import numpy as np
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
-from jaxllm.engine.logits_outputs import padded_index
 from jaxllm.engine.mtp_drafter import MTPDrafter
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.speculation_warmup import warm_up_speculation
@@ -55,9 +53,10 @@ from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.engine.thinking_phase import ThinkingPhases, thinking_tokens
 from jaxllm.engine.verified_tokens import SpeculativeStep, apply_verified
+from jaxllm.engine.verify_inputs import VerifyInputs, verification_inputs
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
-from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, entry_tensors, exact_acceptance, verify_drafts
+from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
@@ -71,9 +70,6 @@ from jaxllm.speculative_config import (
 logger = logging.getLogger(__name__)
 
 _GENERATION_IN_PROGRESS = LlmRequestState.GENERATION_IN_PROGRESS
-# A drafting step's verification inputs: (speculating rows, their drafts, their first entries,
-# per-entry sampling tensors, per-entry draft ids, per-entry thinking flags or None).
-VerifyInputs = tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray, Optional[np.ndarray]]
 _COMPLETE = LlmRequestState.GENERATION_COMPLETE
 
 
@@ -90,8 +86,17 @@ def check_speculative_support(
     """ValueError naming what an engine cannot combine with `config`."""
     if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
         raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
-    if attention_dp:
-        raise ValueError("speculative_config is not supported with enable_attention_dp yet")
+    if attention_dp:  # n-gram drafts are looked up on the host; drafters keep a device pool
+        if isinstance(config, MTPDecodingConfig):
+            raise ValueError(
+                "speculative_config: MTPDecodingConfig is not supported with enable_attention_dp: MTP "
+                "checkpoints use multi-head latent attention, which attention data parallelism does not support yet"
+            )
+        if not isinstance(config, NGramDecodingConfig):
+            raise ValueError(
+                f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
+                "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig is"
+            )
     if multihost:
         raise ValueError("speculative_config is not supported in multi-host runs yet")
 
@@ -324,28 +329,32 @@ class Speculation:
         if not gen:
             return {}
         drafts: dict[int, list[int]] = {}
-        kv = self.kv
-        free_blocks = kv.num_free_blocks
-        for request in gen:
-            if budget <= 0:
-                break
-            k = min(self._eligible_len(request), budget)
-            if k <= 0:
-                continue
-            try:
-                draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
-            except Exception:  # a proposer's failure costs the drafts, nothing else
-                logger.exception("the draft proposer failed for request %s", request.request_id)
-                continue
-            # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
-            # step may have left none to spare: then the request does not draft).
-            extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
-                kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
-            )
-            if draft and extra <= free_blocks:
-                drafts[request.request_id] = draft
-                budget -= len(draft)
-                free_blocks -= max(extra, 0)
+        # Each rank (one without attention DP) has its own token budget and block pool.
+        for part, kv in self.planner.rank_parts(output):
+            rank_gen = part.generation_requests
+            budget = self.max_num_tokens - sum(r.context_chunk_size for r in part.context_requests) - len(rank_gen)
+            free_blocks = kv.num_free_blocks
+            for request in rank_gen:
+                if budget <= 0:
+                    break
+                k = min(self._eligible_len(request), budget)
+                if k <= 0:
+                    continue
+                try:
+                    tokens = request.all_token_ids
+                    draft = [int(t) for t in self.proposer.propose(request.request_id, tokens, k)][:k]
+                except Exception:  # a proposer's failure costs the drafts, nothing else
+                    logger.exception("the draft proposer failed for request %s", request.request_id)
+                    continue
+                # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
+                # step may have left none to spare: then the request does not draft).
+                extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
+                    kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
+                )
+                if draft and extra <= free_blocks:
+                    drafts[request.request_id] = draft
+                    budget -= len(draft)
+                    free_blocks -= max(extra, 0)
         if drafts and self.drafter is None and not self.policy.worth_it(output, drafts, num_ctx):
             drafts = {}
         for request in gen:
@@ -403,7 +412,7 @@ class Speculation:
     def planned(self, plan: StepPlan) -> None:
         """The shape of the step just dispatched (its time is observed next)."""
         kind = "spec" if plan.context_index is not None else "plain"
-        self.policy.planned(kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
+        self.policy.planned(kind, int(plan.batch.token_ids.shape[-1]), int(plan.sampling.batch_size))
 
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned`."""
@@ -436,46 +445,15 @@ class Speculation:
         self, plan: StepPlan, output: SchedulerOutput, drafts: dict[int, list[int]]
     ) -> tuple[StepPlan, Optional[VerifyInputs]]:
         """The plan with the verification tokens' indices (`context_index`), and the inputs of
-        the verification program (`VerifyInputs`)."""
-        rows = output.all_requests()
-        cu = plan.batch.cu_q_lens
-        size = self.verify_rows(plan.batch.token_ids.shape[0])
-        index: list[int] = []
-        entry_rows: list[int] = []
-        entry_steps: list[int] = []
-        draft_ids: list[int] = []
-        before: list[list[int]] = []  # each entry's drafts before it (its penalties see them)
-        thinking: list[bool] = []  # each entry inside a thinking span (relaxed acceptance)
-        spec_rows, spec_drafts, starts = [], [], []
-        step = np.asarray(plan.sampling.step)
-        for row, request in enumerate(rows):
-            draft = drafts.get(request.request_id)
-            if not draft or row < len(output.context_requests):
-                continue
-            first = int(cu[row])
-            spec_rows.append(row)
-            spec_drafts.append(draft)
-            starts.append(len(index))
-            index.extend(range(first, first + len(draft) + 1))
-            entry_rows.extend([row] * (len(draft) + 1))
-            entry_steps.extend(int(step[row]) + j for j in range(len(draft) + 1))
-            draft_ids.extend(draft)
-            draft_ids.append(-1)
-            before.extend(draft[:j] for j in range(len(draft) + 1))
-            if self.thinking is not None:
-                thinking.extend(self.thinking.entry_flags(request, draft))
-        if not spec_rows:
-            return plan, None
-        if len(index) > size:
-            raise ValueError(f"{len(index)} verification entries exceed the bucket's {size}")
-        pad = size - len(index)
-        entry_rows += [0] * pad
-        entry_steps += [0] * pad
-        draft_ids += [-1] * pad
-        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32), before)
-        plan = replace(plan, context_index=padded_index(index, size))
-        flags = np.asarray(thinking + [False] * pad, np.bool_) if self.thinking is not None else None
-        return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32), flags)
+        the verification program (`jaxllm.engine.verify_inputs`)."""
+        return verification_inputs(
+            plan,
+            self.planner.rank_parts(output),
+            drafts,
+            size=self.verify_rows(plan.batch.token_ids.shape[-1]),
+            max_batch_size=self.max_batch_size,
+            thinking=self.thinking,
+        )
 
     def launch(
         self,
