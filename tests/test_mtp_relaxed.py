@@ -144,9 +144,9 @@ def _probs(model, tokens: list[int]) -> np.ndarray:
 
 def _in_window(p: np.ndarray, token: int, topk: int, delta: float, margin: float) -> bool:
     """Whether `token` is among the top `topk` of `p` and within `delta` of the top probability,
-    by at least `margin` (positive: clearly in; negative: not clearly out)."""
-    rank = int((p > p[token] + margin).sum())  # tokens clearly more probable
-    return rank < topk and p[token] >= p.max() - delta + margin
+    by `margin` (positive: clearly in, near-ties counted against it; negative: not clearly out)."""
+    above = int((np.delete(p, token) > p[token] - margin).sum())  # tokens ranked above it
+    return above < topk and p[token] >= p.max() - delta + margin
 
 
 def test_relaxed_acceptance_configs_parse_from_json_yaml_and_cli(tmp_path):

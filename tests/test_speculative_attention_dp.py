@@ -22,7 +22,8 @@ from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 from tests.spec_helpers import COMPILE_EVENT
 
 MAX_TOKENS = [24, 12, 20, 10, 16]
-RUNS = [("base", {}), ("ngram", dict(tensor_parallel_size=4, moe_expert_parallel_size=2, enable_attention_dp=True))]
+DP = dict(tensor_parallel_size=4, moe_expert_parallel_size=2, enable_attention_dp=True)
+RUNS = [("base", {}), ("ngram", DP), ("adaptive", DP)]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -40,9 +41,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
-def _run(engine) -> dict:
+def _run(engine, adaptive: bool = False) -> dict:
     """Greedy tokens per arrival, a request joining every second step; with speculation every
-    step drafts (no timing-based fallback), and the ranks of the rows each step verified."""
+    step drafts unless `adaptive` (drafting decided by the measured step costs), and the ranks
+    of the rows each step verified."""
     import numpy as np
 
     from jaxllm import SamplingParams
@@ -50,7 +52,7 @@ def _run(engine) -> dict:
     spec = engine.speculation
     ranks_per_step: list[list[int]] = []
     if spec is not None:
-        spec.adaptive = False
+        spec.adaptive = adaptive
         prepare = spec.prepare
 
         def recording(plan, output, drafts):
@@ -108,9 +110,7 @@ def check_all(root: Path) -> None:
                 compile_ahead=False,
                 decode_batch_sizes=[],
                 kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
-                speculative_config=NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2)
-                if name == "ngram"
-                else None,
+                speculative_config=NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2) if layout else None,
                 **layout,
             )
         )
@@ -125,7 +125,7 @@ def check_all(root: Path) -> None:
                 engine.warmup(all_variants=False)
             jax.monitoring.register_event_duration_secs_listener(listener)
             try:
-                result = _run(engine)
+                result = _run(engine, adaptive=name == "adaptive")
             finally:
                 jax.monitoring.unregister_event_duration_listener(listener)
         finally:
@@ -142,9 +142,10 @@ def test_ngram_greedy_output_under_attention_dp_equals_one_device_without_specul
         "test_speculative_attention_dp", "check_all", tmp_path, num_devices=4, xla_flags=FAST_COMPILE
     )
     assert [r["name"] for r in results] == [name for name, _ in RUNS]
-    base, ngram = results
+    base, ngram, adaptive = results
     assert [len(t) for t in base["tokens"]] == MAX_TOKENS
     assert ngram["tokens"] == base["tokens"], "tokens differ from one device without speculation"
+    assert adaptive["tokens"] == base["tokens"], "adaptive drafting: tokens differ"
     assert ngram["accepted"] >= 10 and ngram["max_accepted"] >= 2, ngram
     assert ngram["steps"] < base["steps"]
     assert any(len(ranks) > 1 for ranks in ngram["ranks_per_step"]), "no step verified rows of several ranks"
