@@ -29,7 +29,10 @@ and vLLM's adaptive draft lengths do the same in spirit); otherwise it runs as a
 Speculation runs without the overlap scheduler and without the steady-decode fast path (a
 draft needs the previous token on the host), which the engine turns off when a speculative
 config is set. Requests that need their token history on the device (penalties, bad words,
-grammars, host logits processors), beam search and logits outputs do not draft.
+grammars, host logits processors), beam search and logits outputs do not draft. With
+attention DP (n-gram drafts only) each rank drafts within its own token budget and block pool
+(`Planner.rank_parts`) and its verification entries come from its own packed tokens
+(`jaxllm.engine.verify_inputs`).
 """
 
 from __future__ import annotations
@@ -341,8 +344,7 @@ class Speculation:
                 if k <= 0:
                     continue
                 try:
-                    tokens = request.all_token_ids
-                    draft = [int(t) for t in self.proposer.propose(request.request_id, tokens, k)][:k]
+                    draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
                 except Exception:  # a proposer's failure costs the drafts, nothing else
                     logger.exception("the draft proposer failed for request %s", request.request_id)
                     continue
