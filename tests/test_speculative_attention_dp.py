@@ -5,8 +5,9 @@ Four attention-DP ranks (experts split 2 ways) each schedule their own requests,
 rows' drafts after the last token and verify them from their own packed tokens' logits;
 greedy output must be token for token the single-device engine's without speculation, with
 requests joining while others run, a chunked prompt sharing steps with verifying rows, long
-accepted runs (the prompts repeat phrases, which the greedy outputs then loop on) and rows of
-several ranks drafting in the same step. Nothing compiles after the warm-up, and every KV block
+accepted runs (the prompts repeat phrases, which the greedy outputs then loop on), a row with a
+repetition penalty drafting, rows of several ranks drafting in the same step, and drafting
+decided by the adaptive policy too. Nothing compiles after the warm-up, and every KV block
 goes back to its rank's pool.
 MTP, draft models and EAGLE-3 are refused with attention DP (see docs/speculative-decoding.md).
 """
@@ -68,7 +69,9 @@ def _run(engine, adaptive: bool = False) -> dict:
     while pending or engine.has_unfinished_requests():
         if pending and steps % 2 == 0:
             prompt, max_tokens = pending.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            # The last request has a repetition penalty (its entries see the drafts before them).
+            penalty = 1.3 if not pending else 1.0
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=penalty)
             results[engine.add_request(prompt, params).request_id] = []
         for update in engine.step():
             results[update.request.request_id] += update.new_token_ids
@@ -122,7 +125,7 @@ def check_all(root: Path) -> None:
 
         try:
             if name == "ngram":  # everything a drafting step runs compiles in the warm-up
-                engine.warmup(all_variants=False)
+                engine.warmup()
             jax.monitoring.register_event_duration_secs_listener(listener)
             try:
                 result = _run(engine, adaptive=name == "adaptive")
