@@ -52,6 +52,7 @@ def _run(engine, adaptive: bool = False) -> dict:
 
     spec = engine.speculation
     ranks_per_step: list[list[int]] = []
+    penalized_drafts = [0]  # drafts of the row with a repetition penalty
     if spec is not None:
         spec.adaptive = adaptive
         prepare = spec.prepare
@@ -60,6 +61,9 @@ def _run(engine, adaptive: bool = False) -> dict:
             plan, verify = prepare(plan, output, drafts)
             if verify is not None:
                 ranks_per_step.append(sorted({row // spec.max_batch_size for row in verify[0]}))
+            for request in output.generation_requests:
+                if request.sampling_params.repetition_penalty != 1.0:
+                    penalized_drafts[0] += len(drafts.get(request.request_id, ()))
             return plan, verify
 
         spec.prepare = recording
@@ -69,8 +73,8 @@ def _run(engine, adaptive: bool = False) -> dict:
     while pending or engine.has_unfinished_requests():
         if pending and steps % 2 == 0:
             prompt, max_tokens = pending.pop(0)
-            # The last request has a repetition penalty (its entries see the drafts before them).
-            penalty = 1.3 if not pending else 1.0
+            # The third request has a repetition penalty (its entries see the drafts before them).
+            penalty = 1.3 if len(pending) == 2 else 1.0
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=penalty)
             results[engine.add_request(prompt, params).request_id] = []
         for update in engine.step():
@@ -85,6 +89,7 @@ def _run(engine, adaptive: bool = False) -> dict:
             drafted=spec.num_draft_tokens,
             accepted=spec.num_accepted_tokens,
             ranks_per_step=ranks_per_step,
+            penalized_drafts=penalized_drafts[0],
             max_accepted=int(np.nonzero(spec.num_accepted_per_pos)[0].max(initial=-1)) + 1,
         )
     return out
@@ -152,6 +157,7 @@ def test_ngram_greedy_output_under_attention_dp_equals_one_device_without_specul
     assert ngram["accepted"] >= 10 and ngram["max_accepted"] >= 2, ngram
     assert ngram["steps"] < base["steps"]
     assert any(len(ranks) > 1 for ranks in ngram["ranks_per_step"]), "no step verified rows of several ranks"
+    assert ngram["penalized_drafts"] > 0, "the row with a repetition penalty never drafted"
     assert ngram["free"] == ngram["total"] and base["free"] == base["total"]
     assert ngram["compiles"] == 0, "a program compiled after the warm-up"
 
