@@ -53,8 +53,10 @@ class NGramDecodingConfig:
 
 @dataclass
 class MTPDecodingConfig:
-    """DeepSeek-V3/R1 multi-token prediction layers drafting `num_nextn_predict_layers` tokens;
-    relaxed acceptance for thinking tokens (top `relaxed_topk` within `relaxed_delta`)."""
+    """DeepSeek-V3/R1 multi-token prediction layers drafting `num_nextn_predict_layers` tokens.
+    `use_relaxed_acceptance_for_thinking`: inside a `<think>`...`</think>` span a greedy row
+    also accepts a draft among the target's `relaxed_topk` most probable tokens whose
+    probability is at least the top token's minus `relaxed_delta` (TensorRT-LLM's rule)."""
 
     num_nextn_predict_layers: int = 1
     use_relaxed_acceptance_for_thinking: bool = False
@@ -123,7 +125,16 @@ VLLM_METHODS: dict[str, tuple[type, dict[str, str]]] = {
         NGramDecodingConfig,
         {"num_speculative_tokens": "max_draft_len", "prompt_lookup_max": "max_matching_ngram_size"},
     ),
-    "mtp": (MTPDecodingConfig, {"num_speculative_tokens": "num_nextn_predict_layers"}),
+    "mtp": (
+        MTPDecodingConfig,
+        {
+            "num_speculative_tokens": "num_nextn_predict_layers",
+            # TensorRT-LLM's names (vLLM has no relaxed acceptance).
+            "use_relaxed_acceptance_for_thinking": "use_relaxed_acceptance_for_thinking",
+            "relaxed_topk": "relaxed_topk",
+            "relaxed_delta": "relaxed_delta",
+        },
+    ),
     "draft_model": (
         DraftTargetDecodingConfig,
         {"num_speculative_tokens": "max_draft_len", "model": "speculative_model_dir"},

@@ -361,7 +361,7 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
     if config.enable_attention_dp:  # one scheduler and block pool per rank (jaxllm.engine.ranked_planner)
         assignment = RankAssignment(device.num_ranks)
         planner = AttentionDpPlanner([rank_planner(rank) for rank in range(device.num_ranks)], assignment)
-        kv_cache_manager = RankedKvCaches([p.kv_cache_manager for p in planner.planners], assignment)
+        kv_cache_manager = planner.kv_cache_manager
         scheduler = None
     else:
         planner = rank_planner()

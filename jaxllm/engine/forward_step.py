@@ -97,7 +97,7 @@ def _model_step(
 ):
     batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
     if attention_dp_specs is not None:
-        logits, kv_cache, stats = forward_attention_dp(
+        logits, kv_cache, stats, context = forward_attention_dp(
             params,
             kv_cache,
             batch,
@@ -107,8 +107,9 @@ def _model_step(
             mesh=mesh,
             param_specs=attention_dp_specs,
             moe_options=moe_options,
+            context_index=context_index,
         )
-        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, None
+        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, context
     kwargs: dict[str, Any] = dict(
         config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options
     )

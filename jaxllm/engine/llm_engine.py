@@ -104,7 +104,7 @@ class LLMEngine:
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
         # token on the host, so a step that drafts is not overlapped (the step before it is read
         # back first, and it is read back at once), and the steady-decode fast path is off.
-        self.speculation = build_speculation(config, planner=self.planner, runner=self.runner)
+        self.speculation = build_speculation(config, planner=self.planner, runner=self.runner, tokenizer=self.tokenizer)
         if self.speculation is not None:
             self.planner.steady_decode = False
         if self.sampler_variants is not None and self.speculation is None:

@@ -17,11 +17,12 @@ next token, an accepted draft or the token the target just produced), so one jit
   the follow-up steps rerun the last MTP layer one token per row, writing scratch entries
   past the kept sequence, overwritten later the same way).
 
-Drafts are greedy (a one-hot draft distribution): the existing verifier accepts them exactly
-(greedy rows) or by rejection sampling (sampled rows). A request that did not run in step N
-(preempted, paused) does not draft in step N + 1; a step planned without a read-back
-(`Speculation.propose` not called) leaves its positions' MTP entries unwritten, which only
-lowers later acceptance, never changes an output token.
+Drafts are greedy (a one-hot draft distribution): the verifier accepts them exactly (greedy
+rows; inside a thinking span with `use_relaxed_acceptance_for_thinking`, by TensorRT-LLM's
+relaxed rule: `jaxllm.engine.thinking_phase`) or by rejection sampling (sampled rows). A
+request that did not run in step N (preempted, paused) does not draft in step N + 1; a step
+planned without a read-back (`Speculation.propose` not called) leaves its positions' MTP
+entries unwritten, which only lowers later acceptance, never changes an output token.
 """
 
 from __future__ import annotations
@@ -43,14 +44,6 @@ def check_mtp_model(config: ModelConfig) -> None:
         raise ValueError(
             "speculative_config: MTPDecodingConfig needs a checkpoint with multi-token-prediction layers "
             f"(num_nextn_predict_layers in its config); {config.architecture} has none"
-        )
-
-
-def check_mtp_config(config: MTPDecodingConfig) -> None:
-    """ValueError for MTP options the engine does not implement."""
-    if config.use_relaxed_acceptance_for_thinking:
-        raise ValueError(
-            "MTPDecodingConfig.use_relaxed_acceptance_for_thinking is not supported: drafts are accepted exactly"
         )
 
 
@@ -76,7 +69,6 @@ class MTPDrafter(StepDrafter):
     def __init__(self, config: MTPDecodingConfig, runner: Any, num_blocks: int, tokens_per_block: int) -> None:
         """`runner`: the target's `ModelRunner` (built with `return_hidden=True`, its params
         holding the MTP layers)."""
-        check_mtp_config(config)
         model_config: ModelConfig = runner.model_config
         check_mtp_model(model_config)
         if "mtp" not in runner.params:

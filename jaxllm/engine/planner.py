@@ -238,6 +238,12 @@ class Planner:
         row runs its last token and its drafts (`jaxllm.engine.speculation`)."""
         self._drafts = drafts
 
+    num_ranks = 1  # attention-DP ranks (`jaxllm.engine.ranked_planner` has several)
+
+    def rank_parts(self, output: SchedulerOutput) -> list[tuple[SchedulerOutput, KVCacheManager]]:
+        """`output` with the KV block manager, as the one rank's part (see `AttentionDpPlanner`)."""
+        return [(output, self.kv_cache_manager)]
+
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step (reads requests, changes none). `in_flight`: the
         entries of the previous step, whose tokens are still placeholders."""

@@ -108,6 +108,29 @@ class RankedKvCaches:
         rank = self.assignment.rank_of.get(request.request_id)
         return None if rank is None else self.managers[rank]
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks over all ranks (a request can take only its own rank's: `rank_parts`)."""
+        return sum(m.num_free_blocks for m in self.managers)
+
+    def _request_manager(self, request: LlmRequest) -> KVCacheManager:
+        manager = self._manager(request)
+        if manager is None:
+            raise ValueError(f"request {request.request_id} is not placed on an attention-DP rank")
+        return manager
+
+    def get_num_allocated_blocks(self, request: LlmRequest) -> int:
+        manager = self._manager(request)
+        return 0 if manager is None else manager.get_num_allocated_blocks(request)
+
+    def grow_for_drafts(self, request: LlmRequest, num_tokens: int) -> int:
+        """`KVCacheManager.grow_for_drafts` on the request's rank."""
+        return self._request_manager(request).grow_for_drafts(request, num_tokens)
+
+    def roll_back(self, request: LlmRequest, num_tokens: int) -> int:
+        """`KVCacheManager.roll_back` on the request's rank."""
+        return self._request_manager(request).roll_back(request, num_tokens)
+
     def has_sequence(self, request: LlmRequest) -> bool:
         manager = self._manager(request)
         return manager is not None and manager.has_sequence(request)
@@ -145,6 +168,7 @@ class AttentionDpPlanner:
     def __init__(self, planners: list[Planner], assignment: RankAssignment) -> None:
         self.planners = planners
         self.assignment = assignment
+        self.kv_cache_manager = RankedKvCaches([p.kv_cache_manager for p in planners], assignment)
         first = planners[0]
         self.max_batch_size = first.max_batch_size  # per rank
         self.max_num_tokens = first.max_num_tokens  # per rank
@@ -152,10 +176,26 @@ class AttentionDpPlanner:
         self.max_blocks_per_seq = first.max_blocks_per_seq
         self.max_seq_len = first.max_seq_len
         self.decode_batch_sizes: list[int] = []  # no small decode buckets: one bucket for all ranks
+        # Speculative decoding: this step's drafts by request id (`set_drafts`, cleared by
+        # `commit`); each rank packs its rows' drafts after their last token.
+        self._drafts: dict[int, list[int]] = {}
+        self.spec_tokens_per_row = 0  # the `Planner` attribute (no decode buckets here)
+        self.sampler_row_sizes: list[int] = []  # the sampler runs over every rank's rows
 
     @property
     def num_ranks(self) -> int:
         return len(self.planners)
+
+    @property
+    def steady_decode(self) -> bool:
+        """Whether the ranks plan steady decode steps their fast way (`Planner.steady_decode`;
+        off with speculative decoding, whose rows carry drafts)."""
+        return all(p.steady_decode for p in self.planners)
+
+    @steady_decode.setter
+    def steady_decode(self, value: bool) -> None:
+        for planner in self.planners:
+            planner.steady_decode = value
 
     def materialize_tokens(self) -> None:
         """Nothing to write: attention-DP steps are committed here (`commit`), one placeholder
@@ -197,6 +237,25 @@ class AttentionDpPlanner:
         combined.rank_outputs = outputs
         return combined
 
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Draft tokens (by request id) this step's generation requests verify (`Planner.set_drafts`)."""
+        self._drafts = drafts
+
+    def rank_parts(self, output: SchedulerOutput) -> list[tuple[SchedulerOutput, KVCacheManager]]:
+        """Each rank's part of `output` with its KV block manager (rank order): the token
+        budget, the block pool and the sampler rows (rank * max_batch_size + i) of each."""
+        return [(part, planner.kv_cache_manager) for part, planner in zip(self._rank_outputs(output), self.planners)]
+
+    def step_shape(self, num_tokens: int, decode_rows: Optional[int]) -> tuple[int, int]:
+        """(per-rank tokens, rows per rank) of a step of `num_tokens` tokens over all ranks,
+        were they spread evenly (an estimate: the adaptive drafting's step-cost key)."""
+        per_rank = min(-(-num_tokens // self.num_ranks), self.max_num_tokens)
+        return choose_token_bucket(per_rank, self.max_num_tokens, self.min_token_bucket), self.max_batch_size
+
+    def spec_step_shape(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """`step_shape` of a speculative step (attention DP has token buckets only)."""
+        return self.step_shape(num_tokens, None)
+
     def _rank_outputs(self, output: SchedulerOutput) -> list[SchedulerOutput]:
         """Each rank's part of `output` (the recorded one when `output` is unchanged, so the
         KV placement `prepare_resources` recorded is used)."""
@@ -232,18 +291,28 @@ class AttentionDpPlanner:
     def build(self, output: SchedulerOutput, in_flight: Optional[list[TokenEntry]] = None) -> StepPlan:
         """The plan of a scheduled step: every rank's batch in one common token bucket."""
         parts = self._rank_outputs(output)
-        counts = [p.num_context_tokens + len(p.generation_requests) for p in parts]
+        drafts = [[self._drafts.get(r.request_id, []) for r in p.generation_requests] for p in parts]
+        counts = [p.num_context_tokens + len(p.generation_requests) + sum(map(len, d)) for p, d in zip(parts, drafts)]
         bucket = max(choose_token_bucket(n, self.max_num_tokens, self.min_token_bucket) for n in counts)
-        batches = [
-            build_step_batch(
-                part,
-                planner.kv_cache_manager,
-                token_bucket=bucket,
-                max_batch_size=self.max_batch_size,
-                max_blocks_per_seq=self.max_blocks_per_seq,
+        batches = []
+        for part, planner, rank_drafts in zip(parts, self.planners, drafts):
+            draft_lens = draft_tokens = None
+            if any(rank_drafts):
+                if any(r.output_token_ids[-1] == PLACEHOLDER_TOKEN for r in part.generation_requests):
+                    raise ValueError("a speculative step needs every generation request's last token on the host")
+                draft_lens = np.array([len(d) for d in rank_drafts], np.int32)
+                draft_tokens = np.fromiter((t for d in rank_drafts for t in d), np.int32)
+            batches.append(
+                build_step_batch(
+                    part,
+                    planner.kv_cache_manager,
+                    token_bucket=bucket,
+                    max_batch_size=self.max_batch_size,
+                    max_blocks_per_seq=self.max_blocks_per_seq,
+                    draft_lens=draft_lens,
+                    draft_tokens=draft_tokens,
+                )
             )
-            for part, planner in zip(parts, self.planners)
-        ]
         feed_index = np.full((self.num_ranks, bucket), -1, np.int32)
         prev_rows = {id(r): row for r, row, _ in in_flight or ()}
         rows: list[Optional[LlmRequest]] = [None] * self.num_rows
@@ -277,6 +346,7 @@ class AttentionDpPlanner:
 
     def commit(self, output: SchedulerOutput) -> list[TokenEntry]:
         """Advance the scheduled requests (as `Planner.commit`), with rank-major sampler rows."""
+        self._drafts = {}
         entries: list[TokenEntry] = []
         for rank, part in enumerate(self._rank_outputs(output)):
             for i, request in enumerate(part.all_requests()):

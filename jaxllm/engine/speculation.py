@@ -29,7 +29,10 @@ and vLLM's adaptive draft lengths do the same in spirit); otherwise it runs as a
 Speculation runs without the overlap scheduler and without the steady-decode fast path (a
 draft needs the previous token on the host), which the engine turns off when a speculative
 config is set. Requests that need their token history on the device (penalties, bad words,
-grammars, host logits processors), beam search and logits outputs do not draft.
+grammars, host logits processors), beam search and logits outputs do not draft. With
+attention DP (n-gram drafts only) each rank drafts within its own token budget and block pool
+(`Planner.rank_parts`) and its verification entries come from its own packed tokens
+(`jaxllm.engine.verify_inputs`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Container
-from dataclasses import replace
 from typing import Any, Optional
 
 import jax
@@ -47,16 +49,17 @@ import numpy as np
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
-from jaxllm.engine.logits_outputs import padded_index
-from jaxllm.engine.mtp_drafter import MTPDrafter, check_mtp_config
+from jaxllm.engine.mtp_drafter import MTPDrafter
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
 from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
+from jaxllm.engine.thinking_phase import ThinkingPhases, thinking_tokens
 from jaxllm.engine.verified_tokens import SpeculativeStep, apply_verified
+from jaxllm.engine.verify_inputs import VerifyInputs, verification_inputs
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.sampling import SamplingTensors
-from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, entry_tensors, exact_acceptance, verify_drafts
+from jaxllm.sampling.rejection import AcceptanceRule, VerifyOutput, exact_acceptance, verify_drafts
 from jaxllm.scheduler import SchedulerOutput
 from jaxllm.spec_decode import NGramProposer
 from jaxllm.speculative_config import (
@@ -84,12 +87,19 @@ def check_speculative_support(
     config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
 ) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
-    if isinstance(config, MTPDecodingConfig):
-        check_mtp_config(config)
     if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
         raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
-    if attention_dp:
-        raise ValueError("speculative_config is not supported with enable_attention_dp yet")
+    if attention_dp:  # n-gram drafts are looked up on the host; drafters keep a device pool
+        if isinstance(config, MTPDecodingConfig):
+            raise ValueError(
+                "speculative_config: MTPDecodingConfig is not supported with enable_attention_dp: MTP "
+                "checkpoints use multi-head latent attention, which attention data parallelism does not support yet"
+            )
+        if not isinstance(config, NGramDecodingConfig):
+            raise ValueError(
+                f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
+                "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig is"
+            )
     if multihost:
         raise ValueError("speculative_config is not supported in multi-host runs yet")
 
@@ -106,12 +116,16 @@ def check_engine_speculation(config: Any, *, multihost: bool) -> None:
         )
 
 
-def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional[Speculation]:
+def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: Any = None) -> Optional[Speculation]:
     """The engine's `Speculation` for `config.speculative_config` (an `EngineConfig`), None
-    without one (`check_engine_speculation` checked the combination before the engine was built)."""
+    without one (`check_engine_speculation` checked the combination before the engine was built).
+    `tokenizer`: the model's (relaxed MTP acceptance looks up its thinking tokens)."""
     spec_config = config.speculative_config
     if spec_config is None:
         return None
+    thinking = None
+    if isinstance(spec_config, MTPDecodingConfig) and spec_config.use_relaxed_acceptance_for_thinking:
+        thinking = ThinkingPhases(thinking_tokens(tokenizer))
     return Speculation(
         spec_config,
         planner=planner,
@@ -119,6 +133,7 @@ def build_speculation(config: Any, *, planner: Planner, runner: Any) -> Optional
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
         drafter=step_drafter_for(spec_config, runner, planner.kv_cache_manager),
+        thinking=thinking,
     )
 
 
@@ -146,9 +161,12 @@ class Speculation:
         max_num_tokens: int,
         min_token_bucket: int,
         drafter: Optional[StepDrafter] = None,
+        thinking: Optional[ThinkingPhases] = None,
     ) -> None:
         """`drafter`: the MTP layers', the draft model's or the EAGLE-3 head's drafter
-        (`step_drafter_for`), run over a step after its read-back when the next step drafts."""
+        (`step_drafter_for`), run over a step after its read-back when the next step drafts;
+        `thinking`: the requests' thinking spans, where greedy rows accept drafts by the
+        relaxed rule (`MTPDecodingConfig.use_relaxed_acceptance_for_thinking`), else None."""
         self.config = config
         self.max_draft_len = config.max_draft_len
         self.drafter = drafter
@@ -167,6 +185,9 @@ class Speculation:
         self.min_token_bucket = min_token_bucket
         # How a sampled entry accepts its draft (a parameter so a test can swap in a wrong rule).
         self.acceptance_rule: AcceptanceRule = exact_acceptance
+        self.thinking = thinking
+        relaxed = config if thinking is not None and isinstance(config, MTPDecodingConfig) else None
+        self._relaxed = dict(relaxed_topk=relaxed.relaxed_topk, relaxed_delta=relaxed.relaxed_delta) if relaxed else {}
         self._jits: dict[Callable, Any] = {}
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner, config.max_draft_len)
@@ -184,7 +205,7 @@ class Speculation:
         # The step being planned: its drafts, its verification inputs once planned (`prepare`)
         # and its verification outputs once dispatched (`launch`).
         self._drafts: dict[int, list[int]] = {}
-        self._verify: Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]] = None
+        self._verify: Optional[VerifyInputs] = None
         self._verified: Optional[VerifyOutput] = None
         self._spec_entries: Optional[list[TokenEntry]] = None
 
@@ -217,7 +238,7 @@ class Speculation:
         """The step was dispatched: the drafter notes it and the verification program runs."""
         self.dispatched(plan, output)
         if self._verify is not None:
-            self._verified = self.launch(context_logits, self._verify[3], self._verify[4])
+            self._verified = self.launch(context_logits, *self._verify[3:])
 
     def take_entries(self, entries: Any) -> Any:
         """The step's entries less its speculating rows' (kept for `speculative_step`)."""
@@ -254,7 +275,7 @@ class Speculation:
         rule = self.acceptance_rule
         jitted = self._jits.get(rule)
         if jitted is None:
-            jitted = self._jits[rule] = jax.jit(functools.partial(verify_drafts, acceptance_rule=rule))
+            jitted = self._jits[rule] = jax.jit(functools.partial(verify_drafts, acceptance_rule=rule, **self._relaxed))
         return jitted
 
     @property
@@ -311,28 +332,31 @@ class Speculation:
         if not gen:
             return {}
         drafts: dict[int, list[int]] = {}
-        kv = self.kv
-        free_blocks = kv.num_free_blocks
-        for request in gen:
-            if budget <= 0:
-                break
-            k = min(self._eligible_len(request), budget)
-            if k <= 0:
-                continue
-            try:
-                draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
-            except Exception:  # a proposer's failure costs the drafts, nothing else
-                logger.exception("the draft proposer failed for request %s", request.request_id)
-                continue
-            # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
-            # step may have left none to spare: then the request does not draft).
-            extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
-                kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
-            )
-            if draft and extra <= free_blocks:
-                drafts[request.request_id] = draft
-                budget -= len(draft)
-                free_blocks -= max(extra, 0)
+        # Each rank (one without attention DP) has its own token budget and block pool.
+        for part, kv in self.planner.rank_parts(output):
+            rank_gen = part.generation_requests
+            budget = self.max_num_tokens - sum(r.context_chunk_size for r in part.context_requests) - len(rank_gen)
+            free_blocks = kv.num_free_blocks
+            for request in rank_gen:
+                if budget <= 0:
+                    break
+                k = min(self._eligible_len(request), budget)
+                if k <= 0:
+                    continue
+                try:
+                    draft = [int(t) for t in self.proposer.propose(request.request_id, request.all_token_ids, k)][:k]
+                except Exception:  # a proposer's failure costs the drafts, nothing else
+                    logger.exception("the draft proposer failed for request %s", request.request_id)
+                    continue
+                # Blocks the drafts need beyond the fed token's (a scheduler that allocates per
+                # step may have left none to spare: then the request does not draft).
+                extra = kv.blocks_for_tokens(request.num_tokens + len(draft)) - max(
+                    kv.get_num_allocated_blocks(request), kv.blocks_for_tokens(request.num_tokens)
+                )
+                if draft and extra <= free_blocks:
+                    drafts[request.request_id] = draft
+                    budget -= len(draft)
+                    free_blocks -= max(extra, 0)
         if drafts and self.drafter is None and not self.policy.worth_it(output, drafts, num_ctx):
             drafts = {}
         for request in gen:
@@ -390,7 +414,7 @@ class Speculation:
     def planned(self, plan: StepPlan) -> None:
         """The shape of the step just dispatched (its time is observed next)."""
         kind = "spec" if plan.context_index is not None else "plain"
-        self.policy.planned(kind, int(plan.batch.token_ids.shape[0]), int(plan.sampling.batch_size))
+        self.policy.planned(kind, int(plan.batch.token_ids.shape[-1]), int(plan.sampling.batch_size))
 
     def observe(self, seconds: float) -> None:
         """The wall time of the engine's step that dispatched the step last `planned`."""
@@ -411,6 +435,8 @@ class Speculation:
 
     def _forget_finished(self, active: Container[int]) -> None:
         self.policy.forget(active, 4 * self.max_batch_size)
+        if self.thinking is not None:
+            self.thinking.forget(active)
         texts = self.proposer.request_ids()
         if len(texts) > 4 * self.max_batch_size:
             for rid in [rid for rid in texts if rid not in active]:
@@ -419,49 +445,32 @@ class Speculation:
     # ------------------------------------------------------------------ verify
     def prepare(
         self, plan: StepPlan, output: SchedulerOutput, drafts: dict[int, list[int]]
-    ) -> tuple[StepPlan, Optional[tuple[list[int], list[list[int]], list[int], SamplingTensors, np.ndarray]]]:
+    ) -> tuple[StepPlan, Optional[VerifyInputs]]:
         """The plan with the verification tokens' indices (`context_index`), and the inputs of
-        the verification program: (speculating rows, their drafts, their first entries,
-        per-entry sampling tensors, per-entry draft ids)."""
-        rows = output.all_requests()
-        cu = plan.batch.cu_q_lens
-        size = self.verify_rows(plan.batch.token_ids.shape[0])
-        index: list[int] = []
-        entry_rows: list[int] = []
-        entry_steps: list[int] = []
-        draft_ids: list[int] = []
-        before: list[list[int]] = []  # each entry's drafts before it (its penalties see them)
-        spec_rows, spec_drafts, starts = [], [], []
-        step = np.asarray(plan.sampling.step)
-        for row, request in enumerate(rows):
-            draft = drafts.get(request.request_id)
-            if not draft or row < len(output.context_requests):
-                continue
-            first = int(cu[row])
-            spec_rows.append(row)
-            spec_drafts.append(draft)
-            starts.append(len(index))
-            index.extend(range(first, first + len(draft) + 1))
-            entry_rows.extend([row] * (len(draft) + 1))
-            entry_steps.extend(int(step[row]) + j for j in range(len(draft) + 1))
-            draft_ids.extend(draft)
-            draft_ids.append(-1)
-            before.extend(draft[:j] for j in range(len(draft) + 1))
-        if not spec_rows:
-            return plan, None
-        if len(index) > size:
-            raise ValueError(f"{len(index)} verification entries exceed the bucket's {size}")
-        pad = size - len(index)
-        entry_rows += [0] * pad
-        entry_steps += [0] * pad
-        draft_ids += [-1] * pad
-        tensors = entry_tensors(plan.sampling, np.asarray(entry_rows), np.asarray(entry_steps, np.int32), before)
-        plan = replace(plan, context_index=padded_index(index, size))
-        return plan, (spec_rows, spec_drafts, starts, tensors, np.asarray(draft_ids, np.int32))
+        the verification program (`jaxllm.engine.verify_inputs`)."""
+        return verification_inputs(
+            plan,
+            self.planner.rank_parts(output),
+            drafts,
+            size=self.verify_rows(plan.batch.token_ids.shape[-1]),
+            max_batch_size=self.max_batch_size,
+            thinking=self.thinking,
+        )
 
-    def launch(self, context_logits: Any, tensors: SamplingTensors, draft_ids: np.ndarray) -> VerifyOutput:
-        """Dispatch the verification program (not waited for)."""
-        return self._verifier()(context_logits, tensors, draft_ids)
+    def launch(
+        self,
+        context_logits: Any,
+        tensors: SamplingTensors,
+        draft_ids: np.ndarray,
+        thinking: Optional[np.ndarray] = None,
+    ) -> VerifyOutput:
+        """Dispatch the verification program (not waited for). `thinking`: the entries inside a
+        thinking span (relaxed acceptance only; None there: none)."""
+        if self.thinking is None:
+            thinking = None
+        elif thinking is None:
+            thinking = np.zeros(draft_ids.shape, np.bool_)
+        return self._verifier()(context_logits, tensors, draft_ids, thinking)
 
     @staticmethod
     def split_entries(entries: list[TokenEntry], spec_rows: list[int]) -> tuple[list[TokenEntry], list[TokenEntry]]:

@@ -40,22 +40,24 @@ def warm_up_speculation(
     shapes = [(bucket, None) for bucket in token_buckets(spec.max_num_tokens, spec.min_token_bucket)]
     per_row = planner.spec_tokens_per_row
     shapes += [(rows * per_row, rows) for rows in planner.decode_batch_sizes if rows * per_row <= spec.max_num_tokens]
+    ranks = planner.num_ranks  # attention DP: each rank's entries, [ranks, size] indices
     for bucket, rows in shapes:
         size = spec.verify_rows(bucket)
         batch, feed = planner.empty_step(bucket) if rows is None else planner.empty_step(0, rows, bucket)
         sampling = SamplingTensors.empty(num_sampler_rows if rows is None else rows, max_seq_len)
-        plan = StepPlan(batch, sampling, feed, 0, 0, context_index=np.zeros(size, np.int32), greedy_only=True)
+        index = np.zeros(size if ranks == 1 else (ranks, size), np.int32)
+        plan = StepPlan(batch, sampling, feed, 0, 0, context_index=index, greedy_only=True)
         result = runner.execute(plan)
         if spec.drafter is not None:
             spec.drafter.warmup(batch)
         for flags in variants:
             tensors = entry_tensors(
                 SamplingTensors.empty(num_sampler_rows, max_seq_len, **flags),
-                np.zeros(size, np.int64),
-                np.zeros(size, np.int32),
+                np.zeros(ranks * size, np.int64),
+                np.zeros(ranks * size, np.int32),
             )
             tensors = replace(tensors, any_random=flags["any_random"], use_top_k_top_p=flags["use_top_k_top_p"])
-            out = spec.launch(result.context_logits, tensors, np.full(size, -1, np.int32))
+            out = spec.launch(result.context_logits, tensors, np.full(ranks * size, -1, np.int32))
         jax.block_until_ready(out.token_ids)
     if spec.drafter is not None:  # the MTP program of the shapes plain steps run in
         plain = [(bucket, None) for bucket in token_buckets(spec.max_num_tokens, spec.min_token_bucket)]

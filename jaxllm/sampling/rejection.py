@@ -9,7 +9,11 @@ top-p, min-p) with the sampling tensors of its request at the output index it pr
 the target distribution is the one sampling without drafts would draw from.
 
 * Greedy entries accept the draft when it is the target's argmax; the emitted token is the
-  argmax (equal to the draft when accepted).
+  argmax (equal to the draft when accepted). With relaxed acceptance (TensorRT-LLM's MTP
+  `use_relaxed_acceptance_for_thinking`, greedy entries only), an entry flagged `thinking`
+  also accepts a draft among the target's `relaxed_topk` most probable tokens whose
+  probability is at least the top token's minus `relaxed_delta`; the emitted token is then the
+  draft.
 * Sampled entries use rejection sampling for a deterministic draft (the draft's distribution
   is a one-hot, as for n-gram drafts): accept draft d with probability p(d); on rejection
   draw from the residual norm(max(p - onehot(d), 0)), which is p without d, renormalised.
@@ -67,15 +71,29 @@ class VerifyOutput:
     top_logprobs: jax.Array  # f32[E, N]
 
 
+def relaxed_acceptance(x: jax.Array, draft: jax.Array, topk: int, delta: float) -> jax.Array:
+    """bool[E]: `draft` is among the `topk` most probable tokens of softmax(x) [E, V] and its
+    probability is at least the top token's minus `delta` (TensorRT-LLM's relaxed MTP rule).
+    A token the row may not produce (probability 0: suppressed, banned) is never accepted."""
+    probs = jax.nn.softmax(x, axis=-1)
+    top_probs, top_ids = lax.top_k(probs, min(topk, x.shape[-1]))
+    window = (top_ids == draft[:, None]) & (top_probs >= top_probs[:, :1] - delta) & (top_probs > 0)
+    return jnp.any(window, axis=-1)
+
+
 def verify_drafts(
     logits: jax.Array,
     t: SamplingTensors,
     draft_ids: jax.Array,
+    thinking: Optional[jax.Array] = None,
     *,
     acceptance_rule: AcceptanceRule = exact_acceptance,
+    relaxed_topk: int = 1,
+    relaxed_delta: float = 0.0,
 ) -> VerifyOutput:
     """Verify `draft_ids` int32[E] (-1: no draft) against `logits` [E, V] with the per-entry
-    sampling tensors `t` (E rows; `t.step` is the output index each entry emits)."""
+    sampling tensors `t` (E rows; `t.step` is the output index each entry emits). `thinking`
+    bool[E] (None: none): the greedy entries that accept by the relaxed rule."""
     raw = logits.astype(jnp.float32)
     E, V = raw.shape
     x = apply_penalties(raw, t) if t.use_penalties else raw
@@ -86,7 +104,9 @@ def verify_drafts(
     draft = jnp.where(has_draft, draft_ids, 0)
     greedy_ids = first_argmax(x)
     accepted = has_draft & (greedy_ids == draft)
-    token_ids = greedy_ids
+    if thinking is not None:
+        accepted = accepted | (has_draft & thinking & relaxed_acceptance(x, draft, relaxed_topk, relaxed_delta))
+    token_ids = jnp.where(accepted, draft, greedy_ids)
     if t.any_random:
         filtered = filtered_logits(x, t)
         probs = jax.nn.softmax(filtered, axis=-1)
@@ -104,7 +124,7 @@ def verify_drafts(
         sampled_token = jnp.where(has_draft, jnp.where(sampled_accept, draft, residual), fresh)
         is_random = t.temperature > 0.0
         accepted = jnp.where(is_random, sampled_accept, accepted)
-        token_ids = jnp.where(is_random, sampled_token, greedy_ids)
+        token_ids = jnp.where(is_random, sampled_token, token_ids)
     m = jnp.max(raw, axis=-1, keepdims=True)
     shifted = raw - m
     log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))

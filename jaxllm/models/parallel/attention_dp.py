@@ -110,9 +110,12 @@ def forward_attention_dp(
     mesh: jax.sharding.Mesh,
     param_specs: Any,
     moe_options: EpMoeOptions | None = None,
-) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None]:
+    context_index: jax.Array | None = None,
+) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None, jax.Array | None]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
-    [D * S_rank, V] (rank-major rows), the updated caches, and the MoE statistics."""
+    [D * S_rank, V] (rank-major rows), the updated caches, the MoE statistics, and with
+    `context_index` int32[D, E_rank] (each rank's packed token indices) those tokens' float32
+    logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None."""
     options = moe_options or EpMoeOptions()
     ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
     num_ranks, tokens_per_rank = batch.token_ids.shape
@@ -127,7 +130,7 @@ def forward_attention_dp(
     )
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
 
-    def body(params_, cache_, batch_):
+    def body(params_, cache_, batch_, context_index_):
         local = jax.tree.map(lambda a: a[0], batch_)
         cache_local = jax.tree.map(lambda a: a[0], cache_)
         x, new_cache, stats = decode_layers_with_moe_stats(
@@ -144,22 +147,27 @@ def forward_attention_dp(
         logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
         counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
         dropped = stats.dropped_rows if stats is not None else jnp.zeros((0,), jnp.int32)
-        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped
+        context = None
+        if context_index_ is not None:
+            context = compute_logits(params_, x[context_index_[0]], config).astype(jnp.float32)[None]
+        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context
 
     cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
     batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
-    logits, kv_cache, counts, dropped = jax.shard_map(
+    context_spec = None if context_index is None else RANK_SPEC
+    logits, kv_cache, counts, dropped, context = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(param_specs, cache_specs, batch_specs),
-        out_specs=(RANK_SPEC, cache_specs, P(), P()),
+        in_specs=(param_specs, cache_specs, batch_specs, context_spec),
+        out_specs=(RANK_SPEC, cache_specs, P(), P(), context_spec),
         check_vma=False,
-    )(params, kv_cache, batch)
+    )(params, kv_cache, batch, context_index)
     # The sampler sees every row (as under tensor parallelism, where the logits are gathered too).
-    logits = jax.lax.with_sharding_constraint(
-        logits.reshape(num_ranks * logits.shape[1], logits.shape[2]), NamedSharding(mesh, P())
-    )
-    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None
+    replicated = NamedSharding(mesh, P())
+    logits = jax.lax.with_sharding_constraint(logits.reshape(-1, logits.shape[2]), replicated)
+    if context is not None:
+        context = jax.lax.with_sharding_constraint(context.reshape(-1, context.shape[2]), replicated)
+    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None, context
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
