@@ -113,9 +113,10 @@ def test_a_second_process_with_the_same_engine_compiles_and_traces_nothing(popul
     assert [r["devices"] for r in first] == [1, 2]
     for run in first:
         assert run["compiles"] > 0 and run["traced"] > 0 and run["loaded"] == 0
-        # The forwards of the one token bucket (16) and the decode buckets of 1 and 2 rows, and the
-        # greedy and the general sampler, each for 2 rows and for 1.
-        assert run["store"]["saved"] == 7
+        # The forwards of the one token bucket (16), of its context-logits variant and of the
+        # decode buckets of 1 and 2 rows, and the greedy and the general sampler, each for 2 rows
+        # and for 1.
+        assert run["store"]["saved"] == 8
     entries = [p for p in cache_dir.iterdir() if p.is_file()]
     assert len(entries) >= first[0]["compiles"] - 1  # every program is kept, however small or fast
     stored = list((cache_dir / "executables").iterdir())
