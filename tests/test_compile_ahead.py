@@ -154,8 +154,9 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
         jax.monitoring.unregister_event_duration_listener(listener)
         engine.close()
     assert engine.runner.num_forward_variants == 7
-    # 7 forwards (one with context logits), 5 samplers (greedy, the sampled request's, the general one of 4, 1 and 2 rows:
-    # decode bucket 4 shares the token buckets' rows), the (empty) KV block copy, the slices
+    # 7 forwards (one with context logits), 5 samplers (greedy, the sampled request's, the
+    # general one of 4, 1 and 2 rows: decode bucket 4 shares the token buckets' rows), the
+    # (empty) KV block copy, the slices
     # of a token bucket's first 1 and 2 rows (its sampler's live rows) and the row gathers and
     # scatters of 1, 2 and 4 rows (generation logits, host processors), each compiled once.
     assert engine.runner.num_sampler_variants == 5

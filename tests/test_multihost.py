@@ -5,9 +5,10 @@
    tokens of the single-process, single-device engine on the shared staggered workload (chunked
    prefill, prefix reuse, mixed steps); the follower builds
    each engine from the leader's config and ends its session when the leader shuts it down.
-   Then TP 4 with the host KV tier on a workload whose prefixes overflow the device pool gives
-   the single-device tokens without the tier, onboarding blocks, each process holding the host
-   copies of its own devices' shards.
+   TP 4 speculating with a draft model (the checkpoint itself) gives the same tokens, its drafts
+   verified and drafted on both processes. Then TP 4 with the host KV tier on a workload whose
+   prefixes overflow the device pool gives the single-device tokens without the tier, onboarding
+   blocks, each process holding the host copies of its own devices' shards.
 2. `jaxllm serve` as process 0 with `jaxllm worker` as process 1 answers completions and
    streams; SIGKILL on the worker fails the running stream with an error and the server exits
    non-zero within the bound.
@@ -36,6 +37,9 @@ ENGINES = {
         moe_config={"dispatch": "all_to_all"},
         multihost_plan_channel="collective",
     ),
+    # Speculative decoding: the checkpoint drafting for itself (a draft model); every process
+    # verifies the drafts and runs the draft model's program.
+    "tp4-draft": dict(tensor_parallel_size=4),
 }
 HOST_TIER_WORKLOAD = dict(num_prefixes=5, prefix_len=40, waves=3, vocab=256)
 HOST_TIER_POOL = dict(tokens_per_block=8, max_tokens=96)
@@ -56,13 +60,20 @@ def leader_engines(root: Path) -> int:
 
     assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
     tokenizer = materialize_preset("tiny-moe")
+    from jaxllm.speculative_config import DraftTargetDecodingConfig
+
     for name, args in ENGINES.items():
+        if name == "tp4-draft":
+            draft = DraftTargetDecodingConfig(max_draft_len=2, speculative_model_dir=str(root / "qwen3_moe"))
+            args = dict(args, speculative_config=draft)
         engine = small_engine(root / "qwen3_moe", tokenizer, **args)
         engine.warmup(all_variants=False)  # mirrored runs; the follower compiles alongside
         # Each process reads only its own devices' shards of the checkpoint.
         read = loaded_bytes(root / "qwen3_moe", engine) if name == "tp4" else None
         outputs = run_staggered_requests(engine)
         stats = engine.step_runner.channel_stats
+        spec = engine.speculation
+        accepted = None if spec is None else (spec.num_accepted_tokens, spec.num_draft_tokens)
         mixed = any(
             s["inflightBatchingStats"]["numContextRequests"] and s["inflightBatchingStats"]["numGenRequests"]
             for s in engine.iteration_stats
@@ -78,6 +89,7 @@ def leader_engines(root: Path) -> int:
                     messages=stats.messages,
                     bytes=stats.bytes,
                     read_share=read,
+                    accepted=accepted,
                 )
             ),
             flush=True,
@@ -159,8 +171,10 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
     assert len(expected) == 5 and all(len(t) == 7 for t in expected.values())
     for r in results:
         assert r["tokens"] == expected, f"{r['engine']}: greedy tokens differ from the single-device engine"
-        assert r["mixed"], r["engine"]
+        assert r["mixed"] or r["accepted"], r["engine"]  # (a speculating engine does not mix steps)
         assert r["messages"] >= r["steps"] > 0 and r["bytes"] > 0, r
+    accepted, drafted = results[-1]["accepted"]
+    assert drafted >= 8 and accepted > 0.5 * drafted, results[-1]["accepted"]  # it drafts for itself
     # Half the devices: about half of every sharded tensor (norms and the router are replicated).
     assert 0.4 < results[0]["read_share"] < 0.6, results[0]["read_share"]
 

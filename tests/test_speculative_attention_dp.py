@@ -166,9 +166,9 @@ def test_drafters_are_refused_with_attention_dp():
     from jaxllm.engine.speculation import check_speculative_support
     from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
 
-    check_speculative_support(NGramDecodingConfig(), attention_dp=True, multihost=False)
+    check_speculative_support(NGramDecodingConfig(), attention_dp=True)
     with pytest.raises(ValueError, match="MTPDecodingConfig is not supported with enable_attention_dp"):
-        check_speculative_support(MTPDecodingConfig(), attention_dp=True, multihost=False)
+        check_speculative_support(MTPDecodingConfig(), attention_dp=True)
     draft = DraftTargetDecodingConfig(speculative_model_dir="tiny-dense")
     with pytest.raises(ValueError, match="DraftTargetDecodingConfig is not supported with enable_attention_dp"):
-        check_speculative_support(draft, attention_dp=True, multihost=False)
+        check_speculative_support(draft, attention_dp=True)

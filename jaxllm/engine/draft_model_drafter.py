@@ -18,16 +18,18 @@ Drafts are greedy (a one-hot draft distribution), verified as n-gram and MTP dra
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxllm.engine.step_drafter import DispatchedStep, StepDrafter, step_inputs
+from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig, forward, init_kv_cache, load_model_config, load_params
 from jaxllm.models.draft_chain import follow_up_batch
 from jaxllm.models.resolve import resolve_model
 from jaxllm.speculative_config import DraftTargetDecodingConfig
+from jaxllm.step_batch import StepBatch
 
 
 def load_draft_config(config: DraftTargetDecodingConfig, target: ModelConfig) -> tuple[str, ModelConfig]:
@@ -91,7 +93,8 @@ class DraftModelDrafter(StepDrafter):
             donate_argnums=(1,),
         )
 
-    def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
-        batch, last_tokens, rows = step_inputs(step.batch, step.requests, shift=0)
-        drafts, self.cache = self._jit(self.params, self.cache, batch, last_tokens)
-        return drafts, rows
+    shift = 0  # the draft model takes each position's own token
+
+    def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
+        drafts, self.cache = self._jit(self.params, self.cache, *self._on_mesh((batch, last_tokens)))
+        return drafts

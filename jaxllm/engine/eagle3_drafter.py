@@ -14,15 +14,17 @@ n-gram and MTP drafts are (one-hot draft distribution).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
+import numpy as np
 
-from jaxllm.engine.step_drafter import DispatchedStep, StepDrafter, step_inputs
+from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig
 from jaxllm.models.eagle3 import aux_layers_for, eagle3_draft, init_eagle3_kv_cache
 from jaxllm.models.eagle3_weights import Eagle3Config, load_eagle3_config, load_eagle3_params
 from jaxllm.speculative_config import EagleDecodingConfig
+from jaxllm.step_batch import StepBatch
 
 _WHERE = "EagleDecodingConfig.speculative_model_dir"
 
@@ -70,9 +72,9 @@ class Eagle3Drafter(StepDrafter):
             donate_argnums=(2,),
         )
 
-    def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
-        if step.hidden is None:
+    def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
+        if hidden is None:
             raise RuntimeError("the target's forward returned no hidden states for EAGLE-3")
-        batch, _, rows = step_inputs(step.batch, step.requests, shift=1)
-        drafts, self.cache = self._jit(self.params, self.runner.params["embed"], self.cache, batch, step.hidden)
-        return drafts, rows
+        embed = self.runner.params["embed"]
+        drafts, self.cache = self._jit(self.params, embed, self.cache, self._on_mesh(batch), hidden)
+        return drafts

@@ -22,6 +22,7 @@ The session ends with `close()` (the executor's shutdown); the run ends when the
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -36,6 +37,8 @@ import jax
 from jaxllm.engine.builder import build_runner
 from jaxllm.engine.kv_host_copies import HostBlockCopier
 from jaxllm.engine.plan_channel import ChannelClosed, decode, encode, make_channel
+from jaxllm.engine.speculation import step_drafter_for
+from jaxllm.engine.speculation_programs import MirroredSpeculation, SpeculationPrograms, relaxed_options
 from jaxllm.engine.step_output import StepOutput
 from jaxllm.models.resolve import resolve_model
 from sharding import multihost
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 MIRRORED = ("execute", "forward", "sample")
 COMPILES = ("compile_forward", "compile_sampler")
 HOST_COPIES = ("open", "read", "start", "write", "warmup")  # the host KV tier's (HostBlockCopier)
+SPECULATION = ("open", "verify", "draft")  # speculative decoding's programs (SpeculationPrograms)
 SESSION_KEY = f"{multihost.KEY_PREFIX}/session"
 EXIT_KEY = multihost.EXIT_KEY
 
@@ -160,6 +164,15 @@ class MirroredRunner:
     def copy_blocks(self, pairs):
         return self._runner.copy_blocks(pairs)
 
+    def mirror_speculation(self, speculation: Any) -> None:
+        """Have the engine's `Speculation` verify and draft on every process: each follower
+        opens its own programs (and drafter) and makes the leader's calls."""
+        self._send(("spec", "open", ()))
+        programs = SpeculationPrograms(self._runner, speculation.drafter, relaxed_options(speculation.config))
+        speculation.use_programs(
+            MirroredSpeculation(programs, lambda method, args: self._send(("spec", method, args)), self._reference)
+        )
+
     def mirror_copier(self, copier: HostBlockCopier) -> MirroredHostCopier:
         """The host KV tier's copier of this leader: each follower opens its own (for its
         devices' shards) and makes the same copies."""
@@ -269,11 +282,13 @@ def _wait(client, key: str) -> Optional[bytes]:
             raise ChannelClosed(reason)
 
 
-def follow(runner: Any, channel: Any, client: Any = None) -> int:
-    """Make the leader's runner calls on `runner` until the session stops; returns the calls made."""
+def follow(runner: Any, channel: Any, client: Any = None, open_speculation: Any = None) -> int:
+    """Make the leader's runner calls on `runner` until the session stops; returns the calls
+    made. `open_speculation()`: this process's `SpeculationPrograms` (speculating engines)."""
     latest: dict[str, list] = {}
     calls = 0
     copier: Optional[HostBlockCopier] = None  # this process's half of the host KV tier
+    speculation: Optional[SpeculationPrograms] = None
 
     def stop_reason() -> Optional[str]:
         reason = _exit_requested(client) if client is not None else None
@@ -288,6 +303,15 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
         if message[0] == "stop":
             return calls
         kind, method, args = message
+        if kind == "spec":
+            if method not in SPECULATION or (method != "open" and speculation is None) or open_speculation is None:
+                raise ValueError(f"unexpected speculative decoding call {method!r} from the leader")
+            if method == "open":
+                speculation = open_speculation()
+            else:
+                args = tuple(latest[a.method][a.leaf] if isinstance(a, LatestOutput) else a for a in args)
+                getattr(speculation, method)(*args)
+            continue
         if kind == "host":
             if method not in HOST_COPIES:
                 raise ValueError(f"unknown host tier call {method!r} from the leader")
@@ -313,6 +337,13 @@ def follow(runner: Any, channel: Any, client: Any = None) -> int:
         out = getattr(runner, method)(*args)
         latest[method] = device_leaves(out)
         calls += 1
+
+
+def follower_speculation(config: Any, runner: Any, num_blocks: int) -> SpeculationPrograms:
+    """A follower's speculative decoding programs for the engine of `config`, on its `runner`."""
+    spec = config.speculative_config
+    drafter = step_drafter_for(spec, runner, num_blocks, config.kv_cache_config.tokens_per_block)
+    return SpeculationPrograms(runner, drafter, relaxed_options(spec))
 
 
 def check_same_model(expected: str, leader_model: str) -> None:
@@ -351,14 +382,20 @@ def run_follower(expected_model: Optional[str] = None) -> int:
             try:
                 if expected_model is not None:
                     check_same_model(expected_model, config.model)
-                runner = build_runner(config).runner
+                parts = build_runner(config)
+                runner = parts.runner
             except Exception as exc:  # noqa: BLE001 - this process cannot follow: say why, leave the run cleanly
                 return multihost.leave_after_failure(f"process {pid}: {type(exc).__name__}: {exc}; exiting")
             channel = make_channel(config.multihost_plan_channel, f"{SESSION_KEY}/{session}/messages")
-            calls = follow(runner, channel, client)
+            calls = follow(
+                runner,
+                channel,
+                client,
+                open_speculation=functools.partial(follower_speculation, config, parts.runner, parts.num_blocks),
+            )
             logger.info("process %d: session %d ended after %d steps", pid, session, calls)
             runner.close()  # its compile threads
-            del runner
+            del runner, parts
             gc.collect()
             session += 1
     except LeaderExited:

@@ -63,7 +63,7 @@ class LLMEngine:
         self.config = config
         # Multi-host leader: the followers build this same runner from the config (None otherwise).
         session = open_session(config)
-        check_engine_speculation(config, multihost=session is not None)
+        check_engine_speculation(config)
         parts = build_engine(config, leader_session=session)
         device = parts.device
         self.model_config, self.mesh, self.runner = device.model_config, device.mesh, device.runner
@@ -105,6 +105,8 @@ class LLMEngine:
         # token on the host, so a step that drafts is not overlapped (the step before it is read
         # back first, and it is read back at once), and the steady-decode fast path is off.
         self.speculation = build_speculation(config, planner=self.planner, runner=self.runner, tokenizer=self.tokenizer)
+        if self.speculation is not None and session is not None:  # every process verifies and drafts
+            self.step_runner.mirror_speculation(self.speculation)
         if self.speculation is not None:
             self.planner.steady_decode = False
         if self.sampler_variants is not None and self.speculation is None:

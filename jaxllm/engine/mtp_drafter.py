@@ -28,14 +28,16 @@ entries unwritten, which only lowers later acceptance, never changes an output t
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
+import numpy as np
 
-from jaxllm.engine.step_drafter import DispatchedStep, StepDrafter, step_inputs
+from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig
 from jaxllm.models.mtp import init_mtp_kv_cache, mtp_draft
 from jaxllm.speculative_config import MTPDecodingConfig
+from jaxllm.step_batch import StepBatch
 
 
 def check_mtp_model(config: ModelConfig) -> None:
@@ -88,9 +90,8 @@ class MTPDrafter(StepDrafter):
             donate_argnums=(1,),
         )
 
-    def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
-        if step.hidden is None:
+    def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
+        if hidden is None:
             raise RuntimeError("the target's forward returned no hidden states for MTP")
-        batch, _, rows = step_inputs(step.batch, step.requests, shift=1)
-        drafts, self.cache = self._jit(self.runner.params, self.cache, batch, step.hidden)
-        return drafts, rows
+        drafts, self.cache = self._jit(self.runner.params, self.cache, self._on_mesh(batch), hidden)
+        return drafts

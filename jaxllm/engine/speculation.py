@@ -51,6 +51,7 @@ from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
 from jaxllm.engine.mtp_drafter import MTPDrafter
 from jaxllm.engine.planner import Planner, StepPlan, TokenEntry
+from jaxllm.engine.speculation_programs import relaxed_options
 from jaxllm.engine.speculation_warmup import warm_up_speculation
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.engine.step_updates import RequestUpdate
@@ -83,9 +84,7 @@ def _penalties_only(params: Any) -> bool:
     return not params.bad and params.logits_processor is None and params.guided_decoding is None
 
 
-def check_speculative_support(
-    config: SpeculativeConfig, *, attention_dp: bool, multihost: bool, disaggregated: bool = False
-) -> None:
+def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, disaggregated: bool = False) -> None:
     """ValueError naming what an engine cannot combine with `config`."""
     if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
         raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
@@ -100,18 +99,15 @@ def check_speculative_support(
                 f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
                 "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig is"
             )
-    if multihost:
-        raise ValueError("speculative_config is not supported in multi-host runs yet")
 
 
-def check_engine_speculation(config: Any, *, multihost: bool) -> None:
+def check_engine_speculation(config: Any) -> None:
     """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
     its speculative_config (checked before the engine is built)."""
     if config.speculative_config is not None:
         check_speculative_support(
             config.speculative_config,
             attention_dp=config.enable_attention_dp,
-            multihost=multihost,
             disaggregated=config.cache_transceiver_config is not None,
         )
 
@@ -132,14 +128,16 @@ def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: 
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
-        drafter=step_drafter_for(spec_config, runner, planner.kv_cache_manager),
+        drafter=step_drafter_for(
+            spec_config, runner, planner.kv_cache_manager.num_blocks, planner.kv_cache_manager.tokens_per_block
+        ),
         thinking=thinking,
     )
 
 
-def step_drafter_for(config: SpeculativeConfig, runner: Any, kv_cache_manager: Any) -> Optional[StepDrafter]:
-    """The drafter run after each step for `config` (MTP layers, a draft model), else None."""
-    blocks, tpb = kv_cache_manager.num_blocks, kv_cache_manager.tokens_per_block
+def step_drafter_for(config: SpeculativeConfig, runner: Any, blocks: int, tpb: int) -> Optional[StepDrafter]:
+    """The drafter run after each step for `config` (MTP layers, a draft model, EAGLE-3), else
+    None; its pool has `blocks` blocks of `tpb` tokens (the target's)."""
     if isinstance(config, MTPDecodingConfig):
         return MTPDrafter(config, runner, blocks, tpb)
     if isinstance(config, DraftTargetDecodingConfig):
@@ -186,9 +184,11 @@ class Speculation:
         # How a sampled entry accepts its draft (a parameter so a test can swap in a wrong rule).
         self.acceptance_rule: AcceptanceRule = exact_acceptance
         self.thinking = thinking
-        relaxed = config if thinking is not None and isinstance(config, MTPDecodingConfig) else None
-        self._relaxed = dict(relaxed_topk=relaxed.relaxed_topk, relaxed_delta=relaxed.relaxed_delta) if relaxed else {}
+        self._relaxed = relaxed_options(config) if thinking is not None else {}
         self._jits: dict[Callable, Any] = {}
+        # Who runs the verification program when not this object (a multi-host leader's
+        # mirrored programs, `use_programs`: every process verifies).
+        self._verifier_elsewhere: Optional[Callable[..., VerifyOutput]] = None
         # Adaptive drafting (which rows draft how many tokens, and whether a step drafts).
         self.policy = DraftPolicy(planner, config.max_draft_len)
         self.policy.shared_prior = drafter is not None
@@ -470,7 +470,16 @@ class Speculation:
             thinking = None
         elif thinking is None:
             thinking = np.zeros(draft_ids.shape, np.bool_)
+        if self._verifier_elsewhere is not None:
+            return self._verifier_elsewhere(context_logits, tensors, draft_ids, thinking)
         return self._verifier()(context_logits, tensors, draft_ids, thinking)
+
+    def use_programs(self, programs: Any) -> None:
+        """Verify and draft through `programs` (a multi-host leader's `MirroredSpeculation`,
+        whose calls every process makes); the acceptance rule is then the exact (or relaxed) one."""
+        self._verifier_elsewhere = programs.verify
+        if self.drafter is not None:
+            self.drafter.launcher = programs.draft
 
     @staticmethod
     def split_entries(entries: list[TokenEntry], spec_rows: list[int]) -> tuple[list[TokenEntry], list[TokenEntry]]:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxllm.engine.host_transfer import put_on_mesh
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.step_batch import StepBatch
 
@@ -37,11 +38,16 @@ class DispatchedStep:
 
 class StepDrafter:
     """Engine hooks and proposer interface of a drafter run after each step (engine thread
-    only); subclasses give `_run(step) -> (drafts [S, k] host array, {row: request id})`."""
+    only); subclasses give `launch(batch, last_tokens, hidden) -> drafts [S, k]` (the device
+    program) and `shift` (see `step_inputs`)."""
+
+    shift = 1
 
     def __init__(self, runner: Any, num_draft_tokens: int) -> None:
         self.runner = runner
         self.num_draft_tokens = num_draft_tokens
+        # What runs `launch` (a multi-host leader's mirrored launcher: every process drafts).
+        self.launcher: Any = self.launch
         self._last: Optional[DispatchedStep] = None
         self._drafts: dict[int, list[int]] = {}
         self.steps_run = 0  # drafting programs run
@@ -96,7 +102,20 @@ class StepDrafter:
         self._drafts = {}
 
     def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
+        batch, last_tokens, rows = step_inputs(step.batch, step.requests, shift=self.shift)
+        return self.launcher(batch, last_tokens, step.hidden), rows
+
+    def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
+        """Run the drafting program over a step's inputs (host arrays) and the target's hidden
+        states of that step; returns the drafts [S, k] (device), not waited for."""
         raise NotImplementedError
+
+    def _on_mesh(self, tree: Any) -> Any:
+        """Host inputs as they go into the program: as they are on one process, put on the mesh
+        piece by piece across several (`put_on_mesh`)."""
+        if jax.process_count() == 1:
+            return tree
+        return put_on_mesh(tree, jax.sharding.NamedSharding(self.runner.mesh, jax.sharding.PartitionSpec()))
 
     def warmup(self, batch: StepBatch) -> None:
         """Compile (and run on an all-padding step) the drafting program of `batch`'s shape."""
