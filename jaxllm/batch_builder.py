@@ -122,7 +122,8 @@ def build_step_batch(
     else:
         rows_list = kv.get_table_rows(ctx) + kv.get_table_rows(gen)
         gen_num_tokens = [r.orig_prompt_len + len(r.output_token_ids) for r in gen]
-    starts_a = np.array(ctx_starts + gen_num_tokens, dtype=np.int32).reshape(n)
+    # (a steady batch's placement holds its generation lengths as an array)
+    starts_a = np.concatenate([np.asarray(ctx_starts, np.int32), np.asarray(gen_num_tokens, np.int32)]).reshape(n)
     starts_a[n_ctx:] -= 1  # a generation token sits at position num_tokens - 1
     rows = np.array(rows_list, dtype=np.intp).reshape(n)
     q_lens = np.ones(n, dtype=np.int32)

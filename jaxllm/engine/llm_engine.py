@@ -103,11 +103,12 @@ class LLMEngine:
         self.bucket_compiler, self.decode_compiler = self.programs.bucket_compiler, self.programs.decode_compiler
         # Speculative decoding (jaxllm.engine.speculation): drafts need each request's last
         # token on the host, so a step that drafts is not overlapped (the step before it is read
-        # back first, and it is read back at once), and the steady-decode fast path is off.
+        # back first, and it is read back at once), and it ends the steady decode batch (steps
+        # that do not draft run the steady-decode fast path; not under attention DP).
         self.speculation = build_speculation(config, planner=self.planner, runner=self.runner, tokenizer=self.tokenizer)
         if self.speculation is not None and session is not None:  # every process verifies and drafts
             self.step_runner.mirror_speculation(self.speculation)
-        if self.speculation is not None:
+        if self.speculation is not None and self.attention_dp:
             self.planner.steady_decode = False
         if self.sampler_variants is not None and self.speculation is None:
             # A token bucket's sampler runs over its live rows, as a decode bucket's does.

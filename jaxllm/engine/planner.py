@@ -233,6 +233,12 @@ class Planner:
         if decode is not None and decode.log is not None:
             decode.log.materialize()
 
+    def end_steady_batch(self) -> None:
+        """The next step is planned the general way (a step that verifies drafts advances its
+        rows by more than one token, which the steady batch's per-slot arrays cannot follow)."""
+        self.materialize_tokens()
+        self._decode = None
+
     def set_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Draft tokens (by request id) that this step's generation requests verify: each such
         row runs its last token and its drafts (`jaxllm.engine.speculation`)."""

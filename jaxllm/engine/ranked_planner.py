@@ -237,6 +237,9 @@ class AttentionDpPlanner:
         combined.rank_outputs = outputs
         return combined
 
+    def end_steady_batch(self) -> None:
+        """Nothing to end: a speculating attention-DP engine plans every step the general way."""
+
     def set_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Draft tokens (by request id) this step's generation requests verify (`Planner.set_drafts`)."""
         self._drafts = drafts

@@ -216,10 +216,14 @@ class Speculation:
         self._verify, self._verified, self._spec_entries = None, None, None
         started = time.perf_counter()
         self._drafter_seconds = 0.0
+        if may_draft:  # the proposers read each request's tokens, which a steady batch may log
+            self.planner.materialize_tokens()
         self._drafts = self.propose(output, active) if may_draft else {}
         self._draft_seconds = time.perf_counter() - started
         if may_draft:
             self.planner.set_drafts(self._drafts)
+        if self._drafts:  # its rows gain 1 + accepted tokens each: no longer a steady batch
+            self.planner.end_steady_batch()
 
     def drop_drafts(self) -> None:
         """No plan could be built: the planner forgets the step's drafts."""

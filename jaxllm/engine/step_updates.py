@@ -56,8 +56,9 @@ def _plain_update(request: LlmRequest, token: int) -> RequestUpdate:
 
 class StepUpdates:
     """The updates of one step: `updates` (finished, failed, logprobs, beam-search and general
-    path rows) and `decoded` (batched plain decode rows). A request appears at most once per
-    step. Iterating gives every update as a `RequestUpdate`, the per-request ones first."""
+    path rows) and `decoded` (batched plain decode rows), in the order they were read back.
+    Iterating gives every update as a `RequestUpdate`, the per-request ones first (batched rows
+    followed by later per-request updates are turned into per-request updates when added)."""
 
     __slots__ = ("updates", "decoded")
 
@@ -82,11 +83,16 @@ class StepUpdates:
         return list(self)[index]
 
     def __iadd__(self, other: Union[StepUpdates, Iterable[RequestUpdate]]) -> StepUpdates:
+        later = other.updates if isinstance(other, StepUpdates) else list(other)
+        if later and self.decoded:
+            # A step that read back two steps (the one before a drafting or history-needing
+            # step, then that step): the earlier batch's tokens come first, so they become
+            # per-request updates ahead of the later ones.
+            self.updates += [update for batch in self.decoded for update in batch.updates()]
+            self.decoded = []
+        self.updates += later
         if isinstance(other, StepUpdates):
-            self.updates += other.updates
             self.decoded += other.decoded
-        else:
-            self.updates += other
         return self
 
     def __repr__(self) -> str:
