@@ -12,6 +12,7 @@ from jaxllm.engine.compile_ahead import BucketCompiler, engine_compilers
 from jaxllm.engine.context_logits_variants import ContextLogitsVariants
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.sampler_variants import SamplerVariants, engine_sampler_variants
+from jaxllm.engine.step_plan import PlannerOptions
 from jaxllm.engine.warmup import ProgramWarmup
 
 
@@ -22,6 +23,21 @@ class EnginePrograms:
     bucket_compiler: Optional[BucketCompiler]  # None: every token bucket compiles at warm-up
     decode_compiler: Optional[BucketCompiler]  # None: no small decode buckets compiled ahead
     context_logits: Optional[ContextLogitsVariants] = None  # None: they compile on their first step
+
+    def planner_options(self, requests: Any, token_log: bool) -> PlannerOptions:
+        """How the next step is planned: in compiled buckets, given what the active `requests`
+        (the engine's `RequestTable`) need; `token_log`: steady batches may log their tokens."""
+        context, buckets, decode = self.context_logits, self.bucket_compiler, self.decode_compiler
+        return PlannerOptions(
+            beam_search=requests.num_beam_search > 0,
+            # A steady batch keeps its tokens in a log unless a request needs them every step.
+            defer_tokens=token_log and not requests.needs_host_tokens,
+            choose_bucket=None if buckets is None else buckets.choose,
+            choose_context_bucket=None if context is None else context.choose_bucket,
+            # Logits outputs and post-processors take max_batch_size rows: token buckets only.
+            decode_buckets=not requests.num_logits_requests,
+            choose_decode_rows=None if decode is None else decode.choose_decode,
+        )
 
     def token_budget(self, context_logits_pending: bool) -> Optional[int]:
         """A step's token cap (None: none): the largest compiled bucket while larger ones

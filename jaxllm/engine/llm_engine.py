@@ -43,7 +43,6 @@ from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_logits_outputs
 from jaxllm.engine.lora_adapters import EngineAdapters
-from jaxllm.engine.planner import PlannerOptions
 from jaxllm.engine.requests import RequestTable, new_request
 from jaxllm.engine.speculation import build_speculation, check_engine_speculation
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
@@ -436,19 +435,6 @@ class LLMEngine:
             updates += self.speculation.read_back(pending.speculative, self.requests)
         return updates
 
-    def _planner_options(self) -> PlannerOptions:
-        context = self.programs.context_logits  # a bucket whose context-logits forward is compiled
-        return PlannerOptions(
-            beam_search=self.requests.num_beam_search > 0,
-            # A steady batch keeps its tokens in a log unless a request needs them every step.
-            defer_tokens=self.token_log and not self.requests.needs_host_tokens,
-            choose_bucket=None if self.bucket_compiler is None else self.bucket_compiler.choose,
-            choose_context_bucket=None if context is None else context.choose_bucket,
-            # Logits outputs and post-processors take max_batch_size rows: token buckets only.
-            decode_buckets=not self.requests.num_logits_requests,
-            choose_decode_rows=None if self.decode_compiler is None else self.decode_compiler.choose_decode,
-        )
-
     def _dispatch(self, candidates: list[LlmRequest]) -> Optional[PendingStep]:
         """Plan and launch one step. Requests that make planning it fail are failed
         (collected in `self._failed`); the step runs for the others."""
@@ -460,10 +446,10 @@ class LLMEngine:
         try:
             if offload is not None:  # onboarded blocks that arrived: their requests may run now
                 offload.poll()
-            output = self.planner.schedule(candidates, self._planner_options())
+            output = self.planner.schedule(candidates, self.programs.planner_options(self.requests, self.token_log))
             if output is None and offload is not None and offload.num_waiting:
                 offload.poll(wait=True)  # only requests waiting for their blocks: wait for them
-                output = self.planner.schedule(candidates, self._planner_options())
+                output = self.planner.schedule(candidates, self.programs.planner_options(self.requests, self.token_log))
             if output is None:
                 return None
         except Exception as exc:  # no request to single out: those that could run fail
