@@ -309,7 +309,7 @@ def test_readme_transcript_matches_the_banner_and_the_progress_line(engine):
     first = 4  # the decode token bucket, the 256-token bucket and the decode buckets of 1 and 2 rows
     forwards = len(buckets) + len(rows)
     progress = next(line for line in lines if line.startswith("compiling"))
-    total = first + 1  # ProgramWarmup.num_pieces in the background mode
+    total = first + 2  # ProgramWarmup.num_pieces in the background mode: + samplers, + context logits
     later = forwards - first
     assert progress.startswith(f"compiling {first} of {forwards} forwards + sampler, {later} more when idle: ")
     assert progress.endswith(f"| {total}/{total}")
