@@ -5,7 +5,10 @@ multi-device) start fresh interpreters; all of them share one JAX compilation ca
 directory made for this session (set through the environment, so subprocesses inherit
 it), so an identical program is compiled once per run. The directory starts empty and is
 removed at the end, so no run depends on an earlier one, and nothing is written to the
-user's own cache (~/.cache/jaxllm/xla).
+user's own cache (~/.cache/jaxllm/xla). Under pytest-xdist the controller makes the directory
+and every worker uses it (`_SHARED_DIR_ENV`), so a program one worker compiled is a hit in the
+other; the controller removes it at the end. (JAX writes an entry in place: a worker reading
+one while the other still writes it fails to decompress it, warns and compiles it itself.)
 
 A hit in this cache still goes through JAX's compile path (and its
 '/jax/core/compile/backend_compile_duration' event), so tests that count compilations
@@ -26,21 +29,26 @@ _SESSION_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
-_cache_dir: str | None = None
+_SHARED_DIR_ENV = "JAXLLM_TEST_SESSION_XLA_CACHE"
+_cache_dir: str | None = None  # the directory this process made (and removes)
 
 
 def pytest_configure(config) -> None:
     global _cache_dir
     if os.environ.get("JAXLLM_COMPILE_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
         return
-    _cache_dir = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
-    os.environ.update(_SESSION_ENV, JAX_COMPILATION_CACHE_DIR=_cache_dir)
+    shared = os.environ.get(_SHARED_DIR_ENV)
+    if hasattr(config, "workerinput") and shared and os.path.isdir(shared):
+        directory = shared  # an xdist worker: the controller's directory
+    else:
+        directory = _cache_dir = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
+    os.environ.update(_SESSION_ENV, JAX_COMPILATION_CACHE_DIR=directory, **{_SHARED_DIR_ENV: directory})
     import jax  # noqa: F401  (may already be imported by a plugin: set the values directly too)
 
     from jaxllm.engine.compile_cache import enable_compile_cache
 
-    jax.config.update("jax_compilation_cache_dir", _cache_dir)
-    enable_compile_cache(_cache_dir)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    enable_compile_cache(directory)
 
 
 def pytest_unconfigure(config) -> None:
