@@ -42,6 +42,7 @@ def run_tp_engines(root: Path) -> None:
                     max_batch_size=2,
                     max_seq_len=64,
                     kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256, dtype=kv_dtype),
+                    warmup="none",  # greedy requests: they compile their two forwards and no sampler
                 )
                 outputs = llm.generate(
                     PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False
