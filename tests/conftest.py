@@ -10,6 +10,14 @@ and every worker uses it (`_SHARED_DIR_ENV`), so a program one worker compiled i
 other; the controller removes it at the end. (JAX writes an entry in place: a worker reading
 one while the other still writes it fails to decompress it, warns and compiles it itself.)
 
+Every program of the run compiles with LLVM's optimizations off (`multidevice.FAST_COMPILE`:
+about two thirds of the compile time, XLA's own passes unchanged; tiny models run about as
+fast). The flags go into XLA_FLAGS before JAX starts its CPU backend, so subprocesses inherit
+them, and the multi-device helper adds them to the flags it sets: outputs compared with each
+other, in one process or across processes, come from programs built the same way. (Results
+may differ from an optimized build in the last bits, as any two builds' may.)
+JAXLLM_TEST_FAST_COMPILE=0 keeps LLVM's optimizations.
+
 A hit in this cache still goes through JAX's compile path (and its
 '/jax/core/compile/backend_compile_duration' event), so tests that count compilations
 after warm-up still see anything that was not compiled during warm-up.
@@ -24,6 +32,7 @@ import shutil
 import tempfile
 
 import pytest
+from multidevice import FAST_COMPILE
 
 _SESSION_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -35,6 +44,10 @@ _cache_dir: str | None = None  # the directory this process made (and removes)
 
 def pytest_configure(config) -> None:
     global _cache_dir
+    flags = os.environ.get("XLA_FLAGS", "")
+    fast = os.environ.get("JAXLLM_TEST_FAST_COMPILE", "").strip().lower() not in ("0", "false", "no", "off")
+    if fast and FAST_COMPILE not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
     if os.environ.get("JAXLLM_COMPILE_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
         return
     shared = os.environ.get(_SHARED_DIR_ENV)
