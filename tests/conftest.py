@@ -14,9 +14,10 @@ Every program of the run compiles with LLVM's optimizations off (`multidevice.FA
 about two thirds of the compile time, XLA's own passes unchanged; tiny models run about as
 fast). The flags go into XLA_FLAGS before JAX starts its CPU backend, so subprocesses inherit
 them, and the multi-device helper adds them to the flags it sets: outputs compared with each
-other, in one process or across processes, come from programs built the same way. (Results
-may differ from an optimized build in the last bits, as any two builds' may.)
-JAXLLM_TEST_FAST_COMPILE=0 keeps LLVM's optimizations.
+other, in one process or across processes, come from programs built the same way (the
+multi-host processes of tests/multihost.py set their own flags and are optimized; their greedy
+tokens equal this process's all the same). Results may differ from an optimized build's in the
+last bits, as any two builds' may. JAXLLM_TEST_FAST_COMPILE=0 keeps LLVM's optimizations.
 
 A hit in this cache still goes through JAX's compile path (and its
 '/jax/core/compile/backend_compile_duration' event), so tests that count compilations
