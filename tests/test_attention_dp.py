@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 from tests.parallel_workload import run_staggered_requests, small_engine
 
 LAYOUTS = [(n, e, n // e) for n in (2, 4, 8) for e in (1, 2, 4, 8) if n % e == 0]
@@ -365,9 +365,7 @@ def check_all(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
-    return run_on_cpu_devices(
-        "test_attention_dp", "check_all", tmp_path_factory.mktemp("attention_dp"), xla_flags=FAST_COMPILE
-    )
+    return run_on_cpu_devices("test_attention_dp", "check_all", tmp_path_factory.mktemp("attention_dp"))
 
 
 def test_dp_moe_layer_matches_single_device_for_every_layout(dp_results):

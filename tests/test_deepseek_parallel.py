@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 
 # (tensor_parallel_size, moe_expert_parallel_size, dispatch, slots)
 CASES = [(4, 4, "all_to_all", 20), (8, 8, "allgather", 16)]
@@ -63,11 +63,7 @@ def test_deepseek_tensor_and_expert_parallel_match_single_device(tmp_path):
 
     write_checkpoint(tmp_path / "ds", ENGINE, seed=3, tokenizer=True)
     results = run_on_cpu_devices(
-        "test_deepseek_parallel",
-        "check_all",
-        tmp_path,
-        unset_env=("EXPERT_STATISTIC_ITER_RANGE",),
-        xla_flags=FAST_COMPILE,
+        "test_deepseek_parallel", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",)
     )
     base = next(r for r in results if r["kind"] == "base")
     assert len(base["tokens"]) == 5 and all(len(t) == MAX_TOKENS for t in base["tokens"].values())

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 
 NUM_DRAFTS = 2
 
@@ -76,6 +76,6 @@ def test_eagle3_drafts_under_tensor_parallelism_match_one_device(tmp_path):
     (tmp_path / "llama" / "head" / "config.json").write_text(json.dumps(HEAD))
     tensors = {k: v.contiguous() for k, v in head.state_dict().items()}
     save_file(tensors, str(tmp_path / "llama" / "head" / "model.safetensors"))
-    (result,) = run_on_cpu_devices("test_eagle3_tp", "check_all", tmp_path, num_devices=2, xla_flags=FAST_COMPILE)
+    (result,) = run_on_cpu_devices("test_eagle3_tp", "check_all", tmp_path, num_devices=2)
     assert result["tp"] == result["one"] and len(result["one"]) == NUM_DRAFTS, result
     assert result["err"] < 1e-4, result

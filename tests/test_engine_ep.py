@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 from tests.parallel_workload import run_staggered_requests, small_engine
 
 # (N, E, dispatch, use the generated placement)
@@ -114,9 +114,7 @@ def check_all(root: Path) -> None:
 
 
 def test_engine_expert_parallel_with_generated_placement(tmp_path):
-    results = run_on_cpu_devices(
-        "test_engine_ep", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",), xla_flags=FAST_COMPILE
-    )
+    results = run_on_cpu_devices("test_engine_ep", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
     base = next(r for r in results if r["kind"] == "base")
     assert len(base["tokens"]) == 5 and all(len(t) == 7 for t in base["tokens"].values())
     assert base["mixed"] and base["reused"] >= 3

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 from tests.parallel_workload import record_plans, run_staggered_requests, small_engine
 
 # (arch, backend, TP sizes); Qwen3-MoE and Llama have 2 KV heads: TP 4 and 8 replicate them.
@@ -106,7 +106,7 @@ def write_checkpoint_vocab(arch: str, directory: Path) -> None:
 
 
 def test_engine_tensor_parallel_tokens_match_single_device(tmp_path):
-    results = run_on_cpu_devices("test_engine_tp", "check_all", tmp_path, xla_flags=FAST_COMPILE)
+    results = run_on_cpu_devices("test_engine_tp", "check_all", tmp_path)
     assert len(results) == sum(len(sizes) for _, _, sizes in CASES)
     assert sum("replay_same" in r for r in results) == 1
     base = {}

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from tests import test_sharding_tp as tp_test
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 
 NUM_EXPERTS, TOP_K = 8, 2
 
@@ -485,7 +485,7 @@ def hf_router_counts(arch: str, directory: Path, sequences: list[list[int]], spa
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    return root, run_on_cpu_devices("test_ep_moe", "check_all", root, xla_flags=FAST_COMPILE)
+    return root, run_on_cpu_devices("test_ep_moe", "check_all", root)
 
 
 def test_layer_matches_single_device_for_every_layout(ep_results):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 
 MAX_TOKENS = 8
 CASES = [(2, 1, None), (2, 2, 10)]  # (tensor_parallel_size, moe_expert_parallel_size, slots)
@@ -66,9 +66,7 @@ def test_fp8_tensor_and_expert_parallel_match_single_device(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (preset / name).exists():
             shutil.copy(preset / name, tmp_path / "ds" / name)
-    results = run_on_cpu_devices(
-        "test_fp8_parallel", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",), xla_flags=FAST_COMPILE
-    )
+    results = run_on_cpu_devices("test_fp8_parallel", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
     base = next(r for r in results if r["kind"] == "base")
     assert len(base["tokens"]) == 5 and all(len(t) == MAX_TOKENS for t in base["tokens"].values())
     assert base["plan"] == base["held"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
+from tests.multidevice import run_on_cpu_devices
 
 # name: (architecture, HF config overrides). Hq = 8 allows TP 8; Hkv = 2 gives KV heads < TP at TP 4 and 8.
 ARCHS = {
@@ -181,7 +181,7 @@ def check_all(root: Path) -> None:
 
 
 def test_tensor_parallel_matches_single_device(tmp_path):
-    results = run_on_cpu_devices("test_sharding_tp", "check_all", tmp_path, xla_flags=FAST_COMPILE)
+    results = run_on_cpu_devices("test_sharding_tp", "check_all", tmp_path)
     assert len(results) == sum(len(sizes) for plans in PLANS.values() for _, sizes in plans)
     for r in results:
         case = f"{r['arch']} {r['backend']} TP{r['tp']}"
