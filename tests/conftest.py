@@ -33,7 +33,6 @@ import shutil
 import tempfile
 
 import pytest
-from multidevice import FAST_COMPILE
 
 _SESSION_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -45,6 +44,8 @@ _cache_dir: str | None = None  # the directory this process made (and removes)
 
 def pytest_configure(config) -> None:
     global _cache_dir
+    from multidevice import FAST_COMPILE  # here: subprocesses import this module without tests/ on the path
+
     flags = os.environ.get("XLA_FLAGS", "")
     fast = os.environ.get("JAXLLM_TEST_FAST_COMPILE", "").strip().lower() not in ("0", "false", "no", "off")
     if fast and FAST_COMPILE not in flags:
