@@ -5,7 +5,19 @@ multi-device) start fresh interpreters; all of them share one JAX compilation ca
 directory made for this session (set through the environment, so subprocesses inherit
 it), so an identical program is compiled once per run. The directory starts empty and is
 removed at the end, so no run depends on an earlier one, and nothing is written to the
-user's own cache (~/.cache/jaxllm/xla).
+user's own cache (~/.cache/jaxllm/xla). Under pytest-xdist the controller makes the directory
+and every worker uses it (`_SHARED_DIR_ENV`), so a program one worker compiled is a hit in the
+other; the controller removes it at the end. (JAX writes an entry in place: a worker reading
+one while the other still writes it fails to decompress it, warns and compiles it itself.)
+
+Every program of the run compiles with LLVM's optimizations off (`multidevice.FAST_COMPILE`:
+about two thirds of the compile time, XLA's own passes unchanged; tiny models run about as
+fast). The flags go into XLA_FLAGS before JAX starts its CPU backend, so subprocesses inherit
+them, and the multi-device helper adds them to the flags it sets: outputs compared with each
+other, in one process or across processes, come from programs built the same way (the
+multi-host processes of tests/multihost.py set their own flags and are optimized; their greedy
+tokens equal this process's all the same). Results may differ from an optimized build's in the
+last bits, as any two builds' may. JAXLLM_TEST_FAST_COMPILE=0 keeps LLVM's optimizations.
 
 A hit in this cache still goes through JAX's compile path (and its
 '/jax/core/compile/backend_compile_duration' event), so tests that count compilations
@@ -26,21 +38,32 @@ _SESSION_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
-_cache_dir: str | None = None
+_SHARED_DIR_ENV = "JAXLLM_TEST_SESSION_XLA_CACHE"
+_cache_dir: str | None = None  # the directory this process made (and removes)
 
 
 def pytest_configure(config) -> None:
     global _cache_dir
+    from multidevice import FAST_COMPILE  # here: subprocesses import this module without tests/ on the path
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    fast = os.environ.get("JAXLLM_TEST_FAST_COMPILE", "").strip().lower() not in ("0", "false", "no", "off")
+    if fast and FAST_COMPILE not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
     if os.environ.get("JAXLLM_COMPILE_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
         return
-    _cache_dir = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
-    os.environ.update(_SESSION_ENV, JAX_COMPILATION_CACHE_DIR=_cache_dir)
+    shared = os.environ.get(_SHARED_DIR_ENV)
+    if hasattr(config, "workerinput") and shared and os.path.isdir(shared):
+        directory = shared  # an xdist worker: the controller's directory
+    else:
+        directory = _cache_dir = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
+    os.environ.update(_SESSION_ENV, JAX_COMPILATION_CACHE_DIR=directory, **{_SHARED_DIR_ENV: directory})
     import jax  # noqa: F401  (may already be imported by a plugin: set the values directly too)
 
     from jaxllm.engine.compile_cache import enable_compile_cache
 
-    jax.config.update("jax_compilation_cache_dir", _cache_dir)
-    enable_compile_cache(_cache_dir)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    enable_compile_cache(directory)
 
 
 def pytest_unconfigure(config) -> None:

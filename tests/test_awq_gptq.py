@@ -11,7 +11,8 @@ stored minus one in AutoGPTQ's "gptq" format, as is in "gptq_v2"; `g_idx`). Orac
 - the loaded 4-bit values times scales plus offsets equal `(q - zero) * scale` element for
   element;
 - transformers' Llama on the dequantized weights: logits equal to float32 precision;
-- TP 2 gives the single-device greedy tokens.
+- TP 2 gives the single-device greedy tokens (`tests/test_quantized_tp.py`, with the other
+  quantized formats).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from jaxllm.models.quantization import QuantizedWeight, dense  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import make_tiny_hf  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
-from tests.multidevice import run_on_cpu_devices  # noqa: E402
 
 GROUP = 128
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -192,45 +192,6 @@ def test_act_order_and_other_layouts_are_refused_by_name(tmp_path):
     save_file(tensors, str(directory / "model.safetensors"))
     with pytest.raises(ValueError, match="g_idx"):
         load_params(directory, load_model_config(directory, dtype="float32"))
-
-
-def check_tp(root: Path) -> None:
-    """Subprocess entry point (2 devices): greedy tokens and weight bytes at TP 1 and TP 2."""
-    from jaxllm import LLM, KvCacheConfig, SamplingParams
-
-    prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 120, 64]]
-    for tp in (1, 2):
-        llm = LLM(
-            str(root / "awq"),
-            dtype="float32",
-            tensor_parallel_size=tp,
-            max_batch_size=2,
-            max_seq_len=64,
-            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
-        )
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        engine = llm.engine
-        print(
-            json.dumps(
-                dict(
-                    tp=tp,
-                    tokens=[list(o.outputs[0].token_ids) for o in outputs],
-                    plan=plan_memory(engine.model_config, ParallelConfig(tp)).weights_per_device,
-                    held=held_weight_bytes(engine.runner.params),
-                    kept=len(_quantized(engine.runner.params)) == 7,
-                )
-            ),
-            flush=True,
-        )
-        llm.shutdown()
-
-
-def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
-    write_checkpoint(tmp_path, "awq")
-    one, two = sorted(run_on_cpu_devices("test_awq_gptq", "check_tp", tmp_path, num_devices=2), key=lambda r: r["tp"])
-    assert one["kept"] and two["kept"]
-    assert two["tokens"] == one["tokens"]
-    assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
 
 
 def test_quantizing_on_load_starts_from_the_dequantized_weights(tmp_path):

@@ -19,6 +19,7 @@ from jaxllm.cli import build_parser
 from jaxllm.cli.args import engine_kwargs
 from jaxllm.engine.compile_cache import compile_cache_requested
 from jaxllm.models import materialize_preset
+from tests.multidevice import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,8 @@ TP2 = dict(tensor_parallel_size=2)
 
 
 def run_engine_process(model_dir: Path, cache_root: Path, engines: list[dict], **env_overrides: str) -> list[dict]:
-    """One new process (two CPU devices) building `engines` in turn; their reports."""
+    """One new process (two CPU devices) building `engines` in turn; their reports. Every process
+    compiles with the same flags (`FAST_COMPILE`: what they compare is what the cache holds)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -83,7 +85,7 @@ def run_engine_process(model_dir: Path, cache_root: Path, engines: list[dict], *
     env.update(
         JAXLLM_CACHE_DIR=str(cache_root),
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}",
         **env_overrides,
     )
     proc = subprocess.run(

@@ -19,6 +19,8 @@ import openai
 import pytest
 from test_disaggregated import _assert_pools_back, _env, _free_blocks, _metric, _wait_healthy
 
+from tests.multidevice import FAST_COMPILE
+
 from server_helpers import free_port
 
 FLAGS = [
@@ -43,7 +45,7 @@ def cluster(tmp_path_factory):
             port = free_port()
             cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", str(model), "--port", str(port)]
             cmd += ["--config", str(tmp / f"{name}.yaml"), "--tensor-parallel-size", str(tp), *FLAGS]
-            env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
+            env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={tp} {FAST_COMPILE}")  # both workers
             log = open(tmp / f"{name}.log", "w")
             procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             urls[name] = f"http://127.0.0.1:{port}"

@@ -24,6 +24,8 @@ import httpx
 import openai
 import pytest
 
+from tests.multidevice import FAST_COMPILE
+
 from server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +46,8 @@ def _start_worker(tmp: Path, name: str, tp: int, backend: str = "DEFAULT") -> tu
     config = tmp / f"{name}.yaml"
     config.write_text(f"cache_transceiver_config:\n  backend: {backend}\n  kv_transfer_timeout_ms: {TIMEOUT_MS}\n")
     port = free_port()
-    env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
+    # Every worker compiles with the same flags (their answers are compared with each other's).
+    env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={tp} {FAST_COMPILE}")
     cmd = [sys.executable, "-m", "jaxllm", "serve", "--model", MODEL, "--port", str(port), "--config", str(config)]
     cmd += WORKER_FLAGS + ["--tensor-parallel-size", str(tp)]
     log = open(tmp / f"{name}.log", "w")

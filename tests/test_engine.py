@@ -20,6 +20,8 @@ def moe_model(tmp_path_factory):
 
 
 def make_llm(path, **overrides) -> LLM:
+    """An LLM on `path` with small limits (override any); use it as a context manager, so that
+    it stops when the test ends instead of compiling its remaining programs once idle."""
     kwargs = dict(
         max_batch_size=8,
         max_num_tokens=64,
@@ -32,15 +34,16 @@ def make_llm(path, **overrides) -> LLM:
 
 @pytest.fixture(scope="module")
 def moe_llm(moe_model):
-    return make_llm(moe_model[0])
+    with make_llm(moe_model[0]) as llm:
+        yield llm
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral"])
 def test_greedy_generation_matches_hf_dense_and_moe(arch, tmp_path):
     model = make_hf_model(arch, tmp_path, VOCAB)
-    llm = make_llm(tmp_path, max_num_tokens=32)
     prompts = random_prompts(3, VOCAB, 5, 40, seed=1)  # 40 > 32 tokens forces a chunked prefill
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    with make_llm(tmp_path, max_num_tokens=32, warmup="none") as llm:  # greedy: no sampler to warm up
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert len(out.outputs[0].token_ids) == 12
         assert out.outputs[0].finish_reason == "length"
@@ -61,15 +64,16 @@ def test_inflight_batching_is_invisible(moe_model):
     rng = np.random.default_rng(3)
     params = [SamplingParams(max_tokens=int(rng.integers(1, 16)), ignore_eos=True) for _ in prompts]
     # 30 blocks of 8 tokens cannot hold all requests at once: queuing + chunked prefill.
-    llm = make_llm(path, max_num_tokens=32, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=240))
-    together = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.engine.iteration_stats
-    assert max(s["inflightBatchingStats"]["numScheduledRequests"] for s in stats) > 1
-    alone_llm = make_llm(path, max_batch_size=1)
-    for prompt, p, out in zip(prompts, params, together):
-        alone = alone_llm.generate(prompt, p, use_tqdm=False)
-        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
+    small_pool = KvCacheConfig(tokens_per_block=8, max_tokens=240)
+    with make_llm(path, max_num_tokens=32, kv_cache_config=small_pool, warmup="none") as llm:
+        together = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.iteration_stats
+        assert max(s["inflightBatchingStats"]["numScheduledRequests"] for s in stats) > 1
+        assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
+    with make_llm(path, max_batch_size=1, warmup="none") as alone_llm:
+        for prompt, p, out in zip(prompts, params, together):
+            alone = alone_llm.generate(prompt, p, use_tqdm=False)
+            assert out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_prefix_reuse_gives_same_outputs(moe_model):
@@ -79,14 +83,14 @@ def test_prefix_reuse_gives_same_outputs(moe_model):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = {}
     for reuse in (True, False):
-        llm = make_llm(
-            path, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024, enable_block_reuse=reuse)
-        )
-        first = llm.generate(prompts[0], params, use_tqdm=False)
-        rest = llm.generate(prompts[1:], params, use_tqdm=False)
-        outs[reuse] = [o.outputs[0].token_ids for o in [first, *rest]]
-        if reuse:
-            assert llm.engine.kv_cache_manager.get_kv_cache_stats().reused_blocks >= 5 * 4
+        # moe_llm's limits: its compiled programs are found in the session's compilation cache
+        kv_cache_config = KvCacheConfig(tokens_per_block=8, max_tokens=2048, enable_block_reuse=reuse)
+        with make_llm(path, kv_cache_config=kv_cache_config) as llm:
+            first = llm.generate(prompts[0], params, use_tqdm=False)
+            rest = llm.generate(prompts[1:], params, use_tqdm=False)
+            outs[reuse] = [o.outputs[0].token_ids for o in [first, *rest]]
+            if reuse:
+                assert llm.engine.kv_cache_manager.get_kv_cache_stats().reused_blocks >= 5 * 4
     assert outs[True] == outs[False]
 
 
@@ -162,24 +166,25 @@ def test_unknown_llm_kwarg_raises(moe_model):
         LLM(str(moe_model[0]), not_an_option=3)
 
 
-def test_max_utilization_policy_completes_everything(moe_model):
+def test_max_utilization_policy_completes_everything(moe_model, moe_llm):
     path, _ = moe_model
     prompts = random_prompts(12, VOCAB, 10, 40, seed=11)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm = make_llm(
+    with make_llm(
         path,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=200),
         scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"),
-    )
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    reference = make_llm(path).generate(prompts, params, use_tqdm=False)
+        warmup="none",
+    ) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
+    reference = moe_llm.generate(prompts, params, use_tqdm=False)  # the default policy, a large pool
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
-    assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
 
 
 def test_token_budget_smaller_than_a_block_is_refused(moe_model):
     with pytest.raises(ValueError, match="max_num_tokens"):
-        make_llm(moe_model[0], max_num_tokens=4)
+        make_llm(moe_model[0], max_num_tokens=4).shutdown()
 
 
 def test_steady_decode_path_changes_no_output(moe_llm, monkeypatch):

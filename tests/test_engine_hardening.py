@@ -38,8 +38,9 @@ def llm(model_dir):
         max_num_tokens=64,
         max_seq_len=256,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),
+        decode_batch_sizes=[1, 2],  # two decode buckets (of the default four): each compiles 13 samplers
+        warmup="all",  # every bucket and sampler variant before the constructor returns
     )
-    llm.executor.call_on_engine(lambda engine: engine.warmup(), timeout=None)
     yield llm
     llm.shutdown()
 

@@ -87,7 +87,11 @@ def test_ep_fp8_experts_on_the_fp8_kernel_match_one_device(tmp_path):
     from tests.test_fp8_weights import DS
 
     write_fp8_checkpoint(tmp_path / "ds", build_hf(DS))
-    results = run_on_cpu_devices("test_ep_moe_fp8", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",))
+    # Optimized: with LLVM's optimizations off, EP 2 allgather's logits differed from one device's
+    # by 1.5e-3 (TOL 1e-4).
+    results = run_on_cpu_devices(
+        "test_ep_moe_fp8", "check_all", tmp_path, unset_env=("EXPERT_STATISTIC_ITER_RANGE",), fast_compile=False
+    )
     base = next(r for r in results if r["kind"] == "base")
     assert base["std"] > 0.5  # logits that could tell a wrong expert apart
     eps = [r for r in results if r["kind"] == "ep"]

@@ -10,7 +10,8 @@ holds int8 values in [-32, 31] with a float32 scale per 16. Oracles:
   layout (`tests.gguf_helpers.quantize_k`);
 - transformers' GGUF loader (its own dequantization): logits equal to float32 precision;
 - `plan_memory`: the weight bytes equal what the loaded parameters hold;
-- tensor parallelism: TP 2 gives the single-device greedy tokens.
+- tensor parallelism (`tests/test_quantized_tp.py`, with the other quantized formats): TP 2
+  gives the single-device greedy tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import make_tiny_hf, quantize_k, write_gguf  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
-from tests.multidevice import run_on_cpu_devices  # noqa: E402
 
 # 256-wide rows (K-quant super-blocks): hidden 256, down_proj's inputs 512.
 K_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
@@ -115,52 +115,6 @@ def test_weights_stay_quantized_and_logits_equal_transformers_gguf_model(tmp_pat
     ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
     assert np.abs(ref).max() > 0.1
     assert rel_err(ours, ref) < 1e-4
-
-
-def check_tp(root: Path) -> None:
-    """Subprocess entry point (2 devices): greedy tokens and weight bytes at TP 1 and TP 2."""
-    import json
-
-    from jaxllm import LLM, KvCacheConfig, SamplingParams
-
-    prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 120, 64]]
-    for tp in (1, 2):
-        llm = LLM(
-            str(root / "conv"),
-            dtype="float32",
-            tensor_parallel_size=tp,
-            max_batch_size=2,
-            max_seq_len=64,
-            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
-        )
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        engine = llm.engine
-        quantized = _quantized(engine.runner.params)
-        print(
-            json.dumps(
-                dict(
-                    tp=tp,
-                    tokens=[list(o.outputs[0].token_ids) for o in outputs],
-                    plan=plan_memory(engine.model_config, ParallelConfig(tp)).weights_per_device,
-                    held=held_weight_bytes(engine.runner.params),
-                    kept=bool(quantized) and all(w.offset is not None and w.unsigned for w in quantized),
-                )
-            ),
-            flush=True,
-        )
-        llm.shutdown()
-
-
-def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
-    """Q4_1 weights (unsigned 4-bit values, scales and offsets split like their weight)."""
-    _write(tmp_path, "llama", "Q4_1")
-    one, two = sorted(
-        run_on_cpu_devices("test_gguf_kept_types", "check_tp", tmp_path, num_devices=2), key=lambda r: r["tp"]
-    )
-    assert one["kept"] and two["kept"]
-    assert all(len(t) == 8 for t in one["tokens"])
-    assert two["tokens"] == one["tokens"]
-    assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8"])

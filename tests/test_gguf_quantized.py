@@ -11,8 +11,9 @@ inputs, and are dequantized in the jitted step. Oracles:
   logits equal to float32 precision (Llama with llama.cpp's q/k permutation, Qwen2, and
   Qwen3-MoE's experts);
 - `plan_memory`: the per-device weight bytes equal what the loaded parameters hold;
-- tensor parallelism: TP 2 gives the single-device greedy tokens (2 fake CPU devices), with
-  the float and with an FP8 KV cache.
+- tensor parallelism (`tests/test_quantized_tp.py`, with the other quantized formats): TP 2
+  gives the single-device greedy tokens (2 fake CPU devices), with the float and with an FP8
+  KV cache.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import make_tiny_hf, write_gguf  # noqa: E402
 from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err  # noqa: E402
-from tests.multidevice import run_on_cpu_devices  # noqa: E402
 
 
 def _quantized(params) -> list[QuantizedWeight]:
@@ -103,53 +103,6 @@ def test_packed_int4_takes_half_the_bytes_of_int8(tmp_path):
         params = load_params(directory, load_model_config(directory, dtype="float32"))
         sizes[name] = sum(w.value.nbytes for w in _quantized(params))
     assert sizes["q4"] * 2 == sizes["q8"]
-
-
-def check_tp(root: Path) -> None:
-    """Subprocess entry point (2 devices): greedy tokens and weight bytes at TP 1 and TP 2."""
-    import json
-
-    from jaxllm import LLM, KvCacheConfig, SamplingParams
-
-    prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 120, 64]]
-    for tp, kv_dtype in ((1, "auto"), (2, "auto"), (1, "fp8"), (2, "fp8")):
-        llm = LLM(
-            str(root / "conv"),
-            dtype="float32",
-            tensor_parallel_size=tp,
-            max_batch_size=2,
-            max_seq_len=64,
-            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256, dtype=kv_dtype),
-        )
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        engine = llm.engine
-        plan = plan_memory(engine.model_config, ParallelConfig(tp)).weights_per_device
-        print(
-            json.dumps(
-                dict(
-                    tp=tp,
-                    kv=kv_dtype,
-                    tokens=[list(o.outputs[0].token_ids) for o in outputs],
-                    plan=plan,
-                    held=held_weight_bytes(engine.runner.params),
-                    packed=all(w.packed for w in _quantized(engine.runner.params)),
-                )
-            ),
-            flush=True,
-        )
-        llm.shutdown()
-
-
-def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
-    """Q4_0 weights, with the float and with an FP8 KV cache (split by KV head, scales per layer)."""
-    _write(tmp_path, "llama", "Q4_0")
-    results = run_on_cpu_devices("test_gguf_quantized", "check_tp", tmp_path, num_devices=2)
-    for kv in ("auto", "fp8"):
-        one, two = sorted((r for r in results if r["kv"] == kv), key=lambda r: r["tp"])
-        assert one["packed"] and two["packed"]
-        assert all(len(t) == 8 for t in one["tokens"])
-        assert two["tokens"] == one["tokens"], f"KV cache {kv}: TP 2 tokens differ from one device"
-        assert one["plan"] == one["held"] and two["plan"] == two["held"] and two["held"] < one["held"]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
