@@ -10,15 +10,19 @@ import sys
 import time
 from pathlib import Path
 
+from tests.multidevice import FAST_COMPILE
 from tests.server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def process_env(num_devices: int = 2) -> dict:
+    # The processes compile as this one does (LLVM's optimizations off in a test run, see
+    # tests/conftest.py): their tokens are compared with this process's engines.
+    fast = FAST_COMPILE if FAST_COMPILE in os.environ.get("XLA_FLAGS", "") else ""
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} {fast}".strip(),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
