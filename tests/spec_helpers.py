@@ -36,3 +36,27 @@ def recorded_drafts(engine) -> Iterator[tuple[list[tuple[list[int], list[int]]],
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         del drafter.propose  # the class's method again
+
+
+def small_spec_engine(model: str, speculative_config, **fields):
+    """An engine with the limits the parallel-layout speculation tests share (4 rows, a 16-token
+    budget, 96-token sequences, 8-token blocks, every program compiled on first use, token
+    buckets only); `fields`: the layout and the rest."""
+    from jaxllm import KvCacheConfig
+    from jaxllm.engine.engine_config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype="float32",
+            max_batch_size=4,
+            max_num_tokens=16,
+            max_seq_len=96,
+            compile_ahead=False,
+            decode_batch_sizes=[],
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
+            speculative_config=speculative_config,
+            **fields,
+        )
+    )

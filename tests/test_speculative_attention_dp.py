@@ -99,28 +99,15 @@ def check_all(root: Path) -> None:
     """Subprocess entry point (4 devices)."""
     import jax
 
-    from jaxllm import KvCacheConfig
-    from jaxllm.engine.engine_config import EngineConfig
-    from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.models import materialize_preset
     from jaxllm.speculative_config import NGramDecodingConfig
+    from tests.spec_helpers import small_spec_engine
 
     assert len(jax.devices()) == 4
     for name, layout in RUNS:
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(root / "qwen3_moe"),
-                tokenizer=str(materialize_preset("tiny-moe")),
-                dtype="float32",
-                max_batch_size=4,
-                max_num_tokens=16,
-                max_seq_len=96,
-                compile_ahead=False,
-                decode_batch_sizes=[],
-                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
-                speculative_config=NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2) if layout else None,
-                **layout,
-            )
+        ngram = NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2) if layout else None
+        engine = small_spec_engine(
+            str(root / "qwen3_moe"), ngram, tokenizer=str(materialize_preset("tiny-moe")), **layout
         )
         compiles: list[str] = []
 

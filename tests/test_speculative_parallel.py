@@ -87,12 +87,10 @@ def check_all(root: Path) -> None:
     """Subprocess entry point (8 devices)."""
     import jax
 
-    from jaxllm import KvCacheConfig
-    from jaxllm.engine.engine_config import EngineConfig
-    from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.llm_args import MoeConfig
     from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig
     from sharding.eplb.eplb_config import MoeLoadBalancerConfig
+    from tests.spec_helpers import small_spec_engine
 
     assert len(jax.devices()) == 8
     methods = {
@@ -103,21 +101,7 @@ def check_all(root: Path) -> None:
     balancer = MoeLoadBalancerConfig(num_slots=20, layer_updates_per_iter=1, min_imbalance_gain=-1.0)
     for name, method, layout in RUNS:
         extra = dict(moe_config=MoeConfig(load_balancer=balancer)) if layout == "ep2-eplb" else {}
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(root / "ds"),
-                dtype="float32",
-                max_batch_size=4,
-                max_num_tokens=16,
-                max_seq_len=96,
-                compile_ahead=False,
-                decode_batch_sizes=[],
-                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
-                speculative_config=methods[method],
-                **PARALLEL.get(layout, {}),
-                **extra,
-            )
-        )
+        engine = small_spec_engine(str(root / "ds"), methods[method], **PARALLEL.get(layout, {}), **extra)
         try:
             result = _run(engine)
             if engine.load_balancer is not None:

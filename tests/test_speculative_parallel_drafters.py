@@ -60,11 +60,9 @@ def check_all(root: Path) -> None:
     """Subprocess entry point (2 devices)."""
     import jax
 
-    from jaxllm import KvCacheConfig
-    from jaxllm.engine.engine_config import EngineConfig
-    from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.models import materialize_preset
     from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig
+    from tests.spec_helpers import small_spec_engine
 
     assert len(jax.devices()) == 2
     methods = {
@@ -75,20 +73,7 @@ def check_all(root: Path) -> None:
         "eagle3": EagleDecodingConfig(max_draft_len=3, speculative_model_dir=str(root / "head")),
     }
     for name, layout in RUNS:
-        engine = LLMEngine(
-            EngineConfig(
-                model="tiny-moe",
-                dtype="float32",
-                max_batch_size=4,
-                max_num_tokens=16,
-                max_seq_len=96,
-                compile_ahead=False,
-                decode_batch_sizes=[],
-                kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
-                speculative_config=methods[name],
-                **layout,
-            )
-        )
+        engine = small_spec_engine("tiny-moe", methods[name], **layout)
         try:
             result = _run(engine)
             leaf = jax.tree_util.tree_leaves(engine.speculation.drafter.params)[0] if name != "base" else None

@@ -31,7 +31,7 @@ from jaxllm.engine.host_transfer import pack
 
 class ContextLogitsVariants:
     def __init__(self, *, step_runner: Any, runner: Any, planner: Any, bucket_compiler: Any, config: Any) -> None:
-        """`step_runner` compiles (the runner, or a multi-host leader's mirrored one), `runner`
+        """`step_runner` compiles (the engine's runner: compile-ahead is single-process), `runner`
         holds the compiled programs; `bucket_compiler` picks a plain step's bucket."""
         self.step_runner, self.runner, self.planner = step_runner, runner, planner
         self.bucket_compiler = bucket_compiler
@@ -59,9 +59,7 @@ class ContextLogitsVariants:
     def compile(self, bucket: int, rows: Optional[int] = None, *, background: bool = False) -> Any:
         """Start compiling a variant (default: the full one); returns its future."""
         inputs = self._inputs(bucket, bucket if rows is None else rows)
-        if background:
-            return self.step_runner.compile_forward(*inputs, wait=False, background=True)
-        return self.step_runner.compile_forward(*inputs, wait=False)
+        return self.step_runner.compile_forward(*inputs, wait=False, background=background)
 
     def _full_buckets(self) -> list[int]:
         return [bucket for bucket in self.planner.token_buckets() if self.compiled(bucket)]

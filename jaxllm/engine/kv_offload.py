@@ -68,7 +68,6 @@ class KvOffloader:
         self.max_batch = padded_block_count(max_batch)
         self.num_slots = tiers[0].num_slots
         self.copier = copier or HostBlockCopier(runner, len(tiers) * self.num_slots, num_blocks, attention_dp)
-        self.memory_kind = self.copier.memory_kind
         self.counts = TransferCounts()
         self._onboards: list[tuple[int, int, int, int]] = []  # (tier, slot, block, ticket) not started
         self._writes: list[list[tuple[int, int, int]]] = []  # started batches: (tier, block, ticket)
@@ -77,6 +76,11 @@ class KvOffloader:
         """Make the copies through `copier` (a multi-host leader's mirrored copier, wrapping
         this one's)."""
         self.copier = copier
+
+    @property
+    def memory_kind(self) -> Optional[str]:
+        """The host memory kind the copies go through (`kv_host_copies.host_memory_kind`)."""
+        return self.copier.memory_kind
 
     @property
     def num_in_flight(self) -> int:
