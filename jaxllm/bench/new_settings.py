@@ -33,6 +33,7 @@ from jaxllm.bench.throughput import add_engine_args
 
 JAXLLM = "jaxllm"
 ON_THE_STEP = "jaxllm, variants on the step"
+WHOLE_PROMPTS = "jaxllm, whole prompts"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -55,7 +56,7 @@ def settings(tokens: int, prompt_logprobs: bool) -> list[tuple[str, dict]]:
     return [(name, dict(max_tokens=tokens, ignore_eos="guided_decoding" not in kw, **kw)) for name, kw in named]
 
 
-def build_engine(args: argparse.Namespace, fallback: bool):
+def build_engine(args: argparse.Namespace, fallback: bool, name: str = JAXLLM):
     from jaxllm.cli.args import engine_kwargs
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
@@ -64,10 +65,12 @@ def build_engine(args: argparse.Namespace, fallback: bool):
     kwargs["compile_cache"] = False  # each engine compiles its programs in this run
     if not fallback:
         kwargs["compile_ahead"] = False
+    if name == WHOLE_PROMPTS:
+        kwargs["max_num_tokens_with_generation"] = 0
     engine = LLMEngine(EngineConfig(model=args.model, **kwargs))
     started = time.perf_counter()
     engine.warmup(all_variants=False, background=fallback)
-    print(f"{JAXLLM if fallback else ON_THE_STEP}: ready in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    print(f"{name}: ready in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return engine
 
 
@@ -156,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--setting-len", type=int, default=4, help="output tokens of each arriving request")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between two arriving requests")
     parser.add_argument("--prompt-logprobs", action="store_true", help="a request asking for prompt logprobs too")
-    parser.add_argument("--peers", nargs="*", choices=("on-the-step",), default=["on-the-step"])
+    parser.add_argument(
+        "--peers", nargs="*", choices=("on-the-step", "whole-prompts"), default=["on-the-step", "whole-prompts"]
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-json", default=None)
     return parser
@@ -168,8 +173,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("jaxllm bench settings: lengths must be >= 1 and --interval >= 0")
     results: dict[str, dict] = {}
     loads = []
-    for name, fallback in [(JAXLLM, True)] + [(ON_THE_STEP, False)] * ("on-the-step" in args.peers):
-        engine = build_engine(args, fallback)
+    engines = [(JAXLLM, True)] + [(ON_THE_STEP, False)] * ("on-the-step" in args.peers)
+    engines += [(WHOLE_PROMPTS, True)] * ("whole-prompts" in args.peers)
+    for name, fallback in engines:
+        engine = build_engine(args, fallback, name)
         rng = np.random.default_rng(args.seed)
         prompt = rng.integers(3, engine.model_config.vocab_size, args.input_len).tolist()
         loads.append(os.getloadavg()[0])

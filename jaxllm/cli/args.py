@@ -219,6 +219,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "(unset: 1,2,4,... below the decode token bucket; 'off': token buckets only)",
     )
     g.add_argument(
+        "--max-num-tokens-with-generation",
+        dest="max_num_tokens_with_generation",
+        type=int,
+        default=None,
+        help="tokens of a step carrying running streams: new prompts join them in chunks up to this size "
+        "(unset: the smallest token bucket on a CPU, off elsewhere; 0: off)",
+    )
+    g.add_argument(
         "--speculative-config",
         "--speculative_config",
         dest="speculative_config",
@@ -453,6 +461,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_attention_dp=getattr(args, "enable_attention_dp", False),
         multihost_plan_channel=getattr(args, "multihost_plan_channel", "kv"),
         decode_batch_sizes=getattr(args, "decode_batch_sizes", None),
+        max_num_tokens_with_generation=getattr(args, "max_num_tokens_with_generation", None),
         speculative_config=getattr(args, "speculative_config", None),
     )
     if getattr(args, "enable_lora", False):

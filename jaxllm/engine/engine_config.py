@@ -97,6 +97,13 @@ class EngineConfig:
     # `max_batch_size` rows, so one user decoding alone pays for one row. None: powers of two
     # from 1 below the decode token bucket; []: off. One compiled forward each.
     decode_batch_sizes: Optional[list[int]] = None
+    # Stall-free steps: while fewer than half this many streams decode, a step takes at most this
+    # many tokens, a new prompt joining them in chunks that fit, so it delays those streams by a
+    # small bucket's cost, not the largest's (more streams, or none: the whole max_num_tokens).
+    # None: `min_token_bucket` on a CPU backend (where a step's cost grows with its tokens: SmolLM2's
+    # 16 / 32 / 64-token steps cost 1.4 / 1.8 / 2.1 one-row decode steps), off elsewhere (a GPU step
+    # costs about the same up to hundreds of tokens); 0: off. Needs enable_chunked_prefill.
+    max_num_tokens_with_generation: Optional[int] = None
     # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
     # `decoding_type` or vLLM's `method` is converted). None: off.
     speculative_config: Optional[SpeculativeConfig] = None
@@ -142,6 +149,16 @@ class EngineConfig:
                     f"decode_batch_sizes must be at most max_batch_size ({self.max_batch_size}), got {max(sizes)}"
                 )
             self.decode_batch_sizes = sorted(set(sizes))
+        tokens_with_generation = self.max_num_tokens_with_generation
+        if tokens_with_generation is not None and (
+            isinstance(tokens_with_generation, bool)
+            or not isinstance(tokens_with_generation, int)
+            or tokens_with_generation == 1
+            or not 0 <= tokens_with_generation <= LIMIT_RANGES["max_num_tokens"][1]
+        ):
+            raise ValueError(
+                f"max_num_tokens_with_generation must be 0 (off) or an integer >= 2, got {tokens_with_generation!r}"
+            )
         if self.compile_workers is not None and (
             not isinstance(self.compile_workers, int)
             or isinstance(self.compile_workers, bool)
@@ -170,6 +187,15 @@ class EngineConfig:
             )
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+
+    def tokens_with_generation(self, platform: str) -> Optional[int]:
+        """The stall-free step size on `platform` (`max_num_tokens_with_generation`), None: off."""
+        value = self.max_num_tokens_with_generation
+        if value is None:
+            value = self.min_token_bucket if platform == "cpu" else 0
+        if not value or not self.enable_chunked_prefill or value >= self.max_num_tokens:
+            return None
+        return max(value, 2)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

@@ -14,6 +14,13 @@ budget stops them. Then context requests, in the order given:
   - FIRST_COME_FIRST_SERVED: in order, each request takes
     `min(remaining, budget_left, max_context_length)`, floored to the unit if truncated;
   - EQUAL_PROGRESS: rounds of one unit per request until the budget is used.
+
+Stall-free steps (`max_tokens_with_generation`, off by default): while a few generation
+requests run (fewer than half that size), a step takes prompt tokens only up to that many
+tokens in all, in chunks that may end inside a KV block. Those streams' steps then cost about
+that small bucket, not the largest one (as Sarathi-Serve's token budget for stall-free
+batching). Steps without generation, or with many generation requests (a batch, whose steps
+are large anyway), keep the whole budget, so a batch's prompts are not starved.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class MicroBatchScheduler:
         chunking: Optional[ContextChunkingConfig] = None,
         *,
         max_context_length: Optional[int] = None,
+        max_tokens_with_generation: Optional[int] = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -60,6 +68,8 @@ class MicroBatchScheduler:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         if max_context_length is not None and max_context_length < 1:
             raise ValueError(f"max_context_length must be >= 1, got {max_context_length}")
+        if max_tokens_with_generation is not None and max_tokens_with_generation < 2:
+            raise ValueError(f"max_tokens_with_generation must be >= 2, got {max_tokens_with_generation}")
         if chunking is not None and max_context_length is not None and max_context_length < chunking.chunk_unit_size:
             raise ValueError(
                 f"max_context_length ({max_context_length}) is smaller than the chunk "
@@ -69,6 +79,7 @@ class MicroBatchScheduler:
         self.max_num_tokens = max_num_tokens
         self.chunking = chunking
         self.max_context_length = max_context_length
+        self.max_tokens_with_generation = max_tokens_with_generation
         self._token_cap: Optional[int] = None  # a lower budget for now (`cap_tokens`)
 
     def cap_tokens(self, cap: Optional[int]) -> None:
@@ -120,7 +131,13 @@ class MicroBatchScheduler:
         if self.chunking is None:
             context = self._schedule_whole_prompts(candidates, budget)
         else:
-            context = self._schedule_chunks(candidates, budget, self.chunking)
+            unit = self.chunking.chunk_unit_size
+            stall_free = self.max_tokens_with_generation
+            if stall_free is not None and 0 < 2 * gen_tokens < stall_free:  # a few streams: a small step
+                prompt_tokens = stall_free - gen_tokens
+                budget = prompt_tokens if budget is None else min(budget, prompt_tokens)
+                unit = 1  # chunks of any size (a whole block might not fit)
+            context = self._schedule_chunks(candidates, budget, unit)
         return context, generation
 
     # ------------------------------------------------------------ internal
@@ -142,9 +159,7 @@ class MicroBatchScheduler:
                 budget -= remaining
         return context
 
-    def _schedule_chunks(
-        self, candidates: RequestList, budget: Optional[int], chunking: ContextChunkingConfig
-    ) -> RequestList:
+    def _schedule_chunks(self, candidates: RequestList, budget: Optional[int], unit: int) -> RequestList:
         max_len = self.max_context_length
         wanted = 0
         fits_whole = True
@@ -157,8 +172,8 @@ class MicroBatchScheduler:
             for req in candidates:
                 req.context_chunk_size = req.context_remaining_length
             return list(candidates)
-        unit = chunking.chunk_unit_size
-        if chunking.chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
+        assert self.chunking is not None
+        if self.chunking.chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
             self._chunk_equal_progress(candidates, budget, unit)
         else:
             self._chunk_first_come_first_served(candidates, budget, unit)

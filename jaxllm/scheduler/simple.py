@@ -43,6 +43,7 @@ def make_scheduler(
     enable_chunked_prefill: bool,
     max_context_length: Optional[int] = None,
     lora_slots=None,
+    max_tokens_with_generation: Optional[int] = None,
 ) -> SimpleScheduler:
     """Build the scheduler the engine uses from the user's `SchedulerConfig` (`lora_slots`:
     the engine's `jaxllm.lora.LoraSlots`, a resource of the capacity scheduler)."""
@@ -53,7 +54,13 @@ def make_scheduler(
     chunking = None
     if enable_chunked_prefill:
         chunking = ContextChunkingConfig(config.context_chunking_policy, kv_cache_manager.tokens_per_block)
-    micro = MicroBatchScheduler(max_batch_size, max_num_tokens, chunking, max_context_length=max_context_length)
+    micro = MicroBatchScheduler(
+        max_batch_size,
+        max_num_tokens,
+        chunking,
+        max_context_length=max_context_length,
+        max_tokens_with_generation=max_tokens_with_generation if chunking is not None else None,
+    )
     return SimpleScheduler(capacity, micro)
 
 
