@@ -262,9 +262,9 @@ def test_no_compilation_after_warmup(llm, canary_tokens):
     assert len(outs[11].outputs) == 2 and len(outs[12].outputs) == 2
     after = on_engine(llm, lambda e: dict(e.runner.steps_per_bucket))
     ran = {b for b in after if after[b] > before.get(b, 0)}  # steps_per_bucket: by tokens per step
-    # Prompt chunks in token buckets 32 and 64 (and 16: a prompt joining a few streams, stall-free),
-    # decode steps in decode buckets (decode steps of 8 rows or fewer no longer run in token bucket 16).
-    assert {16, 32, 64} <= ran and ran & set(sizes), (before, after)
+    # Prompt chunks in token buckets 32 and 64, decode steps in decode buckets (decode steps of
+    # 8 rows or fewer no longer run in token bucket 16).
+    assert {32, 64} <= ran and len(ran & set(sizes)) >= 2, (before, after)
     assert compiles == [], f"{len(compiles)} XLA compilations after warm-up"
     assert on_engine(llm, lambda e: e.runner.num_compiled_variants) == sum(variants)
     assert_engine_healthy(llm, canary_tokens)

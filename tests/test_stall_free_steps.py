@@ -50,14 +50,14 @@ def test_off_it_is_the_block_chunked_budget():
     assert prompt.context_chunk_size == 224  # 255 floored to whole 32-token blocks
 
 
-def test_the_default_is_the_smallest_bucket_on_a_cpu_only():
-    config = EngineConfig(model="tiny-moe", max_num_tokens=256)
-    assert config.tokens_with_generation("cpu") == 16 and config.tokens_with_generation("gpu") is None
-    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=0).tokens_with_generation("cpu") is None
-    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=48).tokens_with_generation("gpu") == 48
-    no_chunks = EngineConfig(model="tiny-moe", enable_chunked_prefill=False)
-    assert no_chunks.tokens_with_generation("cpu") is None
-    assert EngineConfig(model="tiny-moe", max_num_tokens=16).tokens_with_generation("cpu") is None  # no smaller step
+def test_it_is_off_unless_asked_for_and_needs_chunks_and_a_smaller_step():
+    assert EngineConfig(model="tiny-moe", max_num_tokens=256).tokens_with_generation() is None
+    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=0).tokens_with_generation() is None
+    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=48).tokens_with_generation() == 48
+    off = EngineConfig(model="tiny-moe", enable_chunked_prefill=False, max_num_tokens_with_generation=16)
+    assert off.tokens_with_generation() is None
+    small = EngineConfig(model="tiny-moe", max_num_tokens=16, max_num_tokens_with_generation=16)
+    assert small.tokens_with_generation() is None  # no step smaller than the largest
 
 
 @pytest.mark.parametrize("bad", [1, -2, True, 2.5, "16"])

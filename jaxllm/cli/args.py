@@ -224,7 +224,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         type=int,
         default=None,
         help="tokens of a step carrying running streams: new prompts join them in chunks up to this size "
-        "(unset: the smallest token bucket on a CPU, off elsewhere; 0: off)",
+        "(a new prompt's TTFT for the streams' inter-token latency; unset or 0: off)",
     )
     g.add_argument(
         "--speculative-config",

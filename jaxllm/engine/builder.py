@@ -344,7 +344,7 @@ def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) 
             config.max_num_tokens,
             config.enable_chunked_prefill,
             lora_slots=lora_slots,
-            max_tokens_with_generation=config.tokens_with_generation(device.layout.platform),
+            max_tokens_with_generation=config.tokens_with_generation(),
         )
         return Planner(
             scheduler=scheduler,

@@ -99,10 +99,10 @@ class EngineConfig:
     decode_batch_sizes: Optional[list[int]] = None
     # Stall-free steps: while fewer than half this many streams decode, a step takes at most this
     # many tokens, a new prompt joining them in chunks that fit, so it delays those streams by a
-    # small bucket's cost, not the largest's (more streams, or none: the whole max_num_tokens).
-    # None: `min_token_bucket` on a CPU backend (where a step's cost grows with its tokens: SmolLM2's
-    # 16 / 32 / 64-token steps cost 1.4 / 1.8 / 2.1 one-row decode steps), off elsewhere (a GPU step
-    # costs about the same up to hundreds of tokens); 0: off. Needs enable_chunked_prefill.
+    # small bucket's cost, not the largest's (more streams, or none: the whole max_num_tokens). It
+    # trades the new prompt's TTFT for the streams' inter-token latency: on a CPU, SmolLM2's 16 / 32
+    # / 64-token steps cost 1.4 / 1.8 / 2.1 one-row decode steps. None or 0: off. Needs
+    # enable_chunked_prefill.
     max_num_tokens_with_generation: Optional[int] = None
     # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
     # `decoding_type` or vLLM's `method` is converted). None: off.
@@ -188,14 +188,12 @@ class EngineConfig:
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
 
-    def tokens_with_generation(self, platform: str) -> Optional[int]:
-        """The stall-free step size on `platform` (`max_num_tokens_with_generation`), None: off."""
+    def tokens_with_generation(self) -> Optional[int]:
+        """The stall-free step size (`max_num_tokens_with_generation`); None: off."""
         value = self.max_num_tokens_with_generation
-        if value is None:
-            value = self.min_token_bucket if platform == "cpu" else 0
         if not value or not self.enable_chunked_prefill or value >= self.max_num_tokens:
             return None
-        return max(value, 2)
+        return value
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
