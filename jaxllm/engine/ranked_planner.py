@@ -25,15 +25,8 @@ from typing import Optional
 import numpy as np
 
 from jaxllm.batch_builder import build_step_batch, choose_token_bucket
-from jaxllm.engine.planner import (
-    PLACEHOLDER_TOKEN,
-    BuiltStep,
-    Planner,
-    PlannerOptions,
-    StepPlan,
-    TokenEntry,
-    build_isolating_failures,
-)
+from jaxllm.engine.planner import PLACEHOLDER_TOKEN, Planner, PlannerOptions, StepPlan, TokenEntry
+from jaxllm.engine.step_failures import BuiltStep, build_isolating_failures
 from jaxllm.kv_cache import KVCacheManager
 from jaxllm.kv_cache.stats import KvCacheStats
 from jaxllm.llm_request import LlmRequest
