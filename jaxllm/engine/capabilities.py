@@ -33,11 +33,6 @@ def check_layout(config: EngineConfig, model_config: ModelConfig, layout: Layout
             "moe dispatch 'ragged_all_to_all' needs a platform that implements "
             "jax.lax.ragged_all_to_all (XLA:CPU does not); use all_to_all, allgather or auto"
         )
-    if config.enable_attention_dp and model_config.is_mla:
-        raise ValueError(
-            f"enable_attention_dp: {model_config.architecture} uses multi-head latent "
-            "attention, which attention data parallelism does not support yet"
-        )
     tpb = config.kv_cache_config.tokens_per_block
     if config.enable_chunked_prefill and config.max_num_tokens < tpb:
         raise ValueError(

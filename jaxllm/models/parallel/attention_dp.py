@@ -13,8 +13,11 @@ Layout (SPMD, one program for all ranks):
   every rank (the largest any rank needs this step). Built on the host by
   `jaxllm.engine.ranked_planner`; the step plan stays plain numpy.
 - The KV cache of each layer is [D, Hkv, blocks, tokens_per_block, head_dim] split over
-  the devices on its leading axis: device d holds rank d's block pool, every KV head.
-- Attention, dense and embedding weights are replicated (no head or column split), the
+  the devices on its leading axis: device d holds rank d's block pool, every KV head. With
+  multi-head latent attention (DeepSeek-V3) it is the latent cache [D, blocks,
+  tokens_per_block, kv_lora_rank + qk_rope_head_dim], split the same way.
+- Attention (MLA's projections too), dense and embedding weights are replicated (no head or
+  column split), the
   experts are stored as slots split over `expert` with their FFN columns over `tensor`,
   as under plain expert parallelism (`jaxllm.models.partitioning.attention_dp_rules`).
   Quantized weights (FP8, GGUF, AWQ / GPTQ) keep their scales beside their values: the
@@ -48,11 +51,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.kv_cache.spec import MhaLayerCache
+from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
 from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body, expert_rows_operands
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, quantized_moe_fn, route
+from jaxllm.models.moe import MoeFn, quantized_moe_fn, route_layer
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
@@ -79,7 +82,7 @@ def dp_moe_layer(
     if moe_tp > 1:  # the expert group's T devices work on the same rows
         x = jax.lax.all_gather(h, TENSOR_AXIS, axis=0, tiled=True)
         ok = jax.lax.all_gather(valid, TENSOR_AXIS, axis=0, tiled=True)
-    weights, ids = route(x, p["router"], config)
+    weights, ids = route_layer(x, p, config)  # softmax top-k, or DeepSeek-V3's grouped sigmoid
     group_counts = count_experts(ids, config.num_experts, ok)
     if ep > 1:
         by_rank = jax.lax.all_gather(group_counts, EXPERT_AXIS)  # [ep, E]
@@ -101,7 +104,7 @@ def dp_moe_layer(
 
 def forward_attention_dp(
     params: Any,
-    kv_cache: list[MhaLayerCache],
+    kv_cache: list[MhaLayerCache] | list[MlaLayerCache],
     batch: StepBatch,
     *,
     config: ModelConfig,
@@ -111,7 +114,7 @@ def forward_attention_dp(
     param_specs: Any,
     moe_options: EpMoeOptions | None = None,
     context_index: jax.Array | None = None,
-) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None, jax.Array | None]:
+) -> tuple[jax.Array, list[MhaLayerCache] | list[MlaLayerCache], MoeStepStats | None, jax.Array | None]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
     [D * S_rank, V] (rank-major rows), the updated caches, the MoE statistics, and with
     `context_index` int32[D, E_rank] (each rank's packed token indices) those tokens' float32
