@@ -150,7 +150,7 @@ def test_ngram_greedy_output_under_attention_dp_equals_one_device_without_specul
 
 
 def test_drafters_are_refused_with_attention_dp():
-    from jaxllm.engine.speculation import check_speculative_support
+    from jaxllm.engine.capabilities import check_speculative_support
     from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
 
     check_speculative_support(NGramDecodingConfig(), attention_dp=True)

@@ -9,12 +9,13 @@ engine too (`Capabilities`), and each request is checked against it at admission
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.llm_args import CapacitySchedulerPolicy
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.sampling import SamplingParams
+from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -135,3 +136,27 @@ def _beam_search_unsupported(config: EngineConfig, layout: Layout) -> Optional[s
             "MAX_UTILIZATION pauses requests, and paused beams cannot be recomputed"
         )
     return None
+
+
+def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, disaggregated: bool = False) -> None:
+    """ValueError naming what an engine cannot combine with `config`."""
+    if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
+        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
+    if attention_dp:  # n-gram drafts are looked up on the host; MTP keeps one device pool per rank
+        if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig)):
+            raise ValueError(
+                f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
+                "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig and "
+                "MTPDecodingConfig are"
+            )
+
+
+def check_engine_speculation(config: Any) -> None:
+    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
+    its speculative_config (checked before the engine is built)."""
+    if config.speculative_config is not None:
+        check_speculative_support(
+            config.speculative_config,
+            attention_dp=config.enable_attention_dp,
+            disaggregated=config.cache_transceiver_config is not None,
+        )

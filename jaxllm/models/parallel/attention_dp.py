@@ -41,7 +41,6 @@ Layout (SPMD, one program for all ranks):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +101,31 @@ def dp_moe_layer(
     return out.astype(h.dtype), counts, dropped[0]
 
 
+def dp_slot_moe_layer(
+    config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh, options: EpMoeOptions | None = None
+) -> Callable[[jax.Array, dict, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """The MoE layer the decoder layers run inside the attention-DP shard_map: `dp_moe_layer`
+    over every rank's tokens (as many per rank as the calling device's: a forward's token
+    bucket, or a drafter's rows)."""
+    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
+    layer_fn = quantized_moe_fn(moe_fn, config)  # as `decode_layers` hands its MoE layers
+
+    def layer(h: jax.Array, p: dict, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return dp_moe_layer(
+            h,
+            p,
+            valid,
+            config=config,
+            moe_fn=layer_fn,
+            options=options or EpMoeOptions(),
+            ep=ep,
+            moe_tp=moe_tp,
+            global_tokens=ep * moe_tp * h.shape[0],
+        )
+
+    return layer
+
+
 def forward_attention_dp(
     params: Any,
     kv_cache: list[MhaLayerCache] | list[MlaLayerCache],
@@ -114,23 +138,18 @@ def forward_attention_dp(
     param_specs: Any,
     moe_options: EpMoeOptions | None = None,
     context_index: jax.Array | None = None,
-) -> tuple[jax.Array, list[MhaLayerCache] | list[MlaLayerCache], MoeStepStats | None, jax.Array | None]:
+    return_hidden: bool = False,
+) -> tuple[
+    jax.Array, list[MhaLayerCache] | list[MlaLayerCache], MoeStepStats | None, jax.Array | None, jax.Array | None
+]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
     [D * S_rank, V] (rank-major rows), the updated caches, the MoE statistics, and with
     `context_index` int32[D, E_rank] (each rank's packed token indices) those tokens' float32
-    logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None."""
+    logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None;
+    with `return_hidden` every packed token's final residual [D, T_rank, H] (split over the
+    devices like the batch: what the MTP layers draft from), else None."""
     options = moe_options or EpMoeOptions()
-    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
-    num_ranks, tokens_per_rank = batch.token_ids.shape
-    moe_layer = functools.partial(
-        dp_moe_layer,
-        config=config,
-        moe_fn=quantized_moe_fn(moe_fn, config),  # as `decode_layers` hands its MoE layers
-        options=options,
-        ep=ep,
-        moe_tp=moe_tp,
-        global_tokens=num_ranks * tokens_per_rank,
-    )
+    moe_layer = dp_slot_moe_layer(config, moe_fn, mesh, options)
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
 
     def body(params_, cache_, batch_, context_index_):
@@ -153,16 +172,18 @@ def forward_attention_dp(
         context = None
         if context_index_ is not None:
             context = compute_logits(params_, x[context_index_[0]], config).astype(jnp.float32)[None]
-        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context
+        hidden = x[None] if return_hidden else None
+        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context, hidden
 
     cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
     batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
     context_spec = None if context_index is None else RANK_SPEC
-    logits, kv_cache, counts, dropped, context = jax.shard_map(
+    hidden_spec = RANK_SPEC if return_hidden else None
+    logits, kv_cache, counts, dropped, context, hidden = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(param_specs, cache_specs, batch_specs, context_spec),
-        out_specs=(RANK_SPEC, cache_specs, P(), P(), context_spec),
+        out_specs=(RANK_SPEC, cache_specs, P(), P(), context_spec, hidden_spec),
         check_vma=False,
     )(params, kv_cache, batch, context_index)
     # The sampler sees every row (as under tensor parallelism, where the logits are gathered too).
@@ -170,7 +191,7 @@ def forward_attention_dp(
     logits = jax.lax.with_sharding_constraint(logits.reshape(-1, logits.shape[2]), replicated)
     if context is not None:
         context = jax.lax.with_sharding_constraint(context.reshape(-1, context.shape[2]), replicated)
-    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None, context
+    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None, context, hidden
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
