@@ -9,7 +9,8 @@ accepted runs (the prompts repeat phrases, which the greedy outputs then loop on
 repetition penalty drafting, rows of several ranks drafting in the same step, and drafting
 decided by the adaptive policy too. Nothing compiles after the warm-up, and every KV block
 goes back to its rank's pool.
-MTP, draft models and EAGLE-3 are refused with attention DP (see docs/speculative-decoding.md).
+MTP under attention DP: tests/test_attention_dp_mla.py; draft models and EAGLE-3 are refused
+with attention DP (see docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -149,13 +150,12 @@ def test_ngram_greedy_output_under_attention_dp_equals_one_device_without_specul
     assert ngram["compiles"] == 0, "a program compiled after the warm-up"
 
 
-def test_drafters_are_refused_with_attention_dp():
+def test_draft_models_are_refused_with_attention_dp():
     from jaxllm.engine.capabilities import check_speculative_support
     from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
 
     check_speculative_support(NGramDecodingConfig(), attention_dp=True)
-    with pytest.raises(ValueError, match="MTPDecodingConfig is not supported with enable_attention_dp"):
-        check_speculative_support(MTPDecodingConfig(), attention_dp=True)
+    check_speculative_support(MTPDecodingConfig(), attention_dp=True)  # tests/test_attention_dp_mla.py
     draft = DraftTargetDecodingConfig(speculative_model_dir="tiny-dense")
     with pytest.raises(ValueError, match="DraftTargetDecodingConfig is not supported with enable_attention_dp"):
         check_speculative_support(draft, attention_dp=True)
