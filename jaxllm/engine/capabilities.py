@@ -15,7 +15,6 @@ from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.llm_args import CapacitySchedulerPolicy
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.sampling import SamplingParams
-from jaxllm.speculative_config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -138,25 +137,10 @@ def _beam_search_unsupported(config: EngineConfig, layout: Layout) -> Optional[s
     return None
 
 
-def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, disaggregated: bool = False) -> None:
-    """ValueError naming what an engine cannot combine with `config`."""
-    if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
-        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
-    if attention_dp:  # n-gram drafts are looked up on the host; MTP keeps one device pool per rank
-        if not isinstance(config, (NGramDecodingConfig, MTPDecodingConfig)):
-            raise ValueError(
-                f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
-                "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig and "
-                "MTPDecodingConfig are"
-            )
-
-
 def check_engine_speculation(config: Any) -> None:
-    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
-    its speculative_config (checked before the engine is built)."""
-    if config.speculative_config is not None:
-        check_speculative_support(
-            config.speculative_config,
-            attention_dp=config.enable_attention_dp,
-            disaggregated=config.cache_transceiver_config is not None,
-        )
+    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with its
+    speculative_config (checked before the engine is built). Every method also runs under
+    attention DP: n-gram drafts on the host, the drafters with one device pool per rank."""
+    # a generation-only request's first tokens never reach a drafter's pool
+    if config.speculative_config is not None and config.cache_transceiver_config is not None:
+        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")

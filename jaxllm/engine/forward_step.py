@@ -55,7 +55,7 @@ def model_forward_step(
     takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
     every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
     with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's); under
-    attention DP the final residuals [ranks, T_rank, H], split over the devices."""
+    attention DP with a leading rank axis ([ranks, T_rank, ...], split over the devices)."""
     common = dict(
         layout=layout,
         model_config=model_config,
@@ -70,8 +70,6 @@ def model_forward_step(
             params, kv_cache, inputs, prev_tokens, aux_layers=aux_layers, **common
         )
         return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows), hidden
-    if return_hidden and aux_layers:
-        raise ValueError("attention data parallelism returns the final hidden states only (no aux_layers)")
     kv_cache, logits, counts, context, hidden = _model_step(
         params,
         kv_cache,
@@ -79,6 +77,7 @@ def model_forward_step(
         prev_tokens,
         attention_dp_specs=attention_dp_specs,
         return_hidden=return_hidden,
+        aux_layers=aux_layers,
         **common,
     )
     greedy = pad_rows(first_argmax(logits), fed_rows)
@@ -105,6 +104,7 @@ def _model_step(
     moe_stats: bool,
     attention_dp_specs: Any,
     return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ):
     batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
     if attention_dp_specs is not None:
@@ -120,6 +120,7 @@ def _model_step(
             moe_options=moe_options,
             context_index=context_index,
             return_hidden=return_hidden,
+            aux_layers=aux_layers,
         )
         return kv_cache, logits, _expert_counts(stats) if moe_stats else None, context, hidden
     kwargs: dict[str, Any] = dict(

@@ -51,8 +51,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
-from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
+from jaxllm.models.decoder import compute_logits, decode_layers_capturing
 from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body, expert_rows_operands
+from jaxllm.models.layer_runner import LayerCapture
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeFn, quantized_moe_fn, route_layer
 from jaxllm.step_batch import StepBatch
@@ -139,6 +140,7 @@ def forward_attention_dp(
     moe_options: EpMoeOptions | None = None,
     context_index: jax.Array | None = None,
     return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ) -> tuple[
     jax.Array, list[MhaLayerCache] | list[MlaLayerCache], MoeStepStats | None, jax.Array | None, jax.Array | None
 ]:
@@ -147,7 +149,8 @@ def forward_attention_dp(
     `context_index` int32[D, E_rank] (each rank's packed token indices) those tokens' float32
     logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None;
     with `return_hidden` every packed token's final residual [D, T_rank, H] (split over the
-    devices like the batch: what the MTP layers draft from), else None."""
+    devices like the batch: what the MTP layers draft from), or with `aux_layers` the residuals
+    entering those layers, flattened [D, T_rank, K * H] (EAGLE-3's features), else None."""
     options = moe_options or EpMoeOptions()
     moe_layer = dp_slot_moe_layer(config, moe_fn, mesh, options)
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
@@ -155,7 +158,9 @@ def forward_attention_dp(
     def body(params_, cache_, batch_, context_index_):
         local = jax.tree.map(lambda a: a[0], batch_)
         cache_local = jax.tree.map(lambda a: a[0], cache_)
-        x, new_cache, stats = decode_layers_with_moe_stats(
+        num_tokens = local.token_ids.shape[0]
+        capture = LayerCapture(jnp.arange(num_tokens, dtype=jnp.int32), aux_layers) if aux_layers else None
+        x, new_cache, stats, aux = decode_layers_capturing(
             params_,
             cache_local,
             local,
@@ -165,6 +170,7 @@ def forward_attention_dp(
             mesh=None,
             moe_options=options,
             slot_moe_layer=moe_layer,
+            capture=capture,
         )
         logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
         counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
@@ -172,7 +178,9 @@ def forward_attention_dp(
         context = None
         if context_index_ is not None:
             context = compute_logits(params_, x[context_index_[0]], config).astype(jnp.float32)[None]
-        hidden = x[None] if return_hidden else None
+        hidden = None
+        if return_hidden:
+            hidden = (x if aux is None else aux.reshape(num_tokens, -1))[None]
         return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context, hidden
 
     cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
