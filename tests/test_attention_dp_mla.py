@@ -195,3 +195,15 @@ def test_mtp_under_attention_dp_gives_the_single_device_tokens_without_speculati
         assert chain[0][drafts[0]] >= chain[0].max() - 1e-4, (tokens, drafts)
         if len(drafts) > 1 and int(chain[0].argmax()) == drafts[0]:
             assert chain[1][drafts[1]] >= chain[1].max() - 1e-4, (tokens, drafts)
+
+
+def test_host_kv_tier_is_refused_for_latent_caches_under_attention_dp():
+    import jax.numpy as jnp
+
+    from jaxllm import KvCacheConfig
+    from jaxllm.engine.kv_offload import build_host_tier
+    from jaxllm.kv_cache.spec import MlaLayerCache
+
+    pools = [MlaLayerCache(jnp.zeros((2, 4, 8, 24), jnp.float32))]  # [ranks, blocks, tokens, latent]
+    with pytest.raises(ValueError, match="host_cache_size is not supported with enable_attention_dp"):
+        build_host_tier(KvCacheConfig(host_cache_size=1 << 20), pools, 4, attention_dp=True, events=None)
