@@ -41,9 +41,18 @@ def _serve(engine, arrivals: dict[int, list[list[int]]]) -> dict:
 
     spec = engine.speculation
     proposals: list[tuple[list[int], list[int]]] = []
+    ranks_per_step: list[list[int]] = []  # the ranks of the rows each drafting step verified
     if spec is not None:
         spec.adaptive = False
-        propose = spec.proposer.propose
+        propose, prepare = spec.proposer.propose, spec.prepare
+
+        def preparing(plan, output, drafts):
+            plan, verify = prepare(plan, output, drafts)
+            if verify is not None:
+                ranks_per_step.append(sorted({row // spec.max_batch_size for row in verify[0]}))
+            return plan, verify
+
+        spec.prepare = preparing
 
         def recording(rid, tokens, max_len=None):
             proposals.append((list(tokens), list(propose(rid, tokens, max_len))))
@@ -64,6 +73,7 @@ def _serve(engine, arrivals: dict[int, list[list[int]]]) -> dict:
     if spec is not None:
         out.update(
             proposals=[p for p in proposals if p[1]],
+            ranks_per_step=ranks_per_step,
             drafted=spec.num_draft_tokens,
             accepted=spec.num_accepted_tokens,
             mtp_pool=list(spec.drafter.cache.latent.shape),
@@ -185,6 +195,7 @@ def test_mtp_under_attention_dp_gives_the_single_device_tokens_without_speculati
     assert mtp["tokens"] == by_name["base"]["tokens"], "MTP under attention DP: tokens differ from one device"
     assert mtp["mtp_pool"][0] == 4, "one MTP latent pool per rank"
     assert mtp["compiles"] == 0, "a program compiled after the warm-up"
+    assert any(len(ranks) > 1 for ranks in mtp["ranks_per_step"]), "no step verified rows of several ranks"
     # Drafts were made and verified. The random MTP layer predicts the random target's tokens no
     # better than chance (on one device too: none accepted), so the drafts are checked against
     # the torch MTP chain run from scratch over each sequence (ties within 1e-4 allowed; the
