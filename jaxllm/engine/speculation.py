@@ -30,9 +30,9 @@ Speculation runs without the overlap scheduler and without the steady-decode fas
 draft needs the previous token on the host), which the engine turns off when a speculative
 config is set. Requests that need their token history on the device (penalties, bad words,
 grammars, host logits processors), beam search and logits outputs do not draft. With
-attention DP (n-gram and MTP drafts) each rank drafts within its own token budget and block pool
-(`Planner.rank_parts`; MTP from its own pool) and its verification entries come from its own
-packed tokens (`jaxllm.engine.verify_inputs`).
+attention DP each rank drafts within its own token budget and block pool (`Planner.rank_parts`;
+a drafter from its own pool per rank, `jaxllm.models.parallel.attention_dp_drafting`) and its
+verification entries come from its own packed tokens (`jaxllm.engine.verify_inputs`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: 
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
-        drafter=step_drafter_for(  # a pool of the blocks of one rank's pool (every rank's alike)
+        drafter=step_drafter_for(  # the blocks of one rank's pool (its own pool per rank under attention DP)
             spec_config,
             runner,
             planner.kv_cache_manager.num_blocks // planner.num_ranks,
@@ -375,10 +375,9 @@ class Speculation:
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """A step was dispatched (the MTP drafter runs over it once it is read back)."""
         if self.drafter is not None:
-            requests = [part.all_requests() for part, _ in self.planner.rank_parts(output)]
-            self.drafter.dispatched(
-                plan.batch, requests if len(requests) > 1 else requests[0], plan.num_context_tokens > 0
-            )
+            ranks = [part.all_requests() for part, _ in self.planner.rank_parts(output)]
+            stacked = np.ndim(plan.batch.token_ids) == 2  # attention DP: each rank's rows
+            self.drafter.dispatched(plan.batch, ranks if stacked else ranks[0], plan.num_context_tokens > 0)
             # The output tokens the prompts this step starts may serve (a prompt run's charge).
             self._prompt_tokens = sum(
                 max(min(r.sampling_params.max_tokens, r.max_new_tokens) - len(r.output_token_ids), 0)

@@ -34,7 +34,7 @@ class DispatchedStep:
 
     batch: StepBatch  # host arrays ([ranks, ...] fields under attention DP)
     requests: list[LlmRequest] | list[list[LlmRequest]]  # by row (each rank's under attention DP)
-    hidden: Optional[jax.Array]  # [T, H] the target's final hidden states (MTP), else None
+    hidden: Optional[jax.Array]  # [T, H] the target's hidden states (MTP, EAGLE-3; [ranks, T, H] under attention DP)
     has_context: bool = False  # it processed prompt tokens
 
 
@@ -107,10 +107,11 @@ class StepDrafter:
         self._drafts = {}
 
     def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
-        if np.asarray(step.batch.token_ids).ndim == 2:  # attention DP: each rank's rows
-            batch, last_tokens, rows = ranked_step_inputs(step.batch, step.requests, shift=self.shift)  # type: ignore[arg-type]
+        requests: Any = step.requests
+        if np.ndim(step.batch.token_ids) == 2:  # attention DP: each rank's rows
+            batch, last_tokens, rows = ranked_step_inputs(step.batch, requests, shift=self.shift)
         else:
-            batch, last_tokens, rows = step_inputs(step.batch, step.requests, shift=self.shift)  # type: ignore[arg-type]
+            batch, last_tokens, rows = step_inputs(step.batch, requests, shift=self.shift)
         return self.launcher(batch, last_tokens, step.hidden), rows
 
     def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
