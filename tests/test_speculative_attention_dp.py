@@ -9,15 +9,14 @@ accepted runs (the prompts repeat phrases, which the greedy outputs then loop on
 repetition penalty drafting, rows of several ranks drafting in the same step, and drafting
 decided by the adaptive policy too. Nothing compiles after the warm-up, and every KV block
 goes back to its rank's pool.
-MTP, draft models and EAGLE-3 are refused with attention DP (see docs/speculative-decoding.md).
+MTP under attention DP: tests/test_attention_dp_mla.py; draft models and EAGLE-3:
+tests/test_speculative_attention_dp_drafters.py.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import pytest
 
 from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 from tests.spec_helpers import COMPILE_EVENT
@@ -147,15 +146,3 @@ def test_ngram_greedy_output_under_attention_dp_equals_one_device_without_specul
     assert ngram["penalized_drafts"] > 0, "the row with a repetition penalty never drafted"
     assert ngram["free"] == ngram["total"] and base["free"] == base["total"]
     assert ngram["compiles"] == 0, "a program compiled after the warm-up"
-
-
-def test_drafters_are_refused_with_attention_dp():
-    from jaxllm.engine.speculation import check_speculative_support
-    from jaxllm.speculative_config import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
-
-    check_speculative_support(NGramDecodingConfig(), attention_dp=True)
-    with pytest.raises(ValueError, match="MTPDecodingConfig is not supported with enable_attention_dp"):
-        check_speculative_support(MTPDecodingConfig(), attention_dp=True)
-    draft = DraftTargetDecodingConfig(speculative_model_dir="tiny-dense")
-    with pytest.raises(ValueError, match="DraftTargetDecodingConfig is not supported with enable_attention_dp"):
-        check_speculative_support(draft, attention_dp=True)

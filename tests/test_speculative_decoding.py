@@ -86,8 +86,6 @@ def test_invalid_methods_fail_at_engine_build():
         tiny_engine(speculative_config=DraftTargetDecodingConfig(max_draft_len=2, speculative_model_dir="x"))
     with pytest.raises(ValueError, match="MTPDecodingConfig needs a checkpoint with multi-token-prediction layers"):
         tiny_engine(speculative_config=MTPDecodingConfig(num_nextn_predict_layers=1))
-    with pytest.raises(ValueError, match="enable_attention_dp"):
-        tiny_engine(speculative_config=MTPDecodingConfig(), enable_attention_dp=True)
     with pytest.raises(ValueError, match="speculative_config is not supported with cache_transceiver_config"):
         tiny_engine(speculative_config=NGRAM, cache_transceiver_config={"backend": "TCP"})
 

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import jax
 
 from jaxllm.batch_builder import choose_token_bucket, decode_batch_sizes
-from jaxllm.engine.capabilities import Capabilities, Layout, check_layout
+from jaxllm.engine.capabilities import Capabilities, Layout, check_engine_speculation, check_layout
 from jaxllm.engine.compile_cache import compile_cache_requested, enable_compile_cache
 from jaxllm.engine.draft_model_drafter import load_draft_config
 from jaxllm.engine.eagle3_drafter import load_head_config
@@ -301,7 +301,8 @@ def engine_decode_batch_sizes(config: EngineConfig) -> list[int]:
 
 
 def build_engine(config: EngineConfig, *, leader_session: Optional[str] = None) -> EngineParts:
-    """Everything `LLMEngine` drives, built from `config`."""
+    """Everything `LLMEngine` drives, built from `config` (its speculative config checked first)."""
+    check_engine_speculation(config)
     device = build_runner(config, leader_session=leader_session)
     model_config = device.model_config
     tokenizer = load_tokenizer(config.tokenizer or device.model_dir)

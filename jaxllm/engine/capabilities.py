@@ -9,7 +9,7 @@ engine too (`Capabilities`), and each request is checked against it at admission
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.llm_args import CapacitySchedulerPolicy
@@ -32,11 +32,6 @@ def check_layout(config: EngineConfig, model_config: ModelConfig, layout: Layout
         raise ValueError(
             "moe dispatch 'ragged_all_to_all' needs a platform that implements "
             "jax.lax.ragged_all_to_all (XLA:CPU does not); use all_to_all, allgather or auto"
-        )
-    if config.enable_attention_dp and model_config.is_mla:
-        raise ValueError(
-            f"enable_attention_dp: {model_config.architecture} uses multi-head latent "
-            "attention, which attention data parallelism does not support yet"
         )
     tpb = config.kv_cache_config.tokens_per_block
     if config.enable_chunked_prefill and config.max_num_tokens < tpb:
@@ -140,3 +135,12 @@ def _beam_search_unsupported(config: EngineConfig, layout: Layout) -> Optional[s
             "MAX_UTILIZATION pauses requests, and paused beams cannot be recomputed"
         )
     return None
+
+
+def check_engine_speculation(config: Any) -> None:
+    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with its
+    speculative_config (checked before the engine is built). Every method also runs under
+    attention DP: n-gram drafts on the host, the drafters with one device pool per rank."""
+    # a generation-only request's first tokens never reach a drafter's pool
+    if config.speculative_config is not None and config.cache_transceiver_config is not None:
+        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")

@@ -13,23 +13,30 @@ pools; the builder counts its bytes per token in the KV budget). After step N is
    past the blocks the row holds are dropped).
 
 Drafts are greedy (a one-hot draft distribution), verified as n-gram and MTP drafts are.
+Under attention data parallelism the draft model is laid out as the target (replicated weights,
+experts as slots), each rank has its own page pool and the program drafts each rank's rows on
+its device (`jaxllm.models.parallel.attention_dp_drafting`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig, forward, init_kv_cache, load_model_config, load_params
-from jaxllm.models.draft_chain import follow_up_batch
+from jaxllm.models.draft_chain import model_chain_drafts
+from jaxllm.models.kv_cache_spec import init_dp_kv_cache
+from jaxllm.models.parallel.attention_dp_drafting import draft_model_attention_dp
+from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.resolve import resolve_model
 from jaxllm.speculative_config import DraftTargetDecodingConfig
 from jaxllm.step_batch import StepBatch
+from sharding.rules import param_partition_specs
 
 
 def load_draft_config(config: DraftTargetDecodingConfig, target: ModelConfig) -> tuple[str, ModelConfig]:
@@ -54,17 +61,15 @@ def _draft_program(
 ):
     """`layers`: the target runner's attention and MoE functions, mesh and expert-parallel
     options (the draft model's weights and pool are on the target's mesh)."""
-    _, cache = forward(params, cache, batch, config=config, **layers)
-    live = jnp.arange(batch.block_tables.shape[0], dtype=jnp.int32) < batch.num_seqs[0]
-    tokens, drafts = last_tokens, []
-    for j in range(num_draft_tokens):
-        step = follow_up_batch(
-            batch, tokens, j + 1, tokens_per_block=tokens_per_block, num_blocks=num_blocks, own_blocks_only=True
-        )
-        logits, cache = forward(params, cache, step, config=config, **layers)
-        tokens = jnp.where(live, jnp.argmax(logits, axis=-1), 0).astype(jnp.int32)
-        drafts.append(tokens)
-    return jnp.stack(drafts, axis=1), cache
+    return model_chain_drafts(
+        lambda c, b: forward(params, c, b, config=config, **layers),
+        cache,
+        batch,
+        last_tokens,
+        num_draft_tokens,
+        tokens_per_block=tokens_per_block,
+        num_blocks=num_blocks,
+    )
 
 
 class DraftModelDrafter(StepDrafter):
@@ -73,8 +78,11 @@ class DraftModelDrafter(StepDrafter):
     def __init__(self, config: DraftTargetDecodingConfig, runner: Any, num_blocks: int, tokens_per_block: int) -> None:
         super().__init__(runner, config.max_draft_len)
         directory, self.model_config = load_draft_config(config, runner.model_config)
-        self.params = load_params(directory, self.model_config, mesh=runner.mesh)
         kv_dtype = jax.tree_util.tree_leaves(runner.kv_cache)[0].dtype
+        if runner.attention_dp:
+            self._init_attention_dp(directory, num_blocks, tokens_per_block, kv_dtype)
+            return
+        self.params = load_params(directory, self.model_config, mesh=runner.mesh)
         self.cache = init_kv_cache(self.model_config, num_blocks, tokens_per_block, kv_dtype, mesh=runner.mesh)
         self._jit = jax.jit(
             functools.partial(
@@ -89,6 +97,35 @@ class DraftModelDrafter(StepDrafter):
                     mesh=runner.mesh,
                     moe_options=runner.moe_options,
                 ),
+            ),
+            donate_argnums=(1,),
+        )
+
+    def _init_attention_dp(self, directory: str, num_blocks: int, tokens_per_block: int, kv_dtype: Any) -> None:
+        """Under attention DP: the draft model laid out as the target (weights replicated,
+        experts as slots, per-layer caches), one page pool per rank, each rank drafting its rows."""
+        runner, mesh = self.runner, self.runner.mesh
+        self.model_config = replace(self.model_config, scan_layers=False)
+        self.params = load_params(
+            directory,
+            self.model_config,
+            mesh=mesh,
+            rules=attention_dp_rules(self.model_config, mesh),
+            num_slots=self.model_config.num_experts or None,
+        )
+        self.cache = init_dp_kv_cache(self.model_config, num_blocks, tokens_per_block, kv_dtype, mesh)
+        self._jit = jax.jit(
+            functools.partial(
+                draft_model_attention_dp,
+                num_draft_tokens=self.num_draft_tokens,
+                config=self.model_config,
+                tokens_per_block=tokens_per_block,
+                num_blocks=num_blocks,
+                attention_fn=runner.attention_fn,
+                moe_fn=runner.moe_fn,
+                mesh=mesh,
+                param_specs=param_partition_specs(self.params),
+                moe_options=runner.moe_options,
             ),
             donate_argnums=(1,),
         )

@@ -8,7 +8,9 @@ program runs the head over step N's packed tokens (position i takes the features
 token t_{i+1}, writing the head's one-layer KV, addressed by the target's block ids and counted
 in the KV budget) and chains `max_draft_len` greedy drafts per generating row from its last
 kept position, each mapped to a target id through `d2t` and fed back. Drafts are verified as
-n-gram and MTP drafts are (one-hot draft distribution).
+n-gram and MTP drafts are (one-hot draft distribution). Under attention data parallelism the
+head is replicated, each rank has its own page pool and the program drafts each rank's rows on
+its device from its own features (`jaxllm.models.parallel.attention_dp_drafting`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig
 from jaxllm.models.eagle3 import aux_layers_for, eagle3_draft, init_eagle3_kv_cache
 from jaxllm.models.eagle3_weights import Eagle3Config, load_eagle3_config, load_eagle3_params
+from jaxllm.models.kv_cache_spec import init_dp_kv_cache
+from jaxllm.models.parallel.attention_dp_drafting import eagle3_draft_attention_dp
 from jaxllm.speculative_config import EagleDecodingConfig
 from jaxllm.step_batch import StepBatch
 
@@ -62,10 +67,25 @@ class Eagle3Drafter(StepDrafter):
     def __init__(self, config: EagleDecodingConfig, runner: Any, num_blocks: int, tokens_per_block: int) -> None:
         super().__init__(runner, config.max_draft_len)
         self.head_config, _ = load_head_config(config, runner.model_config)
+        kv_dtype = jax.tree_util.tree_leaves(runner.kv_cache)[0].dtype
+        if runner.attention_dp:  # the head replicated, one page pool per rank, each rank drafting its rows
+            mesh = runner.mesh
+            params = load_eagle3_params(str(config.speculative_model_dir), self.head_config, runner.model_config.dtype)
+            self.params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+            self.cache = init_dp_kv_cache(self.head_config.model, num_blocks, tokens_per_block, kv_dtype, mesh)
+            self._jit = jax.jit(
+                functools.partial(
+                    eagle3_draft_attention_dp,
+                    num_draft_tokens=self.num_draft_tokens,
+                    config=self.head_config,
+                    mesh=mesh,
+                ),
+                donate_argnums=(2,),
+            )
+            return
         self.params = load_eagle3_params(
             str(config.speculative_model_dir), self.head_config, runner.model_config.dtype, mesh=runner.mesh
         )
-        kv_dtype = jax.tree_util.tree_leaves(runner.kv_cache)[0].dtype
         self.cache = init_eagle3_kv_cache(self.head_config, num_blocks, tokens_per_block, kv_dtype, mesh=runner.mesh)
         self._jit = jax.jit(
             functools.partial(_draft_program, num_draft_tokens=self.num_draft_tokens, config=self.head_config),

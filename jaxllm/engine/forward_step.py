@@ -54,7 +54,8 @@ def model_forward_step(
     tokens are padded to `fed_rows` rows (the runner's sampler rows), the shape every forward
     takes its fed tokens in, whichever bucket of rows ran. With `return_hidden` a sixth output:
     every packed token's final residual [T, H] (what DeepSeek-V3's MTP layers draft from), or
-    with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's)."""
+    with `aux_layers` the residuals entering those layers, flattened [T, K * H] (EAGLE-3's); under
+    attention DP with a leading rank axis ([ranks, T_rank, ...], split over the devices)."""
     common = dict(
         layout=layout,
         model_config=model_config,
@@ -64,15 +65,23 @@ def model_forward_step(
         moe_options=moe_options,
         moe_stats=moe_stats,
     )
-    if return_hidden:
+    if return_hidden and attention_dp_specs is None:
         kv_cache, logits, counts, context, hidden = hidden_states_step(
             params, kv_cache, inputs, prev_tokens, aux_layers=aux_layers, **common
         )
         return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows), hidden
-    kv_cache, logits, counts, context = _model_step(
-        params, kv_cache, inputs, prev_tokens, attention_dp_specs=attention_dp_specs, **common
+    kv_cache, logits, counts, context, hidden = _model_step(
+        params,
+        kv_cache,
+        inputs,
+        prev_tokens,
+        attention_dp_specs=attention_dp_specs,
+        return_hidden=return_hidden,
+        aux_layers=aux_layers,
+        **common,
     )
-    return kv_cache, logits, counts, context, pad_rows(first_argmax(logits), fed_rows)
+    greedy = pad_rows(first_argmax(logits), fed_rows)
+    return (kv_cache, logits, counts, context, greedy) + ((hidden,) if return_hidden else ())
 
 
 def pad_rows(tokens: jax.Array, rows: int) -> jax.Array:
@@ -94,10 +103,12 @@ def _model_step(
     moe_options: Optional[EpMoeOptions],
     moe_stats: bool,
     attention_dp_specs: Any,
+    return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ):
     batch, context_index = fed_step_inputs(inputs, prev_tokens, layout)
     if attention_dp_specs is not None:
-        logits, kv_cache, stats, context = forward_attention_dp(
+        logits, kv_cache, stats, context, hidden = forward_attention_dp(
             params,
             kv_cache,
             batch,
@@ -108,8 +119,10 @@ def _model_step(
             param_specs=attention_dp_specs,
             moe_options=moe_options,
             context_index=context_index,
+            return_hidden=return_hidden,
+            aux_layers=aux_layers,
         )
-        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, context
+        return kv_cache, logits, _expert_counts(stats) if moe_stats else None, context, hidden
     kwargs: dict[str, Any] = dict(
         config=model_config, attention_fn=attention_fn, moe_fn=moe_fn, mesh=mesh, moe_options=moe_options
     )
@@ -117,12 +130,12 @@ def _model_step(
         logits, context, kv_cache, stats = forward_with_rows(
             params, kv_cache, batch, context_index, moe_stats=moe_stats, **kwargs
         )
-        return kv_cache, logits.astype(jnp.float32), _expert_counts(stats) if moe_stats else None, context
+        return kv_cache, logits.astype(jnp.float32), _expert_counts(stats) if moe_stats else None, context, None
     if moe_stats:
         logits, kv_cache, stats = forward_with_moe_stats(params, kv_cache, batch, **kwargs)
-        return kv_cache, logits.astype(jnp.float32), stats.expert_counts, None
+        return kv_cache, logits.astype(jnp.float32), stats.expert_counts, None, None
     logits, kv_cache = forward(params, kv_cache, batch, **kwargs)
-    return kv_cache, logits.astype(jnp.float32), None, None
+    return kv_cache, logits.astype(jnp.float32), None, None, None
 
 
 def _expert_counts(stats: Optional[MoeStepStats]) -> jax.Array:

@@ -4,7 +4,8 @@
 same outputs (KV cache, logits, expert counts, context logits of `context_index`) plus every
 packed token's final residual [T, H] before the final norm (MTP's input) or, with `aux_layers`,
 the residuals entering those layers flattened to [T, K * H] (EAGLE-3's fused features), from
-`jaxllm.models.hidden_states.forward_with_hidden_states`. Not under attention DP.
+`jaxllm.models.hidden_states.forward_with_hidden_states`. Under attention DP the attention-DP
+forward returns them itself (`forward_attention_dp(return_hidden=True)`, per rank).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from jaxllm.engine.kv_blocks import NO_BLOCK, block_bytes, padded_block_count
 from jaxllm.engine.kv_host_copies import HostBlockCopier
 from jaxllm.kv_cache.events import KvEventRecorder
 from jaxllm.kv_cache.host_tier import HostTier
+from jaxllm.kv_cache.spec import MlaLayerCache
 from jaxllm.llm_args import KvCacheConfig, physical_memory_bytes
 
 
@@ -207,6 +208,11 @@ def build_host_tier(
         return None
     if not kv_cfg.enable_block_reuse:
         raise ValueError("kv_cache_config.host_cache_size needs enable_block_reuse=True (it keeps reusable blocks)")
+    if attention_dp and isinstance(kv_cache[0], MlaLayerCache):
+        raise ValueError(
+            "kv_cache_config.host_cache_size is not supported with enable_attention_dp for multi-head "
+            "latent attention models yet"
+        )
     ranks = kv_cache[0].k.shape[0] if attention_dp else 1  # each attention-DP rank has its own tier
     per_block = block_bytes(kv_cache, num_blocks, ranks)
     ram = physical_memory_bytes()

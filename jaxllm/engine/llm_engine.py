@@ -44,7 +44,7 @@ from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_logits_outputs
 from jaxllm.engine.lora_adapters import EngineAdapters
 from jaxllm.engine.requests import RequestTable, new_request
-from jaxllm.engine.speculation import build_speculation, check_engine_speculation
+from jaxllm.engine.speculation import build_speculation
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
@@ -62,7 +62,6 @@ class LLMEngine:
         self.config = config
         # Multi-host leader: the followers build this same runner from the config (None otherwise).
         session = open_session(config)
-        check_engine_speculation(config)
         parts = build_engine(config, leader_session=session)
         device = parts.device
         self.model_config, self.mesh, self.runner = device.model_config, device.mesh, device.runner

@@ -134,6 +134,7 @@ class ModelRunner:
         `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features)."""
         self.model_config = model_config
         self.params = params
+        self.attention_dp = attention_dp
         self.max_batch_size = max_batch_size
         self.attention_fn, self.moe_fn, self.moe_options = attention_fn, moe_fn, moe_options
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())

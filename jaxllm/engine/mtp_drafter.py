@@ -23,6 +23,10 @@ relaxed rule: `jaxllm.engine.thinking_phase`) or by rejection sampling (sampled 
 request that did not run in step N (preempted, paused) does not draft in step N + 1; a step
 planned without a read-back (`Speculation.propose` not called) leaves its positions' MTP
 entries unwritten, which only lowers later acceptance, never changes an output token.
+
+Under attention data parallelism every rank has its own MTP pool (a leading rank axis split over
+the devices, addressed by that rank's block ids) and the program drafts each rank's rows on its
+device (`jaxllm.models.parallel.attention_dp_drafting`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import numpy as np
 from jaxllm.engine.step_drafter import StepDrafter
 from jaxllm.models import ModelConfig
 from jaxllm.models.mtp import init_mtp_kv_cache, mtp_draft
+from jaxllm.models.parallel.attention_dp_drafting import init_dp_mtp_kv_cache, mtp_draft_attention_dp
 from jaxllm.speculative_config import MTPDecodingConfig
 from jaxllm.step_batch import StepBatch
+from sharding.rules import param_partition_specs
 
 
 def check_mtp_model(config: ModelConfig) -> None:
@@ -77,6 +83,22 @@ class MTPDrafter(StepDrafter):
             raise ValueError("speculative_config: the model was loaded without its MTP layers (load_mtp)")
         super().__init__(runner, config.num_nextn_predict_layers)
         kv_dtype = jax.tree_util.tree_leaves(runner.kv_cache)[0].dtype
+        if runner.attention_dp:  # one MTP pool per rank, each rank drafting for its own rows
+            self.cache = init_dp_mtp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, runner.mesh)
+            self._jit = jax.jit(
+                functools.partial(
+                    mtp_draft_attention_dp,
+                    num_draft_tokens=self.num_draft_tokens,
+                    config=model_config,
+                    attention_fn=runner.attention_fn,
+                    moe_fn=runner.moe_fn,
+                    mesh=runner.mesh,
+                    param_specs=param_partition_specs(runner.params),
+                    moe_options=runner.moe_options,
+                ),
+                donate_argnums=(1,),
+            )
+            return
         self.cache = init_mtp_kv_cache(model_config, num_blocks, tokens_per_block, kv_dtype, mesh=runner.mesh)
         self._jit = jax.jit(
             functools.partial(

@@ -30,9 +30,9 @@ Speculation runs without the overlap scheduler and without the steady-decode fas
 draft needs the previous token on the host), which the engine turns off when a speculative
 config is set. Requests that need their token history on the device (penalties, bad words,
 grammars, host logits processors), beam search and logits outputs do not draft. With
-attention DP (n-gram drafts only) each rank drafts within its own token budget and block pool
-(`Planner.rank_parts`) and its verification entries come from its own packed tokens
-(`jaxllm.engine.verify_inputs`).
+attention DP each rank drafts within its own token budget and block pool (`Planner.rank_parts`;
+a drafter from its own pool per rank, `jaxllm.models.parallel.attention_dp_drafting`) and its
+verification entries come from its own packed tokens (`jaxllm.engine.verify_inputs`).
 """
 
 from __future__ import annotations
@@ -84,37 +84,9 @@ def _penalties_only(params: Any) -> bool:
     return not params.bad and params.logits_processor is None and params.guided_decoding is None
 
 
-def check_speculative_support(config: SpeculativeConfig, *, attention_dp: bool, disaggregated: bool = False) -> None:
-    """ValueError naming what an engine cannot combine with `config`."""
-    if disaggregated:  # a generation-only request's first tokens never reach a drafter's pool
-        raise ValueError("speculative_config is not supported with cache_transceiver_config yet")
-    if attention_dp:  # n-gram drafts are looked up on the host; drafters keep a device pool
-        if isinstance(config, MTPDecodingConfig):
-            raise ValueError(
-                "speculative_config: MTPDecodingConfig is not supported with enable_attention_dp: MTP "
-                "checkpoints use multi-head latent attention, which attention data parallelism does not support yet"
-            )
-        if not isinstance(config, NGramDecodingConfig):
-            raise ValueError(
-                f"speculative_config: {type(config).__name__} is not supported with enable_attention_dp yet "
-                "(its drafter's KV pool is not split over the attention-DP ranks); NGramDecodingConfig is"
-            )
-
-
-def check_engine_speculation(config: Any) -> None:
-    """ValueError naming what the engine of `config` (an `EngineConfig`) cannot combine with
-    its speculative_config (checked before the engine is built)."""
-    if config.speculative_config is not None:
-        check_speculative_support(
-            config.speculative_config,
-            attention_dp=config.enable_attention_dp,
-            disaggregated=config.cache_transceiver_config is not None,
-        )
-
-
 def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: Any = None) -> Optional[Speculation]:
     """The engine's `Speculation` for `config.speculative_config` (an `EngineConfig`), None
-    without one (`check_engine_speculation` checked the combination before the engine was built).
+    without one (`capabilities.check_engine_speculation` checked the combination before the engine was built).
     `tokenizer`: the model's (relaxed MTP acceptance looks up its thinking tokens)."""
     spec_config = config.speculative_config
     if spec_config is None:
@@ -128,8 +100,11 @@ def build_speculation(config: Any, *, planner: Planner, runner: Any, tokenizer: 
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         min_token_bucket=config.min_token_bucket,
-        drafter=step_drafter_for(
-            spec_config, runner, planner.kv_cache_manager.num_blocks, planner.kv_cache_manager.tokens_per_block
+        drafter=step_drafter_for(  # the blocks of one rank's pool (its own pool per rank under attention DP)
+            spec_config,
+            runner,
+            planner.kv_cache_manager.num_blocks // planner.num_ranks,
+            planner.kv_cache_manager.tokens_per_block,
         ),
         thinking=thinking,
     )
@@ -400,7 +375,9 @@ class Speculation:
     def dispatched(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """A step was dispatched (the MTP drafter runs over it once it is read back)."""
         if self.drafter is not None:
-            self.drafter.dispatched(plan.batch, output.all_requests(), plan.num_context_tokens > 0)
+            ranks = [part.all_requests() for part, _ in self.planner.rank_parts(output)]
+            stacked = np.ndim(plan.batch.token_ids) == 2  # attention DP: each rank's rows
+            self.drafter.dispatched(plan.batch, ranks if stacked else ranks[0], plan.num_context_tokens > 0)
             # The output tokens the prompts this step starts may serve (a prompt run's charge).
             self._prompt_tokens = sum(
                 max(min(r.sampling_params.max_tokens, r.max_new_tokens) - len(r.output_token_ids), 0)

@@ -21,18 +21,20 @@ import numpy as np
 
 from jaxllm.engine.host_transfer import put_on_mesh
 from jaxllm.llm_request import LlmRequest, LlmRequestState
+from jaxllm.models.parallel.attention_dp import stack_batches
 from jaxllm.step_batch import StepBatch
 
 _GENERATING = LlmRequestState.GENERATION_IN_PROGRESS
+_FIELDS = tuple(StepBatch.__dataclass_fields__)
 
 
 @dataclass
 class DispatchedStep:
     """A dispatched step the drafter has not run over yet."""
 
-    batch: StepBatch  # host arrays
-    requests: list[LlmRequest]  # by row
-    hidden: Optional[jax.Array]  # [T, H] the target's final hidden states (MTP), else None
+    batch: StepBatch  # host arrays ([ranks, ...] fields under attention DP)
+    requests: list[LlmRequest] | list[list[LlmRequest]]  # by row (each rank's under attention DP)
+    hidden: Optional[jax.Array]  # [T, H] the target's hidden states (MTP, EAGLE-3; [ranks, T, H] under attention DP)
     has_context: bool = False  # it processed prompt tokens
 
 
@@ -57,9 +59,11 @@ class StepDrafter:
     def num_compiled(self) -> int:
         return int(self._jit._cache_size()) if self._jit is not None else 0
 
-    def dispatched(self, batch: StepBatch, requests: list[LlmRequest], has_context: bool = False) -> None:
-        """Step N was dispatched with `batch` over `requests` (by row); `has_context`: it
-        processed prompt tokens."""
+    def dispatched(
+        self, batch: StepBatch, requests: list[LlmRequest] | list[list[LlmRequest]], has_context: bool = False
+    ) -> None:
+        """Step N was dispatched with `batch` over `requests` (by row; under attention DP a
+        stacked batch and each rank's requests by row); `has_context`: it processed prompt tokens."""
         self._last = DispatchedStep(batch, list(requests), self.runner.last_hidden, has_context)
 
     @property
@@ -73,8 +77,8 @@ class StepDrafter:
         """(tokens, rows) of the step it has not run over yet (its program's shape), else None."""
         if self._last is None:
             return None
-        batch = self._last.batch
-        return int(np.asarray(batch.token_ids).shape[0]), int(np.asarray(batch.logits_indices).shape[0])
+        batch = self._last.batch  # per rank under attention DP
+        return int(np.asarray(batch.token_ids).shape[-1]), int(np.asarray(batch.logits_indices).shape[-1])
 
     def begin_step(self) -> float:
         """Before the next step's drafts are asked for (every token of step N on the host): run
@@ -91,6 +95,7 @@ class StepDrafter:
         self.steps_run += 1
         if rows:
             host = np.asarray(drafts)
+            host = host.reshape(-1, host.shape[-1])  # attention DP's [ranks, S, k]: rank-major rows
             self._drafts = {rid: host[row].tolist() for row, rid in rows.items()}
         return seconds
 
@@ -102,7 +107,11 @@ class StepDrafter:
         self._drafts = {}
 
     def _run(self, step: DispatchedStep) -> tuple[Any, dict[int, int]]:
-        batch, last_tokens, rows = step_inputs(step.batch, step.requests, shift=self.shift)
+        requests: Any = step.requests
+        if np.ndim(step.batch.token_ids) == 2:  # attention DP: each rank's rows
+            batch, last_tokens, rows = ranked_step_inputs(step.batch, requests, shift=self.shift)
+        else:
+            batch, last_tokens, rows = step_inputs(step.batch, requests, shift=self.shift)
         return self.launcher(batch, last_tokens, step.hidden), rows
 
     def launch(self, batch: StepBatch, last_tokens: np.ndarray, hidden: Optional[jax.Array]) -> jax.Array:
@@ -164,3 +173,23 @@ def step_inputs(
             last_tokens[row] = tokens[-1]
             rows[row] = request.request_id
     return replace(batch, token_ids=token_ids, logits_indices=logits_indices), last_tokens, rows
+
+
+def ranked_step_inputs(
+    batch: StepBatch, requests: list[list[LlmRequest]], shift: int
+) -> tuple[StepBatch, np.ndarray, dict[int, int]]:
+    """`step_inputs` of a stacked attention-DP batch ([ranks, ...] fields) over each rank's
+    requests by row (missing ranks: none): the stacked batch, last tokens [ranks, S] and the
+    drafting rows numbered rank-major (rank d's row i is d * S + i)."""
+    num_ranks, num_rows = np.asarray(batch.logits_indices).shape
+    batches, last, rows = [], [], {}
+    for rank in range(num_ranks):
+        local = StepBatch(
+            **{f: None if getattr(batch, f) is None else np.asarray(getattr(batch, f))[rank] for f in _FIELDS}
+        )
+        mine = requests[rank] if rank < len(requests) else []
+        rank_batch, rank_last, rank_rows = step_inputs(local, mine, shift)
+        batches.append(rank_batch)
+        last.append(rank_last)
+        rows.update({rank * num_rows + row: rid for row, rid in rank_rows.items()})
+    return stack_batches(batches), np.stack(last), rows

@@ -325,8 +325,6 @@ def decode_layers_capturing(
     captured layers [E, K, H] (see `layer_runner.LayerCapture`; None without)."""
     moe_fn = quantized_moe_fn(moe_fn, config)
     if config.is_mla:
-        if slot_moe_layer is not None:
-            raise ValueError("attention data parallelism does not support multi-head latent attention models yet")
         return deepseek_decode_layers(
             params,
             kv_cache,
@@ -337,6 +335,7 @@ def decode_layers_capturing(
             mesh=mesh,
             moe_options=moe_options,
             capture=capture,
+            slot_moe_layer=slot_moe_layer,
         )
     pool_blocks, tokens_per_block = cache_geometry(config, params, kv_cache)
     raw_moe_fn = moe_fn

@@ -25,6 +25,9 @@ Parallelism: attention heads (q_b / q, k_b, v_b, o) are split like MHA heads; th
 projections (q_a, kv_a, k_rope) and the latent cache are replicated; dense layers are
 tensor-parallel; shared experts are replicated on every rank; routed experts run through
 `jaxllm.models.ep_moe` as slots (expert parallelism) or column-split (MoE tensor parallelism).
+Under attention data parallelism every device runs these layers on its own requests over its
+own latent pool, the MLA weights replicated, and the routed experts through the attention-DP
+MoE layer (`MlaStep.slot_moe_layer`, `jaxllm.models.parallel.attention_dp`).
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ class MlaStep:
     mesh: Optional[jax.sharding.Mesh]
     moe_options: Optional[EpMoeOptions]
     precision: Optional[jax.lax.Precision]
+    # Attention data parallelism's MoE layer over experts stored as slots (see
+    # `jaxllm.models.parallel.attention_dp`): (h, moe params, valid) -> (y, counts, dropped).
+    slot_moe_layer: Optional[Callable] = None
 
 
 def mla_step(
@@ -113,6 +119,7 @@ def mla_step(
     moe_fn: MoeFn,
     mesh: Optional[jax.sharding.Mesh],
     moe_options: Optional[EpMoeOptions],
+    slot_moe_layer: Optional[Callable] = None,
 ) -> MlaStep:
     mha_fn, latent_fn, write_fn, sharded_moe_fn = _backends(config, attention_fn, moe_fn, mesh, cache_dtype)
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(config), jnp.float32)
@@ -135,6 +142,7 @@ def mla_step(
         mesh=mesh,
         moe_options=moe_options,
         precision=matmul_precision(config),
+        slot_moe_layer=slot_moe_layer,
     )
 
 
@@ -165,7 +173,9 @@ def mla_decoder_layer(
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "moe" not in layer:  # the dense prefix (first_k_dense_replace)
         return x + _mlp(h, layer["mlp"], prec), cache, None, None
-    if "slots" in layer["moe"]:
+    if "slots" in layer["moe"] and step.slot_moe_layer is not None:
+        y, layer_counts, layer_dropped = step.slot_moe_layer(h, layer["moe"], step.valid)
+    elif "slots" in layer["moe"]:
         ep_mesh = step.mesh if step.mesh is not None else make_mesh(ParallelConfig())
         y, layer_counts, layer_dropped = ep_moe_block(
             h,
@@ -202,9 +212,11 @@ def decode_layers(
     mesh: Optional[jax.sharding.Mesh],
     moe_options: Optional[EpMoeOptions],
     capture: Optional[LayerCapture] = None,
+    slot_moe_layer: Optional[Callable] = None,
 ) -> tuple[jax.Array, Any, Optional[MoeStepStats]] | tuple[jax.Array, Any, Optional[MoeStepStats], jax.Array]:
     """Embedding and all decoder layers: the residual stream [T, H], the new cache, MoE stats
-    (and with `capture`, the captured residual rows; see `run_layers`).
+    (and with `capture`, the captured residual rows; see `run_layers`). `slot_moe_layer`: as
+    `MlaStep.slot_moe_layer` (attention data parallelism).
 
     `kv_cache` is one latent page pool for all layers (`MlaKvCacheSpec.init_pool`; layer
     stacks, including the dense prefix's, run as scans) or a per-layer list (`scan_layers` off)."""
@@ -220,6 +232,7 @@ def decode_layers(
         moe_fn=moe_fn,
         mesh=mesh,
         moe_options=moe_options,
+        slot_moe_layer=slot_moe_layer,
     )
 
     def layer_fn(

@@ -119,3 +119,31 @@ def chain_drafts(
             rows = current.logits_indices
     stacked = jnp.stack(all_logits, axis=1) if return_logits else None
     return jnp.stack(drafts, axis=1), cache, stacked
+
+
+def model_chain_drafts(
+    forward_fn: Callable[[Any, StepBatch], tuple[jax.Array, Any]],
+    cache: Any,
+    batch: StepBatch,
+    last_tokens: jax.Array,
+    num_draft_tokens: int,
+    *,
+    tokens_per_block: int,
+    num_blocks: int,
+) -> tuple[jax.Array, Any]:
+    """A draft model's greedy chain: `forward_fn(cache, batch) -> (logits [S, V] at
+    batch.logits_indices, cache)` runs over the step's packed tokens (writing its KV), then
+    feeds each live sequence's newest token `last_tokens` [S] at the next position and chains
+    `num_draft_tokens` greedy drafts, one token per sequence per forward (writes past the blocks
+    a sequence holds are dropped). Returns the drafts int32 [S, k] and the cache."""
+    _, cache = forward_fn(cache, batch)
+    live = jnp.arange(batch.block_tables.shape[0], dtype=jnp.int32) < batch.num_seqs[0]
+    tokens, drafts = last_tokens, []
+    for j in range(num_draft_tokens):
+        step = follow_up_batch(
+            batch, tokens, j + 1, tokens_per_block=tokens_per_block, num_blocks=num_blocks, own_blocks_only=True
+        )
+        logits, cache = forward_fn(cache, step)
+        tokens = jnp.where(live, jnp.argmax(logits, axis=-1), 0).astype(jnp.int32)
+        drafts.append(tokens)
+    return jnp.stack(drafts, axis=1), cache

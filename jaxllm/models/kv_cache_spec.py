@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache, MlaKvCacheSpec
+from jaxllm.kv_cache.spec import KvCacheSpec, MhaKvCacheSpec, MhaLayerCache, MlaKvCacheSpec, MlaLayerCache
 from jaxllm.models.kv_quant import FP8_KV, kv_storage_dtype
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.partitioning import rules_for
@@ -22,8 +22,8 @@ from sharding.dp_ranks import RANK_SPEC, attention_dp_size
 from sharding.mesh import tensor_parallel_size
 from sharding.rules import kv_head_replicas
 
-# Per-layer caches (scan_layers off), or one page pool for all layers (`MhaKvCacheSpec.init_pool`).
-KVCache = list[MhaLayerCache] | MhaLayerCache
+# Per-layer caches (scan_layers off), or one page pool for all layers (`init_pool`); MHA or MLA.
+KVCache = list[MhaLayerCache] | MhaLayerCache | list[MlaLayerCache] | MlaLayerCache
 
 
 def cache_dtype(config: ModelConfig, dtype: Any = None) -> np.dtype:
@@ -71,10 +71,17 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None, mesh: jax.s
 
 def init_dp_kv_cache(
     config: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: Any, mesh: jax.sharding.Mesh
-) -> list[MhaLayerCache]:
-    """Per-layer zeroed caches [D, Hkv, num_blocks, tokens_per_block, head_dim]: one block pool
-    of `num_blocks` per rank, on that rank's device."""
-    shape = (attention_dp_size(mesh), config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
+) -> list[MhaLayerCache] | list[MlaLayerCache]:
+    """Per-layer zeroed caches with a leading rank axis, one block pool of `num_blocks` per
+    rank on that rank's device: [D, Hkv, num_blocks, tokens_per_block, head_dim] keys and
+    values, or for multi-head latent attention [D, num_blocks, tokens_per_block, latent_dim]."""
+    ranks = attention_dp_size(mesh)
     dt = jnp.dtype(cache_dtype(config, dtype))
-    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, RANK_SPEC))
+    sharding = NamedSharding(mesh, RANK_SPEC)
+    if config.is_mla:
+        latent = (ranks, num_blocks, tokens_per_block, config.kv_lora_rank + config.qk_rope_head_dim)
+        zeros_latent = jax.jit(lambda: jnp.zeros(latent, dt), out_shardings=sharding)
+        return [MlaLayerCache(zeros_latent()) for _ in range(config.num_layers)]
+    shape = (ranks, config.num_kv_heads, num_blocks, tokens_per_block, config.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
     return [MhaLayerCache(zeros(), zeros()) for _ in range(config.num_layers)]

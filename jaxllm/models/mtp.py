@@ -27,6 +27,7 @@ min(j, num_nextn_predict_layers - 1): with the published one layer, every step r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -95,11 +96,13 @@ def mtp_forward(
     moe_fn: MoeFn = moe_grouped_ffn_reference,
     mesh: Optional[jax.sharding.Mesh] = None,
     moe_options: Optional[EpMoeOptions] = None,
+    slot_moe_layer: Optional[Callable] = None,
 ) -> tuple[jax.Array, jax.Array, MlaLayerCache]:
     """MTP layer `layer` over a packed batch: `batch.token_ids` are the next tokens t_{i+1} at
     `batch.positions` i, `hidden` [T, H] the hidden states h_i fed in (the target's before its
     final norm, or a previous MTP step's). Returns float32 logits [S, V] at
-    `batch.logits_indices` (for t_{i+2}), the MTP hidden states [T, H] and the MTP cache."""
+    `batch.logits_indices` (for t_{i+2}), the MTP hidden states [T, H] and the MTP cache.
+    `slot_moe_layer`: attention data parallelism's MoE layer (`deepseek.MlaStep.slot_moe_layer`)."""
     _check_mtp(config)
     if not 0 <= layer < config.num_nextn_predict_layers:
         raise ValueError(f"MTP layer {layer} out of range [0, {config.num_nextn_predict_layers})")
@@ -121,6 +124,7 @@ def mtp_forward(
         moe_fn=quantized_moe_fn(moe_fn, config),
         mesh=mesh,
         moe_options=moe_options,
+        slot_moe_layer=slot_moe_layer,
     )
     num_layers = config.num_nextn_predict_layers
     pool_pages, tokens_per_block = mtp_cache.latent.shape[0], mtp_cache.latent.shape[1]
@@ -145,11 +149,12 @@ def mtp_draft(
     moe_options: Optional[EpMoeOptions] = None,
     return_logits: bool = False,
     own_blocks_only: bool = False,
+    slot_moe_layer: Optional[Callable] = None,
 ) -> tuple[jax.Array, MlaLayerCache, Optional[jax.Array]]:
     """`num_draft_tokens` greedy drafts per sequence, int32 [S, k], from `batch` (next tokens at
     the target's positions) and the target's hidden states `hidden` [T, H]; see
-    `draft_chain.chain_drafts` (`own_blocks_only`: as there). Returns the drafts, the MTP
-    cache and optionally their logits."""
+    `draft_chain.chain_drafts` (`own_blocks_only`: as there; `slot_moe_layer`: as in
+    `mtp_forward`). Returns the drafts, the MTP cache and optionally their logits."""
     pool_pages, tokens_per_block = mtp_cache.latent.shape[0], mtp_cache.latent.shape[1]
     num_layers = max(config.num_nextn_predict_layers, 1)
 
@@ -165,6 +170,7 @@ def mtp_draft(
             moe_fn=moe_fn,
             mesh=mesh,
             moe_options=moe_options,
+            slot_moe_layer=slot_moe_layer,
         )
 
     return chain_drafts(

@@ -13,8 +13,11 @@ Layout (SPMD, one program for all ranks):
   every rank (the largest any rank needs this step). Built on the host by
   `jaxllm.engine.ranked_planner`; the step plan stays plain numpy.
 - The KV cache of each layer is [D, Hkv, blocks, tokens_per_block, head_dim] split over
-  the devices on its leading axis: device d holds rank d's block pool, every KV head.
-- Attention, dense and embedding weights are replicated (no head or column split), the
+  the devices on its leading axis: device d holds rank d's block pool, every KV head. With
+  multi-head latent attention (DeepSeek-V3) it is the latent cache [D, blocks,
+  tokens_per_block, kv_lora_rank + qk_rope_head_dim], split the same way.
+- Attention (MLA's projections too), dense and embedding weights are replicated (no head or
+  column split), the
   experts are stored as slots split over `expert` with their FFN columns over `tensor`,
   as under plain expert parallelism (`jaxllm.models.partitioning.attention_dp_rules`).
   Quantized weights (FP8, GGUF, AWQ / GPTQ) keep their scales beside their values: the
@@ -38,7 +41,6 @@ Layout (SPMD, one program for all ranks):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,11 +50,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.kv_cache.spec import MhaLayerCache
-from jaxllm.models.decoder import compute_logits, decode_layers_with_moe_stats
+from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
+from jaxllm.models.decoder import compute_logits, decode_layers_capturing
 from jaxllm.models.ep_moe import EpMoeOptions, dispatch_body, expert_rows_operands
+from jaxllm.models.layer_runner import LayerCapture
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.moe import MoeFn, quantized_moe_fn, route
+from jaxllm.models.moe import MoeFn, quantized_moe_fn, route_layer
 from jaxllm.step_batch import StepBatch
 from sharding.dp_ranks import RANK_SPEC
 from sharding.expert_load import MoeStepStats, count_experts
@@ -79,7 +82,7 @@ def dp_moe_layer(
     if moe_tp > 1:  # the expert group's T devices work on the same rows
         x = jax.lax.all_gather(h, TENSOR_AXIS, axis=0, tiled=True)
         ok = jax.lax.all_gather(valid, TENSOR_AXIS, axis=0, tiled=True)
-    weights, ids = route(x, p["router"], config)
+    weights, ids = route_layer(x, p, config)  # softmax top-k, or DeepSeek-V3's grouped sigmoid
     group_counts = count_experts(ids, config.num_experts, ok)
     if ep > 1:
         by_rank = jax.lax.all_gather(group_counts, EXPERT_AXIS)  # [ep, E]
@@ -99,9 +102,34 @@ def dp_moe_layer(
     return out.astype(h.dtype), counts, dropped[0]
 
 
+def dp_slot_moe_layer(
+    config: ModelConfig, moe_fn: MoeFn, mesh: jax.sharding.Mesh, options: EpMoeOptions | None = None
+) -> Callable[[jax.Array, dict, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """The MoE layer the decoder layers run inside the attention-DP shard_map: `dp_moe_layer`
+    over every rank's tokens (as many per rank as the calling device's: a forward's token
+    bucket, or a drafter's rows)."""
+    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
+    layer_fn = quantized_moe_fn(moe_fn, config)  # as `decode_layers` hands its MoE layers
+
+    def layer(h: jax.Array, p: dict, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return dp_moe_layer(
+            h,
+            p,
+            valid,
+            config=config,
+            moe_fn=layer_fn,
+            options=options or EpMoeOptions(),
+            ep=ep,
+            moe_tp=moe_tp,
+            global_tokens=ep * moe_tp * h.shape[0],
+        )
+
+    return layer
+
+
 def forward_attention_dp(
     params: Any,
-    kv_cache: list[MhaLayerCache],
+    kv_cache: list[MhaLayerCache] | list[MlaLayerCache],
     batch: StepBatch,
     *,
     config: ModelConfig,
@@ -111,29 +139,28 @@ def forward_attention_dp(
     param_specs: Any,
     moe_options: EpMoeOptions | None = None,
     context_index: jax.Array | None = None,
-) -> tuple[jax.Array, list[MhaLayerCache], MoeStepStats | None, jax.Array | None]:
+    return_hidden: bool = False,
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[
+    jax.Array, list[MhaLayerCache] | list[MlaLayerCache], MoeStepStats | None, jax.Array | None, jax.Array | None
+]:
     """One step over the stacked per-rank `batch` ([D, ...] fields): float32 logits
     [D * S_rank, V] (rank-major rows), the updated caches, the MoE statistics, and with
     `context_index` int32[D, E_rank] (each rank's packed token indices) those tokens' float32
-    logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None."""
+    logits [D * E_rank, V] (rank-major; speculative decoding's verification rows), else None;
+    with `return_hidden` every packed token's final residual [D, T_rank, H] (split over the
+    devices like the batch: what the MTP layers draft from), or with `aux_layers` the residuals
+    entering those layers, flattened [D, T_rank, K * H] (EAGLE-3's features), else None."""
     options = moe_options or EpMoeOptions()
-    ep, moe_tp = int(mesh.shape[EXPERT_AXIS]), int(mesh.shape[TENSOR_AXIS])
-    num_ranks, tokens_per_rank = batch.token_ids.shape
-    moe_layer = functools.partial(
-        dp_moe_layer,
-        config=config,
-        moe_fn=quantized_moe_fn(moe_fn, config),  # as `decode_layers` hands its MoE layers
-        options=options,
-        ep=ep,
-        moe_tp=moe_tp,
-        global_tokens=num_ranks * tokens_per_rank,
-    )
+    moe_layer = dp_slot_moe_layer(config, moe_fn, mesh, options)
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
 
     def body(params_, cache_, batch_, context_index_):
         local = jax.tree.map(lambda a: a[0], batch_)
         cache_local = jax.tree.map(lambda a: a[0], cache_)
-        x, new_cache, stats = decode_layers_with_moe_stats(
+        num_tokens = local.token_ids.shape[0]
+        capture = LayerCapture(jnp.arange(num_tokens, dtype=jnp.int32), aux_layers) if aux_layers else None
+        x, new_cache, stats, aux = decode_layers_capturing(
             params_,
             cache_local,
             local,
@@ -143,6 +170,7 @@ def forward_attention_dp(
             mesh=None,
             moe_options=options,
             slot_moe_layer=moe_layer,
+            capture=capture,
         )
         logits = compute_logits(params_, x[local.logits_indices], config).astype(jnp.float32)
         counts = stats.expert_counts if stats is not None else jnp.zeros((0, 0), jnp.int32)
@@ -150,16 +178,20 @@ def forward_attention_dp(
         context = None
         if context_index_ is not None:
             context = compute_logits(params_, x[context_index_[0]], config).astype(jnp.float32)[None]
-        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context
+        hidden = None
+        if return_hidden:
+            hidden = (x if aux is None else aux.reshape(num_tokens, -1))[None]
+        return logits[None], jax.tree.map(lambda a: a[None], new_cache), counts, dropped, context, hidden
 
     cache_specs = jax.tree.map(lambda _: RANK_SPEC, kv_cache)
     batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
     context_spec = None if context_index is None else RANK_SPEC
-    logits, kv_cache, counts, dropped, context = jax.shard_map(
+    hidden_spec = RANK_SPEC if return_hidden else None
+    logits, kv_cache, counts, dropped, context, hidden = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(param_specs, cache_specs, batch_specs, context_spec),
-        out_specs=(RANK_SPEC, cache_specs, P(), P(), context_spec),
+        out_specs=(RANK_SPEC, cache_specs, P(), P(), context_spec, hidden_spec),
         check_vma=False,
     )(params, kv_cache, batch, context_index)
     # The sampler sees every row (as under tensor parallelism, where the logits are gathered too).
@@ -167,7 +199,7 @@ def forward_attention_dp(
     logits = jax.lax.with_sharding_constraint(logits.reshape(-1, logits.shape[2]), replicated)
     if context is not None:
         context = jax.lax.with_sharding_constraint(context.reshape(-1, context.shape[2]), replicated)
-    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None, context
+    return logits, kv_cache, MoeStepStats(counts, dropped) if has_moe else None, context, hidden
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
