@@ -189,8 +189,26 @@ def test_fp8_moe_tiling_checks():
 # ----------------------------------------------------------------------------- engine wiring
 
 
+def test_only_a_named_mosaic_backend_picks_the_fp8_kernels(monkeypatch):
+    """On a Hopper GPU the default `pallas` runs the Mosaic bf16 kernels but keeps FP8 weights
+    on Triton (the FP8 kernels make every weight K-major inside the step); `mosaic` by name
+    sends them to the FP8 kernels, on one device for the dense GEMM."""
+    from jaxllm.models import backends, quantized_matmul
+
+    monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(backends, "converts_fp8", lambda device: True)
+    monkeypatch.setattr(backends, "gpu_kernel_flavour", lambda device: "mosaic")
+    with quantized_matmul.use_backend("xla"):  # restores the process-wide choice afterwards
+        _, _, _, moe_fn = backends.resolve_backends(None, None)
+        assert not hasattr(moe_fn, "fused_fp8_dynamic") and not quantized_matmul.mosaic_fp8()
+        _, _, _, moe_fn = backends.resolve_backends(None, "mosaic")
+        assert hasattr(moe_fn, "fused_fp8_dynamic") and hasattr(moe_fn, "fused_fp8")
+        assert quantized_matmul.backend() == "triton" and quantized_matmul.mosaic_fp8()
+    assert not quantized_matmul.mosaic_fp8()
+
+
 @needs_interpreter
-def test_mosaic_flavour_sends_dynamic_fp8_weights_to_the_fp8_kernels():
+def test_mosaic_backend_sends_dynamic_fp8_weights_to_the_fp8_kernels():
     """`moe_backend="mosaic"` (off-GPU: the interpreter) gives FP8 experts with per-128
     activations to the FP8 grouped kernels and dense FP8 projections to the FP8 GEMM;
     other activation schemes keep the Triton kernels."""
@@ -282,3 +300,20 @@ def test_fp8_moe_lowers_for_cuda(num_tokens, num_experts, hidden, inter):
     )
     text = jax.jit(moe_fused_ffn_fp8_mosaic).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert _mosaic_calls(text) == 2
+
+
+def test_fp8_cost_model_counts_e4m3_rate_and_the_k_major_pass():
+    from pallas_kernels.cost_model import H100, MOE_MODELS
+    from pallas_kernels.cost_model_mosaic import mosaic_fp8_gemm_costs, mosaic_moe_fp8_costs
+    from pallas_kernels.cost_model_quant import GEMM_SHAPES
+
+    q_a = GEMM_SHAPES[0]
+    gemm, act, k_major_pass = mosaic_fp8_gemm_costs(q_a, 4096)
+    assert gemm.mma_rate == 2.0 and gemm.flops == 2.0 * 4096 * q_a.k * q_a.n
+    assert gemm.roofline_s(H100) >= gemm.flops / (2 * H100.bf16_flops_per_s)
+    assert k_major_pass.bytes == 2.0 * q_a.k * q_a.n and act.bytes > 4096 * q_a.k * 2
+    gate_up, down, _, experts = mosaic_moe_fp8_costs(MOE_MODELS[0], 1)
+    # Qwen3-30B-A3B at batch 1: 8 active experts x 64-column tiles; the in-step K-major pass
+    # reads and writes every expert of the layer.
+    assert gate_up.working == 8 * (768 // 64) and down.working == 8 * (2048 // 64)
+    assert experts.bytes == 2.0 * 3 * 128 * 2048 * 768

@@ -6,9 +6,10 @@ default on GPU) runs the Pallas kernels of the GPU's generation (`gpu_kernel_fla
 the Mosaic GPU kernels (TMA + wgmma) on Hopper, the Triton kernels on other GPUs, and
 the Triton kernels in interpret mode off-GPU (slow: for tests). `triton` and `mosaic`
 force one flavour; the Mosaic GPU kernels take bf16/f16 and their tile constraints
-(`supports`), and fall back to Triton per call for anything else. With the `mosaic`
-flavour, FP8 weights whose activations are quantized per 128-group (DeepSeek-V3's scheme)
-run on the Mosaic GPU FP8 kernels (e4m3 x e4m3 wgmma), the dense ones too. `tokamax` (MoE only)
+(`supports`), and fall back to Triton per call for anything else. With `mosaic` named,
+FP8 weights whose activations are quantized per 128-group (DeepSeek-V3's scheme) run on
+the Mosaic GPU FP8 kernels (e4m3 x e4m3 wgmma), dense projections and experts; `pallas`
+keeps them on Triton (those kernels transpose every weight to K-major inside the step). `tokamax` (MoE only)
 runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three projections.
 """
 
@@ -131,7 +132,10 @@ def resolve_backends(
 
         # FP8 experts: the Triton kernel reading e4m3 tiles (jaxllm.models.moe.moe_block).
         moe_fn.fused_fp8 = functools.partial(moe_fused_ffn_fp8, interpret=not on_gpu)
-    mosaic_fp8 = moe_backend not in ("xla", "tokamax") and fp8 and _flavour(moe_backend, on_gpu) == "mosaic"
+    # Only where `mosaic` is asked for by name: the FP8 kernels read K-major weights, made so
+    # inside the step (a pass over every weight per step: `cost_model_mosaic`), so the
+    # default `pallas` keeps FP8 weights on Triton until weights are stored K-major.
+    mosaic_fp8 = moe_backend == "mosaic" and fp8
     if mosaic_fp8:
         # Dynamically quantized FP8 experts: e4m3 activations into wgmma (jaxllm.models.moe.fp8_experts_fn).
         moe_fn.fused_fp8_dynamic = mosaic_or_triton_moe_fp8(interpret=not on_gpu)

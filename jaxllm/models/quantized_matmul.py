@@ -41,6 +41,11 @@ def backend() -> str:
     return str(_state["backend"])
 
 
+def mosaic_fp8() -> bool:
+    """Whether FP8 weights with per-128-group activations go to the Mosaic GPU FP8 kernel."""
+    return bool(_state["mosaic_fp8"])
+
+
 @contextlib.contextmanager
 def use_backend(name: str, *, interpret: bool = False, mosaic_fp8: bool = False) -> Iterator[None]:
     """The backend for the traces inside the block, restored after it."""

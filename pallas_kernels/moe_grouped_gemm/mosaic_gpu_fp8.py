@@ -246,19 +246,30 @@ def moe_grouped_ffn_fp8_mosaic(
 
 
 def moe_fused_ffn_fp8_mosaic(
-    x, expert_ids, routing_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, *, interpret: bool = False
+    x,
+    expert_ids,
+    routing_weights,
+    w_gate,
+    w_up,
+    w_down,
+    s_gate,
+    s_up,
+    s_down,
+    *,
+    interpret: bool = False,
+    weights_k_major: bool = False,
 ) -> jax.Array:
     """`moe_fused_ffn_fp8`'s contract ([E, K, N] experts, ids outside [0, E) skipped) on the
     sorted-rows path: sort in XLA, the two kernels, unsort and combine in float32. The
-    experts are made K-major here, inside the step (a load-time K-major copy would save
-    that pass over the weights)."""
+    experts are made K-major here, inside the step, unless `weights_k_major` says they come
+    so ([E, N, K]; the engine stores them [E, K, N] today, so it pays that pass)."""
     num_tokens, top_k = expert_ids.shape
     num_groups = w_gate.shape[0]
     ids = expert_ids.reshape(-1).astype(jnp.int32)
     ids = jnp.where((ids >= 0) & (ids < num_groups), ids, num_groups)
     order = jnp.argsort(ids, stable=True)
     group_sizes = jnp.bincount(ids, length=num_groups).astype(jnp.int32)
-    weights_t = (k_major(w_gate), k_major(w_up), k_major(w_down))
+    weights_t = (w_gate, w_up, w_down) if weights_k_major else (k_major(w_gate), k_major(w_up), k_major(w_down))
     y_sorted = moe_grouped_ffn_fp8_mosaic(
         x[order // top_k], group_sizes, *weights_t, s_gate, s_up, s_down, interpret=interpret
     )
