@@ -112,10 +112,15 @@ def test_fp8_gemm_matches_the_scheme_and_the_xla_path(tiling):
 
 
 def test_fp8_kernels_refuse_what_they_cannot_run():
-    assert supports((5,), 7168, 1536, (128, 128), 128)
-    assert not supports((5,), 7168, 1536, (128, 128), -1)  # per-token activations
-    assert not supports((5,), 7168, 1536, (64, 128), 128)
-    assert not supports((5,), 192, 1536, (128, 128), 128)  # K not whole 128-deep steps
+    from types import SimpleNamespace
+
+    assert supports(7168, 1536, (128, 128), 128)
+    assert not supports(7168, 1536, (128, 128), -1)  # per-token activations
+    assert not supports(7168, 1536, (64, 128), 128)
+    assert not supports(192, 1536, (128, 128), 128)  # K not whole 128-deep steps
+    hopper, blackwell = SimpleNamespace(compute_capability="9.0"), SimpleNamespace(compute_capability="10.0")
+    assert supports(7168, 1536, (128, 128), 128, hopper) and not supports(7168, 1536, (128, 128), 128, blackwell)
+    assert not moe_supports(7168, 2048, (128, 128), device=blackwell)
     assert moe_supports(7168, 2048, (128, 128)) and moe_supports(2048, 768, (128, 128))
     assert not moe_supports(2048, 704, (128, 128)) and not moe_supports(2048, 768, (128, 128), act_group=0)
     xq, xs = quantize_activations(activations(3, (8, 256)))

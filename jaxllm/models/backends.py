@@ -64,10 +64,12 @@ def mosaic_or_triton_moe_fp8(interpret: bool) -> Callable:
     from pallas_kernels.moe_grouped_gemm import mosaic_gpu_fp8
     from pallas_kernels.moe_grouped_gemm.fp8 import moe_fused_ffn_fp8
 
+    device = None if interpret else jax.devices()[0]  # interpreted anywhere, compiled on Hopper only
+
     def fused_fp8(x, ids, weights, w_gate, w_up, w_down, s_gate, s_up, s_down, *, block):
         _, hidden, inter = w_gate.shape
         experts = (w_gate, w_up, w_down, s_gate, s_up, s_down)
-        if mosaic_gpu_fp8.supports(hidden, inter, block):
+        if mosaic_gpu_fp8.supports(hidden, inter, block, device=device):
             return mosaic_gpu_fp8.moe_fused_ffn_fp8_mosaic(x, ids, weights, *experts, interpret=interpret)
         return moe_fused_ffn_fp8(x, ids, weights, *experts, block=block, interpret=interpret)
 

@@ -120,7 +120,8 @@ def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.A
     if _state["mosaic_fp8"] and w.value.dtype == jnp.float8_e4m3fn:
         from pallas_kernels.quantized_matmul import mosaic_gpu_fp8
 
-        if mosaic_gpu_fp8.supports((m,), k, n, block, w.act_group):
+        device = None if _state["interpret"] else jax.devices()[0]  # compiled: Hopper only
+        if mosaic_gpu_fp8.supports(k, n, block, w.act_group, device):
             # x is `act_quant`'s output: quantizing it again gives back the same e4m3 values.
             y = mosaic_gpu_fp8.fp8_block_matmul(
                 x.reshape(m, k), mosaic_gpu_fp8.k_major(value), scale, interpret=bool(_state["interpret"])

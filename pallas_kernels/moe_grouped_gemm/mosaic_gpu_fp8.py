@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from pallas_kernels.quantized_matmul.mosaic_gpu_fp8 import (
     check_tiling,
     fp8_block_matmul_reference,
     k_major,
+    on_hopper,
     quantize_activations,
     scaled_fp8_accumulate,
 )
@@ -60,11 +61,12 @@ def default_tiling(num_rows: int, num_groups: int, hidden: int, inter: int) -> F
     return Fp8MoeTiling(Fp8GemmTiling(64, 64), Fp8GemmTiling(64, down_n))
 
 
-def supports(hidden: int, inter: int, block: Sequence[int], act_group: int = BLOCK) -> bool:
+def supports(hidden: int, inter: int, block: Sequence[int], act_group: int = BLOCK, device: Any = None) -> bool:
     """Whether the kernels take the problem: 128 x 128 weight blocks, activations quantized
-    per 128-group, hidden and intermediate sizes multiples of 128 (Hopper only: the caller
-    checks the device)."""
-    return tuple(block) == (BLOCK, BLOCK) and act_group == BLOCK and hidden % BLOCK == 0 and inter % BLOCK == 0
+    per 128-group, hidden and intermediate sizes multiples of 128, and (when `device` is
+    given) a Hopper GPU."""
+    shapes = tuple(block) == (BLOCK, BLOCK) and act_group == BLOCK and hidden % BLOCK == 0 and inter % BLOCK == 0
+    return shapes and (device is None or on_hopper(device))
 
 
 def _grouped_fp8_gemm(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +72,17 @@ def k_major(value: jax.Array) -> jax.Array:
     return jnp.swapaxes(value, -1, -2)
 
 
-def supports(m_dims: Sequence[int], k: int, n: int, block: tuple[int, int], act_group: int) -> bool:
-    """Whether the kernel takes x [.., K] @ w [K, N]: 128 x 128 weight blocks, activations
-    quantized per 128-group, K a multiple of 128 and N of 64. (Hopper only: the caller
-    checks the device, `jaxllm.models.backends.gpu_kernel_flavour`.)"""
-    del m_dims
-    return tuple(block) == (BLOCK, BLOCK) and act_group == BLOCK and k % BLOCK == 0 and n % 64 == 0
+def on_hopper(device: Any) -> bool:
+    """Whether `device` has sm_90a's wgmma: compute capability 9.x (Blackwell has not)."""
+    return str(getattr(device, "compute_capability", "") or "").split(".")[0] == "9"
+
+
+def supports(k: int, n: int, block: Sequence[int], act_group: int, device: Any = None) -> bool:
+    """Whether the kernel takes x [M, K] @ w [K, N]: 128 x 128 weight blocks, activations
+    quantized per 128-group, K a multiple of 128 and N of 64, and (when `device` is given)
+    a Hopper GPU. Without a device the shapes alone decide (the interpreter runs anywhere)."""
+    shapes = tuple(block) == (BLOCK, BLOCK) and act_group == BLOCK and k % BLOCK == 0 and n % 64 == 0
+    return shapes and (device is None or on_hopper(device))
 
 
 def default_tiling(m: int, n: int) -> Fp8GemmTiling:
