@@ -10,9 +10,9 @@ summation order differs). And the models' XLA path (`act_quant(x)` times the wei
 dequantized, the hidden activations `act_quant`ed before down): within 2e-2 in bf16 for
 the GEMM (that path rounds the dequantized operands to bf16), 5e-2 for the grouped FFN
 (see MOE_XLA_TOL). The interpreter fills every buffer it allocates with NaN, so an
-unwritten row shows. It multiplies e4m3 exactly in f32 (numpy); Hopper's wgmma
-accumulates f8 products at reduced precision inside each 128-deep block, which only a GPU
-run can measure.
+unwritten row shows (`JAXLLM_MOSAIC_DETECT_RACES=1` adds its race detector). It
+multiplies e4m3 exactly in f32 (numpy); Hopper's wgmma accumulates f8 products at reduced
+precision inside each 128-deep block, which only a GPU run can measure.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ def activations(seed: int, shape: tuple[int, int]) -> jax.Array:
     return jnp.asarray(x, jnp.bfloat16)
 
 
+def assert_no_races() -> None:
+    """With `JAXLLM_MOSAIC_DETECT_RACES=1`, the interpreter's race detector found none."""
+    if mosaic_gpu_interpret.detect_races():
+        assert not mosaic_gpu_interpret.races_found(), "the interpreter's race detector flagged the kernel"
+
+
 def _mosaic_calls(text: str) -> int:
     return len(re.findall(r"custom_call @mosaic_gpu", text))
 
@@ -111,6 +117,7 @@ def test_fp8_gemm_matches_the_scheme_and_the_xla_path(tiling):
     xq, xs = quantize_activations(x)
     run = functools.partial(fp8_gemm_forward, out_dtype=jnp.float32, tiling=tiling, interpret=True)
     out = jax.jit(run)(xq, xs, k_major(w), ws)
+    assert_no_races()
     assert out.shape == (70, 192) and not np.isnan(np.asarray(out)).any()
     assert rel_err(out, fp8_block_matmul_reference(xq, xs, w, ws)) < SCHEME_TOL
     out16 = jax.jit(functools.partial(fp8_block_matmul, tiling=tiling, interpret=True))(act_quant(x, 1), k_major(w), ws)
@@ -168,6 +175,7 @@ def test_fp8_moe_matches_the_scheme_and_the_xla_path():
     xq, xs = quantize_activations(act_quant(x, 1))
     run = functools.partial(moe_fp8_forward, out_dtype=jnp.float32, interpret=True)
     out, hidden = jax.jit(run)(xq, xs, group_sizes, k_major(wg), k_major(wu), k_major(wd), sg, su, sd)
+    assert_no_races()  # of the down kernel (the detector keeps the last kernel's verdict)
     total = sum(sizes)
     assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(hidden[:total])).any()
     assert np.all(np.asarray(out[total:]) == 0.0), "padding rows must be zero"
