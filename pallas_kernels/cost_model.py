@@ -52,19 +52,21 @@ class LaunchCost:
     flops: float
     useful_flops: float
     note: str = ""
+    mma_rate: float = 1.0  # peak MMA rate relative to bf16 (2 for e4m3 x e4m3 wgmma)
 
     @property
     def programs(self) -> int:
         return int(np.prod(self.grid)) if self.grid else 0
 
     def roofline_s(self, gpu: GpuSpec) -> float:
-        return max(self.bytes / gpu.hbm_bytes_per_s, self.flops / gpu.bf16_flops_per_s)
+        return max(self.bytes / gpu.hbm_bytes_per_s, self.flops / (gpu.bf16_flops_per_s * self.mma_rate))
 
     def sm_limited_s(self, gpu: GpuSpec) -> float:
         if not self.grid:  # an XLA pass: XLA fills the GPU
             return self.roofline_s(gpu)
         busy = min(1.0, self.working / gpu.num_sms) if self.working else 1.0
-        return max(self.bytes / (gpu.hbm_bytes_per_s * busy), self.flops / (gpu.bf16_flops_per_s * busy))
+        peak = gpu.bf16_flops_per_s * self.mma_rate * busy
+        return max(self.bytes / (gpu.hbm_bytes_per_s * busy), self.flops / peak)
 
 
 # ----------------------------------------------------------------------------- MoE

@@ -8,6 +8,9 @@ device work tables. What differs from the Triton launches:
     (gather, unsort scatter, f32 combine in XLA) is counted as glue.
   - attention: 64-row tiles (one warpgroup), one TMA copy per page of K and V, splits
     only in decode buckets; q goes head-major and back through XLA (counted as glue).
+  - FP8 (e4m3 x e4m3 wgmma, twice bf16's peak: `mma_rate`): the dense GEMM and the grouped
+    FFN at the FP8 cases of `cost_model_quant`, with the XLA passes they need (activations
+    quantized, weights made K-major inside the step).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pallas_kernels.cost_model import (
     step_metadata,
     useful_attention_flops,
 )
+from pallas_kernels.cost_model_quant import GEMM_SHAPES, GEMM_TOKEN_COUNTS, MOE_FP8_TOKEN_COUNTS, GemmShape
 
 
 def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
@@ -135,6 +139,88 @@ def mosaic_attention_costs(
     ]
 
 
+def mosaic_fp8_gemm_costs(shape: GemmShape, m: int, itemsize: int = 2) -> list[LaunchCost]:
+    """The e4m3 x e4m3 GEMM (`quantized_matmul.mosaic_gpu_fp8`) and its XLA passes: the
+    activations quantized (read bf16, write e4m3 and scales) and the weight made K-major
+    (read and write e4m3; the engine does it inside the step)."""
+    from pallas_kernels.quantized_matmul.mosaic_gpu_fp8 import default_tiling
+
+    k, n = shape.k, shape.n
+    t = default_tiling(m, n)
+    row_tiles, col_tiles = -(-m // t.block_m), n // t.block_n
+    scales = 4.0 * (k // 128) * -(-n // 128)
+    act = row_tiles * t.block_m * k * (1 + 4.0 / 128)  # e4m3 rows and their scales, whole tiles
+    kernel_bytes = row_tiles * (k * n + scales) + act + m * n * itemsize
+    flops = 2.0 * row_tiles * t.block_m * n * k
+    case = f"{shape.name} fp8 M={m}"
+    note = f"block_m={t.block_m} block_n={t.block_n} block_k=128 e4m3 wgmma"
+    glue = m * k * (itemsize + 1 + 4.0 / 128)
+    return [
+        LaunchCost(
+            "quantized_matmul_mosaic_fp8",
+            case,
+            (row_tiles, col_tiles),
+            row_tiles * col_tiles,
+            kernel_bytes,
+            flops,
+            2.0 * m * k * n,
+            note,
+            mma_rate=2.0,
+        ),
+        LaunchCost("xla_act_quant", case, (), 0, glue, 0.0, 0.0, "x -> e4m3 + per-128 scales"),
+        LaunchCost("xla_k_major_weight", case, (), 0, 2.0 * k * n, 0.0, 0.0, "w [K, N] -> [N, K] in the step"),
+    ]
+
+
+def mosaic_moe_fp8_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
+    """The two e4m3 grouped kernels (`moe_grouped_gemm.mosaic_gpu_fp8`) and their XLA glue:
+    sort / unsort / combine as the bf16 Mosaic path, activation and hidden quantization,
+    and the experts made K-major inside the step (every expert of the layer)."""
+    from pallas_kernels.moe_grouped_gemm import schedule
+    from pallas_kernels.moe_grouped_gemm.mosaic_gpu_fp8 import default_tiling
+
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    rows = num_tokens * k
+    case = f"{shape.name} T={num_tokens}"
+    tiling = default_tiling(rows, e, h, i)
+    block_m = tiling.gate_up.block_m
+    sizes = routed_group_sizes(num_tokens, e, k)
+    build = jax.jit(functools.partial(schedule.group_tile_schedule, num_rows=rows, block_m=block_m))
+    sched = np.asarray(build(jnp.asarray(sizes)))
+    num_active = int((sched[:, schedule.ACTIVE] > 0).sum())
+    costs = []
+    for name, t, n, kk, num_weights in (
+        ("moe_gate_up_mosaic_fp8", tiling.gate_up, i, h, 2),
+        ("moe_down_mosaic_fp8", tiling.down, h, i, 1),
+    ):
+        col_tiles = n // t.block_n
+        working = num_active * col_tiles
+        weight_bytes = working * kk * t.block_n * num_weights * (1 + 4.0 / (128 * 128))
+        act_bytes = num_active * block_m * kk * (1 + 4.0 / 128)
+        flops = 2.0 * working * block_m * t.block_n * kk * num_weights
+        note = (
+            f"block_m={block_m} block_n={t.block_n} block_k=128 e4m3 wgmma, active experts {int((sizes > 0).sum())}/{e}"
+        )
+        costs.append(
+            LaunchCost(
+                name,
+                case,
+                (col_tiles, sched.shape[0]),
+                working,
+                weight_bytes + act_bytes + rows * n * itemsize,
+                flops,
+                2.0 * rows * h * i * num_weights,
+                note,
+                mma_rate=2.0,
+            )
+        )
+    glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize  # as the bf16 Mosaic path
+    glue += rows * h * (itemsize + 1) + rows * i * (itemsize + 1)  # x and hidden quantized
+    costs.append(LaunchCost("moe_xla_glue_fp8", case, (), 0, glue, 0.0, 0.0, "gather, quantize, scatter, combine"))
+    costs.append(LaunchCost("xla_k_major_experts", case, (), 0, 2.0 * 3 * e * h * i, 0.0, 0.0, "experts -> K-major"))
+    return costs
+
+
 def default_cases() -> list[LaunchCost]:
     """The Mosaic GPU launches at the cases `cost_model.default_cases` covers (Hopper)."""
     costs: list[LaunchCost] = []
@@ -144,4 +230,10 @@ def default_cases() -> list[LaunchCost]:
     for moe in MOE_MODELS:
         for tokens in MOE_TOKEN_COUNTS:
             costs += mosaic_moe_costs(moe, tokens)
+    for gemm in GEMM_SHAPES:
+        for m in GEMM_TOKEN_COUNTS:
+            costs += mosaic_fp8_gemm_costs(gemm, m)
+    for moe in (MOE_MODELS[0], MOE_MODELS[2]):
+        for tokens in MOE_FP8_TOKEN_COUNTS:
+            costs += mosaic_moe_fp8_costs(moe, tokens)
     return costs

@@ -88,18 +88,22 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
 
         # the same optional function attribute `moe_fn` may carry (mypy knows functions without attributes)
         sharded.fused = fused_sharded  # type: ignore[attr-defined]
-    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
-    if fused_fp8 is not None:  # FP8 experts: the block scales split like their weights
-
-        def fused_fp8_sharded(x, ids, weights, *experts, block):
-            def body(*args):
-                y = fused_fp8(*args, block=block)
-                return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
-
-            specs = (P(), P(), P(), up_spec, up_spec, down_spec, up_spec, up_spec, down_spec)
-            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
-                x, ids, weights, *experts
-            )
-
-        sharded.fused_fp8 = fused_fp8_sharded  # type: ignore[attr-defined]
+    for name in ("fused_fp8", "fused_fp8_dynamic"):  # FP8 experts: the block scales split like their weights
+        fused_fp8 = getattr(moe_fn, name, None)
+        if fused_fp8 is not None:
+            setattr(sharded, name, _shard_fused_fp8(fused_fp8, mesh, up_spec, down_spec, reduce_axis))
     return sharded
+
+
+def _shard_fused_fp8(
+    fused_fp8: Callable, mesh: jax.sharding.Mesh, up_spec: P, down_spec: P, reduce_axis: MeshAxis
+) -> Callable:
+    def fused_fp8_sharded(x, ids, weights, *experts, block):
+        def body(*args):
+            y = fused_fp8(*args, block=block)
+            return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
+
+        specs = (P(), P(), P(), up_spec, up_spec, down_spec, up_spec, up_spec, down_spec)
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, ids, weights, *experts)
+
+    return fused_fp8_sharded

@@ -52,6 +52,13 @@ class Settings:
     rows: list[Row] = field(default_factory=list)
 
 
+def on_hopper(s: Settings) -> bool:
+    """The Mosaic GPU kernels (sm_90a) run: a Hopper GPU, not interpret mode."""
+    from jaxllm.models.backends import gpu_kernel_flavour
+
+    return not s.interpret and gpu_kernel_flavour(jax.devices()[0]) == "mosaic"
+
+
 def _time(fn: Callable[..., Any], args: tuple, iters: int, reps: int) -> float:
     """Seconds per call: compile, warm up, then the median of `reps` loops of `iters`
     back-to-back calls (dispatch overlaps execution, as in a serving loop)."""

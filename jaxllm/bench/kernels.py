@@ -48,16 +48,9 @@ from jaxllm.bench.kernel_timing import (  # noqa: F401 - re-exported for the GPU
     format_row,
     header,
     measure_ceilings,
+    on_hopper,
     record_timing,
 )
-
-
-def _on_hopper(s: Settings) -> bool:
-    """The Mosaic GPU kernels (sm_90a) run: a Hopper GPU, not interpret mode."""
-    from jaxllm.models.backends import gpu_kernel_flavour
-
-    return not s.interpret and gpu_kernel_flavour(jax.devices()[0]) == "mosaic"
-
 
 # ----------------------------------------------------------------------------- attention
 
@@ -202,7 +195,7 @@ def bench_attention(s: Settings, ceil: Ceilings, case: AttentionCase, *, peer: s
             for la in launches
         )
         record_timing(s, ceil, "ragged_paged_attention", case.name, "pallas", fn, args, nbytes, flops, ref_out, note)
-    if _on_hopper(s):
+    if on_hopper(s):
         from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
             default_num_kv_splits,
             ragged_paged_attention_mosaic,
@@ -326,7 +319,7 @@ def bench_moe(s: Settings, ceil: Ceilings, case: MoeCase) -> None:
         )
     fn = jax.jit(functools.partial(moe_fused_ffn, interpret=s.interpret))
     record_timing(s, ceil, "moe_fused_ffn", name, "pallas", fn, fused_args, nbytes, flops, fused_ref, note)
-    if _on_hopper(s):
+    if on_hopper(s):
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling as mosaic_tiling
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu import moe_grouped_ffn_mosaic
 

@@ -7,6 +7,9 @@ replace on the same inputs.
   shapes and 1 / 64 / 4096 rows.
 - `moe_fused_ffn_fp8`: the fused grouped FFN on e4m3 experts against the XLA path of the
   engine today (all experts dequantized to bf16, then the bf16 fused kernel).
+- On Hopper also the Mosaic GPU e4m3 x e4m3 wgmma kernels (`mosaic fp8` rows), with the
+  weights made K-major in the call (as the engine's `mosaic` backend runs them) and
+  already K-major.
 
 Bytes are what each must move at least: the stored weight (values and scales) once, plus
 activations and outputs; the `%ceil` column is against the measured copy bandwidth or
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.bench.kernel_timing import Ceilings, Settings, record_timing
+from jaxllm.bench.kernel_timing import Ceilings, Settings, on_hopper, record_timing
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,48 @@ def bench_quantized_matmul(s: Settings, ceil: Ceilings, case: QuantGemmCase) -> 
     note = f"block_m={t.block_m} block_n={t.block_n} block_k={t.block_k} split_k={t.num_k_splits}"
     fn = jax.jit(functools.partial(quantized_matmul, block=block, packed=packed, interpret=s.interpret))
     record_timing(s, ceil, "quantized_matmul", name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    if case.kind == "fp8" and on_hopper(s):
+        bench_fp8_gemm_mosaic(s, ceil, case, args, nbytes, flops, ref_out)
+
+
+def bench_fp8_gemm_mosaic(s: Settings, ceil: Ceilings, case: QuantGemmCase, args, nbytes, flops, ref_out) -> None:
+    """Hopper only: the e4m3 x e4m3 wgmma GEMM (activations quantized per 128-group in the
+    call, so rel_err includes that), with the weight made K-major in the call (as the engine
+    runs it) and already K-major (what storing it so would give)."""
+    from pallas_kernels.quantized_matmul.mosaic_gpu_fp8 import default_tiling, fp8_block_matmul, k_major
+
+    x, value, scale = args
+    t = default_tiling(case.m, case.n)
+    note = f"block_m={t.block_m} block_n={t.block_n} e4m3 activations"
+    name = f"{case.name} {case.kind} M={case.m}"
+    in_call = jax.jit(lambda a, v, sc: fp8_block_matmul(a, k_major(v), sc))
+    record_timing(
+        s,
+        ceil,
+        "quantized_matmul",
+        name,
+        "mosaic fp8 (w to K-major in call)",
+        in_call,
+        args,
+        nbytes,
+        flops,
+        ref_out,
+        note,
+    )
+    value_t = jax.block_until_ready(jax.jit(k_major)(value))
+    record_timing(
+        s,
+        ceil,
+        "quantized_matmul",
+        name,
+        "mosaic fp8 (K-major w)",
+        fp8_block_matmul,
+        (x, value_t, scale),
+        nbytes,
+        flops,
+        ref_out,
+        note,
+    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +198,41 @@ def bench_moe_fp8(s: Settings, ceil: Ceilings, case: MoeFp8Case) -> None:
     fn = jax.jit(functools.partial(moe_fused_ffn_fp8, interpret=s.interpret))
     note = f"active experts {active}/{case.num_experts}"
     record_timing(s, ceil, "moe_fused_ffn_fp8", name, "pallas", fn, args, nbytes, flops, ref_out, note)
+    if on_hopper(s):
+        # The e4m3 x e4m3 wgmma kernels (activations and hidden quantized per 128-group, so
+        # rel_err includes that): experts made K-major in the call (the engine's `mosaic`
+        # path today) and already K-major.
+        from pallas_kernels.moe_grouped_gemm.mosaic_gpu_fp8 import k_major, moe_fused_ffn_fp8_mosaic
+
+        mosaic = jax.jit(moe_fused_ffn_fp8_mosaic)
+        record_timing(
+            s,
+            ceil,
+            "moe_fused_ffn_fp8",
+            name,
+            "mosaic fp8 (experts to K-major in call)",
+            mosaic,
+            args,
+            nbytes,
+            flops,
+            ref_out,
+            note,
+        )
+        at_rest = jax.block_until_ready(jax.jit(lambda *w: tuple(k_major(v) for v in w))(*args[3:6]))
+        fn_t = jax.jit(functools.partial(moe_fused_ffn_fp8_mosaic, weights_k_major=True))
+        record_timing(
+            s,
+            ceil,
+            "moe_fused_ffn_fp8",
+            name,
+            "mosaic fp8 (K-major experts)",
+            fn_t,
+            (*args[:3], *at_rest, *args[6:]),
+            nbytes,
+            flops,
+            ref_out,
+            note,
+        )
 
 
 def run(s: Settings, ceil: Ceilings, smoke: bool) -> None:

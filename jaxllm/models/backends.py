@@ -6,7 +6,10 @@ default on GPU) runs the Pallas kernels of the GPU's generation (`gpu_kernel_fla
 the Mosaic GPU kernels (TMA + wgmma) on Hopper, the Triton kernels on other GPUs, and
 the Triton kernels in interpret mode off-GPU (slow: for tests). `triton` and `mosaic`
 force one flavour; the Mosaic GPU kernels take bf16/f16 and their tile constraints
-(`supports`), and fall back to Triton per call for anything else. `tokamax` (MoE only)
+(`supports`), and fall back to Triton per call for anything else. With `mosaic` named,
+FP8 weights whose activations are quantized per 128-group (DeepSeek-V3's scheme) run on
+the Mosaic GPU FP8 kernels (e4m3 x e4m3 wgmma), dense projections and experts; `pallas`
+keeps them on Triton (those kernels transpose every weight to K-major inside the step). `tokamax` (MoE only)
 runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three projections.
 """
 
@@ -53,6 +56,24 @@ def mosaic_or_triton_moe(interpret: bool) -> Callable:
         return moe_grouped_ffn(x_sorted, group_sizes, w_gate, w_up, w_down, interpret=interpret)
 
     return moe
+
+
+def mosaic_or_triton_moe_fp8(interpret: bool) -> Callable:
+    """`fused_fp8` with e4m3 activations: the Mosaic GPU FP8 grouped FFN (e4m3 x e4m3 wgmma,
+    DeepSeek's per-128 scales) where it takes the experts, else the Triton FP8 kernel."""
+    from pallas_kernels.moe_grouped_gemm import mosaic_gpu_fp8
+    from pallas_kernels.moe_grouped_gemm.fp8 import moe_fused_ffn_fp8
+
+    device = None if interpret else jax.devices()[0]  # interpreted anywhere, compiled on Hopper only
+
+    def fused_fp8(x, ids, weights, w_gate, w_up, w_down, s_gate, s_up, s_down, *, block):
+        _, hidden, inter = w_gate.shape
+        experts = (w_gate, w_up, w_down, s_gate, s_up, s_down)
+        if mosaic_gpu_fp8.supports(hidden, inter, block, device=device):
+            return mosaic_gpu_fp8.moe_fused_ffn_fp8_mosaic(x, ids, weights, *experts, interpret=interpret)
+        return moe_fused_ffn_fp8(x, ids, weights, *experts, block=block, interpret=interpret)
+
+    return fused_fp8
 
 
 def tokamax_moe() -> Callable:
@@ -113,8 +134,15 @@ def resolve_backends(
 
         # FP8 experts: the Triton kernel reading e4m3 tiles (jaxllm.models.moe.moe_block).
         moe_fn.fused_fp8 = functools.partial(moe_fused_ffn_fp8, interpret=not on_gpu)
+    # Only where `mosaic` is asked for by name: the FP8 kernels read K-major weights, made so
+    # inside the step (a pass over every weight per step: `cost_model_mosaic`), so the
+    # default `pallas` keeps FP8 weights on Triton until weights are stored K-major.
+    mosaic_fp8 = moe_backend == "mosaic" and fp8
+    if mosaic_fp8:
+        # Dynamically quantized FP8 experts: e4m3 activations into wgmma (jaxllm.models.moe.fp8_experts_fn).
+        moe_fn.fused_fp8_dynamic = mosaic_or_triton_moe_fp8(interpret=not on_gpu)
     kernel = on_gpu and num_devices == 1 and moe_backend not in ("xla", "tokamax")
-    quantized_matmul.set_backend("triton" if kernel else "xla", fp8=fp8)
+    quantized_matmul.set_backend("triton" if kernel else "xla", fp8=fp8, mosaic_fp8=mosaic_fp8)
     return attention_backend, moe_backend, attention_fn, moe_fn
 
 

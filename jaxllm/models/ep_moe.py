@@ -55,8 +55,8 @@ from jaxllm.models.moe import (
     expert_rows_ffn,
     fp8_expert_operands,
     fp8_expert_rows_ffn,
+    fp8_experts_fn,
     route_layer,
-    takes_fp8_experts,
 )
 from sharding.ep_dispatch import a2a_capacity, emulated_ragged_all_to_all
 from sharding.expert_load import count_experts
@@ -209,8 +209,8 @@ def expert_rows_operands(
     rows as their weights: replicas and slot rewrites carry them along) when it has one and
     each `tensor` rank's share of the FFN columns is whole scale blocks; otherwise the
     experts are dequantized for `moe_fn` (`expert_operands`)."""
-    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
-    if fused_fp8 is not None and takes_fp8_experts(p):
+    fused_fp8 = fp8_experts_fn(moe_fn, p)
+    if fused_fp8 is not None:
         xq, experts, block = fp8_expert_operands(x, p)
         share = experts[0].shape[2] // moe_tp  # each `tensor` rank's FFN columns
         if moe_tp == 1 or (share % block[0] == 0 and share % block[1] == 0):

@@ -12,7 +12,8 @@ the sort, unsort and combine here (under tensor parallelism too, `sharding.kerne
 the expert-parallel layer keeps the sorted-rows path). One carrying `fused_fp8` (the same with
 e4m3 expert weights and their block scales, `+ block=`) takes FP8 experts as they are stored
 (the expert-parallel layer too, row by row: `fp8_expert_rows_ffn`); without it they are
-dequantized first (`expert_operands`).
+dequantized first (`expert_operands`). `fused_fp8_dynamic` (same call) multiplies e4m3
+activations too, for layers whose activations are quantized per 128-group (`fp8_experts_fn`).
 Shapes are static: every (token, k) pair is one row, M = T * top_k; padding tokens are
 sorted past the last group so the backend sees them as padding rows and skips them.
 """
@@ -150,8 +151,8 @@ def moe_block(
     """The sparse FFN of one layer and the router's expert ids [T, k].
     p: router [H, E], w_gate/w_up [E, H, I], w_down [E, I, H]."""
     weights, ids = route_layer(x, p, config)
-    fused_fp8 = getattr(moe_fn, "fused_fp8", None)
-    if fused_fp8 is not None and takes_fp8_experts(p):
+    fused_fp8 = fp8_experts_fn(moe_fn, p)
+    if fused_fp8 is not None:
         # The backend's FP8 grouped FFN reads the e4m3 experts and their block scales itself.
         xq, experts, block = fp8_expert_operands(x, p)
         if valid is not None:
@@ -178,6 +179,18 @@ def takes_fp8_experts(p: dict) -> bool:
         and w.blocks[-2] % 64 == 0
         for w in ws
     )
+
+
+def fp8_experts_fn(moe_fn: MoeFn, p: dict) -> Optional[Callable]:
+    """The backend's FP8 grouped FFN for this layer's experts (`takes_fp8_experts`), or None:
+    its `fused_fp8_dynamic` (e4m3 activations into the MMA: only for activations quantized
+    per token-group of 128) where it has one and the weights ask for that, else `fused_fp8`."""
+    if not takes_fp8_experts(p):
+        return None
+    dynamic = getattr(moe_fn, "fused_fp8_dynamic", None)
+    if dynamic is not None and p["w_gate"].act_group == 128:
+        return dynamic
+    return getattr(moe_fn, "fused_fp8", None)
 
 
 def fp8_expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[int, int]]:

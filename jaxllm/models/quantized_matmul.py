@@ -24,26 +24,33 @@ if TYPE_CHECKING:
     from jaxllm.models.quantization import QuantizedWeight
 
 BACKENDS = ("xla", "triton")
-_state = {"backend": "xla", "interpret": False, "fp8": True}
+_state = {"backend": "xla", "interpret": False, "fp8": True, "mosaic_fp8": False}
 
 
-def set_backend(backend: str, *, interpret: bool = False, fp8: bool = True) -> None:
+def set_backend(backend: str, *, interpret: bool = False, fp8: bool = True, mosaic_fp8: bool = False) -> None:
     """`xla` or `triton` (the kernel; `interpret` runs it in Pallas interpret mode, off-GPU;
-    `fp8=False` keeps FP8 weights on XLA, for GPUs that cannot convert e4m3 in the kernel)."""
+    `fp8=False` keeps FP8 weights on XLA, for GPUs that cannot convert e4m3 in the kernel;
+    `mosaic_fp8` sends FP8 weights with per-128-group dynamic activations to the Mosaic GPU
+    e4m3 x e4m3 kernel where it takes them, Hopper only)."""
     if backend not in BACKENDS:
         raise ValueError(f"quantized matmul backend must be one of {BACKENDS}, got {backend!r}")
-    _state.update(backend=backend, interpret=interpret, fp8=fp8)
+    _state.update(backend=backend, interpret=interpret, fp8=fp8, mosaic_fp8=mosaic_fp8)
 
 
 def backend() -> str:
     return str(_state["backend"])
 
 
+def mosaic_fp8() -> bool:
+    """Whether FP8 weights with per-128-group activations go to the Mosaic GPU FP8 kernel."""
+    return bool(_state["mosaic_fp8"])
+
+
 @contextlib.contextmanager
-def use_backend(name: str, *, interpret: bool = False) -> Iterator[None]:
+def use_backend(name: str, *, interpret: bool = False, mosaic_fp8: bool = False) -> Iterator[None]:
     """The backend for the traces inside the block, restored after it."""
     saved = dict(_state)
-    set_backend(name, interpret=interpret)
+    set_backend(name, interpret=interpret, mosaic_fp8=mosaic_fp8)
     try:
         yield
     finally:
@@ -107,11 +114,22 @@ def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.A
     m = math.prod(x.shape) // k if k else 0
     if m == 0 or scale_block_k_tile(block[0], k) is None or x.dtype not in (jnp.bfloat16, jnp.float32):
         return None
-    from pallas_kernels.quantized_matmul import quantized_matmul
-
     value = w.value.reshape(k, -1)
     scale = w.scale.reshape(-(-k // block[0]), -(-n // block[1]))
+    lead = x.shape[: x.ndim - nk]
+    if _state["mosaic_fp8"] and w.value.dtype == jnp.float8_e4m3fn:
+        from pallas_kernels.quantized_matmul import mosaic_gpu_fp8
+
+        device = None if _state["interpret"] else jax.devices()[0]  # compiled: Hopper only
+        if mosaic_gpu_fp8.supports(k, n, block, w.act_group, device):
+            # x is `act_quant`'s output: quantizing it again gives back the same e4m3 values.
+            y = mosaic_gpu_fp8.fp8_block_matmul(
+                x.reshape(m, k), mosaic_gpu_fp8.k_major(value), scale, interpret=bool(_state["interpret"])
+            )
+            return y.reshape(lead + w.shape[nk:])
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
     out: Any = quantized_matmul(
         x.reshape(m, k), value, scale, block=block, packed=w.packed, interpret=bool(_state["interpret"])
     )
-    return out.reshape(x.shape[: x.ndim - nk] + w.shape[nk:])
+    return out.reshape(lead + w.shape[nk:])

@@ -111,7 +111,7 @@ def _check_tiling(t: MosaicGemmTiling, k_size: int, n_size: int, name: str) -> N
         raise ValueError(f"{name}: max_concurrent_steps must be >= 1")
 
 
-def _store_rows(o_smem, o_gmem, *, smem_start, gmem_start, num_rows, max_rows: int, col_start, block_n: int):
+def store_rows(o_smem, o_gmem, *, smem_start, gmem_start, num_rows, max_rows: int, col_start, block_n: int):
     """Stores `num_rows` (0..max_rows, dynamic) rows of `o_smem` from `smem_start` to
     `o_gmem` from `gmem_start` with power-of-two TMA boxes, largest first."""
     size = 1 << (max_rows.bit_length() - 1)
@@ -187,7 +187,7 @@ def _grouped_gemm(
             def _store(o_smem):
                 o_smem[...] = out.astype(out_dtype)
                 plgpu.commit_smem()
-                _store_rows(
+                store_rows(
                     o_smem,
                     o_gmem,
                     smem_start=row_lo - tile_start,

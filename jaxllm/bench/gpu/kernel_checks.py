@@ -454,7 +454,7 @@ def run(ctx: SectionContext) -> None:
             )
     # Quantized weights (FP8 / int4 GEMM, FP8 grouped FFN), interleaved after the first cases.
     record = functools.partial(_record, table, failures)
-    quant = quant_checks.cases(record, ctx.options.dry_run, interpret)
+    quant = quant_checks.cases(record, ctx.options.dry_run, interpret, mosaic=mosaic_unavailable(interpret) is None)
     plan = [step for pair in zip(plan, quant) for step in pair] + plan[len(quant) :] + quant[len(plan) :]
     ctx.data["cases_planned"] = len(plan)
     for name, step in plan:
