@@ -313,3 +313,63 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the tests of GGUF files kept quantized
+
+
+def quantized_leaves(params) -> list:
+    """The `QuantizedWeight`s of a parameter pytree."""
+    import jax
+
+    from jaxllm.models.quantization import QuantizedWeight
+
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return [w for w in leaves if isinstance(w, QuantizedWeight)]
+
+
+def write_converted(tmp_path: Path, arch: str, qtype: str, k_quants: tuple[str, ...] = (), **shapes):
+    """A tiny random `arch` model written as a `qtype` GGUF file and converted; returns
+    (transformers model, GGUF path, converted directory)."""
+    from jaxllm.models.gguf import convert_gguf
+
+    path = tmp_path / "hf"
+    path.mkdir(parents=True)
+    model, tokenizer = make_tiny_hf(arch, path, **shapes)
+    name = "Q4_K_M" if k_quants else qtype
+    gguf_path = write_gguf(model, tokenizer, arch, path / f"{name}.gguf", qtype, k_quants=k_quants)
+    return model, gguf_path, convert_gguf(gguf_path, tmp_path / "conv", progress=False)
+
+
+def assert_logits_equal_transformers(model, gguf_path: Path, params, config, num_tokens: int = 40, seed: int = 1):
+    """Our logits of random tokens equal (relative 1e-4) those of transformers' own GGUF model
+    (`from_pretrained(gguf_file=...)`, its own dequantization) of the same file."""
+    import torch
+    import transformers
+
+    from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = [int(t) for t in np.random.default_rng(seed).integers(0, model.config.vocab_size, num_tokens)]
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    paged = PagedModel(params, config, num_blocks=64, max_blocks_per_seq=16, token_bucket=64)
+    ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
+    assert np.abs(ref).max() > 0.1
+    assert rel_err(ours, ref) < 1e-4
+
+
+def dequantized_blocks(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """GGUF rows of `qtype` as jaxllm holds them (`unpack_blocks`: values and the file's own
+    per-block numbers), folded back to float32 as the step does."""
+    from jaxllm.models.gguf_blocks import unpack_blocks
+    from jaxllm.models.int_checkpoint_view import dequantize_stored
+    from jaxllm.models.quant_config import parse_quantization_config
+
+    parts = unpack_blocks(raw, qtype)
+    qc = parse_quantization_config({"quant_method": "gguf", "weight_type": qtype})
+    named = {leaf: parts[suffix] for leaf, (suffix, _, _) in qc.block_tensors().items()}
+    return dequantize_stored(parts["weight"].astype(np.float32), named, qc)

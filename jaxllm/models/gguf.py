@@ -8,11 +8,13 @@ engine then loads the directory through the ordinary safetensors loader, so GGUF
 second loading path.
 
 Linear projections in Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (the type most of them use) stay
-quantized: their integer values (one to an int8) and float32 scales, one per block of 32
-inputs (Q6_K: 16), are written as `<module>.weight` / `<module>.weight_scale` (Q4_1 and Q4_K
-also `<module>.weight_offset`, the block's minimum) with a `quantization_config` of method
-"gguf", and the loader keeps them so on the device (int8, or 4-bit packed two to a byte) for
-the jitted step to dequantize before each matmul. Every other tensor (embeddings, norms, the
+quantized: their integer values (one to an int8) and their scales as the file stores them,
+one per block of 32 inputs (Q6_K: 16; float16, K-quants' integer sub-block scales plus a
+float16 scale per 256), are written as `<module>.weight` / `<module>.weight_scale` (Q4_1 and
+Q4_K also `<module>.weight_offset`, the block's minimum; K-quants `.weight_super_scale` /
+`.weight_super_offset`) with a `quantization_config` of method "gguf", and the loader keeps
+them so on the device (int8, or 4-bit packed two to a byte) for the jitted step to
+dequantize before each matmul. Every other tensor (embeddings, norms, the
 LM head, linears of other types, and every layer's copy of a linear that some layer stores in
 another type, so that layer stacks stay uniform) is dequantized by the `gguf` library.
 
@@ -282,8 +284,9 @@ def hf_tensors(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(Hugging Face name, array in HF layout) for every tensor of the file: dequantized, except
     linear projections of type `keep` (one of KEPT_QUANTIZED) whose every layer has that type,
-    which come as int8 values under their name and float32 block scales (and offsets) under
-    `<module>.weight_scale` (`.weight_offset`)."""
+    which come as int8 values under their name and their per-block numbers in the file's
+    precision under `<module>.weight_scale` (`.weight_offset`, `.weight_super_scale`,
+    `.weight_super_offset`; `gguf_blocks.unpack_blocks`)."""
     from gguf import GGMLQuantizationType, dequantize
 
     permute = config["model_type"] in ("llama", "mixtral")
@@ -295,12 +298,9 @@ def hf_tensors(
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if _keeps(tensor, keep, mixed):
             assert keep is not None
-            values, scales, offsets = unpack_blocks(np.asarray(tensor.data), keep)
-            yield from _renamed(name, values, config, permute, mixtral, unknown)
-            for suffix, per_block in (("weight_scale", scales), ("weight_offset", offsets)):
-                if per_block is not None:
-                    for hf_name, array in _renamed(name, per_block, config, permute, mixtral, unknown):
-                        yield hf_name.removesuffix("weight") + suffix, array
+            for suffix, array in unpack_blocks(np.asarray(tensor.data), keep).items():
+                for hf_name, renamed in _renamed(name, array, config, permute, mixtral, unknown):
+                    yield hf_name.removesuffix("weight") + suffix, renamed
             continue
         array = np.asarray(dequantize(tensor.data, qtype))
         array = array.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float32, copy=False)
