@@ -126,7 +126,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Random but valid `qtype` (Q4_K or Q6_K) blocks for a [rows, cols] weight, as raw bytes.
+    """Random but valid `qtype` (Q4_K, Q5_K or Q6_K) blocks for a [rows, cols] weight, as raw bytes.
 
     There is no K-quantizer in `gguf`, so the bytes are random except the f16 super-block
     scales (gguf/quants.py's layout), which get small finite values so no NaN/Inf appears."""
@@ -136,7 +136,7 @@ def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generato
     rows, cols = shape
     assert cols % block_values == 0, f"{qtype.name} rows must be a multiple of {block_values}"
     blocks = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
         scale_bytes = [slice(0, 2), slice(2, 4)]  # d, dmin lead the block
     elif qtype == gguf.GGMLQuantizationType.Q6_K:
         scale_bytes = [slice(block_bytes - 2, block_bytes)]  # d ends the block
@@ -223,13 +223,22 @@ def _state_dict(model) -> dict[str, np.ndarray]:
 
 
 def write_gguf(
-    model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32", k_quants: tuple[str, ...] = (), seed: int = 0
+    model,
+    tokenizer: dict,
+    arch: str,
+    path: Path,
+    qtype: str = "F32",
+    k_quants: tuple[str, ...] = (),
+    seed: int = 0,
+    tensor_types: dict[str, str] | None = None,
 ) -> Path:
     """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`.
 
     With `k_quants` (e.g. ("Q4_K", "Q6_K")) the 2-D weights whose rows are a multiple of 256
     are instead random valid blocks of those types in turn (a mixed "Q4_K_M" file, the
-    model's values are not kept); the others stay `qtype`, as in llama.cpp's mixed files."""
+    model's values are not kept); the others stay `qtype`, as in llama.cpp's mixed files.
+    `tensor_types` gives some tensors (by GGUF name, `blk.0.attn_v.weight`) their own type,
+    as llama.cpp's Q4_K_M gives some layers' attn_v / ffn_down Q6_K (Q5_K: random blocks)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -294,7 +303,17 @@ def write_gguf(
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             value = llama_cpp_permute(value, heads)
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
+        own = (tensor_types or {}).get(f"{gguf_name}.{suffix}")
+        if own is not None and value.ndim == 2:
+            kind = gguf.GGMLQuantizationType[own]
+            if own in ("Q4_K", "Q6_K"):
+                data = quantize_k(value, own)
+            elif own == "Q5_K":
+                data = random_k_quant_blocks(kind, value.shape, rng)
+            else:
+                data = gguf.quantize(value, kind)
+            writer.add_tensor(f"{gguf_name}.{suffix}", data, raw_dtype=kind)
+        elif k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
             k_quant = gguf.GGMLQuantizationType[k_quants[k_quant_turn % len(k_quants)]]
             k_quant_turn += 1
             writer.add_tensor(
@@ -306,6 +325,8 @@ def write_gguf(
             writer.add_tensor(f"{gguf_name}.{suffix}", value.astype(np.float16))
         elif qtype in ("Q4_K", "Q6_K"):
             writer.add_tensor(f"{gguf_name}.{suffix}", quantize_k(value, qtype), raw_dtype=quant)
+        elif qtype == "Q5_K":
+            writer.add_tensor(f"{gguf_name}.{suffix}", random_k_quant_blocks(quant, value.shape, rng), raw_dtype=quant)
         else:
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quantize(value, quant), raw_dtype=quant)
     writer.write_header_to_file()
@@ -329,16 +350,25 @@ def quantized_leaves(params) -> list:
     return [w for w in leaves if isinstance(w, QuantizedWeight)]
 
 
-def write_converted(tmp_path: Path, arch: str, qtype: str, k_quants: tuple[str, ...] = (), **shapes):
-    """A tiny random `arch` model written as a `qtype` GGUF file and converted; returns
-    (transformers model, GGUF path, converted directory)."""
+def write_converted(
+    tmp_path: Path,
+    arch: str,
+    qtype: str,
+    k_quants: tuple[str, ...] = (),
+    tensor_types: dict[str, str] | None = None,
+    **shapes,
+):
+    """A tiny random `arch` model written as a `qtype` GGUF file (`write_gguf`'s `k_quants`,
+    `tensor_types`) and converted; returns (transformers model, GGUF path, converted directory)."""
     from jaxllm.models.gguf import convert_gguf
 
     path = tmp_path / "hf"
     path.mkdir(parents=True)
     model, tokenizer = make_tiny_hf(arch, path, **shapes)
-    name = "Q4_K_M" if k_quants else qtype
-    gguf_path = write_gguf(model, tokenizer, arch, path / f"{name}.gguf", qtype, k_quants=k_quants)
+    name = "Q4_K_M" if k_quants or tensor_types else qtype
+    gguf_path = write_gguf(
+        model, tokenizer, arch, path / f"{name}.gguf", qtype, k_quants=k_quants, tensor_types=tensor_types
+    )
     return model, gguf_path, convert_gguf(gguf_path, tmp_path / "conv", progress=False)
 
 
@@ -362,14 +392,17 @@ def assert_logits_equal_transformers(model, gguf_path: Path, params, config, num
     assert rel_err(ours, ref) < 1e-4
 
 
-def dequantized_blocks(raw: np.ndarray, qtype: str) -> np.ndarray:
+def dequantized_blocks(raw: np.ndarray, qtype: str, held: str | None = None) -> np.ndarray:
     """GGUF rows of `qtype` as jaxllm holds them (`unpack_blocks`: values and the file's own
-    per-block numbers), folded back to float32 as the step does."""
-    from jaxllm.models.gguf_blocks import unpack_blocks
+    per-block numbers; with `held`, in the layout of a layer stack mixing types, `as_held`),
+    folded back to float32 as the step does."""
+    from jaxllm.models.gguf_blocks import as_held, unpack_blocks
     from jaxllm.models.int_checkpoint_view import dequantize_stored
     from jaxllm.models.quant_config import parse_quantization_config
 
     parts = unpack_blocks(raw, qtype)
-    qc = parse_quantization_config({"quant_method": "gguf", "weight_type": qtype})
+    if held is not None:
+        parts = as_held(parts, qtype, held)
+    qc = parse_quantization_config({"quant_method": "gguf", "weight_type": held or qtype})
     named = {leaf: parts[suffix] for leaf, (suffix, _, _) in qc.block_tensors().items()}
     return dequantize_stored(parts["weight"].astype(np.float32), named, qc)

@@ -26,16 +26,14 @@ pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 from jaxllm.bench.quant import held_weight_bytes  # noqa: E402
 from jaxllm.models import load_model_config, load_params  # noqa: E402
-from jaxllm.models.gguf import convert_gguf, unpack_blocks  # noqa: E402
+from jaxllm.models.gguf import unpack_blocks  # noqa: E402
 from jaxllm.models.memory_plan import plan_memory  # noqa: E402
 from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import (  # noqa: E402
     assert_logits_equal_transformers,
     dequantized_blocks,
-    make_tiny_hf,
     write_converted,
-    write_gguf,
 )
 from tests.gguf_helpers import quantized_leaves as _quantized  # noqa: E402
 
@@ -118,51 +116,3 @@ def test_quantizing_on_load_matches_the_gguf_reference_quantizer(tmp_path, qtype
         assert w.packed == v.packed == (method == "int4") and w.blocks == v.blocks
         np.testing.assert_array_equal(np.asarray(w.value), np.asarray(v.value))
         np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(v.scale))
-
-
-def test_a_mixed_k_quant_file_keeps_its_most_common_type_where_every_layer_has_it(tmp_path):
-    """Q4_K / Q6_K attention and MLP weights (random valid blocks) next to Q8_0 down projections,
-    as in llama.cpp's mixed files: the linears of the most common type stay quantized when every
-    layer stores that kind in it; a kind some layer stores in another type loads as float in
-    every layer (so each layer stack holds one kind of weight, and it is listed in
-    `modules_to_not_convert`); the logits are transformers' on the same file."""
-    import json
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    path = tmp_path / "hf"
-    path.mkdir()
-    model, tokenizer = make_tiny_hf(
-        "llama", path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384
-    )
-    gguf_path = write_gguf(model, tokenizer, "llama", path / "Q4_K_M.gguf", "Q8_0", k_quants=("Q4_K", "Q6_K"))
-    linears = {
-        t.name: t.tensor_type.name
-        for t in GGUFReader(str(gguf_path)).tensors
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and "norm" not in t.name
-    }
-    kept = Counter(linears.values()).most_common(1)[0][0]
-    by_kind: dict[str, set[str]] = {}
-    for name, kind in linears.items():
-        by_kind.setdefault(name.split(".", 2)[2], set()).add(kind)
-    uniform = {k for k, kinds in by_kind.items() if kinds == {kept}}
-    assert uniform and len(uniform) < len(by_kind)  # some kinds kept, some mixed
-    directory = convert_gguf(gguf_path, tmp_path / "conv", progress=False)
-    qc = json.loads((directory / "config.json").read_text())["quantization_config"]
-    assert qc["weight_type"] == kept
-    config = load_model_config(directory, dtype="float32")
-    params = load_params(directory, config)
-    (stack,) = params["layer_stacks"]
-    param_of = {
-        "attn_q.weight": ("attn", "q"),
-        "attn_k.weight": ("attn", "k"),
-        "attn_v.weight": ("attn", "v"),
-        "attn_output.weight": ("attn", "o"),
-        "ffn_gate.weight": ("mlp", "gate"),
-        "ffn_up.weight": ("mlp", "up"),
-        "ffn_down.weight": ("mlp", "down"),
-    }
-    for kind, (group, leaf) in param_of.items():
-        assert isinstance(stack[group][leaf], QuantizedWeight) == (kind in uniform), kind
-    assert_logits_equal_transformers(model, gguf_path, params, config, num_tokens=24, seed=2)

@@ -33,11 +33,18 @@ def unpack_blocks(data: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     `m`); Q4_K (super-blocks of 256: eight blocks of 32 with 6-bit scales `sc` and minimums
     `m` (uint8), `(d * sc) * q - dmin * m`; the super offset is `-dmin`); Q6_K (super-blocks of
     256: sixteen blocks of 16 with int8 scales, `(d * sc) * (q - 32)`)."""
-    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[kind]
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
     lead = data.shape[:-1]
-    blocks = np.ascontiguousarray(data).reshape(*lead, -1, block_bytes)
+    blocks = np.ascontiguousarray(data).reshape(*lead, -1, block_bytes[kind])
     out: dict[str, np.ndarray] = {}
-    if kind in ("Q8_0", "Q4_0"):
+    if kind in ("Q5_0", "Q5_1"):  # d (, m), qh: bit j the fifth bit of element j, then Q4_0's nibbles
+        out["weight_scale"] = _f16(blocks[..., 0:2])
+        head = 2 if kind == "Q5_0" else 4
+        if kind == "Q5_1":
+            out["weight_offset"] = _f16(blocks[..., 2:4])
+        high = np.unpackbits(blocks[..., head : head + 4], axis=-1, bitorder="little")
+        values = (_nibbles(blocks[..., head + 4 :], 16) | (high << 4)).astype(np.int8) - (16 if kind == "Q5_0" else 0)
+    elif kind in ("Q8_0", "Q4_0"):
         out["weight_scale"], body = _f16(blocks[..., :2]), blocks[..., 2:]
         if kind == "Q8_0":
             values = body.view(np.int8)
@@ -46,13 +53,18 @@ def unpack_blocks(data: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     elif kind == "Q4_1":
         out["weight_scale"], out["weight_offset"] = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         values = _nibbles(blocks[..., 4:], 16).astype(np.int8)
-    elif kind == "Q4_K":
+    elif kind in ("Q4_K", "Q5_K"):
         d, dmin, packed = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]), blocks[..., 4:16]
         lo, hi, mix = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
         out["weight_scale"] = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
         out["weight_offset"] = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
         out["weight_super_scale"], out["weight_super_offset"] = d, -dmin
-        values = _nibbles(blocks[..., 16:], 32).astype(np.int8)  # block 2c + s: nibble s of bytes 32c..32c+31
+        if kind == "Q4_K":
+            values = _nibbles(blocks[..., 16:], 32).astype(np.int8)  # block 2c + s: nibble s of bytes 32c..32c+31
+        else:  # qh [32] then Q4_K's nibbles; element 32b + k's fifth bit is bit b of qh[k]
+            bits = np.unpackbits(blocks[..., 16:48], axis=-1, bitorder="little")  # 8k + b
+            high = np.swapaxes(bits.reshape(*bits.shape[:-1], 32, 8), -1, -2).reshape(bits.shape)
+            values = (_nibbles(blocks[..., 48:], 32) | (high << 4)).astype(np.int8)
     else:  # Q6_K: ql [128], qh [64], int8 scales [16], d
         ql, qh = blocks[..., :128], blocks[..., 128:192]
         out["weight_scale"] = blocks[..., 192:208].view(np.int8)
@@ -64,3 +76,36 @@ def unpack_blocks(data: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     flat = (*lead, -1)
     out["weight"] = values
     return {name: np.ascontiguousarray(array).reshape(flat) for name, array in out.items()}
+
+
+# The K-quant types a layer stack of mixed types holds exactly as the wider one (`held_type`).
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def held_type(types: set[str]) -> str:
+    """The block type a layer stack whose layers store `types` is held in on the device: a
+    stack of one type keeps it; Q4_K with Q5_K layers is held as Q5_K (its values, one to an
+    int8, hold Q4_K's exactly, the scales alike); Q6_K with Q4_K / Q5_K layers as "K_INT8"
+    (int8 values, int8 scales and minimums per 16, float16 d and -dmin per 256), which holds
+    each layer's blocks exactly. Empty for other mixes (the stack loads dequantized)."""
+    if len(types) == 1:
+        return next(iter(types))
+    if not types <= set(K_QUANTS):
+        return ""
+    return "K_INT8" if "Q6_K" in types else "Q5_K"
+
+
+def as_held(parts: dict[str, np.ndarray], kind: str, held: str) -> dict[str, np.ndarray]:
+    """`unpack_blocks(..., kind)` in the layout of `held` (`held_type`): the same numbers, a
+    Q4_K / Q5_K scale and minimum repeated over the two blocks of 16 of its 32 and Q6_K's
+    minimums 0 for "K_INT8"."""
+    if held in (kind, "Q5_K"):
+        return parts
+    out = dict(parts)
+    if kind == "Q6_K":
+        out["weight_offset"] = np.zeros_like(parts["weight_scale"])
+        out["weight_super_offset"] = np.zeros_like(parts["weight_super_scale"])
+        return out
+    for name in ("weight_scale", "weight_offset"):  # 6-bit values: they fit an int8
+        out[name] = np.repeat(parts[name], 2, axis=-1).astype(np.int8)
+    return out

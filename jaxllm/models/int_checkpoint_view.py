@@ -40,7 +40,7 @@ class DequantizedTensors:
         out = set()
         for name in self.weights:
             base = name.removesuffix("weight")
-            out.update(base + suffix for suffix, _, _ in self.stored.block_tensors().values())
+            out.update(base + suffix for suffix, _, _ in self.stored.for_tensor(name).block_tensors().values())
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -56,8 +56,9 @@ class DequantizedTensors:
     def _dequantized(self, name: str, read_full: Callable[[str], np.ndarray]) -> np.ndarray:
         base = name.removesuffix("weight")
         values = np.asarray(read_full(name), np.float32)  # [out, in]
-        parts = {leaf: read_full(base + suffix) for leaf, (suffix, _, _) in self.stored.block_tensors().items()}
-        return dequantize_stored(values, parts, self.stored)
+        fmt = self.stored.for_tensor(name)
+        parts = {leaf: read_full(base + suffix) for leaf, (suffix, _, _) in fmt.block_tensors().items()}
+        return dequantize_stored(values, parts, fmt)
 
 
 def dequantize_stored(values: np.ndarray, parts: Mapping[str, np.ndarray], stored: QuantConfig) -> np.ndarray:

@@ -77,9 +77,11 @@ def check_dp_expert_blocks(config: ModelConfig, moe_tp: int) -> None:
     if q is None or moe_tp <= 1 or not config.moe_intermediate_size:
         return
     h, i = config.hidden_size, config.moe_intermediate_size
-    packed = 2 if q.value_dtype in ("int4", "uint4") else 1
-    down_columns = q.block_for(h, i)[1] or i
-    step = math.lcm(q.block_for(i, h)[0] or i, down_columns, q.super_block or 1, packed)  # gate/up rows, down columns
+    step = 1
+    for fmt in q.formats():  # a mixed GGUF file: every format its experts may be held in
+        packed = 2 if fmt.value_dtype in ("int4", "uint4") else 1
+        # gate/up rows, down columns
+        step = math.lcm(step, fmt.block_for(i, h)[0] or i, fmt.block_for(h, i)[1] or i, fmt.super_block or 1, packed)
     share = i // moe_tp
     if share % step:
         raise ValueError(

@@ -21,7 +21,8 @@ the dequantized weights with the unquantized activations (weights-only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Optional
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -61,6 +62,23 @@ class QuantConfig:
     # Inputs per super-block (GGUF K-quants: 256), each with a float16 `<name>.weight_super_scale`
     # (and `.weight_super_offset`) multiplying its integer block scales (offsets); 0: none.
     super_block: int = 0
+    # Files mixing block types (llama.cpp's Q4_K_M): (module, its own format) where a module's
+    # format is not this one (`for_tensor`).
+    per_module: tuple[tuple[str, QuantConfig], ...] = ()
+
+    def for_tensor(self, tensor_name: str) -> QuantConfig:
+        """The format of the module holding `tensor_name` (`<module>.weight` and its scales)."""
+        if not self.per_module:
+            return self
+        return self._module_formats.get(tensor_name.rsplit(".", 1)[0], self)
+
+    @cached_property
+    def _module_formats(self) -> dict[str, QuantConfig]:
+        return dict(self.per_module)
+
+    def formats(self) -> tuple[QuantConfig, ...]:
+        """Every format some quantized weight of the model is held in."""
+        return (self,) + tuple(dict.fromkeys(fmt for _, fmt in self.per_module if fmt != self))
 
     def __post_init__(self) -> None:
         if self.activation_scheme not in ACTIVATION_SCHEMES:
@@ -147,21 +165,38 @@ GGUF_METHODS = {
     "Q8_0": ("int8_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * q, q in [-127, 127]
     "Q4_0": ("int4_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * (q - 8)
     "Q4_1": ("uint4_block", GGUF_BLOCK, True, "float16", "float16", 0),  # d * q + m, q in [0, 15]
-    # (d * sc) * q - dmin * m per 32 of a 256 super-block, sc and m 6-bit
+    "Q5_0": ("int8_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * (q - 16), one value to an int8
+    "Q5_1": ("int8_block", GGUF_BLOCK, True, "float16", "float16", 0),  # d * q + m, q in [0, 31]
+    # (d * sc) * q - dmin * m per 32 of a 256 super-block, sc and m 6-bit (Q5_K: q in [0, 31], one to an int8)
     "Q4_K": ("uint4_block", 32, True, "uint8", "uint8", K_SUPER_BLOCK),
+    "Q5_K": ("int8_block", 32, True, "uint8", "uint8", K_SUPER_BLOCK),
     # (d * sc) * (q - 32) per 16 of a 256 super-block, sc int8
     "Q6_K": ("int8_block", 16, False, "int8", "float16", K_SUPER_BLOCK),
+    # Not a file type: how a layer stack mixing Q6_K with Q4_K / Q5_K layers is held, each
+    # layer's blocks exactly: int8 values, int8 scales and minimums per 16, float16 d and
+    # -dmin per 256 (Q6_K's minimums 0; a Q4_K / Q5_K scale repeated over its two 16s).
+    "K_INT8": ("int8_block", 16, True, "int8", "int8", K_SUPER_BLOCK),
 }
 
 
 def _parse_gguf(qc: dict) -> QuantConfig:
-    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0 | Q4_1 | Q4_K | Q6_K}` (written by
-    `jaxllm.models.gguf`): each quantized `<module>.weight` is int8 [out, in] (4-bit types: one
-    value to a byte) with float16 `<module>.weight_scale` [out, in / block] (and, for Q4_1,
-    `<module>.weight_offset`), the weight being `value * scale (+ offset)` per block; K-quants
-    hold their integer sub-block scales (and minimums) there, and float16
-    `<module>.weight_super_scale` (`.weight_super_offset`: `-dmin`) [out, in / 256]."""
+    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K |
+    K_INT8}` (written by `jaxllm.models.gguf`): each quantized `<module>.weight` is int8 [out, in]
+    (4-bit types: one value to a byte) with float16 `<module>.weight_scale` [out, in / block]
+    (and, for Q4_1 / Q5_1, `<module>.weight_offset`), the weight being `value * scale (+ offset)`
+    per block; K-quants hold their integer sub-block scales (and minimums) there, and float16
+    `<module>.weight_super_scale` (`.weight_super_offset`: `-dmin`) [out, in / 256]. Modules of
+    another type are listed in `weight_types` ({module: type})."""
     kind = qc.get("weight_type")
+    per_module = qc.get("weight_types") or {}
+    if not isinstance(per_module, dict) or not all(isinstance(k, str) for k in per_module):
+        raise ValueError("quantization_config.weight_types must map module names to GGUF types")
+    formats = {t: _gguf_format(t) for t in {kind, *per_module.values()}}
+    base = replace(formats[kind], ignored=_ignored(qc))
+    return replace(base, per_module=tuple((m, formats[t]) for m, t in sorted(per_module.items()) if t != kind))
+
+
+def _gguf_format(kind: Any) -> QuantConfig:
     if kind not in GGUF_METHODS:
         raise ValueError(f"unsupported quantization_config.weight_type={kind!r}; one of {sorted(GGUF_METHODS)}")
     method, block, offset, scale_dtype, offset_dtype, super_block = GGUF_METHODS[kind]
@@ -171,7 +206,7 @@ def _parse_gguf(qc: dict) -> QuantConfig:
         "none",
         "weight_scale",
         True,
-        _ignored(qc),
+        (),
         offset,
         scale_dtype=scale_dtype,
         offset_dtype=offset_dtype,

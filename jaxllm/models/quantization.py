@@ -244,6 +244,7 @@ def quantized_decl(decl: Any, config: Any) -> Any:
         or any(qc.keeps_float(s.name) for s in canonical)
     ):
         return decl
+    qc = qc.for_tensor(src.name)  # a mixed GGUF file: this module's own block type
     blocks = param_blocks(src, qc.block_for(*src.shape))
     lead = (1,) * (len(decl.shape) - len(blocks))  # per-expert sources and slots: one scale row per expert
     supers = lead + param_blocks(src, qc.block_for(*src.shape, super_block=True)) if qc.super_block else ()

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.quant_config import INT_DTYPES, on_load_quant_config
+from jaxllm.models.quant_config import INT_DTYPES, QuantConfig, on_load_quant_config
 from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
@@ -66,24 +66,28 @@ class Fp8Files:
         return np.asarray(flat.reshape(shape)[slices]).view(FP8)
 
 
+def tensor_format(config: ModelConfig, weight_name: str) -> QuantConfig:
+    """The quantization format of the module holding `weight_name` (a mixed GGUF file's modules
+    each have their own)."""
+    assert config.quantization is not None
+    return config.quantization.for_tensor(weight_name)
+
+
 def scale_name(config: ModelConfig, weight_name: str, suffix: Optional[str] = None) -> str:
     """The checkpoint's scale tensor of a quantized `<module>.weight` (or, with `suffix`, its
     offset tensor)."""
-    assert config.quantization is not None
-    return weight_name[: -len("weight")] + (suffix or config.quantization.scale_suffix)
+    return weight_name[: -len("weight")] + (suffix or tensor_format(config, weight_name).scale_suffix)
 
 
 def _block_tensor_names(config: ModelConfig, weight_name: str) -> list[str]:
     """The per-block tensors of a quantized weight: its scales, and its offsets and super-block
     scales when it has them."""
-    qc = config.quantization
-    assert qc is not None
-    return [scale_name(config, weight_name, suffix) for suffix, _, _ in qc.block_tensors().values()]
+    fmt = tensor_format(config, weight_name)
+    return [scale_name(config, weight_name, suffix) for suffix, _, _ in fmt.block_tensors().values()]
 
 
-def expected_scale_shape(config: ModelConfig, stored: tuple[int, int], super_block: bool = False) -> tuple[int, int]:
-    assert config.quantization is not None
-    rows, cols = config.quantization.block_for(*stored, super_block=super_block)
+def expected_scale_shape(fmt: QuantConfig, stored: tuple[int, int], super_block: bool = False) -> tuple[int, int]:
+    rows, cols = fmt.block_for(*stored, super_block=super_block)
     return (-(-stored[0] // rows), -(-stored[1] // cols))
 
 
@@ -141,7 +145,8 @@ def check_quantized(
                 f"tensor {fp8[0]}: float8 weights load only in the per-module layout, every part quantized"
             )
         for src in alt:
-            for suffix, dtype, per_super in qc.block_tensors().values():
+            fmt = qc.for_tensor(src.name)
+            for suffix, dtype, per_super in fmt.block_tensors().values():
                 name = scale_name(config, src.name, suffix)
                 if name not in shapes:
                     raise ValueError(
@@ -152,7 +157,7 @@ def check_quantized(
                     raise ValueError(
                         f"scale tensor {name} has dtype {dtypes.get(name)}; expected {' or '.join(allowed)}"
                     )
-                want = expected_scale_shape(config, src.shape, per_super)  # type: ignore[arg-type]
+                want = expected_scale_shape(fmt, src.shape, per_super)  # type: ignore[arg-type]
                 if tuple(shapes[name]) != want:
                     raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
                 scales.add(name)
@@ -177,7 +182,7 @@ def _member_scales(
     extent = decl.shape[1:] if part else decl.shape
 
     def scales_of(src: Source) -> np.ndarray:
-        stored_block = config.quantization.block_for(*src.shape, super_block=per_super)  # type: ignore[union-attr]
+        stored_block = tensor_format(config, src.name).block_for(*src.shape, super_block=per_super)  # type: ignore[arg-type]
         return checkpoint_scales(src, extent, blocks, read_full(scale_name(config, src.name, suffix)), stored_block)
 
     if not part:
@@ -210,7 +215,8 @@ def assemble_quantized(
         value = assemble_value()
         if q.packed:  # 4-bit read as int8 values, packed two to a byte on the device
             value = jax.jit(pack_int4, out_shardings=value_sharding)(value)
-        for leaf, (suffix, _, per_super) in qc.block_tensors().items():
+        fmt = qc.for_tensor(alternatives[0][0].name)  # every member and part: one format (the converter's rule)
+        for leaf, (suffix, _, per_super) in fmt.block_tensors().items():
             out = [_member_scales(m, a, config, read_full, suffix, per_super) for m, a in zip(members, alternatives)]
             held[leaf] = np.stack(out) if isinstance(decl, StackedDecl) else out[0]
     elif q.dtype == FP8.name:
