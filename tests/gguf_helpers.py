@@ -27,8 +27,10 @@ FILE_TYPE = {
     "Q4_1": 3,
     "Q8_0": 7,
     "Q5_0": 8,
+    "Q5_1": 9,
     "Q4_K": 14,  # Q4_K_S
     "Q4_K_M": 15,
+    "Q5_K": 16,  # Q5_K_S
     "Q6_K": 18,
     "BF16": 32,
 }
@@ -265,7 +267,7 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(FILE_TYPE["Q4_K_M" if k_quants else qtype])
+    writer.add_file_type(FILE_TYPE["Q4_K_M" if k_quants or tensor_types else qtype])
     if arch == "qwen3_moe":
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)

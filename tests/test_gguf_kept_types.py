@@ -1,15 +1,18 @@
-"""GGUF Q4_1, Q4_K and Q6_K weights kept quantized on the device.
+"""GGUF Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights kept quantized on the device.
 
 Q4_1 (SmolLM2's file type) holds 4-bit values in [0, 15] with a float16 scale and offset per
 block of 32 (`value * scale + offset`, the file's `d` and `m`), packed two to a byte on the
 device; Q4_K the same values with its 6-bit sub-block scales and minimums (uint8) per 32 and
 float16 `d` / `-dmin` per 256; Q6_K int8 values in [-32, 31] with int8 scales per 16 and a
-float16 `d` per 256: what the file stores, about 4.6 / 8.6 bits per weight. Oracles:
+float16 `d` per 256: what the file stores, about 4.6 / 8.6 bits per weight. Q5_0 / Q5_1 /
+Q5_K hold their 5-bit values one to an int8 ([-16, 15] / [0, 31]) with Q4_0's / Q4_1's /
+Q4_K's scales. Oracles:
 
 - the `gguf` library's own dequantization (the format's definition): our unpacked values
-  times scales plus offsets equal it element for element. Q4_1 blocks come from `gguf.quantize`;
-  `gguf` has no K-quantizer, so Q4_K / Q6_K blocks are written with numpy following its block
-  layout (`tests.gguf_helpers.quantize_k`);
+  times scales plus offsets equal it element for element. Q4_1 / Q5_0 / Q5_1 blocks come from
+  `gguf.quantize`; `gguf` has no K-quantizer, so Q4_K / Q6_K blocks are written with numpy
+  following its block layout (`tests.gguf_helpers.quantize_k`), Q5_K blocks are random valid
+  bytes;
 - transformers' GGUF loader (its own dequantization): logits equal to float32 precision;
 - `plan_memory`: the weight bytes equal what the loaded parameters hold (and the bits per
   weight are the format's: values plus the file's own per-block numbers);
@@ -37,24 +40,37 @@ from tests.gguf_helpers import (  # noqa: E402
     assert_logits_equal_transformers,
     dequantized_blocks,
     quantize_k,
+    random_k_quant_blocks,
     write_converted,
 )
 from tests.gguf_helpers import quantized_leaves as _quantized  # noqa: E402
 
 # 256-wide rows (K-quant super-blocks): hidden 256, down_proj's inputs 512.
 K_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
-BLOCK = {"Q4_1": 32, "Q4_K": 32, "Q6_K": 16}
+BLOCK = {"Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 # What the device holds per block: (scale dtype, offset dtype or None, super-block or 0).
-HELD = {"Q4_1": ("float16", "float16", 0), "Q4_K": ("uint8", "uint8", 256), "Q6_K": ("int8", None, 256)}
+HELD = {
+    "Q4_1": ("float16", "float16", 0),
+    "Q5_0": ("float16", None, 0),
+    "Q5_1": ("float16", "float16", 0),
+    "Q4_K": ("uint8", "uint8", 256),
+    "Q5_K": ("uint8", "uint8", 256),
+    "Q6_K": ("int8", None, 256),
+}
+VALUES = {"Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+PACKED = ("Q4_1", "Q4_K")  # 4-bit values, two to a byte on the device; the others one to an int8
 
 
 def _raw_blocks(x: np.ndarray, qtype: str) -> np.ndarray:
     import gguf
 
-    return gguf.quantize(x, gguf.GGMLQuantizationType.Q4_1) if qtype == "Q4_1" else quantize_k(x, qtype)
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "Q5_K":  # `gguf` has no K-quantizer and `quantize_k` writes Q4_K / Q6_K only
+        return random_k_quant_blocks(kind, x.shape, np.random.default_rng(1))
+    return quantize_k(x, qtype) if qtype in ("Q4_K", "Q6_K") else gguf.quantize(x, kind)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(BLOCK))
 def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
     import gguf
 
@@ -63,7 +79,8 @@ def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
     x[0, :256] = 0.0  # an all-zero super-block
     raw = _raw_blocks(x, qtype)
     reference = gguf.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-    assert np.abs(reference - x).max() < 0.2 * np.abs(x).max()  # the blocks hold the weight
+    if qtype != "Q5_K":
+        assert np.abs(reference - x).max() < 0.2 * np.abs(x).max()  # the blocks hold the weight
     parts = unpack_blocks(raw, qtype)
     values, scales = parts["weight"], parts["weight_scale"]
     scale_dtype, offset_dtype, super_block = HELD[qtype]
@@ -72,8 +89,9 @@ def test_unpacked_blocks_equal_the_gguf_library_dequantization(qtype):
     assert (parts["weight_offset"].dtype if "weight_offset" in parts else None) == offset_dtype
     if super_block:
         assert parts["weight_super_scale"].shape == (24, 2) and parts["weight_super_scale"].dtype == np.float16
-    low, high = (-32, 31) if qtype == "Q6_K" else (0, 15)
+    low, high = VALUES[qtype]
     assert low <= values.min() and values.max() <= high
+    assert values.min() < low + 4 and values.max() > high - 4  # the fifth / sixth bit is read
     np.testing.assert_array_equal(dequantized_blocks(raw, qtype), reference)
 
 
@@ -81,24 +99,35 @@ def _write(tmp_path, arch: str, qtype: str, **shapes):
     return write_converted(tmp_path, arch, qtype, **shapes)
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("qwen3_moe", "Q4_1"), ("llama", "Q4_K"), ("qwen2", "Q6_K")])
+@pytest.mark.parametrize(
+    "arch,qtype",
+    [
+        ("llama", "Q4_1"),
+        ("qwen3_moe", "Q4_1"),
+        ("llama", "Q4_K"),
+        ("qwen2", "Q6_K"),
+        ("llama", "Q5_0"),
+        ("qwen3_moe", "Q5_1"),
+        ("llama", "Q5_K"),
+    ],
+)
 def test_weights_stay_quantized_and_logits_equal_transformers_gguf_model(tmp_path, arch, qtype):
-    shapes = K_SHAPES if qtype in ("Q4_K", "Q6_K") else {}
+    shapes = K_SHAPES if qtype.endswith("_K") else {}
     if arch == "qwen2" and shapes:
         shapes = {k: v for k, v in shapes.items() if k != "head_dim"}
     model, gguf_path, directory = _write(tmp_path, arch, qtype, **shapes)
     config = load_model_config(directory, dtype="float32")
-    assert config.quantization.method == {"Q4_1": "uint4_block", "Q4_K": "uint4_block", "Q6_K": "int8_block"}[qtype]
+    assert config.quantization.method == ("uint4_block" if qtype in PACKED else "int8_block")
     params = load_params(directory, config)
     quantized = _quantized(params)
     assert len(quantized) >= 7  # attention q/k/v/o and the MLP's (or experts') three projections
     scale_dtype, offset_dtype, super_block = HELD[qtype]
     for w in quantized:
-        four_bit = qtype != "Q6_K"
-        assert w.packed == w.unsigned == four_bit and (w.offset is not None) == four_bit
+        four_bit = qtype in PACKED
+        assert w.packed == w.unsigned == four_bit and (w.offset is not None) == (offset_dtype is not None)
         assert w.value.dtype == (np.uint8 if four_bit else np.int8)
         assert w.scale.dtype == scale_dtype and int(np.prod(w.blocks)) == BLOCK[qtype]
-        if four_bit:
+        if offset_dtype is not None:
             assert w.offset.shape == w.scale.shape and w.offset.dtype == offset_dtype
         assert (w.super_scale is not None) == bool(super_block)
         if super_block:
