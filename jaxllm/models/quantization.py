@@ -1,8 +1,9 @@
-"""FP8 weights kept quantized on the device and dequantized inside the jitted step.
+"""Quantized weights (FP8, GGUF blocks, AWQ / GPTQ) kept on the device and dequantized inside
+the jitted step.
 
-A quantized parameter is a `QuantizedWeight`: its value in float8_e4m3fn, in the parameter's
-own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and float32 scales
-in the same axis order, one per block of `blocks[j]` consecutive entries along each axis
+A quantized parameter is a `QuantizedWeight`: its value (float8_e4m3fn, int8, or 4-bit packed),
+in the parameter's own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and
+scales in the format's own dtype (`WeightQuant`: float32 for FP8) in the same axis order, one per block of `blocks[j]` consecutive entries along each axis
 j. The blocks come from the checkpoint's [128, 128] blocks of the torch [out, in] weight
 through the declared layout change (`param_blocks`): an axis that is a whole stored
 dimension keeps 128, head axes split out of a stored dimension get whole heads or the

@@ -12,7 +12,7 @@ that turns each into the parameter. From that list come:
 - random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
 
 With `config.quantization` the linear projections are declared quantized (`WeightDecl.quant`:
-FP8 values and float32 block scales in the parameter's axis order, `jaxllm.models.quantization`);
+quantized values and block scales in the parameter's axis order, `jaxllm.models.quantization`);
 shapes, specs and bytes then give a `QuantizedWeight` pair per such parameter.
 
 Parameter layout (the decoder's pytree):
