@@ -4,10 +4,11 @@ the jitted step.
 A quantized parameter is a `QuantizedWeight`: its value (float8_e4m3fn, int8, or 4-bit packed),
 in the parameter's own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and
 scales in the format's own dtype (`WeightQuant`: float32 for FP8) in the same axis order,
-one per block of `blocks[j]` consecutive entries along each axis j. The blocks come from the checkpoint's [128, 128] blocks of the torch [out, in] weight
-through the declared layout change (`param_blocks`): an axis that is a whole stored
-dimension keeps 128, head axes split out of a stored dimension get whole heads or the
-finest block that never straddles a stored block (DeepSeek's 192-wide q heads: 64).
+one per block of `blocks[j]` consecutive entries along each axis j. The blocks come from the
+checkpoint's [128, 128] blocks of the torch [out, in] weight through the declared layout
+change (`param_blocks`): an axis that is a whole stored dimension keeps 128, head axes split
+out of a stored dimension get whole heads or the finest block that never straddles a stored
+block (DeepSeek's 192-wide q heads: 64).
 
 `dense(w, dtype)` dequantizes (XLA fuses the scale multiply into the matmul's operand);
 `qeinsum` also quantizes the activations dynamically per token and group of 128 along
