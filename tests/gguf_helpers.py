@@ -154,10 +154,10 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
-    """A [rows, cols] float weight as Q4_K or Q6_K blocks (raw bytes [rows, cols / 256 * block]),
+    """A [..., cols] float weight as Q4_K or Q6_K blocks (raw bytes [..., cols / 256 * block]),
     written with numpy following gguf/quants.py's block layouts (a plain min/max quantizer, not
     llama.cpp's search; any valid blocks serve as test data)."""
-    rows, cols = x.shape
+    lead, cols = x.shape[:-1], x.shape[-1]
     assert cols % 256 == 0
     if qtype == "Q6_K":
         b = x.reshape(-1, 16, 16).astype(np.float32)  # super-blocks of sixteen 16-value blocks
@@ -196,7 +196,7 @@ def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
         blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=-1)
     else:
         raise ValueError(qtype)
-    return np.ascontiguousarray(blocks.astype(np.uint8)).reshape(rows, -1)
+    return np.ascontiguousarray(blocks.astype(np.uint8)).reshape(*lead, -1)
 
 
 def _state_dict(model) -> dict[str, np.ndarray]:
