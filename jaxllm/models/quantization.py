@@ -65,19 +65,22 @@ class WeightQuant:
         lead = len(shape) - len(blocks)  # stacked layers: a leading axis with blocks of 1
         return tuple(-(-int(n) // b) for n, b in zip(shape, (1,) * lead + blocks))
 
+    @property
+    def block_leaves(self) -> tuple[str, ...]:
+        """The per-block leaves the parameter holds, of `scale`, `offset`, `super_scale`, `super_offset`."""
+        supers = ("super_scale", "super_offset") if self.offset else ("super_scale",)
+        return ("scale",) + (("offset",) if self.offset else ()) + (supers if self.super_blocks else ())
+
     def block_arrays(self, shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """(shape, dtype) of each per-block leaf (`scale`, `offset`, `super_scale`,
-        `super_offset`) the parameter holds."""
-        per_block = self.scale_shape(shape)
-        out = {"scale": (per_block, np.dtype(self.scale_dtype))}
-        if self.offset:
-            out["offset"] = (per_block, np.dtype(self.offset_dtype))
-        if self.super_blocks:
-            per_super = self.scale_shape(shape, self.super_blocks)
-            out["super_scale"] = (per_super, np.dtype(np.float16))
-            if self.offset:
-                out["super_offset"] = (per_super, np.dtype(np.float16))
-        return out
+        """(shape, dtype) of each per-block leaf (`block_leaves`) of a parameter of `shape`."""
+        per_block, per_super = self.scale_shape(shape), self.scale_shape(shape, self.super_blocks or None)
+        held = {
+            "scale": (per_block, self.scale_dtype),
+            "offset": (per_block, self.offset_dtype),
+            "super_scale": (per_super, "float16"),
+            "super_offset": (per_super, "float16"),
+        }
+        return {leaf: (held[leaf][0], np.dtype(held[leaf][1])) for leaf in self.block_leaves}
 
     @property
     def packed(self) -> bool:
@@ -142,7 +145,7 @@ class QuantizedWeight:
     def like(cls, quant: WeightQuant, value: Any, scale: Any, offset: Any = None, **supers: Any) -> QuantizedWeight:
         """Leaves `value`, `scale` (and `offset`, `super_scale`, `super_offset` where `quant`
         has them) stored as `quant` says."""
-        held = quant.block_arrays((1,) * len(quant.blocks))
+        held = quant.block_leaves
         return cls(
             value,
             scale,
