@@ -93,3 +93,16 @@ def test_each_tensor_keeps_its_own_type_and_logits_equal_transformers(tmp_path):
     assert not isinstance(stack["attn"]["o"], QuantizedWeight)
     assert plan_memory(config, ParallelConfig()).weights_per_device == held_weight_bytes(params)
     assert_logits_equal_transformers(model, gguf_path, params, config)
+
+
+def test_a_module_type_not_held_quantized_is_a_named_error():
+    from jaxllm.models.quant_config import parse_quantization_config
+
+    qc = {"quant_method": "gguf", "weight_type": "Q4_K", "weight_types": {"model.layers.0.mlp.down_proj": "Q6_K"}}
+    fmt = parse_quantization_config(qc).for_tensor("model.layers.0.mlp.down_proj.weight_scale")
+    assert (fmt.method, fmt.weight_block_size, fmt.scale_dtype) == ("int8_block", (1, 16), "int8")
+    qc["weight_types"] = {"model.layers.0.mlp.down_proj": "Q3_K"}
+    with pytest.raises(ValueError, match=r"weight_types\['model.layers.0.mlp.down_proj'\]='Q3_K'"):
+        parse_quantization_config(qc)
+    with pytest.raises(ValueError, match="weight_types must map module names"):
+        parse_quantization_config({**qc, "weight_types": ["Q6_K"]})

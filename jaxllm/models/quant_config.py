@@ -191,6 +191,9 @@ def _parse_gguf(qc: dict) -> QuantConfig:
     per_module = qc.get("weight_types") or {}
     if not isinstance(per_module, dict) or not all(isinstance(k, str) for k in per_module):
         raise ValueError("quantization_config.weight_types must map module names to GGUF types")
+    for module, held in per_module.items():
+        if held not in GGUF_METHODS:
+            raise ValueError(f"unsupported quantization_config.weight_types[{module!r}]={held!r}")
     formats = {t: _gguf_format(t) for t in {kind, *per_module.values()}}
     base = replace(formats[kind], ignored=_ignored(qc))
     return replace(base, per_module=tuple((m, formats[t]) for m, t in sorted(per_module.items()) if t != kind))
