@@ -27,8 +27,10 @@ FILE_TYPE = {
     "Q4_1": 3,
     "Q8_0": 7,
     "Q5_0": 8,
+    "Q5_1": 9,
     "Q4_K": 14,  # Q4_K_S
     "Q4_K_M": 15,
+    "Q5_K": 16,  # Q5_K_S
     "Q6_K": 18,
     "BF16": 32,
 }
@@ -126,7 +128,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Random but valid `qtype` (Q4_K or Q6_K) blocks for a [rows, cols] weight, as raw bytes.
+    """Random but valid `qtype` (Q4_K, Q5_K or Q6_K) blocks for a [rows, cols] weight, as raw bytes.
 
     There is no K-quantizer in `gguf`, so the bytes are random except the f16 super-block
     scales (gguf/quants.py's layout), which get small finite values so no NaN/Inf appears."""
@@ -136,7 +138,7 @@ def random_k_quant_blocks(qtype, shape: tuple[int, int], rng: np.random.Generato
     rows, cols = shape
     assert cols % block_values == 0, f"{qtype.name} rows must be a multiple of {block_values}"
     blocks = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
         scale_bytes = [slice(0, 2), slice(2, 4)]  # d, dmin lead the block
     elif qtype == gguf.GGMLQuantizationType.Q6_K:
         scale_bytes = [slice(block_bytes - 2, block_bytes)]  # d ends the block
@@ -152,10 +154,10 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
-    """A [rows, cols] float weight as Q4_K or Q6_K blocks (raw bytes [rows, cols / 256 * block]),
+    """A [..., cols] float weight as Q4_K or Q6_K blocks (raw bytes [..., cols / 256 * block]),
     written with numpy following gguf/quants.py's block layouts (a plain min/max quantizer, not
     llama.cpp's search; any valid blocks serve as test data)."""
-    rows, cols = x.shape
+    lead, cols = x.shape[:-1], x.shape[-1]
     assert cols % 256 == 0
     if qtype == "Q6_K":
         b = x.reshape(-1, 16, 16).astype(np.float32)  # super-blocks of sixteen 16-value blocks
@@ -194,7 +196,7 @@ def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
         blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=-1)
     else:
         raise ValueError(qtype)
-    return np.ascontiguousarray(blocks.astype(np.uint8)).reshape(rows, -1)
+    return np.ascontiguousarray(blocks.astype(np.uint8)).reshape(*lead, -1)
 
 
 def _state_dict(model) -> dict[str, np.ndarray]:
@@ -223,13 +225,22 @@ def _state_dict(model) -> dict[str, np.ndarray]:
 
 
 def write_gguf(
-    model, tokenizer: dict, arch: str, path: Path, qtype: str = "F32", k_quants: tuple[str, ...] = (), seed: int = 0
+    model,
+    tokenizer: dict,
+    arch: str,
+    path: Path,
+    qtype: str = "F32",
+    k_quants: tuple[str, ...] = (),
+    seed: int = 0,
+    tensor_types: dict[str, str] | None = None,
 ) -> Path:
     """Write `model` (a transformers model) as llama.cpp would, 2-D weights as `qtype`.
 
     With `k_quants` (e.g. ("Q4_K", "Q6_K")) the 2-D weights whose rows are a multiple of 256
     are instead random valid blocks of those types in turn (a mixed "Q4_K_M" file, the
-    model's values are not kept); the others stay `qtype`, as in llama.cpp's mixed files."""
+    model's values are not kept); the others stay `qtype`, as in llama.cpp's mixed files.
+    `tensor_types` gives some tensors (by GGUF name, `blk.0.attn_v.weight`) their own type,
+    as llama.cpp's Q4_K_M gives some layers' attn_v / ffn_down Q6_K (Q5_K: random blocks)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -256,7 +267,7 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(FILE_TYPE["Q4_K_M" if k_quants else qtype])
+    writer.add_file_type(FILE_TYPE["Q4_K_M" if k_quants or tensor_types else qtype])
     if arch == "qwen3_moe":
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -294,7 +305,17 @@ def write_gguf(
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             value = llama_cpp_permute(value, heads)
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
+        own = (tensor_types or {}).get(f"{gguf_name}.{suffix}")
+        if own is not None and value.ndim == 2:
+            kind = gguf.GGMLQuantizationType[own]
+            if own in ("Q4_K", "Q6_K"):
+                data = quantize_k(value, own)
+            elif own == "Q5_K":
+                data = random_k_quant_blocks(kind, value.shape, rng)
+            else:
+                data = gguf.quantize(value, kind)
+            writer.add_tensor(f"{gguf_name}.{suffix}", data, raw_dtype=kind)
+        elif k_quants and value.ndim == 2 and value.shape[1] % 256 == 0:
             k_quant = gguf.GGMLQuantizationType[k_quants[k_quant_turn % len(k_quants)]]
             k_quant_turn += 1
             writer.add_tensor(
@@ -306,6 +327,8 @@ def write_gguf(
             writer.add_tensor(f"{gguf_name}.{suffix}", value.astype(np.float16))
         elif qtype in ("Q4_K", "Q6_K"):
             writer.add_tensor(f"{gguf_name}.{suffix}", quantize_k(value, qtype), raw_dtype=quant)
+        elif qtype == "Q5_K":
+            writer.add_tensor(f"{gguf_name}.{suffix}", random_k_quant_blocks(quant, value.shape, rng), raw_dtype=quant)
         else:
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quantize(value, quant), raw_dtype=quant)
     writer.write_header_to_file()
@@ -313,3 +336,75 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the tests of GGUF files kept quantized
+
+
+def quantized_leaves(params) -> list:
+    """The `QuantizedWeight`s of a parameter pytree."""
+    import jax
+
+    from jaxllm.models.quantization import QuantizedWeight
+
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return [w for w in leaves if isinstance(w, QuantizedWeight)]
+
+
+def write_converted(
+    tmp_path: Path,
+    arch: str,
+    qtype: str,
+    k_quants: tuple[str, ...] = (),
+    tensor_types: dict[str, str] | None = None,
+    **shapes,
+):
+    """A tiny random `arch` model written as a `qtype` GGUF file (`write_gguf`'s `k_quants`,
+    `tensor_types`) and converted; returns (transformers model, GGUF path, converted directory)."""
+    from jaxllm.models.gguf import convert_gguf
+
+    path = tmp_path / "hf"
+    path.mkdir(parents=True)
+    model, tokenizer = make_tiny_hf(arch, path, **shapes)
+    name = "Q4_K_M" if k_quants or tensor_types else qtype
+    gguf_path = write_gguf(
+        model, tokenizer, arch, path / f"{name}.gguf", qtype, k_quants=k_quants, tensor_types=tensor_types
+    )
+    return model, gguf_path, convert_gguf(gguf_path, tmp_path / "conv", progress=False)
+
+
+def assert_logits_equal_transformers(model, gguf_path: Path, params, config, num_tokens: int = 40, seed: int = 1):
+    """Our logits of random tokens equal (relative 1e-4) those of transformers' own GGUF model
+    (`from_pretrained(gguf_file=...)`, its own dequantization) of the same file."""
+    import torch
+    import transformers
+
+    from tests.model_helpers import PagedModel, SeqChunk, random_block_table, rel_err
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = [int(t) for t in np.random.default_rng(seed).integers(0, model.config.vocab_size, num_tokens)]
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    paged = PagedModel(params, config, num_blocks=64, max_blocks_per_seq=16, token_bucket=64)
+    ours = paged.all_logits([SeqChunk(tokens, 0, random_block_table(np.random.default_rng(0), 64, 16))])[0]
+    assert np.abs(ref).max() > 0.1
+    assert rel_err(ours, ref) < 1e-4
+
+
+def dequantized_blocks(raw: np.ndarray, qtype: str, held: str | None = None) -> np.ndarray:
+    """GGUF rows of `qtype` as jaxllm holds them (`unpack_blocks`: values and the file's own
+    per-block numbers; with `held`, in the layout of a layer stack mixing types, `as_held`),
+    folded back to float32 as the step does."""
+    from jaxllm.models.gguf_blocks import as_held, unpack_blocks
+    from jaxllm.models.int_checkpoint_view import dequantize_stored
+    from jaxllm.models.quant_config import parse_quantization_config
+
+    parts = unpack_blocks(raw, qtype)
+    if held is not None:
+        parts = as_held(parts, qtype, held)
+    qc = parse_quantization_config({"quant_method": "gguf", "weight_type": held or qtype})
+    named = {leaf: parts[suffix] for leaf, (suffix, _, _) in qc.block_tensors().items()}
+    return dequantize_stored(parts["weight"].astype(np.float32), named, qc)

@@ -153,6 +153,8 @@ def test_weights_stay_4_bit_and_logits_equal_the_dequantized_hf_model(tmp_path, 
     for w in quantized:
         assert w.packed and w.value.dtype == np.uint8 and int(np.prod(w.blocks)) == GROUP
         assert (w.offset is None) == sym and w.unsigned == (not sym)
+        assert w.scale.dtype == np.float16  # the checkpoint's own scales
+        assert sym or w.offset.dtype == np.int8  # the zero point, -zero, in units of the scale
     assert plan_memory(config, ParallelConfig()).weights_per_device == held_weight_bytes(params)
     # The held 4-bit values, scales and offsets are (q - zero) * scale, element for element
     # (q_proj: parameter [H, Hq, D] = torch [Hq * D, H] transposed).

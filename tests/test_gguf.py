@@ -75,21 +75,27 @@ def _stacked(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Linears of the kept type stay quantized (int8 values + `weight_scale`, and for Q4_1 / Q4_K
-    `weight_offset`, per block of inputs): folded back to float here, as the step does before
-    each matmul."""
+    """Linears of the kept type stay quantized (int8 values + `weight_scale`, for Q4_1 / Q4_K
+    `weight_offset`, per block of inputs, and for K-quants float16 `weight_super_scale` /
+    `weight_super_offset` per 256): folded back to float here, as the step does before each
+    matmul."""
     out = {}
     for name, value in tensors.items():
-        if name.endswith((".weight_scale", ".weight_offset")):
+        if name.endswith((".weight_scale", ".weight_offset", ".weight_super_scale", ".weight_super_offset")):
             continue
         scale = tensors.get(name + "_scale")
         if scale is not None:
             assert value.dtype == np.int8
-            blocks = value.reshape(*scale.shape, -1).astype(np.float32) * scale[..., None]
-            offset = tensors.get(name + "_offset")
-            if offset is not None:
-                blocks = blocks + offset[..., None]
-            value = blocks.reshape(value.shape)
+
+            def per_value(part: str) -> np.ndarray:
+                per_block = np.asarray(tensors[name + part], np.float32)
+                return np.repeat(per_block, value.shape[-1] // per_block.shape[-1], axis=-1)
+
+            supers = name + "_super_scale" in tensors
+            scales = per_value("_scale") * (per_value("_super_scale") if supers else 1)
+            value = value.astype(np.float32) * scales
+            if name + "_offset" in tensors:
+                value = value + per_value("_offset") * (per_value("_super_offset") if supers else 1)
         out[name] = value
     return out
 

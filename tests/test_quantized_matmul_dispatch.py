@@ -47,10 +47,19 @@ def _weight(kind: str, shape: tuple[int, ...], blocks: tuple[int, ...], act_grou
     if kind == "fp8":
         value, scale = quantize_blocks(w, blocks)
         return QuantizedWeight(jnp.asarray(value), jnp.asarray(scale), blocks, act_group)
+    if kind == "q6k":  # GGUF Q6_K as held: int8 values and scales per 16 rows, float16 `d` per 256
+        rng = np.random.default_rng(seed)
+        value = rng.integers(-32, 32, shape).astype(np.int8)
+        scale = rng.integers(-128, 128, (shape[0] // 16, shape[1])).astype(np.int8)
+        d = rng.uniform(1e-4, 1e-3, (shape[0] // 256, shape[1])).astype(np.float16)
+        return QuantizedWeight(
+            jnp.asarray(value), jnp.asarray(scale), blocks, 0, super_scale=jnp.asarray(d), super_blocks=(256, 1)
+        )
     value, scale = quantize_blocks_int(w, blocks, 8 if kind == "int8" else 4)
     packed = kind == "int4"
     value = pack_int4(value) if packed else value
-    return QuantizedWeight(jnp.asarray(value), jnp.asarray(scale), blocks, 0, packed)
+    # GGUF's Q8_0 / Q4_0 `d`, held in float16 as the file stores it
+    return QuantizedWeight(jnp.asarray(value), jnp.asarray(scale.astype(np.float16)), blocks, 0, packed)
 
 
 # The models' einsums with the blocks their weights carry (DeepSeek-V3's q_b heads of 192 in
@@ -62,6 +71,7 @@ CASES = [
     ("th,hnd->tnd", (5, 256), "fp8", (256, 4, 64), (128, 2, 64), -1),
     ("th,hi->ti", (5, 256), "int8", (256, 96), (32, 1), 0),
     ("th,hnd->tnd", (5, 256), "int4", (256, 4, 64), (32, 1, 1), 0),
+    ("th,hi->ti", (5, 512), "q6k", (512, 96), (16, 1), 0),
 ]
 
 

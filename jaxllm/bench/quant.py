@@ -13,7 +13,7 @@ kept in their own format; the float model is then its dequantized weights (writt
 a float checkpoint beside the bench's cache), which the other rows quantize again. Agreement: each
 engine's context logits over one fixed English passage, argmax compared position by position
 with the float model's. Bytes: every array the engine holds as weights (quantized values and
-float32 scales included), on the most loaded device. Speed is a GPU figure; on CPU the
+scales included), on the most loaded device. Speed is a GPU figure; on CPU the
 quantized rows also pay for dequantizing inside the step.
 
     jaxllm bench quant --model smollm2

@@ -13,8 +13,9 @@ scales, one group per `group_size` (128) inputs; the weight is `(q - zero) * sca
 
 `Int4GroupTensors` presents each such module under the names the loader reads for integer
 weights (`jaxllm.models.quant_config`): `<m>.weight` int8 [out, in] (the 4-bit values),
-`<m>.weight_scale` float32 [out, in / g] and, for asymmetric checkpoints,
-`<m>.weight_offset` = `-zero * scale`, so the weight is `value * scale + offset`. Symmetric
+`<m>.weight_scale` float16 [out, in / g] (the checkpoint's scales) and, for asymmetric
+checkpoints, `<m>.weight_offset` = `-zero` (int8, a zero point in units of the scale), so the
+weight is `(value + offset) * scale`. Symmetric
 GPTQ (every zero 8) becomes signed values `q - 8` with no offset. The packed tensors are
 unpacked on the host one module at a time; the device keeps the 4-bit values packed.
 """
@@ -48,7 +49,7 @@ def unpack_words(words: np.ndarray, axis: int, order: tuple[int, ...] = tuple(ra
 def unpacked_int4_groups(
     qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, packing: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values uint8 [out, in], zeros uint8 [out, in / g], scales float32 [out, in / g]) of one
+    """(values uint8 [out, in], zeros uint8 [out, in / g], scales [out, in / g]) of one
     module in torch [out, in] orientation."""
     if packing == "awq":
         values = unpack_words(qweight, 1, AWQ_ORDER)  # [in, out]
@@ -58,7 +59,7 @@ def unpacked_int4_groups(
         zeros = unpack_words(qzeros, 1).astype(np.int16)
         if packing == "gptq":  # AutoGPTQ stored zero - 1
             zeros = zeros + 1
-    return values.T, np.asarray(zeros).T, np.asarray(scales, np.float32).T
+    return values.T, np.asarray(zeros).T, np.asarray(scales).T
 
 
 class Int4GroupTensors:
@@ -104,9 +105,9 @@ class Int4GroupTensors:
         out = {}
         for module, (o, i) in self.modules.items():
             out[f"{module}.weight"] = ((o, i), "I8", f"{module}.qweight")
-            out[f"{module}.weight_scale"] = ((o, i // self.group), "F32", f"{module}.scales")
+            out[f"{module}.weight_scale"] = ((o, i // self.group), "F16", f"{module}.scales")
             if self.qc.offset:
-                out[f"{module}.weight_offset"] = ((o, i // self.group), "F32", f"{module}.qzeros")
+                out[f"{module}.weight_offset"] = ((o, i // self.group), "I8", f"{module}.qzeros")
         return out
 
     def packed_names(self) -> set[str]:
@@ -138,10 +139,13 @@ class Int4GroupTensors:
                     f"gptq tensor {module}.g_idx is not i // {self.group} (act-order checkpoint saved with "
                     "desc_act=false?); act-order GPTQ is not supported"
                 )
-        out = {"weight_scale": scales}
+        half = scales.astype(np.float16)
+        if not np.array_equal(half.astype(np.float64), scales.astype(np.float64)):
+            raise ValueError(f"{self.qc.packing} tensor {module}.scales holds values float16 cannot hold exactly")
+        out = {"weight_scale": half}
         if self.qc.offset:
             out["weight"] = values.astype(np.int8)
-            out["weight_offset"] = -(zeros.astype(np.float32) * scales)
+            out["weight_offset"] = -zeros.astype(np.int8)  # the zero point, in units of the scale
         else:
             if not (zeros == 8).all():
                 raise ValueError(f"gptq module {module}: sym=true but its zeros are not all 8")

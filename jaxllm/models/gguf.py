@@ -8,11 +8,13 @@ engine then loads the directory through the ordinary safetensors loader, so GGUF
 second loading path.
 
 Linear projections in Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (the type most of them use) stay
-quantized: their integer values (one to an int8) and float32 scales, one per block of 32
-inputs (Q6_K: 16), are written as `<module>.weight` / `<module>.weight_scale` (Q4_1 and Q4_K
-also `<module>.weight_offset`, the block's minimum) with a `quantization_config` of method
-"gguf", and the loader keeps them so on the device (int8, or 4-bit packed two to a byte) for
-the jitted step to dequantize before each matmul. Every other tensor (embeddings, norms, the
+quantized: their integer values (one to an int8) and their scales as the file stores them,
+one per block of 32 inputs (Q6_K: 16; float16, K-quants' integer sub-block scales plus a
+float16 scale per 256), are written as `<module>.weight` / `<module>.weight_scale` (Q4_1 and
+Q4_K also `<module>.weight_offset`, the block's minimum; K-quants `.weight_super_scale` /
+`.weight_super_offset`) with a `quantization_config` of method "gguf", and the loader keeps
+them so on the device (int8, or 4-bit packed two to a byte) for the jitted step to
+dequantize before each matmul. Every other tensor (embeddings, norms, the
 LM head, linears of other types, and every layer's copy of a linear that some layer stores in
 another type, so that layer stacks stay uniform) is dequantized by the `gguf` library.
 
@@ -45,7 +47,7 @@ from jaxllm.models.config_fields import (
     as_float,
     as_int,
 )
-from jaxllm.models.gguf_blocks import unpack_blocks
+from jaxllm.models.gguf_blocks import as_held, held_type, unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ _LINEAR_TENSORS = tuple(
     f"{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 )
 # Block types whose linear projections load quantized (int8 / packed 4-bit values + block scales).
-KEPT_QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+KEPT_QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -249,58 +251,62 @@ def _kind(name: str) -> str:
     return match.group(2) if match else name
 
 
+def _stack_kind(name: str) -> str:
+    """What one layer stack holds across layers (`blk.3.attn_v.weight` -> `attn_v.weight`; every
+    expert of a layer in one stack: `ffn_down_exps`)."""
+    kind = _kind(name)
+    expert = _EXPERT_RE.match(kind)
+    return f"ffn_{expert.group(1)}_exps" if expert else kind
+
+
+def held_types(reader) -> dict[str, str]:
+    """Each linear tensor kind (`_stack_kind`) -> the block type its layer stack is held in on
+    the device (`gguf_blocks.held_type`: its layers' own type, or for a stack mixing K-quants
+    the wider layout holding each layer's blocks exactly), or "" when it loads dequantized (a
+    float type, a type not kept quantized, or another mix)."""
+    types: dict[str, set[str]] = {}
+    for tensor in reader.tensors:
+        if is_linear(tensor.name):
+            types.setdefault(_stack_kind(tensor.name), set()).add(tensor.tensor_type.name)
+    held = {kind: held_type(found) for kind, found in types.items()}
+    return {kind: t if t in KEPT_QUANTIZED or t == "K_INT8" else "" for kind, t in held.items()}
+
+
 def kept_quantized_type(reader) -> Optional[str]:
-    """The block type (one of KEPT_QUANTIZED) whose linear projections stay quantized on the
-    device: the one most of them use; linears of other types are dequantized
-    (`modules_to_not_convert`)."""
+    """The block type most quantized linear projections are held in (the checkpoint's
+    `weight_type`; the others are listed in `weight_types`), None when none stays quantized."""
+    held = held_types(reader)
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind in KEPT_QUANTIZED and is_linear(tensor.name):
+        kind = held.get(_stack_kind(tensor.name), "") if is_linear(tensor.name) else ""
+        if kind:
             counts[kind] = counts.get(kind, 0) + 1
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
-def _mixed_kinds(reader, keep: str) -> set[str]:
-    """Linear tensor kinds (`attn_v.weight`) that some layer stores in another type than `keep`
-    (llama.cpp's Q4_K_M gives some layers' attn_v / ffn_down Q6_K): every layer's copy loads as
-    float, so each layer stack holds one kind of weight."""
-    return {_kind(t.name) for t in reader.tensors if is_linear(t.name) and t.tensor_type.name != keep}
-
-
-def _keeps(tensor, keep: Optional[str], mixed: set[str]) -> bool:
-    return (
-        keep is not None
-        and tensor.tensor_type.name == keep
-        and is_linear(tensor.name)
-        and _kind(tensor.name) not in mixed
-    )
-
-
 def hf_tensors(
-    reader, config: dict[str, Any], progress: bool = True, keep: Optional[str] = None
+    reader, config: dict[str, Any], progress: bool = True, keep: bool = False
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(Hugging Face name, array in HF layout) for every tensor of the file: dequantized, except
-    linear projections of type `keep` (one of KEPT_QUANTIZED) whose every layer has that type,
-    which come as int8 values under their name and float32 block scales (and offsets) under
-    `<module>.weight_scale` (`.weight_offset`)."""
+    (with `keep`) linear projections whose layer stack is held quantized (`held_types`), which
+    come as int8 values under their name and their per-block numbers in the file's precision
+    under `<module>.weight_scale` (`.weight_offset`, `.weight_super_scale`,
+    `.weight_super_offset`; `gguf_blocks.unpack_blocks`, in the stack's layout `as_held`)."""
     from gguf import GGMLQuantizationType, dequantize
 
     permute = config["model_type"] in ("llama", "mixtral")
     mixtral = config["model_type"] == "mixtral"
     unknown: list[str] = []
-    mixed = _mixed_kinds(reader, keep) if keep is not None else set()
+    held = held_types(reader) if keep else {}
     for tensor in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", disable=not progress):
         name = tensor.name
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        if _keeps(tensor, keep, mixed):
-            assert keep is not None
-            values, scales, offsets = unpack_blocks(np.asarray(tensor.data), keep)
-            yield from _renamed(name, values, config, permute, mixtral, unknown)
-            for suffix, per_block in (("weight_scale", scales), ("weight_offset", offsets)):
-                if per_block is not None:
-                    for hf_name, array in _renamed(name, per_block, config, permute, mixtral, unknown):
-                        yield hf_name.removesuffix("weight") + suffix, array
+        layout = held.get(_stack_kind(name), "") if is_linear(name) else ""
+        if layout:
+            parts = as_held(unpack_blocks(np.asarray(tensor.data), qtype.name), qtype.name, layout)
+            for suffix, array in parts.items():
+                for hf_name, renamed in _renamed(name, array, config, permute, mixtral, unknown):
+                    yield hf_name.removesuffix("weight") + suffix, renamed
             continue
         array = np.asarray(dequantize(tensor.data, qtype))
         array = array.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float32, copy=False)
@@ -343,19 +349,17 @@ def _renamed(
         unknown.append(name)
 
 
-def _float_linears(reader, config: dict[str, Any], keep: str) -> list[str]:
-    """Hugging Face module names of the linear projections loaded as float: those not of type
-    `keep`, and every layer's copy of a kind some layer stores in another type."""
-    names: list[str] = []
-    mixed = _mixed_kinds(reader, keep)
+def _module_types(reader, config: dict[str, Any]) -> dict[str, str]:
+    """Hugging Face module name of every linear projection -> the block type it is held in
+    (`held_types`; "" for those loaded as float)."""
+    held = held_types(reader)
+    out: dict[str, str] = {}
     for tensor in reader.tensors:
-        if is_linear(tensor.name) and not _keeps(tensor, keep, mixed):
+        if is_linear(tensor.name):
             data = np.zeros((tensor.data.shape[0],) + (1,) * (tensor.data.ndim - 1), np.float32)  # names only
-            names += [
-                n.removesuffix(".weight")
-                for n, _ in _renamed(tensor.name, data, config, False, config["model_type"] == "mixtral", [])
-            ]
-    return names
+            for n, _ in _renamed(tensor.name, data, config, False, config["model_type"] == "mixtral", []):
+                out[n.removesuffix(".weight")] = held[_stack_kind(tensor.name)]
+    return out
 
 
 def _tokenizer_dict(meta: dict[str, Any]) -> dict[str, Any]:
@@ -490,15 +494,17 @@ def convert_gguf(
         raise ValueError(f"{gguf_path}: malformed metadata ({type(exc).__name__}: {exc})") from None
     keep = kept_quantized_type(reader) if keep_quantized else None
     if keep is not None:  # its linear projections stay quantized (jaxllm.models.quant_config._parse_gguf)
+        types = _module_types(reader, config)
         config["quantization_config"] = {
             "quant_method": "gguf",
             "weight_type": keep,
-            "modules_to_not_convert": _float_linears(reader, config, keep),
+            "weight_types": {m: t for m, t in types.items() if t and t != keep},
+            "modules_to_not_convert": [m for m, t in types.items() if not t],
         }
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         _write_shards(
-            hf_tensors(reader, config, progress=progress, keep=keep),
+            hf_tensors(reader, config, progress=progress, keep=keep is not None),
             out_dir,
             skip={"lm_head.weight"} if config["tie_word_embeddings"] else set(),
         )

@@ -40,9 +40,7 @@ class DequantizedTensors:
         out = set()
         for name in self.weights:
             base = name.removesuffix("weight")
-            out.add(base + self.stored.scale_suffix)
-            if self.stored.offset:
-                out.add(base + self.stored.offset_suffix)
+            out.update(base + suffix for suffix, _, _ in self.stored.for_tensor(name).block_tensors().values())
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -58,13 +56,31 @@ class DequantizedTensors:
     def _dequantized(self, name: str, read_full: Callable[[str], np.ndarray]) -> np.ndarray:
         base = name.removesuffix("weight")
         values = np.asarray(read_full(name), np.float32)  # [out, in]
-        rows, cols = self.stored.block_for(*values.shape)
+        fmt = self.stored.for_tensor(name)
+        parts = {leaf: read_full(base + suffix) for leaf, (suffix, _, _) in fmt.block_tensors().items()}
+        return dequantize_stored(values, parts, fmt)
 
-        def expanded(per_block: np.ndarray) -> np.ndarray:
-            full = np.repeat(np.repeat(np.asarray(per_block, np.float32), rows, 0), cols, 1)
-            return full[: values.shape[0], : values.shape[1]]
 
-        out = values * expanded(read_full(base + self.stored.scale_suffix))
-        if self.stored.offset:
-            out = out + expanded(read_full(base + self.stored.offset_suffix))
-        return out
+def dequantize_stored(values: np.ndarray, parts: Mapping[str, np.ndarray], stored: QuantConfig) -> np.ndarray:
+    """float32 [out, in] weight from its integer `values` and per-block tensors (`scale`,
+    `offset`, `super_scale`, `super_offset`, as `QuantConfig.block_tensors` names them), with
+    the arithmetic of `jaxllm.models.quantization.dense`."""
+
+    def expanded(leaf: str, per_super: bool = False) -> np.ndarray:
+        rows, cols = stored.block_for(*values.shape, super_block=per_super)
+        full = np.repeat(np.repeat(np.asarray(parts[leaf], np.float32), rows, 0), cols, 1)
+        return full[: values.shape[0], : values.shape[1]]
+
+    scale = expanded("scale")
+    if "super_scale" in parts:
+        scale = scale * expanded("super_scale", True)
+    out = values * scale
+    if "offset" in parts:
+        offset = expanded("offset")
+        if "super_offset" in parts:
+            out = out + offset * expanded("super_offset", True)
+        elif np.issubdtype(np.asarray(parts["offset"]).dtype, np.integer):  # a zero point
+            out = out + offset * scale
+        else:
+            out = out + offset
+    return out

@@ -93,9 +93,10 @@ def device_bytes_of(decl: WeightDecl, dtype: Any, rules: Any, mesh_shape: Mappin
     shard = shard_shape(decl.shape, spec, mesh_shape)
     if decl.quant is None:
         return math.prod(shard) * decl.param_dtype(dtype).itemsize, 0
-    scale_shape = decl.quant.scale_shape(decl.shape)
-    per_block = 8 if decl.quant.offset else 4  # float32 scale (and offset)
-    scales = math.prod(shard_shape(scale_shape, scale_spec(spec, scale_shape, mesh_shape), mesh_shape)) * per_block
+    scales = sum(
+        math.prod(shard_shape(shape, scale_spec(spec, shape, mesh_shape), mesh_shape)) * dtype.itemsize
+        for shape, dtype in decl.quant.block_arrays(decl.shape).values()
+    )  # scales, offsets and super-block scales, each in its own dtype
     values = math.prod(shard) * decl.quant.value_dtype().itemsize
     return (values // 2 if decl.quant.packed else values) + scales, scales
 

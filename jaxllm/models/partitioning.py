@@ -72,13 +72,16 @@ def attention_dp_rules(config: ModelConfig, mesh: jax.sharding.Mesh) -> Sharding
 def check_dp_expert_blocks(config: ModelConfig, moe_tp: int) -> None:
     """The attention-DP MoE layer dequantizes each device's own share of the quantized experts
     inside the step, so each `tensor` rank's FFN columns must be whole scale blocks of every
-    expert weight (and whole bytes of 4-bit values packed two to a byte)."""
+    expert weight (K-quants: of super-blocks too; and whole bytes of 4-bit values packed two to a byte)."""
     q = config.quantization
     if q is None or moe_tp <= 1 or not config.moe_intermediate_size:
         return
     h, i = config.hidden_size, config.moe_intermediate_size
-    packed = 2 if q.value_dtype in ("int4", "uint4") else 1
-    step = math.lcm(q.block_for(i, h)[0] or i, q.block_for(h, i)[1] or i, packed)  # gate/up rows, down columns
+    step = 1
+    for fmt in q.formats():  # a mixed GGUF file: every format its experts may be held in
+        packed = 2 if fmt.value_dtype in ("int4", "uint4") else 1
+        # gate/up rows, down columns
+        step = math.lcm(step, fmt.block_for(i, h)[0] or i, fmt.block_for(h, i)[1] or i, fmt.super_block or 1, packed)
     share = i // moe_tp
     if share % step:
         raise ValueError(

@@ -21,7 +21,8 @@ the dequantized weights with the unquantized activations (weights-only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Optional
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -48,11 +49,36 @@ class QuantConfig:
     scale_suffix: str = "weight_scale_inv"
     from_checkpoint: bool = True
     ignored: tuple[str, ...] = ()
-    offset: bool = False  # a float32 `<name>.weight_offset` per block: weight = value * scale + offset
+    offset: bool = False  # a `<name>.weight_offset` per block: weight = value * scale + offset
     packing: str = ""  # "awq" | "gptq" | "gptq_v2": the checkpoint's packed int32 tensors (`awq_gptq`)
     # Quantizing on load an integer-quantized checkpoint: its own format, dequantized while it
     # loads (`jaxllm.models.int_checkpoint_view`).
     stored: Optional[QuantConfig] = None
+    # The dtypes the checkpoint (and the device) keep the per-block numbers in: the format's own
+    # (float16 for GGUF's `d` and AWQ / GPTQ's scales; integers for K-quant sub-block scales and
+    # AWQ / GPTQ's zero points, see `WeightQuant`).
+    scale_dtype: str = "float32"
+    offset_dtype: str = "float32"
+    # Inputs per super-block (GGUF K-quants: 256), each with a float16 `<name>.weight_super_scale`
+    # (and `.weight_super_offset`) multiplying its integer block scales (offsets); 0: none.
+    super_block: int = 0
+    # Files mixing block types (llama.cpp's Q4_K_M): (module, its own format) where a module's
+    # format is not this one (`for_tensor`).
+    per_module: tuple[tuple[str, QuantConfig], ...] = ()
+
+    def for_tensor(self, tensor_name: str) -> QuantConfig:
+        """The format of the module holding `tensor_name` (`<module>.weight` and its scales)."""
+        if not self.per_module:
+            return self
+        return self._module_formats.get(tensor_name.rsplit(".", 1)[0], self)
+
+    @cached_property
+    def _module_formats(self) -> dict[str, QuantConfig]:
+        return dict(self.per_module)
+
+    def formats(self) -> tuple[QuantConfig, ...]:
+        """Every format some quantized weight of the model is held in."""
+        return (self,) + tuple(dict.fromkeys(fmt for _, fmt in self.per_module if fmt != self))
 
     def __post_init__(self) -> None:
         if self.activation_scheme not in ACTIVATION_SCHEMES:
@@ -84,8 +110,22 @@ class QuantConfig:
     def offset_suffix(self) -> str:
         return "weight_offset"
 
-    def block_for(self, out_features: int, in_features: int) -> tuple[int, int]:
-        """The (rows, cols) block of one torch [out, in] weight."""
+    def block_tensors(self) -> dict[str, tuple[str, str, bool]]:
+        """Each per-block leaf of a quantized weight -> (its checkpoint suffix, numpy dtype,
+        whether its block is the super-block)."""
+        out = {"scale": (self.scale_suffix, self.scale_dtype, False)}
+        if self.offset:
+            out["offset"] = (self.offset_suffix, self.offset_dtype, False)
+        if self.super_block:
+            out["super_scale"] = ("weight_super_scale", "float16", True)
+            if self.offset:
+                out["super_offset"] = ("weight_super_offset", "float16", True)
+        return out
+
+    def block_for(self, out_features: int, in_features: int, super_block: bool = False) -> tuple[int, int]:
+        """The (rows, cols) block of one torch [out, in] weight (or its super-block)."""
+        if super_block:
+            return (1, self.super_block)
         if self.method == "fp8_channel":
             return (1, in_features)
         return self.weight_block_size
@@ -117,33 +157,70 @@ def parse_quantization_config(qc: Any) -> QuantConfig:
 
 # What the device holds per value for each integer method.
 INT_DTYPES = {"int8_block": "int8", "int4_block": "int4", "uint4_block": "uint4"}
-# GGUF block types kept quantized on the device: (method, inputs per scale, with an offset).
+# GGUF block types kept quantized on the device: (method, inputs per scale, with an offset,
+# scale dtype, offset dtype, inputs per super-block).
 GGUF_BLOCK = 32
+K_SUPER_BLOCK = 256
 GGUF_METHODS = {
-    "Q8_0": ("int8_block", GGUF_BLOCK, False),  # d * q, q in [-127, 127]
-    "Q4_0": ("int4_block", GGUF_BLOCK, False),  # d * (q - 8)
-    "Q4_1": ("uint4_block", GGUF_BLOCK, True),  # d * q + m, q in [0, 15]
-    "Q4_K": ("uint4_block", 32, True),  # (d * sc) * q - dmin * m per 32 of a 256 super-block
-    "Q6_K": ("int8_block", 16, False),  # (d * sc) * (q - 32) per 16 of a 256 super-block
+    "Q8_0": ("int8_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * q, q in [-127, 127]
+    "Q4_0": ("int4_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * (q - 8)
+    "Q4_1": ("uint4_block", GGUF_BLOCK, True, "float16", "float16", 0),  # d * q + m, q in [0, 15]
+    "Q5_0": ("int8_block", GGUF_BLOCK, False, "float16", "float16", 0),  # d * (q - 16), one value to an int8
+    "Q5_1": ("int8_block", GGUF_BLOCK, True, "float16", "float16", 0),  # d * q + m, q in [0, 31]
+    # (d * sc) * q - dmin * m per 32 of a 256 super-block, sc and m 6-bit (Q5_K: q in [0, 31], one to an int8)
+    "Q4_K": ("uint4_block", 32, True, "uint8", "uint8", K_SUPER_BLOCK),
+    "Q5_K": ("int8_block", 32, True, "uint8", "uint8", K_SUPER_BLOCK),
+    # (d * sc) * (q - 32) per 16 of a 256 super-block, sc int8
+    "Q6_K": ("int8_block", 16, False, "int8", "float16", K_SUPER_BLOCK),
+    # Not a file type: how a layer stack mixing Q6_K with Q4_K / Q5_K layers is held, each
+    # layer's blocks exactly: int8 values, int8 scales and minimums per 16, float16 d and
+    # -dmin per 256 (Q6_K's minimums 0; a Q4_K / Q5_K scale repeated over its two 16s).
+    "K_INT8": ("int8_block", 16, True, "int8", "int8", K_SUPER_BLOCK),
 }
 
 
 def _parse_gguf(qc: dict) -> QuantConfig:
-    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0 | Q4_1 | Q4_K | Q6_K}` (written by
-    `jaxllm.models.gguf`): each quantized `<module>.weight` is int8 [out, in] (4-bit types: one
-    value to a byte) with float32 `<module>.weight_scale` [out, in / block] (and, for Q4_1 /
-    Q4_K, `<module>.weight_offset`), the weight being `value * scale (+ offset)` per block."""
+    """`{quant_method: gguf, weight_type: Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K |
+    K_INT8}` (written by `jaxllm.models.gguf`): each quantized `<module>.weight` is int8 [out, in]
+    (4-bit types: one value to a byte) with float16 `<module>.weight_scale` [out, in / block]
+    (and, for Q4_1 / Q5_1, `<module>.weight_offset`), the weight being `value * scale (+ offset)`
+    per block; K-quants hold their integer sub-block scales (and minimums) there, and float16
+    `<module>.weight_super_scale` (`.weight_super_offset`: `-dmin`) [out, in / 256]. Modules of
+    another type are listed in `weight_types` ({module: type})."""
     kind = qc.get("weight_type")
+    per_module = qc.get("weight_types") or {}
+    if not isinstance(per_module, dict) or not all(isinstance(k, str) for k in per_module):
+        raise ValueError("quantization_config.weight_types must map module names to GGUF types")
+    for module, held in per_module.items():
+        if held not in GGUF_METHODS:
+            raise ValueError(f"unsupported quantization_config.weight_types[{module!r}]={held!r}")
+    formats = {t: _gguf_format(t) for t in {kind, *per_module.values()}}
+    base = replace(formats[kind], ignored=_ignored(qc))
+    return replace(base, per_module=tuple((m, formats[t]) for m, t in sorted(per_module.items()) if t != kind))
+
+
+def _gguf_format(kind: Any) -> QuantConfig:
     if kind not in GGUF_METHODS:
         raise ValueError(f"unsupported quantization_config.weight_type={kind!r}; one of {sorted(GGUF_METHODS)}")
-    method, block, offset = GGUF_METHODS[kind]
-    return QuantConfig(method, (1, block), "none", "weight_scale", True, _ignored(qc), offset)
+    method, block, offset, scale_dtype, offset_dtype, super_block = GGUF_METHODS[kind]
+    return QuantConfig(
+        method,
+        (1, block),
+        "none",
+        "weight_scale",
+        True,
+        (),
+        offset,
+        scale_dtype=scale_dtype,
+        offset_dtype=offset_dtype,
+        super_block=super_block,
+    )
 
 
 def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
     """HF AWQ (`version: gemm`) / GPTQ 4-bit checkpoints with `group_size` 128: unpacked on load
-    (`jaxllm.models.awq_gptq`) into 4-bit values with a float32 scale (and offset `-zero *
-    scale`) per 128 inputs. GPTQ's symmetric checkpoints (every zero 8) are signed int4."""
+    (`jaxllm.models.awq_gptq`) into 4-bit values with a float16 scale (and int8 zero point
+    `-zero`) per 128 inputs. GPTQ's symmetric checkpoints (every zero 8) are signed int4."""
     bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
     if bits != 4:
         raise ValueError(f"unsupported {method} quantization_config.bits={bits!r}; only 4-bit weights load")
@@ -155,7 +232,9 @@ def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
             raise ValueError(f"unsupported awq quantization_config.version={version!r}; only 'gemm' packing loads")
         if qc.get("zero_point", True) is not True:
             raise ValueError("unsupported awq quantization_config.zero_point=false; only zero-point AWQ loads")
-        return QuantConfig("uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), True, "awq")
+        return QuantConfig(
+            "uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), True, "awq", **_INT4_GROUP_DTYPES
+        )
     if qc.get("desc_act", False):
         raise ValueError(
             "unsupported gptq quantization_config.desc_act=true (act-order: g_idx permutes the groups); "
@@ -166,8 +245,20 @@ def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
         raise ValueError(f"unsupported gptq quantization_config.checkpoint_format={fmt!r}; 'gptq' or 'gptq_v2'")
     sym = qc.get("sym", True) is True
     return QuantConfig(
-        "int4_block" if sym else "uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), not sym, fmt
+        "int4_block" if sym else "uint4_block",
+        (1, group),
+        "none",
+        "weight_scale",
+        True,
+        _ignored(qc),
+        not sym,
+        fmt,
+        **_INT4_GROUP_DTYPES,
     )
+
+
+# AWQ / GPTQ: the checkpoint's float16 scales; the zero point as an int8 offset in units of the scale.
+_INT4_GROUP_DTYPES: dict[str, Any] = {"scale_dtype": "float16", "offset_dtype": "int8"}
 
 
 def _parse_fp8_block(qc: dict) -> QuantConfig:
@@ -227,7 +318,7 @@ def on_load_quant_config(method: Optional[str], activation_scheme: str = "dynami
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     if method in ("int8", "int4"):
-        return QuantConfig(f"{method}_block", (1, GGUF_BLOCK), "none", "", False)
+        return QuantConfig(f"{method}_block", (1, GGUF_BLOCK), "none", "", False, scale_dtype="float16")
     return QuantConfig("fp8_block", (BLOCK, BLOCK), activation_scheme, "", False)
 
 

@@ -1,12 +1,14 @@
-"""FP8 weights kept quantized on the device and dequantized inside the jitted step.
+"""Quantized weights (FP8, GGUF blocks, AWQ / GPTQ) kept on the device and dequantized inside
+the jitted step.
 
-A quantized parameter is a `QuantizedWeight`: its value in float8_e4m3fn, in the parameter's
-own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and float32 scales
-in the same axis order, one per block of `blocks[j]` consecutive entries along each axis
-j. The blocks come from the checkpoint's [128, 128] blocks of the torch [out, in] weight
-through the declared layout change (`param_blocks`): an axis that is a whole stored
-dimension keeps 128, head axes split out of a stored dimension get whole heads or the
-finest block that never straddles a stored block (DeepSeek's 192-wide q heads: 64).
+A quantized parameter is a `QuantizedWeight`: its value (float8_e4m3fn, int8, or 4-bit packed),
+in the parameter's own layout (the one the weight declaration gives, e.g. q [H, Hq, D]), and
+scales in the format's own dtype (`WeightQuant`: float32 for FP8) in the same axis order,
+one per block of `blocks[j]` consecutive entries along each axis j. The blocks come from the
+checkpoint's [128, 128] blocks of the torch [out, in] weight through the declared layout
+change (`param_blocks`): an axis that is a whole stored dimension keeps 128, head axes split
+out of a stored dimension get whole heads or the finest block that never straddles a stored
+block (DeepSeek's 192-wide q heads: 64).
 
 `dense(w, dtype)` dequantizes (XLA fuses the scale multiply into the matmul's operand);
 `qeinsum` also quantizes the activations dynamically per token and group of 128 along
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +40,47 @@ PACKED_DTYPES = (INT4, UINT4)
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """How one declared parameter is stored quantized: `dtype` values and float32 scales, one
-    per block of `blocks[j]` entries along parameter axis j; with `offset`, also a float32
-    offset per block, the weight being `value * scale + offset` (GGUF's Q4_1 / Q4_K minimum,
-    AWQ / GPTQ's `-zero * scale`)."""
+    """How one declared parameter is stored quantized: `dtype` values and one scale per block of
+    `blocks[j]` entries along parameter axis j, held in `scale_dtype` (the format's own: float32
+    for FP8, float16 for GGUF's `d` and AWQ / GPTQ's scales); with `offset`, also an offset per
+    block in `offset_dtype`, the weight being `value * scale + offset` (GGUF's Q4_1 minimum).
+
+    Two-level formats (GGUF's K-quants) have `super_blocks`: their block scales (and offsets)
+    are small integers (6-bit `sc` / `m`, Q6_K's int8 scales), multiplied by a float16 scale
+    (and offset) per super-block of `super_blocks[j]` entries (`d`, `-dmin` per 256 inputs). An
+    integer offset without super-blocks is a zero point in units of its block's scale (AWQ /
+    GPTQ's `-zero`): the weight is `(value + offset) * scale`."""
 
     blocks: tuple[int, ...]
     act_group: int = BLOCK  # activations quantized per token-group of this many (-1: whole token, 0: not)
     dtype: str = FP8_DTYPE
     offset: bool = False
+    scale_dtype: str = "float32"
+    offset_dtype: str = "float32"
+    super_blocks: tuple[int, ...] = ()
 
-    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        lead = len(shape) - len(self.blocks)  # stacked layers: a leading axis with blocks of 1
-        blocks = (1,) * lead + self.blocks
-        return tuple(-(-int(n) // b) for n, b in zip(shape, blocks))
+    def scale_shape(self, shape: Sequence[int], blocks: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+        """Blocks (or, given `blocks`, those blocks) along each axis of a parameter of `shape`."""
+        blocks = tuple(self.blocks if blocks is None else blocks)
+        lead = len(shape) - len(blocks)  # stacked layers: a leading axis with blocks of 1
+        return tuple(-(-int(n) // b) for n, b in zip(shape, (1,) * lead + blocks))
+
+    @property
+    def block_leaves(self) -> tuple[str, ...]:
+        """The per-block leaves the parameter holds, of `scale`, `offset`, `super_scale`, `super_offset`."""
+        supers = ("super_scale", "super_offset") if self.offset else ("super_scale",)
+        return ("scale",) + (("offset",) if self.offset else ()) + (supers if self.super_blocks else ())
+
+    def block_arrays(self, shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of each per-block leaf (`block_leaves`) of a parameter of `shape`."""
+        per_block, per_super = self.scale_shape(shape), self.scale_shape(shape, self.super_blocks or None)
+        held = {
+            "scale": (per_block, self.scale_dtype),
+            "offset": (per_block, self.offset_dtype),
+            "super_scale": (per_super, "float16"),
+            "super_offset": (per_super, "float16"),
+        }
+        return {leaf: (held[leaf][0], np.dtype(held[leaf][1])) for leaf in self.block_leaves}
 
     @property
     def packed(self) -> bool:
@@ -71,19 +100,18 @@ class WeightQuant:
         return np.dtype(np.uint8) if self.packed else np.dtype(getattr(ml_dtypes, self.dtype, None) or self.dtype)
 
     def nbytes(self, shape: Sequence[int]) -> int:
-        per_block = 8 if self.offset else 4  # float32 scale (and offset)
-        return int(np.prod(self.value_shape(shape))) * self.value_dtype().itemsize + per_block * int(
-            np.prod(self.scale_shape(shape))
-        )
+        values = int(np.prod(self.value_shape(shape))) * self.value_dtype().itemsize
+        return values + sum(int(np.prod(s)) * dt.itemsize for s, dt in self.block_arrays(shape).values())
 
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
     """A parameter's leaves: `value` (float8_e4m3fn, int8, or 4-bit packed two to a uint8 along
-    the last axis when `packed`, signed or `unsigned`), `scale` (float32) and, for asymmetric
-    formats, `offset` (float32, shaped like `scale`; None otherwise), with the static block of
-    each trailing axis and how matmuls quantize their activations (`act_group`: per
-    token-group of that many features, -1 per whole token, 0 not at all)."""
+    the last axis when `packed`, signed or `unsigned`), `scale` and, for asymmetric formats,
+    `offset` (shaped like `scale`; None otherwise), each in its format's dtype (`WeightQuant`),
+    with the static block of each trailing axis and how matmuls quantize their activations
+    (`act_group`: per token-group of that many features, -1 per whole token, 0 not at all).
+    K-quants add `super_scale` (and `super_offset`), float16 per block of `super_blocks`."""
 
     def __init__(
         self,
@@ -94,30 +122,41 @@ class QuantizedWeight:
         packed: bool = False,
         offset: Any = None,
         unsigned: bool = False,
+        super_scale: Any = None,
+        super_offset: Any = None,
+        super_blocks: tuple[int, ...] = (),
     ) -> None:
         self.value, self.scale, self.offset = value, scale, offset
+        self.super_scale, self.super_offset = super_scale, super_offset
         self.blocks, self.act_group, self.packed = tuple(blocks), int(act_group), bool(packed)
-        self.unsigned = bool(unsigned)
+        self.unsigned, self.super_blocks = bool(unsigned), tuple(super_blocks)
 
     def tree_flatten(self):
-        return (self.value, self.scale, self.offset), (self.blocks, self.act_group, self.packed, self.unsigned)
+        children = (self.value, self.scale, self.offset, self.super_scale, self.super_offset)
+        return children, (self.blocks, self.act_group, self.packed, self.unsigned, self.super_blocks)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        blocks, act_group, packed, unsigned = aux
-        return cls(children[0], children[1], blocks, act_group, packed, children[2], unsigned)
+        blocks, act_group, packed, unsigned, super_blocks = aux
+        value, scale, offset, super_scale, super_offset = children
+        return cls(value, scale, blocks, act_group, packed, offset, unsigned, super_scale, super_offset, super_blocks)
 
     @classmethod
-    def like(cls, quant: WeightQuant, value: Any, scale: Any, offset: Any = None) -> QuantizedWeight:
-        """Leaves `value`, `scale` (and `offset` when `quant` has one) stored as `quant` says."""
+    def like(cls, quant: WeightQuant, value: Any, scale: Any, offset: Any = None, **supers: Any) -> QuantizedWeight:
+        """Leaves `value`, `scale` (and `offset`, `super_scale`, `super_offset` where `quant`
+        has them) stored as `quant` says."""
+        held = quant.block_leaves
         return cls(
             value,
             scale,
             quant.blocks,
             quant.act_group,
             quant.packed,
-            offset if quant.offset else None,
+            offset if "offset" in held else None,
             quant.dtype == UINT4,
+            supers.get("super_scale") if "super_scale" in held else None,
+            supers.get("super_offset") if "super_offset" in held else None,
+            quant.super_blocks,
         )
 
     @property
@@ -183,7 +222,7 @@ def checkpoint_scales(
             shape[j] = len(c)
             stored = stored + (c * stride).reshape(shape)
         index.append(stored // stored_block[k])
-    return np.asarray(scale, np.float32)[tuple(index)]
+    return np.asarray(scale)[tuple(index)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +249,13 @@ def quantized_decl(decl: Any, config: Any) -> Any:
         or any(qc.keeps_float(s.name) for s in canonical)
     ):
         return decl
+    qc = qc.for_tensor(src.name)  # a mixed GGUF file: this module's own block type
     blocks = param_blocks(src, qc.block_for(*src.shape))
-    lead = len(decl.shape) - len(blocks)  # per-expert sources and slots: one scale row per expert
-    quant = WeightQuant((1,) * lead + blocks, qc.activation_group, qc.value_dtype, qc.offset)
+    lead = (1,) * (len(decl.shape) - len(blocks))  # per-expert sources and slots: one scale row per expert
+    supers = lead + param_blocks(src, qc.block_for(*src.shape, super_block=True)) if qc.super_block else ()
+    quant = WeightQuant(
+        lead + blocks, qc.activation_group, qc.value_dtype, qc.offset, qc.scale_dtype, qc.offset_dtype, supers
+    )
     return replace(decl, quant=quant)
 
 
@@ -287,23 +330,40 @@ def quantize_blocks_int(x: np.ndarray, blocks: Sequence[int], bits: int) -> tupl
 # In the jitted step
 
 
+def _expanded(s: jax.Array, blocks: Sequence[int], shape: Sequence[int]) -> jax.Array:
+    """Per-block `s` repeated over its blocks (leading axes: blocks of 1) and cut to `shape`."""
+    blocks = (1,) * (len(shape) - len(blocks)) + tuple(blocks)
+    for axis, b in enumerate(blocks):
+        if b > 1:
+            s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
+    return s[tuple(slice(0, int(n)) for n in shape)]
+
+
 def dense(w: Any, dtype: Any = None) -> jax.Array:
     """The weight as a plain array: a `QuantizedWeight` dequantized (value * scale [+ offset]
-    per block, in float32, then cast to `dtype`, by default float32), anything else as is."""
+    per block, in float32, then cast to `dtype`, by default float32), anything else as is.
+    Scales held in float16 or as integers are widened to float32 first; K-quant block scales
+    are multiplied by their super-block's (`d * sc`, `-dmin * m`, as ggml computes them)."""
     if not isinstance(w, QuantizedWeight):
         return w
     value = unpack_int4(w.value, w.unsigned) if w.packed else w.value
-    blocks = (1,) * (value.ndim - len(w.blocks)) + w.blocks
+    shape = value.shape
 
-    def expanded(s: jax.Array) -> jax.Array:
-        for axis, b in enumerate(blocks):
-            if b > 1:
-                s = jnp.repeat(s, b, axis=axis, total_repeat_length=s.shape[axis] * b)
-        return s[tuple(slice(0, n) for n in value.shape)]
+    def widened(s: jax.Array, blocks: Sequence[int]) -> jax.Array:
+        return _expanded(s.astype(jnp.float32), blocks, shape)
 
-    out = value.astype(jnp.float32) * expanded(w.scale)
+    scale = widened(w.scale, w.blocks)
+    if w.super_scale is not None:
+        scale = scale * widened(w.super_scale, w.super_blocks)
+    out = value.astype(jnp.float32) * scale
     if w.offset is not None:
-        out = out + expanded(w.offset)
+        offset = widened(w.offset, w.blocks)
+        if w.super_offset is not None:
+            out = out + offset * widened(w.super_offset, w.super_blocks)
+        elif jnp.issubdtype(w.offset.dtype, jnp.integer):  # a zero point: (value + offset) * scale
+            out = out + offset * scale
+        else:
+            out = out + offset
     return out.astype(dtype or jnp.float32)
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.quant_config import INT_DTYPES, on_load_quant_config
+from jaxllm.models.quant_config import INT_DTYPES, QuantConfig, on_load_quant_config
 from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
@@ -66,25 +66,39 @@ class Fp8Files:
         return np.asarray(flat.reshape(shape)[slices]).view(FP8)
 
 
+def tensor_format(config: ModelConfig, weight_name: str) -> QuantConfig:
+    """The quantization format of the module holding `weight_name` (a mixed GGUF file's modules
+    each have their own)."""
+    assert config.quantization is not None
+    return config.quantization.for_tensor(weight_name)
+
+
 def scale_name(config: ModelConfig, weight_name: str, suffix: Optional[str] = None) -> str:
     """The checkpoint's scale tensor of a quantized `<module>.weight` (or, with `suffix`, its
     offset tensor)."""
-    assert config.quantization is not None
-    return weight_name[: -len("weight")] + (suffix or config.quantization.scale_suffix)
+    return weight_name[: -len("weight")] + (suffix or tensor_format(config, weight_name).scale_suffix)
 
 
 def _block_tensor_names(config: ModelConfig, weight_name: str) -> list[str]:
-    """The per-block tensors of a quantized weight: its scales, and its offsets when it has them."""
-    qc = config.quantization
-    assert qc is not None
-    names = [scale_name(config, weight_name)]
-    return names + [scale_name(config, weight_name, qc.offset_suffix)] if qc.offset else names
+    """The per-block tensors of a quantized weight: its scales, and its offsets and super-block
+    scales when it has them."""
+    fmt = tensor_format(config, weight_name)
+    return [scale_name(config, weight_name, suffix) for suffix, _, _ in fmt.block_tensors().values()]
 
 
-def expected_scale_shape(config: ModelConfig, stored: tuple[int, int]) -> tuple[int, int]:
-    assert config.quantization is not None
-    rows, cols = config.quantization.block_for(*stored)
+def expected_scale_shape(fmt: QuantConfig, stored: tuple[int, int], super_block: bool = False) -> tuple[int, int]:
+    rows, cols = fmt.block_for(*stored, super_block=super_block)
     return (-(-stored[0] // rows), -(-stored[1] // cols))
+
+
+# safetensors dtypes of the per-block tensors, by the numpy dtype the device keeps them in.
+_BLOCK_SOURCES = {
+    "float32": ("F32", "BF16", "F16", "F64"),
+    "float16": ("F16",),
+    "bfloat16": ("BF16",),
+    "int8": ("I8",),
+    "uint8": ("U8",),
+}
 
 
 def scale_candidates(decls: Sequence[WeightDecl], config: ModelConfig) -> set[str]:
@@ -131,14 +145,19 @@ def check_quantized(
                 f"tensor {fp8[0]}: float8 weights load only in the per-module layout, every part quantized"
             )
         for src in alt:
-            for name in _block_tensor_names(config, src.name):
+            fmt = qc.for_tensor(src.name)
+            for suffix, dtype, per_super in fmt.block_tensors().values():
+                name = scale_name(config, src.name, suffix)
                 if name not in shapes:
                     raise ValueError(
                         f"scale tensor {name} of quantized weight {src.name} is missing from the checkpoint"
                     )
-                if dtypes.get(name) not in ("F32", "BF16", "F16", "F64"):
-                    raise ValueError(f"scale tensor {name} has dtype {dtypes.get(name)}; scales must be float")
-                want = expected_scale_shape(config, src.shape)  # type: ignore[arg-type]
+                allowed = _BLOCK_SOURCES.get(dtype, ())
+                if dtypes.get(name) not in allowed:
+                    raise ValueError(
+                        f"scale tensor {name} has dtype {dtypes.get(name)}; expected {' or '.join(allowed)}"
+                    )
+                want = expected_scale_shape(fmt, src.shape, per_super)  # type: ignore[arg-type]
                 if tuple(shapes[name]) != want:
                     raise ValueError(f"scale tensor {name} has shape {list(shapes[name])}, expected {list(want)}")
                 scales.add(name)
@@ -152,16 +171,18 @@ def _member_scales(
     config: ModelConfig,
     read_full: Callable[[str], np.ndarray],
     suffix: Optional[str] = None,
+    per_super: bool = False,
 ) -> np.ndarray:
-    """One declared weight's scales (or, with `suffix`, offsets) in parameter layout, from the
-    checkpoint's per-block tensors."""
+    """One declared weight's scales (or, with `suffix`, another per-block tensor; `per_super`:
+    one per super-block) in parameter layout, from the checkpoint's per-block tensors."""
     assert decl.quant is not None
     part = alt[0].part is not None
-    blocks = decl.quant.blocks[1:] if part else decl.quant.blocks
+    all_blocks = decl.quant.super_blocks if per_super else decl.quant.blocks
+    blocks = all_blocks[1:] if part else all_blocks
     extent = decl.shape[1:] if part else decl.shape
 
     def scales_of(src: Source) -> np.ndarray:
-        stored_block = config.quantization.block_for(*src.shape)  # type: ignore[union-attr]
+        stored_block = tensor_format(config, src.name).block_for(*src.shape, super_block=per_super)  # type: ignore[arg-type]
         return checkpoint_scales(src, extent, blocks, read_full(scale_name(config, src.name, suffix)), stored_block)
 
     if not part:
@@ -188,31 +209,40 @@ def assemble_quantized(
     assert q is not None
     members = decl.members if isinstance(decl, StackedDecl) else (decl,)
     value_sharding = jax.sharding.NamedSharding(mesh, spec)
-    offset = None
-    if config.quantization is not None and config.quantization.from_checkpoint:
+    held: dict[str, np.ndarray] = {}
+    qc = config.quantization
+    if qc is not None and qc.from_checkpoint:
         value = assemble_value()
         if q.packed:  # 4-bit read as int8 values, packed two to a byte on the device
             value = jax.jit(pack_int4, out_shardings=value_sharding)(value)
-
-        def per_block(suffix: Optional[str] = None) -> np.ndarray:
-            out = np.stack([_member_scales(m, a, config, read_full, suffix) for m, a in zip(members, alternatives)])
-            return out if isinstance(decl, StackedDecl) else out[0]
-
-        scale = per_block()
-        if q.offset:
-            offset = per_block(config.quantization.offset_suffix)
+        fmt = qc.for_tensor(alternatives[0][0].name)  # every member and part: one format (the converter's rule)
+        for leaf, (suffix, _, per_super) in fmt.block_tensors().items():
+            out = [_member_scales(m, a, config, read_full, suffix, per_super) for m, a in zip(members, alternatives)]
+            held[leaf] = np.stack(out) if isinstance(decl, StackedDecl) else out[0]
     elif q.dtype == FP8.name:
-        host, scale = quantize_blocks(read_param(), q.blocks)
+        host, held["scale"] = quantize_blocks(read_param(), q.blocks)
         value = _put(host, value_sharding)
         del host
     else:  # int8 / int4 with GGUF's Q8_0 / Q4_0 blocks of 32 inputs
-        host, scale = quantize_blocks_int(read_param(), q.blocks, 4 if q.packed else 8)
+        host, held["scale"] = quantize_blocks_int(read_param(), q.blocks, 4 if q.packed else 8)
         value = _put(pack_int4(host) if q.packed else host, value_sharding)
         del host
-    scale_sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, scale.shape, dict(mesh.shape)))
-    return QuantizedWeight.like(
-        q, value, _put(scale, scale_sharding), None if offset is None else _put(offset, scale_sharding)
-    )
+    arrays = {}
+    for leaf, (shape, dtype) in q.block_arrays(decl.shape).items():
+        host = _exactly(held[leaf], dtype, decl, leaf)
+        assert host.shape == shape, (decl.path, leaf, host.shape, shape)
+        sharding = jax.sharding.NamedSharding(mesh, scale_spec(spec, host.shape, dict(mesh.shape)))
+        arrays[leaf] = _put(host, sharding)
+    return QuantizedWeight.like(q, value, **arrays)
+
+
+def _exactly(host: np.ndarray, dtype: np.dtype, decl: ParamDecl, leaf: str) -> np.ndarray:
+    """`host` in `dtype`, which must hold its every number exactly (the format's own precision)."""
+    out = np.asarray(host).astype(dtype)
+    if not np.array_equal(out.astype(np.float64), np.asarray(host, np.float64)):
+        name = ".".join(str(p) for p in decl.path)
+        raise ValueError(f"the {leaf} numbers of quantized weight {name} do not fit {dtype.name} exactly")
+    return out
 
 
 def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

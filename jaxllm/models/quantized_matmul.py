@@ -98,6 +98,23 @@ def _plan(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[tuple[int, in
     return nk, math.prod(shape[:nk]), math.prod(shape[nk:]), (bk, bn)
 
 
+def block_scale(w: QuantizedWeight) -> Optional[jax.Array]:
+    """`w`'s float32 scale per block (a K-quant's `d * sc`): the super-block scales repeated
+    over the blocks each covers; None when a super-block is not whole blocks along some axis."""
+    scale = w.scale.astype(jnp.float32)
+    if w.super_scale is None:
+        return scale
+    blocks = (1,) * (scale.ndim - len(w.blocks)) + tuple(w.blocks)
+    supers = (1,) * (scale.ndim - len(w.super_blocks)) + tuple(w.super_blocks)
+    if any(s % b for s, b in zip(supers, blocks)):
+        return None
+    per_super = w.super_scale.astype(jnp.float32)
+    for axis, (s, b) in enumerate(zip(supers, blocks)):
+        if s > b:
+            per_super = jnp.repeat(per_super, s // b, axis=axis, total_repeat_length=per_super.shape[axis] * (s // b))
+    return scale * per_super[tuple(slice(0, n) for n in scale.shape)]
+
+
 def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.Array]:
     """`einsum(spec, x, dense(w, x.dtype))` by the Pallas kernel when the backend is `triton`
     and the kernel takes the problem; None otherwise (the caller runs the XLA path)."""
@@ -115,7 +132,10 @@ def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.A
     if m == 0 or scale_block_k_tile(block[0], k) is None or x.dtype not in (jnp.bfloat16, jnp.float32):
         return None
     value = w.value.reshape(k, -1)
-    scale = w.scale.reshape(-(-k // block[0]), -(-n // block[1]))
+    per_block = block_scale(w)  # float32 (K-quants: d * sc)
+    if per_block is None:
+        return None
+    scale = per_block.reshape(-(-k // block[0]), -(-n // block[1]))
     lead = x.shape[: x.ndim - nk]
     if _state["mosaic_fp8"] and w.value.dtype == jnp.float8_e4m3fn:
         from pallas_kernels.quantized_matmul import mosaic_gpu_fp8

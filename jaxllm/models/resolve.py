@@ -39,7 +39,7 @@ from jaxllm.models.presets import PRESETS, is_preset, materialize_preset
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion output changes, so stale cached conversions are rebuilt.
-_CONVERSION_VERSION = 2  # 2: Q4_1 / Q4_K / Q6_K linears kept quantized
+_CONVERSION_VERSION = 3  # 2: Q4_1 / Q4_K / Q6_K linears kept quantized; 3: scales in the file's precision
 _MARKER = "jaxllm_source.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Only what the loader reads: never pickles, never remote code.

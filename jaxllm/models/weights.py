@@ -12,7 +12,7 @@ that turns each into the parameter. From that list come:
 - random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
 
 With `config.quantization` the linear projections are declared quantized (`WeightDecl.quant`:
-FP8 values and float32 block scales in the parameter's axis order, `jaxllm.models.quantization`);
+quantized values and block scales in the parameter's axis order, `jaxllm.models.quantization`);
 shapes, specs and bytes then give a `QuantizedWeight` pair per such parameter.
 
 Parameter layout (the decoder's pytree):
@@ -525,8 +525,8 @@ def param_shape(decl: ParamDecl, dtype: Any) -> Any:
     if decl.quant is None:
         return jax.ShapeDtypeStruct(decl.shape, decl.param_dtype(dtype))
     q = decl.quant
-    scale = jax.ShapeDtypeStruct(q.scale_shape(decl.shape), np.float32)
-    return QuantizedWeight.like(q, jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()), scale, scale)
+    blocks = {leaf: jax.ShapeDtypeStruct(shape, dt) for leaf, (shape, dt) in q.block_arrays(decl.shape).items()}
+    return QuantizedWeight.like(q, jax.ShapeDtypeStruct(q.value_shape(decl.shape), q.value_dtype()), **blocks)
 
 
 def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int = 1, *, mtp: bool = False) -> Params:
@@ -535,7 +535,7 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight.like(w.quant, s, s, s)
+        return s if w.quant is None else QuantizedWeight.like(w.quant, s, s, s, super_scale=s, super_offset=s)
 
     return build_params(
         ((w.path, spec(w)) for w in declare_params(config, kv_replicas, mtp=mtp)),
