@@ -21,7 +21,6 @@ seen one step late; the extra token is discarded.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
@@ -29,9 +28,6 @@ from typing import Any, Optional
 from jaxllm.engine.admission import (
     AdmissionLimits,
     AdmittedRequest,
-    check_arrival_time,
-    check_sequence_index,
-    validate_request,
 )
 from jaxllm.engine.background_compiles import ACTIVITY
 from jaxllm.engine.builder import build_engine
@@ -43,12 +39,12 @@ from jaxllm.engine.guided_matchers import GuidedMatchers
 from jaxllm.engine.kv_transceiver import build_transceiver
 from jaxllm.engine.logits_outputs import plan_logits_outputs
 from jaxllm.engine.lora_adapters import EngineAdapters
-from jaxllm.engine.requests import RequestTable, new_request
+from jaxllm.engine.request_intake import RequestIntake
+from jaxllm.engine.requests import RequestTable
 from jaxllm.engine.speculation import build_speculation
 from jaxllm.engine.step_output import EngineTiming, PendingStep, step_stats
 from jaxllm.engine.step_updates import RequestUpdate, StepUpdates
 from jaxllm.engine.token_readback import TokenReadback
-from jaxllm.kv_cache.retention import check_retention_config
 from jaxllm.llm_args import CapacitySchedulerPolicy, DisaggregatedParams
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.lora import LoraAdapter, LoRARequest
@@ -147,7 +143,6 @@ class LLMEngine:
         # Steady decode batches keep their tokens in a `DecodeTokenLog` instead of writing
         # them into every request each step (jaxllm.engine.token_log); False writes them.
         self.token_log = True
-        self._ids = itertools.count()
         self.iteration = 0
         self.iteration_stats: list[dict] = []
         self.max_iteration_stats = 1000
@@ -156,13 +151,22 @@ class LLMEngine:
         # Called after each dispatch with (time the forward was enqueued, sampler output): lets a
         # benchmark watch when each step's device work ends without syncing the step loop.
         self.on_dispatch: Optional[Callable[[float, Any], None]] = None
-        self.admission_limits = AdmissionLimits.of_engine(
-            config,
-            self.model_config.vocab_size,
-            self.max_seq_len,
-            self.eos_ids,
-            self.kv_cache_manager,
+        self.intake = RequestIntake(
+            AdmissionLimits.of_engine(
+                config,
+                self.model_config.vocab_size,
+                self.max_seq_len,
+                self.eos_ids,
+                self.kv_cache_manager,
+                self.capabilities,
+            ),
+            self.tokenizer,
+            self.guided,
             self.capabilities,
+            self.kv_cache_manager,
+            self.adapters,
+            self.requests,
+            self.attention_dp,
         )
 
     @property
@@ -231,25 +235,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> int:
-        return next(self._ids)
+        return self.intake.next_request_id()
 
     def validate_request(
         self, prompt_token_ids: Any, params: Any, *, priority: Any = 0.0, lora_request: Any = None
     ) -> AdmittedRequest:
         """Admission checks (ValueError naming the field); safe to call from any thread, and
         what the executor calls when a request is submitted."""
-        admitted = validate_request(
-            prompt_token_ids, params, self.admission_limits, priority=priority, tokenizer=self.tokenizer
-        )
-        self.resolve_lora(lora_request)
-        if params.guided_decoding is not None:
-            self.guided.check_request(params, admitted.end_ids, attention_dp=self.attention_dp)
-        if params.use_beam_search:  # validate_request checked it is SamplingParams
-            kv = self.kv_cache_manager
-            self.capabilities.check_beam_search(
-                params, len(admitted.prompt_token_ids), kv.tokens_per_block, kv.get_max_resource_count()
-            )
-        return admitted
+        return self.intake.validate(prompt_token_ids, params, priority=priority, lora_request=lora_request)
 
     def validate_prompt(self, prompt_token_ids: Any, params: Any) -> None:
         """Alias of `validate_request` with the default priority."""
@@ -273,28 +266,17 @@ class LLMEngine:
         the LoRA adapter it runs with (the engine needs enable_lora); `kv_cache_retention_config`:
         retention priorities of its cached KV blocks (`jaxllm.KvCacheRetentionConfig`);
         `disaggregated_params`: a context-only or generation-only request (needs
-        cache_transceiver_config)."""
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if admitted is None:  # else the caller ran validate_request (the executor does, at submission)
-            admitted = self.validate_request(prompt_token_ids, params, priority=priority)
-        retention = check_retention_config(kv_cache_retention_config)
-        adapter = self.resolve_lora(lora_request)
-        sequence_index = check_sequence_index(sequence_index)
-        arrival_time = check_arrival_time(arrival_time)
-        if request_id is None:
-            request_id = self.next_request_id()
-        elif not isinstance(request_id, int) or isinstance(request_id, bool):
-            raise ValueError(f"request_id must be an int, got {type(request_id).__name__}")
-        elif request_id in self.requests:
-            raise ValueError(f"request_id {request_id} is already in use by an unfinished request")
-        request = new_request(
-            request_id,
-            admitted,
-            params,
+        cache_transceiver_config); `admitted`: `validate_request`'s result, when already run."""
+        request = self.intake.create(
+            prompt_token_ids,
+            SamplingParams() if sampling_params is None else sampling_params,
+            request_id=request_id,
+            priority=priority,
+            arrival_time=arrival_time,
             sequence_index=sequence_index,
-            lora_adapter=adapter,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            retention=retention,
+            lora_request=lora_request,
+            kv_cache_retention_config=kv_cache_retention_config,
+            admitted=admitted,
         )
         if disaggregated_params is not None and disaggregated_params.request_type != "context_and_generation":
             if self.kv_transceiver is None:
