@@ -115,3 +115,20 @@ def test_tokens_and_logprobs_equal_the_engine_without_it():
     assert mixed_on and max(mixed_on) <= 16  # 1 + 15, 2 + 14, ...
     assert max(mixed_off) > 16  # without it, prompts arrive whole beside the stream
     assert len(mixed_on) > len(mixed_off)  # the same prompts in more, smaller steps
+
+
+def test_a_background_warm_up_compiles_the_stall_free_bucket_before_ready():
+    """Else the small steps run padded in the decode bucket and a new prompt pays more in chunks."""
+    limits = dict(
+        max_batch_size=32, max_num_tokens=256, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512)
+    )
+    without, with_it = (
+        tiny_engine("tiny-moe", **limits),
+        tiny_engine("tiny-moe", max_num_tokens_with_generation=16, **limits),
+    )
+    try:
+        assert without.program_warmup.first_buckets() == [32, 256]  # the decode bucket, the first prompts'
+        assert with_it.program_warmup.first_buckets() == [16, 32, 256]
+    finally:
+        without.close()
+        with_it.close()

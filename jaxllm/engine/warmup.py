@@ -95,7 +95,10 @@ class ProgramWarmup:
         is whole blocks), and the one of `FIRST_PREFILL_TOKENS` (capped by max_num_tokens): the
         first requests' prompts run in chunks of the largest compiled bucket, and a chunk of a
         few dozen tokens costs about as much as one of hundreds (a CPU reads every weight
-        per step), so without it the first burst of prompts took twice as long as later ones."""
+        per step), so without it the first burst of prompts took twice as long as later ones.
+        With stall-free steps (`max_num_tokens_with_generation`) also the bucket holding such a
+        step: a new prompt beside running streams would otherwise run its small chunks padded
+        in the decode bucket, paying more than it would whole."""
         config = self.config
         tokens = max(config.max_batch_size, self.planner.kv_cache_manager.tokens_per_block)
         small = choose_token_bucket(tokens, config.max_num_tokens, config.min_token_bucket)
@@ -104,7 +107,11 @@ class ProgramWarmup:
             config.max_num_tokens,
             config.min_token_bucket,
         )
-        return sorted({small, prefill})
+        buckets = {small, prefill}
+        stall_free = config.tokens_with_generation()
+        if stall_free is not None:
+            buckets.add(choose_token_bucket(stall_free, config.max_num_tokens, config.min_token_bucket))
+        return sorted(buckets)
 
     def first_decode_sizes(self) -> list[int]:
         """The decode buckets a background warm-up compiles before returning: the two smallest
