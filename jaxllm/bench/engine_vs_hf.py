@@ -170,7 +170,10 @@ def _hf_model(model_dir: Path, args):
 
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    from jaxllm.bench.hf_checkpoint import float_checkpoint
+
+    hf_dir = float_checkpoint(model_dir)[0]  # an integer checkpoint's float weights
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype or "auto").eval()
     return model, time.perf_counter() - start
 
 

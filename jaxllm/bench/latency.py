@@ -92,10 +92,10 @@ def engine_runner(stack: ExitStack, engine, requests: list[BenchRequest], args: 
 
 def hf_runner(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> Callable:
     """concurrency -> records of HF transformers on the same weights and prompts."""
+    from jaxllm.bench.hf_checkpoint import float_checkpoint
     from jaxllm.bench.hf_latency import load_hf_model, run_hf
-    from jaxllm.models.resolve import resolve_model
 
-    hf = load_hf_model(resolve_model(model))
+    hf = load_hf_model(float_checkpoint(model)[0])  # an integer checkpoint's float weights
     prompts = [list(r.input_ids or ()) for r in requests]
     if args.warmup_requests:
         run_hf(hf, prompts[:1], 2, 1)

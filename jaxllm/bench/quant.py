@@ -53,23 +53,11 @@ VARIANTS = (
 
 def checkpoints(model: str) -> tuple[str, Any]:
     """(the float checkpoint the rows start from, the integer-quantized one as stored or None)."""
-    import json
-    from pathlib import Path
-
-    from jaxllm.models.cache_dir import cache_root
+    from jaxllm.bench.hf_checkpoint import float_checkpoint
     from jaxllm.models.resolve import resolve_model
 
-    directory = Path(resolve_model(model))
-    qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
-    if qc.get("quant_method") not in ("gguf", "awq", "gptq"):
-        return str(directory), None
-    float_dir = cache_root() / "bench" / "float" / directory.name
-    if not (float_dir / "config.json").is_file():
-        from jaxllm.models.float_checkpoint import write_float_checkpoint
-
-        write_float_checkpoint(directory, float_dir)
-    label = qc.get("weight_type") or qc["quant_method"]
-    return str(float_dir), (str(directory), label)
+    float_dir, label = float_checkpoint(model)
+    return str(float_dir), None if label is None else (str(resolve_model(model)), label)
 
 
 def held_weight_bytes(params: Any) -> int:
