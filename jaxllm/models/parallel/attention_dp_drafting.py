@@ -13,6 +13,7 @@ dispatch the tokens of every rank together (`dp_slot_moe_layer`). Drafts come ba
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,36 @@ def init_dp_mtp_kv_cache(
     return MlaLayerCache(jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, RANK_SPEC))())
 
 
+def _per_rank(
+    drafting: Callable[..., tuple[jax.Array, Any]],
+    mesh: jax.sharding.Mesh,
+    shared: tuple,
+    shared_specs: tuple,
+    cache: Any,
+    batch: StepBatch,
+    rows: jax.Array,
+) -> tuple[jax.Array, Any]:
+    """`drafting(*shared, cache, batch, rows) -> (drafts, cache)`, the single-device chain, run
+    under one shard_map on every rank's slice of the [D, ...] `cache`, `batch` and `rows`
+    (`shared`: replicated or split as `shared_specs` say): drafts [D, S_rank, k], caches [D, ...]."""
+
+    def body(*args):
+        *shared_, cache_, batch_, rows_ = args
+        first = functools.partial(jax.tree.map, lambda a: a[0])
+        drafts, new_cache = drafting(*shared_, first(cache_), first(batch_), rows_[0])
+        return drafts[None], jax.tree.map(lambda a: a[None], new_cache)
+
+    cache_specs = jax.tree.map(lambda _: RANK_SPEC, cache)
+    batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(*shared_specs, cache_specs, batch_specs, RANK_SPEC),
+        out_specs=(RANK_SPEC, cache_specs),
+        check_vma=False,
+    )(*shared, cache, batch, rows)
+
+
 def mtp_draft_attention_dp(
     params: Any,
     cache: MlaLayerCache,
@@ -65,13 +96,12 @@ def mtp_draft_attention_dp(
     per-rank MTP cache. `batch`: the stacked per-rank drafting batch, `hidden` [D, T_rank, H]."""
     moe_layer = dp_slot_moe_layer(config, moe_fn, mesh, moe_options)
 
-    def body(params_, cache_, batch_, hidden_):
-        local = jax.tree.map(lambda a: a[0], batch_)
+    def drafting(params_, cache_, batch_, hidden_):
         drafts, new_cache, _ = mtp_draft(
             params_,
-            jax.tree.map(lambda a: a[0], cache_),
-            local,
-            hidden_[0],
+            cache_,
+            batch_,
+            hidden_,
             num_draft_tokens,
             config=config,
             attention_fn=attention_fn,
@@ -81,17 +111,9 @@ def mtp_draft_attention_dp(
             own_blocks_only=True,
             slot_moe_layer=moe_layer,
         )
-        return drafts[None], jax.tree.map(lambda a: a[None], new_cache)
+        return drafts, new_cache
 
-    cache_specs = jax.tree.map(lambda _: RANK_SPEC, cache)
-    batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(param_specs, cache_specs, batch_specs, RANK_SPEC),
-        out_specs=(RANK_SPEC, cache_specs),
-        check_vma=False,
-    )(params, cache, batch, hidden)
+    return _per_rank(drafting, mesh, (params,), (param_specs,), cache, batch, hidden)
 
 
 def draft_model_attention_dp(
@@ -115,7 +137,7 @@ def draft_model_attention_dp(
     `last_tokens` [D, S_rank]: each row's newest token."""
     moe_layer = dp_slot_moe_layer(config, moe_fn, mesh, moe_options)
 
-    def body(params_, cache_, batch_, last_):
+    def drafting(params_, cache_, batch_, last_):
         def forward_fn(c: Any, b: StepBatch) -> tuple[jax.Array, Any]:
             x, c, _ = decode_layers_with_moe_stats(
                 params_,
@@ -130,26 +152,17 @@ def draft_model_attention_dp(
             )
             return compute_logits(params_, x[b.logits_indices], config), c
 
-        drafts, new_cache = model_chain_drafts(
+        return model_chain_drafts(
             forward_fn,
-            jax.tree.map(lambda a: a[0], cache_),
-            jax.tree.map(lambda a: a[0], batch_),
-            last_[0],
+            cache_,
+            batch_,
+            last_,
             num_draft_tokens,
             tokens_per_block=tokens_per_block,
             num_blocks=num_blocks,
         )
-        return drafts[None], jax.tree.map(lambda a: a[None], new_cache)
 
-    cache_specs = jax.tree.map(lambda _: RANK_SPEC, cache)
-    batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(param_specs, cache_specs, batch_specs, RANK_SPEC),
-        out_specs=(RANK_SPEC, cache_specs),
-        check_vma=False,
-    )(params, cache, batch, last_tokens)
+    return _per_rank(drafting, mesh, (params,), (param_specs,), cache, batch, last_tokens)
 
 
 def eagle3_draft_attention_dp(
@@ -167,25 +180,11 @@ def eagle3_draft_attention_dp(
     the per-rank head caches. `features` [D, T_rank, 3 H]: each rank's fused target features;
     the head's weights and the target's embedding `embed` replicated."""
 
-    def body(params_, embed_, cache_, batch_, features_):
+    def drafting(params_, embed_, cache_, batch_, features_):
         drafts, new_cache, _ = eagle3_draft(
-            params_,
-            embed_,
-            jax.tree.map(lambda a: a[0], cache_),
-            jax.tree.map(lambda a: a[0], batch_),
-            features_[0],
-            num_draft_tokens,
-            config=config,
-            own_blocks_only=True,
+            params_, embed_, cache_, batch_, features_, num_draft_tokens, config=config, own_blocks_only=True
         )
-        return drafts[None], jax.tree.map(lambda a: a[None], new_cache)
+        return drafts, new_cache
 
-    cache_specs = jax.tree.map(lambda _: RANK_SPEC, cache)
-    batch_specs = jax.tree.map(lambda _: RANK_SPEC, batch)
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params), P(), cache_specs, batch_specs, RANK_SPEC),
-        out_specs=(RANK_SPEC, cache_specs),
-        check_vma=False,
-    )(params, embed, cache, batch, features)
+    replicated = (jax.tree.map(lambda _: P(), params), P())
+    return _per_rank(drafting, mesh, (params, embed), replicated, cache, batch, features)
