@@ -16,6 +16,9 @@ device work tables. What differs from the Triton launches:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,19 +40,41 @@ from pallas_kernels.cost_model import (
 from pallas_kernels.cost_model_quant import GEMM_SHAPES, GEMM_TOKEN_COUNTS, MOE_FP8_TOKEN_COUNTS, GemmShape
 
 
-def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
-    from pallas_kernels.moe_grouped_gemm import schedule
-    from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling
+@dataclass(frozen=True)
+class _RoutedTiles:
+    """`num_tokens` tokens routed evenly over the experts, tiled as a grouped kernel's
+    device-built schedule tiles them."""
 
-    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    rows: int  # routed rows (tokens x top_k)
+    case: str
+    tiling: Any  # the kernel's default tiling for this problem
+    block_m: int
+    num_items: int  # work items of the schedule
+    num_active: int  # those that run
+    active_experts: int
+
+
+def _routed_tiles(shape: MoeShape, num_tokens: int, default_tiling: Callable) -> _RoutedTiles:
+    from pallas_kernels.moe_grouped_gemm import schedule
+
+    e, k = shape.num_experts, shape.top_k
     rows = num_tokens * k
-    case = f"{shape.name} T={num_tokens}"
-    tiling = default_tiling(rows, e, h, i)
+    tiling = default_tiling(rows, e, shape.hidden, shape.inter)
     block_m = tiling.gate_up.block_m
     sizes = routed_group_sizes(num_tokens, e, k)
     build = jax.jit(functools.partial(schedule.group_tile_schedule, num_rows=rows, block_m=block_m))
     sched = np.asarray(build(jnp.asarray(sizes)))
     num_active = int((sched[:, schedule.ACTIVE] > 0).sum())
+    case = f"{shape.name} T={num_tokens}"
+    return _RoutedTiles(rows, case, tiling, block_m, sched.shape[0], num_active, int((sizes > 0).sum()))
+
+
+def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
+    from pallas_kernels.moe_grouped_gemm.mosaic_gpu import default_tiling
+
+    routed = _routed_tiles(shape, num_tokens, default_tiling)
+    rows, case, tiling, block_m, num_active = routed.rows, routed.case, routed.tiling, routed.block_m, routed.num_active
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
     costs = []
     for name, t, n, kk, num_weights in (
         ("moe_gate_up_mosaic", tiling.gate_up, i, h, 2),
@@ -63,13 +88,13 @@ def mosaic_moe_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> lis
         flops = 2.0 * working * block_m * t.block_n * kk * num_weights
         note = (
             f"block_m={block_m} block_n={t.block_n} block_k={t.block_k} stages={t.max_concurrent_steps} "
-            f"active experts {int((sizes > 0).sum())}/{e}"
+            f"active experts {routed.active_experts}/{e}"
         )
         costs.append(
             LaunchCost(
                 name,
                 case,
-                (col_tiles, sched.shape[0]),
+                (col_tiles, routed.num_items),
                 working,
                 weight_bytes + act_bytes + out_bytes,
                 flops,
@@ -176,18 +201,11 @@ def mosaic_moe_fp8_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) ->
     """The two e4m3 grouped kernels (`moe_grouped_gemm.mosaic_gpu_fp8`) and their XLA glue:
     sort / unsort / combine as the bf16 Mosaic path, activation and hidden quantization,
     and the experts made K-major inside the step (every expert of the layer)."""
-    from pallas_kernels.moe_grouped_gemm import schedule
     from pallas_kernels.moe_grouped_gemm.mosaic_gpu_fp8 import default_tiling
 
-    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
-    rows = num_tokens * k
-    case = f"{shape.name} T={num_tokens}"
-    tiling = default_tiling(rows, e, h, i)
-    block_m = tiling.gate_up.block_m
-    sizes = routed_group_sizes(num_tokens, e, k)
-    build = jax.jit(functools.partial(schedule.group_tile_schedule, num_rows=rows, block_m=block_m))
-    sched = np.asarray(build(jnp.asarray(sizes)))
-    num_active = int((sched[:, schedule.ACTIVE] > 0).sum())
+    routed = _routed_tiles(shape, num_tokens, default_tiling)
+    rows, case, tiling, block_m, num_active = routed.rows, routed.case, routed.tiling, routed.block_m, routed.num_active
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
     costs = []
     for name, t, n, kk, num_weights in (
         ("moe_gate_up_mosaic_fp8", tiling.gate_up, i, h, 2),
@@ -199,13 +217,13 @@ def mosaic_moe_fp8_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) ->
         act_bytes = num_active * block_m * kk * (1 + 4.0 / 128)
         flops = 2.0 * working * block_m * t.block_n * kk * num_weights
         note = (
-            f"block_m={block_m} block_n={t.block_n} block_k=128 e4m3 wgmma, active experts {int((sizes > 0).sum())}/{e}"
+            f"block_m={block_m} block_n={t.block_n} block_k=128 e4m3 wgmma, active experts {routed.active_experts}/{e}"
         )
         costs.append(
             LaunchCost(
                 name,
                 case,
-                (col_tiles, sched.shape[0]),
+                (col_tiles, routed.num_items),
                 working,
                 weight_bytes + act_bytes + rows * n * itemsize,
                 flops,
