@@ -43,6 +43,7 @@ def run_tp_engines(root: Path) -> None:
                     max_seq_len=64,
                     kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256, dtype=kv_dtype),
                     warmup="none",  # greedy requests: they compile their two forwards and no sampler
+                    dequantize_on_load=False,  # the kept quantized weights, split over the devices
                 )
                 outputs = llm.generate(
                     PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False

@@ -175,6 +175,7 @@ def test_greedy_tokens_match_transformers(tiny, tmp_path, monkeypatch, arch):
         max_seq_len=64,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256),
         warmup="none",  # the greedy requests compile what they run (no sampler)
+        dequantize_on_load=False,  # the kept integer weights, dequantized in each step
     )
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

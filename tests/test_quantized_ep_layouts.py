@@ -169,6 +169,7 @@ def check_checkpoints(root: Path, names: tuple[str, ...]) -> None:
                 compile_ahead=False,  # one forward program per engine: the 16-token bucket
                 decode_batch_sizes=[],
                 kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512, enable_block_reuse=False),
+                dequantize_on_load=False,  # integer checkpoints: their weights kept quantized
                 **kwargs,
             )
         )

@@ -90,6 +90,7 @@ def run_variant(
         max_num_tokens=512,
         max_seq_len=512,
         warmup_logits_outputs=True,
+        dequantize_on_load=False,  # "as stored": an integer checkpoint's weights kept in their own format
     )
     try:
         nbytes = llm.executor.call_on_engine(lambda e: held_weight_bytes(e.runner.params))

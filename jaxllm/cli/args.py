@@ -15,6 +15,8 @@ DEFAULT_MODEL = "smollm2"
 # What a bad model, file or flag raises (OSError: unreadable or truncated files); one line each.
 LOAD_ERRORS = (ValueError, OSError)
 UNSET_CLAUSE = re.compile(r"\s*\(unset: [^()]*\)")
+# --dequantize-on-load -> EngineConfig.dequantize_on_load (None: by platform).
+DEQUANTIZE_ON_LOAD = {"auto": None, "on": True, "off": False}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -142,6 +144,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         help="fp8: quantize an unquantized checkpoint to FP8 (128x128 block scales) while loading "
         "(FP8 checkpoints such as DeepSeek-V3's load quantized without it); int8 / int4: weight-only "
         "integers with one scale per 32 inputs (GGUF Q8_0 / Q4_0 blocks; GGUF files in those types load so)",
+    )
+    g.add_argument(
+        "--dequantize-on-load",
+        default="auto",
+        choices=list(DEQUANTIZE_ON_LOAD),
+        help="GGUF / AWQ / GPTQ integer weights: on: dequantized to float at load; off: kept quantized, "
+        "dequantized in each step; auto: on for a CPU, off for a GPU",
     )
     g.add_argument(
         "--fp8-activation-scheme",
@@ -450,6 +459,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         quantization=getattr(args, "quantization", None),
         fp8_activation_scheme=getattr(args, "fp8_activation_scheme", "dynamic"),
+        dequantize_on_load=DEQUANTIZE_ON_LOAD[getattr(args, "dequantize_on_load", "auto")],
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,

@@ -17,12 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from jaxllm.cli.args import ArgumentParser, HelpFormatter
+from jaxllm.cli.args import DEQUANTIZE_ON_LOAD, ArgumentParser, HelpFormatter
 from jaxllm.models.known_configs import KNOWN_CONFIGS
 from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.memory_plan import GPU_MEMORY_BYTES, MemoryPlan, plan_memory
 from jaxllm.models.model_config import ModelConfig, load_model_config
-from jaxllm.models.quantized_loading import with_quantization
+from jaxllm.models.quantized_loading import describe_weights, with_dequantize_on_load, with_quantization
 from sharding.mesh import ParallelConfig
 
 GB = 2**30
@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8: weights in FP8 with 128x128 block scales; int8 / int4: weight-only with one scale per 32 "
         "inputs (GGUF Q8_0 / Q4_0); none: the checkpoint's float dtype even if it ships quantized (default: as "
         "the checkpoint is)",
+    )
+    p.add_argument(
+        "--dequantize-on-load",
+        default="auto",
+        choices=list(DEQUANTIZE_ON_LOAD),
+        help="GGUF / AWQ / GPTQ integer weights: on: planned in float, as an engine dequantizing them at load "
+        "holds them; off / auto (a GPU's default): kept quantized",
     )
     p.add_argument("--dtype", default=None, help="float dtype of unquantized weights and the KV cache")
     p.add_argument(
@@ -91,6 +98,8 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
         config = with_quantization(config, "fp8")
     elif args.quantization is not None:  # int8 / int4 blocks instead of what the checkpoint ships
         config = with_quantization(replace(config, quantization=None), args.quantization)
+    # The engine's rule for integer checkpoints, on the GPU this plans for.
+    config = with_dequantize_on_load(config, DEQUANTIZE_ON_LOAD[args.dequantize_on_load], "gpu")
     config = with_kv_cache_dtype(config, None, args.kv_cache_dtype)
     parallel = ParallelConfig(tensor_parallel_size=args.tp, moe_expert_parallel_size=args.ep)
     num_gpus = args.num_gpus or args.tp
@@ -111,7 +120,7 @@ def make_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan]:
 def render(args: argparse.Namespace, config: ModelConfig, plan: MemoryPlan, max_seq_len: int) -> str:
     q = config.quantization
     weights = (
-        config.dtype
+        describe_weights(config)
         if q is None
         else f"{q.value_dtype} (scales per {q.weight_block_size[0]}x{q.weight_block_size[1] or 'row'} block)"
     )

@@ -121,6 +121,7 @@ def engine_banner(engine, model: str) -> str:
             f"  parallel  tp={layout.tensor_parallel_size} ep={layout.moe_expert_parallel_size} "
             f"moe_tp={layout.moe_tensor_parallel_size} attention={attention}",
             f"  backends  attention={engine.attention_backend} moe={engine.moe_backend}  dtype={cfg.dtype}",
+            f"  weights   {weights_held(cfg, ec.dequantize_on_load, devices[0].platform)}",
             f"  KV cache  {kv.num_blocks * tpb} tokens, {format_bytes(kv_bytes)} ({kv.num_blocks} blocks x {tpb} "
             f"tokens): {kv_cache_sizing(devices[0])}",
             f"  limits    max_batch_size={ec.max_batch_size} max_num_tokens={ec.max_num_tokens} "
@@ -128,6 +129,18 @@ def engine_banner(engine, model: str) -> str:
             f"  compiled  {compiled_buckets(engine)}",
         ]
     )
+
+
+def weights_held(cfg, dequantize_on_load, platform: str) -> str:
+    """How the weights are held, and on a CPU the flag that changes an integer checkpoint's."""
+    from jaxllm.models.quantized_loading import dequantizes_on_load, describe_weights
+
+    text = describe_weights(cfg)
+    if platform == "cpu" and dequantize_on_load is None and cfg.dequantized_from is not None:
+        text += " (CPU: --dequantize-on-load off keeps them quantized)"
+    elif platform == "cpu" and dequantizes_on_load(cfg, None, platform):  # kept integer weights on a CPU
+        text += " (CPU: --dequantize-on-load auto runs them faster in float)"
+    return text
 
 
 def kv_cache_sizing(device) -> str:

@@ -44,7 +44,7 @@ from jaxllm.models.kv_calibration import with_computed_kv_scales
 from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.mtp import mtp_kv_cache_spec
 from jaxllm.models.partitioning import attention_dp_rules
-from jaxllm.models.quantized_loading import with_quantization
+from jaxllm.models.quantized_loading import with_dequantize_on_load, with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
 from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig, MTPDecodingConfig
@@ -160,6 +160,7 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     layout = Layout(
         platform=mesh.devices.flat[0].platform, num_devices=mesh.devices.size, multiprocess=is_multiprocess()
     )
+    model_config = with_dequantize_on_load(model_config, config.dequantize_on_load, layout.platform)
     check_layout(config, model_config, layout)
     use_mtp = isinstance(config.speculative_config, MTPDecodingConfig)
     if use_mtp:

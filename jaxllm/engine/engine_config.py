@@ -70,6 +70,11 @@ class EngineConfig:
     # 128 before each FP8 matmul, "none" multiplies dequantized weights with float activations.
     quantization: Optional[str] = None
     fp8_activation_scheme: str = "dynamic"
+    # An integer-quantized checkpoint (GGUF, AWQ, GPTQ) loads with its weights dequantized to the
+    # model's dtype (True) or kept quantized and dequantized inside each step (False); None: on
+    # a CPU only, where XLA writes the dequantized weights out every step instead of fusing
+    # them into the matmul (`jaxllm.models.quantized_loading.dequantizes_on_load`).
+    dequantize_on_load: Optional[bool] = None
     # Compiling on demand (no warm-up): a step whose best-fitting token bucket is not compiled
     # runs padded in a compiled larger one while the best fit compiles on the compile threads
     # (jaxllm.engine.compile_ahead); False: each bucket compiles on the step that first needs it.
@@ -125,6 +130,10 @@ class EngineConfig:
             self.moe_config = MoeConfig(**self.moe_config)
         if self.quantization not in (None, "fp8", "int8", "int4"):
             raise ValueError(f"quantization must be 'fp8', 'int8', 'int4' or None, got {self.quantization!r}")
+        if not (self.dequantize_on_load is None or isinstance(self.dequantize_on_load, bool)):
+            raise ValueError(
+                f"dequantize_on_load must be True, False or None (auto: on a CPU), got {self.dequantize_on_load!r}"
+            )
         if self.fp8_activation_scheme not in ("dynamic", "none"):
             raise ValueError(f"fp8_activation_scheme must be 'dynamic' or 'none', got {self.fp8_activation_scheme!r}")
         for name, (low, high) in LIMIT_RANGES.items():

@@ -335,7 +335,8 @@ def load_params(
     np_dtype = numpy_dtype(dtype or config.dtype)
     header = _Header(checkpoint_files(model_dir))
     header.check_layers(config, model_dir)
-    stored = config.quantization.stored if config.quantization is not None else None  # to dequantize
+    # An integer checkpoint's format, to dequantize (then quantize as asked, or keep in float).
+    stored = config.quantization.stored if config.quantization is not None else config.dequantized_from
     int4_groups = int4_group_tensors(header.shape, header.dtype, stored or config.quantization)
     if int4_groups is not None:
         header.substitute(int4_groups.names(), int4_groups.packed_names())

@@ -168,6 +168,9 @@ class ModelConfig:
     scan_layers: bool = True
     # Weights stored quantized (FP8 values + scales; see jaxllm.models.quant_config), or None.
     quantization: Optional[QuantConfig] = None
+    # An integer-quantized checkpoint's own format when its weights load dequantized to `dtype`
+    # (`quantized_loading.with_dequantize_on_load`; `quantization` is then None), else None.
+    dequantized_from: Optional[QuantConfig] = None
     # KV cache stored as FP8 with per-layer scales (jaxllm.models.kv_quant), or None: the model's dtype.
     kv_cache_quant: Optional[KvCacheQuant] = None
 

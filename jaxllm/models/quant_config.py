@@ -21,7 +21,7 @@ the dequantized weights with the unquantized activations (weights-only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Optional
 
@@ -65,6 +65,8 @@ class QuantConfig:
     # Files mixing block types (llama.cpp's Q4_K_M): (module, its own format) where a module's
     # format is not this one (`for_tensor`).
     per_module: tuple[tuple[str, QuantConfig], ...] = ()
+    # The checkpoint's own name of the format (GGUF's "Q4_1", "awq", "gptq"), for messages only.
+    name: str = field(default="", compare=False)
 
     def for_tensor(self, tensor_name: str) -> QuantConfig:
         """The format of the module holding `tensor_name` (`<module>.weight` and its scales)."""
@@ -214,6 +216,7 @@ def _gguf_format(kind: Any) -> QuantConfig:
         scale_dtype=scale_dtype,
         offset_dtype=offset_dtype,
         super_block=super_block,
+        name=kind,
     )
 
 
@@ -232,9 +235,8 @@ def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
             raise ValueError(f"unsupported awq quantization_config.version={version!r}; only 'gemm' packing loads")
         if qc.get("zero_point", True) is not True:
             raise ValueError("unsupported awq quantization_config.zero_point=false; only zero-point AWQ loads")
-        return QuantConfig(
-            "uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), True, "awq", **_INT4_GROUP_DTYPES
-        )
+        awq = dict(_INT4_GROUP_DTYPES, name="awq")
+        return QuantConfig("uint4_block", (1, group), "none", "weight_scale", True, _ignored(qc), True, "awq", **awq)
     if qc.get("desc_act", False):
         raise ValueError(
             "unsupported gptq quantization_config.desc_act=true (act-order: g_idx permutes the groups); "
@@ -253,6 +255,7 @@ def _parse_awq_gptq(qc: dict, method: str) -> QuantConfig:
         _ignored(qc),
         not sym,
         fmt,
+        name="gptq",
         **_INT4_GROUP_DTYPES,
     )
 

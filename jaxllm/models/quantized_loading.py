@@ -267,3 +267,39 @@ def with_quantization(config: ModelConfig, method: Optional[str], activation_sch
             return replace(config, quantization=replace(config.quantization, activation_scheme="none"))
         return config
     return replace(config, quantization=on_load_quant_config(method, activation_scheme))
+
+
+def dequantizes_on_load(config: ModelConfig, dequantize_on_load: Optional[bool], platform: str) -> bool:
+    """Whether an integer-quantized checkpoint (GGUF, AWQ, GPTQ) loads with its weights
+    dequantized to the model's dtype: as `dequantize_on_load` says, or (None) on a CPU only.
+    There XLA cannot fuse the dequantization into the matmul and writes out the float weights
+    in every step; GPU kernels dequantize in registers, so the kept weights cost fewer bytes a
+    step. FP8 checkpoints and a quantization asked on load are never affected."""
+    qc = config.quantization
+    if qc is None or not qc.from_checkpoint or qc.method not in INT_DTYPES:
+        return False
+    return platform == "cpu" if dequantize_on_load is None else bool(dequantize_on_load)
+
+
+def with_dequantize_on_load(config: ModelConfig, dequantize_on_load: Optional[bool], platform: str) -> ModelConfig:
+    """`config` with plain float weights in place of an integer checkpoint's kept ones when
+    `dequantizes_on_load` says so (the loader reads them through `DequantizedTensors`: the
+    numbers the in-step dequantization computes), else `config` unchanged."""
+    if not dequantizes_on_load(config, dequantize_on_load, platform):
+        return config
+    return replace(config, quantization=None, dequantized_from=config.quantization)
+
+
+def describe_weights(config: ModelConfig) -> str:
+    """How the weights are held, in a few words (the engine banner, `jaxllm plan`)."""
+    qc, stored = config.quantization, config.dequantized_from
+    if stored is not None:
+        return f"{stored.name or stored.value_dtype} dequantized at load to {config.dtype}"
+    if qc is None:
+        return config.dtype
+    if not qc.from_checkpoint:
+        source = f" from {qc.stored.name or qc.stored.value_dtype}" if qc.stored is not None else ""
+        return f"{qc.value_dtype} quantized at load{source}"
+    if qc.method in INT_DTYPES:
+        return f"{qc.name or qc.value_dtype} kept quantized (dequantized in each step)"
+    return f"{qc.value_dtype} as stored"
