@@ -13,7 +13,7 @@ run, each built with the compilation cache off (every program compiles in this r
     variant on the step, and every running stream waits for it;
   * jaxllm, stall-free steps: `max_num_tokens_with_generation=--stall-free-tokens` (16): an
     arriving prompt joins the stream in chunks up to that step size instead of whole in its
-    bucket (whose forward, on a CPU, costs about twice a one-row decode step at 64 tokens).
+    bucket (whose forward, on a CPU, costs about five one-row decode steps at 64 tokens).
 
     jaxllm bench settings --model smollm2 --output-len 96
 """

@@ -106,7 +106,7 @@ class EngineConfig:
     # many tokens, a new prompt joining them in chunks that fit, so it delays those streams by a
     # small bucket's cost, not the largest's (more streams, or none: the whole max_num_tokens). It
     # trades the new prompt's TTFT for the streams' inter-token latency: on a CPU, SmolLM2's 16 / 32
-    # / 64-token steps cost 1.4 / 1.8 / 2.1 one-row decode steps. None or 0: off. Needs
+    # / 64-token steps cost 2.6 / 3.7 / 5.2 one-row decode steps. None or 0: off. Needs
     # enable_chunked_prefill.
     max_num_tokens_with_generation: Optional[int] = None
     # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
