@@ -11,11 +11,11 @@ from typing import Any, Optional, TextIO
 from jaxllm.cli.args import (
     DEFAULT_MODEL,
     HelpFormatter,
-    add_distributed_args,
     add_engine_args,
     add_sampling_args,
     sampling_params,
 )
+from jaxllm.cli.distributed_args import add_distributed_args
 from jaxllm.cli.startup import resolve_model_arg, start_executor, status
 
 

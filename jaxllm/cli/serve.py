@@ -16,10 +16,10 @@ from jaxllm.cli.args import (
     LOAD_ERRORS,
     ArgumentParser,
     HelpFormatter,
-    add_distributed_args,
     add_engine_args,
     engine_kwargs,
 )
+from jaxllm.cli.distributed_args import add_distributed_args
 from jaxllm.cli.startup import join_distributed, resolve_model_arg, run_follower_command, serve_logs, start_executor
 from jaxllm.server.reasoning import REASONING_PARSERS
 from jaxllm.server.tool_parsers import TOOL_PARSERS

@@ -9,7 +9,8 @@ import logging
 import sys
 import time
 
-from jaxllm.cli.args import distributed_config, engine_kwargs
+from jaxllm.cli.args import engine_kwargs
+from jaxllm.cli.distributed_args import distributed_config
 
 # ----------------------------------------------------------------------------- terminal output
 logger = logging.getLogger("jaxllm.cli")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from jaxllm.cli.args import LOAD_ERRORS, ArgumentParser, HelpFormatter, add_distributed_args, distributed_config
+from jaxllm.cli.args import LOAD_ERRORS, ArgumentParser, HelpFormatter
+from jaxllm.cli.distributed_args import add_distributed_args, distributed_config
 from jaxllm.cli.startup import quiet_logs, run_follower_command
 
 
