@@ -132,3 +132,12 @@ def test_a_background_warm_up_compiles_the_stall_free_bucket_before_ready():
     finally:
         without.close()
         with_it.close()
+
+
+def test_the_flag_reaches_the_engine_config():
+    from jaxllm.cli import build_parser
+    from jaxllm.cli.args import engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--max-num-tokens-with-generation", "32"])
+    assert engine_kwargs(args)["max_num_tokens_with_generation"] == 32
+    assert engine_kwargs(build_parser().parse_args(["generate"]))["max_num_tokens_with_generation"] is None
