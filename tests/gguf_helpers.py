@@ -18,6 +18,8 @@ import numpy as np
 from jaxllm.models.presets import CHAT_TEMPLATE
 
 # llama.cpp writes Mixtral as `llama` with experts.
+# A tiny Llama whose rows are whole K-quant super-blocks (256): hidden 256, down_proj's inputs 512.
+K_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # llama_ftype of a file whose 2-D weights are all of one type (Q4_K_M: Q4_K and Q6_K mixed).
 FILE_TYPE = {

@@ -37,6 +37,7 @@ from jaxllm.models.memory_plan import plan_memory  # noqa: E402
 from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import (  # noqa: E402
+    K_SHAPES,
     assert_logits_equal_transformers,
     dequantized_blocks,
     quantize_k,
@@ -45,8 +46,6 @@ from tests.gguf_helpers import (  # noqa: E402
 )
 from tests.gguf_helpers import quantized_leaves as _quantized  # noqa: E402
 
-# 256-wide rows (K-quant super-blocks): hidden 256, down_proj's inputs 512.
-K_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
 BLOCK = {"Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 # What the device holds per block: (scale dtype, offset dtype or None, super-block or 0).
 HELD = {

@@ -28,14 +28,13 @@ from jaxllm.models.memory_plan import plan_memory  # noqa: E402
 from jaxllm.models.quantization import QuantizedWeight  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 from tests.gguf_helpers import (  # noqa: E402
+    K_SHAPES,
     assert_logits_equal_transformers,
     dequantized_blocks,
     quantize_k,
     random_k_quant_blocks,
     write_converted,
 )
-
-K_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
 
 
 @pytest.mark.parametrize("qtype,held", [("Q4_K", "Q5_K"), ("Q4_K", "K_INT8"), ("Q5_K", "K_INT8"), ("Q6_K", "K_INT8")])
