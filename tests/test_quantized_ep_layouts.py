@@ -198,7 +198,7 @@ def check_checkpoints(root: Path, names: tuple[str, ...]) -> None:
             stacked=all(row is not None for row in balancer.rows.values()),  # one scanned layer stack
             held_before=held_before,
             held_after=held_weight_bytes(engine.runner.params),
-            rounds=[{k: v for k, v in r.items() if k != "layers"} for r in watch.rounds],
+            rounds=watch.rounds,
         )
 
     for name in names:
@@ -305,10 +305,17 @@ def test_attention_dp_and_the_online_balancer_together_keep_the_single_device_to
     assert r["tables_changed"] and r["rebalances"] > 0 and r["slots_rewritten"] > 0
     rounds = r["rounds"]
     assert len(rounds) > 1 and all(x["donated"] and x["arrays"] >= 2 for x in rounds), rounds
-    # In place from the second round on. The first round's donated buffers (arrays as the loader
-    # left them, not yet written by a program) are released but not always reused for the output
-    # on the CPU runtime: a copy of those slot arrays once, memory staying as it was.
-    assert all(x["same_address"] for x in rounds[1:]), rounds
+    # Attention DP keeps each layer's slots apart, so each layer's first rewrite donates arrays as
+    # the loader left them (not yet written by a program): the CPU runtime releases them but does
+    # not always reuse them for the output, a copy once per layer, memory staying as it was. Every
+    # later rewrite of a layer is in place.
+    rewritten: set[int] = set()
+    later = []
+    for x in rounds:
+        if rewritten.issuperset(x["layers"]):
+            later.append(x)
+        rewritten.update(x["layers"])
+    assert later and all(x["same_address"] for x in later), rounds
     assert r["num_tokens"] == 8 * 16
     assert r["same_tokens"], "attention DP with the online balancer differs from one device"
     assert r["held_before"] == r["held_after"]
