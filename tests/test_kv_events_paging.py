@@ -58,10 +58,14 @@ def test_events_come_in_pages_in_order_while_health_answers(served):
     # process's GIL (the server shares it) and stall the health client for the test's own sake.
     raw: list[bytes] = []
 
+    drain_seconds: list[float] = []
+
     def drain_raw() -> None:
+        start = time.monotonic()
         resp = http.post("/kv_cache_events", params={"max_events": 10_000})
         assert resp.status_code == 200, resp.text
         raw.append(resp.content)
+        drain_seconds.append(time.monotonic() - start)
 
     drain = threading.Thread(target=drain_raw)
     latencies = []
@@ -75,7 +79,11 @@ def test_events_come_in_pages_in_order_while_health_answers(served):
     drain.join()
     big = json.loads(raw[0])
     assert len(big) == 10_000
-    assert max(latencies) < 1.0, latencies
+    # Health answers all through the drain, never only after it: with the page built on the event
+    # loop, the first call would wait for the whole drain. (Relative to the drain's own time, as
+    # both stretch alike on a loaded machine.)
+    print(f"drain {drain_seconds[0]:.2f} s, health max {max(latencies):.3f} s over {len(latencies)} calls")
+    assert len(latencies) >= 3 and max(latencies) < 0.5 * drain_seconds[0], (drain_seconds, latencies)
     events += big
     while page := _drain(http, max_events=700):
         assert len(page) <= 700
