@@ -65,6 +65,7 @@ from jaxllm.engine.compile_cache import host_id
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"jaxllm-executable v1\n"
+_HOST_CALLBACK = "python_cpu_callback"  # the custom call of io_callback / pure_callback on a CPU
 _SUFFIX = ".jaxexe"
 SOURCE_PACKAGES = ("jaxllm", "pallas_kernels", "sharding")
 # Distributions whose version changes what a program compiles to or how it runs.
@@ -418,6 +419,10 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import serialize
 
         try:
+            # A host callback (the Pallas and Mosaic GPU interpreters' kernels) cannot be
+            # serialized; jax's serializer may crash the process on one rather than raise.
+            if _HOST_CALLBACK in exe.as_text():
+                raise ValueError("the program calls back into Python")
             devices = [dev.id for dev in exe._executable._unloaded_executable.device_list]
             blob, in_tree, out_tree = serialize(exe)
             payload = pickle.dumps(
