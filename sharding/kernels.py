@@ -98,12 +98,23 @@ def shard_moe(moe_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules) -
 def _shard_fused_fp8(
     fused_fp8: Callable, mesh: jax.sharding.Mesh, up_spec: P, down_spec: P, reduce_axis: MeshAxis
 ) -> Callable:
+    reads_k_major = getattr(fused_fp8, "reads_k_major", False)
+    # K-major values ([E, N, K]) split along their swapped axes; scales keep the weights' order.
+    up_value, down_value = (_swap_last(up_spec), _swap_last(down_spec)) if reads_k_major else (up_spec, down_spec)
+
     def fused_fp8_sharded(x, ids, weights, *experts, block):
         def body(*args):
             y = fused_fp8(*args, block=block)
             return jax.lax.psum(y, reduce_axis) if reduce_axis is not None else y
 
-        specs = (P(), P(), P(), up_spec, up_spec, down_spec, up_spec, up_spec, down_spec)
+        specs = (P(), P(), P(), up_value, up_value, down_value, up_spec, up_spec, down_spec)
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, ids, weights, *experts)
 
+    fused_fp8_sharded.reads_k_major = reads_k_major  # type: ignore[attr-defined]
     return fused_fp8_sharded
+
+
+def _swap_last(spec: P) -> P:
+    """`spec` of a 3-axis weight with its last two axes swapped."""
+    axes = tuple(spec) + (None,) * (3 - len(spec))
+    return P(*axes[:-2], axes[-1], axes[-2])

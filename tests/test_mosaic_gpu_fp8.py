@@ -209,22 +209,32 @@ def test_fp8_moe_tiling_checks():
 # ----------------------------------------------------------------------------- engine wiring
 
 
-def test_only_a_named_mosaic_backend_picks_the_fp8_kernels(monkeypatch):
-    """On a Hopper GPU the default `pallas` runs the Mosaic bf16 kernels but keeps FP8 weights
-    on Triton (the FP8 kernels make every weight K-major inside the step); `mosaic` by name
-    sends them to the FP8 kernels, on one device for the dense GEMM."""
+def test_pallas_on_hopper_and_mosaic_by_name_pick_the_fp8_kernels(monkeypatch):
+    """On a Hopper GPU the default `pallas` and `mosaic` by name send FP8 weights to the FP8
+    kernels (the engine stores them K-major for them: `mosaic_fp8_selected`); `triton` by name
+    and other GPUs keep them on Triton; off-GPU only `mosaic` by name picks them (interpreted)."""
     from jaxllm.models import backends, quantized_matmul
 
     monkeypatch.setattr(backends, "default_platform", lambda: "gpu")
     monkeypatch.setattr(backends, "converts_fp8", lambda device: True)
-    monkeypatch.setattr(backends, "gpu_kernel_flavour", lambda device: "mosaic")
+    flavour = {"name": "mosaic"}
+    monkeypatch.setattr(backends, "gpu_kernel_flavour", lambda device: flavour["name"])
     with quantized_matmul.use_backend("xla"):  # restores the process-wide choice afterwards
+        for moe_backend in (None, "pallas", "mosaic"):
+            _, _, _, moe_fn = backends.resolve_backends(None, moe_backend)
+            assert hasattr(moe_fn, "fused_fp8_dynamic") and hasattr(moe_fn, "fused_fp8")
+            assert moe_fn.fused_fp8_dynamic.reads_k_major
+            assert quantized_matmul.backend() == "triton" and quantized_matmul.mosaic_fp8()
+            assert backends.mosaic_fp8_selected(moe_backend, "gpu")
+        _, _, _, moe_fn = backends.resolve_backends(None, "triton")
+        assert not hasattr(moe_fn, "fused_fp8_dynamic") and not quantized_matmul.mosaic_fp8()
+        assert not backends.mosaic_fp8_selected("triton", "gpu")
+        flavour["name"] = "triton"  # a GPU without sm_90a's wgmma
         _, _, _, moe_fn = backends.resolve_backends(None, None)
         assert not hasattr(moe_fn, "fused_fp8_dynamic") and not quantized_matmul.mosaic_fp8()
-        _, _, _, moe_fn = backends.resolve_backends(None, "mosaic")
-        assert hasattr(moe_fn, "fused_fp8_dynamic") and hasattr(moe_fn, "fused_fp8")
-        assert quantized_matmul.backend() == "triton" and quantized_matmul.mosaic_fp8()
+        assert not backends.mosaic_fp8_selected(None, "gpu")
     assert not quantized_matmul.mosaic_fp8()
+    assert backends.mosaic_fp8_selected("mosaic", "cpu") and not backends.mosaic_fp8_selected(None, "cpu")
 
 
 @needs_interpreter
@@ -252,7 +262,7 @@ def test_mosaic_backend_sends_dynamic_fp8_weights_to_the_fp8_kernels():
 
     ids = jnp.asarray([[0, 3], [1, 3], [3, 2], [0, 1], [2, 0], [4, 4]], jnp.int32)  # the last token: padding
     weights = jnp.asarray(np.random.default_rng(8).uniform(0.1, 1.0, ids.shape), jnp.float32)
-    xq, experts, block = fp8_expert_operands(x, p)
+    xq, experts, block = fp8_expert_operands(x, p, moe_fn.fused_fp8_dynamic)  # made K-major here
     fused = jax.jit(functools.partial(moe_fn.fused_fp8_dynamic, block=block))
     assert "moe_fp8_gate_up" in str(jax.make_jaxpr(fused)(xq, ids, weights, *experts))
     out = fused(xq, ids, weights, *experts)
@@ -263,17 +273,21 @@ def test_mosaic_backend_sends_dynamic_fp8_weights_to_the_fp8_kernels():
     assert rel_err(out, ref) < MOE_XLA_TOL and norm_err(out, ref) < MOE_XLA_NORM_TOL
     assert np.all(np.asarray(out[5], np.float32) == 0.0)
 
+    # Dense: the FP8 GEMM takes a weight stored K-major ([N, K]) as stored; one in the
+    # parameter's layout, or activations quantized per token, stay on the Triton kernel.
     w_dense = QuantizedWeight(*fp8_weight(9, (512, 256)), (128, 128))
+    stored_k_major = QuantizedWeight(k_major(w_dense.value), w_dense.scale, (128, 128), k_major=True)
+    assert stored_k_major.shape == (512, 256)
     per_token = QuantizedWeight(w_dense.value, w_dense.scale, (128, 128), act_group=-1)
-    xd = activations(10, (5, 512)).reshape(5, 4, 128)
-    spec = "tnv,nvh->th"
-    w4 = QuantizedWeight(w_dense.value.reshape(4, 128, 256), w_dense.scale.reshape(4, 1, 2), (1, 128, 128))
-    ref = jax.jit(functools.partial(qeinsum, spec))(xd, w4)
+    xd = activations(10, (5, 512))
+    spec = "th,hi->ti"
+    ref = jax.jit(functools.partial(qeinsum, spec))(xd, w_dense)
     with quantized_matmul.use_backend("triton", interpret=True, mosaic_fp8=True):
-        program = str(jax.make_jaxpr(functools.partial(qeinsum, spec))(xd, w4))
-        out = jax.jit(functools.partial(qeinsum, spec))(xd, w4)
-        fallback = str(jax.make_jaxpr(functools.partial(qeinsum, "th,hi->ti"))(xd.reshape(5, 512), per_token))
-    assert "fp8_block_gemm" in program and "quantized_matmul_float8" in fallback
+        program = str(jax.make_jaxpr(functools.partial(qeinsum, spec))(xd, stored_k_major))
+        out = jax.jit(functools.partial(qeinsum, spec))(xd, stored_k_major)
+        fallbacks = [str(jax.make_jaxpr(functools.partial(qeinsum, spec))(xd, w)) for w in (w_dense, per_token)]
+    assert "fp8_block_gemm" in program and not re.search(r"f8_e4m3fn\[[0-9,]*\] = transpose", program)
+    assert all("quantized_matmul_float8" in f and "fp8_block_gemm" not in f for f in fallbacks)
     assert out.shape == (5, 256) and rel_err(out, ref) < BF16_TOL
 
 

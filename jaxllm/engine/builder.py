@@ -38,13 +38,13 @@ from jaxllm.lora import LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
-from jaxllm.models.backends import resolve_backends
+from jaxllm.models.backends import mosaic_fp8_selected, resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_calibration import with_computed_kv_scales
 from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.mtp import mtp_kv_cache_spec
 from jaxllm.models.partitioning import attention_dp_rules
-from jaxllm.models.quantized_loading import with_dequantize_on_load, with_quantization
+from jaxllm.models.quantized_loading import with_dequantize_on_load, with_k_major_fp8, with_quantization
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
 from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig, MTPDecodingConfig
@@ -161,6 +161,10 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         platform=mesh.devices.flat[0].platform, num_devices=mesh.devices.size, multiprocess=is_multiprocess()
     )
     model_config = with_dequantize_on_load(model_config, config.dequantize_on_load, layout.platform)
+    # FP8 block weights stored as the Mosaic GPU FP8 kernels read them, where those run them.
+    model_config = with_k_major_fp8(
+        model_config, mosaic_fp8_selected(config.moe_backend, layout.platform, mesh.devices.flat[0])
+    )
     check_layout(config, model_config, layout)
     use_mtp = isinstance(config.speculative_config, MTPDecodingConfig)
     if use_mtp:

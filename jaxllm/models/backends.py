@@ -6,11 +6,11 @@ default on GPU) runs the Pallas kernels of the GPU's generation (`gpu_kernel_fla
 the Mosaic GPU kernels (TMA + wgmma) on Hopper, the Triton kernels on other GPUs, and
 the Triton kernels in interpret mode off-GPU (slow: for tests). `triton` and `mosaic`
 force one flavour; the Mosaic GPU kernels take bf16/f16 and their tile constraints
-(`supports`), and fall back to Triton per call for anything else. With `mosaic` named,
-FP8 weights whose activations are quantized per 128-group (DeepSeek-V3's scheme) run on
-the Mosaic GPU FP8 kernels (e4m3 x e4m3 wgmma), dense projections and experts; `pallas`
-keeps them on Triton (those kernels transpose every weight to K-major inside the step). `tokamax` (MoE only)
-runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three projections.
+(`supports`), and fall back to Triton per call for anything else. FP8 weights whose
+activations are quantized per 128-group (DeepSeek-V3's scheme) run on the Mosaic GPU FP8
+kernels (e4m3 x e4m3 wgmma), dense projections and experts, with `pallas` on Hopper or
+`mosaic` named (`mosaic_fp8_selected`); the engine then stores them K-major, as 8-bit wgmma
+reads them. `tokamax` (MoE only) runs tokamax's `ragged_dot` (the optional `tokamax` extra) for the three projections.
 """
 
 from __future__ import annotations
@@ -59,21 +59,48 @@ def mosaic_or_triton_moe(interpret: bool) -> Callable:
 
 
 def mosaic_or_triton_moe_fp8(interpret: bool) -> Callable:
-    """`fused_fp8` with e4m3 activations: the Mosaic GPU FP8 grouped FFN (e4m3 x e4m3 wgmma,
-    DeepSeek's per-128 scales) where it takes the experts, else the Triton FP8 kernel."""
+    """`fused_fp8` with e4m3 activations, taking K-major experts ([E, N, K]: `reads_k_major`,
+    as the engine stores them for it): the Mosaic GPU FP8 grouped FFN (e4m3 x e4m3 wgmma,
+    DeepSeek's per-128 scales) where it takes the experts, else the Triton FP8 kernel on the
+    experts transposed back."""
     from pallas_kernels.moe_grouped_gemm import mosaic_gpu_fp8
     from pallas_kernels.moe_grouped_gemm.fp8 import moe_fused_ffn_fp8
 
     device = None if interpret else jax.devices()[0]  # interpreted anywhere, compiled on Hopper only
 
-    def fused_fp8(x, ids, weights, w_gate, w_up, w_down, s_gate, s_up, s_down, *, block):
-        _, hidden, inter = w_gate.shape
-        experts = (w_gate, w_up, w_down, s_gate, s_up, s_down)
+    def fused_fp8(x, ids, weights, w_gate_t, w_up_t, w_down_t, s_gate, s_up, s_down, *, block):
+        _, inter, hidden = w_gate_t.shape
         if mosaic_gpu_fp8.supports(hidden, inter, block, device=device):
-            return mosaic_gpu_fp8.moe_fused_ffn_fp8_mosaic(x, ids, weights, *experts, interpret=interpret)
-        return moe_fused_ffn_fp8(x, ids, weights, *experts, block=block, interpret=interpret)
+            return mosaic_gpu_fp8.moe_fused_ffn_fp8_mosaic(
+                x,
+                ids,
+                weights,
+                w_gate_t,
+                w_up_t,
+                w_down_t,
+                s_gate,
+                s_up,
+                s_down,
+                interpret=interpret,
+                weights_k_major=True,
+            )
+        experts = tuple(mosaic_gpu_fp8.k_major(w) for w in (w_gate_t, w_up_t, w_down_t))
+        return moe_fused_ffn_fp8(x, ids, weights, *experts, s_gate, s_up, s_down, block=block, interpret=interpret)
 
+    fused_fp8.reads_k_major = True  # type: ignore[attr-defined]
     return fused_fp8
+
+
+def mosaic_fp8_selected(moe_backend: str | None, platform: str, device: Any = None) -> bool:
+    """Whether FP8 weights with DeepSeek's per-128 activations run on the Mosaic GPU FP8
+    kernels, which read them K-major (so the engine stores them so at load): `mosaic` named
+    (interpreted off-GPU), or the default `pallas` on a Hopper GPU."""
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if on_gpu and not converts_fp8(device):
+        return False
+    if moe_backend == "mosaic":
+        return True
+    return on_gpu and moe_backend in (None, "pallas") and gpu_kernel_flavour(device) == "mosaic"
 
 
 def tokamax_moe() -> Callable:
@@ -134,10 +161,9 @@ def resolve_backends(
 
         # FP8 experts: the Triton kernel reading e4m3 tiles (jaxllm.models.moe.moe_block).
         moe_fn.fused_fp8 = functools.partial(moe_fused_ffn_fp8, interpret=not on_gpu)
-    # Only where `mosaic` is asked for by name: the FP8 kernels read K-major weights, made so
-    # inside the step (a pass over every weight per step: `cost_model_mosaic`), so the
-    # default `pallas` keeps FP8 weights on Triton until weights are stored K-major.
-    mosaic_fp8 = moe_backend == "mosaic" and fp8
+    # The Mosaic FP8 kernels read K-major weights: the engine stores them so where this holds
+    # (`jaxllm.engine.builder`), else they would be transposed inside every step.
+    mosaic_fp8 = mosaic_fp8_selected(moe_backend, default_platform(), jax.devices()[0])
     if mosaic_fp8:
         # Dynamically quantized FP8 experts: e4m3 activations into wgmma (jaxllm.models.moe.fp8_experts_fn).
         moe_fn.fused_fp8_dynamic = mosaic_or_triton_moe_fp8(interpret=not on_gpu)

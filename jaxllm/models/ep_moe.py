@@ -211,8 +211,8 @@ def expert_rows_operands(
     experts are dequantized for `moe_fn` (`expert_operands`)."""
     fused_fp8 = fp8_experts_fn(moe_fn, p)
     if fused_fp8 is not None:
-        xq, experts, block = fp8_expert_operands(x, p)
-        share = experts[0].shape[2] // moe_tp  # each `tensor` rank's FFN columns
+        xq, experts, block = fp8_expert_operands(x, p, fused_fp8)
+        share = p["w_gate"].shape[2] // moe_tp  # each `tensor` rank's FFN columns
         if moe_tp == 1 or (share % block[0] == 0 and share % block[1] == 0):
             return xq, experts, functools.partial(fp8_expert_rows_ffn, fused_fp8=fused_fp8, block=block)
     x, w_gate, w_up, w_down = expert_operands(x, p)

@@ -154,7 +154,7 @@ def moe_block(
     fused_fp8 = fp8_experts_fn(moe_fn, p)
     if fused_fp8 is not None:
         # The backend's FP8 grouped FFN reads the e4m3 experts and their block scales itself.
-        xq, experts, block = fp8_expert_operands(x, p)
+        xq, experts, block = fp8_expert_operands(x, p, fused_fp8)
         if valid is not None:
             ids = jnp.where(valid[:, None], ids, experts[0].shape[0])
             weights = jnp.where(valid[:, None], weights, 0.0)
@@ -193,13 +193,22 @@ def fp8_experts_fn(moe_fn: MoeFn, p: dict) -> Optional[Callable]:
     return getattr(moe_fn, "fused_fp8", None)
 
 
-def fp8_expert_operands(x: jax.Array, p: dict) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[int, int]]:
-    """(x, experts, block) as a backend's `fused_fp8` takes them (`takes_fp8_experts(p)`):
+def fp8_expert_operands(
+    x: jax.Array, p: dict, fused_fp8: Callable
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[int, int]]:
+    """(x, experts, block) as the backend's `fused_fp8` takes them (`takes_fp8_experts(p)`):
     experts are the e4m3 w_gate, w_up, w_down values then their float32 block scales, and x
-    is quantized per token-group when the weights ask for dynamic activations."""
+    is quantized per token-group when the weights ask for dynamic activations. The values come
+    in the parameter's layout ([E, K, N]), or K-major ([E, N, K]) to a `fused_fp8` that reads
+    them so (its `reads_k_major`): as stored when the engine stored them K-major, else
+    transposed here, in the step."""
     ws = [p[n] for n in ("w_gate", "w_up", "w_down")]
     xq = act_quant(x, 1, ws[0].act_group) if ws[0].act_group else x
-    return xq, (*(w.value for w in ws), *(w.scale for w in ws)), tuple(ws[0].blocks[-2:])
+    if getattr(fused_fp8, "reads_k_major", False):
+        values = tuple(w.value if w.k_major else jnp.swapaxes(w.value, -1, -2) for w in ws)
+    else:
+        values = tuple(w.param_value() for w in ws)
+    return xq, (*values, *(w.scale for w in ws)), tuple(ws[0].blocks[-2:])
 
 
 def fp8_expert_rows_ffn(

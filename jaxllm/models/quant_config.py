@@ -65,6 +65,9 @@ class QuantConfig:
     # Files mixing block types (llama.cpp's Q4_K_M): (module, its own format) where a module's
     # format is not this one (`for_tensor`).
     per_module: tuple[tuple[str, QuantConfig], ...] = ()
+    # FP8 block weights stored K-major where the Mosaic GPU FP8 kernels will read them
+    # (`jaxllm.models.quantization.k_major_eligible`); set when the engine picks those kernels.
+    k_major: bool = False
     # The checkpoint's own name of the format (GGUF's "Q4_1", "awq", "gptq"), for messages only.
     name: str = field(default="", compare=False)
 

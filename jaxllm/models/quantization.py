@@ -58,6 +58,10 @@ class WeightQuant:
     scale_dtype: str = "float32"
     offset_dtype: str = "float32"
     super_blocks: tuple[int, ...] = ()
+    # The value stored K-major: the last two axes swapped ([..., N, K] for a [..., K, N]
+    # parameter), as Hopper's 8-bit wgmma reads its B operand (`k_major_eligible`). Scales keep
+    # the parameter's axis order.
+    k_major: bool = False
 
     def scale_shape(self, shape: Sequence[int], blocks: Optional[Sequence[int]] = None) -> tuple[int, ...]:
         """Blocks (or, given `blocks`, those blocks) along each axis of a parameter of `shape`."""
@@ -88,8 +92,11 @@ class WeightQuant:
         return self.dtype in PACKED_DTYPES
 
     def value_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The stored value array's shape (the last axis halved when packed)."""
+        """The stored value array's shape (the last axis halved when packed, the last two
+        swapped when K-major)."""
         shape = tuple(int(n) for n in shape)
+        if self.k_major:
+            return shape[:-2] + (shape[-1], shape[-2])
         if not self.packed:
             return shape
         if shape[-1] % 2:
@@ -111,7 +118,8 @@ class QuantizedWeight:
     `offset` (shaped like `scale`; None otherwise), each in its format's dtype (`WeightQuant`),
     with the static block of each trailing axis and how matmuls quantize their activations
     (`act_group`: per token-group of that many features, -1 per whole token, 0 not at all).
-    K-quants add `super_scale` (and `super_offset`), float16 per block of `super_blocks`."""
+    K-quants add `super_scale` (and `super_offset`), float16 per block of `super_blocks`.
+    `k_major`: the value holds the last two axes swapped (`WeightQuant.k_major`)."""
 
     def __init__(
         self,
@@ -125,21 +133,24 @@ class QuantizedWeight:
         super_scale: Any = None,
         super_offset: Any = None,
         super_blocks: tuple[int, ...] = (),
+        k_major: bool = False,
     ) -> None:
         self.value, self.scale, self.offset = value, scale, offset
         self.super_scale, self.super_offset = super_scale, super_offset
         self.blocks, self.act_group, self.packed = tuple(blocks), int(act_group), bool(packed)
-        self.unsigned, self.super_blocks = bool(unsigned), tuple(super_blocks)
+        self.unsigned, self.super_blocks, self.k_major = bool(unsigned), tuple(super_blocks), bool(k_major)
 
     def tree_flatten(self):
         children = (self.value, self.scale, self.offset, self.super_scale, self.super_offset)
-        return children, (self.blocks, self.act_group, self.packed, self.unsigned, self.super_blocks)
+        return children, (self.blocks, self.act_group, self.packed, self.unsigned, self.super_blocks, self.k_major)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        blocks, act_group, packed, unsigned, super_blocks = aux
+        blocks, act_group, packed, unsigned, super_blocks, k_major = aux
         value, scale, offset, super_scale, super_offset = children
-        return cls(value, scale, blocks, act_group, packed, offset, unsigned, super_scale, super_offset, super_blocks)
+        return cls(
+            value, scale, blocks, act_group, packed, offset, unsigned, super_scale, super_offset, super_blocks, k_major
+        )
 
     @classmethod
     def like(cls, quant: WeightQuant, value: Any, scale: Any, offset: Any = None, **supers: Any) -> QuantizedWeight:
@@ -157,13 +168,21 @@ class QuantizedWeight:
             supers.get("super_scale") if "super_scale" in held else None,
             supers.get("super_offset") if "super_offset" in held else None,
             quant.super_blocks,
+            quant.k_major,
         )
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical (unpacked) shape."""
+        """The logical (unpacked, parameter-layout) shape."""
         shape = tuple(self.value.shape)
+        if self.k_major:
+            return shape[:-2] + (shape[-1], shape[-2])
         return shape[:-1] + (2 * shape[-1],) if self.packed else shape
+
+    def param_value(self) -> Any:
+        """The stored values in the parameter's axis order (a K-major value swapped back; XLA
+        folds that transpose into whatever reads it)."""
+        return jnp.swapaxes(self.value, -1, -2) if self.k_major else self.value
 
     def __repr__(self) -> str:
         return f"QuantizedWeight(shape={getattr(self.value, 'shape', '?')}, blocks={self.blocks})"
@@ -256,11 +275,39 @@ def quantized_decl(decl: Any, config: Any) -> Any:
     quant = WeightQuant(
         lead + blocks, qc.activation_group, qc.value_dtype, qc.offset, qc.scale_dtype, qc.offset_dtype, supers
     )
+    if config.quantization.k_major and len(blocks) == 2 and k_major_eligible(quant, decl.shape):
+        quant = replace(quant, k_major=True)
     return replace(decl, quant=quant)
+
+
+def k_major_eligible(quant: WeightQuant, shape: Sequence[int]) -> bool:
+    """Whether a weight is stored K-major when its model asks (`QuantConfig.k_major`): what the
+    Mosaic GPU FP8 kernels read. DeepSeek's scheme (e4m3 values, 128 x 128 blocks, activations
+    quantized per 128-group) on a [..., K, N] projection (a dense one or a stack of experts)
+    with K and N multiples of 128. Head-split attention projections keep their layout (the
+    caller checks the parameter is a plain [K, N] view of its [out, in] source)."""
+    k, n = (int(d) for d in shape[-2:])
+    return (
+        quant.dtype == FP8_DTYPE
+        and quant.act_group == BLOCK
+        and tuple(quant.blocks[-2:]) == (BLOCK, BLOCK)
+        and all(b == 1 for b in quant.blocks[:-2])
+        and k % BLOCK == 0
+        and n % BLOCK == 0
+    )
 
 
 def unquantized(decl: Any) -> Any:
     return replace(decl, quant=None)
+
+
+def value_spec(spec: PartitionSpec, quant: WeightQuant, ndim: int) -> PartitionSpec:
+    """The partitioning of a quantized weight's stored value, given the parameter's (`spec`):
+    a K-major value's last two axes swap their splits."""
+    if not quant.k_major:
+        return spec
+    axes = tuple(spec) + (None,) * (ndim - len(spec))
+    return PartitionSpec(*axes[:-2], axes[-1], axes[-2])
 
 
 def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
@@ -346,7 +393,7 @@ def dense(w: Any, dtype: Any = None) -> jax.Array:
     are multiplied by their super-block's (`d * sc`, `-dmin * m`, as ggml computes them)."""
     if not isinstance(w, QuantizedWeight):
         return w
-    value = unpack_int4(w.value, w.unsigned) if w.packed else w.value
+    value = unpack_int4(w.value, w.unsigned) if w.packed else w.param_value()
     shape = value.shape
 
     def widened(s: jax.Array, blocks: Sequence[int]) -> jax.Array:

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.quant_config import INT_DTYPES, QuantConfig, on_load_quant_config
+from jaxllm.models.quant_config import BLOCK, INT_DTYPES, QuantConfig, on_load_quant_config
 from jaxllm.models.quantization import (
     FP8,
     QuantizedWeight,
@@ -30,6 +31,7 @@ from jaxllm.models.quantization import (
     quantize_blocks_int,
     scale_spec,
     unquantized,
+    value_spec,
 )
 from jaxllm.models.weight_layout import Source
 from jaxllm.models.weights import ParamDecl, StackedDecl, WeightDecl
@@ -227,6 +229,9 @@ def assemble_quantized(
         host, held["scale"] = quantize_blocks_int(read_param(), q.blocks, 4 if q.packed else 8)
         value = _put(pack_int4(host) if q.packed else host, value_sharding)
         del host
+    if q.k_major:  # on the devices, one parameter at a time: its value's splits swap with its axes
+        k_major_sharding = jax.sharding.NamedSharding(mesh, value_spec(spec, q, len(decl.shape)))
+        value = jax.jit(lambda v: jnp.swapaxes(v, -1, -2), out_shardings=k_major_sharding)(value)
     arrays = {}
     for leaf, (shape, dtype) in q.block_arrays(decl.shape).items():
         host = _exactly(held[leaf], dtype, decl, leaf)
@@ -290,6 +295,15 @@ def with_dequantize_on_load(config: ModelConfig, dequantize_on_load: Optional[bo
     return replace(config, quantization=None, dequantized_from=config.quantization)
 
 
+def with_k_major_fp8(config: ModelConfig, k_major: bool) -> ModelConfig:
+    """`config` storing its FP8 block weights K-major (`QuantConfig.k_major`) when `k_major`
+    (the engine runs them on the Mosaic GPU FP8 kernels) and it has such weights."""
+    qc = config.quantization
+    if not k_major or qc is None or qc.method != "fp8_block" or qc.activation_group != BLOCK:
+        return config
+    return replace(config, quantization=replace(qc, k_major=True))
+
+
 def describe_weights(config: ModelConfig) -> str:
     """How the weights are held, in a few words (the engine banner, `jaxllm plan`)."""
     qc, stored = config.quantization, config.dequantized_from
@@ -302,4 +316,4 @@ def describe_weights(config: ModelConfig) -> str:
         return f"{qc.value_dtype} quantized at load{source}"
     if qc.method in INT_DTYPES:
         return f"{qc.name or qc.value_dtype} kept quantized (dequantized in each step)"
-    return f"{qc.value_dtype} as stored"
+    return f"{qc.value_dtype} as stored" + (", K-major" if qc.k_major else "")

@@ -131,22 +131,21 @@ def kernel_einsum(spec: str, x: jax.Array, w: QuantizedWeight) -> Optional[jax.A
     m = math.prod(x.shape) // k if k else 0
     if m == 0 or scale_block_k_tile(block[0], k) is None or x.dtype not in (jnp.bfloat16, jnp.float32):
         return None
-    value = w.value.reshape(k, -1)
     per_block = block_scale(w)  # float32 (K-quants: d * sc)
     if per_block is None:
         return None
     scale = per_block.reshape(-(-k // block[0]), -(-n // block[1]))
     lead = x.shape[: x.ndim - nk]
-    if _state["mosaic_fp8"] and w.value.dtype == jnp.float8_e4m3fn:
+    if _state["mosaic_fp8"] and w.k_major and nk == 1:
         from pallas_kernels.quantized_matmul import mosaic_gpu_fp8
 
         device = None if _state["interpret"] else jax.devices()[0]  # compiled: Hopper only
         if mosaic_gpu_fp8.supports(k, n, block, w.act_group, device):
             # x is `act_quant`'s output: quantizing it again gives back the same e4m3 values.
-            y = mosaic_gpu_fp8.fp8_block_matmul(
-                x.reshape(m, k), mosaic_gpu_fp8.k_major(value), scale, interpret=bool(_state["interpret"])
-            )
+            # The weight is stored K-major ([N, K]), as 8-bit wgmma reads it.
+            y = mosaic_gpu_fp8.fp8_block_matmul(x.reshape(m, k), w.value, scale, interpret=bool(_state["interpret"]))
             return y.reshape(lead + w.shape[nk:])
+    value = w.param_value().reshape(k, -1)
     from pallas_kernels.quantized_matmul import quantized_matmul
 
     out: Any = quantized_matmul(

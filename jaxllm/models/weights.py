@@ -62,7 +62,7 @@ import numpy as np
 
 from jaxllm.models.deepseek_weights import declare_mla_attention, declare_moe_extras, declare_mtp_extras
 from jaxllm.models.model_config import ModelConfig, numpy_dtype
-from jaxllm.models.quantization import QuantizedWeight, WeightQuant, quantized_decl
+from jaxllm.models.quantization import QuantizedWeight, WeightQuant, quantized_decl, value_spec
 from jaxllm.models.weight_layout import Layout, Source
 from sharding.rules import ShardingRules, logical_to_physical
 
@@ -535,7 +535,9 @@ def partition_specs(config: ModelConfig, rules: ShardingRules, kv_replicas: int 
 
     def spec(w: ParamDecl) -> Any:
         s = logical_to_physical(w.axes, rules)
-        return s if w.quant is None else QuantizedWeight.like(w.quant, s, s, s, super_scale=s, super_offset=s)
+        if w.quant is None:
+            return s
+        return QuantizedWeight.like(w.quant, value_spec(s, w.quant, len(w.shape)), s, s, super_scale=s, super_offset=s)
 
     return build_params(
         ((w.path, spec(w)) for w in declare_params(config, kv_replicas, mtp=mtp)),
