@@ -10,7 +10,7 @@ device work tables. What differs from the Triton launches:
     only in decode buckets; q goes head-major and back through XLA (counted as glue).
   - FP8 (e4m3 x e4m3 wgmma, twice bf16's peak: `mma_rate`): the dense GEMM and the grouped
     FFN at the FP8 cases of `cost_model_quant`, with the XLA passes they need (activations
-    quantized, weights made K-major inside the step).
+    quantized; the weights come K-major, as the engine stores them for these kernels).
 """
 
 from __future__ import annotations
@@ -165,9 +165,8 @@ def mosaic_attention_costs(
 
 
 def mosaic_fp8_gemm_costs(shape: GemmShape, m: int, itemsize: int = 2) -> list[LaunchCost]:
-    """The e4m3 x e4m3 GEMM (`quantized_matmul.mosaic_gpu_fp8`) and its XLA passes: the
-    activations quantized (read bf16, write e4m3 and scales) and the weight made K-major
-    (read and write e4m3; the engine does it inside the step)."""
+    """The e4m3 x e4m3 GEMM (`quantized_matmul.mosaic_gpu_fp8`) and its XLA pass: the
+    activations quantized (read bf16, write e4m3 and scales). The weight is stored K-major."""
     from pallas_kernels.quantized_matmul.mosaic_gpu_fp8 import default_tiling
 
     k, n = shape.k, shape.n
@@ -193,14 +192,13 @@ def mosaic_fp8_gemm_costs(shape: GemmShape, m: int, itemsize: int = 2) -> list[L
             mma_rate=2.0,
         ),
         LaunchCost("xla_act_quant", case, (), 0, glue, 0.0, 0.0, "x -> e4m3 + per-128 scales"),
-        LaunchCost("xla_k_major_weight", case, (), 0, 2.0 * k * n, 0.0, 0.0, "w [K, N] -> [N, K] in the step"),
     ]
 
 
 def mosaic_moe_fp8_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) -> list[LaunchCost]:
     """The two e4m3 grouped kernels (`moe_grouped_gemm.mosaic_gpu_fp8`) and their XLA glue:
-    sort / unsort / combine as the bf16 Mosaic path, activation and hidden quantization,
-    and the experts made K-major inside the step (every expert of the layer)."""
+    sort / unsort / combine as the bf16 Mosaic path, activation and hidden quantization.
+    The experts are stored K-major."""
     from pallas_kernels.moe_grouped_gemm.mosaic_gpu_fp8 import default_tiling
 
     routed = _routed_tiles(shape, num_tokens, default_tiling)
@@ -235,7 +233,6 @@ def mosaic_moe_fp8_costs(shape: MoeShape, num_tokens: int, itemsize: int = 2) ->
     glue = rows * h * itemsize * (2 + 2 + 1) + num_tokens * h * itemsize  # as the bf16 Mosaic path
     glue += rows * h * (itemsize + 1) + rows * i * (itemsize + 1)  # x and hidden quantized
     costs.append(LaunchCost("moe_xla_glue_fp8", case, (), 0, glue, 0.0, 0.0, "gather, quantize, scatter, combine"))
-    costs.append(LaunchCost("xla_k_major_experts", case, (), 0, 2.0 * 3 * e * h * i, 0.0, 0.0, "experts -> K-major"))
     return costs
 
 

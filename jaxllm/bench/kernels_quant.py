@@ -8,8 +8,8 @@ replace on the same inputs.
 - `moe_fused_ffn_fp8`: the fused grouped FFN on e4m3 experts against the XLA path of the
   engine today (all experts dequantized to bf16, then the bf16 fused kernel).
 - On Hopper also the Mosaic GPU e4m3 x e4m3 wgmma kernels (`mosaic fp8` rows), with the
-  weights made K-major in the call (as the engine's `mosaic` backend runs them) and
-  already K-major.
+  weights already K-major (as the engine stores them for these kernels) and made K-major in
+  the call (what storing them in the parameter's layout would cost).
 
 Bytes are what each must move at least: the stored weight (values and scales) once, plus
 activations and outputs; the `%ceil` column is against the measured copy bandwidth or
@@ -92,8 +92,8 @@ def bench_quantized_matmul(s: Settings, ceil: Ceilings, case: QuantGemmCase) -> 
 
 def bench_fp8_gemm_mosaic(s: Settings, ceil: Ceilings, case: QuantGemmCase, args, nbytes, flops, ref_out) -> None:
     """Hopper only: the e4m3 x e4m3 wgmma GEMM (activations quantized per 128-group in the
-    call, so rel_err includes that), with the weight made K-major in the call (as the engine
-    runs it) and already K-major (what storing it so would give)."""
+    call, so rel_err includes that), with the weight already K-major (as the engine stores it
+    for this kernel) and made K-major in the call (the cost of the parameter's layout)."""
     from pallas_kernels.quantized_matmul.mosaic_gpu_fp8 import default_tiling, fp8_block_matmul, k_major
 
     x, value, scale = args
@@ -200,8 +200,8 @@ def bench_moe_fp8(s: Settings, ceil: Ceilings, case: MoeFp8Case) -> None:
     record_timing(s, ceil, "moe_fused_ffn_fp8", name, "pallas", fn, args, nbytes, flops, ref_out, note)
     if on_hopper(s):
         # The e4m3 x e4m3 wgmma kernels (activations and hidden quantized per 128-group, so
-        # rel_err includes that): experts made K-major in the call (the engine's `mosaic`
-        # path today) and already K-major.
+        # rel_err includes that): experts made K-major in the call (the parameter's layout)
+        # and already K-major (as the engine stores them for these kernels).
         from pallas_kernels.moe_grouped_gemm.mosaic_gpu_fp8 import k_major, moe_fused_ffn_fp8_mosaic
 
         mosaic = jax.jit(moe_fused_ffn_fp8_mosaic)
