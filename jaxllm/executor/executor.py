@@ -37,9 +37,10 @@ from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.executor.core import FATAL, SHUTDOWN_EVENT, EngineCore, SequenceRequest
 from jaxllm.executor.generation_request import GenerationRequest
 from jaxllm.executor.inputs import PromptBatch, PromptInput, normalize_inputs
+from jaxllm.executor.live_results import LiveResults
 from jaxllm.executor.output_processor import Delta, OutputProcessor, OutputSpec, event_slices
 from jaxllm.executor.postprocess import PostprocessWorkerPool
-from jaxllm.executor.result import GenerationResult, wake
+from jaxllm.executor.result import GenerationResult
 from jaxllm.kv_cache.retention import KvCacheRetentionConfig
 from jaxllm.llm_args import DisaggregatedParams
 from jaxllm.lora.lora_request import LoRARequest
@@ -111,9 +112,7 @@ class GenerationExecutor:
         self._encode_lock = threading.Lock()  # HF fast tokenizers must not encode concurrently
         self._cids = itertools.count()
         self._rids = itertools.count()
-        self._lock = threading.Lock()  # guards the maps below
-        self._results: dict[int, GenerationResult] = {}
-        self._children: dict[int, tuple[GenerationResult, int]] = {}
+        self._live = LiveResults()
         self._error: Optional[BaseException] = None
         self._closed = False
         self._stats: collections.deque = collections.deque(maxlen=config.max_buffered_stats)
@@ -187,7 +186,7 @@ class GenerationExecutor:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._results)
+        return len(self._live)
 
     @property
     def max_seq_len(self) -> int:
@@ -347,17 +346,11 @@ class GenerationExecutor:
             result.attach([c.rid for c in children])
             results.append(result)
             seqs.extend(children)
-        with self._lock:
-            for result in results:
-                self._results[result.request_id] = result
-                for index, rid in enumerate(result.engine_request_ids):
-                    self._children[rid] = (result, index)
+        self._live.add(results)
         try:
             self._core.add(seqs)
         except RuntimeError:
-            with self._lock:
-                for result in results:
-                    self._forget_locked(result)
+            self._live.forget(results)
             raise
         return results
 
@@ -419,7 +412,7 @@ class GenerationExecutor:
 
     def abort_request(self, request_id: int) -> None:
         """Cancel a request by id: it finishes with 'cancelled' and its blocks are freed. Unknown ids are ignored."""
-        result = self._results.get(request_id)
+        result = self._live.get(request_id)
         if result is not None:
             self._core.abort(list(result.engine_request_ids), "cancelled")
 
@@ -494,7 +487,7 @@ class GenerationExecutor:
         if self._pool is not None:
             self._pool.close()
         # Nothing can reach the remaining results any more.
-        self._fail_all(self._error or RuntimeError("the executor is shut down"))
+        self._live.fail_all(self._error or RuntimeError("the executor is shut down"))
 
     def _process_in_slices(self, events: list[tuple]) -> None:
         """Process a step's events a slice at a time, yielding the GIL in between, so that the
@@ -507,55 +500,19 @@ class GenerationExecutor:
                 time.sleep(0)
 
     def _apply(self, deltas: list[Delta]) -> None:
-        grouped: dict[GenerationResult, list[tuple[int, Delta]]] = {}
-        stops: list[int] = []
-        failed: list[tuple[GenerationResult, BaseException]] = []
-        with self._lock:
-            for delta in deltas:
-                entry = self._children.get(delta.rid)
-                if entry is None:
-                    continue
-                result, index = entry
-                if delta.error is not None:
-                    failed.append((result, delta.error))
-                    self._forget_locked(result)
-                    continue
-                if delta.stop_hit:
-                    stops.append(delta.rid)
-                if delta.finish_reason is not None:
-                    del self._children[delta.rid]
-                    if result.child_finished():
-                        self._results.pop(result.request_id, None)
-                grouped.setdefault(result, []).append((index, delta))
-        wakeups: dict = {}
-        for result, items in grouped.items():
-            result.push(items, wakeups)
-        wake(wakeups)
-        for result, error in failed:
+        applied = self._live.apply(deltas)
+        for result, error in applied.failed:
             self._core.abort(list(result.engine_request_ids), "cancelled")
             result.fail(error)
-        if stops:
-            self._core.abort(stops, "stop")
-
-    def _forget_locked(self, result: GenerationResult) -> None:
-        self._results.pop(result.request_id, None)
-        for rid in result.engine_request_ids:
-            self._children.pop(rid, None)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            results = list(self._results.values())
-            self._results.clear()
-            self._children.clear()
-        for result in results:
-            result.fail(error)
+        if applied.stops:
+            self._core.abort(applied.stops, "stop")
 
     def _on_fatal(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
         logger.error("executor failed: %r; failing all requests", error)
         self._core.stop()
-        self._fail_all(error)
+        self._live.fail_all(error)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 60.0) -> None:
