@@ -98,7 +98,7 @@ def write_checkpoint_vocab(arch: str, directory: Path) -> None:
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
-    from jaxllm.models.weights import random_checkpoint
+    from jaxllm.models.random_checkpoint import random_checkpoint
     from tests.test_sharding_tp import hf_config
 
     config = ModelConfig.from_hf_config(dict(hf_config(arch), vocab_size=256))

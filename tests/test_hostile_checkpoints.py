@@ -21,7 +21,7 @@ from jaxllm.engine.memory_budget import GIB, check_engine_allocations
 from jaxllm.models import load_model_config, load_params
 from jaxllm.models.gguf import convert_gguf
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.weights import random_checkpoint
+from jaxllm.models.random_checkpoint import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {

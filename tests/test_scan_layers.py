@@ -14,7 +14,8 @@ import pytest
 
 from jaxllm.models import ModelConfig, forward, init_kv_cache, load_params, param_shapes
 from jaxllm.models.decoder import forward_with_moe_stats
-from jaxllm.models.weights import layer_stacks, random_checkpoint
+from jaxllm.models.random_checkpoint import random_checkpoint
+from jaxllm.models.weights import layer_stacks
 from tests.model_helpers import PagedModel, SeqChunk, build_step_batch
 
 

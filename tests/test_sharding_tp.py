@@ -82,7 +82,7 @@ def write_checkpoint(arch: str, directory: Path, seed: int = 0, archs: dict | No
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
-    from jaxllm.models.weights import random_checkpoint
+    from jaxllm.models.random_checkpoint import random_checkpoint
 
     directory.mkdir(parents=True, exist_ok=True)
     hf = dict(hf_config(arch, archs), **overrides)

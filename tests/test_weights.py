@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from jaxllm.models import ModelConfig, declare_weights, load_params, param_bytes, param_shapes, partition_specs
+from jaxllm.models.random_checkpoint import random_checkpoint
 from jaxllm.models.weight_reading import read_parameter
-from jaxllm.models.weights import declare_params, random_checkpoint
+from jaxllm.models.weights import declare_params
 from sharding import ShardingRules
 from tests.multidevice import run_on_cpu_devices
 from tests.test_sharding_tp import hf_config, write_checkpoint

@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
-    from jaxllm.models.weights import random_checkpoint
+    from jaxllm.models.random_checkpoint import random_checkpoint
     from sharding.slot_table import default_assignment
 
     buckets = [int(b) for b in args.buckets.split(",")]

@@ -39,7 +39,7 @@ def write_random_model(directory: Path, hf: dict, dtype: str, seed: int = 0) -> 
     from safetensors.numpy import save_file
 
     from jaxllm.models import ModelConfig
-    from jaxllm.models.weights import random_checkpoint
+    from jaxllm.models.random_checkpoint import random_checkpoint
 
     directory.mkdir(parents=True, exist_ok=True)
     hf = dict(hf, torch_dtype=dtype)

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from jaxllm.kv_cache.spec import MlaLayerCache
     from jaxllm.models import ModelConfig, forward, init_kv_cache, load_params
     from jaxllm.models.backends import resolve_backends
-    from jaxllm.models.weights import random_checkpoint
+    from jaxllm.models.random_checkpoint import random_checkpoint
 
     hf = hf_config(args)
     config = ModelConfig.from_hf_config(hf)

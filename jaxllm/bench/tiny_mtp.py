@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxllm.models import ModelConfig, materialize_preset
 from jaxllm.models.cache_dir import cache_root
-from jaxllm.models.weights import random_checkpoint
+from jaxllm.models.random_checkpoint import random_checkpoint
 
 TINY_DEEPSEEK_MTP = "tiny-deepseek-mtp"
 HF_CONFIG = {

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from jaxllm.models.cache_dir import cache_root
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.weights import random_checkpoint
+from jaxllm.models.random_checkpoint import random_checkpoint
 
 # Bump when anything a preset writes changes, so stale cached copies are rebuilt.
 _PRESET_VERSION = 2

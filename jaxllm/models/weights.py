@@ -9,7 +9,7 @@ that turns each into the parameter. From that list come:
 - byte counts (`param_bytes`),
 - the loader (`jaxllm.models.loader`), which reads each device's shard straight from the
   checkpoint through `jaxllm.models.weight_reading.read_parameter_view`,
-- random checkpoints in Hugging Face layout for presets and tests (`random_checkpoint`).
+- random checkpoints in Hugging Face layout come from it (`jaxllm.models.random_checkpoint`).
 
 With `config.quantization` the linear projections are declared quantized (`WeightDecl.quant`:
 quantized values and block scales in the parameter's axis order, `jaxllm.models.quantization`);
@@ -554,32 +554,3 @@ def param_bytes(config: ModelConfig, dtype: Any = None, kv_replicas: int = 1, *,
 
 def num_params(config: ModelConfig) -> int:
     return sum(int(np.prod(w.shape)) for w in declare_weights(config))
-
-
-# ---------------------------------------------------------------------------------------------
-# Random checkpoints
-
-
-def random_checkpoint(
-    config: ModelConfig, seed: int, dtype: Any = np.float32, *, mtp: bool = False
-) -> dict[str, np.ndarray]:
-    """Fixed-seed weights in Hugging Face layout (each parameter's canonical spelling), scaled
-    so activations and logits are not degenerate: norms near 1, linear layers
-    gain / sqrt(fan_in), a tied embedding shrunk so the shared table gives useful logits.
-    `mtp`: with DeepSeek-V3's multi-token-prediction layers too."""
-    rng = np.random.default_rng(seed)
-    out_dtype = numpy_dtype(dtype)
-    tensors: dict[str, np.ndarray] = {}
-    for decl in declare_weights(config, mtp=mtp):
-        for src in decl.alternatives[0]:
-            noise = rng.standard_normal(src.shape, dtype=np.float32)
-            if decl.init == "norm":
-                value = 1.0 + 0.1 * noise
-            elif decl.init == "bias":
-                value = 0.1 * noise
-            elif decl.init == "embed":
-                value = noise * (3.0 / np.sqrt(config.hidden_size) if config.tie_word_embeddings else 1.0)
-            else:
-                value = noise * (decl.gain / np.sqrt(src.shape[-1]))
-            tensors[src.name] = value.astype(out_dtype, copy=False)
-    return tensors

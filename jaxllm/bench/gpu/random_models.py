@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.presets import materialize_preset
-from jaxllm.models.weights import declare_weights, random_checkpoint
+from jaxllm.models.random_checkpoint import random_checkpoint
+from jaxllm.models.weights import declare_weights
 
 EXACT_RANDOM_MAX_PARAMS = 64_000_000  # up to this many parameters: `random_checkpoint`
 _NOISE_LEN = 1_000_003  # prime: rows of any width are shifted windows, never repeats
