@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxllm.batch_builder import token_buckets
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.llm_args import KvCacheConfig
 from jaxllm.llm_request import LlmRequest
@@ -58,6 +59,14 @@ def test_it_is_off_unless_asked_for_and_needs_chunks_and_a_smaller_step():
     assert off.tokens_with_generation() is None
     small = EngineConfig(model="tiny-moe", max_num_tokens=16, max_num_tokens_with_generation=16)
     assert small.tokens_with_generation() is None  # no step smaller than the largest
+
+
+def test_a_size_below_the_smallest_bucket_gets_a_bucket_of_its_own():
+    """Else its steps would pad to min_token_bucket and cost as much as that bucket's."""
+    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=8).min_token_bucket == 8
+    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=6).min_token_bucket == 8
+    assert EngineConfig(model="tiny-moe", max_num_tokens_with_generation=24).min_token_bucket == 16
+    assert token_buckets(256, EngineConfig(model="tiny-moe", max_num_tokens_with_generation=8).min_token_bucket)[0] == 8
 
 
 @pytest.mark.parametrize("bad", [1, -2, True, 2.5, "16"])

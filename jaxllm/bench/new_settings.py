@@ -11,7 +11,7 @@ run, each built with the compilation cache off (every program compiles in this r
   * jaxllm, variants on the step: the engine without that fallback (`compile_ahead=False`, every
     token bucket and the greedy sampler compiled first): a new setting compiles its sampler
     variant on the step, and every running stream waits for it;
-  * jaxllm, stall-free steps: `max_num_tokens_with_generation=--stall-free-tokens` (16): an
+  * jaxllm, stall-free steps: `max_num_tokens_with_generation=--stall-free-tokens` (8): an
     arriving prompt joins the stream in chunks up to that step size instead of whole in its
     bucket (whose forward, on a CPU, costs about five one-row decode steps at 64 tokens).
 
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--peers", nargs="*", choices=("on-the-step", "stall-free"), default=["on-the-step", "stall-free"]
     )
-    parser.add_argument("--stall-free-tokens", type=int, default=16, help="the stall-free peer's step size")
+    parser.add_argument("--stall-free-tokens", type=int, default=8, help="the stall-free peer's step size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-json", default=None)
     return parser

@@ -107,7 +107,8 @@ class EngineConfig:
     # small bucket's cost, not the largest's (more streams, or none: the whole max_num_tokens). It
     # trades the new prompt's TTFT for the streams' inter-token latency: on a CPU, SmolLM2's 16 / 32
     # / 64-token steps cost 2.6 / 3.7 / 5.2 one-row decode steps. None or 0: off. Needs
-    # enable_chunked_prefill.
+    # enable_chunked_prefill. Below min_token_bucket it lowers that to its own power of two (a
+    # compiled forward more per bucket).
     max_num_tokens_with_generation: Optional[int] = None
     # Speculative decoding (jaxllm.speculative_config: NGramDecodingConfig, ...; a mapping with
     # `decoding_type` or vLLM's `method` is converted). None: off.
@@ -168,6 +169,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_tokens_with_generation must be 0 (off) or an integer >= 2, got {tokens_with_generation!r}"
             )
+        stall_free = self.tokens_with_generation()
+        if stall_free is not None and stall_free < self.min_token_bucket:
+            # Its steps need a bucket of their own size: padded to min_token_bucket they would
+            # cost as much as that bucket's and stall the streams as long.
+            self.min_token_bucket = 1 << (stall_free - 1).bit_length()
         if self.compile_workers is not None and (
             not isinstance(self.compile_workers, int)
             or isinstance(self.compile_workers, bool)
