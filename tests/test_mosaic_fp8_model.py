@@ -96,3 +96,25 @@ def test_deepseek_fp8_model_on_the_mosaic_fp8_kernels_gives_the_xla_logits(tmp_p
     assert float(np.std(ref)) > 0.5
     err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
     assert err < 2e-2, err  # 2.9e-3 here
+
+
+def test_weights_quantized_on_load_are_stored_k_major_with_the_same_numbers(tmp_path):
+    """`quantization="fp8"` on a bf16/f32 checkpoint: quantized on the host, then made K-major
+    on the devices, the same numbers as the parameter-layout load."""
+    from jaxllm.models import load_model_config, load_params
+    from jaxllm.models.quantization import dense, is_quantized
+    from jaxllm.models.quantized_loading import with_k_major_fp8, with_quantization
+    from tests.test_deepseek import build_hf
+    from tests.test_fp8_weights import DS
+
+    build_hf(dict(DS, num_hidden_layers=2)).save_pretrained(tmp_path / "ds", safe_serialization=True)
+    config = with_quantization(load_model_config(tmp_path / "ds"), "fp8")
+    k_major_config = with_k_major_fp8(config, True)
+    quantized = lambda tree: [w for w in jax.tree.leaves(tree, is_leaf=is_quantized) if is_quantized(w)]  # noqa: E731
+    pairs = list(
+        zip(quantized(load_params(tmp_path / "ds", config)), quantized(load_params(tmp_path / "ds", k_major_config)))
+    )
+    assert sum(kw.k_major for _, kw in pairs) == 2 + 3 + 3 + 3
+    for w, kw in pairs:
+        assert kw.shape == w.shape and (not kw.k_major or kw.value.shape == w.value.shape[:-2] + w.value.shape[:-3:-1])
+        np.testing.assert_array_equal(np.asarray(dense(kw)), np.asarray(dense(w)))
