@@ -24,7 +24,8 @@ from tests.multidevice import FAST_COMPILE
 ROOT = Path(__file__).resolve().parents[1]
 
 # Builds tiny engines one after another (argv[2]: a JSON list of EngineConfig overrides, with
-# "compile_only": compile the decode bucket's forward instead of warming up and generating);
+# "compile_only": compile the decode bucket's forward instead of warming up and generating, and
+# "warmup": false: generate without warming up, compiling what the steps need);
 # prints one JSON line per engine: how many programs XLA really compiled and how many came
 # from JAX's cache (a hit goes through the compile path too, so compiles = events - hits), how
 # often the engine's programs were traced and lowered, what the executable store did, and the
@@ -50,6 +51,7 @@ from jaxllm.sampling import SamplingParams
 for overrides in json.loads(sys.argv[2]):
     events.clear()
     compile_only = overrides.pop("compile_only", False)
+    warmup = overrides.pop("warmup", True)
     limits = dict(max_batch_size=2, max_num_tokens=16, max_seq_len=64,
                   kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256))
     engine = LLMEngine(EngineConfig(model=sys.argv[1], **{**limits, **overrides}))
@@ -57,7 +59,8 @@ for overrides in json.loads(sys.argv[2]):
     if compile_only:
         engine.runner.compile_forward(*engine.planner.empty_step(16))
     else:
-        engine.warmup(all_variants=False)
+        if warmup:
+            engine.warmup(all_variants=False)
         request = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
@@ -139,7 +142,7 @@ def test_a_second_process_with_the_same_engine_compiles_and_traces_nothing(popul
         # read from there is not stored (XLA:CPU cannot serialize a deserialized executable again).
         assert run["compiles"] == 0 and run["store"]["from_jax_cache"] == 1 and run["store"]["saved"] == 0
 
-    off = run_engine_process(model_dir, tmp_path / "off", [{}], JAXLLM_COMPILE_CACHE="0")[0]
+    off = run_engine_process(model_dir, tmp_path / "off", [dict(warmup=False)], JAXLLM_COMPILE_CACHE="0")[0]
     assert off["hits"] == 0 and off["compiles"] > 0 and off["loaded"] == 0 and not off["cache_dir"]
     assert off["store"] is None and off["tokens"] == first[0]["tokens"]
     assert not (tmp_path / "off" / "xla").exists()

@@ -20,13 +20,15 @@ def moe_model(tmp_path_factory):
 
 
 def make_llm(path, **overrides) -> LLM:
-    """An LLM on `path` with small limits (override any); use it as a context manager, so that
-    it stops when the test ends instead of compiling its remaining programs once idle."""
+    """An LLM on `path` with small limits (override any), without warm-up: each program
+    compiles when a step first needs it. Use it as a context manager, so that it stops when
+    the test ends instead of compiling programs once idle."""
     kwargs = dict(
         max_batch_size=8,
         max_num_tokens=64,
         max_seq_len=256,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048),
+        warmup="none",
     )
     kwargs.update(overrides)
     return LLM(str(path), **kwargs)
@@ -42,7 +44,7 @@ def moe_llm(moe_model):
 def test_greedy_generation_matches_hf_dense_and_moe(arch, tmp_path):
     model = make_hf_model(arch, tmp_path, VOCAB)
     prompts = random_prompts(3, VOCAB, 5, 40, seed=1)  # 40 > 32 tokens forces a chunked prefill
-    with make_llm(tmp_path, max_num_tokens=32, warmup="none") as llm:  # greedy: no sampler to warm up
+    with make_llm(tmp_path, max_num_tokens=32) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert len(out.outputs[0].token_ids) == 12
@@ -60,17 +62,18 @@ def test_greedy_generation_matches_hf_qwen3_moe(moe_model, moe_llm):
 
 def test_inflight_batching_is_invisible(moe_model):
     path, _ = moe_model
-    prompts = random_prompts(36, VOCAB, 1, 60, seed=3)
+    prompts = random_prompts(18, VOCAB, 1, 60, seed=3)
     rng = np.random.default_rng(3)
     params = [SamplingParams(max_tokens=int(rng.integers(1, 16)), ignore_eos=True) for _ in prompts]
-    # 30 blocks of 8 tokens cannot hold all requests at once: queuing + chunked prefill.
+    # 30 blocks of 8 tokens cannot hold all requests at once (about 3 times as many tokens):
+    # queuing + chunked prefill.
     small_pool = KvCacheConfig(tokens_per_block=8, max_tokens=240)
-    with make_llm(path, max_num_tokens=32, kv_cache_config=small_pool, warmup="none") as llm:
+    with make_llm(path, max_num_tokens=32, kv_cache_config=small_pool) as llm:
         together = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.iteration_stats
         assert max(s["inflightBatchingStats"]["numScheduledRequests"] for s in stats) > 1
         assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0
-    with make_llm(path, max_batch_size=1, warmup="none") as alone_llm:
+    with make_llm(path, max_batch_size=1) as alone_llm:
         for prompt, p, out in zip(prompts, params, together):
             alone = alone_llm.generate(prompt, p, use_tqdm=False)
             assert out.outputs[0].token_ids == alone.outputs[0].token_ids
@@ -174,7 +177,6 @@ def test_max_utilization_policy_completes_everything(moe_model, moe_llm):
         path,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=200),
         scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"),
-        warmup="none",
     ) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.kv_cache_manager.get_kv_cache_stats().used_num_blocks == 0

@@ -35,6 +35,7 @@ def served():
         max_loras=2,
         max_lora_rank=8,
         kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=512),
+        warmup="none",  # the tests compile what their steps need
     )
     config = llm.executor.call_on_engine(lambda e: e.model_config)
     canary = llm.generate(CANARY_PROMPT, GREEDY, use_tqdm=False).outputs[0].token_ids

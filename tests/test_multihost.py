@@ -41,6 +41,9 @@ ENGINES = {
     # verifies the drafts and runs the draft model's program.
     "tp4-draft": dict(tensor_parallel_size=4),
 }
+# Decode-only steps run in the smallest token bucket (no small decode buckets): half the forwards
+# to compile on each process. The served runs below keep the decode buckets across processes.
+COMPILED = dict(decode_batch_sizes=[])
 HOST_TIER_WORKLOAD = dict(num_prefixes=5, prefix_len=40, waves=2, vocab=256)
 HOST_TIER_POOL = dict(tokens_per_block=8, max_tokens=96)
 EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
@@ -66,7 +69,7 @@ def leader_engines(root: Path) -> int:
         if name == "tp4-draft":
             draft = DraftTargetDecodingConfig(max_draft_len=2, speculative_model_dir=str(root / "qwen3_moe"))
             args = dict(args, speculative_config=draft)
-        engine = small_engine(root / "qwen3_moe", tokenizer, **args)
+        engine = small_engine(root / "qwen3_moe", tokenizer, **args, **COMPILED)
         if name != "tp4-draft":  # (that one compiles each program on both processes when first run)
             engine.warmup(all_variants=False)  # mirrored runs; the follower compiles alongside
         # Each process reads only its own devices' shards of the checkpoint.
@@ -106,7 +109,7 @@ def host_tier_run(root: Path, tokenizer: Path) -> dict:
     from tests.kv_tier_workload import interleaved_prefixes
 
     kv = KvCacheConfig(**HOST_TIER_POOL, host_cache_size=8 << 20)
-    engine = small_engine(root / "qwen3_moe", tokenizer, tensor_parallel_size=4, kv_cache_config=kv)
+    engine = small_engine(root / "qwen3_moe", tokenizer, tensor_parallel_size=4, kv_cache_config=kv, **COMPILED)
     engine.kv_offload.warmup()  # the copy programs, on both processes
     tokens = interleaved_prefixes(engine, **HOST_TIER_WORKLOAD)
     offload = engine.kv_offload
@@ -155,7 +158,9 @@ def test_engines_spanning_two_processes_match_single_device(tmp_path):
         leader = group.start_function("test_multihost", "leader_engines", 0, 2, tmp_path)
         follower = group.start_function("test_multihost", "follower_engines", 1, 2, tmp_path)
         # The reference, meanwhile: this process's single-device engine on the same workload.
-        expected = run_staggered_requests(small_engine(tmp_path / "qwen3_moe", materialize_preset("tiny-moe")))
+        expected = run_staggered_requests(
+            small_engine(tmp_path / "qwen3_moe", materialize_preset("tiny-moe"), **COMPILED)
+        )
         expected_host_tier = host_tier_reference(tmp_path)
         assert group.wait(leader, 240) == 0, group.all_logs()
         assert group.wait(follower, 30) == 0, group.all_logs()
@@ -186,7 +191,7 @@ def host_tier_reference(root: Path) -> list[list[int]]:
     from tests.kv_tier_workload import interleaved_prefixes
 
     kv = KvCacheConfig(**HOST_TIER_POOL)
-    engine = small_engine(root / "qwen3_moe", materialize_preset("tiny-moe"), kv_cache_config=kv)
+    engine = small_engine(root / "qwen3_moe", materialize_preset("tiny-moe"), kv_cache_config=kv, **COMPILED)
     tokens = interleaved_prefixes(engine, **HOST_TIER_WORKLOAD)
     engine.close()
     return tokens
