@@ -41,9 +41,10 @@ ENGINES = {
     # verifies the drafts and runs the draft model's program.
     "tp4-draft": dict(tensor_parallel_size=4),
 }
-# Decode-only steps run in the smallest token bucket (no small decode buckets): half the forwards
-# to compile on each process. The served runs below keep the decode buckets across processes.
-COMPILED = dict(decode_batch_sizes=[])
+# One small decode bucket (steps of one or two decoding rows), not every power of two: fewer
+# forwards to compile on each process, and decode buckets still checked across processes against
+# the single-device tokens. The served runs below keep the default decode buckets.
+COMPILED = dict(decode_batch_sizes=[2])
 HOST_TIER_WORKLOAD = dict(num_prefixes=5, prefix_len=40, waves=2, vocab=256)
 HOST_TIER_POOL = dict(tokens_per_block=8, max_tokens=96)
 EXIT_BOUND = 30.0  # seconds a process may take to exit once its peer is gone
