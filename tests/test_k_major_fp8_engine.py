@@ -29,8 +29,10 @@ pytestmark = pytest.mark.skipif(not mosaic_gpu_interpret.available(), reason="no
 NUM_SLOTS = 10  # 8 experts and two replicas over 2 EP ranks
 
 
-def _workload(engine) -> dict[int, list[int]]:
-    return staggered_workload(engine, seed=3, last_arrival=7, max_tokens=6, prompt_lengths=(4, 25), temperature=0.0)
+def _workload(engine, last_arrival: int = 7, max_tokens: int = 6) -> dict[int, list[int]]:
+    return staggered_workload(
+        engine, seed=3, last_arrival=last_arrival, max_tokens=max_tokens, prompt_lengths=(4, 25), temperature=0.0
+    )
 
 
 def new_engine(root: Path, **kwargs):
@@ -147,11 +149,11 @@ def test_the_mosaic_engine_stores_experts_k_major_and_gives_the_xla_tokens(check
     """One device: the routed experts on the Mosaic FP8 kernels (interpreted), read as stored."""
     engine = new_engine(checkpoint, moe_backend="mosaic")
     assert experts_k_major(engine) and "K-major" in describe_weights(engine.model_config)
-    tokens = _workload(engine)
+    tokens = _workload(engine, last_arrival=4, max_tokens=4)  # the interpreter is slow: 4 requests
     engine.close()
     engine = new_engine(checkpoint, moe_backend="xla")
     assert not experts_k_major(engine) and "K-major" not in describe_weights(engine.model_config)
-    assert _workload(engine) == tokens
+    assert _workload(engine, last_arrival=4, max_tokens=4) == tokens
     engine.close()
 
 
