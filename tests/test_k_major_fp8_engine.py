@@ -21,7 +21,7 @@ import pytest
 
 from jaxllm.models.quantized_loading import describe_weights
 from pallas_kernels import mosaic_gpu_interpret
-from tests.balancer_engines import RoundWatch, moving_balancer, staggered_workload
+from tests.balancer_engines import RoundWatch, moving_balancer
 from tests.multidevice import FAST_COMPILE, run_on_cpu_devices
 
 pytestmark = pytest.mark.skipif(not mosaic_gpu_interpret.available(), reason="no Mosaic GPU interpreter")
@@ -29,10 +29,52 @@ pytestmark = pytest.mark.skipif(not mosaic_gpu_interpret.available(), reason="no
 NUM_SLOTS = 10  # 8 experts and two replicas over 2 EP ranks
 
 
-def _workload(engine, last_arrival: int = 7, max_tokens: int = 6) -> dict[int, list[int]]:
-    return staggered_workload(
-        engine, seed=3, last_arrival=last_arrival, max_tokens=max_tokens, prompt_lengths=(4, 25), temperature=0.0
-    )
+# Greedy tokens under FP8 with activations quantized per 128-group: a layout's different
+# summation order moves logprobs by about 1e-6, and now and then that moves one activation across
+# an e4m3 rounding midpoint, a jump of up to a few hundredths in that request's logprobs (seen
+# once in 8 requests of 12 tokens, one request off by 0.08 from its first token, the other seven
+# within 4e-6). A request's tokens must equal the reference's up to where the reference's top
+# two were within TIE of each other; after such a tie the runs may go their own ways. The
+# workload stays short, as the rare jump would fail the comparison.
+TIE = 1e-3
+
+
+def _workload(engine, last_arrival: int = 7, max_tokens: int = 6) -> dict[int, list[list[float]]]:
+    """Two requests every third step until `last_arrival` (as `staggered_workload`): per request
+    by arrival order, per token [token, logprob gap between the two most likely tokens]."""
+    from jaxllm import SamplingParams
+
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, logprobs=2)
+    prompts = {
+        step: [rng.integers(3, 256, int(rng.integers(4, 25))).tolist() for _ in range(2)]
+        for step in range(0, last_arrival, 3)
+    }
+    outputs: dict[int, list[list[float]]] = {}
+    first_id, step = None, 0
+    while step in prompts or engine.has_unfinished_requests() or step < max(prompts):
+        for prompt in prompts.get(step, []):
+            request = engine.add_request(prompt, params)
+            first_id = request.request_id if first_id is None else first_id
+        for update in engine.step():
+            for token, entry in zip(update.new_token_ids, update.new_logprobs):
+                top = sorted((lp.logprob for lp in entry.values()), reverse=True)
+                outputs.setdefault(update.request.request_id - first_id, []).append([token, top[0] - top[1]])
+        step += 1
+    return outputs
+
+
+def agree(out: dict, reference: dict) -> bool:
+    """`out`'s tokens are the reference's up to the first near-tie of the reference (see TIE)."""
+    if sorted(out) != sorted(reference):
+        return False
+    for key, ref in reference.items():
+        for (token, _), (ref_token, gap) in zip(out[key], ref):
+            if token != ref_token:
+                if gap >= TIE:
+                    return False
+                break
+    return True
 
 
 def new_engine(root: Path, **kwargs):
@@ -85,7 +127,7 @@ def check_all(root: Path) -> None:
     record = dict(
         kind="tp",
         k_major=experts_k_major(engine),
-        same_tokens=tokens == base_tokens,
+        same_tokens=agree(tokens, base_tokens),
         shape=list(w_gate.shape),  # [.., E, H, I] in the parameter's layout
         shard=list(w_gate.value.addressable_shards[0].data.shape),  # of the K-major value [.., E, I, H]
     )
@@ -107,8 +149,9 @@ def check_all(root: Path) -> None:
             dict(
                 kind="ep_balancer",
                 k_major=experts_k_major(engine),
-                same_tokens=tokens == base_tokens,
+                same_tokens=agree(tokens, base_tokens),
                 num_tokens=sum(map(len, tokens.values())),
+                ties=sum(gap < TIE for ref in base_tokens.values() for _, gap in ref),
                 tables_changed=any(not np.array_equal(first[l], balancer.tables[l]) for l in balancer.layers),
                 slots_rewritten=balancer.stats.slots_rewritten,
                 rounds=watch.rounds,
@@ -153,7 +196,7 @@ def test_the_mosaic_engine_stores_experts_k_major_and_gives_the_xla_tokens(check
     engine.close()
     engine = new_engine(checkpoint, moe_backend="xla")
     assert not experts_k_major(engine) and "K-major" not in describe_weights(engine.model_config)
-    assert _workload(engine, last_arrival=4, max_tokens=4) == tokens
+    assert agree(_workload(engine, last_arrival=4, max_tokens=4), tokens)
     engine.close()
 
 
