@@ -61,3 +61,25 @@ def test_engine_keys_change_with_every_program_setting_but_not_the_compile_switc
     assert store.entry_key("forward", _scaled(2.0)) != store.entry_key("forward", _scaled(3.0))
     assert store.entry_key("forward", object()) is None and store.counts.unkeyed == 1
     assert ExecutableStore.beside_compile_cache(None, base) is None
+
+
+def test_a_program_calling_back_into_python_is_not_handed_to_the_serializer(tmp_path, monkeypatch):
+    """jax's serializer crashed the process (a segfault, not an exception) on the Mosaic GPU
+    interpreter's kernels under tensor parallelism: a program with a host callback is refused
+    before it is called. A plain program still goes to it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback, serialize_executable
+
+    calls = []
+    real = serialize_executable.serialize
+    monkeypatch.setattr(serialize_executable, "serialize", lambda exe: calls.append(exe) or real(exe))
+    store = ExecutableStore(tmp_path, "test")
+    callback = (
+        jax.jit(lambda a: io_callback(lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(a.shape, a.dtype), a))
+        .lower(jnp.ones(4))
+        .compile()
+    )
+    assert store.serialize("callback", callback) is None and store.counts.unkeyed == 1 and not calls
+    plain = jax.jit(lambda a: a * 2).lower(jnp.ones(4)).compile()
+    assert store.serialize("plain", plain) is not None and len(calls) == 1
