@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import MeshAxis, ShardingRules, logical_to_physical
+from sharding.rules import MeshAxis, ShardingRules, logical_to_physical, swap_last_two
 
 
 def shard_attention(attention_fn: Callable, mesh: jax.sharding.Mesh, rules: ShardingRules, cache_spec: Any) -> Callable:
@@ -100,7 +100,9 @@ def _shard_fused_fp8(
 ) -> Callable:
     reads_k_major = getattr(fused_fp8, "reads_k_major", False)
     # K-major values ([E, N, K]) split along their swapped axes; scales keep the weights' order.
-    up_value, down_value = (_swap_last(up_spec), _swap_last(down_spec)) if reads_k_major else (up_spec, down_spec)
+    up_value, down_value = (
+        (swap_last_two(up_spec, 3), swap_last_two(down_spec, 3)) if reads_k_major else (up_spec, down_spec)
+    )
 
     def fused_fp8_sharded(x, ids, weights, *experts, block):
         def body(*args):
@@ -112,9 +114,3 @@ def _shard_fused_fp8(
 
     fused_fp8_sharded.reads_k_major = reads_k_major  # type: ignore[attr-defined]
     return fused_fp8_sharded
-
-
-def _swap_last(spec: P) -> P:
-    """`spec` of a 3-axis weight with its last two axes swapped."""
-    axes = tuple(spec) + (None,) * (3 - len(spec))
-    return P(*axes[:-2], axes[-1], axes[-2])

@@ -68,6 +68,12 @@ def logical_to_physical(logical: LogicalAxes, rules: ShardingRules) -> Partition
     return PartitionSpec(*spec)
 
 
+def swap_last_two(spec: PartitionSpec, ndim: int) -> PartitionSpec:
+    """`spec` of an `ndim`-axis array whose last two axes are swapped (a K-major weight)."""
+    axes = tuple(spec) + (None,) * (ndim - len(spec))
+    return PartitionSpec(*axes[:-2], axes[-1], axes[-2])
+
+
 def named_sharding(mesh: jax.sharding.Mesh, logical: LogicalAxes, rules: ShardingRules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_physical(logical, rules))
 

@@ -38,7 +38,7 @@ from jaxllm.models.model_config import ModelConfig, numpy_dtype
 from jaxllm.models.orbax_io import is_converted, restore_converted
 from jaxllm.models.partitioning import kv_replicas_for, rules_for
 from jaxllm.models.quant_config import KV_SCALE_SUFFIXES
-from jaxllm.models.quantization import FP8, value_spec
+from jaxllm.models.quantization import FP8
 from jaxllm.models.quantized_loading import (
     FP8_SOURCE,
     Fp8Files,
@@ -518,11 +518,7 @@ def stack_params(
         if not isinstance(decl, StackedDecl):
             continue
         members = [_lookup(params, m.path) for m in decl.members]
-        sharding: Any = named_sharding(mesh, decl.axes, rules)
-        if decl.quant is not None and decl.quant.k_major:  # the value's splits swap with its axes
-            leaf = sharding
-            sharding = jax.tree.map(lambda _, leaf=leaf: leaf, members[0])
-            sharding.value = jax.sharding.NamedSharding(mesh, value_spec(leaf.spec, decl.quant, len(decl.shape)))
+        sharding = named_sharding(mesh, decl.axes, rules)
         leaves.append((decl.path, jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*members)))
         if delete_layers:
             for member in members:

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxllm.models import quantized_matmul
 from jaxllm.models.quant_config import BLOCK, FP8_DTYPE, FP8_MAX
 from jaxllm.models.weight_layout import Source, view_groups
+from sharding.rules import swap_last_two
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 INT4 = "int4"  # WeightQuant.dtype of GGUF Q4_0 weights: values in [-8, 7], packed two to a byte
@@ -304,10 +305,7 @@ def unquantized(decl: Any) -> Any:
 def value_spec(spec: PartitionSpec, quant: WeightQuant, ndim: int) -> PartitionSpec:
     """The partitioning of a quantized weight's stored value, given the parameter's (`spec`):
     a K-major value's last two axes swap their splits."""
-    if not quant.k_major:
-        return spec
-    axes = tuple(spec) + (None,) * (ndim - len(spec))
-    return PartitionSpec(*axes[:-2], axes[-1], axes[-2])
+    return swap_last_two(spec, ndim) if quant.k_major else spec
 
 
 def scale_spec(spec: PartitionSpec, scale_shape: Sequence[int], mesh_shape: Mapping[str, int]) -> PartitionSpec:
