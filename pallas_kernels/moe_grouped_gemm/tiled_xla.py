@@ -5,8 +5,13 @@ as if every group saw every row, so a 32-expert layer costs 32x the FLOPs it nee
 This version walks the sorted rows in tiles of `tile_rows`, each tile owned by one
 expert (a group's last tile may be partial), and multiplies each tile by its expert's
 weights only: work is about the real row count plus one partial tile per group. It is
-the engine's `xla` MoE backend; the loop has a dynamic trip count, so empty groups and
-padding rows cost nothing.
+the engine's `xla` MoE backend.
+
+The loop's trip count comes from the shapes: at most one tile per `tile_rows` rows plus one
+partial tile per group that has rows (at most min(groups, rows) of them). A trip count read
+from the routing would make XLA on a GPU copy the loop predicate to the host on every
+iteration. Tiles past the real ones write nothing and multiply by the last real tile's
+expert, whose weights were just read.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def moe_grouped_ffn_tiled(
     max_tiles = -(-num_rows // tile) + num_groups
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     tile_group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num_groups - 1).astype(jnp.int32)
+    last_group = tile_group[jnp.maximum(tile_end[-1] - 1, 0)]
+    tile_group = jnp.where(t < tile_end[-1], tile_group, last_group)
     within = t - tile_start[tile_group]
     tile_first_row = group_start[tile_group] + within * tile
     tile_rows_valid = jnp.clip(sizes[tile_group] - within * tile, 0, tile)
@@ -70,5 +77,6 @@ def moe_grouped_ffn_tiled(
         return jax.lax.dynamic_update_slice_in_dim(out, y, first, 0)
 
     out = jnp.zeros_like(x_padded)
-    out = jax.lax.fori_loop(0, tile_end[-1], run_tile, out)
+    trips = min(max_tiles, -(-num_rows // tile) + min(num_groups, num_rows))
+    out = jax.lax.fori_loop(0, trips, run_tile, out)
     return out[:num_rows]

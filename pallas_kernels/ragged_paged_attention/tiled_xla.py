@@ -7,10 +7,15 @@ decode step of short and long sequences reads the long ones' length for all of t
 the query tokens are grouped into tiles of `block_q` consecutive tokens of one sequence
 (one token per tile for decode buckets), and each tile lists only the KV blocks it sees
 (causal prefix, sliding window): the work list. The loop takes `items_per_step` pairs at a
-time, so the number of iterations follows the step's real KV work and each iteration is
-a few large gathers and two batched matmuls (XLA:CPU runs many tiny ones poorly); each
-pair's softmax partial (max, denominator, weighted values) is merged into its tile's
-running state by scatter. Same contract as `ragged_paged_attention_reference`.
+time, each iteration a few large gathers and two batched matmuls (XLA:CPU runs many tiny
+ones poorly); each pair's softmax partial (max, denominator, weighted values) is merged
+into its tile's running state by scatter. Same contract as `ragged_paged_attention_reference`.
+
+The loop's trip count comes from the shapes (`max_work_items`: every tile seeing every
+block of its table, or of its sliding window), never from the step's data: XLA on a GPU
+runs a `while` whose trip count lives on the device by reading its predicate back to the
+host on every iteration. Items past the step's real work are masked, so a step costs its
+shapes' worst case rather than its real KV length.
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ def default_items_per_step(num_kv_heads: int, tokens_per_block: int, head_dim: i
     """(tile, block) pairs per loop iteration: about 128K gathered key elements, a power of two."""
     per_item = num_kv_heads * tokens_per_block * head_dim
     return int(max(4, min(256, 1 << max(0, (131072 // per_item).bit_length() - 1))))
+
+
+def max_work_items(
+    max_tiles: int, max_blocks: int, tokens_per_block: int, block_q: int, sliding_window: Optional[int]
+) -> int:
+    """(tile, KV block) pairs a step of these shapes can list: each tile sees at most every block
+    of its table, and with a sliding window at most the blocks its window and tokens span."""
+    per_tile = max_blocks
+    if sliding_window is not None:
+        per_tile = min(max_blocks, (sliding_window + block_q - 2) // tokens_per_block + 2)
+    return max_tiles * per_tile
 
 
 def ragged_paged_attention_tiled(
@@ -143,7 +159,8 @@ def ragged_paged_attention_tiled(
         jnp.zeros((max_tiles, num_kv_heads, rows), f32),
         jnp.zeros((max_tiles, num_kv_heads, rows, head_dim), f32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, (total_items + per_step - 1) // per_step, visit, state)
+    trips = -(-max_work_items(max_tiles, max_blocks, tokens_per_block, bq, sliding_window) // per_step)
+    _, denom, acc = jax.lax.fori_loop(0, trips, visit, state)
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
     out = out.reshape(max_tiles, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(max_tiles * bq, num_q_heads, head_dim).astype(q.dtype)
