@@ -95,7 +95,9 @@ class MlaStep:
     cos: jax.Array
     sin: jax.Array
     valid: jax.Array
-    decode_only: jax.Array
+    # The program's shape holds at most one token per sequence (decode buckets): MLA runs its
+    # absorbed form. Decided when the program is built, never on the device (`mla_attention`).
+    decode_only: bool
     mha_fn: Callable
     latent_fn: Callable
     write_fn: Callable
@@ -133,7 +135,7 @@ def mla_step(
         cos=cos,
         sin=sin,
         valid=jnp.arange(num_tokens, dtype=jnp.int32) < num_valid,
-        decode_only=num_valid == batch.num_seqs[0],
+        decode_only=num_tokens <= batch.kv_lens.shape[0],
         mha_fn=mha_fn,
         latent_fn=latent_fn,
         write_fn=write_fn,

@@ -26,9 +26,11 @@ Two equal ways to attend (checked against each other in the tests):
   (qk 192 + v 128 wide instead of 2 x 576), the form for prefill, where each expanded key
   serves many queries.
 
-`mla_attention` picks per step with `config.mla_attention`: "auto" runs absorbed when every
-sequence in the step decodes one token and expanded otherwise (a `lax.cond`, both
-compiled), or one form always ("absorbed", "expanded"; benchmarks, tests).
+`mla_attention` picks per program with `config.mla_attention`: "auto" runs absorbed in the
+programs whose shapes hold at most one token per sequence (the decode buckets: every key
+meets one query) and expanded in the others, or one form always ("absorbed", "expanded";
+benchmarks, tests). The choice is made when the program is built: a `lax.cond` on the step's
+data would make XLA on a GPU read its predicate back to the host in every layer.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def mla_attention(
     mha_fn: AttentionFn,
     latent_fn: Callable,
     write_fn: Callable,
-    decode_only: jax.Array,
+    decode_only: bool,
     precision: Optional[jax.lax.Precision],
     kv_scale: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, MlaLayerCache]:
@@ -183,12 +185,8 @@ def mla_attention(
     absorbed = lambda: absorbed_attention(q_nope, q_rope, cache, md, p, latent_fn=latent_fn, **common)  # noqa: E731
     expanded = lambda: expanded_attention(q_nope, q_rope, cache, md, p, mha_fn=mha_fn, **common)  # noqa: E731
     mode = config.mla_attention
-    if mode == "absorbed":
-        out = absorbed()
-    elif mode == "expanded":
-        out = expanded()
-    else:
-        out = jax.lax.cond(decode_only, absorbed, expanded)
+    use_absorbed = mode == "absorbed" or (mode == "auto" and decode_only)
+    out = absorbed() if use_absorbed else expanded()
     y = qeinsum("tnv,nvh->th", out.astype(x.dtype), p["o"], precision=precision)
     return y, cache
 

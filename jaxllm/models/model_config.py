@@ -162,7 +162,7 @@ class ModelConfig:
     # DeepSeek-V3 multi-token-prediction layers the checkpoint carries after the decoder layers
     # (`model.layers.{num_hidden_layers + j}`); loaded only when asked (`load_params(load_mtp=True)`).
     num_nextn_predict_layers: int = 0
-    mla_attention: str = "auto"  # MLA form: "auto" (absorbed for decode-only steps), "absorbed", "expanded"
+    mla_attention: str = "auto"  # MLA form: "auto" (absorbed in decode-bucket programs), "absorbed", "expanded"
     # Run runs of identical layers as one lax.scan over stacked weights and one KV page pool for
     # all layers (compile time independent of depth); off: a per-layer loop over per-layer caches.
     scan_layers: bool = True
