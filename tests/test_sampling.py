@@ -205,12 +205,13 @@ def test_build_padding_and_static_flags():
 def test_static_switches_and_no_device_branching(params, random, sort, pen):
     t = _build(params, histories=[([1], [2])] * len(params))
     assert (t.any_random, t.use_top_k_top_p, t.use_penalties) == (random, sort, pen)
-    # A lax.cond on device would make the GPU runtime read its predicate back mid-step; only
-    # the top-k / top-p threshold loops on a CPU (instead of sorting the vocabulary).
+    # A lax.cond or a while loop on device would make the GPU runtime read its predicate back
+    # mid-step; only the top-k / top-p threshold loops on a CPU (instead of sorting the
+    # vocabulary), a fixed number of halvings (a scan).
     jaxpr = str(jax.make_jaxpr(sample)(jnp.zeros((S, V)), t))
-    assert "cond[" not in jaxpr
+    assert "cond[" not in jaxpr and "while[" not in jaxpr
     on_cpu = jax.default_backend() == "cpu"
-    assert ("while[" in jaxpr) == (sort and on_cpu)
+    assert ("scan[" in jaxpr) == (sort and on_cpu)
     assert ("sort[" in jaxpr) == (sort and not on_cpu)
 
 

@@ -215,11 +215,11 @@ def _top_k_top_p_threshold(
 
     No vocabulary sort (XLA:CPU sorts 49K values in ~11 ms per row): the cut is found among
     the `TOP_WINDOW` largest values of each row (`lax.top_k`), and for a row whose cut lies
-    past them by bisection over the float order of its values (at most 32 masked sums, run
-    only while some row needs them). Both give the exact threshold value, decided per row
-    from that row's values alone, so a row's tokens do not depend on its batch. The loop's
-    trip count depends on the data, which costs nothing on a CPU; a GPU runtime would read
-    its predicate back to the host on every trip, so other backends sort (fast there)."""
+    past them by bisection over the float order of its values (32 masked sums per search).
+    Both give the exact threshold value, decided per row from that row's values alone, so a
+    row's tokens do not depend on its batch. The bisection always runs its 32 halvings (a trip
+    count from the data would be read back to the host on every trip by a GPU runtime);
+    other backends sort, which is fast there."""
     if jax.default_backend() != "cpu":
         return _sorted_threshold(scaled, top_k, top_p)
     S, V = scaled.shape
@@ -293,18 +293,18 @@ def _from_ordered_keys(keys: jax.Array) -> jax.Array:
 
 def _bisect_keys(holds: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array, active: jax.Array) -> jax.Array:
     """Per row, the smallest key in [lo, hi] where `holds(keys) -> bool[S]` (monotone: false
-    then true; true at hi) for the `active` rows (the others get hi). Loops only while
-    some active row is not done, at most 32 times."""
+    then true; true at hi) for the `active` rows (the others get hi). 32 halvings, the most
+    a range of uint32 keys needs, whatever the data: the trip count is known when compiled."""
     lo = jnp.where(active, lo, hi)
 
-    def not_done(state: tuple[jax.Array, jax.Array]) -> jax.Array:
-        return jnp.any(state[0] < state[1])
-
-    def halve(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def halve(_: int, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = state
         mid = lo + (hi - lo) // 2
         ok = holds(mid)
         busy = lo < hi
         return jnp.where(busy & ~ok, mid + 1, lo), jnp.where(busy & ok, mid, hi)
 
-    return lax.while_loop(not_done, halve, (lo, hi))[1]
+    return lax.fori_loop(0, _KEY_BITS, halve, (lo, hi))[1]
+
+
+_KEY_BITS = 32  # halvings that narrow any range of uint32 keys to one key
