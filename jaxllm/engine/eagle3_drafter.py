@@ -54,9 +54,20 @@ def load_head_config(config: EagleDecodingConfig, target: ModelConfig) -> tuple[
     return head, layers
 
 
-def _draft_program(params, embed, cache, batch, features, *, num_draft_tokens, config):
+def _draft_program(params, embed, cache, batch, features, *, num_draft_tokens, config, attention_fn, mesh):
+    """The head's chain of drafts, attending with the target's attention backend (a kernel or
+    the tiled XLA loop, whose trip counts come from shapes) under the target's mesh."""
     drafts, cache, _ = eagle3_draft(
-        params, embed, cache, batch, features, num_draft_tokens, config=config, own_blocks_only=True
+        params,
+        embed,
+        cache,
+        batch,
+        features,
+        num_draft_tokens,
+        config=config,
+        attention_fn=attention_fn,
+        mesh=mesh,
+        own_blocks_only=True,
     )
     return drafts, cache
 
@@ -79,6 +90,7 @@ class Eagle3Drafter(StepDrafter):
                     num_draft_tokens=self.num_draft_tokens,
                     config=self.head_config,
                     mesh=mesh,
+                    attention_fn=runner.attention_fn,
                 ),
                 donate_argnums=(2,),
             )
@@ -88,7 +100,13 @@ class Eagle3Drafter(StepDrafter):
         )
         self.cache = init_eagle3_kv_cache(self.head_config, num_blocks, tokens_per_block, kv_dtype, mesh=runner.mesh)
         self._jit = jax.jit(
-            functools.partial(_draft_program, num_draft_tokens=self.num_draft_tokens, config=self.head_config),
+            functools.partial(
+                _draft_program,
+                num_draft_tokens=self.num_draft_tokens,
+                config=self.head_config,
+                attention_fn=runner.attention_fn,
+                mesh=runner.mesh,
+            ),
             donate_argnums=(2,),
         )
 

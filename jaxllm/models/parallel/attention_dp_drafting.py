@@ -175,14 +175,24 @@ def eagle3_draft_attention_dp(
     num_draft_tokens: int,
     config: Eagle3Config,
     mesh: jax.sharding.Mesh,
+    attention_fn: Callable,
 ) -> tuple[jax.Array, Any]:
     """`jaxllm.models.eagle3.eagle3_draft` on every rank's rows: drafts int32 [D, S_rank, k] and
     the per-rank head caches. `features` [D, T_rank, 3 H]: each rank's fused target features;
-    the head's weights and the target's embedding `embed` replicated."""
+    the head's weights and the target's embedding `embed` replicated; `attention_fn`: the
+    target's attention backend (per rank, unsharded)."""
 
     def drafting(params_, embed_, cache_, batch_, features_):
         drafts, new_cache, _ = eagle3_draft(
-            params_, embed_, cache_, batch_, features_, num_draft_tokens, config=config, own_blocks_only=True
+            params_,
+            embed_,
+            cache_,
+            batch_,
+            features_,
+            num_draft_tokens,
+            config=config,
+            attention_fn=attention_fn,
+            own_blocks_only=True,
         )
         return drafts, new_cache
 
