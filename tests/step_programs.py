@@ -75,6 +75,26 @@ def scan_hlo(directory: Path) -> ControlFlow:
     return flow
 
 
+_WHILE_OP = re.compile(r"stablehlo\.while\(")
+_COUNTED = re.compile(r"stablehlo\.compare\s+LT, %iterArg\w*, (%c\w*),")
+
+
+def uncounted_stablehlo_loops(text: str) -> tuple[int, int, int]:
+    """(`while`s, `while`s that are not counted loops, `if`s + `case`s) in StableHLO text lowered
+    for a GPU (`.lower(lowering_platforms=("cuda",))`, which runs on a CPU): a counted loop's
+    `cond` compares a loop variable with a constant of its own region, as a `scan` or a
+    `fori_loop` over Python ints lowers. A kernel is one `custom_call` whose body is
+    serialized into an attribute, so its own loops are not seen."""
+    loops = uncounted = 0
+    for match in _WHILE_OP.finditer(text):
+        loops += 1
+        cond = text[match.end() : text.find("} do {", match.end())]
+        counted = _COUNTED.search(cond)
+        if counted is None or f"{counted.group(1)} = stablehlo.constant" not in cond:
+            uncounted += 1
+    return loops, uncounted, text.count("stablehlo.if") + text.count("stablehlo.case")
+
+
 LIMITS = dict(
     dtype="float32",
     max_batch_size=4,
