@@ -40,7 +40,7 @@ from jaxllm.bench.dataset import BenchRequest
 from jaxllm.bench.gpu import engine_steps
 from jaxllm.bench.gpu.engine_plan import EngineModel, EnginePlan, estimate_s, plan
 from jaxllm.bench.gpu.environment import ceilings_of
-from jaxllm.bench.gpu.report import SectionContext, Table
+from jaxllm.bench.gpu.report import OutOfTime, SectionContext, Table
 from jaxllm.bench.gpu.step_roofline import step_roofline
 from jaxllm.bench.host_overhead import DeviceWatcher
 from jaxllm.bench.kernel_timing import Ceilings
@@ -387,6 +387,7 @@ def run(ctx: SectionContext) -> None:
         ("model", "backend", "build_s", *(f"c{c}_s" for c in p.concurrencies), "total_s"),
     )
     bound_gb: dict[str, float] = {}
+    ran_out: list[str] = []
     for model in p.models:
         bound_gb[model.name] = step_roofline(model.config(), "bfloat16").decode_bytes(1, p.input_len) / 1e9
         for backend in p.backends:
@@ -398,17 +399,25 @@ def run(ctx: SectionContext) -> None:
                 total_s=e.total_s,
                 **{f"c{c}_s": e.run_s[c] for c in p.concurrencies},
             )
-    with tempfile.TemporaryDirectory(prefix="jaxllm-bench-gpu-") as tmp:
-        for i, model in enumerate(p.models):
-            ctx.check_time(model.name)
-            model_dir = write_config_dir(Path(tmp) / model.key, model)
-            with ctx.share(1.0 / (len(p.models) - i)):
-                for backend in p.backends:
-                    ctx.check_time(f"{model.name} with {backend}")
-                    ctx.run_case(
-                        f"{model.name} with {backend}",
-                        functools.partial(run_backend, ctx, model, backend, p, model_dir, ceil),
-                    )
-    goals = ctx.table("Goals", GOAL_COLUMNS)
-    for row in goal_rows(ctx.data.get("runs", []), ceil.bytes_per_s, bound_gb):
-        goals.add(**row)
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxllm-bench-gpu-") as tmp:
+            for i, model in enumerate(p.models):
+                ctx.check_time(model.name)
+                model_dir = write_config_dir(Path(tmp) / model.key, model)
+                with ctx.share(1.0 / (len(p.models) - i)):
+                    try:
+                        for backend in p.backends:
+                            ctx.check_time(f"{model.name} with {backend}")
+                            ctx.run_case(
+                                f"{model.name} with {backend}",
+                                functools.partial(run_backend, ctx, model, backend, p, model_dir, ceil),
+                            )
+                    except OutOfTime as e:  # this model's share is used up; the next model has its own
+                        ran_out.append(f"{model.name}: {e}")
+                        ctx.note(ran_out[-1])
+    finally:
+        goals = ctx.table("Goals", GOAL_COLUMNS)
+        for row in goal_rows(ctx.data.get("runs", []), ceil.bytes_per_s, bound_gb):
+            goals.add(**row)
+    if ran_out:  # the section's status says it did not run everything
+        raise OutOfTime("; ".join(ran_out))
