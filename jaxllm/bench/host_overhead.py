@@ -131,8 +131,14 @@ def random_model(vocab_size: int, num_layers: int = 1, hidden_size: int = 64, se
     """A temporary random-weight model directory: tiny-dense's architecture and tokenizer with
     `vocab_size` tokens (ids past the tokenizer's are plain rows), `num_layers` layers of
     `hidden_size` (MLP twice as wide)."""
-    from jaxllm.bench.gpu.random_models import write_model_dir
-    from jaxllm.models.presets import PRESETS
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from jaxllm.models.model_config import ModelConfig
+    from jaxllm.models.presets import PRESETS, materialize_preset
+    from jaxllm.models.random_checkpoint import random_checkpoint
 
     if vocab_size < 1024 or num_layers < 1 or hidden_size < 8:
         raise ValueError(
@@ -153,8 +159,15 @@ def random_model(vocab_size: int, num_layers: int = 1, hidden_size: int = 64, se
         "eos_token_id": 2,
         "pad_token_id": 0,
     }
+    tokenizer = materialize_preset("tiny-dense")
     with tempfile.TemporaryDirectory(prefix="jaxllm-bench-host-") as tmp:
-        yield str(write_model_dir(Path(tmp), hf, seed))
+        directory = Path(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer / name, directory / name)
+        (directory / "config.json").write_text(json.dumps(hf, indent=1, sort_keys=True))
+        weights = random_checkpoint(ModelConfig.from_hf_config(hf), seed)
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        yield tmp
 
 
 def measure(
