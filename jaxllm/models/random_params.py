@@ -9,7 +9,8 @@ sharding is the parameter's (`named_sharding` of its logical axes), scaled as
 `random_checkpoint` scales the same tensor (norms near 1, linear layers gain / sqrt(fan_in)),
 so activations stay as tame as with a random checkpoint. Stacked and other large parameters
 are drawn one row of their leading axis at a time (`lax.map`), so the float32 draw never
-needs more than one row's memory beside the result.
+needs more than one row's memory beside the result (an embedding's 150K rows are drawn whole:
+a loop of that many trips costs more than its 1 GB of float32).
 
 The values are not those of any checkpoint (a seeded draw of jax's generator, not numpy's),
 and a KV head stored several times for tensor parallelism gets distinct copies: fine for
@@ -32,7 +33,8 @@ from jaxllm.models.partitioning import kv_replicas_for, rules_for
 from jaxllm.models.weights import Params, StackedDecl, WeightDecl, build_params, declare_params, layer_stacks
 from sharding.rules import ShardingRules, named_sharding
 
-ROW_DRAW_MIN_ELEMENTS = 1 << 26  # above this many elements a parameter is drawn row by row
+ROW_DRAW_MIN_ELEMENTS = 1 << 26  # above this many elements a parameter is drawn row by row,
+ROW_DRAW_MAX_ROWS = 1024  # when its leading axis (layers, experts) is short: a loop trip per row
 
 
 def _scale(decl: WeightDecl, config: ModelConfig) -> tuple[float, float]:
@@ -55,7 +57,7 @@ def _drawer(shape: tuple[int, ...], dtype: np.dtype, offset: float, scale: float
     def draw(key: jax.Array, row_shape: tuple[int, ...]) -> jax.Array:
         return (offset + scale * jax.random.normal(key, row_shape, jnp.float32)).astype(dtype)
 
-    if len(shape) >= 2 and int(np.prod(shape)) > ROW_DRAW_MIN_ELEMENTS:
+    if len(shape) >= 2 and int(np.prod(shape)) > ROW_DRAW_MIN_ELEMENTS and shape[0] <= ROW_DRAW_MAX_ROWS:
 
         def by_rows(key: jax.Array) -> jax.Array:
             return jax.lax.map(lambda k: draw(k, shape[1:]), jax.random.split(key, shape[0]))
