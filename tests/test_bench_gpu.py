@@ -102,12 +102,31 @@ def test_dry_run_covers_every_section_without_the_server(tmp_path):
     if sections["kernels"]["status"] == "ok":
         assert checked and any(r.get("note", "").startswith("skipped: tokamax") for r in _rows(sections["kernels"]))
     if sections["speed"]["status"] == "ok":
-        assert all(r["ms"] is None or r["ms"] > 0 for r in _rows(sections["speed"]))
+        assert all(r.get("ms") is None or r["ms"] > 0 for r in _rows(sections["speed"]))
+        assert any(t["title"] == "Goals" and t["rows"] for t in sections["speed"]["tables"])
         assert any(r.get("model_ms") for r in _rows(sections["speed"]))
     if sections["engine"]["status"] == "ok":
-        runs = sections["engine"]["data"]["runs"]
+        engine = sections["engine"]
+        assert not engine["data"].get("case_errors"), engine["data"].get("case_errors")
+        runs = engine["data"]["runs"]
+        builds = {(b["backend"], b["attention_backend"], b["moe_backend"]) for b in engine["data"]["builds"]}
+        assert builds == {("pallas", "pallas", "pallas"), ("xla", "xla", "xla")}  # Pallas in interpret mode
         assert {r["backend"] for r in runs} == {"pallas", "xla"}
-        assert all(r["output_tok_s"] > 0 and r["failed"] == 0 for r in runs)
+        assert all(r["output_tok_s"] > 0 and r["failed"] == 0 and not r["cut"] for r in runs)
+        per_step = [t for t in engine["tables"] if ": per step" in t["title"]]
+        assert len(per_step) == 2 and all(len(t["rows"]) == 2 for t in per_step)  # 2 backends x 2 concurrencies
+        step_columns = set(per_step[0]["columns"])
+        assert {"host_cpu_ms", "host_wall_ms", "device_ms", "idle_ms", "idle_pct", "blocking_reads"} <= step_columns
+        assert {"decode_device_ms", "step_gb", "mbu_pct", "flop_util_pct"} <= step_columns
+        for r in runs:  # a decode step reads at most every weight and KV byte; the device was busy for it
+            assert r["decode_steps"] > 0 and r["device_ms"] > 0 and 0 <= r["idle_share"] < 1
+            build = next(b for b in engine["data"]["builds"] if b["backend"] == r["backend"])
+            assert 0 < r["step_gb"] * 1e9 <= build["weight_bytes"] + build["kv_cache_bytes"]
+            assert 0 < r["mbu"] and 0 < r["flop_util"]
+            for column in ("host_cpu_ms", "host_wall_ms", "blocking_reads"):  # EngineTiming's per-step host numbers
+                assert r[column] is not None and r[column] >= 0, (column, r)
+        goals = next(t for t in engine["tables"] if t["title"] == "Goals")
+        assert {row["goal"].split(",")[0] for row in goals["rows"]} >= {"decode MBU", "ITL p50 ms"}
     if sections["numerics"]["status"] == "ok":
         assert sections["numerics"]["data"]["failures"] == []
 

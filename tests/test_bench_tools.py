@@ -268,3 +268,32 @@ def test_serving_client_load_shapes(engine, tmp_path, capsys):
     assert not (_threads() - before)
     stats = engine.kv_cache_manager.get_kv_cache_stats()
     assert stats.free_num_blocks == stats.max_num_blocks
+
+
+def test_host_overhead_cli_prints_the_step_timing_columns(capsys):
+    """`jaxllm bench host` on a random model it writes (a 2048-token vocabulary, one layer of
+    16): per step host CPU and wall time without device waits, blocking reads, device and
+    idle time, with and without the overlap scheduler."""
+    from jaxllm.bench import host_overhead
+
+    argv = ["--vocab-size", "2048", "--num-layers", "1", "--hidden-size", "16", "--running", "2", "--steps", "4"]
+    assert host_overhead.main(argv) == 0
+    table = capsys.readouterr().out.splitlines()[-4:]
+
+    def fields(line: str) -> dict[str, str]:  # the table's columns are right-aligned, fixed widths
+        out, start = {}, 0
+        for name, width, _ in host_overhead._COLUMNS:
+            out[name] = line[start : start + width].strip()
+            start += width + 1
+        return out
+
+    assert fields(table[0]) == {name: name for name, _, _ in host_overhead._COLUMNS}
+    rows = {row["overlap"]: row for row in map(fields, table[2:])}
+    assert set(rows) == {"on", "off"}
+    for row in rows.values():
+        # A steady decode step makes one blocking read with the overlap scheduler and without.
+        assert row["reads/step"] == "1.00"
+        for column in ("host cpu ms", "host wall ms", "device ms", "idle ms p50"):
+            assert float(row[column]) >= 0, column
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--num-layers", "2"])  # shapes only the --vocab-size model

@@ -165,3 +165,30 @@ def test_host_kv_tier_counters():
     assert samples[("jaxllm:kv_cache_host_blocks", ())] == host.num_slots
     assert samples[("jaxllm:kv_cache_host_free_blocks", ())] == stats["hostFreeNumBlocks"]
     assert samples[("jaxllm:kv_cache_onboarding_requests", ())] == 0
+
+
+def test_engine_blocking_reads_and_step_times():
+    """The engine's step timing as counters: every step that dispatched is read back once
+    (the engine counts it), and the page carries the engine's totals."""
+    engine = tiny_engine(MODEL, max_batch_size=4, max_seq_len=64, max_kv_tokens=512)
+    executor = GenerationExecutor(engine)
+    with TestClient(build_app(executor, ServerConfig(served_model_name=MODEL), shutdown_executor=True)) as client:
+        before = _samples(client.get("/metrics").text)
+        assert before[("jaxllm:engine_blocking_device_reads_total", ())] == 0
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        samples = _samples(client.get("/metrics").text)
+        timing, iterations = executor.call_on_engine(lambda e: (e.timing, e.iteration), timeout=10)
+        executor_timing = executor.timing()["engine"]
+    assert timing.blocking_reads == iterations >= 5  # one read per dispatched step
+    assert samples[("jaxllm:engine_blocking_device_reads_total", ())] == timing.blocking_reads
+    assert samples[("jaxllm:engine_steps_total", ())] == timing.steps
+    for name, total in (
+        ("blocking_device_read_seconds", timing.blocking_read_seconds),
+        ("host_wall_seconds", timing.host_wall_seconds),
+        ("host_cpu_seconds", timing.host_cpu_seconds),
+        ("dispatch_wait_seconds", timing.dispatch_wait_seconds),
+    ):
+        assert samples[(f"jaxllm:engine_{name}_total", ())] == pytest.approx(total)
+    assert timing.host_wall_seconds > 0 and timing.host_cpu_seconds > 0
+    assert executor_timing["blocking_reads"] == timing.blocking_reads

@@ -209,6 +209,10 @@ def engine_host_timing(engine) -> dict[str, Any]:
         "steps": t.steps,
         "host_ms_per_step": t.host_seconds / t.steps * 1e3,
         "device_wait_ms_per_step": t.device_wait_seconds / t.steps * 1e3,
+        # Every device wait excluded (blocking reads and waits inside program calls), and CPU time.
+        "host_wall_ms_per_step": t.host_wall_seconds / t.steps * 1e3,
+        "host_cpu_ms_per_step": t.host_cpu_seconds / t.steps * 1e3,
+        "blocking_reads_per_step": t.blocking_reads / t.steps,
     }
 
 

@@ -146,6 +146,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "integers with one scale per 32 inputs (GGUF Q8_0 / Q4_0 blocks; GGUF files in those types load so)",
     )
     g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights drawn on the devices instead of reading the checkpoint (the model "
+        "directory needs config.json and a tokenizer only): for benchmarks of models whose weights are not here",
+    )
+    g.add_argument(
         "--dequantize-on-load",
         default="auto",
         choices=list(DEQUANTIZE_ON_LOAD),
@@ -396,6 +403,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs: dict[str, Any] = dict(
         dtype=args.dtype,
         quantization=getattr(args, "quantization", None),
+        load_format=getattr(args, "load_format", "auto"),
         fp8_activation_scheme=getattr(args, "fp8_activation_scheme", "dynamic"),
         dequantize_on_load=DEQUANTIZE_ON_LOAD[getattr(args, "dequantize_on_load", "auto")],
         max_batch_size=args.max_batch_size,

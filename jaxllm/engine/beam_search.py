@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from jaxllm.engine.device_reads import all_to_host
 from jaxllm.engine.step_updates import RequestUpdate
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 
@@ -163,7 +164,7 @@ def advance_beams(
     their KV blocks in `kv` (copying shared partial blocks on the device with
     `copy_blocks`), or finish it in `requests`."""
     out = pending.sampler_output
-    top_ids, top_logprobs = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    top_ids, top_logprobs = all_to_host(out.top_ids, out.top_logprobs)
     rows_of: dict[LlmRequest, list[int]] = {}
     for request, row, _ in pending.beam_entries:
         leader = request.beam.requests[0]

@@ -45,6 +45,7 @@ from jaxllm.models.kv_quant import kv_storage_dtype, with_kv_cache_dtype
 from jaxllm.models.mtp import mtp_kv_cache_spec
 from jaxllm.models.partitioning import attention_dp_rules
 from jaxllm.models.quantized_loading import with_dequantize_on_load, with_k_major_fp8, with_quantization
+from jaxllm.models.random_params import random_params
 from jaxllm.models.resolve import resolve_dtype, resolve_model
 from jaxllm.scheduler import make_scheduler
 from jaxllm.speculative_config import DraftTargetDecodingConfig, EagleDecodingConfig, MTPDecodingConfig
@@ -141,6 +142,23 @@ def drafter_bytes_per_token(config: EngineConfig, model_config: ModelConfig, kv_
     return 0
 
 
+def check_dummy_weights(config: EngineConfig, use_mtp: bool, num_slots: Optional[int], ep_size: int) -> None:
+    """Random weights (`load_format="dummy"`) cover the plain layout only: refuse the rest by name."""
+    unsupported = [
+        name
+        for name, used in (
+            ("quantization", config.quantization is not None),
+            ("MTP speculative decoding", use_mtp),
+            ("expert slots (a load balancer or attention data parallelism)", num_slots is not None),
+            ("expert parallelism", ep_size > 1),
+            ("kv_cache_config.calculate_kv_scales", config.kv_cache_config.calculate_kv_scales),
+        )
+        if used
+    ]
+    if unsupported:
+        raise ValueError(f"load_format='dummy' does not support {', '.join(unsupported)}")
+
+
 def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) -> RunnerParts:
     """Load the model onto the mesh and size the KV pool: the runner every process of a run
     builds alike (`leader_session`: the multi-host session this leader opened, if any)."""
@@ -183,15 +201,19 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
     num_slots = balancer.num_slots if balancer else None
     if attention_dp and num_slots is None and model_config.num_experts:
         num_slots = model_config.num_experts
-    params = load_params(
-        model_dir,
-        model_config,
-        mesh=mesh,
-        rules=attention_dp_rules(model_config, mesh) if attention_dp else None,
-        slot_assignments=balancer.initial_global_assignments if balancer else None,
-        num_slots=num_slots,
-        load_mtp=use_mtp,
-    )
+    if config.load_format == "dummy":  # random weights drawn on the devices, no checkpoint read
+        check_dummy_weights(config, use_mtp, num_slots, expert_parallel_size(mesh))
+        params = random_params(model_config, mesh, seed=config.seed)
+    else:
+        params = load_params(
+            model_dir,
+            model_config,
+            mesh=mesh,
+            rules=attention_dp_rules(model_config, mesh) if attention_dp else None,
+            slot_assignments=balancer.initial_global_assignments if balancer else None,
+            num_slots=num_slots,
+            load_mtp=use_mtp,
+        )
     if config.kv_cache_config.calculate_kv_scales:  # FP8 KV scales from a calibration prefill
         if attention_dp:
             raise ValueError("calculate_kv_scales is not supported with attention data parallelism")

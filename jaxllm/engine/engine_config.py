@@ -24,6 +24,7 @@ LIMIT_RANGES = {
 ATTENTION_BACKENDS = ("xla", "pallas", "triton", "mosaic")  # pallas: mosaic on Hopper, triton elsewhere
 MOE_BACKENDS = ("xla", "pallas", "triton", "mosaic", "tokamax")
 PLAN_CHANNELS = ("kv", "collective")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights drawn on the devices
 
 
 @dataclass
@@ -69,6 +70,11 @@ class EngineConfig:
     # "dynamic" (default, as an FP8 deployment runs) quantizes activations per token-group of
     # 128 before each FP8 matmul, "none" multiplies dequantized weights with float activations.
     quantization: Optional[str] = None
+    # Where the weights come from: "auto" the checkpoint in `model`; "dummy" random values drawn
+    # on the devices in the same layout and shardings (`jaxllm.models.random_params`), for
+    # benchmarks of full-size models without their weights (`model` then needs config.json and
+    # a tokenizer only). TensorRT-LLM's `load_format`.
+    load_format: str = "auto"
     fp8_activation_scheme: str = "dynamic"
     # An integer-quantized checkpoint (GGUF, AWQ, GPTQ) loads with its weights dequantized to the
     # model's dtype (True) or kept quantized and dequantized inside each step (False); None: on
@@ -129,6 +135,8 @@ class EngineConfig:
         if isinstance(self.moe_config, dict):
             check_known_fields(MoeConfig, self.moe_config)
             self.moe_config = MoeConfig(**self.moe_config)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in (None, "fp8", "int8", "int4"):
             raise ValueError(f"quantization must be 'fp8', 'int8', 'int4' or None, got {self.quantization!r}")
         if not (self.dequantize_on_load is None or isinstance(self.dequantize_on_load, bool)):

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllm.engine.device_reads import blocking_read
 from jaxllm.engine.host_transfer import put_on_mesh
 from jaxllm.engine.kv_blocks import (
     MIN_BATCH,
@@ -180,13 +181,14 @@ class HostBlockCopier:
     def _land_oldest(self) -> None:
         copy = self._reads.pop(0)
         n = len(copy.rows)
-        for shards, values in zip(self.buffers, copy.arrays):
-            done = set()
-            for shard in values.addressable_shards:
-                key = _shard_key(shard.index, values.shape)
-                if key not in done:
-                    shards[key][copy.rows] = np.asarray(shard.data)[:n]
-                    done.add(key)
+        with blocking_read():  # one batch of blocks, its copies started when it was read
+            for shards, values in zip(self.buffers, copy.arrays):
+                done = set()
+                for shard in values.addressable_shards:
+                    key = _shard_key(shard.index, values.shape)
+                    if key not in done:
+                        shards[key][copy.rows] = np.asarray(shard.data)[:n]
+                        done.add(key)
         self._reading.subtract(copy.rows)
         self._reading += collections.Counter()  # drop zero counts
 

@@ -32,6 +32,7 @@ from jaxllm.engine.admission import (
 from jaxllm.engine.background_compiles import ACTIVITY
 from jaxllm.engine.builder import build_engine
 from jaxllm.engine.compile_ahead import cap_token_budget
+from jaxllm.engine.device_reads import thread_tally
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.engine_programs import build_engine_programs
 from jaxllm.engine.followers import mirror, open_session
@@ -342,7 +343,10 @@ class LLMEngine:
         """Run one iteration; returns the updates of the step whose tokens were read back
         (iterate it for one `RequestUpdate` per request; `StepUpdates.decoded` holds the
         plain decode rows batched)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        reads = thread_tally()
+        reads_before, read_seconds_before = reads.count, reads.seconds
+        dispatch_wait_before = self.timing.dispatch_wait_seconds
         updates = StepUpdates()
         candidates = self._schedulable()
         pending = self._pending
@@ -397,10 +401,15 @@ class LLMEngine:
         elapsed = time.perf_counter() - started
         if self.speculation is not None:  # the previous step's device time is not this step's
             self.speculation.observe(elapsed - drained)
-        waited = self.readback.take_wait_seconds()
-        self.timing.steps += 1
-        self.timing.host_seconds += elapsed - waited
-        self.timing.device_wait_seconds += waited
+        timing = self.timing
+        waited = reads.seconds - read_seconds_before
+        timing.steps += 1
+        timing.step_seconds += elapsed
+        timing.host_cpu_seconds += time.thread_time() - cpu_started
+        timing.blocking_reads += reads.count - reads_before
+        timing.blocking_read_seconds += waited
+        timing.host_seconds += elapsed - waited
+        timing.host_wall_seconds += elapsed - waited - (timing.dispatch_wait_seconds - dispatch_wait_before)
         if self.bucket_compiler is not None:  # idle-time compiles wait while engines are busy
             ACTIVITY.set_busy(self, self.has_unfinished_requests())
         if dispatched is not None:
@@ -467,12 +476,19 @@ class LLMEngine:
             plan = self.sampler_variants.choose(plan)
         balancer = self.load_balancer
         updated_layers = balancer.apply_round(self.runner.params) if balancer is not None else []
-        dispatch_start = time.perf_counter()
+        # Wall minus thread CPU time of the dispatch is time blocked in the runtime (a device
+        # wait inside a program call); reads made inside it are counted as reads instead.
+        reads = thread_tally()
+        read_seconds = reads.seconds
+        dispatch_start, dispatch_cpu = time.perf_counter(), time.thread_time()
         hook = None if logits is None else logits.processor_hook()
         if self.kv_offload is not None:
             self.kv_offload.flush()
         result = self.step_runner.execute(plan) if hook is None else self.step_runner.execute(plan, host_processor=hook)
-        self.timing.dispatch_seconds += time.perf_counter() - dispatch_start
+        dispatch_wall = time.perf_counter() - dispatch_start
+        dispatch_cpu = time.thread_time() - dispatch_cpu
+        self.timing.dispatch_seconds += dispatch_wall
+        self.timing.dispatch_wait_seconds += max(0.0, dispatch_wall - dispatch_cpu - (reads.seconds - read_seconds))
         if spec is not None:
             spec.after_dispatch(plan, output, result.context_logits)
         if self.on_dispatch is not None:

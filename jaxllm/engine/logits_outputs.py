@@ -28,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxllm.batch_builder import choose_token_bucket
+from jaxllm.engine.device_reads import all_to_host
 from jaxllm.engine.logits_processing import host_processor_hook
 from jaxllm.outputs import Logprob
 
@@ -267,12 +268,15 @@ def store_step_logits(
 ) -> None:
     """Copy a finished step's logits outputs to the host and into each request's record.
     `entries` are the step's (request, row, output index) from `Planner.commit`."""
+    context, row_logits = all_to_host(  # one blocking read for both
+        context if targets.context else None, row_logits if targets.generation else None
+    )
     if targets.context and context is not None:
-        host = np.asarray(context)
+        host = context
         for request, start, count, offset in targets.context:
             request.logits_record.store_context(start, host[offset : offset + count])
     if targets.generation and row_logits is not None:
-        host = np.asarray(row_logits)
+        host = row_logits
         index_of_row = {row: index for request, row, index in entries}
         for request, row, offset in targets.generation:
             index = index_of_row.get(row)

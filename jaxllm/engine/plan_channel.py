@@ -276,18 +276,21 @@ class CollectiveChannel:
         self.wait_for: Callable[[], list] = list
 
     def _broadcast(self, payload: Optional[bytes]) -> bytes:
-        import jax
         from jax.experimental.multihost_utils import broadcast_one_to_all
 
-        jax.block_until_ready(self.wait_for())
+        from jaxllm.engine.device_reads import blocking_read, wait_ready
+
+        wait_ready(self.wait_for())
 
         size = np.array([len(payload) if payload is not None else 0], np.int64)
-        size = int(broadcast_one_to_all(size)[0])
+        with blocking_read():  # a collective, read back
+            size = int(broadcast_one_to_all(size)[0])
         bucket = max(self.MIN_BUCKET, 1 << (size - 1).bit_length())
         buffer = np.zeros(bucket, np.uint8)
         if payload is not None:
             buffer[:size] = np.frombuffer(payload, np.uint8)
-        data = np.asarray(broadcast_one_to_all(buffer))
+        with blocking_read():
+            data = np.asarray(broadcast_one_to_all(buffer))
         self.seq += 1
         return data[:size].tobytes()
 

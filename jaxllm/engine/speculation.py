@@ -46,6 +46,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxllm.engine.device_reads import all_to_host
 from jaxllm.engine.draft_model_drafter import DraftModelDrafter
 from jaxllm.engine.draft_policy import DraftPolicy
 from jaxllm.engine.eagle3_drafter import Eagle3Drafter
@@ -483,11 +484,10 @@ class Speculation:
         """Apply a speculative step's verified tokens (see module docstring); `requests`: the
         engine's `RequestTable` (finishes requests that stop)."""
         out = step.output
-        token_ids = np.asarray(out.token_ids).tolist()
-        accepted = np.asarray(out.accepted)
-        logprobs = None
-        if step.wants_logprobs:
-            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        wanted = (out.logprobs, out.top_ids, out.top_logprobs) if step.wants_logprobs else ()
+        host = all_to_host(out.token_ids, out.accepted, *wanted)  # one blocking read
+        token_ids, accepted = host[0].tolist(), host[1]
+        logprobs = host[2:] if step.wants_logprobs else None
         updates: list[RequestUpdate] = []
         drafted = accepted_total = 0
         for (request, _row, index), draft, start in zip(step.entries, step.drafts, step.starts):

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxllm.engine.device_reads import to_host
 from jaxllm.engine.host_transfer import put_on_mesh
 from jaxllm.llm_request import LlmRequest, LlmRequestState
 from jaxllm.models.parallel.attention_dp import stack_batches
@@ -90,11 +91,10 @@ class StepDrafter:
             return 0.0
         started = time.perf_counter()
         drafts, rows = self._run(step)
-        jax.block_until_ready(drafts)
+        host = to_host(drafts)  # the drafts are needed now: one blocking read
         seconds = time.perf_counter() - started
         self.steps_run += 1
         if rows:
-            host = np.asarray(drafts)
             host = host.reshape(-1, host.shape[-1])  # attention DP's [ranks, S, k]: rank-major rows
             self._drafts = {rid: host[row].tolist() for row, rid in rows.items()}
         return seconds

@@ -47,13 +47,61 @@ class StepOutput:
 
 @dataclass
 class EngineTiming:
-    """Where step time goes: host work (scheduling, packing, bookkeeping) vs waiting on the device."""
+    """Where the engine thread's step time goes: host work (scheduling, packing, bookkeeping)
+    vs waiting on the device, totals over `steps` calls of `LLMEngine.step`.
+
+    Every wait is excluded from `host_wall_seconds`, so no device wait can pass for host
+    work, wherever the thread blocks:
+
+    * `blocking_read_seconds`: wall time inside the step's `blocking_reads`, every read of a
+      device value the engine thread made (`jaxllm.engine.device_reads`: the previous step's
+      tokens, logprobs, logits outputs, expert counts, drafts, a processors' future);
+    * `dispatch_wait_seconds`: time the thread was blocked inside the program calls: the
+      dispatch's wall time minus its thread CPU time (`time.thread_time()`), less the reads
+      made inside it. A runtime that reads a device value back while dispatching (XLA on a
+      GPU reading a `while` loop's device-valued predicate every trip) shows up here; so does
+      time the thread was descheduled, on a host whose cores are shared;
+    * `host_wall_seconds` = `step_seconds` - `blocking_read_seconds` - `dispatch_wait_seconds`;
+    * `host_cpu_seconds`: the engine thread's CPU time in the steps, the figure least
+      disturbed by other processes on the cores.
+
+    `host_seconds` (`step_seconds` - `blocking_read_seconds`) still counts dispatch waits,
+    as it always did; `device_wait_seconds` is `blocking_read_seconds` (its old name).
+    """
 
     steps: int = 0
     host_seconds: float = 0.0
-    device_wait_seconds: float = 0.0
     # Part of host_seconds spent handing a step to the runtime (input transfer, program calls).
     dispatch_seconds: float = 0.0
+    step_seconds: float = 0.0
+    host_cpu_seconds: float = 0.0
+    host_wall_seconds: float = 0.0
+    blocking_reads: int = 0
+    blocking_read_seconds: float = 0.0
+    dispatch_wait_seconds: float = 0.0
+
+    @property
+    def device_wait_seconds(self) -> float:
+        """Seconds blocked reading device values back (`blocking_read_seconds`)."""
+        return self.blocking_read_seconds
+
+    def as_dict(self) -> dict:
+        """Totals and per-step means in ms (the `*_ms` keys), for reports and the executor."""
+        steps = max(self.steps, 1)
+        out: dict = {"steps": self.steps, "blocking_reads": self.blocking_reads}
+        for name in (
+            "step_seconds",
+            "host_seconds",
+            "host_wall_seconds",
+            "host_cpu_seconds",
+            "dispatch_seconds",
+            "dispatch_wait_seconds",
+            "blocking_read_seconds",
+        ):
+            out[name] = getattr(self, name)
+            out[name.replace("_seconds", "_ms_per_step")] = getattr(self, name) / steps * 1e3
+        out["blocking_reads_per_step"] = self.blocking_reads / steps
+        return out
 
 
 @dataclass

@@ -11,15 +11,16 @@ adapter slots: `jaxllm.engine.requests.RequestTable`), so this reads back into t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Optional
 
+import jax
 import numpy as np
 
 from jaxllm.engine.beam_search import advance_beams
+from jaxllm.engine.device_reads import all_to_host, blocking_read, to_host
 from jaxllm.engine.logits_outputs import store_step_logits
 from jaxllm.engine.planner import DecodeEntries
 from jaxllm.engine.step_updates import DecodeTokens, RequestUpdate, StepUpdates
@@ -123,25 +124,32 @@ class TokenReadback:
         self.load_balancer = load_balancer
         # Built once per steady decode batch.
         self._decode_stops: Optional[BatchStops] = None
-        self._wait_seconds = 0.0  # waiting for tokens since `take_wait_seconds`
-
-    def take_wait_seconds(self) -> float:
-        """Seconds spent waiting for the device since the previous call."""
-        seconds, self._wait_seconds = self._wait_seconds, 0.0
-        return seconds
 
     def process(self, pending: PendingStep) -> StepUpdates:
-        """The updates of a dispatched step, once its tokens are on the host (waits for them)."""
+        """The updates of a dispatched step, once its tokens are on the host (waits for them).
+        A plain step is one blocking read (`jaxllm.engine.device_reads`): its tokens, with its
+        logprobs and expert counts when it has them; logits outputs and host processors'
+        rows are one more each."""
         requests = self.requests
         out = pending.sampler_output
-        wait_start = time.perf_counter()
-        tokens = np.asarray(out.token_ids)
-        self._wait_seconds += time.perf_counter() - wait_start
+        logprobs = None
+        if pending.wants_logprobs or pending.expert_counts is not None:
+            host = all_to_host(
+                out.token_ids,
+                pending.expert_counts,
+                *((out.logprobs, out.top_ids, out.top_logprobs) if pending.wants_logprobs else ()),
+            )
+            tokens, expert_counts = host[0], host[1]
+            if pending.wants_logprobs:
+                logprobs = host[2:]
+        else:
+            tokens, expert_counts = to_host(out.token_ids), None
         failed_processors = []
         processed = None
         if pending.processed_output is not None:
             try:
-                processed = pending.processed_output.result()
+                with blocking_read():  # the processors' thread samples the rewritten rows; their copy
+                    processed = jax.device_get(pending.processed_output.result())
             except Exception as exc:  # the processors' pass itself failed: its requests only
                 failed_processors += requests.fail(list(pending.processor_requests), exc, "running logits processors")
             else:
@@ -151,8 +159,8 @@ class TokenReadback:
         for request, exc in pending.processor_failures or ():  # the user's callable failed: that request only
             failed_processors += requests.fail([request], exc, "running its logits_processor")
         writer = self.expert_statistics
-        if pending.expert_counts is not None:
-            counts = np.asarray(pending.expert_counts)
+        if expert_counts is not None:
+            counts = expert_counts
             if self.load_balancer is not None:  # per slot: the placement changes while recording
                 counts = self.load_balancer.observe(counts, pending.slot_tables)
             if writer is not None and writer.wants(pending.iteration):
@@ -161,9 +169,7 @@ class TokenReadback:
             writer.save()
         if pending.logits_targets is not None:
             store_step_logits(pending.logits_targets, pending.context_logits, pending.row_logits, pending.entries)
-        logprobs = None
-        if pending.wants_logprobs:
-            logprobs = (np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        if logprobs is not None:
             if processed is not None:  # the processor rows' logprobs are those of their own pass
                 rows = list(pending.processor_rows)
                 logprobs = tuple(np.array(a) for a in logprobs)

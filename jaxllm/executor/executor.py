@@ -459,10 +459,15 @@ class GenerationExecutor:
         return self.call_on_engine(lambda engine: engine.kv_cache_manager.get_kv_cache_stats(), timeout)
 
     def timing(self) -> dict:
-        """Host time per engine iteration and per output batch (for overhead measurements)."""
+        """Host time per engine iteration and per output batch (for overhead measurements);
+        under "engine", the engine's step timing (`EngineTiming.as_dict`: host CPU and wall
+        time without device waits, blocking device reads), read as the engine thread left it."""
         t = self._core.timing.as_dict()
         t["output_batches"] = self.output_batches
         t["mean_output_batch_ms"] = self.output_seconds / max(self.output_batches, 1) * 1e3
+        engine_timing = getattr(self._engine, "timing", None)
+        if hasattr(engine_timing, "as_dict"):
+            t["engine"] = engine_timing.as_dict()
         return t
 
     # ------------------------------------------------------------------ output side

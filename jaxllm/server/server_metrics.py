@@ -7,6 +7,12 @@ end-to-end latency, all from the request's arrival time. Per scrape: running and
 requests and KV cache usage, read from the engine between two steps. Names follow vLLM's
 (`jaxllm:` instead of `vllm:`), so existing dashboards need only the prefix changed.
 
+Where the engine thread's step time goes (`EngineTiming`, `jaxllm.engine.step_output`) is
+mirrored as counters: steps, blocking device reads and the seconds spent in them, and the
+host time with every device wait excluded, in wall and CPU time. A steady decode step
+makes one blocking read (the previous step's tokens); more per step means the engine
+thread waits on the device somewhere the overlap scheduler cannot hide.
+
 The executor hands each iteration's stats out once; `IterationStats` keeps the most recent
 ones in a window, so reading them (GET /v1/iteration_stats) never takes them from another
 reader.
@@ -224,8 +230,39 @@ class ServerMetrics:
             registry=r,
         )
         self._spec_seen: dict = {}
+        # Engine step timing (EngineTiming): engine totals, counted up to on each scrape.
+        self.engine_counters = {
+            field: Counter(name, text, labels, registry=r)
+            for field, name, text in (
+                ("steps", "jaxllm:engine_steps", "Engine steps (iterations of the engine loop)."),
+                (
+                    "blocking_reads",
+                    "jaxllm:engine_blocking_device_reads",
+                    "Blocking reads of device values by the engine thread inside steps.",
+                ),
+                (
+                    "blocking_read_seconds",
+                    "jaxllm:engine_blocking_device_read_seconds",
+                    "Engine-thread wall time inside blocking device reads.",
+                ),
+                (
+                    "dispatch_wait_seconds",
+                    "jaxllm:engine_dispatch_wait_seconds",
+                    "Engine-thread time blocked inside program calls (dispatch wall minus CPU time).",
+                ),
+                (
+                    "host_wall_seconds",
+                    "jaxllm:engine_host_wall_seconds",
+                    "Engine step wall time with every device wait excluded.",
+                ),
+                ("host_cpu_seconds", "jaxllm:engine_host_cpu_seconds", "Engine-thread CPU time inside steps."),
+            )
+        }
+        self._engine_seen: dict[str, float] = {}
         self.model_name = model_name
         self._labels = {"model_name": model_name}
+        for counter in self.engine_counters.values():  # on the page from the first scrape, at 0
+            counter.labels(**self._labels)
 
     def observe(self, results: Iterable[GenerationResult], aborted: Collection[GenerationResult] = ()) -> None:
         """Count released results (call once per result). An unfinished one counts only when
@@ -272,7 +309,11 @@ class ServerMetrics:
             compiles = compile_counts(engine)
             offload = getattr(engine, "kv_offload", None)
             spec = getattr(engine, "speculation", None)
+            timing = getattr(engine, "timing", None)
             return {
+                "timing": None
+                if timing is None
+                else {field: getattr(timing, field, 0) for field in self.engine_counters},
                 "host": None if offload is None else offload.stats(),
                 "spec": None
                 if spec is None
@@ -334,6 +375,18 @@ class ServerMetrics:
             self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(max(0, value - seen.get(key, 0)))
             seen[key] = max(value, seen.get(key, 0))
 
+    def _count_engine_timing(self, totals: dict) -> None:
+        """Count the engine timing counters up to the engine's totals; a total below the last
+        one seen was reset (`LLMEngine.reset_timing`) and counts from zero again."""
+        seen = self._engine_seen
+        for field, counter in self.engine_counters.items():
+            total = totals[field]
+            last = seen.get(field, 0)
+            delta = total - last if total >= last else total
+            if delta > 0:
+                counter.labels(**self._labels).inc(delta)
+            seen[field] = total
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, gauges refreshed now."""
         state = self._engine_state()
@@ -352,4 +405,6 @@ class ServerMetrics:
                 self.compiles_done.labels(**self._labels).set(state["compiles_done"])
             if state.get("spec") is not None:
                 self._count_spec(state["spec"])
+            if state.get("timing") is not None:
+                self._count_engine_timing(state["timing"])
         return generate_latest(self.registry)

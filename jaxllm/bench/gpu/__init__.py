@@ -2,12 +2,13 @@
 
     PYTHONPATH=. python -m jaxllm.bench.gpu --out /tmp/gpu       # on a GPU machine, from a checkout
     jaxllm bench gpu --dry-run --out /tmp/gpu-dry                 # CPU: tiny shapes, interpret mode
+    python -m jaxllm.bench.gpu --out /tmp/g --sections engine --engine-models llama-3-8b  # one model
 
 Sections (each under its own time share and its own `try`; see `report` for the budget):
   env       device, software, backends `auto` picks, measured copy bandwidth and bf16 matmul
   kernels   kernel correctness against the references at real shapes (bf16, NaN-poisoned pages)
   speed     decode attention GB/s and MoE grouped FFN TFLOP/s against the roofline and cost model
-  engine    engine end to end on random-weight models cut to a few layers, Pallas and XLA backends
+  engine    engine end to end on full-size random-weight models, Pallas and XLA backends, with MBU
   numerics  greedy tokens of a seeded tiny float32 model against tokens recorded on CPU
 Writes OUT/gpu_report.json and OUT/gpu_report.md and prints the markdown as it goes.
 Imports nothing of the server (no fastapi, uvicorn or pydantic).
@@ -28,7 +29,14 @@ IMPORTED_AT = time.monotonic()  # the budget counts from here when `main` runs r
 
 import jax  # noqa: E402 - after IMPORTED_AT: importing jax is part of the command's time
 
-from jaxllm.bench.gpu import engine_run, environment, kernel_checks, kernel_speed, numerics  # noqa: E402
+from jaxllm.bench.gpu import (  # noqa: E402
+    engine_plan,
+    engine_run,
+    environment,
+    kernel_checks,
+    kernel_speed,
+    numerics,
+)
 from jaxllm.bench.gpu.report import (  # noqa: E402
     Printer,
     RunOptions,
@@ -71,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(s.key for s in SECTIONS),
     )
     parser.add_argument(
+        "--engine-models",
+        default="",
+        help="engine section: comma-separated models (default: "
+        + ",".join(engine_plan.DEFAULT_MODELS)
+        + "; known: "
+        + ", ".join(engine_plan.MODELS)
+        + "); one per command keeps each command short",
+    )
+    parser.add_argument(
+        "--engine-backends",
+        default="",
+        help="engine section: comma-separated backends (default: " + ",".join(engine_plan.BACKENDS) + ")",
+    )
+    parser.add_argument(
+        "--speed-parts",
+        default="",
+        help="speed section: comma-separated parts (default: all of " + ", ".join(kernel_speed.SPEED_PARTS) + ")",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="CPU: every section at tiny shapes, kernels in interpret mode (timings meaningless)",
@@ -92,6 +119,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
+    selections = {
+        "--engine-models": (args.engine_models, tuple(engine_plan.MODELS)),
+        "--engine-backends": (args.engine_backends, engine_plan.BACKENDS),
+        "--speed-parts": (args.speed_parts, kernel_speed.SPEED_PARTS),
+    }
+    chosen: dict[str, tuple[str, ...]] = {}
+    for flag, (value, known) in selections.items():
+        chosen[flag] = tuple(k.strip() for k in value.split(",") if k.strip())
+        wrong = [k for k in chosen[flag] if k not in known]
+        if wrong:
+            print(f"jaxllm bench gpu: unknown {flag} {', '.join(wrong)}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
     if not args.dry_run and jax.default_backend() != "gpu":
         print(
             f"jaxllm bench gpu: no GPU (jax backend {jax.default_backend()!r}); run on a CUDA machine or pass "
@@ -105,7 +144,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     sections = [s for s in SECTIONS if s.key in keys]
     out_dir = Path(args.out)
     options = RunOptions(
-        dry_run=args.dry_run, interpret=args.dry_run or jax.default_backend() != "gpu", out_dir=out_dir
+        dry_run=args.dry_run,
+        interpret=args.dry_run or jax.default_backend() != "gpu",
+        out_dir=out_dir,
+        engine_models=chosen["--engine-models"],
+        engine_backends=chosen["--engine-backends"],
+        speed_parts=chosen["--speed-parts"],
     )
     printer = Printer()
     printer.line(f"# jaxllm GPU report{' (DRY RUN)' if args.dry_run else ''}")

@@ -1,175 +1,104 @@
-"""Section 4: the engine end to end in bf16 on random-weight models of real shapes, cut to a
-few layers, with the Pallas backends and the XLA backends in the same run.
+"""Section 4: the engine users get, end to end, on full-size random-weight models in bf16, with
+the Pallas backends (what `auto` picks on a GPU) and with the XLA fallback.
 
-For each model and backend one `LLMEngine` is built (weights from a random-weight
-directory, `random_models`), warmed up (every token bucket compiled, greedy sampler), and
-driven on this thread (`jaxllm.bench.throughput.run_engine`: requests admitted up to the
-concurrency, EOS ignored, greedy) at each concurrency with one request per slot. Reported:
-output tokens/s, TTFT and inter-token latency (`jaxllm.bench.request_metrics.summarize`), host
-ms per step and device idle between steps (`jaxllm.bench.host_overhead.DeviceWatcher`:
-time from one step's device work ending to the next forward being enqueued), compiles
-during the timed runs, warm-up time with the time each compiled piece became ready
-(token buckets compile on the engine's compile threads, so these are completion times,
-not per-bucket compile times when several compile at once) and the mean compile seconds
-per program; the weight bytes and KV cache bytes the engine allocated next to the
-device's peak memory in use (`memory_stats`; a process-wide peak, so it also covers
-earlier sections: the bytes in use after the build are given too).
+Models, limits and the time estimate are in `engine_plan`. For each model and backend one
+`LLMEngine` is built normally from a directory holding config.json and a tokenizer, its
+weights drawn on the device (`load_format="dummy"`), warmed up (every bucket compiled, greedy
+sampler), and driven on this thread (requests admitted up to the concurrency, EOS ignored,
+greedy) at each concurrency with one request per slot. Reported per run: output tokens/s,
+TTFT, inter-token latency, compiles during the run; per step (`engine_steps`): host CPU ms,
+host wall ms outside device waits, dispatch ms, blocking device reads, device busy ms, device
+idle ms and its share of the run, and on the decode-only steps the device ms, the GB a step
+must read, MBU and FLOP utilisation (`step_roofline`). Per build: weight-drawing and warm-up
+time, when each compiled program became ready, weight and KV bytes next to device memory in
+use. A goals table closes the section (decode MBU and inter-token latency at concurrency 1,
+idle share and host against device time at concurrency 256).
 
-Models on a GPU: Llama-3-8B with 4 layers, Qwen3-30B-A3B with 4 layers, DeepSeek-V3 with
-2 layers (both MLA; the first dense, the second MoE with its 256 routed experts cut to
-32). The dry run runs one tiny MoE model the same way.
+Time: each model gets an equal share of what is left; the Pallas build runs first, then the
+XLA one. A case runs only when its estimate (the previous case's measured time scaled by the
+plan's estimate, `engine_plan.estimate_s`) fits twice its share of the time left, and it is
+cut at its share (the row says so; its per-step numbers cover the steps that ran).
+
+The dry run: one tiny MoE model, both backends (Pallas in interpret mode), tiny shapes.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import json
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from jaxllm.bench.dataset import BenchRequest
-from jaxllm.bench.gpu.random_models import write_model_dir
-from jaxllm.bench.gpu.report import SectionContext, Table
+from jaxllm.bench.gpu import engine_steps
+from jaxllm.bench.gpu.engine_plan import EngineModel, EnginePlan, estimate_s, plan
+from jaxllm.bench.gpu.environment import ceilings_of
+from jaxllm.bench.gpu.report import OutOfTime, SectionContext, Table
+from jaxllm.bench.gpu.step_roofline import step_roofline
 from jaxllm.bench.host_overhead import DeviceWatcher
-from jaxllm.bench.request_metrics import counting_compiles, summarize
-from jaxllm.bench.throughput import run_engine
+from jaxllm.bench.kernel_timing import Ceilings
+from jaxllm.bench.request_metrics import RequestRecord, counting_compiles, summarize
+from jaxllm.bench.throughput import request_params
+from jaxllm.models.presets import materialize_preset
 
-
-@dataclass(frozen=True)
-class EngineModel:
-    name: str
-    hf_config: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    models: tuple[EngineModel, ...]
-    backends: tuple[str, ...]
-    concurrencies: tuple[int, ...]
-    input_len: int
-    output_len: int
-    max_num_tokens: int
-    tokens_per_block: int
-
-
-_ROPE = {
-    "rope_theta": 500000.0,
-    "rope_scaling": None,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-LLAMA_3_8B = EngineModel(
-    "Llama-3-8B (4 layers)",
-    {
-        **_ROPE,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 8192,
-        "attention_bias": False,
-    },
+BUILD_COLUMNS = (
+    "estimate_s",
+    "load_s",
+    "warmup_s",
+    "programs",
+    "mean_compile_s",
+    "ready_at_s",
+    "weights_gb",
+    "kv_cache_gb",
+    "in_use_after_build_gb",
 )
-QWEN3_30B_A3B = EngineModel(
-    "Qwen3-30B-A3B (4 layers)",
-    {
-        **_ROPE,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-    },
+RUN_COLUMNS = (
+    "concurrency",
+    "estimate_s",
+    "seconds",
+    "output_tok_s",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "compiles",
+    "peak_gb",
+    "note",
 )
-DEEPSEEK_V3 = EngineModel(
-    "DeepSeek-V3 (2 MLA layers: 1 dense + 1 MoE, 32 of 256 experts)",
-    {
-        **_ROPE,
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-        "n_routed_experts": 32,
-        "num_experts_per_tok": 8,
-        "n_group": 8,
-        "topk_group": 4,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-    },
+STEP_COLUMNS = (
+    "concurrency",
+    "steps",
+    "host_cpu_ms",
+    "host_wall_ms",
+    "dispatch_ms",
+    "blocking_reads",
+    "device_ms",
+    "idle_ms",
+    "idle_pct",
+    "decode_device_ms",
+    "decode_rows",
+    "step_gb",
+    "mbu_pct",
+    "flop_util_pct",
 )
-TINY_MOE = EngineModel(
-    "tiny Qwen3-MoE (1 layer)",
-    {
-        **_ROPE,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "max_position_embeddings": 512,
-        "attention_bias": False,
-    },
-)
+GOAL_COLUMNS = ("model", "backend", "goal", "target", "value", "met")
+MBU_GOAL = 0.8  # decode at concurrency 1: share of the bandwidth bound
+IDLE_GOAL = 0.05  # concurrency 256: device idle share of the run
 
 
-def plan(dry_run: bool) -> EnginePlan:
-    if dry_run:
-        return EnginePlan((TINY_MOE,), ("pallas", "xla"), (1, 4), 8, 4, 16, 16)
-    return EnginePlan((LLAMA_3_8B, QWEN3_30B_A3B, DEEPSEEK_V3), ("pallas", "xla"), (1, 16, 64, 256), 128, 64, 2048, 16)
+def _gb(n: Any) -> Any:
+    return None if n is None else n / 1e9
+
+
+def _pct(x: Any) -> Any:
+    return None if x is None else 100.0 * x
 
 
 def _tree_bytes(tree: Any) -> int:
@@ -182,6 +111,16 @@ def _memory() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - CPU devices may report nothing
         stats = {}
     return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def write_config_dir(directory: Path, model: EngineModel) -> Path:
+    """config.json and the tiny presets' tokenizer: all a dummy-weights engine reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = materialize_preset("tiny-dense")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    (directory / "config.json").write_text(json.dumps(model.hf_config, indent=1, sort_keys=True))
+    return directory
 
 
 def _requests(count: int, input_len: int, output_len: int, vocab: int, seed: int) -> list[BenchRequest]:
@@ -200,23 +139,25 @@ def build_engine(model_dir: Path, backend: str, p: EnginePlan) -> tuple[Any, dic
     from jaxllm.engine.engine_config import EngineConfig
     from jaxllm.engine.llm_engine import LLMEngine
 
-    max_batch = max(p.concurrencies)
-    max_seq_len = -(-(p.input_len + p.output_len) // p.tokens_per_block) * p.tokens_per_block
     config = EngineConfig(
         model=str(model_dir),
         dtype="bfloat16",
-        max_batch_size=max_batch,
+        load_format="dummy",
+        max_batch_size=p.max_batch_size,
         max_num_tokens=p.max_num_tokens,
-        max_seq_len=max_seq_len,
+        min_token_bucket=p.min_token_bucket,
+        decode_batch_sizes=list(p.decode_batch_sizes),
+        max_seq_len=p.max_seq_len,
         attention_backend=backend,
         moe_backend=backend,
         compile_cache=False,
         kv_cache_config=KvCacheConfig(
-            tokens_per_block=p.tokens_per_block, max_tokens=max_batch * max_seq_len, enable_block_reuse=False
+            tokens_per_block=p.tokens_per_block, max_tokens=p.max_batch_size * p.max_seq_len, enable_block_reuse=False
         ),
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
+    jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - start
     ready: list[float] = []
     warm_start = time.perf_counter()
@@ -238,91 +179,113 @@ def build_engine(model_dir: Path, backend: str, p: EnginePlan) -> tuple[Any, dic
     return engine, facts
 
 
-def measure(engine: Any, concurrency: int, p: EnginePlan, seed: int) -> dict[str, Any]:
+def drive(engine: Any, requests: list[BenchRequest], concurrency: int, deadline: float) -> tuple[list, bool]:
+    """`jaxllm.bench.throughput.run_engine` with a deadline: (records, whether it was cut). A cut
+    run's unfinished requests are aborted, so the engine is empty for the next run."""
+    pending = list(enumerate(requests))[::-1]
+    records: dict[int, RequestRecord] = {}
+    by_rid: dict[int, int] = {}
+    in_flight = 0
+    cut = False
+    while pending or in_flight:
+        if time.monotonic() > deadline:
+            cut = True
+            break
+        while pending and in_flight < concurrency:
+            i, request = pending.pop()
+            records[i] = RequestRecord(input_tokens=len(request.input_ids), start=time.perf_counter())
+            by_rid[engine.add_request(request.input_ids, request_params(request, False)).request_id] = i
+            in_flight += 1
+        updates = engine.step()
+        now = time.perf_counter()
+        for u in updates:
+            i = by_rid.get(u.request.request_id)
+            if i is None:
+                continue
+            record = records[i]
+            if u.new_token_ids:
+                record.output_tokens += len(u.new_token_ids)
+                record.chunk_times.append(now)
+                if record.first_token is None:
+                    record.first_token = now
+            if u.finished:
+                record.end = now
+                in_flight -= 1
+    if cut:
+        for rid, i in by_rid.items():
+            if records[i].end is None:
+                engine.abort_request(rid)
+        for _ in range(8):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+    return [records[i] for i in sorted(records)], cut
+
+
+def measure(
+    engine: Any, concurrency: int, p: EnginePlan, roof: Any, ceil: Ceilings, deadline: float, seed: int
+) -> dict[str, Any]:
+    """One timed run: request metrics, per-step host and device numbers, decode utilisation."""
     requests = _requests(concurrency, p.input_len, p.output_len, engine.model_config.vocab_size, seed)
-    engine.reset_timing()
+    before, first_iteration = engine_steps.timing_snapshot(engine.timing), engine.iteration
     watcher = DeviceWatcher()
     engine.on_dispatch = watcher
-    with counting_compiles() as compiles:
-        start = time.perf_counter()
-        records = run_engine(engine, requests, concurrency=concurrency, detokenize=False, progress=False)
-        wall = time.perf_counter() - start
-    engine.on_dispatch = None
-    watcher.close()
-    gaps = watcher.idle_gaps()
+    try:
+        with counting_compiles() as compiles:
+            start = time.perf_counter()
+            records, cut = drive(engine, requests, concurrency, deadline)
+            wall = time.perf_counter() - start
+    finally:
+        engine.on_dispatch = None
+        watcher.close()
+    host = engine_steps.per_step_host(before, engine_steps.timing_snapshot(engine.timing))
+    stats = [s for s in engine.iteration_stats if s["iter"] > first_iteration]
+    busy = engine_steps.device_busy(watcher.enqueued, watcher.finished)
+    aligned = len(stats) == len(watcher.enqueued)
+    decode = engine_steps.decode_utilisation(
+        engine_steps.decode_steps(stats, busy) if aligned else [], roof, ceil.bytes_per_s, ceil.flops_per_s
+    )
     summary = summarize(records, wall_time=wall)
-    t = engine.timing
+    produced = sum(r.output_tokens for r in records)
+    notes = []
+    if cut:
+        notes.append(f"cut at its time share: {sum(r.end is not None for r in records)}/{len(records)} done")
+    if not aligned:
+        notes.append(f"{len(stats)} step statistics for {len(watcher.enqueued)} steps: no decode columns")
     return dict(
         concurrency=concurrency,
         requests=len(records),
-        failed=summary["num_failed"],
+        failed=0 if cut else summary["num_failed"],
+        cut=cut,
         seconds=wall,
-        output_tok_s=summary["output_token_throughput"],
+        output_tok_s=produced / wall if wall else None,
         ttft_ms_p50=summary["ttft_ms"]["p50"],
         ttft_ms_p90=summary["ttft_ms"]["p90"],
         itl_ms_p50=summary["itl_ms"]["p50"],
         itl_ms_p90=summary["itl_ms"]["p90"],
-        steps=t.steps,
-        host_ms_per_step=1e3 * t.host_seconds / max(1, t.steps),
-        idle_ms_per_step=1e3 * sum(gaps) / max(1, len(gaps)),
-        idle_share=sum(gaps) / wall if wall else None,
         compiles_during_run=len(compiles),
         memory=_memory(),
+        note="; ".join(notes),
+        **host,
+        **engine_steps.per_step_device(watcher.enqueued, watcher.finished, wall),
+        **decode,
     )
 
 
-BUILD_COLUMNS = (
-    "load_s",
-    "warmup_s",
-    "buckets",
-    "programs",
-    "mean_compile_s",
-    "ready_at_s",
-    "weights_gb",
-    "kv_cache_gb",
-    "in_use_after_build_gb",
-)
-RUN_COLUMNS = (
-    "concurrency",
-    "output_tok_s",
-    "ttft_ms_p50",
-    "ttft_ms_p90",
-    "itl_ms_p50",
-    "itl_ms_p90",
-    "host_ms_per_step",
-    "idle_ms_per_step",
-    "compiles",
-    "peak_gb",
-    "weights_plus_kv_gb",
-)
-
-
-def _gb(n: Any) -> Any:
-    return None if n is None else n / 1e9
-
-
-def run_model(ctx: SectionContext, model: EngineModel, p: EnginePlan, work: Path) -> None:
-    start = time.perf_counter()
-    model_dir = write_model_dir(work / model.name.split()[0], model.hf_config, seed=0)
-    write_s = time.perf_counter() - start
-    for backend in p.backends:
-        ctx.check_time(f"{model.name} with {backend}")
-        ctx.run_case(
-            f"{model.name} with {backend}", functools.partial(run_backend, ctx, model, backend, p, model_dir, write_s)
-        )
-
-
 def run_backend(
-    ctx: SectionContext, model: EngineModel, backend: str, p: EnginePlan, model_dir: Path, write_s: float
+    ctx: SectionContext, model: EngineModel, backend: str, p: EnginePlan, model_dir: Path, ceil: Ceilings
 ) -> None:
+    roof = step_roofline(model.config(), "bfloat16")
+    estimate = estimate_s(model, backend, p, ceil.bytes_per_s, ceil.flops_per_s)
     engine, facts = build_engine(model_dir, backend, p)
+    label = f"{model.name}, {backend} backends (attention {facts['attention_backend']}, MoE {facts['moe_backend']})"
+    step_rows: list[dict[str, Any]] = []  # printed as a table after the runs (tables print as they grow)
     try:
-        ctx.data.setdefault("builds", []).append(dict(model=model.name, backend=backend, write_s=write_s, **facts))
-        label = f"{model.name}, {backend} backends (attention {facts['attention_backend']}, MoE {facts['moe_backend']})"
+        ctx.data.setdefault("builds", []).append(dict(model=model.name, backend=backend, **facts))
         ctx.table(f"{label}: build", BUILD_COLUMNS).add(
+            estimate_s=estimate.build_s,
             load_s=facts["load_s"],
             warmup_s=facts["warmup_s"],
-            buckets=" ".join(map(str, facts["token_buckets"])),
             programs=facts["programs"],
             mean_compile_s=facts["mean_compile_s"],
             ready_at_s=" ".join(map(str, facts["ready_at_s"])),
@@ -331,40 +294,130 @@ def run_backend(
             in_use_after_build_gb=_gb(facts["memory_after_build"]["bytes_in_use"]),
         )
         runs: Table = ctx.table(f"{label}: runs ({p.input_len} in / {p.output_len} out tokens, greedy)", RUN_COLUMNS)
-        for concurrency in p.concurrencies:
+        scale: Optional[float] = None  # measured / estimated seconds of the last case that ran whole
+        for i, concurrency in enumerate(p.concurrencies):
             ctx.check_time(f"{model.name} {backend} concurrency {concurrency}")
-            row = measure(engine, concurrency, p, seed=concurrency)
-            ctx.data.setdefault("runs", []).append(dict(model=model.name, backend=backend, **row))
+            share = ctx.time_left() / (len(p.concurrencies) - i)
+            expected = estimate.run_s[concurrency] * (scale if scale is not None else 1.0)
+            if scale is not None and expected > 2 * share:
+                runs.add(concurrency=concurrency, estimate_s=expected, note=f"not run: {share:.0f} s share")
+                continue
+            row = measure(engine, concurrency, p, roof, ceil, time.monotonic() + share, seed=concurrency)
+            if not row["cut"]:
+                scale = row["seconds"] / max(1e-9, estimate.run_s[concurrency])
+            ctx.data.setdefault("runs", []).append(dict(model=model.name, backend=backend, estimate_s=expected, **row))
             runs.add(
-                concurrency=concurrency,
-                output_tok_s=row["output_tok_s"],
-                ttft_ms_p50=row["ttft_ms_p50"],
-                ttft_ms_p90=row["ttft_ms_p90"],
-                itl_ms_p50=row["itl_ms_p50"],
-                itl_ms_p90=row["itl_ms_p90"],
-                host_ms_per_step=row["host_ms_per_step"],
-                idle_ms_per_step=row["idle_ms_per_step"],
-                compiles=row["compiles_during_run"],
-                peak_gb=_gb(row["memory"]["peak_bytes_in_use"]),
-                weights_plus_kv_gb=_gb(facts["weight_bytes"] + facts["kv_cache_bytes"]),
+                **{
+                    **{k: row.get(k) for k in RUN_COLUMNS},
+                    "estimate_s": expected,
+                    "compiles": row["compiles_during_run"],
+                    "peak_gb": _gb(row["memory"]["peak_bytes_in_use"]),
+                }
+            )
+            step_rows.append(
+                {
+                    **{k: row.get(k) for k in STEP_COLUMNS},
+                    "idle_pct": _pct(row["idle_share"]),
+                    "mbu_pct": _pct(row["mbu"]),
+                    "flop_util_pct": _pct(row["flop_util"]),
+                }
             )
     finally:
+        if step_rows:
+            steps = ctx.table(f"{label}: per step (decode columns: decode-only steps)", STEP_COLUMNS)
+            for step_row in step_rows:
+                steps.add(**step_row)
         engine.close()
         del engine
         gc.collect()  # the next engine's KV budget counts on this one's buffers being freed
 
 
+def goal_rows(runs: list[dict[str, Any]], copy_bytes_per_s: float, bound_gb: dict[str, float]) -> list[dict]:
+    """The engine goals per model and backend: MBU and inter-token latency at concurrency 1
+    (the latency target is the bandwidth bound over the MBU goal), idle share and host CPU
+    against device time per step at concurrency 256."""
+    rows = []
+    for r in runs:
+        model, backend, c = r["model"], r["backend"], r["concurrency"]
+        if c == 1 and r.get("mbu") is not None:
+            rows.append(
+                dict(goal="decode MBU, concurrency 1", target=f">= {100 * MBU_GOAL:.0f}%", value=_pct(r["mbu"]))
+            )
+            rows[-1].update(met=r["mbu"] >= MBU_GOAL, model=model, backend=backend)
+            bound_ms = 1e3 * bound_gb[model] * 1e9 / copy_bytes_per_s
+            target = bound_ms / MBU_GOAL
+            rows.append(dict(goal="ITL p50 ms, concurrency 1", target=f"<= {target:.2f}", value=r["itl_ms_p50"]))
+            rows[-1].update(met=r["itl_ms_p50"] is not None and r["itl_ms_p50"] <= target, model=model, backend=backend)
+        if c == max(run["concurrency"] for run in runs) and c > 1:
+            idle = r.get("idle_share")
+            rows.append(
+                dict(goal=f"device idle, concurrency {c}", target=f"<= {100 * IDLE_GOAL:.0f}%", value=_pct(idle))
+            )
+            rows[-1].update(met=None if idle is None else idle <= IDLE_GOAL, model=model, backend=backend)
+            cpu, device = r.get("host_cpu_ms"), r.get("device_ms")
+            rows.append(
+                dict(
+                    goal=f"host CPU ms per step, concurrency {c}", target=f"< device ms ({device and round(device, 2)})"
+                )
+            )
+            rows[-1].update(
+                value=cpu, met=None if cpu is None or device is None else cpu < device, model=model, backend=backend
+            )
+    return rows
+
+
 def run(ctx: SectionContext) -> None:
-    p = plan(ctx.options.dry_run)
+    opts = ctx.options
+    p = plan(opts.dry_run, opts.engine_models, opts.engine_backends)
+    ceil = ceilings_of(ctx)
     ctx.data.update(
         input_len=p.input_len,
         output_len=p.output_len,
         max_num_tokens=p.max_num_tokens,
+        min_token_bucket=p.min_token_bucket,
+        decode_batch_sizes=list(p.decode_batch_sizes),
         tokens_per_block=p.tokens_per_block,
         concurrencies=list(p.concurrencies),
+        copy_bytes_per_s=ceil.bytes_per_s,
+        matmul_flops_per_s=ceil.flops_per_s,
         models={m.name: m.hf_config for m in p.models},
     )
-    with tempfile.TemporaryDirectory(prefix="jaxllm-bench-gpu-") as tmp:
-        for model in p.models:
-            ctx.check_time(model.name)
-            run_model(ctx, model, p, Path(tmp))
+    estimates = ctx.table(
+        "Plan: estimated seconds (engine_plan.estimate_s; a rough roofline)",
+        ("model", "backend", "build_s", *(f"c{c}_s" for c in p.concurrencies), "total_s"),
+    )
+    bound_gb: dict[str, float] = {}
+    ran_out: list[str] = []
+    for model in p.models:
+        bound_gb[model.name] = step_roofline(model.config(), "bfloat16").decode_bytes(1, p.input_len) / 1e9
+        for backend in p.backends:
+            e = estimate_s(model, backend, p, ceil.bytes_per_s, ceil.flops_per_s)
+            estimates.add(
+                model=model.name,
+                backend=backend,
+                build_s=e.build_s,
+                total_s=e.total_s,
+                **{f"c{c}_s": e.run_s[c] for c in p.concurrencies},
+            )
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxllm-bench-gpu-") as tmp:
+            for i, model in enumerate(p.models):
+                ctx.check_time(model.name)
+                model_dir = write_config_dir(Path(tmp) / model.key, model)
+                with ctx.share(1.0 / (len(p.models) - i)):
+                    try:
+                        for backend in p.backends:
+                            ctx.check_time(f"{model.name} with {backend}")
+                            ctx.run_case(
+                                f"{model.name} with {backend}",
+                                functools.partial(run_backend, ctx, model, backend, p, model_dir, ceil),
+                            )
+                    except OutOfTime as e:  # this model's share is used up; the next model has its own
+                        ran_out.append(f"{model.name}: {e}")
+                        ctx.note(ran_out[-1])
+    finally:
+        goals = ctx.table("Goals", GOAL_COLUMNS)
+        for row in goal_rows(ctx.data.get("runs", []), ceil.bytes_per_s, bound_gb):
+            goals.add(**row)
+    if ran_out:  # the section's status says it did not run everything
+        raise OutOfTime("; ".join(ran_out))

@@ -35,6 +35,7 @@ from jaxllm.bench import kernels as kbench
 from jaxllm.bench import kernels_quant
 from jaxllm.bench.gpu.environment import ceilings_of
 from jaxllm.bench.gpu.report import SectionContext, Table
+from jaxllm.models.backends import gpu_kernel_flavour
 from pallas_kernels import cost_model, cost_model_mosaic, cost_model_quant
 
 LLAMA_ATTENTION = cost_model.AttentionShape("Llama-3-8B", 32, 8, 128)
@@ -45,6 +46,8 @@ MOE_SHAPES = (
 )
 TINY_MOE = cost_model.MoeShape("tiny", 8, 2, 64, 96)
 TPB = 16
+SPEED_PARTS = ("attention", "moe", "quant")  # what --speed-parts selects
+MOE_MATMUL_GOAL = 60.0  # % of the dense bf16 matmul at the largest token count
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,47 @@ def quant_speed(table: Table, s: kbench.Settings, ceil: kbench.Ceilings, bench: 
         )
 
 
+def default_flavour(interpret: bool) -> str:
+    """The Pallas kernels `auto` runs here: Mosaic GPU on Hopper, else Triton."""
+    return "triton" if interpret or jax.default_backend() != "gpu" else gpu_kernel_flavour(jax.devices()[0])
+
+
+def goal_rows(attention: list[dict], moe: list[dict], flavour: str) -> list[dict]:
+    """The kernel goals from the tables' rows: the default Pallas decode attention at or above
+    JAX's `paged_attention` at every batch and context; the default grouped FFN at
+    `MOE_MATMUL_GOAL`% of the dense matmul at its largest token count, and ahead of
+    `lax.ragged_dot` at the largest count ragged_dot ran."""
+    rows = []
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in attention:
+        by_case.setdefault((r["batch"], r["context"]), {})[r["impl"]] = r
+    for (batch, context), impls in sorted(by_case.items()):
+        ours = impls.get(flavour, {}).get("gb_s")
+        peer = next((r.get("gb_s") for impl, r in impls.items() if "paged_attention" in impl), None)
+        met = None if ours is None or peer is None or ours != ours or peer != peer else ours >= peer
+        case = f"batch {batch} context {context} ({flavour})"
+        rows.append(dict(goal="decode attention GB/s", case=case, target=f">= paged_attention {peer}", value=ours))
+        rows[-1]["met"] = met
+    grouped = "mosaic" if flavour == "mosaic" else "triton"
+    for model in dict.fromkeys(r["model"] for r in moe):
+        mine = {r["tokens"]: r for r in moe if r["model"] == model and r["impl"] == grouped}
+        ragged = {r["tokens"]: r for r in moe if r["model"] == model and r["impl"] == "jax.lax.ragged_dot x3"}
+        if mine:
+            tokens = max(mine)
+            value = mine[tokens].get("pct_matmul")
+            rows.append(dict(goal="MoE grouped FFN % of dense matmul", case=f"{model} {tokens} tokens ({grouped})"))
+            rows[-1].update(
+                target=f">= {MOE_MATMUL_GOAL:.0f}", value=value, met=None if value is None else value >= MOE_MATMUL_GOAL
+            )
+        timed = [t for t, r in ragged.items() if r.get("ms") is not None and t in mine]
+        if timed:
+            tokens = max(timed)
+            speedup = ragged[tokens]["ms"] / mine[tokens]["ms"] if mine[tokens].get("ms") else None
+            rows.append(dict(goal="MoE grouped FFN speed-up over ragged_dot", case=f"{model} {tokens} tokens"))
+            rows[-1].update(target="> 1 (well ahead)", value=speedup, met=None if speedup is None else speedup > 1)
+    return rows
+
+
 def run(ctx: SectionContext) -> None:
     ceil = ceilings_of(ctx)
     p = plan(ctx.options.dry_run)
@@ -264,8 +308,9 @@ def run(ctx: SectionContext) -> None:
         f"{p.attention_shape.num_kv_heads} kv heads, head_dim {p.attention_shape.head_dim}, bf16)",
         ("batch", "context", "impl", "ms", "gb_s", "pct_copy_bw", "model_ms", "pct_of_model", "rel_err", "note"),
     )
-    with ctx.share(0.45):  # the rest for MoE
-        for batch, context in p.attention:
+    parts = set(ctx.options.speed_parts or SPEED_PARTS)
+    with ctx.share(0.45 if parts - {"attention"} else 1.0):  # the rest for MoE
+        for batch, context in p.attention if "attention" in parts else ():
             ctx.check_time("the next attention case")
             ctx.run_case(
                 f"attention batch {batch} context {context}",
@@ -287,8 +332,8 @@ def run(ctx: SectionContext) -> None:
             "note",
         ),
     )
-    with ctx.share(0.7):  # the rest for the quantized-weight kernels
-        for shape in p.moe_shapes:
+    with ctx.share(0.7 if "quant" in parts else 1.0):  # the rest for the quantized-weight kernels
+        for shape in p.moe_shapes if "moe" in parts else ():
             for tokens in p.moe_tokens:
                 ctx.check_time("the next MoE case")
                 ctx.run_case(
@@ -303,8 +348,13 @@ def run(ctx: SectionContext) -> None:
         gemms = sorted(gemms, key=lambda c: c.m)
     steps = [(f"quantized matmul {c.name} {c.kind} M={c.m}", kernels_quant.bench_quantized_matmul, c) for c in gemms]
     steps += [(f"moe fp8 {c.name} T={c.num_tokens}", kernels_quant.bench_moe_fp8, c) for c in moes]
+    if "quant" not in parts:
+        steps = []
     for name, bench, case in steps:
         ctx.check_time("the next quantized-weight case")
         ctx.run_case(name, functools.partial(quant_speed, quant, s, ceil, bench, case))
+    goals = ctx.table("Goals", ("goal", "case", "target", "value", "met"))
+    for row in goal_rows(attention.rows, moe.rows, default_flavour(ctx.options.interpret)):
+        goals.add(**row)
     failed = [r for r in s.rows if r.note.startswith("failed")]
     ctx.data["failed_runs"] = [f"{r.kernel} {r.case} {r.impl}: {r.note}" for r in failed]

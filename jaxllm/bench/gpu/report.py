@@ -151,11 +151,15 @@ class Table:
 
 @dataclass
 class RunOptions:
-    """What every section is told: dry run (CPU, tiny shapes, interpret mode) or not."""
+    """What every section is told: dry run (CPU, tiny shapes, interpret mode) or not, and the
+    parts of the engine and speed sections asked for (empty: their defaults)."""
 
     dry_run: bool
     interpret: bool
     out_dir: Path
+    engine_models: tuple[str, ...] = ()
+    engine_backends: tuple[str, ...] = ()
+    speed_parts: tuple[str, ...] = ()
 
 
 class SectionContext:
