@@ -26,6 +26,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxllm.engine.device_reads import blocking_read
+
 _lock = threading.Lock()
 _server: Any = None
 _server_host: Optional[str] = None
@@ -116,7 +118,8 @@ def pull_chunks(
 
     waiter = threading.Thread(target=wait, name="jaxllm-kv-pull", daemon=True)
     waiter.start()
-    waiter.join(timeout)
+    with blocking_read():  # this thread waits for the device transfer
+        waiter.join(timeout)
     if waiter.is_alive():
         poison = getattr(connection, "_poison_connection", None)  # JAX's only way to end a waiting pull
         if poison is not None:

@@ -17,6 +17,12 @@ tokens of step N are read back, so the device never waits on Python: a generatio
 request whose previous token is still on the device carries a placeholder on the host
 and the step reads the real token from the previous step's output. Stops are therefore
 seen one step late; the extra token is discarded.
+
+Each step's time is split in `self.timing` (`EngineTiming`): every read of a device value
+goes through `jaxllm.engine.device_reads`, which counts and times it, and the time the
+thread was blocked inside the program calls (their wall minus CPU time) is measured at the
+dispatch, so host time excludes every device wait and a step that makes more than its one
+read of the previous step's tokens shows in `blocking_reads`.
 """
 
 from __future__ import annotations
