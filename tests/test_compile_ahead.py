@@ -123,8 +123,7 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
         assert engine.decode_bucket() == 16
         assert engine.bucket_compiler.ready == [16, 64] and engine.bucket_compiler.deferred == [32]
         assert engine.decode_compiler.ready == [1, 2] and engine.decode_compiler.deferred == [4]
-        # Each of the 4 forwards with its fused-argmax variant (greedy-only steps'): 9 forwards.
-        assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (9, 4)
+        assert (engine.runner.num_forward_variants, engine.runner.num_sampler_variants) == (5, 4)
         assert engine.runner.compiles_in_flight == 0
 
         # First step: 10 + 3 x 2 prompt tokens in 16, then decoding steps of 4 rows, whose
@@ -141,7 +140,7 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
             busy_forwards.add(engine.runner.num_forward_variants)
             busy_in_flight.add(engine.runner.compiles_in_flight)
             engine.step()
-        assert busy_forwards == {9} and busy_in_flight == {0}  # nothing compiled while busy
+        assert busy_forwards == {5} and busy_in_flight == {0}  # nothing compiled while busy
         assert engine.bucket_compiler.padded_steps == 0 and engine.runner.steps_per_bucket[16] == 6
         assert engine.runner.num_sampler_variants == 4 and engine.sampler_variants.general_steps == 6
         for prompt, request in zip(prompts[:3], requests):
@@ -154,15 +153,14 @@ def test_background_warm_up_compiles_what_a_lone_user_needs_and_the_rest_when_id
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         engine.close()
-    assert engine.runner.num_forward_variants == 11
-    # 11 forwards (one with context logits, 4 fused-argmax variants of the warm-up's; no greedy
-    # step ran in bucket 32 or decode bucket 4, so theirs never compile), 5 samplers (greedy, the sampled request's, the
+    assert engine.runner.num_forward_variants == 7
+    # 7 forwards (one with context logits), 5 samplers (greedy, the sampled request's, the
     # general one of 4, 1 and 2 rows: decode bucket 4 shares the token buckets' rows), the
     # (empty) KV block copy, the slices
     # of a token bucket's first 1 and 2 rows (its sampler's live rows) and the row gathers and
     # scatters of 1, 2 and 4 rows (generation logits, host processors), each compiled once.
     assert engine.runner.num_sampler_variants == 5
-    assert len(compiles) == 25, f"{len(compiles)} XLA compilations for 25 programs"
+    assert len(compiles) == 21, f"{len(compiles)} XLA compilations for 21 programs"
 
 
 def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
@@ -175,18 +173,18 @@ def test_llm_warms_up_in_the_background_and_compiles_the_rest_once_idle(qwen3):
         def state(e):
             return e.bucket_compiler.ready, e.runner.num_forward_variants, e.runner.num_sampler_variants
 
-        assert llm.executor.call_on_engine(state) == ([16, 64], 9, 4)  # 4 fused-argmax variants
+        assert llm.executor.call_on_engine(state) == ([16, 64], 5, 4)
         # No request comes: after EngineCore.IDLE_SECONDS the engine compiles the rest. (Each
         # look at the engine is a command that restarts the idle clock, so look rarely.)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             time.sleep(3)
             if llm.executor.call_on_engine(
-                lambda e: e.runner.compiles_in_flight == 0 and e.runner.num_forward_variants == 11
+                lambda e: e.runner.compiles_in_flight == 0 and e.runner.num_forward_variants == 7
             ):
                 break
         # With each decode bucket its general sampler variant (4 rows: the token buckets' one).
-        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 11, 4)
+        assert llm.executor.call_on_engine(state) == ([16, 32, 64], 7, 4)
     finally:
         llm.shutdown()
 

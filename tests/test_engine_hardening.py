@@ -217,10 +217,9 @@ def test_no_compilation_after_warmup(llm, canary_tokens):
     sizes = on_engine(llm, lambda e: e.program_warmup.decode_sizes())
     rows = on_engine(llm, lambda e: {e.num_sampler_rows, *sizes})
     assert sizes  # the small decode buckets: a forward each, and each sampler variant for their rows
-    # Every bucket x forward with its fused-argmax variant (greedy-only steps') and the
-    # context-logits forward of the largest (any prompt asking for its logits runs in it); the 12
-    # sampler variants and the general one (grammar rows) per row count.
-    assert variants == (2 * (len(buckets) + len(sizes)) + 1, 13 * len(rows))
+    # Every bucket x forward and the context-logits forward of the largest (any prompt asking for
+    # its logits runs in it); the 12 sampler variants and the general one (grammar rows) per row count.
+    assert variants == (len(buckets) + len(sizes) + 1, 13 * len(rows))
     compiles = []
 
     def listener(event, duration, **kwargs):

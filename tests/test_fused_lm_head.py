@@ -78,8 +78,8 @@ def _tokens(engine, prompts, params) -> list[list[int]]:
 def _deepseek_dir(path):
     transformers = pytest.importorskip("transformers")
     import torch
-
     from deepseek_helpers import TINY_DEEPSEEK_V3, randomize
+
     from jaxllm.models import materialize_preset
 
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def _f32_row_buffers(hlo: str, rows: int, vocab: int) -> list[str]:
 
 def test_a_greedy_step_compiles_no_float32_rows_by_vocab_buffer(monkeypatch):
     monkeypatch.setattr(lm_head_argmax, "CHUNK_ELEMENTS", SMALL_CHUNKS)
-    engine = tiny_engine("tiny-dense")
+    engine = tiny_engine("tiny-dense", fused_lm_head_argmax=True)
     try:
         engine.warmup()  # every forward, with its fused-argmax variant
         greedy = engine.runner.programs.executables("greedy_forward")

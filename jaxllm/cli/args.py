@@ -310,8 +310,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "--no-fused-lm-head-argmax",
         dest="no_fused_lm_head_argmax",
         action="store_true",
-        help="greedy-only steps write the float32 logits [rows, vocab] as other steps do (default: "
-        "each row's argmax is taken inside the LM head, chunked over the vocabulary, same tokens)",
+        help="greedy-only steps write the float32 logits [rows, vocab] as other steps do (default on a "
+        "GPU: each row's argmax is taken inside the LM head, chunked over the vocabulary, same tokens)",
     )
     g.add_argument(
         "--enable-lora",

@@ -4,7 +4,7 @@ A step whose rows all decode greedily with no processing needs only each row's a
 plain forward (`decoder.compute_logits`) writes float32 logits [S, V] to memory and reads them
 back to reduce them: 131 MB per step at 256 rows and a 128K vocabulary, on a decode step that
 is bound by memory bandwidth. `greedy_tokens` runs the same final norm and LM head matmul in
-chunks of the vocabulary under one `lax.scan` (its trip count a Python int from the shapes),
+chunks of the vocabulary under one unrolled `lax.scan` (its trip count a Python int from the shapes),
 each chunk's float32 accumulators reduced at once to a running (max, first index) per row, so
 no buffer larger than one chunk [S, C] exists; the engine selects it on the host as a forward
 variant (`ModelRunner`, `EngineConfig.fused_lm_head_argmax`), never by a device branch.
@@ -78,5 +78,7 @@ def greedy_tokens(params: Params, residual: jax.Array, config: ModelConfig) -> j
         return (jnp.where(better, value, best), jnp.where(better, top + start, index)), None
 
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.int32))
-    (_, index), _ = jax.lax.scan(step, init, jnp.arange(num_chunks, dtype=jnp.int32))
+    # Unrolled (a trip count of a few dozen at most): a rolled loop body ran single-threaded on
+    # XLA:CPU, and on a GPU each iteration paid the loop's own launches.
+    (_, index), _ = jax.lax.scan(step, init, jnp.arange(num_chunks, dtype=jnp.int32), unroll=True)
     return index
