@@ -311,6 +311,34 @@ def attention_costs(
     return costs
 
 
+# ----------------------------------------------------------------------------- LM head
+
+
+@dataclass(frozen=True)
+class LmHeadShape:
+    name: str
+    hidden: int
+    vocab: int
+
+
+LM_HEAD_MODELS = (LmHeadShape("Llama-3-8B", 4096, 128256), LmHeadShape("Qwen3-30B-A3B", 2048, 151936))
+LM_HEAD_ROWS = (64, 256)
+
+
+def lm_head_costs(shape: LmHeadShape, rows: int, fused: bool) -> LaunchCost:
+    """The LM head of a greedy-only step (an XLA pass): bf16 weights [H, V] and activations
+    read once, and the float32 logits [rows, V] written and read back by the argmax, or with
+    the fused reduction (`jaxllm.models.lm_head_argmax`) only each chunk's accumulators, which
+    stay in L2 (not counted), and the int32 tokens."""
+    weights = 2 * shape.hidden * shape.vocab
+    activations = 2 * rows * shape.hidden
+    logits = 4 * rows if fused else 2 * 4 * rows * shape.vocab
+    flops = 2 * rows * shape.hidden * shape.vocab
+    note = "fused argmax, no f32 logits" if fused else f"f32 logits {4 * rows * shape.vocab / 1e6:.0f} MB x2"
+    case = f"{shape.name} rows={rows} {'fused' if fused else 'full'}"
+    return LaunchCost("lm_head_argmax", case, (), 0, weights + activations + logits, flops, flops, note)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -323,6 +351,9 @@ def default_cases() -> list[LaunchCost]:
         for tokens in MOE_TOKEN_COUNTS:
             costs += moe_costs(moe, tokens)
         costs += moe_costs(moe, 256, fused=False)  # the sorted-rows path, for its extra passes
+    for head in LM_HEAD_MODELS:
+        for rows in LM_HEAD_ROWS:
+            costs += [lm_head_costs(head, rows, fused=False), lm_head_costs(head, rows, fused=True)]
     return costs
 
 

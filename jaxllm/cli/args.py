@@ -314,6 +314,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str = "tiny-
         "default: one lax.scan per run of identical layers)",
     )
     g.add_argument(
+        "--no-fused-lm-head-argmax",
+        dest="no_fused_lm_head_argmax",
+        action="store_true",
+        help="greedy-only steps write the float32 logits [rows, vocab] as other steps do (default on a "
+        "GPU: each row's argmax is taken inside the LM head, chunked over the vocabulary, same tokens)",
+    )
+    g.add_argument(
         "--enable-lora",
         dest="enable_lora",
         action="store_true",
@@ -428,6 +435,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["compile_cache"] = False
     if getattr(args, "no_scan_layers", False):
         kwargs["scan_layers"] = False
+    if getattr(args, "no_fused_lm_head_argmax", False):
+        kwargs["fused_lm_head_argmax"] = False
     extra = load_config_file(args.config) if getattr(args, "config", None) else {}
     known = {f.name for f in fields(EngineConfig)} - {"model"}
     unknown = sorted(set(extra) - known)

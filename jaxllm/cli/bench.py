@@ -26,6 +26,7 @@ BENCHMARKS = {
     "lora": "jaxllm.bench.lora",
     "beam": "jaxllm.bench.beam",
     "logits": "jaxllm.bench.logits",
+    "lm-head": "jaxllm.bench.lm_head",
     "structured": "jaxllm.bench.structured",
     "gpu": "jaxllm.bench.gpu",
     "quant": "jaxllm.bench.quant",
@@ -52,6 +53,8 @@ BENCHMARK_HELP = {
     "to the float model: weight and KV bytes, teacher-forced top-1 agreement, decode tokens/s",
     "gpu": "the GPU acceptance run: environment and roofline, kernel correctness and speed, engine end to end, "
     "numerics against CPU (--dry-run: CPU rehearsal)",
+    "lm-head": "a greedy step's LM head with the fused argmax next to full float32 logits: ms per call, "
+    "ratio, logits bytes per step, same tokens",
     "logits": "what one request asking for logits outputs or a logits post-processor costs a batch: tokens/s "
     "per kind, compiles after warm-up",
     "beam": "beam search (k beams sharing KV blocks, copy on write) next to n=k sampled sequences: tokens/s, "

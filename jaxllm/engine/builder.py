@@ -279,6 +279,11 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         executable_store=executable_store,
         return_hidden=use_mtp or bool(eagle_layers),
         hidden_aux_layers=eagle_layers,
+        fused_argmax=(
+            config.fused_lm_head_argmax
+            if config.fused_lm_head_argmax is not None
+            else mesh.devices.flat[0].platform != "cpu"
+        ),
     )
     if config.enable_lora:  # zeroed slots next to the weights: the step reads params["lora"]
         runner.params["lora"] = init_lora_weights(

@@ -100,6 +100,12 @@ class EngineConfig:
     # extra-output size). Off: one of them (the largest first bucket's full variant) compiles at
     # warm-up and stands in while a step's own compiles in the background.
     warmup_logits_outputs: bool = False
+    # A step whose rows all decode greedily with no logprobs, logits outputs or processing takes
+    # each row's argmax inside the LM head, chunk by chunk over the vocabulary, and writes no
+    # float32 logits [rows, vocab] (jaxllm.models.lm_head_argmax): the same tokens. One device,
+    # no attention DP or MTP/EAGLE hidden outputs; elsewhere, or False, the full-logits forward.
+    # None: on a GPU only (XLA:CPU runs the chunked head slower than the whole matmul).
+    fused_lm_head_argmax: Optional[bool] = None
     # Structured output (SamplingParams.guided_decoding): the library enforcing grammars.
     guided_decoding_backend: str = "llguidance"
     # Small decode buckets (TensorRT-LLM's cuda_graph_config.batch_sizes, vLLM's

@@ -144,6 +144,9 @@ class MirroredRunner:
 
     # Compiling runs nothing, but followers compile the same programs meanwhile (in parallel, as the
     # warm-up does here) instead of one at a time when the first step needs each.
+    # Followers decide their own forward variants: the fused argmax is off in multi-host runs.
+    fused_argmax = False
+
     def compile_forward(self, batch, feed_index, context_index=None, *, wait: bool = True):
         args = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
         self._send(("compile", "compile_forward", args))

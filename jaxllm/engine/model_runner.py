@@ -8,7 +8,12 @@ A step runs two executables, dispatched back to back without a host sync:
     of `SamplingTensors`). It holds no model, so its variants compile in a fraction of the
     forward's time and warm-up can compile all of them. A step whose rows all decode
     greedily with no processing (`StepPlan.greedy_only`) skips it: the forward's greedy
-    tokens are its tokens.
+    tokens are its tokens, and where it can (one device, no attention DP, no hidden-state
+    outputs, no context logits) it runs the forward's fused variant, which takes each row's
+    argmax inside the LM head and writes no float32 logits at all
+    (`jaxllm.models.lm_head_argmax`, `EngineConfig.fused_lm_head_argmax`). That variant
+    compiles beside the full one; a greedy step whose fused variant is not compiled runs the
+    full forward (its argmax output is the same token) while the fused one compiles in idle time.
 Their executables live in a `ProgramCache` (`jaxllm.engine.program_cache`: compile threads,
 and the executable store that loads them without tracing when an earlier process stored them).
 `execute` returns what a step produced as a `StepOutput` (`jaxllm.engine.step_output`); the
@@ -122,6 +127,7 @@ class ModelRunner:
         executable_store: Optional[ExecutableStore] = None,
         return_hidden: bool = False,
         hidden_aux_layers: tuple[int, ...] = (),
+        fused_argmax: bool = False,
     ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
@@ -131,13 +137,23 @@ class ModelRunner:
         model forwards and samplers are loaded from instead of traced and compiled, and saved to
         once compiled (`jaxllm.engine.executable_store`). `return_hidden`: every forward also
         returns its packed tokens' final hidden states (`last_hidden`, for MTP drafting), or with
-        `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features)."""
+        `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features).
+        `fused_argmax`: greedy-only steps run the forward variant with the LM head's fused argmax
+        (`fused_argmax` is then True only on one device of one process, without attention DP or
+        `return_hidden`: elsewhere every step keeps the full-logits forward)."""
         self.model_config = model_config
         self.params = params
         self.attention_dp = attention_dp
         self.max_batch_size = max_batch_size
         self.attention_fn, self.moe_fn, self.moe_options = attention_fn, moe_fn, moe_options
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+        self.fused_argmax = (
+            fused_argmax
+            and not attention_dp
+            and not return_hidden
+            and self.mesh.devices.size == 1
+            and jax.process_count() == 1
+        )
         # Host inputs go to every device of the mesh (replicated).
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         # One device: host buffers go straight into the compiled calls (see `execute`).
@@ -159,6 +175,7 @@ class ModelRunner:
             return_hidden=return_hidden,
             aux_layers=tuple(hidden_aux_layers),
         )
+        greedy_step = functools.partial(forward_step, fused_argmax=True)
         # The hidden states [T, H] of the last forward (with `return_hidden`), else None.
         self.last_hidden: jax.Array | None = None
         sample_step = functools.partial(_sample_step, fed_rows=max_batch_size)
@@ -168,6 +185,7 @@ class ModelRunner:
         if executable_store is not None:
             for kind, fn, options in (
                 ("forward", forward_step, "static_argnames=layout donate_argnums=1"),
+                ("greedy_forward", greedy_step, "static_argnames=layout donate_argnums=1"),
                 ("sampler", sample_step, "static_argnames=layout"),
             ):
                 key = executable_store.entry_key(kind, fn, options)
@@ -176,6 +194,7 @@ class ModelRunner:
         self.programs = ProgramCache(
             {
                 "forward": jax.jit(forward_step, static_argnames=("layout",), donate_argnums=(1,)),
+                "greedy_forward": jax.jit(greedy_step, static_argnames=("layout",), donate_argnums=(1,)),
                 "sampler": jax.jit(sample_step, static_argnames=("layout",)),
             },
             replicated=self._replicated,
@@ -198,6 +217,7 @@ class ModelRunner:
         self._first_rows_jits: dict[int, Any] = {}
         self.steps_per_bucket: collections.Counter = collections.Counter()
         self.sampler_runs = 0  # sampler programs run (a greedy-only step runs none)
+        self.fused_steps = 0  # steps that ran the fused-argmax forward (no float32 logits)
         # Steps' sampler runs by their row count (a token bucket's samples its live rows).
         self.sampler_runs_per_rows: collections.Counter = collections.Counter()
         self._zero_tokens = put_on_mesh(np.zeros((max_batch_size,), np.int32), self._replicated)
@@ -210,8 +230,8 @@ class ModelRunner:
 
     @property
     def num_forward_variants(self) -> int:
-        """Compiled model forwards (one per token bucket seen)."""
-        return self.programs.num_variants("forward")
+        """Compiled model forwards (one per token bucket seen, and its fused-argmax variant)."""
+        return self.programs.num_variants("forward") + self.programs.num_variants("greedy_forward")
 
     @property
     def num_sampler_variants(self) -> int:
@@ -274,16 +294,21 @@ class ModelRunner:
         wait: bool = True,
         background: bool = False,
         idle: bool = False,
+        greedy: bool = False,
     ) -> Optional[Future]:
         """Compile, without running, the model forward of `batch`'s shape (with `context_index`:
-        its variant returning those tokens' logits too), on the compile threads (XLA compiles
+        its variant returning those tokens' logits too; with `greedy`: its fused-argmax variant,
+        which needs `fused_argmax`), on the compile threads (XLA compiles
         without holding the GIL, so several compile at once). `wait=False`: return the
         compile's future at once (the step that needs it waits for it, and nothing compiles
         twice). `background`, `idle`: see `ProgramCache.start`."""
+        if greedy and (not self.fused_argmax or context_index is not None):
+            raise ValueError("the fused-argmax forward needs fused_argmax on and no context_index")
         tree = (batch, feed_index) if context_index is None else (batch, feed_index, context_index)
         inputs, layout = pack(tree)
         args = (self.params, self.kv_cache, inputs, self._zero_tokens)
-        future = self.programs.start("forward", args, layout, background=background, idle=idle)
+        kind = "greedy_forward" if greedy else "forward"
+        future = self.programs.start(kind, args, layout, background=background, idle=idle)
         if not wait:
             return future
         future.result()
@@ -401,10 +426,12 @@ class ModelRunner:
         if not self._single_device:
             batch_buffers, sampling_buffers = put_on_mesh((batch_buffers, sampling_buffers), self._replicated)
         enqueue_time = time.perf_counter()
+        fused = greedy and plan.context_index is None and self._runs_fused(batch_buffers, batch_layout)
         logits, expert_counts, context_logits, greedy_tokens = self.run_forward(
-            batch_buffers, batch_layout, self._fed_tokens
+            batch_buffers, batch_layout, self._fed_tokens, fused=fused
         )
         self.steps_per_bucket[plan.batch.token_ids.shape[-1]] += 1  # per rank under attention DP
+        self.fused_steps += fused
         if greedy:
             sampled = SamplerOutput(token_ids=greedy_tokens, logprobs=None, top_ids=None, top_logprobs=None)
             self._fed_tokens = sampled.token_ids
@@ -461,11 +488,33 @@ class ModelRunner:
             src, dst = put_on_mesh((src, dst), self._replicated)
             self.kv_cache = self._copy_jit(self.kv_cache, src, dst)
 
-    def run_forward(self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None) -> tuple:
-        """The forward program: (logits, expert counts, context logits, greedy tokens)."""
+    def _runs_fused(self, inputs: tuple, layout: PackedLayout) -> bool:
+        """Whether a greedy-only step of `layout` runs the fused-argmax forward: when it is
+        compiled, or when neither forward is (the step compiles only the fused one). While the
+        full forward alone is compiled (or compiling) it runs that one, and the fused variant
+        is queued to compile in idle time, so no step waits for it."""
+        if not self.fused_argmax:
+            return False
+        if self.programs.has("greedy_forward", layout):
+            return True
+        if not self.programs.started("forward", layout):
+            return True
+        args = (self.params, self.kv_cache, inputs, self._zero_tokens)
+        try:
+            self.programs.start("greedy_forward", args, layout, background=True, idle=True)
+        except Exception as exc:  # closing: the full forward keeps serving these steps
+            logger.debug("could not queue the fused-argmax forward: %r", exc)
+        return False
+
+    def run_forward(
+        self, inputs: tuple, layout: PackedLayout, prev_tokens: jax.Array | None, *, fused: bool = False
+    ) -> tuple:
+        """The forward program: (logits, expert counts, context logits, greedy tokens); with
+        `fused` its fused-argmax variant, whose logits are None."""
         prev = self._zero_tokens if prev_tokens is None else prev_tokens
         # Lowered against the zero tokens, as `compile_forward` does: one program per layout.
-        exe = self.programs.get("forward", (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
+        kind = "greedy_forward" if fused else "forward"
+        exe = self.programs.get(kind, (self.params, self.kv_cache, inputs, self._zero_tokens), layout)
         outputs = exe(self.params, self.kv_cache, inputs, prev)
         self.kv_cache, logits, expert_counts, context_logits, greedy_tokens = outputs[:5]
         self.last_hidden = outputs[5] if len(outputs) > 5 else None

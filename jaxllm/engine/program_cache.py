@@ -76,6 +76,11 @@ class ProgramCache:
         """Whether program `kind` is compiled for `layout`."""
         return layout in self._exes[kind]
 
+    def started(self, kind: str, layout: PackedLayout) -> bool:
+        """Whether program `kind` is compiled for `layout`, or its compile is queued or under way."""
+        with self._lock:
+            return layout in self._exes[kind] or (kind, layout) in self._compiling
+
     @property
     def background_pending(self) -> int:
         """Background compiles queued or under way."""

@@ -7,7 +7,10 @@ background mode, only the programs the first users need, the one-row decode buck
 decode token bucket, which holds a short prompt, and a prompt bucket of `FIRST_PREFILL_TOKENS`
 tokens, with the general sampler for a few rows, leaving the rest to idle time and to the
 rent-or-buy rule of `jaxllm.engine.compile_ahead`). The programs are lowered from all-padding
-steps (`Planner.empty_step`), which write nothing to the KV cache.
+steps (`Planner.empty_step`), which write nothing to the KV cache. With the runner's fused
+LM-head argmax (`ModelRunner.fused_argmax`) each of those forwards compiles with its
+fused-argmax variant (what greedy-only steps run); the variant of a bucket left for later
+compiles in idle time once a greedy step ran the full forward in its place.
 """
 
 from __future__ import annotations
@@ -84,9 +87,14 @@ class ProgramWarmup:
         """The row counts of the small decode buckets (one compiled forward each)."""
         return list(self.planner.decode_batch_sizes)
 
+    def fused(self) -> bool:
+        """Whether each forward also compiles its fused-argmax variant (greedy-only steps')."""
+        return bool(getattr(self.runner, "fused_argmax", False))
+
     def num_forwards(self) -> int:
-        """Model forwards a full warm-up compiles: one per token bucket and per decode bucket."""
-        return len(self.planner.token_buckets()) + len(self.decode_sizes())
+        """Model forwards a full warm-up compiles: one per token bucket and per decode bucket,
+        twice with the fused-argmax variants."""
+        return (len(self.planner.token_buckets()) + len(self.decode_sizes())) * (1 + self.fused())
 
     def first_buckets(self) -> list[int]:
         """The token buckets a background warm-up compiles before returning: the decode bucket
@@ -126,7 +134,8 @@ class ProgramWarmup:
         general = self.general_sampler is not None
         context = int(self.context_logits is not None)  # one full context-logits variant
         if self.in_background(background):
-            return len(self.first_buckets()) + len(self.first_decode_sizes()) + 1 + context
+            first = (len(self.first_buckets()) + len(self.first_decode_sizes())) * (1 + self.fused())
+            return first + 1 + context
         buckets = self.planner.token_buckets()
         variants = (len(SAMPLER_VARIANTS) if all_variants else 1) + general
         rows = 1 + len(self.decode_sizes())
@@ -159,6 +168,8 @@ class ProgramWarmup:
         decode_batches = [self.planner.empty_step(0, rows) for rows in self.decode_sizes()]
         samplings = self._samplings(self.num_sampler_rows, variants)
         pending = [runner.compile_forward(*batch, wait=False) for batch in decode_batches + batches[1:]]
+        if self.fused():
+            pending += [runner.compile_forward(*b, wait=False, greedy=True) for b in decode_batches + batches]
         logits = runner.forward(*batches[0], None)  # compiled here, meanwhile the others on the threads
         runner.compile_batched_processors(logits)
         done = 1
@@ -221,6 +232,8 @@ class ProgramWarmup:
         # with the full context-logits variant of the largest (any prompt asking for its
         # logits runs in it until its own variant compiled in the background).
         futures = [runner.compile_forward(*step, wait=False) for step in steps]
+        if self.fused():
+            futures += [runner.compile_forward(*step, wait=False, greedy=True) for step in steps]
         if self.context_logits is not None:
             futures.append(self.context_logits.compile(first[-1]))
         for future in futures:
@@ -263,5 +276,5 @@ class ProgramWarmup:
                 for rows in token_buckets(bucket, self.config.min_token_bucket):
                     runner.compile_forward(*self.planner.empty_step(bucket), np.zeros(rows, np.int32), wait=False)
         if progress is not None:
-            total = len(steps) + 1 + int(self.context_logits is not None)
+            total = len(steps) * (1 + self.fused()) + 1 + int(self.context_logits is not None)
             progress(total, total)
