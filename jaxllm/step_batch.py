@@ -15,7 +15,7 @@ the last slot, so KV writes are dropped) and their outputs are ignored; sequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import jax
@@ -36,6 +36,10 @@ class StepBatch:
     # int32[T] LoRA slot of each token (-1: no adapter); None when the engine serves no
     # adapters, which leaves the compiled step exactly as without LoRA (see jaxllm.lora).
     lora_slots: Optional[np.ndarray] = None
+    # A static bound on the step's (query tile, KV block) pairs for the `xla` attention backend,
+    # counted on the host (`jaxllm.engine.kv_work_tiers`); None: the shapes' worst case. Part
+    # of the program's layout (a pytree meta field): one program per bound.
+    kv_work_items: Optional[int] = field(default=None, metadata=dict(static=True))
 
     @property
     def num_tokens_padded(self) -> int:
@@ -46,5 +50,7 @@ class StepBatch:
             **{
                 f.name: None if getattr(self, f.name) is None else jax.numpy.asarray(getattr(self, f.name))
                 for f in fields(self)
-            }
+                if not f.metadata.get("static")
+            },
+            kv_work_items=self.kv_work_items,
         )

@@ -38,6 +38,7 @@ from jaxllm.lora import LoraSlots
 from jaxllm.lora.cache import AdapterCache
 from jaxllm.lora.weights import init_lora_weights
 from jaxllm.models import ModelConfig, kv_cache_bytes_per_token, load_model_config, load_params
+from jaxllm.models.attention_work import AttentionWorkTiers
 from jaxllm.models.backends import mosaic_fp8_selected, resolve_backends
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_calibration import with_computed_kv_scales
@@ -279,6 +280,14 @@ def build_runner(config: EngineConfig, *, leader_session: Optional[str] = None) 
         executable_store=executable_store,
         return_hidden=use_mtp or bool(eagle_layers),
         hidden_aux_layers=eagle_layers,
+        attention_work=(
+            AttentionWorkTiers(model_config, tpb)
+            if getattr(attention_fn, "takes_work_bound", False)
+            and not model_config.is_mla
+            and not attention_dp
+            and not layout.multiprocess
+            else None
+        ),
         fused_argmax=(
             config.fused_lm_head_argmax
             if config.fused_lm_head_argmax is not None

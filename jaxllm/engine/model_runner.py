@@ -48,6 +48,7 @@ from jaxllm.engine.step_output import StepOutput
 from jaxllm.kv_cache.spec import MhaLayerCache, MlaLayerCache
 from jaxllm.lora.weights import write_slot
 from jaxllm.models import ModelConfig, init_kv_cache
+from jaxllm.models.attention_work import AttentionWorkTiers
 from jaxllm.models.ep_moe import EpMoeOptions
 from jaxllm.models.kv_cache_spec import KVCache, init_dp_kv_cache
 from jaxllm.sampling import SamplerOutput, SamplingTensors, sample
@@ -128,6 +129,7 @@ class ModelRunner:
         return_hidden: bool = False,
         hidden_aux_layers: tuple[int, ...] = (),
         fused_argmax: bool = False,
+        attention_work: Optional[AttentionWorkTiers] = None,
     ) -> None:
         """`attention_dp`: every device of the mesh is an attention-DP rank with its own pool of
         `num_blocks` KV blocks, and `max_batch_size` counts the sampler rows of all ranks.
@@ -140,13 +142,19 @@ class ModelRunner:
         `hidden_aux_layers` the residuals entering those layers, flattened (EAGLE-3's features).
         `fused_argmax`: greedy-only steps run the forward variant with the LM head's fused argmax
         (`fused_argmax` is then True only on one device of one process, without attention DP or
-        `return_hidden`: elsewhere every step keeps the full-logits forward)."""
+        `return_hidden`: elsewhere every step keeps the full-logits forward). `attention_work`: the
+        `xla` attention backend's ladder of static work bounds (`jaxllm.models.attention_work`):
+        a step runs the forward compiled for the smallest rung holding its work, once compiled."""
         self.model_config = model_config
         self.params = params
         self.attention_dp = attention_dp
         self.max_batch_size = max_batch_size
         self.attention_fn, self.moe_fn, self.moe_options = attention_fn, moe_fn, moe_options
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig())
+        self.attention_work = attention_work
+        # (layout, rung) -> the layout of that rung's program; the rungs whose compile started.
+        self._bounded_layouts: dict[tuple[PackedLayout, int], PackedLayout] = {}
+        self.bounded_steps = 0  # steps that ran a forward compiled for a smaller work bound
         self.fused_argmax = (
             fused_argmax
             and not attention_dp
@@ -420,6 +428,8 @@ class ModelRunner:
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index))
         else:  # another layout: the forward variant that also returns these tokens' logits
             batch_buffers, batch_layout = pack((plan.batch, plan.feed_index, plan.context_index))
+        if self.attention_work is not None:
+            batch_layout = self._work_bounded(plan.batch, batch_buffers, batch_layout)
         # Every row decodes greedily with no processing: the forward's argmax is the token.
         greedy = plan.greedy_only and not plan.has_logits_work
         sampling_buffers, sampling_layout = (None, None) if greedy else self._sampling_packer.pack(plan.sampling)
@@ -455,6 +465,30 @@ class ModelRunner:
                 self._resample_processed, logits, plan.processor_rows, host_processor, sampling_buffers, sampling_layout
             )
         return StepOutput(sampled, expert_counts, context_logits, row_logits, processed, enqueue_time)
+
+    def _work_bounded(self, batch: StepBatch, buffers: tuple, layout: PackedLayout) -> PackedLayout:
+        """The layout of the forward whose attention loop is compiled for `batch`'s work (the
+        smallest rung of `attention_work` holding it): that program once compiled, else the
+        shapes' bound while the rung compiles on the low-priority threads (no step waits)."""
+        assert self.attention_work is not None
+        tier = self.attention_work.choose(batch)
+        if tier is None:
+            return layout
+        key = (layout, tier)
+        bounded = self._bounded_layouts.get(key)
+        if bounded is None:
+            tree = jax.tree_util.tree_unflatten(layout.treedef, [0] * layout.treedef.num_leaves)
+            tree = (replace(tree[0], kv_work_items=tier), *tree[1:])
+            bounded = PackedLayout(jax.tree_util.tree_structure(tree), layout.dtypes, layout.leaves)
+            self._bounded_layouts[key] = bounded
+        if self.programs.has("forward", bounded):
+            self.bounded_steps += 1
+            return bounded
+        if not self.programs.started("forward", bounded):
+            self.programs.start(
+                "forward", (self.params, self.kv_cache, buffers, self._zero_tokens), bounded, background=True
+            )
+        return layout
 
     def _packed_layout(self, plan: StepPlan, packed_forward: np.ndarray) -> PackedLayout:
         """The layout of `packed_forward` (the plan's, when set): `pack`'s for the batch's shapes,

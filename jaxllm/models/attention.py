@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import jax
@@ -38,10 +38,19 @@ class AttentionMetadata:
     block_tables: jax.Array  # int32[S, MB]
     cu_q_lens: jax.Array  # int32[S + 1]
     num_seqs: jax.Array  # int32[1]
+    # `StepBatch.kv_work_items`: the `xla` backend's static bound on the step's work (or None).
+    kv_work_items: Optional[int] = field(default=None, metadata=dict(static=True))
 
     @classmethod
     def from_batch(cls, batch: StepBatch) -> AttentionMetadata:
-        return cls(batch.slot_mapping, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
+        return cls(
+            batch.slot_mapping,
+            batch.kv_lens,
+            batch.block_tables,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            batch.kv_work_items,
+        )
 
 
 def _mha(kernel: Callable) -> AttentionFn:
@@ -106,9 +115,30 @@ def reference_attention() -> AttentionFn:
 
 
 def xla_attention() -> AttentionFn:
+    """The tiled XLA kernel; it reads the step's static work bound (`kv_work_items`) when the
+    metadata carries one (the other backends loop inside their kernels and need none)."""
     from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
 
-    return _mha(ragged_paged_attention_tiled)
+    def attention(
+        q: jax.Array, cache: MhaLayerCache, md: AttentionMetadata, *, sm_scale: float, sliding_window=None
+    ) -> jax.Array:
+        return ragged_paged_attention_tiled(
+            q,
+            cache.k,
+            cache.v,
+            md.kv_lens,
+            md.block_tables,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            max_items=md.kv_work_items,
+        )
+
+    attention.__name__ = "mha_ragged_paged_attention_tiled"
+    attention.latent = _latent(ragged_paged_attention_tiled)
+    attention.takes_work_bound = True
+    return attention
 
 
 def pallas_attention(interpret: bool) -> AttentionFn:

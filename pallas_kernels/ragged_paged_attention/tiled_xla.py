@@ -15,7 +15,9 @@ The loop's trip count comes from the shapes (`max_work_items`: every tile seeing
 block of its table, or of its sliding window), never from the step's data: XLA on a GPU
 runs a `while` whose trip count lives on the device by reading its predicate back to the
 host on every iteration. Items past the step's real work are masked, so a step costs its
-shapes' worst case rather than its real KV length.
+shapes' worst case: every token at the longest context. A caller that knows the step's
+real work on the host passes a smaller static bound (`max_items`, from the ladder of
+`work_tiers`, counted by `step_work_items`): one program per rung, chosen per step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _MASK_VALUE = -1e30
 
@@ -51,6 +54,44 @@ def max_work_items(
     return max_tiles * per_tile
 
 
+def tile_size(num_tokens: int, max_seqs: int, block_q: Optional[int] = None) -> int:
+    """The query tile of a step of these shapes (`block_q`, else `default_block_q`)."""
+    return block_q or default_block_q(num_tokens, max_seqs)
+
+
+def max_tiles_of(num_tokens: int, max_seqs: int, block_q: int) -> int:
+    """Query tiles a step of these shapes can hold: one per token for decode buckets, else a
+    tile per `block_q` tokens plus one partial tile per sequence."""
+    return num_tokens if block_q == 1 else -(-num_tokens // block_q) + min(max_seqs, num_tokens)
+
+
+def step_work_items(
+    q_lens: np.ndarray, kv_lens: np.ndarray, num_tokens: int, max_seqs: int, tokens_per_block: int
+) -> int:
+    """On the host: the (tile, KV block) pairs the kernel lists for a step (no sliding window,
+    which only removes pairs), from each live sequence's query and KV lengths."""
+    bq = tile_size(num_tokens, max_seqs)
+    q = np.asarray(q_lens, np.int64)
+    live = q > 0
+    q, first = q[live], np.asarray(kv_lens, np.int64)[live] - q[live]  # first: the chunk's first position
+    tiles = (q + bq - 1) // bq
+    seq = np.repeat(np.arange(q.size), tiles)
+    j = np.arange(seq.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)  # tile index within its chunk
+    end = np.minimum((j + 1) * bq, q[seq])  # one past each tile's last token, within the chunk
+    return int(((first[seq] + end - 1) // tokens_per_block + 1).sum())
+
+
+def work_tiers(bound: int, per_step: int) -> tuple[int, ...]:
+    """Smaller static bounds worth a program of their own below the shapes' `bound`: per_step
+    times powers of four, each at most a quarter of `bound` (empty when the bound is a few
+    loop iterations anyway)."""
+    tiers, tier = [], per_step
+    while tier * 4 <= bound:
+        tiers.append(tier)
+        tier *= 4
+    return tuple(tiers)
+
+
 def ragged_paged_attention_tiled(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [Hkv, num_blocks, tokens_per_block, D]
@@ -65,7 +106,10 @@ def ragged_paged_attention_tiled(
     soft_cap: Optional[float] = None,
     block_q: Optional[int] = None,
     items_per_step: Optional[int] = None,
+    max_items: Optional[int] = None,
 ) -> jax.Array:
+    """`max_items`: a static bound on the step's (tile, KV block) pairs that the caller
+    guarantees (`step_work_items` <= max_items); pairs past it would be dropped."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_blocks, tokens_per_block, _ = k_cache.shape
     max_seqs, max_blocks = block_tables.shape
@@ -73,7 +117,7 @@ def ragged_paged_attention_tiled(
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     block_tables = jnp.clip(block_tables, 0, num_blocks - 1)  # as the reference
     group = num_q_heads // num_kv_heads
-    bq = block_q or default_block_q(num_tokens, max_seqs)
+    bq = tile_size(num_tokens, max_seqs, block_q)
     rows = bq * group  # query rows of one KV head in a tile
     i32, f32 = jnp.int32, jnp.float32
 
@@ -91,7 +135,7 @@ def ragged_paged_attention_tiled(
         tiles_per_seq = (q_len + bq - 1) // bq
         tile_end = jnp.cumsum(tiles_per_seq)
         tile_start = tile_end - tiles_per_seq
-        max_tiles = -(-num_tokens // bq) + min(max_seqs, num_tokens)
+        max_tiles = max_tiles_of(num_tokens, max_seqs, bq)
         t = jnp.arange(max_tiles, dtype=i32)
         seq = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), max_seqs - 1).astype(i32)
         within = (t - tile_start[seq]) * bq
@@ -159,7 +203,8 @@ def ragged_paged_attention_tiled(
         jnp.zeros((max_tiles, num_kv_heads, rows), f32),
         jnp.zeros((max_tiles, num_kv_heads, rows, head_dim), f32),
     )
-    trips = -(-max_work_items(max_tiles, max_blocks, tokens_per_block, bq, sliding_window) // per_step)
+    bound = max_work_items(max_tiles, max_blocks, tokens_per_block, bq, sliding_window)
+    trips = -(-(bound if max_items is None else min(bound, max_items)) // per_step)
     _, denom, acc = jax.lax.fori_loop(0, trips, visit, state)
     out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom[..., None], 1e-30), 0.0)
     out = out.reshape(max_tiles, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
