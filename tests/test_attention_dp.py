@@ -45,8 +45,8 @@ def capture_logits(engine) -> dict:
     by_step: dict = {}  # id of a step's sampled tokens -> the logits its forward produced
     run_forward, execute, process = engine.runner.run_forward, engine.runner.execute, engine.readback.process
 
-    def record_forward(*args):
-        out = run_forward(*args)
+    def record_forward(*args, **kwargs):
+        out = run_forward(*args, **kwargs)
         last["logits"] = np.asarray(out[0])  # what the sampler (or the greedy argmax) reads
         return out
 
