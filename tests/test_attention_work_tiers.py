@@ -52,7 +52,7 @@ def test_the_host_count_is_the_kernels_work(decode, tokens, batch):
 
 def test_work_tiers_ladder():
     assert tiled_xla.work_tiers(1024, 256) == (256,)
-    assert tiled_xla.work_tiers(4096, 16) == (16, 64, 256, 1024)
+    assert tiled_xla.work_tiers(4096, 16) == (16, 32, 64, 128, 256, 512, 1024)
     assert tiled_xla.work_tiers(512, 256) == ()  # two iterations at most: no rung worth a program
 
 

@@ -8,7 +8,7 @@ contexts under a long `max_seq_len` is most of the work (a decode step of 4 rows
 tokens of context under a 2048-token limit does 64 blocks per row instead of 4). The host
 knows each sequence's query and KV lengths, so it counts the step's real pairs
 (`step_work_items`) and picks the smallest rung of a short ladder of static bounds
-(`work_tiers`: powers of four of one loop iteration, each at most a quarter of the shapes'
+(`work_tiers`: powers of two of one loop iteration, each at most a quarter of the shapes'
 bound) that holds them; each rung is a program of its own (`StepBatch.kv_work_items`).
 """
 

@@ -83,12 +83,12 @@ def step_work_items(
 
 def work_tiers(bound: int, per_step: int) -> tuple[int, ...]:
     """Smaller static bounds worth a program of their own below the shapes' `bound`: per_step
-    times powers of four, each at most a quarter of `bound` (empty when the bound is a few
-    loop iterations anyway)."""
+    times powers of two, each at most a quarter of `bound` (empty when the bound is a few
+    loop iterations anyway). A step runs at most twice its real loop iterations."""
     tiers, tier = [], per_step
     while tier * 4 <= bound:
         tiers.append(tier)
-        tier *= 4
+        tier *= 2
     return tuple(tiers)
 
 
