@@ -112,3 +112,30 @@ def test_engine_runs_the_counted_bound_with_the_same_tokens():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert tiered.runner.bounded_steps - before >= 20
     assert on_engine_thread == []
+
+
+def test_the_xla_backend_passes_the_step_bound_to_its_kernel():
+    """`AttentionMetadata.kv_work_items` reaches the kernel: a bound of 0 pairs attends to nothing."""
+    from jaxllm.kv_cache.spec import MhaLayerCache
+    from jaxllm.models.attention import AttentionMetadata, xla_attention
+
+    q, k, v, kv_lens, tables, cu, num_seqs = attention_inputs(
+        np.random.default_rng(1),
+        decode=True,
+        tokens=4,
+        batch=4,
+        heads=(4, 2, 16),
+        tpb=8,
+        max_seq_len=64,
+        kv_len=(1, 60),
+        prompt_len=(1, 1),
+    )
+    slots = np.zeros(4, np.int32)
+    attention = xla_attention()
+
+    def run(bound):
+        md = AttentionMetadata(slots, kv_lens, tables, cu, num_seqs, bound)
+        return np.asarray(attention(q, MhaLayerCache(k, v), md, sm_scale=0.25))
+
+    full = run(None)
+    assert np.abs(full).max() > 0 and np.abs(run(0)).max() == 0

@@ -53,8 +53,10 @@ class AttentionMetadata:
         )
 
 
-def _mha(kernel: Callable) -> AttentionFn:
-    """An MHA-cache backend from a kernel taking (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs)."""
+def _mha(kernel: Callable, *, takes_work_bound: bool = False) -> AttentionFn:
+    """An MHA-cache backend from a kernel taking (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs).
+    `takes_work_bound`: the kernel also takes the step's static work bound (`max_items`, from
+    `AttentionMetadata.kv_work_items`): the tiled XLA kernel, whose loop it sizes."""
 
     def attention(
         q: jax.Array,
@@ -64,6 +66,7 @@ def _mha(kernel: Callable) -> AttentionFn:
         sm_scale: float,
         sliding_window: Optional[int] = None,
     ) -> jax.Array:
+        bound = {"max_items": md.kv_work_items} if takes_work_bound else {}
         return kernel(
             q,
             cache.k,
@@ -74,10 +77,12 @@ def _mha(kernel: Callable) -> AttentionFn:
             md.num_seqs,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
+            **bound,
         )
 
     attention.__name__ = f"mha_{getattr(kernel, '__name__', 'attention')}"
     attention.latent = _latent(kernel)
+    attention.takes_work_bound = takes_work_bound
     return attention
 
 
@@ -119,26 +124,7 @@ def xla_attention() -> AttentionFn:
     metadata carries one (the other backends loop inside their kernels and need none)."""
     from pallas_kernels.ragged_paged_attention.tiled_xla import ragged_paged_attention_tiled
 
-    def attention(
-        q: jax.Array, cache: MhaLayerCache, md: AttentionMetadata, *, sm_scale: float, sliding_window=None
-    ) -> jax.Array:
-        return ragged_paged_attention_tiled(
-            q,
-            cache.k,
-            cache.v,
-            md.kv_lens,
-            md.block_tables,
-            md.cu_q_lens,
-            md.num_seqs,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            max_items=md.kv_work_items,
-        )
-
-    attention.__name__ = "mha_ragged_paged_attention_tiled"
-    attention.latent = _latent(ragged_paged_attention_tiled)
-    attention.takes_work_bound = True
-    return attention
+    return _mha(ragged_paged_attention_tiled, takes_work_bound=True)
 
 
 def pallas_attention(interpret: bool) -> AttentionFn:
